@@ -1,0 +1,38 @@
+# qvl: two commands do all set-up on a fresh machine.
+#   make demo  - bootstrap .venv, then run the pipeline end to end with a tiny model (CPU, or a GPU if present)
+#   make test  - bootstrap .venv, then run the test suite
+#   make bench - bootstrap .venv, then run the benchmarks (JSON + table under .bench/)
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.qvl-bootstrapped
+# Python 3.12 is required (megatron-core >= 0.17, megatron-bridge >= 0.4). On these machines it is pyenv's 3.12.1.
+PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.12*/bin/python3 2>/dev/null | tail -n 1)
+PYTEST_ARGS ?=
+
+.PHONY: venv test demo bench clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): launchers/requirements-stack.txt launchers/requirements-nodeps.txt pyproject.toml
+	@if [ ! -x "$(PY)" ]; then \
+	  if [ -z "$(PYTHON312)" ]; then echo "error: no Python 3.12 found; install it (pyenv install 3.12) or pass PYTHON312=/path/to/python3.12" >&2; exit 1; fi; \
+	  echo "creating $(VENV) with $(PYTHON312)"; "$(PYTHON312)" -m venv $(VENV); \
+	fi
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -r launchers/requirements-stack.txt
+	$(PY) -m pip install --no-deps -r launchers/requirements-nodeps.txt
+	$(PY) -m pip install --no-build-isolation -e '.[test]'
+	@touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/qvl demo
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Hugging Face <-> Megatron-Core bridges for the Qwen-VL families, built on Megatron-Bridge's registry."""

@@ -1,0 +1,1 @@
+"""Data pipeline: ingest -> validate -> count -> pack -> write -> load (Megatron-Energon WebDataset)."""

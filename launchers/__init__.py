@@ -1,0 +1,1 @@
+"""Launchers: the qvl CLI, NeMo-Run executors and entrypoints, and the CPU runtime for Megatron."""
