@@ -1,0 +1,150 @@
+"""Offline tiny Qwen-VL tokenizer + processor directories for tests, demos and the bridges' tiny models.
+
+The tokenizer is a byte-level BPE trained in memory on a small corpus, so it needs no hub access, yet it has
+Qwen's special tokens and a Qwen-style chat template; the processor config is the family's real one with the
+pixel budget shrunk so test images stay small.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+# Qwen's special tokens, first in the vocabulary so their ids stay below any vocab_size.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen2-VL / Qwen2.5-VL chat template (as shipped, minus tool calls): a default system prompt when none is given.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen3-VL chat template (as shipped, minus tools and reasoning): no default system prompt.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- set image_count = namespace(value=0) %}{%- set video_count = namespace(value=0) %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for content in message['content'] %}"
+    "{%- if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{%- set image_count.value = image_count.value + 1 %}"
+    "{%- if add_vision_id %}{{- 'Picture ' ~ image_count.value ~ ': ' }}{%- endif %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif content['type'] == 'video' or 'video' in content %}{%- set video_count.value = video_count.value + 1 %}"
+    "{%- if add_vision_id %}{{- 'Video ' ~ video_count.value ~ ': ' }}{%- endif %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in content %}{{- content['text'] }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_CORPUS = (
+    "You are a helpful assistant. What is shown in the picture? Describe the image in detail.",
+    "The image shows a red square, a blue circle and a green triangle on a white background.",
+    "How many objects are there? There are 3 objects. Which one is the largest? The red one.",
+    "Picture Video seconds user assistant system: question answer the cat sat on the mat, quickly!",
+    "0 1 2 3 4 5 6 7 8 9 10 100 2024 3.5 0.5 <12.5 seconds> (a) [b] {c} \"quote\" 'single' - _ / \\ ? ! ; :",
+    "Ünïcödé text, 中文 字符, emoji 🙂 and tabs\tand\nnew lines are all handled byte by byte.",
+)
+
+# Pixel budgets small enough that test images give a few dozen vision tokens, large enough to exercise resizing.
+_FAMILY_PROCESSOR = {
+    "qwen2_vl": {"patch_size": 14, "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64, "image_mean": "clip"},
+    "qwen2_5_vl": {"patch_size": 14, "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64, "image_mean": "clip"},
+    "qwen3_vl": {"patch_size": 16, "min_pixels": 64 * 64, "max_pixels": 32 * 32 * 64, "image_mean": "half"},
+}
+_MEANS = {
+    "clip": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]),
+    "half": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
+}
+_PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+
+
+def build_tiny_tokenizer(family: str, vocab_size: int = 1024):
+    """A PreTrainedTokenizerFast with Qwen's special tokens and the family's chat template, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size > 2048 or vocab_size < 300:
+        raise ValueError(f"vocab_size={vocab_size} is outside the tiny range; use 300..2048")
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
+    template = QWEN3_VL_CHAT_TEMPLATE if family == "qwen3_vl" else QWEN2_VL_CHAT_TEMPLATE
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+        chat_template=template,
+        model_max_length=1 << 20,
+    )
+
+
+def preprocessor_config(family: str) -> dict:
+    """The family's `preprocessor_config.json` content with a tiny pixel budget."""
+    if family not in _FAMILY_PROCESSOR:
+        raise ValueError(f"unknown family {family!r}; use one of {sorted(_FAMILY_PROCESSOR)}")
+    spec = _FAMILY_PROCESSOR[family]
+    mean, std = _MEANS[spec["image_mean"]]
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": _PROCESSOR_CLASS[family],
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "rescale_factor": 1 / 255,
+        "resample": 3,
+        "image_mean": mean,
+        "image_std": std,
+        "patch_size": spec["patch_size"],
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "size": {"shortest_edge": spec["min_pixels"], "longest_edge": spec["max_pixels"]},
+    }
+
+
+def video_preprocessor_config(family: str) -> dict:
+    """The family's `video_preprocessor_config.json` content with a tiny pixel budget."""
+    config = preprocessor_config(family)
+    config.pop("image_processor_type")
+    config["video_processor_type"] = "Qwen3VLVideoProcessor" if family == "qwen3_vl" else "Qwen2VLVideoProcessor"
+    config["size"] = {"shortest_edge": config["size"]["shortest_edge"], "longest_edge": 4 * config["size"]["longest_edge"]}
+    config["fps"] = 2.0
+    return config
+
+
+def write_tiny_hf_processor_dir(path: pathlib.Path, family: str, vocab_size: int = 1024) -> pathlib.Path:
+    """Write a tiny tokenizer + processor configs for `family` into `path` (loadable with HF_HUB_OFFLINE=1)."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(family, vocab_size)
+    tokenizer.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(family), indent=2))
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video_preprocessor_config(family), indent=2))
+    return path
