@@ -1,0 +1,208 @@
+"""Write: packed samples as WebDataset tar shards with Energon's `.nv-meta`, atomically and resumably.
+
+Everything is built in `OUT.partial/`; a shard is written under a temporary name and renamed when complete, so
+a rerun with the same plan (same fingerprint) keeps finished shards and writes only the rest. Only when every
+shard, the Energon index and the reports exist is `OUT.partial` renamed to `OUT`: an interrupted run never
+leaves a directory that Energon would load. Tar headers are fixed (mtime 0, root owner), so a rebuild is
+byte-identical.
+
+One tar sample is one pack: `<key>.json` (source indices, lengths, grids, media names), `<key>.ids.npy` and
+`<key>.loss.npy` (the expanded token ids and assistant mask of all sub-samples, concatenated), and the media as
+their original encoded bytes: `<key>.img<j>.<ext>`, `<key>.vid<j>.<ext>` or `<key>.vid<j>_<f>.<ext>` (frames).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import pathlib
+import shutil
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from qvl.data.count import TokenizedSample
+from qvl.data.pack import PackPlan
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT_FILE = ".qvl-fingerprint"
+DATASET_YAML = "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
+
+
+@dataclass(kw_only=True, slots=True)
+class WriteConfig:
+    """Where and how shards are written."""
+
+    output: pathlib.Path
+    family: str
+    pad_ids: tuple[int, int]  # (<|image_pad|>, <|video_pad|>) ids, to expand compact tokens
+    packs_per_shard: int = 256
+
+
+def partial_dir(output: pathlib.Path) -> pathlib.Path:
+    """The working directory of an unfinished build of `output`."""
+    output = pathlib.Path(output)
+    return output.with_name(output.name + ".partial")
+
+
+def start_partial(output: pathlib.Path, fingerprint: str) -> pathlib.Path:
+    """Create (or resume, if the fingerprint matches) the partial directory of `output`."""
+    work = partial_dir(output)
+    stamp = work / FINGERPRINT_FILE
+    if work.exists() and (not stamp.is_file() or stamp.read_text() != fingerprint):
+        logger.info("discarding %s: it was built from a different input or plan", work)
+        shutil.rmtree(work)
+    if work.exists():
+        logger.info("resuming %s", work)
+    work.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(fingerprint)
+    return work
+
+
+def shard_name(shard: int) -> str:
+    return f"shard-{shard:06d}.tar"
+
+
+def shard_of_pack(pack: int, packs_per_shard: int) -> int:
+    return pack // packs_per_shard
+
+
+def write_shards(
+    work: pathlib.Path,
+    plan: PackPlan,
+    samples: list[TokenizedSample],
+    config: WriteConfig,
+    on_pack: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write every shard of `plan` not already complete in `work`; return all shard names in order.
+
+    `samples[i]` is the sample at item position i of the plan.
+    """
+    n_shards = -(-plan.n_packs // config.packs_per_shard)
+    names = []
+    for shard in range(n_shards):
+        name = shard_name(shard)
+        names.append(name)
+        first = shard * config.packs_per_shard
+        packs = range(first, min(first + config.packs_per_shard, plan.n_packs))
+        if (work / name).is_file():
+            if on_pack:
+                on_pack(len(packs))
+            continue
+        _write_shard(work / name, packs, plan, samples, config, on_pack)
+    return names
+
+
+def _write_shard(path, packs, plan, samples, config, on_pack) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as raw, tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for pack in packs:
+            for member, payload in pack_members(pack, [samples[i] for i in plan.pack(pack)], config):
+                _add_member(tar, member, payload)
+            if on_pack:
+                on_pack(1)
+        tar.close()
+        raw.flush()
+        os.fsync(raw.fileno())
+    os.replace(tmp, path)
+
+
+def _add_member(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(payload)
+    info.mode = 0o644
+    info.mtime = 0  # fixed headers: a rebuild is byte-identical
+    tar.addfile(info, io.BytesIO(payload))
+
+
+def pack_members(pack: int, subs: list[TokenizedSample], config: WriteConfig) -> Iterator[tuple[str, bytes]]:
+    """The tar members (name, bytes) of one pack."""
+    key = f"{pack:09d}"
+    ids, loss, meta_subs, media_members = [], [], [], []
+    for sub in subs:
+        sub_ids, sub_loss = sub.expand(config.pad_ids)
+        ids.append(sub_ids)
+        loss.append(sub_loss)
+        meta_subs.append(_sub_meta(sub, len(sub_ids), media_members))
+    meta = {
+        "pack": pack,
+        "family": config.family,
+        "samples": [s.index for s in subs],
+        "lengths": [int(len(i)) for i in ids],
+        "subs": meta_subs,
+    }
+    yield f"{key}.json", json.dumps(meta, separators=(",", ":")).encode()
+    yield f"{key}.ids.npy", _npy(np.concatenate(ids).astype(np.int32))
+    yield f"{key}.loss.npy", _npy(np.concatenate(loss).astype(np.uint8))
+    for member, path in media_members:
+        yield f"{key}.{member}", path.read_bytes()
+
+
+def _sub_meta(sub: TokenizedSample, length: int, media_members: list) -> dict:
+    media = []
+    for info in sub.media:
+        j = len(media_members)
+        if info.kind == "image":
+            name = f"img{j}{_ext(info.path)}"
+            media_members.append((name, info.path))
+            media.append({"kind": "image", "member": name})
+        elif info.frame_paths:
+            names = [f"vid{j}_{f:04d}{_ext(p)}" for f, p in enumerate(info.frame_paths)]
+            media_members.extend(zip(names, info.frame_paths, strict=True))
+            media.append({"kind": "frames", "members": names, "fps": info.fps})
+        else:
+            name = f"vid{j}{_ext(info.path)}"
+            media_members.append((name, info.path))
+            media.append({"kind": "video", "member": name, "frame_indices": info.frame_indices, "fps": info.fps})
+    return {
+        "index": sub.index,
+        "length": length,
+        "image_grid_thw": [list(g) for g in sub.image_grids],
+        "video_grid_thw": [list(g) for g in sub.video_grids],
+        "second_per_grid_ts": sub.video_second_per_grid,
+        "media": media,
+    }
+
+
+def _ext(path: pathlib.Path) -> str:
+    # Member names are "<key>.<field>": a dot inside the field would split it, so only the last suffix is kept.
+    return path.suffix.lower() if path.suffix else ".bin"
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def write_energon_meta(work: pathlib.Path, shard_names: list[str]) -> None:
+    """Index the shards with Energon (`.nv-meta`: index, .info.json, split.yaml) and add its dataset.yaml."""
+    from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
+
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):  # energon prints progress; keep library output in logging
+        BaseWebdatasetFactory.prepare_dataset(
+            work, shard_names, split_parts_ratio=[("train", 1.0)], shuffle_seed=None, workers=1
+        )
+    logger.debug("energon prepare: %s", captured.getvalue().strip())
+    (work / ".nv-meta" / "dataset.yaml").write_text(DATASET_YAML)
+
+
+def commit(work: pathlib.Path, output: pathlib.Path) -> None:
+    """Atomically replace `output` by the finished `work` directory."""
+    output = pathlib.Path(output)
+    (work / FINGERPRINT_FILE).unlink(missing_ok=True)
+    old = output.with_name(output.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if output.exists():
+        os.replace(output, old)
+    os.replace(work, output)
+    if old.exists():
+        shutil.rmtree(old)
