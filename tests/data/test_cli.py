@@ -1,0 +1,72 @@
+"""`qvl data prepare | stats` through the argparse group that `qvl` registers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from qvl.data import cli
+
+from .conftest import save_image, write_jsonl
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="qvl")
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+@pytest.fixture(scope="module")
+def small_input(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    save_image(root / "a.png", 120, 80)
+    records = [
+        {"conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "Noise."}], "image": "a.png"},
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]},
+        {"conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "?"}], "image": "gone.png"},
+    ]
+    return write_jsonl(root / "in.jsonl", records), root
+
+
+def _prepare_argv(small_input, hf_dirs, output, *extra) -> list[str]:
+    input_path, root = small_input
+    return ["data", "prepare", "--input", str(input_path), "--media-root", str(root), "--family", "qwen2_vl",
+            "--tokenizer", str(hf_dirs["qwen2_vl"]), "--seq-length", "256", "--output", str(output), *extra]
+
+
+def test_prepare_writes_outputs_and_strict_fails_on_quarantine(small_input, hf_dirs, tmp_path):
+    assert _run(_prepare_argv(small_input, hf_dirs, tmp_path / "ok")) == 0
+    assert [json.loads(line)["reason"] for line in (tmp_path / "ok" / "quarantine.jsonl").read_text().splitlines()] == [
+        "image_missing"]
+    assert json.loads((tmp_path / "ok" / "report.json").read_text())["accepted"] == 2
+    assert _run(_prepare_argv(small_input, hf_dirs, tmp_path / "strict", "--strict")) == 1
+
+
+def test_prepare_reports_a_missing_input_with_the_flag(small_input, hf_dirs, tmp_path, capsys):
+    argv = _prepare_argv(small_input, hf_dirs, tmp_path / "x")
+    argv[argv.index("--input") + 1] = str(tmp_path / "nope.jsonl")
+    assert _run(argv) == 2
+    assert "--input" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def prepared_small(small_input, hf_dirs, tmp_path_factory):
+    output = tmp_path_factory.mktemp("stats") / "ds"
+    assert _run(_prepare_argv(small_input, hf_dirs, output)) == 0
+    return output
+
+
+def test_stats_prints_the_report(prepared_small, capsys):
+    capsys.readouterr()
+    assert _run(["data", "stats", str(prepared_small)]) == 0
+    out = capsys.readouterr().out
+    assert "packing efficiency" in out and "image_missing" in out
+
+
+def test_stats_plot_writes_a_png(prepared_small, tmp_path):
+    pytest.importorskip("matplotlib")
+    assert _run(["data", "stats", str(prepared_small), "--plot", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
