@@ -50,7 +50,7 @@ class TokenizedSample:
     def repeats(self, pad_ids: tuple[int, int]) -> np.ndarray:
         """Per compact token, how many tokens it expands to."""
         repeats = np.ones(len(self.ids), dtype=np.int64)
-        repeats[np.isin(self.ids, pad_ids)] = self.runs
+        repeats[_is_pad(self.ids, pad_ids)] = self.runs
         return repeats
 
     def expand(self, pad_ids: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -116,7 +116,7 @@ class TokenCounter:
         loss = np.zeros(len(ids_np), dtype=np.uint8)
         for match in _ASSISTANT_RE.finditer(text):
             loss[(starts >= match.start(1)) & (ends <= match.end(1))] = 1
-        is_pad = np.isin(ids_np, self.pad_ids)
+        is_pad = _is_pad(ids_np, self.pad_ids)
         loss[is_pad] = 0  # vision tokens are inputs, never targets
         runs = [run for _, media_runs, _, _ in media_text for run in media_runs]
         if int(is_pad.sum()) != len(runs):
@@ -146,6 +146,11 @@ class TokenCounter:
             # A Qwen3-VL video is <|vision_start|><t seconds><|vision_start|>pads...: start at the outer one.
             return int(before[-2])
         return int(before[-1]) if len(before) else first_pad
+
+
+def _is_pad(ids: np.ndarray, pad_ids: tuple[int, int]) -> np.ndarray:
+    # Two comparisons beat np.isin by ~20x on short arrays (it sorts); this runs once per sample per stage.
+    return (ids == pad_ids[0]) | (ids == pad_ids[1])
 
 
 def _replace_pads(rendered: str, replacements: list[str]) -> str:
@@ -187,7 +192,7 @@ def truncate(sample: TokenizedSample, seq_length: int, pad_ids: tuple[int, int])
         keep_media += 1
     if not sample.loss[:cut].any():
         return None
-    n_runs = int(np.isin(sample.ids[:cut], pad_ids).sum())
+    n_runs = int(_is_pad(sample.ids[:cut], pad_ids).sum())
     images = sum(m.kind == "image" for m in sample.media[:keep_media])
     videos = keep_media - images
     return TokenizedSample(
@@ -203,5 +208,5 @@ def _media_last_token(sample: TokenizedSample, media_index: int, pad_ids: tuple[
     end = len(sample.ids) - 1
     if media_index + 1 < len(sample.media_first_token):
         end = sample.media_first_token[media_index + 1] - 1
-    pads = np.flatnonzero(np.isin(sample.ids[: end + 1], pad_ids))
+    pads = np.flatnonzero(_is_pad(sample.ids[: end + 1], pad_ids))
     return int(pads[-1]) + 1 if len(pads) else end
