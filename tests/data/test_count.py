@@ -12,7 +12,7 @@ from PIL import Image
 from qvl.data.count import TokenCounter, truncate
 from qvl.data.ingest import Conversation, IngestConfig, to_conversation
 from qvl.data.validate import ValidateConfig, validate_sample
-from qvl.data.vision import image_grid_thw, load_vision_config, smart_resize_video_qwen3, video_grid_thw
+from qvl.data.vision import image_grid_thw, load_vision_config, smart_resize_video_qwen3
 
 from .conftest import FAMILIES, reference_processor, save_image
 
