@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import sys
+import warnings
 
 COMMAND_MODULES = (
     "qvl.launchers.info",  # version, doctor
@@ -67,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `qvl` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
+    # qvl's own logs at INFO; Megatron's INFO chatter and fallback warnings only with --verbose.
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.getLogger("qvl").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if not args.verbose:
+        for category in (UserWarning, FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -6,11 +6,14 @@ and a no-op where CUDA is available. Every redirection is listed here with the r
 assumption fails there first. Checked against megatron-core 0.19.2 and megatron-bridge 0.6.2.
 
 Redirections (undone by `deactivate()`):
-1. Transformer Engine stand-in. `megatron.bridge.peft.lora_layers` does `import transformer_engine.pytorch
-   as te` unconditionally, so `import megatron.bridge` fails without TE. `import_megatron_bridge()`
-   registers a stand-in module only for the duration of that import and removes it afterwards, so later
-   `try: import transformer_engine` probes still see TE as absent. The stand-in's classes can never be
-   instantiated, so `isinstance(x, te.Linear)` is always False.
+1. Stand-ins for optional packages (CPU or GPU alike). `megatron.bridge.peft.lora_layers` does
+   `import transformer_engine.pytorch as te` and `megatron.bridge.training.pretrain` does
+   `from nvidia_resiliency_ext.inprocess import CallWrapper` unconditionally, so without TE / nvrx
+   `import megatron.bridge` and its training loop fail. `import_megatron_bridge()` installs a meta-path
+   loader that puts a stand-in in sys.modules only while one of those modules executes, so every other
+   probe (`try: import transformer_engine`, megatron.core's `is_te_min_version`) still sees the package
+   as absent. Stand-in classes cannot be instantiated: `isinstance(x, te.Linear)` is always False and
+   any real use raises OptionalPackageUnavailable naming the package and the fix.
 2. Device redirection (`_CudaToCpuMode`, a TorchFunctionMode). Megatron-Core creates tensors with
    `device="cuda"` / `torch.cuda.current_device()` in the causal-mask helpers (transformer/utils.py),
    the pipeline schedules (token counters), p2p shape exchange, grad clipping, grad scaler and the
@@ -39,6 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import sys
@@ -52,47 +58,63 @@ from torch.overrides import TorchFunctionMode
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------------
-# (1) Transformer Engine stand-in
+# (1) Stand-ins for optional packages that Megatron-Bridge imports unconditionally
 # ---------------------------------------------------------------------------------------------------
 
 
-class TransformerEngineUnavailable(RuntimeError):
-    """Raised when code reaches a Transformer Engine feature on a machine without Transformer Engine."""
+class OptionalPackageUnavailable(RuntimeError):
+    """Raised when code reaches a feature of an optional package that is not installed."""
 
 
-def _te_placeholder_class(name: str) -> type:
+# Importing module -> (missing package, the submodule it imports, what to do instead).
+_STAND_INS: dict[str, tuple[str, str, str]] = {
+    # `import transformer_engine.pytorch as te` at the top of the LoRA layers (isinstance checks only
+    # on the non-TE path).
+    "megatron.bridge.peft.lora_layers": (
+        "transformer_engine", "transformer_engine.pytorch",
+        "use the local (non-TE) layer specs (qvl does where TE is absent), or a NeMo container with TE"),
+    # `from nvidia_resiliency_ext.inprocess import CallWrapper`, used only as a type annotation unless
+    # in-process restart is enabled. PyPI's newest nvidia-resiliency-ext for this stack (0.4.1) lacks the
+    # `__version__` that megatron-core 0.19.2 reads, so qvl does not install it.
+    "megatron.bridge.training.pretrain": (
+        "nvidia_resiliency_ext", "nvidia_resiliency_ext.inprocess",
+        "leave in-process restart off, or install nvidia-resiliency-ext (NeMo containers have it)"),
+}
+
+
+def _placeholder_class(package: str, name: str, advice: str) -> type:
     def __init__(self, *args, **kwargs):  # noqa: N807
-        raise TransformerEngineUnavailable(
-            f"transformer_engine.pytorch.{name} was used, but Transformer Engine is not installed; "
-            "use the local (non-TE) layer specs (qvl does on CPU), or run in a NeMo container with TE."
-        )
+        raise OptionalPackageUnavailable(f"{package}: {name} was used, but {package} is not installed; {advice}.")
 
-    return type(name, (), {"__init__": __init__, "__module__": "transformer_engine.pytorch"})
+    return type(name, (), {"__init__": __init__, "__module__": package})
 
 
 class _StandInNamespace(types.ModuleType):
     """A module whose every attribute is a placeholder class (or a nested stand-in namespace)."""
 
+    def __init__(self, name: str, advice: str):
+        super().__init__(name)
+        self.__path__ = []  # a package, so submodule imports resolve through sys.modules
+        self._advice = advice
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        value = _StandInNamespace(f"{self.__name__}.{name}") if name.islower() else _te_placeholder_class(name)
+        if name.islower():
+            value: Any = _StandInNamespace(f"{self.__name__}.{name}", self._advice)
+        else:
+            value = _placeholder_class(self.__name__.split(".")[0], name, self._advice)
         setattr(self, name, value)
         return value
 
 
 @contextlib.contextmanager
-def _transformer_engine_stand_in() -> Iterator[None]:
-    """Make `import transformer_engine.pytorch` succeed inside the block only."""
-    if importlib.util.find_spec("transformer_engine") is not None:
-        yield
-        return
-    names = ("transformer_engine", "transformer_engine.pytorch")
-    root = _StandInNamespace(names[0])
-    root.pytorch = _StandInNamespace(names[1])
-    root.__path__ = []  # a package, so `import transformer_engine.pytorch` resolves
-    saved = {n: sys.modules.get(n) for n in names}
-    sys.modules.update({names[0]: root, names[1]: root.pytorch})
+def _stand_in(package: str, submodule: str, advice: str) -> Iterator[None]:
+    """Make `import <submodule>` succeed inside the block only."""
+    root = _StandInNamespace(package, advice)
+    leaf = getattr(root, submodule.split(".", 1)[1])
+    saved = {n: sys.modules.get(n) for n in (package, submodule)}
+    sys.modules.update({package: root, submodule: leaf})
     try:
         yield
     finally:
@@ -103,20 +125,60 @@ def _transformer_engine_stand_in() -> Iterator[None]:
                 sys.modules[n] = previous
 
 
+class _StandInLoader(importlib.abc.Loader):
+    """Runs the real loader with the stand-in present for that one module's execution only, so that
+    probes elsewhere (`try: import transformer_engine`, megatron.core's `is_te_min_version`) still
+    see the package as absent."""
+
+    def __init__(self, inner: importlib.abc.Loader, stand_in: tuple[str, str, str]):
+        self.inner = inner
+        self.stand_in = stand_in
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        with _stand_in(*self.stand_in):
+            self.inner.exec_module(module)
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of each module in _STAND_INS whose optional package is not installed."""
+
+    def find_spec(self, fullname, path, target=None):
+        stand_in = _STAND_INS.get(fullname)
+        if stand_in is None or _is_installed(stand_in[0]):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None:
+            spec.loader = _StandInLoader(spec.loader, stand_in)
+        return spec
+
+
+def _is_installed(package: str) -> bool:
+    # A leftover folder (pip uninstall keeps unrecorded files) imports as an empty namespace package.
+    spec = importlib.util.find_spec(package)
+    return spec is not None and spec.origin is not None
+
+
+_FINDER = _StandInFinder()
+
+
 def import_megatron_bridge() -> types.ModuleType:
-    """Import `megatron.bridge`, with the Transformer Engine stand-in where TE is absent."""
-    if "megatron.bridge" in sys.modules:
-        return sys.modules["megatron.bridge"]
-    importlib.import_module("megatron.core")  # decides HAVE_TE=False before the stand-in exists
-    with _transformer_engine_stand_in():
-        return importlib.import_module("megatron.bridge")
+    """Import `megatron.bridge`, with stand-ins for the optional packages it imports unconditionally.
+
+    The finder stays installed afterwards (it acts on the _STAND_INS modules only), because
+    `megatron.bridge.training.pretrain` is imported lazily, long after `megatron.bridge` itself.
+    """
+    importlib.import_module("megatron.core")  # decides HAVE_TE before anything else can
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    return importlib.import_module("megatron.bridge")
 
 
 def have_transformer_engine() -> bool:
     """True when the real Transformer Engine is importable."""
-    return importlib.util.find_spec("transformer_engine") is not None and not isinstance(
-        sys.modules.get("transformer_engine"), _StandInNamespace
-    )
+    return _is_installed("transformer_engine")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -63,7 +63,10 @@ def transformer_config(shape: TinyGPT, **overrides):
 
 
 def build_model(shape: TinyGPT, config=None):
-    """The tiny GPTModel for this rank's pipeline stage, on the local spec with SDPA attention."""
+    """The tiny GPTModel for this rank's pipeline stage, on the local spec with SDPA attention.
+
+    On a GPU host (runtime off) the model is moved to the current CUDA device.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -72,7 +75,7 @@ def build_model(shape: TinyGPT, config=None):
 
     config = config or transformer_config(shape)
     spec = use_sdpa_attention(get_gpt_layer_local_spec(normalization="RMSNorm"))
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=shape.vocab_size,
@@ -82,6 +85,7 @@ def build_model(shape: TinyGPT, config=None):
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
     )
+    return model if runtime.is_active() or not torch.cuda.is_available() else model.cuda()
 
 
 def synthetic_batches(shape: TinyGPT, *, micro_batch_size: int, count: int, seed: int = 0) -> list[dict]:
@@ -104,8 +108,9 @@ def _loss_func(output_tensor: torch.Tensor):
 
 def forward_step(data_iterator: Iterator[dict], model):
     """Megatron forward-step function: next batch through the model, returning per-token losses."""
-    batch = next(data_iterator)
-    positions = torch.arange(batch["tokens"].shape[1]).expand_as(batch["tokens"])
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in next(data_iterator).items()}
+    positions = torch.arange(batch["tokens"].shape[1], device=device).expand_as(batch["tokens"])
     output = model(batch["tokens"], positions, attention_mask=None, labels=batch["labels"])
     return output, _loss_func
 

@@ -1,0 +1,45 @@
+"""Shared test set-up: no network, GPU tests skipped on CPU, the CPU runtime on demand."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+# No test may reach a model hub; tiny models are built from configs.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make test-gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cpu_runtime():
+    """The CPU runtime switched on for one test and off afterwards (forced on, so it runs on GPU hosts too)."""
+    from qvl.launchers import runtime
+
+    runtime.activate(force=True)
+    yield runtime
+    runtime.deactivate()
+
+
+@pytest.fixture
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,142 @@
+"""Each redirection of the CPU runtime, one test apiece, so a Megatron or torch bump that breaks one fails here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def test_activate_is_explicit_and_reversible():
+    from qvl.launchers import runtime
+
+    assert not runtime.is_active(), "importing the runtime must not switch it on"
+    original = torch.cuda.current_device
+    with runtime.cpu_runtime(force=True) as active:
+        assert active and runtime.is_active()
+        assert torch.cuda.current_device is not original
+    assert not runtime.is_active()
+    assert torch.cuda.current_device is original
+
+
+def test_importing_qvl_changes_nothing_in_torch():
+    code = (
+        "import torch; before = torch.cuda.current_device; "
+        "import qvl.launchers.runtime, qvl.launchers.cli, qvl.bridges.attention; "
+        "assert torch.cuda.current_device is before; "
+        "from torch.overrides import _get_current_function_mode_stack as s; assert not s(); print('clean')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("clean")
+
+
+def test_cuda_device_arguments_land_on_cpu(cpu_runtime):
+    assert torch.zeros(3, device="cuda").device.type == "cpu"
+    assert torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
+    assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+    x = torch.arange(4.0)
+    assert x.cuda() is x
+    assert x.to("cuda").device.type == "cpu"
+    assert x.to(torch.cuda.current_device(), torch.float16).dtype == torch.float16
+    assert x.pin_memory() is x
+
+
+def test_tensor_type_reports_cuda_names(cpu_runtime):
+    assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+    assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.zeros(1, dtype=torch.int64).type() == "torch.LongTensor"  # only the optimizer's float checks
+
+
+def test_streams_events_and_sync_are_no_ops(cpu_runtime):
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert event.query() is True
+
+
+def test_megatron_causal_mask_helper_runs_on_cpu(cpu_runtime):
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    mask = get_default_causal_mask(4)
+    assert mask.device.type == "cpu"
+    assert torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).triu(1))
+
+
+def test_rng_tracker_forks_the_cpu_generator(cpu_runtime):
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add("model-parallel-rng", 1234)
+    torch.manual_seed(0)
+    outside_first = torch.rand(3)
+    torch.manual_seed(0)
+    with tracker.fork():
+        inside = torch.rand(3)
+    outside_after_fork = torch.rand(3)
+    # The fork drew from its own stream and put the default stream back where it was.
+    assert torch.equal(outside_after_fork, outside_first)
+    assert not torch.equal(inside, outside_first)
+    # Re-seeding the tracker with the same seed reproduces the forked draws (what TP ranks rely on).
+    tracker.reset()
+    tracker.add("model-parallel-rng", 1234)
+    with tracker.fork():
+        assert torch.equal(torch.rand(3), inside)
+    tracker.reset()
+
+
+def test_megatron_bridge_imports_without_transformer_engine():
+    code = (
+        "import sys, importlib; from qvl.launchers.runtime import import_megatron_bridge, have_transformer_engine; "
+        "import_megatron_bridge(); import megatron.bridge.training.pretrain; "
+        "from megatron.bridge.peft import lora_layers; "
+        "assert 'transformer_engine' not in sys.modules, 'stand-in leaked'; "
+        "from megatron.core.utils import is_te_min_version; assert not is_te_min_version('0.1'); "
+        "ok = not have_transformer_engine() and not isinstance(object(), lora_layers.te.Linear); "
+        "print('te-free' if ok else 'te-present')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if "te-present" in out.stdout:
+        pytest.skip("Transformer Engine is installed here; the stand-in is not used")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("te-free")
+
+
+def test_stand_in_classes_refuse_use():
+    from qvl.launchers import runtime
+
+    with runtime._stand_in(*runtime._STAND_INS["megatron.bridge.peft.lora_layers"]):
+        import transformer_engine.pytorch as te
+
+        with pytest.raises(runtime.OptionalPackageUnavailable, match="transformer_engine.*not installed"):
+            te.Linear(4, 4)
+    assert "transformer_engine" not in sys.modules
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("fp8", "hybrid", "FP8 needs Transformer Engine"),
+        ("sequence_parallel", True, "sequence parallelism"),
+        ("transformer_impl", "transformer_engine", "transformer_impl='local'"),
+        ("tp_comm_overlap", True, "tp_comm_overlap=False"),
+    ],
+)
+def test_cpu_refuses_what_it_cannot_run(field, value, message):
+    from qvl.launchers import runtime
+
+    config = type("Config", (), {field: value})()
+    with pytest.raises(runtime.UnsupportedOnCPU, match=message):
+        runtime.check_cpu_config(config)
+
+
+def test_cpu_accepts_a_plain_fp32_config():
+    from qvl.launchers import runtime
+
+    config = type("Config", (), {**runtime.cpu_safe_config_overrides(), "fp8": None, "sequence_parallel": False})()
+    runtime.check_cpu_config(config)  # raises if anything is refused
