@@ -73,6 +73,7 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
     check_family(config.family)
     if config.seq_length < 16:
         raise ValueError(f"--seq-length {config.seq_length} is too small; use at least 16 (typically 4096-32768)")
+    _check_output(pathlib.Path(config.output))
     state = _State()
     vision = load_vision_config(
         config.tokenizer, config.family, min_pixels=config.min_pixels, max_pixels=config.max_pixels,
@@ -87,8 +88,16 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
     lengths = np.asarray([s.length for s in samples], dtype=np.int64)
     plan = _timed(state, "pack", lambda: _pack(samples, lengths, config))
     report = _report(config, state, lengths, plan)
+    if not samples:
+        _write_rejections_only(config, state, report)
     _write(config, counter, plan, samples, lengths, state, report, progress)
     return report
+
+
+def _check_output(output: pathlib.Path) -> None:
+    # The finished build replaces OUT wholesale, so never replace a directory that is not ours.
+    if output.exists() and any(output.iterdir()) and not (output / "report.json").is_file():
+        raise ValueError(f"--output {output} exists and is not a qvl dataset; choose a new directory or remove it")
 
 
 def _timed(state: _State, stage: str, fn):
@@ -188,6 +197,15 @@ def _write(config, counter, plan, samples, lengths, state: _State, report: dict,
     state.timings["write"] = round(time.perf_counter() - start, 4)
     (work / "report.json").write_text(json.dumps(report, indent=2))
     write.commit(work, config.output)
+
+
+def _write_rejections_only(config: PrepareConfig, state: _State, report: dict) -> None:
+    """Nothing to pack: leave the quarantine and report (no shards, no .nv-meta) and fail."""
+    output = pathlib.Path(config.output)
+    output.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(output / "quarantine.jsonl", (r.to_json() for r in sorted(state.rejections, key=lambda r: r.index)))
+    (output / "report.json").write_text(json.dumps(report, indent=2))
+    raise ValueError(f"no sample of {config.input} was accepted; the reasons are in {output / 'quarantine.jsonl'}")
 
 
 def _pack_rows(plan: PackPlan, samples, lengths: np.ndarray, packs_per_shard: int) -> Iterator[dict]:

@@ -70,3 +70,17 @@ def test_stats_plot_writes_a_png(prepared_small, tmp_path):
     pytest.importorskip("matplotlib")
     assert _run(["data", "stats", str(prepared_small), "--plot", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prepare_options_balance_truncate_header_only(small_input, hf_dirs, tmp_path):
+    argv = _prepare_argv(small_input, hf_dirs, tmp_path / "opts", "--balance-cost", "--truncate", "--no-decode-check",
+                         "--max-pixels", str(28 * 28 * 16), "--system-prompt", "Be terse.")
+    argv[argv.index("--seq-length") + 1] = "40"
+    assert _run(argv) == 0
+    report = json.loads((tmp_path / "opts" / "report.json").read_text())
+    packs = [json.loads(line) for line in (tmp_path / "opts" / "packs.jsonl").read_text().splitlines()]
+    assert all(sum(p["lengths"]) <= 40 for p in packs)
+    assert report["accepted"] + report["quarantined"] == 3
+    quarantine = [json.loads(line) for line in (tmp_path / "opts" / "quarantine.jsonl").read_text().splitlines()]
+    too_long = [q for q in quarantine if q["reason"] == "too_long"]
+    assert too_long and all("> seq_length 40" in q["detail"] for q in too_long)  # its length is reported
