@@ -6,8 +6,10 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.qvl-bootstrapped
-# Python 3.12 is required (megatron-core >= 0.17, megatron-bridge >= 0.4). On these machines it is pyenv's 3.12.1.
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.12*/bin/python3 2>/dev/null | tail -n 1)
+# Python 3.12 is required (megatron-core >= 0.17, megatron-bridge >= 0.4). On these machines it is pyenv's 3.12.1;
+# a pyenv shim that is not set to 3.12 is skipped because it fails the version check.
+PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.12*/bin/python3 2>/dev/null | sort -V -r); do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v "$$p"; break; }; done)
 PYTEST_ARGS ?=
 
 .PHONY: venv test demo bench clean-venv
@@ -20,8 +22,8 @@ $(STAMP): launchers/requirements-stack.txt launchers/requirements-nodeps.txt pyp
 	  echo "creating $(VENV) with $(PYTHON312)"; "$(PYTHON312)" -m venv $(VENV); \
 	fi
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -r launchers/requirements-stack.txt
-	$(PY) -m pip install --no-deps -r launchers/requirements-nodeps.txt
+	$(PY) -m pip install -q -r launchers/requirements-stack.txt
+	$(PY) -m pip install -q --no-deps -r launchers/requirements-nodeps.txt
 	$(PY) -m pip install --no-build-isolation -e '.[test]'
 	@touch $@
 
