@@ -1,0 +1,44 @@
+"""Megatron-Bridge model providers for Qwen-VL checkpoints, with qvl's fixes applied.
+
+`provider_from_hf(config_or_path)` is the one place a provider is made: it goes through
+Megatron-Bridge's AutoBridge (and qvl's own bridge registrations, e.g. Qwen2-VL), then corrects the
+fields the upstream bridges leave at defaults instead of reading them from the checkpoint's config.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from qvl.launchers.runtime import import_megatron_bridge
+
+logger = logging.getLogger(__name__)
+
+
+def auto_bridge(config_or_path: Any):
+    """A Megatron-Bridge AutoBridge for an HF config object, or an HF directory / hub id (config only)."""
+    import_megatron_bridge()
+    import qvl.bridges.registry  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
+    from megatron.bridge import AutoBridge
+
+    if isinstance(config_or_path, (str, Path)):
+        from transformers import AutoConfig
+
+        config_or_path = AutoConfig.from_pretrained(str(config_or_path), trust_remote_code=False)
+    return AutoBridge.from_hf_config(config_or_path)
+
+
+def provider_from_hf(config_or_path: Any):
+    """A Megatron-Bridge provider (no weights loaded) for an HF Qwen-VL config or checkpoint directory."""
+    bridge = auto_bridge(config_or_path)
+    provider = bridge.to_megatron_provider(load_weights=False)
+    apply_provider_fixes(provider, bridge.hf_pretrained.config if hasattr(bridge.hf_pretrained, "config") else bridge.hf_pretrained)
+    return provider
+
+
+def apply_provider_fixes(provider: Any, hf_config: Any) -> None:
+    """Copy into the provider what the upstream bridges do not read from the HF config."""
+    from qvl.bridges.fixes import fix_provider
+
+    fix_provider(provider, hf_config)
