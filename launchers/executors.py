@@ -1,0 +1,196 @@
+"""Executor factories: where a qvl run executes, as NeMo-Run executors (this machine, Slurm, Kubernetes).
+
+Each factory is a small function of keyword arguments with defaults for a typical 8-GPU node and
+returns a plain NeMo-Run executor, so anything NeMo-Run offers stays reachable by setting a field on the
+result. qvl adds no scheduler, job runner or SSH code: submission, tunnels, requeueing and logs are
+NeMo-Run's. The job itself runs inside a NeMo container that has qvl installed, so nothing is packaged
+(`run.Packager()`); the task is the `qvl` command line (see `launch.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import nemo_run as run
+from nemo_run.core.execution.launcher import Torchrun
+
+logger = logging.getLogger(__name__)
+
+# Set on a LocalExecutor that runs on the CPU runtime; the task then gets `--device cpu`.
+CPU_DEVICE_ENV = "QVL_DEVICE"
+
+# What a Megatron job needs in its environment on any GPU cluster.
+MEGATRON_ENV: dict[str, str] = {
+    # Megatron overlaps TP/CP communication with compute by issuing kernels in a fixed order; with more
+    # than one hardware queue the GPU may reorder them and the overlap (or the result) breaks.
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    # NCCL's NVLink-SHARP buffers take ~1 GiB per communicator and Megatron creates one per parallel group.
+    "NCCL_NVLS_ENABLE": "0",
+    # Frees communication buffers when the collective ends instead of when the caching allocator notices,
+    # which lowers peak memory under communication overlap.
+    "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+    # NCCL warnings and errors (not its INFO chatter) in the job log, so a hang or IB fault says why.
+    "NCCL_DEBUG": "WARN",
+    # HF tokenizers' thread pool deadlocks in forked dataloader workers.
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+# Fields no site file may hold: tokens come from the environment or the kubeconfig, never from YAML.
+SECRET_WORDS = ("token", "password", "secret", "api_key", "apikey", "credential")
+
+
+def visible_gpus() -> int:
+    """GPUs this process can use (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local(*, gpus: int | None = None, cpu_processes: int = 1, env_vars: dict[str, str] | None = None) -> run.LocalExecutor:
+    """This machine: torchrun over the visible GPUs, or the CPU runtime when there are none."""
+    gpus = visible_gpus() if gpus is None else gpus
+    extra = dict(env_vars or {})
+    if gpus > 0:
+        return run.LocalExecutor(ntasks_per_node=gpus, launcher=Torchrun(), env_vars=MEGATRON_ENV | extra)
+    # One CPU process needs no torchrun; the CPU runtime makes a world of one with gloo.
+    launcher = Torchrun() if cpu_processes > 1 else None
+    return run.LocalExecutor(ntasks_per_node=cpu_processes, launcher=launcher,
+                             env_vars={CPU_DEVICE_ENV: "cpu", "TOKENIZERS_PARALLELISM": "false"} | extra)  # fmt: skip
+
+
+def slurm(
+    *,
+    account: str,
+    partition: str,
+    container_image: str,
+    nodes: int = 1,
+    gpus_per_node: int = 8,
+    time: str = "04:00:00",
+    mounts: list[str] | tuple[str, ...] = (),
+    job_dir: str = "",
+    host: str = "",
+    user: str = "",
+    identity: str = "",
+    retries: int = 2,
+    exclusive: bool = True,
+    env_vars: dict[str, str] | None = None,
+    **sbatch: Any,
+) -> run.SlurmExecutor:
+    """A Slurm cluster with pyxis/enroot: one torchrun per node in `container_image`, requeued on failure.
+
+    `host` submits over SSH (NeMo-Run's SSHTunnel; keys from your ssh-agent or `identity`); without it
+    sbatch runs on this machine (a login node). `job_dir` is where experiments live on the cluster's shared
+    filesystem. `mounts` are pyxis `src:dst` pairs. Other keywords are SlurmExecutor fields (qos, mem, ...).
+    """
+    if host:
+        tunnel = run.SSHTunnel(host=host, user=user or os.environ.get("USER", ""), job_dir=job_dir,
+                               identity=identity or None)  # fmt: skip
+    else:
+        tunnel = run.LocalTunnel(job_dir=job_dir)
+    return run.SlurmExecutor(
+        account=account,
+        partition=partition,
+        nodes=nodes,
+        # torchrun starts the per-GPU workers, so Slurm starts one task per node.
+        ntasks_per_node=gpus_per_node,
+        gpus_per_node=gpus_per_node,
+        time=time,
+        container_image=container_image,
+        container_mounts=list(mounts),
+        # Whole nodes: NVLink topology and NCCL rings assume no other job shares the GPUs.
+        exclusive=exclusive or None,
+        job_name_prefix="qvl-",
+        tunnel=tunnel,
+        packager=run.Packager(),
+        launcher=Torchrun(),
+        # On failure the sbatch script requeues the job (`scontrol requeue`) up to this many times;
+        # training resumes from its last checkpoint.
+        retries=retries,
+        env_vars=MEGATRON_ENV | dict(env_vars or {}),
+        **sbatch,
+    )
+
+
+def kubernetes(
+    *,
+    image: str,
+    nodes: int = 1,
+    gpus_per_node: int = 8,
+    namespace: str = "default",
+    data_pvc: str = "",
+    data_path: str = "/data",
+    checkpoints_pvc: str = "",
+    checkpoints_path: str = "/checkpoints",
+    shm_size: str = "64Gi",
+    runtime: str = "torch-distributed",
+    env_vars: dict[str, str] | None = None,
+    **fields: Any,
+) -> run.Executor:
+    """A Kubeflow Trainer v2 TrainJob: `nodes` pods of `gpus_per_node` GPUs, data and checkpoints on PVCs.
+
+    Needs a kubeconfig (or an in-cluster service account) when built; no token belongs here. Other
+    keywords are KubeflowExecutor fields (tolerations, affinity, labels, ...).
+    """
+    from nemo_run.core.execution.kubeflow import KubeflowExecutor
+
+    volumes, mounts = [], []
+    # NCCL and the dataloader workers exchange tensors through /dev/shm; a pod's default is 64 MiB.
+    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}})
+    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    for name, claim, path in (("data", data_pvc, data_path), ("checkpoints", checkpoints_pvc, checkpoints_path)):
+        if claim:
+            volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim}})
+            mounts.append({"name": name, "mountPath": path})
+    return KubeflowExecutor(
+        image=image,
+        num_nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        namespace=namespace,
+        runtime_ref=runtime,
+        volumes=volumes,
+        volume_mounts=mounts,
+        packager=run.Packager(),
+        # No NeMo-Run launcher: the TrainJob's torch runtime sets PET_NNODES, PET_NPROC_PER_NODE,
+        # PET_NODE_RANK and PET_MASTER_ADDR, which torchrun reads; the task command starts torchrun itself.
+        launcher=None,
+        env_vars=MEGATRON_ENV | dict(env_vars or {}),
+        **fields,
+    )
+
+
+def kuberay(
+    *,
+    image: str,
+    nodes: int = 1,
+    gpus_per_node: int = 8,
+    namespace: str = "default",
+    data_pvc: str = "",
+    data_path: str = "/data",
+) -> run.Executor:
+    """A KubeRay cluster for Ray workloads (data preparation, evaluation): one GPU worker group."""
+    from nemo_run.core.execution.kuberay import KubeRayExecutor, KubeRayWorkerGroup
+
+    volumes, mounts = [], []
+    if data_pvc:
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": data_pvc}})
+        mounts.append({"name": "data", "mountPath": data_path})
+    workers = KubeRayWorkerGroup(group_name="gpu", replicas=nodes, gpus_per_worker=gpus_per_node)
+    return KubeRayExecutor(image=image, namespace=namespace, worker_groups=[workers], volumes=volumes,
+                           volume_mounts=mounts, env_vars=dict(MEGATRON_ENV))  # fmt: skip
+
+
+FACTORIES = {"local": local, "slurm": slurm, "kubernetes": kubernetes}
+
+
+def is_cpu(executor: run.Executor) -> bool:
+    """Whether `executor` runs the job on the CPU runtime."""
+    return isinstance(executor, run.LocalExecutor) and executor.env_vars.get(CPU_DEVICE_ENV) == "cpu"
+
+
+def world_shape(executor: run.Executor) -> tuple[int, int]:
+    """(nodes, processes per node) the executor will start."""
+    if isinstance(executor, run.SlurmExecutor):
+        return executor.nodes, executor.torchrun_nproc_per_node or executor.gpus_per_node or executor.ntasks_per_node
+    return executor.nnodes(), executor.nproc_per_node()

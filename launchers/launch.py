@@ -1,0 +1,260 @@
+"""`qvl launch RECIPE [key=value ...] --executor local|slurm|kubernetes [--dryrun]`: a recipe run through NeMo-Run.
+
+The submitting side (a laptop, Jupyter, a login node) resolves the recipe and its overrides, checks the
+layout against the executor, and hands NeMo-Run an experiment with one task: the `qvl` command line
+(`python -m qvl.launchers.cli train RECIPE key=value ...`) under torchrun. The execution side, a NeMo
+container with qvl installed, builds the recipe's config from the same overrides. Until a tiny recipe
+lands in the registry, the built-in job `demo` (`qvl demo`, a tiny Megatron GPT) is the runnable recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import shutil
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from qvl.launchers.overrides import (LaunchError, Overrides, apply_config_overrides, function_params, load_site_config,
+                                     missing_required, split_overrides, to_plain)  # fmt: skip
+from qvl.launchers.preflight import (Layout, check_accepted, check_mounts, check_required, check_ssh_job_dir,
+                                     check_world_size)  # fmt: skip
+
+logger = logging.getLogger(__name__)
+
+CLI_MODULE = "qvl.launchers.cli"  # what `python -m` runs on the execution side: the `qvl` command line
+DEMO_JOB = "demo"  # built-in tiny job: `qvl demo --steps N --output DIR`
+DEMO_PARAMS = ("steps", "output")
+EXECUTORS = ("local", "slurm", "kubernetes")
+
+
+@dataclass(kw_only=True, slots=True)
+class Job:
+    """What runs: the recipe, its sorted overrides, the qvl arguments and the parallel layout."""
+
+    recipe: str
+    overrides: Overrides
+    argv: list[str]
+    layout: Layout
+    recipe_fn: Any = None
+    registered_layout: dict[str, int] = field(default_factory=dict)
+
+
+def resolve_job(recipe: str, pairs: Sequence[str]) -> Job:
+    """Look `recipe` up and sort its overrides; the argv is what `qvl` runs on the execution side."""
+    if recipe == DEMO_JOB:
+        overrides = split_overrides(pairs, lambda name: name in DEMO_PARAMS)
+        if overrides.config:
+            raise LaunchError(f"the {DEMO_JOB} job takes only {', '.join(DEMO_PARAMS)}; got {', '.join(overrides.config)}")
+        argv = [DEMO_JOB] + [arg for key, value in overrides.recipe.items() for arg in (f"--{key}", str(value))]
+        return Job(recipe=recipe, overrides=overrides, argv=argv, layout=Layout())
+    from qvl.recipes.registry import get_recipe
+
+    try:
+        info = get_recipe(recipe)
+    except KeyError as err:
+        raise LaunchError(f"{err.args[0]} (or `{DEMO_JOB}`, the built-in tiny job)") from err
+    overrides = split_overrides(pairs, function_params(info.fn))
+    missing = missing_required(info.fn, overrides.recipe)
+    if missing:
+        raise LaunchError(f"recipe {recipe} needs {', '.join(missing)}; pass " + " ".join(f"{m}=..." for m in missing))
+    return Job(recipe=recipe, overrides=overrides, argv=["train", recipe, *overrides.recipe_args],
+               layout=Layout.from_settings(info.layout, overrides.recipe), recipe_fn=info.fn,
+               registered_layout=dict(info.layout))  # fmt: skip
+
+
+def executor_settings(kind: str, *, site_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The executor factory's keywords: the site file's `kind:` section, then command-line overrides."""
+    if kind not in EXECUTORS:
+        raise LaunchError(f"--executor {kind!r} is not one of {', '.join(EXECUTORS)}")
+    site = load_site_config(site_file, kind) if site_file else {}
+    return site | dict(overrides or {})
+
+
+def build_executor(kind: str, settings: dict[str, Any]):
+    """The NeMo-Run executor for `kind` from checked settings."""
+    from qvl.launchers import executors
+
+    factory = executors.FACTORIES[kind]
+    check_required(kind, factory, settings)
+    accepted = set(function_params_names(factory))
+    if kind != "local":  # slurm/kubernetes pass other keywords through to the NeMo-Run executor's fields
+        accepted |= _executor_fields(kind)
+    check_accepted(kind, accepted, settings)
+    if kind == "slurm":
+        check_ssh_job_dir(settings)
+    return factory(**settings)
+
+
+def function_params_names(fn) -> list[str]:
+    import inspect
+
+    return [n for n, p in inspect.signature(fn).parameters.items() if p.kind is not p.VAR_KEYWORD]
+
+
+def _executor_fields(kind: str) -> set[str]:
+    import nemo_run as run
+
+    if kind == "slurm":
+        cls = run.SlurmExecutor
+    else:
+        from nemo_run.core.execution.kubeflow import KubeflowExecutor as cls
+    return {f.name for f in fields(cls) if f.init}
+
+
+def validate(job: Job, executor, settings: dict[str, Any]) -> None:
+    """Every check that needs no cluster: layout vs world size, mounts on a local tunnel."""
+    import nemo_run as run
+
+    from qvl.launchers.executors import is_cpu, world_shape
+
+    nodes, per_node = world_shape(executor)
+    cpu = is_cpu(executor)
+    check_world_size(job.layout, nodes=nodes, per_node=per_node, gpu=not cpu,
+                     per_node_name="cpu_processes" if cpu else "gpus_per_node")  # fmt: skip
+    if isinstance(executor, run.SlurmExecutor) and isinstance(executor.tunnel, run.LocalTunnel):
+        check_mounts(executor.container_mounts)
+
+
+def task_for(job: Job, executor):
+    """The NeMo-Run task: the qvl command line, under torchrun where the executor asks for it."""
+    import nemo_run as run
+
+    from qvl.launchers.executors import is_cpu
+
+    argv = job.argv + (["--device", "cpu"] if is_cpu(executor) else [])
+    if isinstance(executor, run.LocalExecutor):
+        # This interpreter, so the run uses the same environment (and qvl) as the submitting process.
+        return run.Script(path=CLI_MODULE, m=True, entrypoint=sys.executable, args=argv)
+    if executor.launcher is None:  # Kubeflow: torchrun reads its topology from the TrainJob's PET_* variables
+        return run.Script(path="-m", entrypoint="torchrun", args=[CLI_MODULE, *argv])
+    return run.Script(path=CLI_MODULE, m=True, entrypoint="python", args=argv)
+
+
+def experiment(job: Job, executor, *, name: str, experiments_dir: str | None = None, exp_id: str | None = None,
+               quiet: bool = False):  # fmt: skip
+    """A NeMo-Run experiment holding the job's one task (name, logs and status live in its folder)."""
+    import nemo_run as run
+    from nemo_run.core.execution.launcher import Torchrun
+
+    exp_id = exp_id or f"{name}_{time.time_ns()}"
+    if isinstance(executor.launcher, Torchrun) and executor.launcher.rdzv_id is None:
+        # Fixed per experiment, so the dry run shows the script that is submitted, byte for byte.
+        executor.launcher.rdzv_id = zlib.crc32(exp_id.encode()) % 10_000 + 1
+    exp = run.Experiment(name, executor=executor, id=exp_id, base_dir=experiments_dir, log_level="WARN",
+                         clean_mode=quiet)  # fmt: skip
+    with exp:
+        exp.add(task_for(job, executor), name=job.recipe)
+    return exp
+
+
+def render_dryrun(exp) -> str:
+    """The exact scheduler request NeMo-Run would submit: sbatch script, TrainJob manifest or local command."""
+    from nemo_run.core.execution.slurm import SlurmBatchRequest
+
+    with exp:
+        exp.dryrun(log=False, delete_exp_dir=False)
+    try:
+        request = exp.jobs[0]._dryrun_info.request
+        if isinstance(request, SlurmBatchRequest):
+            return request.materialize()
+        if hasattr(request, "role_params"):  # torchx PopenRequest: one process per replica on this machine
+            return _local_command(exp.jobs[0].executor, request)
+        job_name = request.executor._trainjob_name(request.name)  # the name launch() will use
+        return yaml.safe_dump(request.executor.get_job_body(job_name, request.cmd), sort_keys=False)
+    finally:
+        shutil.rmtree(exp._exp_dir, ignore_errors=True)
+
+
+def _local_command(executor, request) -> str:
+    lines = []
+    for replicas in request.role_params.values():
+        for replica in replicas:
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(executor.env_vars.items()))
+            lines.append((f"env {env} " if env else "") + shlex.join(replica.args))
+    return "\n".join(lines) + "\n"
+
+
+def resolved_config(job: Job) -> dict[str, Any]:
+    """The config the execution side will build (or, where it cannot be built here, the recipe's arguments)."""
+    summary: dict[str, Any] = {"recipe": job.recipe, "command": "qvl " + shlex.join(job.argv),
+                               "layout": to_plain(job.layout)}  # fmt: skip
+    if job.recipe_fn is None:
+        return summary | {"arguments": job.overrides.recipe}
+    try:
+        config = job.recipe_fn(**job.overrides.recipe)
+    except (OSError, ValueError) as err:  # e.g. a checkpoint path that exists only on the cluster
+        return summary | {"arguments": job.overrides.recipe, "config": f"not built here ({type(err).__name__}: {err})"}
+    config = apply_config_overrides(config, job.overrides.config)
+    return summary | {"arguments": job.overrides.recipe, "config": to_plain(config, depth=2)}
+
+
+def launch(recipe: str, pairs: Sequence[str], *, kind: str = "local", site_file: str | None = None,
+           dryrun: bool = False, name: str | None = None, experiments_dir: str | None = None,
+           exp_id: str | None = None, wait: bool | None = None) -> dict[str, Any]:  # fmt: skip
+    """Resolve, validate and run (or dry-run) `recipe`; returns what happened for the CLI to print."""
+    job = resolve_job(recipe, pairs)
+    settings = executor_settings(kind, site_file=site_file, overrides=job.overrides.executor)
+    executor = build_executor(kind, settings)
+    validate(job, executor, settings)
+    name = name or f"qvl-{recipe}".replace("_", "-")
+    exp = experiment(job, executor, name=name, experiments_dir=experiments_dir, exp_id=exp_id, quiet=dryrun)
+    result = {"experiment": exp._id, "title": name, "folder": exp._exp_dir, "executor": kind}
+    if dryrun:
+        return result | {"request": render_dryrun(exp), "config": resolved_config(job)}
+    wait = kind == "local" if wait is None else wait
+    with exp:
+        exp.run(detach=not wait, tail_logs=False)
+    states = [str(j.state).split(".")[-1] for j in exp.jobs]
+    return result | {"states": states}
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """`qvl launch`: print the dry run or where to follow the experiment."""
+    from rich.console import Console
+
+    console = Console()
+    try:
+        result = launch(args.recipe, args.overrides, kind=args.executor, site_file=args.executor_config,
+                        dryrun=args.dryrun, name=args.name, experiments_dir=args.experiments_dir)  # fmt: skip
+    except LaunchError as err:
+        console.print(f"[bold red]error:[/] {err}", highlight=False)
+        return 2
+    if args.dryrun:
+        console.rule(f"{result['executor']} request (dry run, nothing submitted)")
+        console.print(result["request"], markup=False, highlight=False, end="")
+        console.rule("resolved config")
+        console.print(yaml.safe_dump(result["config"], sort_keys=False), markup=False, highlight=False, end="")
+        return 0
+    home = f"NEMORUN_HOME={args.experiments_dir} " if args.experiments_dir else ""
+    console.print(f"experiment [bold]{result['experiment']}[/] ({', '.join(result['states'])})\n"
+                  f"  folder: {result['folder']}\n"
+                  f"  status: {home}nemo experiment status {result['experiment']}\n"
+                  f"  logs:   {home}nemo experiment logs {result['experiment']} 0\n"
+                  f"  cancel: {home}nemo experiment cancel {result['experiment']} 0", highlight=False)  # fmt: skip
+    return 0 if all(s in ("SUCCEEDED", "SUBMITTED", "PENDING", "RUNNING") for s in result["states"]) else 1
+
+
+def register(subparsers) -> None:
+    """Add `qvl launch`."""
+    parser = subparsers.add_parser(
+        "launch", help="run a recipe locally, on Slurm or on Kubernetes through NeMo-Run",
+        description="Run RECIPE with key=value overrides (recipe keywords such as tensor_parallel=4, nested "
+                    "config fields such as train.train_iters=100, executor fields such as run.executor.nodes=2).")  # fmt: skip
+    parser.add_argument("recipe", help=f"a recipe name (`qvl recipes` lists them) or `{DEMO_JOB}`, the built-in tiny job")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe, config or run.executor.* overrides")
+    parser.add_argument("--executor", choices=EXECUTORS, default="local", help="where to run (default local)")
+    parser.add_argument("--executor-config", metavar="SITE.yaml",
+                        help="YAML with local:/slurm:/kubernetes: sections of executor settings (no secrets)")  # fmt: skip
+    parser.add_argument("--dryrun", action="store_true",
+                        help="print the sbatch script / TrainJob manifest / local command and the config; submit nothing")  # fmt: skip
+    parser.add_argument("--name", help="experiment title (default qvl-RECIPE)")
+    parser.add_argument("--experiments-dir", help="where NeMo-Run keeps experiments (default $NEMORUN_HOME)")
+    parser.set_defaults(func=run_launch)

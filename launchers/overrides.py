@@ -1,0 +1,151 @@
+"""`key=value` overrides for a launch, and the site file that holds a team's executor settings.
+
+An override names one of three things:
+- a recipe keyword argument: `tensor_parallel=4`
+- a nested field of the recipe's config: `train.train_iters=100`
+- an executor field: `run.executor.nodes=2`
+Values are parsed as YAML scalars and lists (`4` -> int, `true` -> bool, `[a,b]` -> list).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import yaml
+
+EXECUTOR_PREFIX = "run.executor."
+
+
+class LaunchError(ValueError):
+    """A launch that cannot work, found before anything is submitted; the message says how to fix it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Overrides:
+    """Command-line overrides sorted by what they change; `recipe_args` keeps the original text."""
+
+    recipe: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    executor: dict[str, Any] = field(default_factory=dict)
+    recipe_args: list[str] = field(default_factory=list)
+
+
+def parse_value(text: str) -> Any:
+    """A YAML scalar or list (`4`, `1e-4`, `true`, `[a, b]`); anything else stays a string."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def split_pair(pair: str) -> tuple[str, str]:
+    """`key=value` -> (key, value)."""
+    key, sep, value = pair.partition("=")
+    if not sep or not key.strip():
+        raise LaunchError(f"override {pair!r} is not key=value; e.g. tensor_parallel=4 or run.executor.nodes=2")
+    return key.strip(), value
+
+
+def split_overrides(pairs: Sequence[str], recipe_params: Callable[[str], bool]) -> Overrides:
+    """Sort `pairs` into recipe arguments, nested config fields and executor fields.
+
+    `recipe_params(name)` answers whether the recipe takes keyword `name`.
+    """
+    out = Overrides()
+    for pair in pairs:
+        key, text = split_pair(pair)
+        value = parse_value(text)
+        if key.startswith(EXECUTOR_PREFIX):
+            out.executor[key.removeprefix(EXECUTOR_PREFIX)] = value
+            continue
+        if key.startswith("run."):
+            raise LaunchError(f"override {key!r}: only run.executor.<field> is supported under run.")
+        if "." in key:
+            out.config[key] = value
+        elif recipe_params(key):
+            out.recipe[key] = value
+        else:
+            raise LaunchError(f"override {key!r} is not a keyword of the recipe; nested config fields use dots "
+                              f"(train.train_iters=100), executor fields run.executor.{key}=...")  # fmt: skip
+        out.recipe_args.append(pair)
+    return out
+
+
+def function_params(fn: Callable[..., Any]) -> Callable[[str], bool]:
+    """A predicate for the keywords `fn` accepts (any name when it takes **kwargs)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return lambda name: True
+    return lambda name: name in params
+
+
+def missing_required(fn: Callable[..., Any], given: dict[str, Any]) -> list[str]:
+    """Required keyword parameters of `fn` absent (or empty) in `given`."""
+    return [name for name, p in inspect.signature(fn).parameters.items()
+            if p.default is inspect.Parameter.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and given.get(name) in (None, "")]  # fmt: skip
+
+
+def apply_config_overrides(config: Any, overrides: dict[str, Any]) -> Any:
+    """Set dotted fields (`train.train_iters`) on a built config; an unknown field is an error."""
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        target = config
+        for name in parents:
+            if not hasattr(target, name):
+                raise LaunchError(f"override {dotted}: the config has no field {name!r} ({_fields_hint(target)})")
+            target = getattr(target, name)
+        if not hasattr(target, leaf):
+            raise LaunchError(f"override {dotted}: {type(target).__name__} has no field {leaf!r} ({_fields_hint(target)})")
+        setattr(target, leaf, value)
+    return config
+
+
+def _fields_hint(obj: Any) -> str:
+    names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
+    return "fields: " + ", ".join(names[:12]) + (", ..." if len(names) > 12 else "") if names else "not a dataclass"
+
+
+def load_site_config(path: str | Path, kind: str) -> dict[str, Any]:
+    """The `kind:` section (local | slurm | kubernetes) of a site YAML file; no secrets allowed in it."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as err:
+        raise LaunchError(f"--executor-config {path}: cannot read it ({err.strerror})") from err
+    if not isinstance(data, dict):
+        raise LaunchError(f"--executor-config {path}: expected a mapping of executor kinds (slurm:, kubernetes:, local:)")
+    section = data.get(kind) or {}
+    if not isinstance(section, dict):
+        raise LaunchError(f"--executor-config {path}: section {kind!r} must be a mapping of factory keywords")
+    _reject_secrets(section, f"{path}:{kind}")
+    return dict(section)
+
+
+def _reject_secrets(section: dict[str, Any], where: str) -> None:
+    from qvl.launchers.executors import SECRET_WORDS
+
+    for key, value in section.items():
+        if any(word in key.lower() for word in SECRET_WORDS):
+            raise LaunchError(f"{where}: {key!r} looks like a secret; keep tokens out of the site file (use the "
+                              "environment, your ssh-agent or the kubeconfig)")  # fmt: skip
+        if isinstance(value, dict):
+            _reject_secrets(value, f"{where}.{key}")
+
+
+def to_plain(obj: Any, depth: int = 3) -> Any:
+    """A YAML-printable view of a config (dataclasses to dicts, other objects to their repr)."""
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v, depth) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_plain(v, depth) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and depth > 0:
+        return {f.name: to_plain(getattr(obj, f.name, None), depth - 1) for f in dataclasses.fields(obj)}
+    text = repr(obj)
+    return text if len(text) <= 120 else text[:117] + "..."
