@@ -7,11 +7,10 @@ NeMo-Run's. The job itself runs inside a NeMo container that has qvl installed, 
 (`run.Packager()`); the task is the `qvl` command line (see `launch.py`).
 """
 
-from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Optional
 
 import nemo_run as run
 from nemo_run.core.execution.launcher import Torchrun
@@ -48,7 +47,7 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def local(*, gpus: int | None = None, cpu_processes: int = 1, env_vars: dict[str, str] | None = None) -> run.LocalExecutor:
+def local(*, gpus: Optional[int] = None, cpu_processes: int = 1, env_vars: Optional[dict[str, str]] = None) -> run.LocalExecutor:
     """This machine: torchrun over the visible GPUs, or the CPU runtime when there are none."""
     gpus = visible_gpus() if gpus is None else gpus
     extra = dict(env_vars or {})
@@ -68,14 +67,14 @@ def slurm(
     nodes: int = 1,
     gpus_per_node: int = 8,
     time: str = "04:00:00",
-    mounts: list[str] | tuple[str, ...] = (),
+    mounts: Optional[list[str]] = None,
     job_dir: str = "",
     host: str = "",
     user: str = "",
     identity: str = "",
     retries: int = 2,
     exclusive: bool = True,
-    env_vars: dict[str, str] | None = None,
+    env_vars: Optional[dict[str, str]] = None,
     **sbatch: Any,
 ) -> run.SlurmExecutor:
     """A Slurm cluster with pyxis/enroot: one torchrun per node in `container_image`, requeued on failure.
@@ -98,7 +97,7 @@ def slurm(
         gpus_per_node=gpus_per_node,
         time=time,
         container_image=container_image,
-        container_mounts=list(mounts),
+        container_mounts=list(mounts or []),
         # Whole nodes: NVLink topology and NCCL rings assume no other job shares the GPUs.
         exclusive=exclusive or None,
         job_name_prefix="qvl-",
@@ -125,7 +124,7 @@ def kubernetes(
     checkpoints_path: str = "/checkpoints",
     shm_size: str = "64Gi",
     runtime: str = "torch-distributed",
-    env_vars: dict[str, str] | None = None,
+    env_vars: Optional[dict[str, str]] = None,
     **fields: Any,
 ) -> run.Executor:
     """A Kubeflow Trainer v2 TrainJob: `nodes` pods of `gpus_per_node` GPUs, data and checkpoints on PVCs.

@@ -123,13 +123,18 @@ def validate(job: Job, executor, settings: dict[str, Any]) -> None:
         check_mounts(executor.container_mounts)
 
 
+def task_argv(job: Job, executor) -> list[str]:
+    """The qvl arguments the execution side runs (`--device cpu` on the CPU runtime)."""
+    from qvl.launchers.executors import is_cpu
+
+    return job.argv + (["--device", "cpu"] if is_cpu(executor) else [])
+
+
 def task_for(job: Job, executor):
     """The NeMo-Run task: the qvl command line, under torchrun where the executor asks for it."""
     import nemo_run as run
 
-    from qvl.launchers.executors import is_cpu
-
-    argv = job.argv + (["--device", "cpu"] if is_cpu(executor) else [])
+    argv = task_argv(job, executor)
     if isinstance(executor, run.LocalExecutor):
         # This interpreter, so the run uses the same environment (and qvl) as the submitting process.
         return run.Script(path=CLI_MODULE, m=True, entrypoint=sys.executable, args=argv)
@@ -138,9 +143,9 @@ def task_for(job: Job, executor):
     return run.Script(path=CLI_MODULE, m=True, entrypoint="python", args=argv)
 
 
-def experiment(job: Job, executor, *, name: str, experiments_dir: str | None = None, exp_id: str | None = None,
-               quiet: bool = False):  # fmt: skip
-    """A NeMo-Run experiment holding the job's one task (name, logs and status live in its folder)."""
+def new_experiment(executor, *, name: str, experiments_dir: str | None = None, exp_id: str | None = None,
+                   quiet: bool = False):  # fmt: skip
+    """A NeMo-Run experiment (its folder holds the name, logs and status of every task)."""
     import nemo_run as run
     from nemo_run.core.execution.launcher import Torchrun
 
@@ -148,19 +153,15 @@ def experiment(job: Job, executor, *, name: str, experiments_dir: str | None = N
     if isinstance(executor.launcher, Torchrun) and executor.launcher.rdzv_id is None:
         # Fixed per experiment, so the dry run shows the script that is submitted, byte for byte.
         executor.launcher.rdzv_id = zlib.crc32(exp_id.encode()) % 10_000 + 1
-    exp = run.Experiment(name, executor=executor, id=exp_id, base_dir=experiments_dir, log_level="WARN",
-                         clean_mode=quiet)  # fmt: skip
-    with exp:
-        exp.add(task_for(job, executor), name=job.recipe)
-    return exp
+    return run.Experiment(name, executor=executor, id=exp_id, base_dir=experiments_dir, log_level="WARN",
+                          clean_mode=quiet)  # fmt: skip
 
 
 def render_dryrun(exp) -> str:
     """The exact scheduler request NeMo-Run would submit: sbatch script, TrainJob manifest or local command."""
     from nemo_run.core.execution.slurm import SlurmBatchRequest
 
-    with exp:
-        exp.dryrun(log=False, delete_exp_dir=False)
+    exp.dryrun(log=False, delete_exp_dir=False)
     try:
         request = exp.jobs[0]._dryrun_info.request
         if isinstance(request, SlurmBatchRequest):
@@ -182,9 +183,9 @@ def _local_command(executor, request) -> str:
     return "\n".join(lines) + "\n"
 
 
-def resolved_config(job: Job) -> dict[str, Any]:
+def resolved_config(job: Job, executor) -> dict[str, Any]:
     """The config the execution side will build (or, where it cannot be built here, the recipe's arguments)."""
-    summary: dict[str, Any] = {"recipe": job.recipe, "command": "qvl " + shlex.join(job.argv),
+    summary: dict[str, Any] = {"recipe": job.recipe, "command": "qvl " + shlex.join(task_argv(job, executor)),
                                "layout": to_plain(job.layout)}  # fmt: skip
     if job.recipe_fn is None:
         return summary | {"arguments": job.overrides.recipe}
@@ -205,12 +206,13 @@ def launch(recipe: str, pairs: Sequence[str], *, kind: str = "local", site_file:
     executor = build_executor(kind, settings)
     validate(job, executor, settings)
     name = name or f"qvl-{recipe}".replace("_", "-")
-    exp = experiment(job, executor, name=name, experiments_dir=experiments_dir, exp_id=exp_id, quiet=dryrun)
+    exp = new_experiment(executor, name=name, experiments_dir=experiments_dir, exp_id=exp_id, quiet=dryrun)
     result = {"experiment": exp._id, "title": name, "folder": exp._exp_dir, "executor": kind}
-    if dryrun:
-        return result | {"request": render_dryrun(exp), "config": resolved_config(job)}
     wait = kind == "local" if wait is None else wait
     with exp:
+        exp.add(task_for(job, executor), name=job.recipe)
+        if dryrun:
+            return result | {"request": render_dryrun(exp), "config": resolved_config(job, executor)}
         exp.run(detach=not wait, tail_logs=False)
     states = [str(j.state).split(".")[-1] for j in exp.jobs]
     return result | {"states": states}

@@ -1,12 +1,31 @@
 """`nemo qvl ...`: qvl's entrypoints in NeMo-Run's CLI (entry-point group `nemo_run.cli`, name `qvl`).
 
 NeMo-Run imports this module when `nemo qvl` runs; each `@run.cli.entrypoint(namespace="qvl")`
-function becomes a subcommand.
+function becomes a subcommand:
+
+    nemo qvl finetune --factory RECIPE recipe.tensor_parallel=4 run.executor=slurm run.executor.nodes=4
+    nemo qvl pretrain --factory demo recipe.steps=2 run.executor=local --dryrun
+
+`--factory` choices are the registered recipes (sft/peft ones under `finetune`, pretrain ones under
+`pretrain`) plus `demo`, the built-in tiny job. `recipe.<keyword>=...` overrides a recipe keyword
+(checked against its signature), `overrides=[train.train_iters=100]` sets nested config fields, and
+`run.executor=local|slurm|kubernetes` picks an executor factory whose defaults come from the site file
+named by $QVL_EXECUTOR_CONFIG. The entrypoint runs where the executor puts it and executes
+`qvl train RECIPE key=value ...` (or `qvl demo`) there, the same command `qvl launch` submits.
 """
 
-from __future__ import annotations
 
+import functools
+import os
+from typing import Any, Callable, List, Optional
+
+import fiddle as fdl
 import nemo_run as run
+
+from qvl.launchers import executors
+from qvl.launchers.launch import DEMO_JOB, resolve_job, validate
+
+SITE_CONFIG_ENV = "QVL_EXECUTOR_CONFIG"
 
 
 @run.cli.entrypoint(namespace="qvl", help="Print qvl and Megatron stack versions (same as `qvl version`).")
@@ -15,3 +34,115 @@ def version() -> None:
     from qvl.launchers.info import run_version
 
     run_version(None)
+
+
+def demo(steps: int = 20, output: str = ".demo") -> None:
+    """The built-in tiny job (`qvl demo`): a tiny Megatron GPT, on CPU where there is no GPU."""
+
+
+class CheckedRunContext(run.cli.RunContext):
+    """NeMo-Run's run context plus qvl's checks (layout vs world size, recipe keywords) before anything runs."""
+
+    def _execute_task(self, fn: Callable, task_args: List[str]) -> None:
+        check_task(self.parse_fn(fn, task_args), getattr(self, "executor", None))
+        super()._execute_task(fn, task_args)
+
+
+def check_task(task: run.Partial, executor: Optional[run.Executor]) -> None:
+    """Resolve the task's recipe and overrides and check them against the executor (LaunchError if wrong)."""
+    recipe = fdl.build(task.recipe)
+    job = resolve_job(_recipe_name(recipe.func), _pairs(recipe, task.overrides))
+    if executor is not None:
+        validate(job, executor, {})
+
+
+@run.cli.entrypoint(namespace="qvl", run_ctx_cls=CheckedRunContext,
+                    help="Pretrain a recipe (`--factory RECIPE`) on the chosen executor.")  # fmt: skip
+def pretrain(recipe: Any, overrides: Optional[list[str]] = None) -> None:
+    """Run `qvl train` for the configured recipe (a Partial of the recipe function) where this executes."""
+    _run_recipe(recipe, overrides)
+
+
+@run.cli.entrypoint(namespace="qvl", run_ctx_cls=CheckedRunContext,
+                    help="Fine-tune (SFT or PEFT) a recipe (`--factory RECIPE`) on the chosen executor.")  # fmt: skip
+def finetune(recipe: Any, overrides: Optional[list[str]] = None) -> None:
+    """Run `qvl train` for the configured recipe (a Partial of the recipe function) where this executes."""
+    _run_recipe(recipe, overrides)
+
+
+def recipe_command(recipe: functools.partial, overrides: Optional[list[str]] = None) -> list[str]:
+    """The qvl arguments for a built recipe Partial: `train NAME key=value ...` or `demo --steps N ...`."""
+    argv = resolve_job(_recipe_name(recipe.func), _pairs(recipe, overrides)).argv
+    # The local executor marks CPU-only runs; the job then uses qvl's CPU runtime.
+    return argv + (["--device", "cpu"] if os.environ.get(executors.CPU_DEVICE_ENV) == "cpu" else [])
+
+
+def _pairs(recipe: functools.partial, overrides: Optional[list[str]]) -> list[str]:
+    return [f"{key}={value}" for key, value in recipe.keywords.items()] + list(overrides or [])
+
+
+def _run_recipe(recipe: functools.partial, overrides: Optional[list[str]]) -> None:
+    from qvl.launchers.cli import main
+
+    argv = recipe_command(recipe, overrides)
+    code = main(argv)
+    if code:
+        raise RuntimeError(f"`qvl {' '.join(argv)}` exited with status {code}")
+
+
+def _recipe_name(fn: Any) -> str:
+    if fn is demo:
+        return DEMO_JOB
+    from qvl.recipes.registry import all_recipes
+
+    for info in all_recipes():
+        if info.fn is fn:
+            return info.name
+    raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} is not a registered recipe (`qvl recipes` lists them)")
+
+
+def _register_recipe_factories() -> None:
+    """One `--factory` per registered recipe, under `finetune` (sft, peft) or `pretrain`."""
+    from qvl.recipes.registry import all_recipes
+
+    for target in (pretrain, finetune):
+        run.cli.factory(_factory(target, demo), target=target, name=DEMO_JOB)
+    for info in all_recipes():
+        target = pretrain if info.stage == "pretrain" else finetune
+        run.cli.factory(_factory(target, info.fn), target=target, name=info.name)
+
+
+def _factory(target: Any, fn: Any) -> Any:
+    def make() -> run.Partial:
+        return run.Partial(target, recipe=run.Partial(fn))
+
+    make.__name__ = f"{getattr(fn, '__name__', 'recipe')}_{target.__name__}"
+    return make
+
+
+def _site_settings(kind: str) -> dict[str, Any]:
+    from qvl.launchers.overrides import load_site_config
+
+    path = os.environ.get(SITE_CONFIG_ENV)
+    return load_site_config(path, kind) if path else {}
+
+
+@run.cli.factory(target=run.Executor, name="local")
+def local_executor() -> run.Config:
+    """This machine (torchrun over its GPUs, or the CPU runtime); `run.executor.gpus=0` forces CPU."""
+    return run.Config(executors.local, **_site_settings("local"))
+
+
+@run.cli.factory(target=run.Executor, name="slurm")
+def slurm_executor() -> run.Config:
+    """A Slurm cluster with pyxis; account, partition and container_image from $QVL_EXECUTOR_CONFIG or run.executor.*."""
+    return run.Config(executors.slurm, **_site_settings("slurm"))
+
+
+@run.cli.factory(target=run.Executor, name="kubernetes")
+def kubernetes_executor() -> run.Config:
+    """A Kubeflow TrainJob; image from $QVL_EXECUTOR_CONFIG or run.executor.image=..."""
+    return run.Config(executors.kubernetes, **_site_settings("kubernetes"))
+
+
+_register_recipe_factories()
