@@ -71,6 +71,7 @@ def use_local_specs(provider: Any) -> None:
 
     provider.transformer_layer_spec = local_gpt_layer_spec
     provider.moe_grouped_gemm = False  # grouped GEMM needs TE or the grouped_gemm CUDA package
+    provider.moe_permute_fusion = False  # fused token permutation is a TE kernel
     provider.gradient_accumulation_fusion = False
     provider.bias_activation_fusion = False
     provider.masked_softmax_fusion = False

@@ -8,7 +8,8 @@ tables and forward pass are right, so qvl keeps them and changes only module con
 - the providers below choose TE specs where TE is installed and Megatron-Core's local modules (with
   qvl's SDPA attention, which handles the vision tower's packed per-image sequences) where it is not;
 - the bridges below are Megatron-Bridge's, re-registered for the same HF classes so AutoBridge hands
-  out these providers.
+  out these providers;
+- the patch mergers use exact GELU as HF does (upstream uses the blocks' tanh approximation).
 Mapping tables: inherited unchanged from Megatron-Bridge's Qwen3VLBridge / Qwen3VLMoEBridge.
 """
 
@@ -18,9 +19,12 @@ import contextlib
 import dataclasses
 from typing import Iterator
 
+import torch.nn.functional as F
+
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 from megatron.bridge.models.qwen_vl import qwen3_vl_bridge as upstream_bridge
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as upstream_model
+from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils import Qwen3VLVisionPatchMerger
 from megatron.bridge.models.qwen_vl.qwen3_vl_provider import Qwen3VLModelProvider, Qwen3VLMoEModelProvider
 from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -63,11 +67,14 @@ class Qwen3VLModel(upstream_model.Qwen3VLModel):
     """Megatron-Bridge's Qwen3-VL model, with a local-module vision tower where TE is absent."""
 
     def __init__(self, *args, **kwargs):
-        if have_transformer_engine():
+        with contextlib.nullcontext() if have_transformer_engine() else _local_vision_modules():
             super().__init__(*args, **kwargs)
-            return
-        with _local_vision_modules():
-            super().__init__(*args, **kwargs)
+        # Megatron-Bridge 0.6.2's patch mergers (final and deepstack) reuse the vision blocks'
+        # activation, tanh-approximated GELU ("gelu_pytorch_tanh"), but HF's Qwen3VLVisionPatchMerger uses
+        # exact nn.GELU(). That mismatch was the ~1e-5 logit residual against HF; exact GELU removes it.
+        for module in self.modules():
+            if isinstance(module, Qwen3VLVisionPatchMerger):
+                module.activation_func = F.gelu
 
 
 def _provide(provider, pre_process, post_process, vp_stage, *, num_experts: int | None):

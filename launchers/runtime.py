@@ -227,13 +227,16 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 
 class _NullStream:
-    """Stands in for torch.cuda.Stream / Event / ExternalStream: every method is a no-op."""
+    """Stands in for torch.cuda.Stream / Event / ExternalStream: every method is a no-op that returns
+    another stand-in, so chains such as `stream.record_event().synchronize()` (MoE token dispatch) work."""
 
     def __init__(self, *args, **kwargs):
         pass
 
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda *args, **kwargs: None
+    def __getattr__(self, name: str) -> Callable[..., "_NullStream"]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: _NullStream()
 
     def query(self) -> bool:
         return True
