@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 # Modules that define recipes; imported lazily by `all_recipes()`.
-RECIPE_MODULES: tuple[str, ...] = ()
+RECIPE_MODULES: tuple[str, ...] = ("qvl.recipes.qwen2_vl", "qvl.recipes.qwen2_5_vl", "qvl.recipes.qwen3_vl")
 
 STAGES = ("pretrain", "sft", "peft")
 

@@ -1,0 +1,208 @@
+"""The shared body of every family's base recipe: options + architecture -> Megatron-Bridge ConfigContainer.
+
+Family modules (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`) own their sizes' default layouts and call
+`build_config`; nothing here knows a family by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qvl.launchers.runtime import import_megatron_bridge
+from qvl.recipes.architectures import Architecture, load_hf_config
+from qvl.recipes.options import FREEZABLE, PRECISIONS, RecipeOptions
+from qvl.recipes.split import Workload, balanced_split, counts, parse_split, split_from_counts, stage_costs
+
+import_megatron_bridge()
+
+import torch  # noqa: E402
+from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider  # noqa: E402
+from megatron.bridge.peft.lora import LoRA  # noqa: E402
+from megatron.bridge.training.config import (  # noqa: E402
+    CheckpointConfig,
+    ConfigContainer,
+    DistributedDataParallelConfig,
+    LoggerConfig,
+    OptimizerConfig,
+    RNGConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainingConfig,
+    ValidationConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+# Not slots: Megatron-Bridge's DatasetProvider base is a plain dataclass with a __dict__.
+@dataclass(kw_only=True)
+class QvlPackedDatasetConfig(DatasetProvider):
+    """A `qvl data prepare` dataset: offline-packed THD sequences read by qvl.data.load's task encoder."""
+
+    path: str | None  # None only while planning; finalize() refuses it
+    hf_path: str  # the checkpoint whose image processor and tokenizer the task encoder loads
+    family: str  # qvl.data family name (qwen2_vl, qwen2_5_vl, qwen3_vl)
+    seq_length: int
+    micro_batch_size: int = 1
+    dataloader_type: str | None = "external"  # energon yields batches itself
+    num_workers: int = 2
+
+    def finalize(self) -> None:
+        """Refuse a missing dataset before any process group or model is built."""
+        super().finalize()
+        if self.path is None:
+            raise ValueError("no dataset: pass data=DIR, a directory written by `qvl data prepare`")
+        if not (Path(self.path) / ".nv-meta").is_dir():
+            raise ValueError(f"data={self.path} is not a qvl packed dataset (no .nv-meta/); "
+                             "write one with `qvl data prepare`")  # fmt: skip
+
+    def build_datasets(self, context: DatasetBuildContext) -> tuple[Any, Any, Any]:
+        """Train/valid/test loaders, built by qvl.data.load (wired by the training loop)."""
+        try:
+            from qvl.data.load import build_packed_datasets
+        except ImportError as err:
+            raise RuntimeError("qvl.data.load.build_packed_datasets(config, context) is not available in this "
+                               "version; train through `qvl train`, which wires the packed loader") from err  # fmt: skip
+        return build_packed_datasets(self, context)
+
+
+def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> ConfigContainer:
+    """A complete ConfigContainer for `arch` trained at `stage` with `options`."""
+    o = options
+    optimizer, scheduler = build_optimizer(o)
+    return ConfigContainer(
+        model=build_model(arch, o),
+        train=TrainingConfig(train_iters=o.train_iters, global_batch_size=o.global_batch_size,
+                             micro_batch_size=o.micro_batch_size, manual_gc=True, manual_gc_interval=100),
+        validation=ValidationConfig(eval_interval=o.save_interval, eval_iters=8),
+        optimizer=optimizer, scheduler=scheduler,
+        # Per-token loss over packs with varying numbers of learned tokens; no collective averaging then.
+        ddp=DistributedDataParallelConfig(check_for_nan_in_grad=True, grad_reduce_in_fp32=True,
+                                          use_distributed_optimizer=True, average_in_collective=False),
+        dataset=QvlPackedDatasetConfig(path=o.data, hf_path=o.hf_path, family=arch.family, seq_length=o.seq_length,
+                                       micro_batch_size=o.micro_batch_size),
+        logger=LoggerConfig(log_interval=o.log_interval, tensorboard_dir=o.tensorboard_dir,
+                            wandb_project=o.wandb_project, wandb_exp_name=Path(o.checkpoint_dir).parent.name),
+        # Tokenization happens offline in `qvl data prepare`; the model only needs the vocabulary size.
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=arch.text["vocab_size"]),
+        checkpoint=CheckpointConfig(save=o.checkpoint_dir, load=o.checkpoint_dir, save_interval=o.save_interval,
+                                    pretrained_checkpoint=o.pretrained_checkpoint, ckpt_format="torch_dist"),
+        rng=RNGConfig(seed=o.seed),
+        mixed_precision=PRECISIONS[o.precision],
+        peft=LoRA(target_modules=list(LORA_TARGETS), dim=o.lora_rank, alpha=o.lora_alpha) if stage == "peft" else None,
+    )  # fmt: skip
+
+
+def build_optimizer(o: RecipeOptions) -> tuple[OptimizerConfig, SchedulerConfig]:
+    """Distributed Adam and its LR schedule (Megatron-Bridge's recipe defaults; its `recipes` package is not
+    imported because it pulls in every model family's optional dependencies, e.g. diffusers)."""
+    optimizer = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                                bf16=o.precision != "fp32", adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                                use_distributed_optimizer=True, clip_grad=1.0)  # fmt: skip
+    _offload(optimizer, o.optimizer_offload)
+    scheduler = SchedulerConfig(start_weight_decay=o.weight_decay, end_weight_decay=o.weight_decay,
+                                weight_decay_incr_style="constant", lr_decay_style=o.lr_decay_style,
+                                lr_warmup_iters=o.warmup_iters, lr_warmup_init=0.0, lr_decay_iters=o.train_iters,
+                                override_opt_param_scheduler=True)  # fmt: skip
+    return optimizer, scheduler
+
+
+def build_model(arch: Architecture, o: RecipeOptions) -> Any:
+    """The Megatron-Bridge provider with layout, pipeline split, recompute, freezing and dtype set."""
+    from qvl.bridges.providers import provider_from_hf
+
+    model = provider_from_hf(load_hf_config(o.hf_path, arch))
+    _check_divisible(model, o)
+    model.seq_length = o.seq_length
+    model.tensor_model_parallel_size = o.tensor_parallel
+    model.pipeline_model_parallel_size = o.pipeline_parallel
+    model.virtual_pipeline_model_parallel_size = o.virtual_pipeline
+    model.context_parallel_size = o.context_parallel
+    model.expert_model_parallel_size = o.expert_parallel
+    model.sequence_parallel = o.sequence_parallel
+    model.calculate_per_token_loss = True
+    if getattr(model, "num_moe_experts", None) and o.expert_parallel > 1:
+        model.moe_token_dispatcher_type = "alltoall"
+    fp32 = PRECISIONS[o.precision] is None
+    model.bf16, model.params_dtype = not fp32, torch.float32 if fp32 else torch.bfloat16
+    model.pipeline_dtype = model.params_dtype if o.pipeline_parallel > 1 else None
+    for part, flag in FREEZABLE.items():
+        setattr(model, flag, part in o.freeze)
+    _apply_recompute(model, o)
+    _apply_split(model, o)
+    return model
+
+
+def _check_divisible(model: Any, o: RecipeOptions) -> None:
+    heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
+    if heads % o.tensor_parallel or groups % o.tensor_parallel:
+        ok = [t for t in (1, 2, 4, 8, 16) if heads % t == 0 and groups % t == 0]
+        raise ValueError(f"tensor_parallel={o.tensor_parallel} does not divide {heads} attention heads and "
+                         f"{groups} KV groups; use {', '.join(map(str, ok))}")  # fmt: skip
+    experts = getattr(model, "num_moe_experts", None)
+    if o.expert_parallel > 1 and (not experts or experts % o.expert_parallel):
+        raise ValueError(f"expert_parallel={o.expert_parallel} needs a MoE model whose experts ({experts}) it divides")
+    if o.sequence_parallel and o.tensor_parallel == 1:
+        raise ValueError("sequence_parallel=True needs tensor_parallel >= 2; set sequence_parallel=False")
+
+
+def _apply_recompute(model: Any, o: RecipeOptions) -> None:
+    model.recompute_granularity = None if o.recompute == "none" else o.recompute
+    model.recompute_modules = list(o.recompute_modules) if o.recompute == "selective" else None
+    if o.recompute == "full":
+        # uniform x 1 = every layer keeps only its input; block x N = the first N layers of each stage do.
+        model.recompute_method = "uniform" if o.recompute_layers is None else "block"
+        model.recompute_num_layers = 1 if o.recompute_layers is None else o.recompute_layers
+
+
+def _apply_split(model: Any, o: RecipeOptions) -> None:
+    pp, vpp, layers = o.pipeline_parallel, o.virtual_pipeline, model.num_layers
+    if pp == 1:
+        return
+    if o.pipeline_split == "auto":
+        from qvl.recipes.planner import model_shapes
+
+        split = balanced_split(layers, pp, vpp, stage_costs(*model_shapes(model), Workload(seq_length=o.seq_length)))
+        first, last = split.first, split.last
+    else:
+        first_last = parse_split(o.pipeline_split, layers, pp, vpp)
+        if first_last is None:
+            return
+        first, last = first_last
+    model.num_layers_in_first_pipeline_stage = first
+    model.num_layers_in_last_pipeline_stage = last
+    logger.info("pipeline split: %s layers per stage", counts(layers, pp, first, last))
+
+
+def _offload(optimizer: Any, fraction: float) -> None:
+    if fraction > 0:
+        # Megatron-Core's HybridDeviceOptimizer keeps `fraction` of the fp32 master weights and Adam moments
+        # (and their update) on the CPU; it needs the precision-aware distributed optimizer.
+        optimizer.optimizer_cpu_offload = True
+        optimizer.optimizer_offload_fraction = fraction
+        optimizer.use_precision_aware_optimizer = True
+        optimizer.overlap_cpu_optimizer_d2h_h2d = True
+
+
+def split_of(model: Any) -> list[int]:
+    """Per-stage LM layer counts of a configured provider."""
+    return counts(model.num_layers, model.pipeline_model_parallel_size,
+                  model.num_layers_in_first_pipeline_stage, model.num_layers_in_last_pipeline_stage)  # fmt: skip
+
+
+__all__ = ["ConfigContainer", "QvlPackedDatasetConfig", "build_config", "build_model", "split_of", "split_from_counts"]
+
+
+def family_recipe(*, arch: Architecture, stage: str, layout: dict[str, int], overrides: dict) -> ConfigContainer:
+    """What every family's base recipe does: stage defaults, then the size's layout, then the caller's overrides."""
+    from qvl.recipes.options import STAGE_DEFAULTS, make_options
+
+    run = f"{arch.family}-{arch.size}-{stage}"
+    defaults = {**STAGE_DEFAULTS[stage], **{k: v for k, v in layout.items() if k != "gpus"}, "hf_path": arch.hub_id,
+                "checkpoint_dir": f"experiments/{run}/checkpoints", "tensorboard_dir": f"experiments/{run}/tensorboard"}
+    return build_config(arch=arch, stage=stage, options=make_options(defaults, overrides))

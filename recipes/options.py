@@ -1,0 +1,108 @@
+"""The keyword arguments every recipe takes, validated where they are given (not deep inside Megatron)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+# qvl precision name -> Megatron-Bridge mixed-precision recipe (training/mixed_precision.py); fp32 = none.
+PRECISIONS = {
+    "bf16-mixed": "bf16_mixed",
+    "fp8-delayed": "bf16_with_fp8_delayed_scaling_mixed",
+    "fp8-current": "bf16_with_fp8_current_scaling_mixed",
+    "fp8-blockwise": "bf16_with_fp8_subchannel_scaling_mixed",
+    "fp8-mxfp8": "bf16_with_mxfp8_mixed",
+    "fp32": None,
+}
+RECOMPUTE = ("none", "selective", "full")
+FREEZABLE = {"vision": "freeze_vision_model", "projector": "freeze_vision_projection", "language": "freeze_language_model"}
+
+
+@dataclass(kw_only=True, slots=True)
+class RecipeOptions:
+    """Everything a recipe can be told; defaults here are overridden per stage and per size."""
+
+    hf_path: str  # local HF checkpoint dir (its config.json is read) or hub id; weights load at train time
+    data: str | None = None  # a `qvl data prepare` output dir; planning needs none, training refuses without
+    seq_length: int = 4096  # packed sequence length (THD, micro-batch 1 of packs)
+    global_batch_size: int = 128
+    micro_batch_size: int = 1
+    train_iters: int = 1000
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    virtual_pipeline: int | None = None
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    sequence_parallel: bool = False
+    pipeline_split: str = "auto"  # "auto" (vision on stage 0, balanced), "uniform", or "FIRST,LAST" layer counts
+    precision: str = "bf16-mixed"
+    recompute: str = "none"
+    recompute_layers: int | None = None  # full: recompute the first N layers of each stage (None = all)
+    recompute_modules: tuple[str, ...] = ("core_attn",)  # selective: Megatron-Core recompute_modules
+    optimizer_offload: float = 0.0  # fraction of optimizer state on CPU (Megatron-Core hybrid-device optimizer)
+    freeze: tuple[str, ...] = ()  # any of vision, projector, language
+    lr: float = 1e-5
+    min_lr: float = 1e-6
+    warmup_iters: int = 50
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    lora_rank: int = 32
+    lora_alpha: int = 32
+    checkpoint_dir: str = "experiments/checkpoints"
+    save_interval: int = 500
+    pretrained_checkpoint: str | None = None  # converted Megatron checkpoint (`qvl convert import`)
+    log_interval: int = 10
+    tensorboard_dir: str | None = "experiments/tensorboard"
+    wandb_project: str | None = None  # W&B logging only when a project is given
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if isinstance(self.freeze, str):
+            self.freeze = tuple(p for p in self.freeze.replace("+", ",").split(",") if p and p != "none")
+        if isinstance(self.recompute_modules, str):
+            self.recompute_modules = tuple(p for p in self.recompute_modules.split(",") if p)
+        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("recompute", self.recompute, RECOMPUTE)
+        for part in self.freeze:
+            _one_of("freeze", part, FREEZABLE)
+        if not 0.0 <= self.optimizer_offload <= 1.0:
+            raise ValueError(f"optimizer_offload={self.optimizer_offload} is a fraction; use a value in [0, 1], "
+                             "e.g. optimizer_offload=0.6")  # fmt: skip
+        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel",
+                     "micro_batch_size", "global_batch_size", "seq_length"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.virtual_pipeline is not None and self.pipeline_parallel < 2:
+            raise ValueError(f"virtual_pipeline={self.virtual_pipeline} needs pipeline_parallel >= 2 "
+                             f"(got {self.pipeline_parallel}); drop virtual_pipeline or raise pipeline_parallel")  # fmt: skip
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size="
+                             f"{self.micro_batch_size}")  # fmt: skip
+
+
+def _one_of(name: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; use one of: {', '.join(allowed)}")
+
+
+def option_names() -> list[str]:
+    """The keyword arguments a recipe accepts (for the CLI's help and error messages)."""
+    return [f.name for f in fields(RecipeOptions)]
+
+
+def make_options(defaults: dict, overrides: dict) -> RecipeOptions:
+    """Options from stage/size defaults and user overrides; an unknown key is an error naming the valid ones."""
+    unknown = sorted(set(overrides) - set(option_names()))
+    if unknown:
+        raise TypeError(f"unknown recipe argument(s) {', '.join(unknown)}; valid: {', '.join(option_names())}")
+    return RecipeOptions(**{**defaults, **overrides})
+
+
+# Learning rates and batch per stage; sizes override the parallel layout only.
+STAGE_DEFAULTS: dict[str, dict] = {
+    # Continued pretraining on image-text data: every part trains, higher LR, bigger batches.
+    "pretrain": dict(lr=1e-4, min_lr=1e-5, warmup_iters=200, global_batch_size=256),
+    # Full fine-tuning (Megatron-Bridge's Qwen-VL SFT LRs): a released checkpoint moves slowly.
+    "sft": dict(lr=1e-5, min_lr=1e-6, warmup_iters=50, global_batch_size=128),
+    # LoRA: adapters only (the base weights are frozen by the PEFT transform), adapter-sized LR.
+    "peft": dict(lr=1e-4, min_lr=1e-5, warmup_iters=50, global_batch_size=128),
+}

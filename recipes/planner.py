@@ -1,0 +1,416 @@
+"""Memory and FLOP planner: what a recipe's ConfigContainer needs per GPU, and whether it fits.
+
+Memory per GPU (the most loaded pipeline stage decides):
+- Weights, gradients, optimizer state: Megatron's accounting, as in Megatron-LM
+  `megatron/training/theoretical_memory_usage.py` (`compute_weight_and_optimizer_memory`): with the
+  distributed optimizer a trainable parameter costs 6 + 12/DP bytes (bf16 weight 2, fp32 main grad 4,
+  fp32 master weight + Adam m + v = 12 sharded over the data-parallel group; experts over the
+  expert-data-parallel group). Frozen parameters cost their weight only. `optimizer_offload` moves that
+  fraction of the 12/DP to the CPU (Megatron-Core's HybridDeviceOptimizer).
+- Activations: per token and layer, the tensors autograd keeps with flash attention (no s^2 term), the
+  Korthikanti et al. 2022 (arXiv 2205.05198, Table 2) inventory redone for GQA and gated MLPs; LayerNorm
+  inputs/outputs are split by TP only with sequence parallelism. 1F1B keeps min(PP - stage, micro-batches)
+  micro-batches in flight (interleaving: x (1 + (PP-1)/(PP*VPP)), the same formula's penalty). Full
+  recompute keeps each layer's input plus one layer's working set. The vision tower's activations sit on
+  stage 0 (replicated over TP for the HF towers of Qwen2-VL / Qwen2.5-VL).
+FLOPs: `qvl.data.cost` (forward FLOPs; x3 for training, +1 forward for full recompute). MFU is an estimate
+from a roofline: GEMM efficiency, pipeline bubble, unoverlapped TP/EP/DP communication.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from qvl.data.cost import LMShape, VisionShape, lm_flops, shapes_from_hf_config, vision_flops
+from qvl.recipes.split import Workload, counts, split_from_counts, stage_costs
+
+GIB = 1024**3
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class GPU:
+    """One accelerator kind: memory, dense peak FLOP/s and link bandwidths (bytes/s per GPU)."""
+
+    name: str
+    memory_gib: float
+    bf16_flops: float
+    fp8_flops: float | None
+    intra_node_bw: float  # NVLink, one direction
+    inter_node_bw: float  # InfiniBand NIC per GPU
+    gpus_per_node: int = 8
+
+
+GPUS = {
+    "h100": GPU(name="H100 SXM 80GB", memory_gib=79.6, bf16_flops=989e12, fp8_flops=1979e12,
+                intra_node_bw=450e9, inter_node_bw=50e9),
+    "h200": GPU(name="H200 SXM 141GB", memory_gib=139.8, bf16_flops=989e12, fp8_flops=1979e12,
+                intra_node_bw=450e9, inter_node_bw=50e9),
+    "a100": GPU(name="A100 SXM 80GB", memory_gib=79.2, bf16_flops=312e12, fp8_flops=None,
+                intra_node_bw=300e9, inter_node_bw=25e9),
+}  # fmt: skip
+OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: what a real run adds on top
+GEMM_EFFICIENCY = 0.5  # share of peak a Megatron step's compute reaches (GEMMs ~0.7, minus norms, attention kernels, ViT)
+
+
+@dataclass(kw_only=True, slots=True)
+class StageMemory:
+    """Bytes on one GPU of one pipeline stage."""
+
+    layers: int
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    overhead: float = OVERHEAD_GIB * GIB
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.overhead
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    """A recipe's per-GPU memory, split, FLOPs and MFU estimate on `gpus` GPUs of one kind."""
+
+    gpus: int
+    gpu: GPU
+    layout: dict[str, int]
+    stages: list[StageMemory]
+    stage_flops: list[float]  # forward FLOPs per micro-batch per stage
+    params_total: int
+    params_trainable: int
+    model_flops_per_step: float
+    step_time_s: float
+    mfu: float
+    problems: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+# --- shapes --------------------------------------------------------------------------------------------------
+
+
+def model_shapes(model: Any) -> tuple[LMShape, VisionShape]:
+    """qvl.data.cost shapes of a Megatron-Bridge Qwen-VL provider (its LM fields, its HF vision_config)."""
+    vision = model.vision_config
+    text = dict(hidden_size=model.hidden_size, num_hidden_layers=model.num_layers, vocab_size=model.vocab_size,
+                num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_query_groups,
+                intermediate_size=model.ffn_hidden_size, head_dim=model.kv_channels)  # fmt: skip
+    if getattr(model, "num_moe_experts", None):
+        text.update(num_experts=model.num_moe_experts, num_experts_per_tok=model.moe_router_topk,
+                    moe_intermediate_size=model.moe_ffn_hidden_size)  # fmt: skip
+    return shapes_from_hf_config({"model_type": vision.model_type, "text_config": text,
+                                  "vision_config": vision.to_dict()})  # fmt: skip
+
+
+def vision_is_megatron(model: Any) -> bool:
+    """Qwen3-VL's vision tower is Megatron's (TP-sharded, recomputable); Qwen2/2.5-VL's is HF's, replicated."""
+    return "qwen3" in type(model.vision_config).__name__.lower()
+
+
+def vision_param_count(model: Any) -> int:
+    """Parameters of the vision tower incl. mergers, counted on the HF module built on the meta device."""
+    import importlib
+
+    import torch
+
+    config = model.vision_config
+    module, cls = {
+        "Qwen2VLVisionConfig": ("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
+        "Qwen2_5_VLVisionConfig": ("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
+        "Qwen3VLVisionConfig": ("qwen3_vl", "Qwen3VLVisionModel"),
+        "Qwen3VLMoeVisionConfig": ("qwen3_vl_moe", "Qwen3VLMoeVisionModel"),
+    }[type(config).__name__]
+    tower_class = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
+    with torch.device("meta"):
+        tower = tower_class._from_config(config)
+    return sum(p.numel() for p in tower.parameters())
+
+
+def _padded_vocab(model: Any) -> int:
+    if not getattr(model, "should_pad_vocab", False):
+        return model.vocab_size
+    step = model.make_vocab_size_divisible_by * model.tensor_model_parallel_size
+    return math.ceil(model.vocab_size / step) * step
+
+
+def lm_layer_params(model: Any) -> tuple[int, int]:
+    """(dense, expert) parameters of one LM decoder layer, as Megatron-Core builds it."""
+    h, heads, groups = model.hidden_size, model.num_attention_heads, model.num_query_groups
+    d = model.kv_channels or h // heads
+    q, kv = heads * d, groups * d
+    attention = h * (q + 2 * kv) + q * h + (q + 2 * kv if model.add_qkv_bias else 0) + 2 * h  # + 2 norms
+    attention += 2 * d if getattr(model, "qk_layernorm", False) else 0
+    gate = 2 if model.gated_linear_unit else 1
+    experts = getattr(model, "num_moe_experts", None)
+    if experts:
+        f = model.moe_ffn_hidden_size
+        return attention + h * experts, experts * (h * f * gate + f * h)  # router; experts
+    f = model.ffn_hidden_size
+    return attention + h * f * gate + f * h, 0
+
+
+def lm_param_counts(model: Any) -> dict[str, int]:
+    """LM parameters by part: embedding, output layer (0 when tied), final norm, decoder dense, experts."""
+    vocab = _padded_vocab(model)
+    dense, expert = lm_layer_params(model)
+    tied = model.share_embeddings_and_output_weights
+    return dict(embedding=vocab * model.hidden_size, output=0 if tied else vocab * model.hidden_size,
+                final_norm=model.hidden_size, dense=dense * model.num_layers, experts=expert * model.num_layers)
+
+
+def lora_params_per_layer(model: Any, rank: int) -> int:
+    """LoRA adapter parameters one LM layer gets with Megatron-Bridge's default targets (qkv, proj, fc1, fc2)."""
+    h, d = model.hidden_size, model.kv_channels or model.hidden_size // model.num_attention_heads
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    experts = getattr(model, "num_moe_experts", None) or 1
+    f = model.moe_ffn_hidden_size if getattr(model, "num_moe_experts", None) else model.ffn_hidden_size
+    gate = 2 if model.gated_linear_unit else 1
+    return rank * ((h + q + 2 * kv) + (q + h) + experts * ((h + gate * f) + (f + h)))
+
+
+# --- memory --------------------------------------------------------------------------------------------------
+
+
+def _bytes_per_param(cfg: Any) -> tuple[int, int, int]:
+    """(weight, main grad, optimizer state) bytes per trainable parameter before sharding."""
+    bf16 = cfg.mixed_precision is not None
+    return (2, 4, 12) if bf16 else (4, 4, 8)  # fp32 runs have no separate master copy
+
+
+def layer_activation_bytes(model: Any, lm: LMShape, tokens: float, *, recompute: str | None, modules: list[str]) -> float:
+    """Bytes one LM layer keeps for backward over `tokens` tokens of one micro-batch (bf16, flash attention)."""
+    tp = model.tensor_model_parallel_size
+    sp = tp if model.sequence_parallel else 1
+    h, heads = lm.hidden_size, lm.num_attention_heads
+    d = lm.kv_channels or h // heads
+    if recompute == "full":
+        return tokens * 2 * h / sp  # the layer's input; the rest is rebuilt in backward
+    norms = 0 if "layernorm" in modules else 4 * h  # normalized outputs (= linear inputs) of both norms
+    per_token = (4 * h + norms) / sp  # + both norms' inputs
+    per_token += (2 * (heads * d + 2 * lm.num_query_groups * d) + 2 * heads * d) / tp  # Q, K, V; attention out
+    per_token += 0 if "core_attn" in modules else 4 * heads / tp  # softmax statistics (fp32)
+    if "mlp" not in modules:
+        if lm.num_experts:
+            # routed copies of the token: expert input, fc1 out, activation out; balanced over EP ranks
+            f = lm.moe_ffn_hidden_size
+            per_token += lm.moe_router_topk * (2 * h + 6 * f) / tp + 4 * lm.num_experts
+        else:
+            per_token += 6 * lm.ffn_hidden_size / tp  # fc1 out (gate + up), activation out
+    return tokens * per_token
+
+
+def vision_activation_bytes(model: Any, vision: VisionShape, patches: float) -> float:
+    """Bytes the vision tower keeps for backward over `patches` patches of one micro-batch."""
+    if model.freeze_vision_model:
+        return 0.0 if model.freeze_vision_projection else patches * 2 * vision.hidden_size  # merger input
+    shard = model.tensor_model_parallel_size if vision_is_megatron(model) else 1
+    width, ffn = vision.hidden_size, vision.intermediate_size
+    per_patch = 8 * width + (8 * width + (6 if vision.gated_mlp else 4) * ffn) / shard
+    if vision_is_megatron(model) and model.recompute_granularity == "full":
+        per_patch = 2 * width
+    return patches * per_patch * vision.depth
+
+
+def _stage_params(model: Any, cfg: Any, layers: list[int]) -> list[tuple[float, float, float, float]]:
+    """Per stage: (frozen, trainable dense, trainable expert) params on one GPU, and total trainable."""
+    tp, ep = model.tensor_model_parallel_size, model.expert_model_parallel_size
+    etp = getattr(model, "expert_tensor_parallel_size", None) or tp
+    parts = lm_param_counts(model)
+    dense_layer, expert_layer = lm_layer_params(model)
+    vision = vision_param_count(model)
+    vision_shard = tp if vision_is_megatron(model) else 1
+    peft = cfg.peft is not None
+    lm_frozen = model.freeze_language_model or peft
+    out = []
+    for s, n in enumerate(layers):
+        dense = n * dense_layer / tp + (parts["embedding"] / tp if s == 0 else 0)
+        dense += (parts["output"] or (parts["embedding"] if len(layers) > 1 else 0)) / tp if s == len(layers) - 1 else 0
+        expert = n * expert_layer / (ep * etp)
+        frozen, train_dense, train_expert = (dense + expert, 0.0, 0.0) if lm_frozen else (0.0, dense, expert)
+        if s == 0:
+            vis = vision / vision_shard
+            if peft or (model.freeze_vision_model and model.freeze_vision_projection):
+                frozen += vis
+            else:
+                train_dense += vis  # a frozen tower with a trainable merger: the merger is small; counted trainable
+        if peft:
+            train_dense += n * lora_params_per_layer(model, cfg.peft.dim) / tp
+        out.append((frozen, train_dense, train_expert, train_dense + train_expert))
+    return out
+
+
+def _in_flight(model: Any, stage: int, microbatches: int) -> float:
+    pp, vpp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size
+    n = min(pp - stage, microbatches)
+    return n * (1 + (pp - 1) / (pp * vpp)) if vpp else n
+
+
+def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | None = None) -> Plan:
+    """Memory per GPU, pipeline split, FLOPs and an MFU estimate for `cfg` on `gpus` GPUs of kind `gpu`."""
+    if gpu not in GPUS:
+        raise ValueError(f"gpu={gpu!r} is not known; use one of: {', '.join(GPUS)}")
+    hw, model = GPUS[gpu], cfg.model
+    tp, pp, cp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size, model.context_parallel_size
+    ep = model.expert_model_parallel_size
+    etp = getattr(model, "expert_tensor_parallel_size", None) or tp
+    layout = dict(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep,
+                  virtual_pipeline=model.virtual_pipeline_model_parallel_size or 1)  # fmt: skip
+    problems = _divisibility(cfg, gpus, hw)
+    dp = max(gpus // (tp * pp * cp), 1)
+    edp = max(gpus // (etp * ep * pp), 1)
+    layout["data_parallel"] = dp
+    workload = workload or Workload(seq_length=model.seq_length)
+    lm, vision = model_shapes(model)
+    layers = counts(model.num_layers, pp, model.num_layers_in_first_pipeline_stage,
+                    model.num_layers_in_last_pipeline_stage)  # fmt: skip
+    mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
+    microbatches = max(gbs // (mbs * dp), 1)
+    weight_b, grad_b, optim_b = _bytes_per_param(cfg)
+    offload = cfg.optimizer.optimizer_offload_fraction if cfg.optimizer.optimizer_cpu_offload else 0.0
+    recompute, modules = model.recompute_granularity, list(model.recompute_modules or [])
+    tokens = workload.seq_length * mbs / cp
+    patches = sum(workload.images(vision.spatial_merge_size)) * mbs / cp
+    stages = []
+    for s, (frozen, train_dense, train_expert, trainable) in enumerate(_stage_params(model, cfg, layers)):
+        mem = StageMemory(layers=layers[s])
+        mem.params = (frozen + trainable) * weight_b
+        mem.grads = trainable * grad_b
+        mem.optimizer = (train_dense / dp + train_expert / edp) * optim_b * (1 - offload)
+        per_layer = layer_activation_bytes(model, lm, tokens, recompute=recompute, modules=modules)
+        acts = per_layer * layers[s]
+        if s == 0:
+            acts += vision_activation_bytes(model, vision, patches) + tokens * 2 * lm.hidden_size
+        if s == pp - 1:
+            acts += tokens * 4 * (lm.hidden_size + _padded_vocab(model)) / tp  # logits + loss, fp32 (same source)
+        acts *= _in_flight(model, s, microbatches)
+        if recompute == "full":  # one layer rebuilt at a time for backward
+            acts += layer_activation_bytes(model, lm, tokens, recompute=None, modules=[])
+        mem.activations = acts
+        stages.append(mem)
+    usable = hw.memory_gib * GIB
+    worst = max(range(pp), key=lambda s: stages[s].total)
+    if stages[worst].total > usable:
+        problems.append(f"does not fit: pipeline stage {worst} needs {stages[worst].total / GIB:.1f} GiB per GPU, "
+                        f"the {hw.name} has {hw.memory_gib:.1f} GiB")  # fmt: skip
+    costs = stage_costs(lm, vision, replace(workload, seq_length=workload.seq_length))
+    fwd = [c * mbs for c in split_from_counts(layers, costs).costs]
+    total_params = sum(lm_param_counts(model).values()) + vision_param_count(model)
+    trainable_total = _trainable_total(model, cfg, total_params)
+    model_flops = 3 * sum(fwd) * gbs / mbs
+    step, mfu = _step_time(cfg, hw, fwd, microbatches, dp, tokens, lm, model_flops, gpus, trainable_total, layers)
+    return Plan(gpus=gpus, gpu=hw, layout=layout, stages=stages, stage_flops=fwd, params_total=total_params,
+                params_trainable=trainable_total, model_flops_per_step=model_flops, step_time_s=step, mfu=mfu,
+                problems=problems)  # fmt: skip
+
+
+def _trainable_total(model: Any, cfg: Any, total: int) -> int:
+    if cfg.peft is not None:
+        return lora_params_per_layer(model, cfg.peft.dim) * model.num_layers
+    frozen = sum(lm_param_counts(model).values()) if model.freeze_language_model else 0
+    if model.freeze_vision_model and model.freeze_vision_projection:
+        frozen += vision_param_count(model)
+    return total - frozen
+
+
+def _divisibility(cfg: Any, gpus: int, hw: GPU) -> list[str]:
+    model, problems = cfg.model, []
+    tp, pp, cp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size, model.context_parallel_size
+    ep = model.expert_model_parallel_size
+    etp = getattr(model, "expert_tensor_parallel_size", None) or tp
+    if gpus % (tp * pp * cp):
+        fit = [g for g in range(tp * pp * cp, 4 * gpus + 1, tp * pp * cp)][:4]
+        problems.append(f"--gpus {gpus} is not a multiple of tensor x pipeline x context parallel = {tp * pp * cp}; "
+                        f"use --gpus {', '.join(map(str, fit))}")  # fmt: skip
+    elif gpus % (etp * ep * pp):
+        problems.append(f"--gpus {gpus} is not a multiple of expert_parallel x expert tensor x pipeline = "
+                        f"{etp * ep * pp}; change expert_parallel or --gpus")  # fmt: skip
+    else:
+        dp = gpus // (tp * pp * cp)
+        mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
+        if gbs % (mbs * dp):
+            good = (gbs // (mbs * dp) or 1) * mbs * dp
+            problems.append(f"global_batch_size={gbs} is not a multiple of micro_batch_size x data_parallel = "
+                            f"{mbs * dp}; use global_batch_size={good}")  # fmt: skip
+    if cfg.mixed_precision and "fp8" in str(cfg.mixed_precision) and hw.fp8_flops is None:
+        problems.append(f"precision {cfg.mixed_precision} needs FP8 tensor cores; the {hw.name} has none: "
+                        "use precision=bf16-mixed")  # fmt: skip
+    return problems
+
+
+def _step_time(cfg, hw, fwd, microbatches, dp, tokens, lm, model_flops, gpus, trainable, layers):
+    """Roofline step time and MFU: bottleneck stage x (micro-batches + bubble), plus unoverlapped comms."""
+    model = cfg.model
+    tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
+    peak = hw.fp8_flops if cfg.mixed_precision and "fp8" in str(cfg.mixed_precision) else hw.bf16_flops
+    recompute_factor = 4 / 3 if model.recompute_granularity == "full" else 1.0
+    per_micro = max(fwd) * 3 * recompute_factor / (tp * model.context_parallel_size) / (peak * GEMM_EFFICIENCY)
+
+    def bw(group: int) -> float:
+        return hw.intra_node_bw if group <= hw.gpus_per_node else hw.inter_node_bw
+
+    # TP: 2 all-reduces (or all-gather + reduce-scatter) of the activations per layer, forward and backward.
+    if tp > 1:
+        per_micro += max(layers) * 4 * 2 * (tp - 1) / tp * tokens * lm.hidden_size * 2 / bw(tp)
+    if lm.num_experts and model.expert_model_parallel_size > 1:
+        ep = model.expert_model_parallel_size
+        per_micro += max(layers) * 4 * (ep - 1) / ep * tokens * lm.moe_router_topk * lm.hidden_size * 2 / bw(ep * tp)
+    vpp = model.virtual_pipeline_model_parallel_size or 1
+    step = per_micro * (microbatches + (pp - 1) / vpp)
+    if dp > 1:  # reduce-scatter fp32 grads + all-gather bf16 params, not overlapped in VLM recipes
+        step += (dp - 1) / dp * trainable / (tp * pp) * 6 / bw(gpus)
+    return step, model_flops / (step * gpus * peak)
+
+
+# --- recipes: plan, and say what would fit --------------------------------------------------------------------
+
+
+def plan_recipe(name: str, overrides: dict, *, gpus: int, gpu: str = "h100", workload: Workload | None = None,
+                suggest: bool = True) -> Plan:
+    """Plan the registered recipe `name` with `overrides`; when it does not fit, list overrides that do."""
+    from qvl.recipes.registry import get_recipe
+
+    info = get_recipe(name)
+    plan = plan_config(info.fn(**overrides), gpus=gpus, gpu=gpu, workload=workload)
+    if suggest and plan.problems and all(p.startswith("does not fit") for p in plan.problems):
+        plan.suggestions = _suggestions(info, overrides, plan, gpus=gpus, gpu=gpu, workload=workload)
+    return plan
+
+
+def _candidates(plan: Plan, overrides: dict) -> list[tuple[str, dict]]:
+    tp, pp = plan.layout["tensor_parallel"], plan.layout["pipeline_parallel"]
+    out = [("recompute=selective", {"recompute": "selective", "recompute_modules": "core_attn,mlp"}),
+           ("recompute=full", {"recompute": "full"})]
+    out += [(f"optimizer_offload={f:.1f} (offload {f:.0%} of optimizer state)", {"optimizer_offload": f})
+            for f in (0.2, 0.4, 0.6, 0.8, 1.0)]
+    out += [(f"tensor_parallel={tp * 2}", {"tensor_parallel": tp * 2}), (f"tensor_parallel={tp * 4}", {"tensor_parallel": tp * 4})]
+    out += [(f"pipeline_parallel={pp * 2}", {"pipeline_parallel": pp * 2}), (f"pipeline_parallel={pp * 4}", {"pipeline_parallel": pp * 4})]
+    out += [("recompute=full optimizer_offload=0.5", {"recompute": "full", "optimizer_offload": 0.5})]
+    return [(label, change) for label, change in out if any(overrides.get(k) != v for k, v in change.items())]
+
+
+def _suggestions(info, overrides: dict, plan: Plan, **kw) -> list[str]:
+    found: list[str] = []
+    offload_found = False
+    for label, change in _candidates(plan, overrides):
+        if offload_found and "optimizer_offload" in change and "recompute" not in change:
+            continue  # the smallest offload that fits is enough
+        try:
+            trial = plan_config(info.fn(**{**overrides, **change}), **kw)
+        except ValueError:  # e.g. a TP that does not divide the heads
+            continue
+        if trial.fits:
+            found.append(f"{label} ({trial.worst.total / GIB:.1f} GiB)")
+            offload_found |= "optimizer_offload" in change
+        if len(found) == 4:
+            break
+    return found

@@ -1,0 +1,83 @@
+"""Qwen2-VL recipes (2B, 7B, 72B) x (pretrain, sft, peft): one base recipe, small size/stage functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qvl.recipes.architectures import get_architecture
+from qvl.recipes.base import ConfigContainer, family_recipe  # base imports Megatron-Bridge safely
+from qvl.recipes.registry import recipe
+
+FAMILY = "qwen2_vl"
+# Default layout per (size, stage): fits H100 80 GB at 4096-token packs on `gpus` GPUs (tests/recipes plan them).
+LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
+    ("2b", "pretrain"): dict(tensor_parallel=1, gpus=8),
+    ("2b", "sft"): dict(tensor_parallel=1, gpus=8),
+    ("2b", "peft"): dict(tensor_parallel=1, gpus=1),
+    ("7b", "pretrain"): dict(tensor_parallel=2, gpus=8),
+    ("7b", "sft"): dict(tensor_parallel=2, gpus=8),
+    ("7b", "peft"): dict(tensor_parallel=1, gpus=1),
+    ("72b", "pretrain"): dict(tensor_parallel=8, pipeline_parallel=4, gpus=32),
+    ("72b", "sft"): dict(tensor_parallel=8, pipeline_parallel=4, gpus=32),
+    ("72b", "peft"): dict(tensor_parallel=8, gpus=8),
+}  # fmt: skip
+
+
+def qwen2_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
+    """Base recipe: Qwen2-VL at `size` trained at `stage`, with the size's default layout under `overrides`."""
+    return family_recipe(arch=get_architecture(FAMILY, size), stage=stage, layout=LAYOUTS[size, stage],
+                         overrides=overrides)  # fmt: skip
+
+
+@recipe(family=FAMILY, size="2b", stage="pretrain", **LAYOUTS["2b", "pretrain"])
+def qwen2_vl_2b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-2B continued pretraining."""
+    return qwen2_vl(size="2b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="2b", stage="sft", **LAYOUTS["2b", "sft"])
+def qwen2_vl_2b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-2B full fine-tuning."""
+    return qwen2_vl(size="2b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="2b", stage="peft", **LAYOUTS["2b", "peft"])
+def qwen2_vl_2b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-2B LoRA fine-tuning."""
+    return qwen2_vl(size="2b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="7b", stage="pretrain", **LAYOUTS["7b", "pretrain"])
+def qwen2_vl_7b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-7B continued pretraining."""
+    return qwen2_vl(size="7b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="7b", stage="sft", **LAYOUTS["7b", "sft"])
+def qwen2_vl_7b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-7B full fine-tuning."""
+    return qwen2_vl(size="7b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="7b", stage="peft", **LAYOUTS["7b", "peft"])
+def qwen2_vl_7b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-7B LoRA fine-tuning."""
+    return qwen2_vl(size="7b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="72b", stage="pretrain", **LAYOUTS["72b", "pretrain"])
+def qwen2_vl_72b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-72B continued pretraining."""
+    return qwen2_vl(size="72b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="72b", stage="sft", **LAYOUTS["72b", "sft"])
+def qwen2_vl_72b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-72B full fine-tuning."""
+    return qwen2_vl(size="72b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="72b", stage="peft", **LAYOUTS["72b", "peft"])
+def qwen2_vl_72b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-72B LoRA fine-tuning."""
+    return qwen2_vl(size="72b", stage="peft", **overrides)

@@ -1,0 +1,146 @@
+"""Qwen3-VL recipes, dense (2B, 4B, 8B, 32B) and MoE (30B-A3B, 235B-A22B) x (pretrain, sft, peft)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qvl.recipes.architectures import get_architecture
+from qvl.recipes.base import ConfigContainer, family_recipe  # base imports Megatron-Bridge safely
+from qvl.recipes.registry import recipe
+
+FAMILY = "qwen3_vl"
+# Default layout per (size, stage): fits H100 80 GB at 4096-token packs on `gpus` GPUs (tests/recipes plan them).
+LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
+    ("2b", "pretrain"): dict(tensor_parallel=1, gpus=8),
+    ("2b", "sft"): dict(tensor_parallel=1, gpus=8),
+    ("2b", "peft"): dict(tensor_parallel=1, gpus=1),
+    ("4b", "pretrain"): dict(tensor_parallel=1, gpus=8),
+    ("4b", "sft"): dict(tensor_parallel=1, gpus=8),
+    ("4b", "peft"): dict(tensor_parallel=1, gpus=1),
+    ("8b", "pretrain"): dict(tensor_parallel=2, gpus=8),
+    ("8b", "sft"): dict(tensor_parallel=2, gpus=8),
+    ("8b", "peft"): dict(tensor_parallel=1, gpus=1),
+    ("32b", "pretrain"): dict(tensor_parallel=8, pipeline_parallel=2, gpus=16),
+    ("32b", "sft"): dict(tensor_parallel=8, pipeline_parallel=2, gpus=16),
+    ("32b", "peft"): dict(tensor_parallel=4, gpus=4),
+    ("30b-a3b", "pretrain"): dict(tensor_parallel=1, expert_parallel=8, gpus=16),
+    ("30b-a3b", "sft"): dict(tensor_parallel=1, expert_parallel=8, gpus=16),
+    ("30b-a3b", "peft"): dict(tensor_parallel=1, expert_parallel=8, gpus=8),
+    ("235b-a22b", "pretrain"): dict(tensor_parallel=4, pipeline_parallel=8, expert_parallel=8, gpus=256),
+    ("235b-a22b", "sft"): dict(tensor_parallel=4, pipeline_parallel=8, expert_parallel=8, gpus=256),
+    ("235b-a22b", "peft"): dict(tensor_parallel=4, pipeline_parallel=2, expert_parallel=8, gpus=64),
+}  # fmt: skip
+
+
+def qwen3_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
+    """Base recipe: Qwen3-VL at `size` trained at `stage`, with the size's default layout under `overrides`."""
+    return family_recipe(arch=get_architecture(FAMILY, size), stage=stage, layout=LAYOUTS[size, stage],
+                         overrides=overrides)  # fmt: skip
+
+
+@recipe(family=FAMILY, size="2b", stage="pretrain", **LAYOUTS["2b", "pretrain"])
+def qwen3_vl_2b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-2B continued pretraining."""
+    return qwen3_vl(size="2b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="2b", stage="sft", **LAYOUTS["2b", "sft"])
+def qwen3_vl_2b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-2B full fine-tuning."""
+    return qwen3_vl(size="2b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="2b", stage="peft", **LAYOUTS["2b", "peft"])
+def qwen3_vl_2b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-2B LoRA fine-tuning."""
+    return qwen3_vl(size="2b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="4b", stage="pretrain", **LAYOUTS["4b", "pretrain"])
+def qwen3_vl_4b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-4B continued pretraining."""
+    return qwen3_vl(size="4b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="4b", stage="sft", **LAYOUTS["4b", "sft"])
+def qwen3_vl_4b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-4B full fine-tuning."""
+    return qwen3_vl(size="4b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="4b", stage="peft", **LAYOUTS["4b", "peft"])
+def qwen3_vl_4b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-4B LoRA fine-tuning."""
+    return qwen3_vl(size="4b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="8b", stage="pretrain", **LAYOUTS["8b", "pretrain"])
+def qwen3_vl_8b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-8B continued pretraining."""
+    return qwen3_vl(size="8b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="8b", stage="sft", **LAYOUTS["8b", "sft"])
+def qwen3_vl_8b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-8B full fine-tuning."""
+    return qwen3_vl(size="8b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="8b", stage="peft", **LAYOUTS["8b", "peft"])
+def qwen3_vl_8b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-8B LoRA fine-tuning."""
+    return qwen3_vl(size="8b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="32b", stage="pretrain", **LAYOUTS["32b", "pretrain"])
+def qwen3_vl_32b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-32B continued pretraining."""
+    return qwen3_vl(size="32b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="32b", stage="sft", **LAYOUTS["32b", "sft"])
+def qwen3_vl_32b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-32B full fine-tuning."""
+    return qwen3_vl(size="32b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="32b", stage="peft", **LAYOUTS["32b", "peft"])
+def qwen3_vl_32b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-32B LoRA fine-tuning."""
+    return qwen3_vl(size="32b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="30b-a3b", stage="pretrain", **LAYOUTS["30b-a3b", "pretrain"])
+def qwen3_vl_30b_a3b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-30B-A3B (MoE) continued pretraining."""
+    return qwen3_vl(size="30b-a3b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="30b-a3b", stage="sft", **LAYOUTS["30b-a3b", "sft"])
+def qwen3_vl_30b_a3b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-30B-A3B (MoE) full fine-tuning."""
+    return qwen3_vl(size="30b-a3b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="30b-a3b", stage="peft", **LAYOUTS["30b-a3b", "peft"])
+def qwen3_vl_30b_a3b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-30B-A3B (MoE) LoRA fine-tuning."""
+    return qwen3_vl(size="30b-a3b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="235b-a22b", stage="pretrain", **LAYOUTS["235b-a22b", "pretrain"])
+def qwen3_vl_235b_a22b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-235B-A22B (MoE) continued pretraining."""
+    return qwen3_vl(size="235b-a22b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="235b-a22b", stage="sft", **LAYOUTS["235b-a22b", "sft"])
+def qwen3_vl_235b_a22b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-235B-A22B (MoE) full fine-tuning."""
+    return qwen3_vl(size="235b-a22b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="235b-a22b", stage="peft", **LAYOUTS["235b-a22b", "peft"])
+def qwen3_vl_235b_a22b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-235B-A22B (MoE) LoRA fine-tuning."""
+    return qwen3_vl(size="235b-a22b", stage="peft", **overrides)
