@@ -34,6 +34,10 @@ def _add_prepare(commands) -> None:
         p.add_argument(f"--{name}", type=int, help=f"override the processor config's {name.replace('-', '_')}")
     p.add_argument("--truncate", action="store_true", help="truncate over-long samples instead of quarantining them")
     p.add_argument("--balance-cost", action="store_true", help="even out packs' attention cost (same token fill)")
+    p.add_argument("--data-parallel", type=int, help="schedule packs over D data-parallel ranks by compute cost")
+    p.add_argument("--global-batch", type=int, help="packs per optimizer step over all ranks (with --data-parallel)")
+    p.add_argument("--model-config", type=pathlib.Path,
+                   help="HF config.json (or its dir) for the DP plan's cost model; default: the --tokenizer dir")
     p.add_argument("--no-decode-check", action="store_true", help="read image headers only; skip the full decode")
     p.add_argument("--packs-per-shard", type=int, default=256)
     p.add_argument("--strict", action="store_true", help="exit 1 if any sample is quarantined")
@@ -60,6 +64,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         chat_template=args.chat_template, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
         video_min_pixels=args.video_min_pixels, video_max_pixels=args.video_max_pixels, truncate=args.truncate,
         balance_cost=args.balance_cost, decode_images=not args.no_decode_check, packs_per_shard=args.packs_per_shard,
+        data_parallel=args.data_parallel, global_batch=args.global_batch, model_config=args.model_config,
     )
     for path, flag in ((args.input, "--input"), (args.media_root, "--media-root"), (args.tokenizer, "--tokenizer")):
         if not path.exists():

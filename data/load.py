@@ -257,3 +257,64 @@ def _video_normalization(hf_dir: pathlib.Path, family: str) -> tuple[np.ndarray,
             break
     mean, std = _VIDEO_NORMALIZATION[family]
     return (np.asarray(config.get("image_mean", mean), np.float32), np.asarray(config.get("image_std", std), np.float32))
+
+
+class PlannedPackLoader:
+    """Serves one data-parallel rank its packs of a `--data-parallel` plan, in plan order, as micro-batches.
+
+    Energon shards a dataset by position, which would ignore the plan; this reads packs.jsonl's (step, rank, slot)
+    and the tar shards directly. Each step gives this rank global_batch / data_parallel packs in
+    `micro_batch_size` groups; after the last step it starts again at step 0. `state()` / `restore(state)` resume
+    at exactly the next micro-batch.
+    """
+
+    def __init__(self, path: pathlib.Path, task_encoder: QwenVLPackedTaskEncoder, *, rank: int, micro_batch_size: int = 1):
+        self.path, self.encoder, self.micro_batch_size = pathlib.Path(path), task_encoder, micro_batch_size
+        rows = [json.loads(line) for line in (self.path / "packs.jsonl").read_text().splitlines()]
+        plan = json.loads((self.path / "report.json").read_text()).get("dp_plan")
+        if plan is None or "step" not in rows[0]:
+            raise ValueError(f"{self.path} has no DP plan; prepare it with --data-parallel D --global-batch G")
+        if not 0 <= rank < plan["data_parallel"] or plan["packs_per_rank_per_step"] % micro_batch_size:
+            raise ValueError(f"rank {rank} / micro_batch_size {micro_batch_size} do not fit the plan's "
+                             f"{plan['data_parallel']} ranks x {plan['packs_per_rank_per_step']} packs per step")
+        mine = sorted((r["step"], r["slot"], r["pack"], r["shard"]) for r in rows if r["rank"] == rank)
+        self.packs = [(pack, shard) for _, _, pack, shard in mine]
+        self.position = 0
+        self._offsets: dict[str, dict[str, tuple[int, int]]] = {}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> PackedBatch:
+        batch = []
+        for _ in range(self.micro_batch_size):
+            pack, shard = self.packs[self.position % len(self.packs)]
+            self.position += 1
+            batch.append(self.encoder.encode_sample(cook_pack(self._read(pack, shard))))
+        return self.encoder.batch(batch)
+
+    def state(self) -> dict:
+        """Where this rank's stream stands (packs served so far)."""
+        return {"position": self.position}
+
+    def restore(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+    def _read(self, pack: int, shard: str) -> dict:
+        key = f"{pack:09d}"
+        members = self._members(shard)
+        sample = {"__key__": key, "__restore_key__": ("planned", shard, pack)}
+        with (self.path / shard).open("rb") as f:
+            for name, (offset, size) in members.items():
+                if name.startswith(key + "."):
+                    f.seek(offset)
+                    sample[name[len(key) + 1 :]] = f.read(size)
+        return sample
+
+    def _members(self, shard: str) -> dict[str, tuple[int, int]]:
+        if shard not in self._offsets:
+            import tarfile
+
+            with tarfile.open(self.path / shard) as tar:
+                self._offsets[shard] = {m.name: (m.offset_data, m.size) for m in tar.getmembers()}
+        return self._offsets[shard]

@@ -40,6 +40,16 @@ class PackPlan:
         sums = np.add.reduceat(np.asarray(lengths)[self.order], self.offsets[:-1]) if len(self.order) else np.zeros(0)
         return sums.astype(np.int64)
 
+    def reordered(self, packs: np.ndarray) -> PackPlan:
+        """The same packs in a new order: pack `packs[k]` becomes pack k (columns follow)."""
+        sizes = np.diff(self.offsets)[packs]
+        offsets = np.zeros(len(packs) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        starts = np.repeat(self.offsets[:-1][packs] - offsets[:-1], sizes)
+        order = self.order[starts + np.arange(offsets[-1])]
+        columns = {name: column[packs] for name, column in self.columns.items()}
+        return PackPlan(order=order, offsets=offsets, seq_length=self.seq_length, columns=columns)
+
     def efficiency(self, lengths: np.ndarray) -> float:
         """Real tokens / (packs x seq_length)."""
         return float(np.sum(lengths)) / (self.n_packs * self.seq_length) if self.n_packs else 0.0

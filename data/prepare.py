@@ -55,6 +55,10 @@ class PrepareConfig:
     video_max_pixels: int | None = None
     truncate: bool = False
     balance_cost: bool = False
+    data_parallel: int | None = None  # with global_batch: schedule packs into (step, rank) by compute cost
+    global_batch: int | None = None  # packs per optimizer step over all data-parallel ranks
+    model_config: pathlib.Path | None = None  # HF config.json (or its dir) for the cost model; default: tokenizer dir
+    seed: int = 0  # the DP schedule's step order
     decode_images: bool = True
     packs_per_shard: int = 256
     count_batch_size: int = 256
@@ -71,6 +75,7 @@ class _State:
 def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
     """Run the whole pipeline and return the report (also written to OUT/report.json)."""
     check_family(config.family)
+    _check_dp(config)
     if config.seq_length < 16:
         raise ValueError(f"--seq-length {config.seq_length} is too small; use at least 16 (typically 4096-32768)")
     _check_output(pathlib.Path(config.output))
@@ -87,7 +92,12 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
     samples = _timed(state, "count", lambda: _count(valid, counter, config, state, progress))
     lengths = np.asarray([s.length for s in samples], dtype=np.int64)
     plan = _timed(state, "pack", lambda: _pack(samples, lengths, config))
+    dp_report = None
+    if config.data_parallel is not None:
+        plan, dp_report = _timed(state, "schedule", lambda: _schedule(samples, lengths, plan, config))
     report = _report(config, state, lengths, plan)
+    if dp_report:
+        report["dp_plan"] = dp_report
     if not samples:
         _write_rejections_only(config, state, report)
     _write(config, counter, plan, samples, lengths, state, report, progress)
@@ -163,6 +173,45 @@ def _pack(samples: list[TokenizedSample], lengths: np.ndarray, config: PrepareCo
         patches = [np.asarray([g[0] * g[1] * g[2] for g in s.image_grids + s.video_grids]) for s in samples]
         plan = balance_by_cost(plan, lengths, attention_cost(lengths, patches))
     return plan
+
+
+def _check_dp(config: PrepareConfig) -> None:
+    if (config.data_parallel is None) != (config.global_batch is None):
+        raise ValueError("--data-parallel and --global-batch go together; pass both (or neither)")
+    if config.data_parallel is not None:
+        from qvl.data.balance import check_global_batch
+
+        check_global_batch(0, config.data_parallel, config.global_batch)
+        path = pathlib.Path(config.model_config or config.tokenizer)
+        if not (path / "config.json" if path.is_dir() else path).is_file():
+            raise ValueError(f"the DP plan's cost model needs the model's config.json; none at {path}: pass "
+                             "--model-config PATH (the HF checkpoint dir or its config.json)")
+
+
+def _schedule(samples, lengths: np.ndarray, plan: PackPlan, config: PrepareConfig) -> tuple[PackPlan, dict]:
+    """The packs in (step, rank, slot) order with "cost", "step", "rank" and "slot" columns, and the plan's report."""
+    from qvl.data.balance import imbalance, plan_dp_balanced, plan_round_robin, reorder, schedule_order
+    from qvl.data.cost import sample_flops, shapes_from_hf_config
+
+    lm, vision = shapes_from_hf_config(pathlib.Path(config.model_config or config.tokenizer))
+    grids = [g for s in samples for g in list(s.image_grids) + list(s.video_grids)]
+    owners = np.repeat(np.arange(len(samples)), [len(s.image_grids) + len(s.video_grids) for s in samples])
+    costs = sample_flops(lm, vision, lengths, np.asarray(grids, np.int64).reshape(-1, 3), owners)
+    pack_cost = np.bincount(np.repeat(np.arange(plan.n_packs), np.diff(plan.offsets)), weights=costs[plan.order],
+                            minlength=plan.n_packs)
+    dp = plan_dp_balanced(pack_cost, config.data_parallel, config.global_batch, seed=config.seed)
+    naive = imbalance(plan_round_robin(plan.n_packs, config.data_parallel, config.global_batch), pack_cost)
+    order = schedule_order(dp)
+    dp = reorder(dp, order)
+    plan = plan.reordered(order)
+    plan.columns.update(cost=pack_cost[order], step=dp.step, rank=dp.rank, slot=dp.slot)
+    report = {"data_parallel": config.data_parallel, "global_batch": config.global_batch,
+              "packs_per_rank_per_step": config.global_batch // config.data_parallel, "steps": dp.n_steps,
+              "unscheduled_packs": int((dp.step < 0).sum()), "cost_unit": "forward FLOPs",
+              "qvl": imbalance(dp, plan.columns["cost"]), "round_robin": naive}
+    logger.info("DP plan: max/mean rank cost %.4f (round-robin %.4f)", report["qvl"]["mean_max_over_mean"],
+                naive["mean_max_over_mean"])
+    return plan, report
 
 
 def _report(config: PrepareConfig, state: _State, lengths: np.ndarray, plan: PackPlan) -> dict:

@@ -44,6 +44,13 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
         ("shards", f"{report.get('shards', 0):,}"),
         ("packing efficiency", f"{100 * report['packing_efficiency']:.2f}%"),
     ]
+    if plan := report.get("dp_plan"):
+        rows += [
+            ("DP plan", f"{plan['data_parallel']} ranks x {plan['packs_per_rank_per_step']} packs, {plan['steps']:,} steps"),
+            ("  max/mean rank cost (qvl)", f"{plan['qvl']['mean_max_over_mean']:.4f}"),
+            ("  max/mean rank cost (round-robin)", f"{plan['round_robin']['mean_max_over_mean']:.4f}"),
+            ("  unscheduled packs", f"{plan['unscheduled_packs']:,}"),
+        ]
     rows += [(f"time {stage}", f"{seconds:.2f} s") for stage, seconds in report["time_s"].items()]
     return rows
 
