@@ -122,3 +122,15 @@ def test_planned_loader_serves_each_rank_its_packs_in_order_and_resumes(planned,
     resumed = PlannedPackLoader(output, encoder, rank=0, micro_batch_size=2)
     resumed.restore(state)
     assert [next(resumed).tokens.tolist() for _ in range(2)] == expected
+
+
+def test_quick_benchmark_meets_balance_goals(tmp_path):
+    from benchmarks import bench_balance
+
+    results = bench_balance.run(tmp_path, quick=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["bench_balance.json"]
+    for row in results["schedules"]:
+        assert row["qvl"] <= (1.02 if row["packs_per_rank"] >= 16 else 1.10), row
+        assert row["qvl"] < row["random"], row
+    online = results["online_vision"]
+    assert online["vision_max_over_mean_after"] < online["vision_max_over_mean_before"]
