@@ -198,11 +198,12 @@ def split_of(model: Any) -> list[int]:
 __all__ = ["ConfigContainer", "QvlPackedDatasetConfig", "build_config", "build_model", "split_of", "split_from_counts"]
 
 
-def family_recipe(*, arch: Architecture, stage: str, layout: dict[str, int], overrides: dict) -> ConfigContainer:
-    """What every family's base recipe does: stage defaults, then the size's layout, then the caller's overrides."""
+def family_recipe(*, arch: Architecture, stage: str, layout: dict[str, int], settings: dict, overrides: dict) -> ConfigContainer:
+    """What every family's base recipe does: stage defaults, the size's layout and settings, the caller's overrides."""
     from qvl.recipes.options import STAGE_DEFAULTS, make_options
 
     run = f"{arch.family}-{arch.size}-{stage}"
-    defaults = {**STAGE_DEFAULTS[stage], **{k: v for k, v in layout.items() if k != "gpus"}, "hf_path": arch.hub_id,
+    defaults = {**STAGE_DEFAULTS[stage], **{k: v for k, v in layout.items() if k != "gpus"}, **settings,
+                "hf_path": arch.hub_id,
                 "checkpoint_dir": f"experiments/{run}/checkpoints", "tensorboard_dir": f"experiments/{run}/tensorboard"}
     return build_config(arch=arch, stage=stage, options=make_options(defaults, overrides))

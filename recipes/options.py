@@ -94,7 +94,11 @@ def make_options(defaults: dict, overrides: dict) -> RecipeOptions:
     unknown = sorted(set(overrides) - set(option_names()))
     if unknown:
         raise TypeError(f"unknown recipe argument(s) {', '.join(unknown)}; valid: {', '.join(option_names())}")
-    return RecipeOptions(**{**defaults, **overrides})
+    merged = {**defaults, **overrides}
+    # Sequence parallelism comes with TP unless asked otherwise: it splits the LayerNorm/residual activations
+    # that TP alone leaves replicated, at no extra communication (all-reduce becomes all-gather + reduce-scatter).
+    merged.setdefault("sequence_parallel", merged.get("tensor_parallel", 1) > 1)
+    return RecipeOptions(**merged)
 
 
 # Learning rates and batch per stage; sizes override the parallel layout only.

@@ -269,7 +269,7 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
     dp = max(gpus // (tp * pp * cp), 1)
     edp = max(gpus // (etp * ep * pp), 1)
     layout["data_parallel"] = dp
-    workload = workload or Workload(seq_length=model.seq_length)
+    workload = replace(workload or Workload(seq_length=model.seq_length), seq_length=model.seq_length)
     lm, vision = model_shapes(model)
     layers = counts(model.num_layers, pp, model.num_layers_in_first_pipeline_stage,
                     model.num_layers_in_last_pipeline_stage)  # fmt: skip
@@ -302,7 +302,7 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
     if stages[worst].total > usable:
         problems.append(f"does not fit: pipeline stage {worst} needs {stages[worst].total / GIB:.1f} GiB per GPU, "
                         f"the {hw.name} has {hw.memory_gib:.1f} GiB")  # fmt: skip
-    costs = stage_costs(lm, vision, replace(workload, seq_length=workload.seq_length))
+    costs = stage_costs(lm, vision, workload)
     fwd = [c * mbs for c in split_from_counts(layers, costs).costs]
     total_params = sum(lm_param_counts(model).values()) + vision_param_count(model)
     trainable_total = _trainable_total(model, cfg, total_params)
@@ -363,7 +363,8 @@ def _step_time(cfg, hw, fwd, microbatches, dp, tokens, lm, model_flops, gpus, tr
         per_micro += max(layers) * 4 * 2 * (tp - 1) / tp * tokens * lm.hidden_size * 2 / bw(tp)
     if lm.num_experts and model.expert_model_parallel_size > 1:
         ep = model.expert_model_parallel_size
-        per_micro += max(layers) * 4 * (ep - 1) / ep * tokens * lm.moe_router_topk * lm.hidden_size * 2 / bw(ep * tp)
+        local = tokens / (tp if model.sequence_parallel else 1)  # each TP rank dispatches its sequence shard
+        per_micro += max(layers) * 4 * (ep - 1) / ep * local * lm.moe_router_topk * lm.hidden_size * 2 / bw(ep * tp)
     vpp = model.virtual_pipeline_model_parallel_size or 1
     step = per_micro * (microbatches + (pp - 1) / vpp)
     if dp > 1:  # reduce-scatter fp32 grads + all-gather bf16 params, not overlapped in VLM recipes

@@ -20,16 +20,19 @@ LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
     ("32b", "pretrain"): dict(tensor_parallel=8, pipeline_parallel=2, gpus=16),
     ("32b", "sft"): dict(tensor_parallel=8, pipeline_parallel=2, gpus=16),
     ("32b", "peft"): dict(tensor_parallel=4, gpus=4),
-    ("72b", "pretrain"): dict(tensor_parallel=8, pipeline_parallel=4, gpus=32),
-    ("72b", "sft"): dict(tensor_parallel=8, pipeline_parallel=4, gpus=32),
+    ("72b", "pretrain"): dict(tensor_parallel=8, pipeline_parallel=4, gpus=64),
+    ("72b", "sft"): dict(tensor_parallel=8, pipeline_parallel=4, gpus=64),
     ("72b", "peft"): dict(tensor_parallel=8, gpus=8),
 }  # fmt: skip
+# Non-layout defaults per (size, stage): full recompute where activations (4 packs in flight on stage 0,
+# each with its images' replicated HF vision activations) would not fit otherwise.
+SETTINGS: dict[tuple[str, str], dict] = {("72b", "pretrain"): dict(recompute="full"), ("72b", "sft"): dict(recompute="full")}
 
 
 def qwen25_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
     """Base recipe: Qwen2.5-VL at `size` trained at `stage`, with the size's default layout under `overrides`."""
     return family_recipe(arch=get_architecture(FAMILY, size), stage=stage, layout=LAYOUTS[size, stage],
-                         overrides=overrides)  # fmt: skip
+                         settings=SETTINGS.get((size, stage), {}), overrides=overrides)  # fmt: skip
 
 
 @recipe(family=FAMILY, size="3b", stage="pretrain", **LAYOUTS["3b", "pretrain"])

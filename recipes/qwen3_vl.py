@@ -23,19 +23,20 @@ LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
     ("32b", "pretrain"): dict(tensor_parallel=8, pipeline_parallel=2, gpus=16),
     ("32b", "sft"): dict(tensor_parallel=8, pipeline_parallel=2, gpus=16),
     ("32b", "peft"): dict(tensor_parallel=4, gpus=4),
-    ("30b-a3b", "pretrain"): dict(tensor_parallel=1, expert_parallel=8, gpus=16),
-    ("30b-a3b", "sft"): dict(tensor_parallel=1, expert_parallel=8, gpus=16),
+    ("30b-a3b", "pretrain"): dict(tensor_parallel=2, expert_parallel=8, gpus=16),
+    ("30b-a3b", "sft"): dict(tensor_parallel=2, expert_parallel=8, gpus=16),
     ("30b-a3b", "peft"): dict(tensor_parallel=1, expert_parallel=8, gpus=8),
     ("235b-a22b", "pretrain"): dict(tensor_parallel=4, pipeline_parallel=8, expert_parallel=8, gpus=256),
     ("235b-a22b", "sft"): dict(tensor_parallel=4, pipeline_parallel=8, expert_parallel=8, gpus=256),
     ("235b-a22b", "peft"): dict(tensor_parallel=4, pipeline_parallel=2, expert_parallel=8, gpus=64),
 }  # fmt: skip
+SETTINGS: dict[tuple[str, str], dict] = {}  # non-layout defaults per (size, stage); none needed yet
 
 
 def qwen3_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
     """Base recipe: Qwen3-VL at `size` trained at `stage`, with the size's default layout under `overrides`."""
     return family_recipe(arch=get_architecture(FAMILY, size), stage=stage, layout=LAYOUTS[size, stage],
-                         overrides=overrides)  # fmt: skip
+                         settings=SETTINGS.get((size, stage), {}), overrides=overrides)  # fmt: skip
 
 
 @recipe(family=FAMILY, size="2b", stage="pretrain", **LAYOUTS["2b", "pretrain"])

@@ -1,0 +1,134 @@
+"""`qvl recipes` (list every recipe) and `qvl plan RECIPE [key=value ...] --gpus N --gpu h100`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+PLAN_EPILOG = "overrides are recipe keyword arguments, e.g. tensor_parallel=4 recompute=full optimizer_offload=0.6"
+
+
+def register(subparsers: Any) -> None:
+    """Add the `recipes` and `plan` subcommands."""
+    listing = subparsers.add_parser("recipes", help="list the recipe functions with their default layout")
+    listing.add_argument("--family", help="only this family (qwen2_vl, qwen2_5_vl, qwen3_vl)")
+    listing.set_defaults(func=run_recipes)
+    plan = subparsers.add_parser("plan", help="memory, pipeline split, FLOPs and MFU of a recipe per GPU",
+                                 epilog=PLAN_EPILOG)  # fmt: skip
+    plan.add_argument("recipe", help="a name from `qvl recipes`")
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe keyword arguments")
+    plan.add_argument("--gpus", type=int, help="number of GPUs (default: the recipe's planned count)")
+    plan.add_argument("--gpu", default="h100", help="h100, h200 or a100 (default h100)")
+    plan.add_argument("--sample-tokens", type=int, default=1024, help="mean conversation length in a pack")
+    plan.add_argument("--vision-fraction", type=float, default=0.5, help="share of tokens that are image tokens")
+    plan.add_argument("--patches-per-image", type=int, default=1024, help="ViT patches per image (1024 = 448 px)")
+    plan.set_defaults(func=run_plan)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value: int, float, bool, None, or the string itself."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`key=value` strings -> a dict; a pair without `=` is an error naming it."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {pair!r} is not KEY=VALUE (e.g. tensor_parallel=4)")
+        out[key] = parse_value(value)
+    return out
+
+
+def run_recipes(args: argparse.Namespace) -> int:
+    """Print every registered recipe."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from qvl.recipes.registry import all_recipes
+
+    table = Table(title="qvl recipes (each returns a Megatron-Bridge ConfigContainer)")
+    for column in ("recipe", "family", "size", "stage", "TP", "PP", "EP", "planned GPUs", "summary"):
+        table.add_column(column)
+    for info in all_recipes():
+        if args.family and info.family != args.family:
+            continue
+        lay = info.layout
+        table.add_row(info.name, info.family, info.size, info.stage, str(lay.get("tensor_parallel", 1)),
+                      str(lay.get("pipeline_parallel", 1)), str(lay.get("expert_parallel", 1)),
+                      str(lay.get("gpus", "")), info.summary)  # fmt: skip
+    Console().print(table)
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Plan a recipe; exit 1 when it does not fit or does not divide (the reasons and fixes are printed)."""
+    from qvl.recipes.planner import plan_recipe
+    from qvl.recipes.registry import get_recipe
+    from qvl.recipes.split import Workload
+
+    try:
+        overrides = parse_overrides(args.overrides)
+        info = get_recipe(args.recipe)
+        gpus = args.gpus or info.layout.get("gpus", 8)
+        workload = Workload(seq_length=1, sample_tokens=args.sample_tokens, vision_token_fraction=args.vision_fraction,
+                            patches_per_image=args.patches_per_image)  # seq_length: the recipe's
+        plan = plan_recipe(args.recipe, overrides, gpus=gpus, gpu=args.gpu, workload=workload)
+    except (ValueError, KeyError, TypeError) as err:
+        print(f"qvl plan: {err}", file=sys.stderr)
+        return 2
+    print_plan(args.recipe, plan)
+    return 0 if plan.fits else 1
+
+
+def print_plan(name: str, plan: Any) -> None:
+    """The plan as rich tables: memory per stage, then FLOPs and MFU, then problems and fixes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from qvl.recipes.planner import GEMM_EFFICIENCY, GIB
+
+    console = Console()
+    lay = plan.layout
+    layout = " ".join(f"{k}={v}" for k, v in lay.items())
+    memory = Table(title=f"{name} on {plan.gpus} x {plan.gpu.name}: {layout}")
+    for column in ("pipeline stage", "LM layers", "params GiB", "grads GiB", "optimizer GiB", "activations GiB",
+                   "overhead GiB", "total GiB / GPU"):  # fmt: skip
+        memory.add_column(column, justify="right")
+    usable = plan.gpu.memory_gib
+    for s, stage in enumerate(plan.stages):
+        extra = " (+ vision)" if s == 0 else ""
+        total = stage.total / GIB
+        memory.add_row(f"{s}{extra}", str(stage.layers), *(f"{x / GIB:.1f}" for x in (stage.params, stage.grads,
+                       stage.optimizer, stage.activations, stage.overhead)),
+                       f"[{'red' if total > usable else 'green'}]{total:.1f}[/] of {usable:.1f}")  # fmt: skip
+    console.print(memory)
+    split = "/".join(str(s.layers) for s in plan.stages)
+    console.print(f"pipeline split (LM layers per stage, vision tower on stage 0): {split}")
+    flops = plan.stage_flops
+    if len(flops) > 1:
+        console.print("stage forward FLOPs per micro-batch: " + ", ".join(f"{f:.2e}" for f in flops)
+                      + f" (slowest / mean = {max(flops) / (sum(flops) / len(flops)):.2f})")  # fmt: skip
+    console.print(f"parameters: {plan.params_total / 1e9:.2f} B total, {plan.params_trainable / 1e9:.3f} B trainable")
+    console.print(f"model FLOPs per step: {plan.model_flops_per_step:.3e}; estimated step time "
+                  f"{plan.step_time_s:.2f} s; MFU estimate {plan.mfu:.1%} (assumes {GEMM_EFFICIENCY:.0%} of peak "
+                  "in compute, pipeline bubble and unoverlapped TP/EP/DP traffic)")  # fmt: skip
+    for problem in plan.problems:
+        console.print(f"[red]refused:[/] {problem}")
+    if plan.suggestions:
+        console.print("fits with: " + "; ".join(plan.suggestions))
+    elif plan.problems and any(p.startswith("does not fit") for p in plan.problems):
+        console.print("no single change fits; raise --gpus, or combine tensor_parallel/pipeline_parallel and "
+                      "recompute=full")  # fmt: skip

@@ -1,0 +1,109 @@
+"""Every recipe builds a ConfigContainer offline; keyword arguments land in the right Megatron fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from qvl.recipes.registry import STAGES, all_recipes, get_recipe
+
+
+@pytest.fixture(scope="module")
+def recipes():
+    return {r.name: r for r in all_recipes()}
+
+
+def test_registry_covers_every_family_size_and_stage(recipes):
+    by_family = {}
+    for info in recipes.values():
+        by_family.setdefault(info.family, set()).add((info.size, info.stage))
+    expected = {"qwen2_vl": ["2b", "7b", "72b"], "qwen2_5_vl": ["3b", "7b", "32b", "72b"],
+                "qwen3_vl": ["2b", "4b", "8b", "32b", "30b-a3b", "235b-a22b"]}  # fmt: skip
+    for family, sizes in expected.items():
+        assert by_family[family] == {(s, st) for s in sizes for st in STAGES}
+    assert all(info.layout["gpus"] >= 1 and info.summary for info in recipes.values())
+
+
+def test_every_recipe_returns_a_config_container_with_its_default_layout(recipes):
+    from megatron.bridge.training.config import ConfigContainer
+
+    from qvl.recipes.base import QvlPackedDatasetConfig
+
+    for info in recipes.values():
+        cfg = info.fn()
+        assert isinstance(cfg, ConfigContainer), info.name
+        assert cfg.model.tensor_model_parallel_size == info.layout.get("tensor_parallel", 1)
+        assert cfg.model.pipeline_model_parallel_size == info.layout.get("pipeline_parallel", 1)
+        assert cfg.model.expert_model_parallel_size == info.layout.get("expert_parallel", 1)
+        assert isinstance(cfg.dataset, QvlPackedDatasetConfig) and cfg.dataset.family == info.family
+        assert (cfg.peft is not None) == (info.stage == "peft"), info.name
+        assert cfg.model.seq_length == cfg.dataset.seq_length == 4096
+
+
+def test_overrides_reach_megatron_fields():
+    cfg = get_recipe("qwen25_vl_7b_sft").fn(
+        tensor_parallel=4, recompute="full", recompute_layers=2, optimizer_offload=0.6, freeze="vision,projector",
+        precision="fp8-current", lr=3e-5, train_iters=50, checkpoint_dir="/tmp/ck", save_interval=7,
+        wandb_project="qvl")  # fmt: skip
+    m = cfg.model
+    assert (m.tensor_model_parallel_size, m.sequence_parallel) == (4, True)
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "block", 2)
+    assert m.freeze_vision_model and m.freeze_vision_projection and not m.freeze_language_model
+    assert cfg.optimizer.optimizer_cpu_offload and cfg.optimizer.optimizer_offload_fraction == 0.6
+    assert cfg.mixed_precision == "bf16_with_fp8_current_scaling_mixed"
+    assert cfg.optimizer.lr == 3e-5 and cfg.scheduler.lr_decay_iters == 50
+    assert (cfg.checkpoint.save, cfg.checkpoint.save_interval, cfg.logger.wandb_project) == ("/tmp/ck", 7, "qvl")
+
+
+def test_moe_defaults_are_explicit_not_the_providers_frozen_defaults():
+    cfg = get_recipe("qwen3_vl_30b_a3b_sft").fn()
+    assert not cfg.model.freeze_language_model and not cfg.model.freeze_vision_model  # provider defaults True
+    assert cfg.model.moe_token_dispatcher_type == "alltoall"
+
+
+def test_pipeline_split_is_set_from_the_model():
+    cfg = get_recipe("qwen25_vl_72b_sft").fn()
+    first, last = cfg.model.num_layers_in_first_pipeline_stage, cfg.model.num_layers_in_last_pipeline_stage
+    assert first < 80 // 4 and first + last + 2 * ((80 - first - last) // 2) == 80
+    cfg = get_recipe("qwen25_vl_72b_sft").fn(pipeline_split="20,20")
+    assert (cfg.model.num_layers_in_first_pipeline_stage, cfg.model.num_layers_in_last_pipeline_stage) == (20, 20)
+    cfg = get_recipe("qwen25_vl_72b_sft").fn(pipeline_split="uniform")
+    assert cfg.model.num_layers_in_first_pipeline_stage is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"tensor_parallel": 3}, "tensor_parallel=3 does not divide 28 attention heads"),
+        ({"tensor_paralel": 2}, "unknown recipe argument"),
+        ({"precision": "fp4"}, "bf16-mixed"),
+        ({"recompute": "some"}, "selective"),
+        ({"optimizer_offload": 60}, "optimizer_offload=0.6"),
+        ({"freeze": "eyes"}, "projector"),
+        ({"virtual_pipeline": 2}, "pipeline_parallel >= 2"),
+        ({"expert_parallel": 2}, "MoE"),
+        ({"pipeline_parallel": 4, "pipeline_split": "1,2"}, "pipeline_split=auto"),
+    ],
+)
+def test_bad_arguments_fail_naming_value_and_fix(overrides, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        get_recipe("qwen25_vl_7b_sft").fn(**overrides)
+
+
+def test_packed_dataset_config_refuses_a_missing_dataset(tmp_path):
+    dataset = get_recipe("qwen3_vl_8b_sft").fn().dataset
+    with pytest.raises(ValueError, match="pass data=DIR"):
+        dataset.finalize()
+    dataset = get_recipe("qwen3_vl_8b_sft").fn(data=str(tmp_path)).dataset
+    with pytest.raises(ValueError, match="qvl data prepare"):
+        dataset.finalize()
+    (tmp_path / ".nv-meta").mkdir()
+    dataset.finalize()
+    assert (dataset.path, dataset.hf_path, dataset.family) == (str(tmp_path), "Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl")
+
+
+@pytest.mark.parametrize(("family", "name"), [("qwen2_vl", "qwen2_vl_2b_peft"), ("qwen2_5_vl", "qwen25_vl_3b_sft"),
+                                              ("qwen3_vl", "qwen3_vl_2b_pretrain"),
+                                              ("qwen3_vl_moe", "qwen3_vl_30b_a3b_sft")])  # fmt: skip
+def test_recipe_reads_a_local_checkpoint_config(tiny_hf_dirs, family, name):
+    cfg = get_recipe(name).fn(hf_path=str(tiny_hf_dirs[family]), tensor_parallel=1, expert_parallel=1)
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.vocab_size) == (64, 4, 512)
