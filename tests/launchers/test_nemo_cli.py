@@ -1,0 +1,98 @@
+"""`nemo qvl ...`: recipe factories, executor factories and checks; two real `nemo` subprocesses (~20 s each)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fiddle as fdl
+import nemo_run as run
+import pytest
+
+from qvl.launchers import executors
+from qvl.launchers.overrides import LaunchError
+from qvl.recipes import registry
+from tests.launchers.test_launch import FAKE_RECIPE, IMAGE, fake_recipe, tiny_sft  # noqa: F401  (fixture)
+
+NEMO = str(Path(sys.executable).with_name("nemo"))
+SITE_CONFIG_ENV = "QVL_EXECUTOR_CONFIG"
+
+
+@pytest.fixture
+def nemo_cli(monkeypatch):
+    """qvl.launchers.nemo_cli, imported (if not yet) without the recipe modules, which import all of Megatron."""
+    monkeypatch.setattr(registry, "RECIPE_MODULES", ())
+    return importlib.import_module("qvl.launchers.nemo_cli")
+
+
+COMMANDS = {
+    "help": ["finetune", "--help"],
+    "dryrun": ["pretrain", "--factory", "demo", "recipe.steps=2", "run.executor=local", "run.executor.gpus=0", "--dryrun"],
+}
+
+
+@pytest.fixture(scope="module")
+def nemo_runs(tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Both `nemo qvl` commands, started together: each spends ~20 s importing NeMo-Run and Megatron."""
+    cwd = tmp_path_factory.mktemp("nemo")
+    env = os.environ | {"NEMORUN_HOME": str(cwd / "nemo_run"), "COLUMNS": "200", "NO_COLOR": "1"}
+    env.pop(SITE_CONFIG_ENV, None)
+    procs = {name: subprocess.Popen([NEMO, "qvl", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)  # fmt: skip
+             for name, args in COMMANDS.items()}
+    outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
+    return {name: (procs[name].returncode, out) for name, out in outputs.items()}
+
+
+def test_nemo_qvl_finetune_help_lists_factories_and_executors(nemo_runs):
+    code, out = nemo_runs["help"]
+    assert code == 0, out
+    for name in ("demo", "local", "slurm", "kubernetes", "recipe", "overrides"):
+        assert name in out
+
+
+def test_nemo_qvl_dryrun_of_a_factory(nemo_runs):
+    code, out = nemo_runs["dryrun"]
+    assert code == 0, out
+    assert "Dry run for task qvl.launchers.nemo_cli:pretrain" in out
+    assert "demo(steps=2)" in out and "QVL_DEVICE" in out
+
+
+def test_every_registered_recipe_becomes_a_factory(fake_recipe, nemo_cli):
+    from nemo_run.cli.cli_parser import parse_factory  # what `--factory NAME` calls
+
+    nemo_cli._register_recipe_factories()
+    task = parse_factory(nemo_cli.finetune, "", nemo_cli.finetune, FAKE_RECIPE)
+    assert task.__fn_or_cls__ is nemo_cli.finetune and task.recipe.__fn_or_cls__ is tiny_sft
+    assert parse_factory(nemo_cli.pretrain, "", nemo_cli.pretrain, "demo").recipe.__fn_or_cls__ is nemo_cli.demo
+
+
+def test_recipe_command_is_the_qvl_command_line(fake_recipe, nemo_cli, monkeypatch):
+    monkeypatch.delenv(executors.CPU_DEVICE_ENV, raising=False)
+    recipe = functools.partial(tiny_sft, tensor_parallel=4)
+    assert nemo_cli.recipe_command(recipe, ["train.train_iters=5"]) == [
+        "train", FAKE_RECIPE, "tensor_parallel=4", "train.train_iters=5"]  # fmt: skip
+    monkeypatch.setenv(executors.CPU_DEVICE_ENV, "cpu")
+    assert nemo_cli.recipe_command(functools.partial(nemo_cli.demo, steps=2)) == ["demo", "--steps", "2", "--device", "cpu"]
+
+
+def test_check_task_refuses_a_layout_the_executor_cannot_hold(fake_recipe, nemo_cli):
+    task = run.Partial(nemo_cli.finetune, recipe=run.Partial(tiny_sft, tensor_parallel=8))
+    slurm = executors.slurm(account="a", partition="p", container_image=IMAGE, nodes=3, gpus_per_node=4)
+    with pytest.raises(LaunchError, match=r"world size 12 \(nodes=3 x gpus_per_node=4\) is not divisible"):
+        nemo_cli.check_task(task, slurm)
+    nemo_cli.check_task(task, executors.slurm(account="a", partition="p", container_image=IMAGE, nodes=2))
+
+
+def test_executor_factories_take_defaults_from_the_site_file(nemo_cli, tmp_path, monkeypatch):
+    site = tmp_path / "site.yaml"
+    site.write_text(f"slurm:\n  account: acct\n  partition: batch\n  container_image: {IMAGE}\n")
+    monkeypatch.setenv(SITE_CONFIG_ENV, str(site))
+    config = nemo_cli.slurm_executor()
+    config.nodes = 4  # what `run.executor.nodes=4` does
+    executor = fdl.build(config)
+    assert isinstance(executor, run.SlurmExecutor) and (executor.account, executor.nodes) == ("acct", 4)
