@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from typing import Iterator
 
 import torch.nn.functional as F
@@ -145,9 +146,47 @@ class Qwen3VLBridge(upstream_bridge.Qwen3VLBridge):
 @MegatronModelBridge.register_bridge(source=Qwen3VLMoeForConditionalGeneration, target=Qwen3VLModel,
                                      provider=QvlQwen3VLMoEModelProvider, model_type="qwen3_vl_moe")  # fmt: skip
 class Qwen3VLMoEBridge(upstream_bridge.Qwen3VLMoEBridge):
-    """Megatron-Bridge's Qwen3-VL MoE bridge, handing out qvl's provider; mappings inherited."""
+    """Megatron-Bridge's Qwen3-VL MoE bridge, handing out qvl's provider; mappings inherited.
+
+    Upstream picks fused (`experts.gate_up_proj`) or per-expert HF names from the checkpoint's keys and
+    falls back to per-expert when there is no checkpoint (a config-only bridge, as in export). But
+    transformers 5.x's Qwen3VLMoe loads only the fused layout and silently re-initialises experts
+    given per-expert names. Without a checkpoint, qvl takes the layout from the installed
+    transformers model class itself.
+    """
 
     def provider_bridge(self, hf_pretrained) -> QvlQwen3VLMoEModelProvider:
         provider = _as(QvlQwen3VLMoEModelProvider, super().provider_bridge(hf_pretrained))
         provider.mrope_section = mrope_section(hf_pretrained.config.text_config)
         return provider
+
+    def mapping_registry(self):
+        hf_pretrained = getattr(self, "hf_pretrained", None)
+        if getattr(getattr(hf_pretrained, "state", None), "source", None) is not None:
+            return super().mapping_registry()
+        self.hf_pretrained = _KeysOnlyCheckpoint(hf_pretrained, _transformers_state_keys(hf_pretrained))
+        try:
+            return super().mapping_registry()
+        finally:
+            self.hf_pretrained = hf_pretrained
+
+
+def _transformers_state_keys(hf_pretrained) -> list[str]:
+    """The parameter names the installed transformers class uses for this config (built on meta)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    config = getattr(hf_pretrained, "config", hf_pretrained)
+    with torch.device("meta"):
+        return list(AutoModelForImageTextToText.from_config(config).state_dict())
+
+
+class _KeysOnlyCheckpoint:
+    """Looks like a loaded checkpoint to `moe_experts_stored_packed`: `.state.source.get_all_keys()`."""
+
+    def __init__(self, wrapped, keys: list[str]):
+        self._wrapped = wrapped
+        self.state = types.SimpleNamespace(source=types.SimpleNamespace(get_all_keys=lambda: keys))
+
+    def __getattr__(self, name):
+        return getattr(self._wrapped, name)

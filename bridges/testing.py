@@ -54,7 +54,9 @@ def tiny_hf_config(family: str):
         if family == "qwen3_vl":
             return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **_TOKEN_IDS,
                                               architectures=["Qwen3VLForConditionalGeneration"])  # fmt: skip
-        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+        # moe_intermediate_size 24: fused gate_up [E, 64, 48] is not square, so transformers can tell its on-disk
+        # layout apart when loading (its Transpose(1, 2, check_dims=True) converter is ambiguous on square tensors).
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1)
         return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **_TOKEN_IDS,
                                              architectures=["Qwen3VLMoeForConditionalGeneration"])  # fmt: skip
     raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")

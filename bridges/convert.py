@@ -1,0 +1,196 @@
+"""HF <-> Megatron checkpoint conversion through Megatron-Bridge's AutoBridge, at any TP/PP layout.
+
+`import_checkpoint` and `export_checkpoint` run inside an initialised distributed context (one process
+per rank; `launch_ranks` starts them on this machine). The Megatron checkpoint directory also keeps
+the small HF files (config, tokenizer, processor) under `hf/`, so export needs nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qvl.bridges.providers import auto_bridge
+from qvl.launchers.runtime import import_megatron_bridge
+
+logger = logging.getLogger(__name__)
+
+HF_FILES_DIR = "hf"
+# Everything in an HF checkpoint directory except the weights: needed to export and to run the model.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+class ConversionError(ValueError):
+    """A checkpoint cannot be converted as asked; the message says why and what to do."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ConversionResult:
+    """What a conversion wrote and what it cost."""
+
+    output: Path
+    seconds: float
+    peak_rss_bytes: int
+    tensor_parallel: int
+    pipeline_parallel: int
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def check_hf_dir(hf_dir: Path) -> None:
+    """Fail early, naming the file, when an HF checkpoint directory is incomplete."""
+    if not hf_dir.is_dir():
+        raise ConversionError(f"{hf_dir} is not a directory; pass an HF checkpoint directory (config.json + *.safetensors)")
+    if not (hf_dir / "config.json").is_file():
+        raise ConversionError(f"{hf_dir} has no config.json; it is not a Hugging Face checkpoint directory")
+    if not any(hf_dir.glob("*.safetensors")) and not any(hf_dir.glob("*.bin")):
+        raise ConversionError(f"{hf_dir} has no weights (*.safetensors or *.bin)")
+
+
+def copy_hf_side_files(src: Path, dst: Path) -> None:
+    """Copy config, tokenizer and processor files (not weights) from one HF-style directory to another."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and not path.name.endswith(".index.json"):
+            shutil.copy2(path, dst / path.name)
+
+
+def import_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str = "bf16") -> ConversionResult:
+    """HF directory -> Megatron distributed checkpoint at the current TP/PP layout (collective)."""
+    from megatron.core import parallel_state
+
+    started = time.perf_counter()
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    check_hf_dir(hf_dir)
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    bridge = auto_bridge_with_weights(hf_dir, DTYPES[dtype])
+    provider = bridge.to_megatron_provider(load_weights=True)
+    _fix(provider, bridge)
+    provider.params_dtype = DTYPES[dtype]
+    provider.bf16, provider.fp16 = dtype == "bf16", dtype == "fp16"
+    provider.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
+    provider.pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
+    provider.pipeline_dtype = DTYPES[dtype]
+    check_layout(provider)
+    provider.finalize()
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    bridge.save_megatron_model(model, out_dir, hf_tokenizer_path=str(hf_dir), low_memory_save=True)
+    if torch.distributed.get_rank() == 0:
+        copy_hf_side_files(hf_dir, out_dir / HF_FILES_DIR)
+    torch.distributed.barrier()
+    return ConversionResult(output=out_dir, seconds=time.perf_counter() - started, peak_rss_bytes=peak_rss_bytes(),
+                            tensor_parallel=provider.tensor_model_parallel_size,
+                            pipeline_parallel=provider.pipeline_model_parallel_size)  # fmt: skip
+
+
+def auto_bridge_with_weights(hf_dir: Path, dtype: torch.dtype):
+    """An AutoBridge over an HF checkpoint directory whose weights stream from its safetensors files."""
+    import_megatron_bridge()
+    import qvl.bridges.registry  # noqa: F401
+    from megatron.bridge import AutoBridge
+
+    try:
+        return AutoBridge.from_hf_pretrained(str(hf_dir), dtype=dtype)
+    except ValueError as err:
+        if "not supported" in str(err) or "not yet supported" in str(err):
+            raise ConversionError(f"{hf_dir}: unsupported architecture. {supported_architectures_hint()}") from err
+        raise
+
+
+def supported_architectures_hint() -> str:
+    return ("qvl converts Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, "
+            "Qwen3VLForConditionalGeneration and Qwen3VLMoeForConditionalGeneration")  # fmt: skip
+
+
+def _fix(provider, bridge) -> None:
+    from qvl.bridges.fixes import fix_provider
+
+    fix_provider(provider, bridge.hf_pretrained.config)
+
+
+def check_layout(provider) -> None:
+    """TP must divide the attention heads and query groups, PP the decoder layers; say which values work."""
+    tp, pp = provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size
+    heads, groups, layers = provider.num_attention_heads, provider.num_query_groups or provider.num_attention_heads, provider.num_layers
+    if heads % tp or groups % tp:
+        ok = [d for d in range(1, heads + 1) if heads % d == 0 and groups % d == 0]
+        raise ConversionError(f"tensor_parallel={tp} does not divide {heads} attention heads and {groups} query groups; "
+                              f"use one of {ok}")  # fmt: skip
+    if layers % pp:
+        ok = [d for d in range(1, layers + 1) if layers % d == 0]
+        raise ConversionError(f"pipeline_parallel={pp} does not divide {layers} decoder layers; use one of {ok}")
+
+
+def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:
+    """Megatron checkpoint (written by `import_checkpoint` or training) -> HF safetensors + config (collective)."""
+    started = time.perf_counter()
+    megatron_dir, out_hf_dir = Path(megatron_dir), Path(out_hf_dir)
+    hf_files = megatron_dir / HF_FILES_DIR
+    if not (hf_files / "config.json").is_file():
+        raise ConversionError(f"{megatron_dir} has no {HF_FILES_DIR}/config.json; convert it with `qvl convert import`, "
+                              "or copy the original HF config.json and tokenizer files into that folder")  # fmt: skip
+    bridge = auto_bridge(hf_files)
+    model = load_megatron(bridge, megatron_dir)
+    bridge.save_hf_pretrained(model, out_hf_dir, show_progress=False)
+    if torch.distributed.get_rank() == 0:
+        for path in hf_files.iterdir():  # tokenizer + processor files the bridge does not write
+            if not (out_hf_dir / path.name).exists():
+                shutil.copy2(path, out_hf_dir / path.name)
+    torch.distributed.barrier()
+    return ConversionResult(output=out_hf_dir, seconds=time.perf_counter() - started, peak_rss_bytes=peak_rss_bytes(),
+                            tensor_parallel=1, pipeline_parallel=1)  # fmt: skip
+
+
+def load_megatron(bridge, megatron_dir: Path) -> list:
+    """The Megatron model from a checkpoint directory, built with qvl's provider fixes."""
+    from megatron.core import parallel_state
+
+    overrides = {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+    }
+    return bridge.load_megatron_model(str(megatron_dir), mp_overrides=overrides, wrap_with_ddp=False)
+
+
+# --- entry points run on every rank by `qvl convert` (module level, so spawned ranks can import them) ---
+
+
+def import_on_rank(hf_dir: str, out_dir: str, dtype: str) -> dict:
+    result = import_checkpoint(Path(hf_dir), Path(out_dir), dtype=dtype)
+    return {"seconds": result.seconds, "peak_rss_bytes": result.peak_rss_bytes}
+
+
+def export_on_rank(megatron_dir: str, out_hf_dir: str) -> dict:
+    result = export_checkpoint(Path(megatron_dir), Path(out_hf_dir))
+    return {"seconds": result.seconds, "peak_rss_bytes": result.peak_rss_bytes}
+
+
+def verify_on_rank(hf_dir: str, megatron_dir: str, tolerance: float | None, video: bool) -> dict | None:
+    """Logit parity and per-tensor export equality; the last pipeline stage's rank 0 returns the report."""
+    from megatron.core import parallel_state
+
+    from qvl.bridges import verify
+
+    # A weights-backed bridge: its export names follow the checkpoint's own layout (e.g. fused MoE experts).
+    bridge = auto_bridge_with_weights(Path(hf_dir), torch.float32)
+    model = load_megatron(bridge, Path(megatron_dir))
+    inputs = verify.reference_inputs(Path(hf_dir), video=video)
+    ours = verify.megatron_logits(model, inputs)
+    compared, different = verify.compare_exported_tensors(bridge, model, Path(hf_dir))
+    if ours is None or parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None
+    if tolerance is None:  # fp32 parity is ~3e-7; bf16 weights round every matmul input
+        tolerance = verify.DEFAULT_TOLERANCE if model[0].config.params_dtype == torch.float32 else 0.25
+    report = verify.build_report(verify.hf_logits(Path(hf_dir), inputs), ours, compared, different, tolerance)
+    return report.as_dict() | {"peak_rss_bytes": peak_rss_bytes()}
