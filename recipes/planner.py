@@ -351,7 +351,8 @@ def _step_time(cfg, hw, fwd, microbatches, dp, tokens, lm, model_flops, gpus, tr
     """Roofline step time and MFU: bottleneck stage x (micro-batches + bubble), plus unoverlapped comms."""
     model = cfg.model
     tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
-    peak = hw.fp8_flops if cfg.mixed_precision and "fp8" in str(cfg.mixed_precision) else hw.bf16_flops
+    fp8 = cfg.mixed_precision and "fp8" in str(cfg.mixed_precision) and hw.fp8_flops
+    peak = hw.fp8_flops if fp8 else hw.bf16_flops
     recompute_factor = 4 / 3 if model.recompute_granularity == "full" else 1.0
     per_micro = max(fwd) * 3 * recompute_factor / (tp * model.context_parallel_size) / (peak * GEMM_EFFICIENCY)
 

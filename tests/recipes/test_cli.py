@@ -1,0 +1,42 @@
+"""`qvl recipes` and `qvl plan` through the real `qvl` entry point."""
+
+from __future__ import annotations
+
+import pytest
+
+from qvl.launchers.cli import main
+from qvl.recipes.cli import parse_overrides, parse_value
+
+
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "220")  # rich reads it; tables are not truncated
+
+
+def test_values_parse_to_python_types():
+    assert [parse_value(v) for v in ("4", "0.6", "true", "None", "vision,projector")] == [
+        4, 0.6, True, None, "vision,projector"]  # fmt: skip
+    assert parse_overrides(["tensor_parallel=4", "freeze=vision"]) == {"tensor_parallel": 4, "freeze": "vision"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_overrides(["tensor_parallel"])
+
+
+def test_qvl_recipes_lists_every_recipe(capsys):
+    assert main(["recipes", "--family", "qwen3_vl"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3_vl_235b_a22b_peft" in out and "qwen3_vl_30b_a3b_sft" in out and "qwen25_vl" not in out
+
+
+def test_qvl_plan_prints_memory_split_flops_and_mfu(capsys):
+    assert main(["plan", "qwen25_vl_72b_sft", "--gpus", "64"]) == 0
+    out = capsys.readouterr().out
+    for text in ("params GiB", "optimizer GiB", "activations GiB", "pipeline split", "MFU estimate", "FLOPs per step"):
+        assert text in out
+
+
+def test_qvl_plan_refuses_and_suggests(capsys):
+    assert main(["plan", "qwen25_vl_7b_sft", "--gpus", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "refused" in out and "offload" in out
+    assert main(["plan", "qwen25_vl_7b_sft", "tensor_parallel=3"]) == 2
+    assert "tensor_parallel=3" in capsys.readouterr().err

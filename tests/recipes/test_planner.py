@@ -1,0 +1,116 @@
+"""The planner against Megatron-Core's own accounting (tiny models on CPU), Megatron-LM's formulas and
+published configurations."""
+
+from __future__ import annotations
+
+import pytest
+
+from qvl.data.cost import lm_flops, vision_flops
+from qvl.recipes import planner
+from qvl.recipes.planner import GIB, plan_config, plan_recipe
+from qvl.recipes.registry import get_recipe
+from qvl.recipes.split import Workload
+
+
+def test_parameter_counts_equal_megatron_models_built_on_cpu(cpu_runtime, tiny_hf_dirs):
+    import torch
+
+    cpu_runtime.init_distributed()
+    try:
+        for family, name in [("qwen2_vl", "qwen2_vl_2b_sft"), ("qwen2_5_vl", "qwen25_vl_3b_sft"),
+                             ("qwen3_vl", "qwen3_vl_2b_sft"), ("qwen3_vl_moe", "qwen3_vl_30b_a3b_sft")]:  # fmt: skip
+            cfg = get_recipe(name).fn(hf_path=str(tiny_hf_dirs[family]), precision="fp32", tensor_parallel=1,
+                                      expert_parallel=1)  # fmt: skip
+            cfg.model.finalize()
+            chunks = cfg.model.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+            built = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+            counted = sum(planner.lm_param_counts(cfg.model).values()) + planner.vision_param_count(cfg.model)
+            assert counted == built, family
+    finally:
+        cpu_runtime.destroy_distributed()
+        torch.manual_seed(0)
+
+
+def test_published_sizes_count_like_the_released_checkpoints():
+    cfg = get_recipe("qwen25_vl_7b_sft").fn()
+    assert plan_config(cfg, gpus=8).params_total == 8_292_166_656
+
+
+def test_weight_and_optimizer_bytes_follow_megatron_lm_formula():
+    # megatron/training/theoretical_memory_usage.py: 6 + 12/DP bytes per parameter with the distributed optimizer
+    cfg = get_recipe("qwen25_vl_7b_sft").fn()
+    one, four = plan_config(cfg, gpus=2), plan_config(cfg, gpus=8)
+    p1, p4 = one.stages[0], four.stages[0]
+    params_per_gpu = p1.params / 2
+    assert p1.grads == pytest.approx(4 * params_per_gpu) and p1.optimizer == pytest.approx(12 * params_per_gpu)
+    assert p4.optimizer == pytest.approx(p1.optimizer / 4) and p4.params == p1.params
+    offload = plan_config(get_recipe("qwen25_vl_7b_sft").fn(optimizer_offload=0.6), gpus=8).stages[0]
+    assert offload.optimizer == pytest.approx(0.4 * p4.optimizer)
+
+
+def test_frozen_and_lora_parameters_carry_no_optimizer_state():
+    frozen = plan_config(get_recipe("qwen25_vl_7b_sft").fn(freeze="language,vision,projector"), gpus=8)
+    assert frozen.stages[0].optimizer == 0 and frozen.params_trainable == 0
+    lora = plan_config(get_recipe("qwen25_vl_7b_peft").fn(), gpus=1)
+    assert 0 < lora.params_trainable < 0.01 * lora.params_total
+    assert lora.stages[0].optimizer < 0.1 * lora.stages[0].params  # rank-32 adapters: ~0.9% of the weights
+
+
+def test_activations_shrink_with_recompute_sequence_and_context_parallel():
+    def acts(**kw):
+        return plan_config(get_recipe("qwen3_vl_8b_sft").fn(**kw), gpus=8).stages[0].activations
+
+    none, selective, full = acts(), acts(recompute="selective", recompute_modules="core_attn,mlp"), acts(recompute="full")
+    assert none > selective > full
+    assert acts(sequence_parallel=False) > none
+    assert acts(context_parallel=2) == pytest.approx(none / 2, rel=0.05)
+    longer = plan_config(get_recipe("qwen3_vl_8b_sft").fn(seq_length=8192), gpus=8).stages[0].activations
+    assert longer == pytest.approx(2 * none, rel=0.05)
+
+
+def test_published_config_qwen25_vl_7b_sft_tp2_fits_80gb():
+    plan = plan_recipe("qwen25_vl_7b_sft", {}, gpus=8, gpu="h100")
+    assert plan.fits and plan.layout["tensor_parallel"] == 2 and plan.worst.total < 80 * GIB
+    assert 0.2 < plan.mfu < 0.7
+
+
+def test_a_config_that_does_not_fit_is_refused_with_changes_that_fit():
+    plan = plan_recipe("qwen25_vl_7b_sft", {}, gpus=2, gpu="h100")
+    assert not plan.fits and "does not fit" in plan.problems[0]
+    assert any("offload" in s for s in plan.suggestions)
+    for suggestion in plan.suggestions:  # each suggestion is itself a plan that fits
+        assert float(suggestion.rsplit("(", 1)[1].split()[0]) < planner.GPUS["h100"].memory_gib
+
+
+def test_layouts_that_do_not_divide_are_refused_naming_the_values():
+    plan = plan_recipe("qwen25_vl_7b_sft", {"tensor_parallel": 4}, gpus=6, suggest=False)
+    assert "--gpus 6" in plan.problems[0] and "4, 8" in plan.problems[0]
+    plan = plan_recipe("qwen25_vl_7b_sft", {"global_batch_size": 90}, gpus=8, suggest=False)
+    assert "global_batch_size=90" in plan.problems[0] and "global_batch_size=88" in plan.problems[0]
+    plan = plan_recipe("qwen25_vl_7b_sft", {"precision": "fp8-delayed"}, gpus=8, gpu="a100", suggest=False)
+    assert any("FP8" in p for p in plan.problems)
+
+
+def test_flops_are_the_cost_models_times_three():
+    cfg = get_recipe("qwen25_vl_7b_sft").fn()
+    workload = Workload(seq_length=4096, sample_tokens=1024, vision_token_fraction=0.5, patches_per_image=1024)
+    plan = plan_config(cfg, gpus=8, workload=workload)
+    lm, vision = planner.model_shapes(cfg.model)
+    per_pack = lm_flops(lm, [1024] * 4) + vision_flops(vision, [1024] * 8)
+    assert plan.model_flops_per_step == pytest.approx(3 * per_pack * cfg.train.global_batch_size)
+
+
+def test_every_default_layout_fits_its_planned_gpus():
+    from qvl.recipes.registry import all_recipes
+
+    for info in all_recipes():
+        plan = plan_recipe(info.name, {}, gpus=info.layout["gpus"], suggest=False)
+        assert plan.fits, (info.name, plan.problems)
+
+
+def test_pipeline_split_puts_less_lm_work_on_the_vision_stage():
+    plan = plan_recipe("qwen25_vl_72b_sft", {}, gpus=64)
+    layers = [s.layers for s in plan.stages]
+    assert layers[0] < max(layers) and sum(layers) == 80
+    flops = plan.stage_flops
+    assert max(flops) / (sum(flops) / len(flops)) < 1.05
