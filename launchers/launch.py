@@ -24,8 +24,8 @@ import yaml
 
 from qvl.launchers.overrides import (LaunchError, Overrides, apply_config_overrides, function_params, load_site_config,
                                      missing_required, split_overrides, to_plain)  # fmt: skip
-from qvl.launchers.preflight import (Layout, check_accepted, check_mounts, check_required, check_ssh_job_dir,
-                                     check_world_size)  # fmt: skip
+from qvl.launchers.preflight import (LAYOUT_KEYS, Layout, check_accepted, check_mounts, check_recipe_gpus,
+                                     check_required, check_ssh_job_dir, check_world_size)  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,15 @@ def build_executor(kind: str, settings: dict[str, Any]):
     check_accepted(kind, accepted, settings)
     if kind == "slurm":
         check_ssh_job_dir(settings)
-    return factory(**settings)
+    if kind != "kubernetes":
+        return factory(**settings)
+    from kubernetes.config import ConfigException
+
+    try:  # the Kubeflow executor loads the kubeconfig when built, dry run or not
+        return factory(**settings)
+    except ConfigException as err:
+        raise LaunchError(f"the kubernetes executor needs a kubeconfig ($KUBECONFIG or ~/.kube/config) or an "
+                          f"in-cluster service account, also for a dry run: {err}") from err
 
 
 def function_params_names(fn) -> list[str]:
@@ -119,6 +127,10 @@ def validate(job: Job, executor, settings: dict[str, Any]) -> None:
     cpu = is_cpu(executor)
     check_world_size(job.layout, nodes=nodes, per_node=per_node, gpu=not cpu,
                      per_node_name="cpu_processes" if cpu else "gpus_per_node")  # fmt: skip
+    if not cpu:
+        overridden = any(key in job.overrides.recipe for key in LAYOUT_KEYS)
+        check_recipe_gpus(job.recipe, job.registered_layout.get("gpus"), nodes=nodes, per_node=per_node,
+                          layout_overridden=overridden)  # fmt: skip
     if isinstance(executor, run.SlurmExecutor) and isinstance(executor.tunnel, run.LocalTunnel):
         check_mounts(executor.container_mounts)
 
@@ -229,11 +241,11 @@ def run_launch(args: argparse.Namespace) -> int:
     except LaunchError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False)
         return 2
-    if args.dryrun:
+    if args.dryrun:  # written raw: the script must survive copy-paste, so no wrapping or markup
         console.rule(f"{result['executor']} request (dry run, nothing submitted)")
-        console.print(result["request"], markup=False, highlight=False, end="")
+        sys.stdout.write(result["request"].rstrip("\n") + "\n")
         console.rule("resolved config")
-        console.print(yaml.safe_dump(result["config"], sort_keys=False), markup=False, highlight=False, end="")
+        sys.stdout.write(yaml.safe_dump(result["config"], sort_keys=False))
         return 0
     home = f"NEMORUN_HOME={args.experiments_dir} " if args.experiments_dir else ""
     console.print(f"experiment [bold]{result['experiment']}[/] ({', '.join(result['states'])})\n"

@@ -70,6 +70,18 @@ def check_world_size(layout: Layout, *, nodes: int, per_node: int, per_node_name
                           f"domain; use tensor_parallel<={per_node} and spread across nodes with pipeline_parallel")  # fmt: skip
 
 
+def check_recipe_gpus(recipe: str, sized_for: int | None, *, nodes: int, per_node: int, layout_overridden: bool) -> None:
+    """Fail when a GPU world is smaller than the recipe was sized for (its registered `gpus`), unless the
+    user changed the layout (then memory per GPU is theirs to judge)."""
+    world = nodes * per_node
+    if not sized_for or layout_overridden or world >= sized_for:
+        return
+    fix = -(-sized_for // per_node)
+    raise LaunchError(f"recipe {recipe} is sized for {sized_for} GPUs but the executor has {world} "
+                      f"(nodes={nodes} x gpus_per_node={per_node}); use nodes={fix}, or override the layout "
+                      "(tensor_parallel=..., pipeline_parallel=...) if a smaller run fits in memory")  # fmt: skip
+
+
 def _fix(needed: int, nodes: int, per_node: int, per_node_name: str) -> str:
     """Node counts near `nodes` whose world size fits `needed`."""
     fits = [n for n in range(1, max(2 * nodes, needed) + 2) if n * per_node >= needed and (n * per_node) % needed == 0]

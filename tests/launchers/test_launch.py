@@ -64,7 +64,8 @@ def empty_stdin(monkeypatch):
 def fake_recipe(monkeypatch):
     """Register the stand-in recipes for one test (the real ones are written in recipes/ concurrently)."""
     monkeypatch.setattr(registry, "RECIPE_MODULES", ())  # only the stand-ins: no dependence on recipes/ modules
-    registry.recipe(family="qvl_test", size="tiny", stage="sft", name=FAKE_RECIPE, tensor_parallel=2)(tiny_sft)
+    registry.recipe(family="qvl_test", size="tiny", stage="sft", name=FAKE_RECIPE, tensor_parallel=2,
+                    gpus=8)(tiny_sft)  # fmt: skip
     registry.recipe(family="qvl_test", size="tiny", stage="sft", name="qvl_test_ckpt_sft")(needs_checkpoint)
     yield FAKE_RECIPE
     registry._RECIPES.pop(FAKE_RECIPE, None)
@@ -145,6 +146,15 @@ def test_registered_layout_applies_without_overrides(fake_recipe, tmp_path):
     """The recipe registers tensor_parallel=2: three CPU processes cannot hold it."""
     with pytest.raises(LaunchError, match=r"world size 3 \(nodes=1 x cpu_processes=3\) is not divisible"):
         launch(fake_recipe, ["run.executor.gpus=0", "run.executor.cpu_processes=3"], kind="local", dryrun=True)
+
+
+def test_fewer_gpus_than_the_recipe_is_sized_for_is_refused(fake_recipe, tmp_path):
+    with pytest.raises(LaunchError, match=r"recipe qvl_test_tiny_sft is sized for 8 GPUs but the executor has 4 "
+                                          r"\(nodes=1 x gpus_per_node=4\); use nodes=2"):  # fmt: skip
+        launch(fake_recipe, ["run.executor.gpus_per_node=4", *SLURM], kind="slurm", dryrun=True)
+    # With the layout overridden the user has judged the memory: the same world is accepted.
+    launch(fake_recipe, ["tensor_parallel=4", "run.executor.gpus_per_node=4", *SLURM], kind="slurm", dryrun=True,
+           experiments_dir=str(tmp_path))  # fmt: skip
 
 
 @pytest.mark.parametrize("missing", ["account", "partition", "container_image"])
