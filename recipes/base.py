@@ -66,8 +66,8 @@ class QvlPackedDatasetConfig(DatasetProvider):
         try:
             from qvl.data.load import build_packed_datasets
         except ImportError as err:
-            raise RuntimeError("qvl.data.load.build_packed_datasets(config, context) is not available in this "
-                               "version; train through `qvl train`, which wires the packed loader") from err  # fmt: skip
+            raise RuntimeError("qvl.data.load.build_packed_datasets(config, context) is not available in "
+                               "this version; train through `qvl train`, which wires the packed loader") from err
         return build_packed_datasets(self, context)
 
 
@@ -198,7 +198,8 @@ def split_of(model: Any) -> list[int]:
 __all__ = ["ConfigContainer", "QvlPackedDatasetConfig", "build_config", "build_model", "split_of", "split_from_counts"]
 
 
-def family_recipe(*, arch: Architecture, stage: str, layout: dict[str, int], settings: dict, overrides: dict) -> ConfigContainer:
+def family_recipe(*, arch: Architecture, stage: str, layout: dict[str, int], settings: dict,
+                  overrides: dict) -> ConfigContainer:  # fmt: skip
     """What every family's base recipe does: stage defaults, the size's layout and settings, the caller's overrides."""
     from qvl.recipes.options import STAGE_DEFAULTS, make_options
 

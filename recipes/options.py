@@ -14,7 +14,8 @@ PRECISIONS = {
     "fp32": None,
 }
 RECOMPUTE = ("none", "selective", "full")
-FREEZABLE = {"vision": "freeze_vision_model", "projector": "freeze_vision_projection", "language": "freeze_language_model"}
+FREEZABLE = {"vision": "freeze_vision_model", "projector": "freeze_vision_projection",
+             "language": "freeze_language_model"}  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,7 +74,7 @@ class RecipeOptions:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.virtual_pipeline is not None and self.pipeline_parallel < 2:
             raise ValueError(f"virtual_pipeline={self.virtual_pipeline} needs pipeline_parallel >= 2 "
-                             f"(got {self.pipeline_parallel}); drop virtual_pipeline or raise pipeline_parallel")  # fmt: skip
+                             f"(got {self.pipeline_parallel}); drop virtual_pipeline or raise it")  # fmt: skip
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size="
                              f"{self.micro_batch_size}")  # fmt: skip

@@ -51,7 +51,8 @@ GPUS = {
                 intra_node_bw=300e9, inter_node_bw=25e9),
 }  # fmt: skip
 OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: what a real run adds on top
-GEMM_EFFICIENCY = 0.5  # share of peak a Megatron step's compute reaches (GEMMs ~0.7, minus norms, attention kernels, ViT)
+# Share of peak a Megatron step's compute reaches: large GEMMs ~0.7, less for norms, attention kernels, the ViT.
+GEMM_EFFICIENCY = 0.5
 
 
 @dataclass(kw_only=True, slots=True)
@@ -187,7 +188,8 @@ def _bytes_per_param(cfg: Any) -> tuple[int, int, int]:
     return (2, 4, 12) if bf16 else (4, 4, 8)  # fp32 runs have no separate master copy
 
 
-def layer_activation_bytes(model: Any, lm: LMShape, tokens: float, *, recompute: str | None, modules: list[str]) -> float:
+def layer_activation_bytes(model: Any, lm: LMShape, tokens: float, *, recompute: str | None,
+                           modules: list[str]) -> float:  # fmt: skip
     """Bytes one LM layer keeps for backward over `tokens` tokens of one micro-batch (bf16, flash attention)."""
     tp = model.tensor_model_parallel_size
     sp = tp if model.sequence_parallel else 1
@@ -394,8 +396,8 @@ def _candidates(plan: Plan, overrides: dict) -> list[tuple[str, dict]]:
            ("recompute=full", {"recompute": "full"})]
     out += [(f"optimizer_offload={f:.1f} (offload {f:.0%} of optimizer state)", {"optimizer_offload": f})
             for f in (0.2, 0.4, 0.6, 0.8, 1.0)]
-    out += [(f"tensor_parallel={tp * 2}", {"tensor_parallel": tp * 2}), (f"tensor_parallel={tp * 4}", {"tensor_parallel": tp * 4})]
-    out += [(f"pipeline_parallel={pp * 2}", {"pipeline_parallel": pp * 2}), (f"pipeline_parallel={pp * 4}", {"pipeline_parallel": pp * 4})]
+    out += [(f"tensor_parallel={tp * k}", {"tensor_parallel": tp * k}) for k in (2, 4)]
+    out += [(f"pipeline_parallel={pp * k}", {"pipeline_parallel": pp * k}) for k in (2, 4)]
     out += [("recompute=full optimizer_offload=0.5", {"recompute": "full", "optimizer_offload": 0.5})]
     return [(label, change) for label, change in out if any(overrides.get(k) != v for k, v in change.items())]
 

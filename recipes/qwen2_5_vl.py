@@ -26,7 +26,8 @@ LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
 }  # fmt: skip
 # Non-layout defaults per (size, stage): full recompute where activations (4 packs in flight on stage 0,
 # each with its images' replicated HF vision activations) would not fit otherwise.
-SETTINGS: dict[tuple[str, str], dict] = {("72b", "pretrain"): dict(recompute="full"), ("72b", "sft"): dict(recompute="full")}
+SETTINGS: dict[tuple[str, str], dict] = {("72b", "pretrain"): dict(recompute="full"),
+                                         ("72b", "sft"): dict(recompute="full")}  # fmt: skip
 
 
 def qwen25_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
