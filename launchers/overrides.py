@@ -10,6 +10,7 @@ Values are parsed as YAML scalars and lists (`4` -> int, `true` -> bool, `[a,b]`
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,8 +140,12 @@ def _reject_secrets(section: dict[str, Any], where: str) -> None:
 
 def to_plain(obj: Any, depth: int = 3) -> Any:
     """A YAML-printable view of a config (dataclasses to dicts, other objects to their repr)."""
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
+    if obj is None or type(obj) in (str, int, float, bool):
         return obj
+    if isinstance(obj, enum.Enum):
+        return obj.name
+    if isinstance(obj, (str, int, float)):  # subclasses (e.g. IntEnum-likes) print as their plain value
+        return type(obj).__mro__[-2](obj)
     if isinstance(obj, (list, tuple)):
         return [to_plain(v, depth) for v in obj]
     if isinstance(obj, dict):
