@@ -47,6 +47,31 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+SUPPORTED_ARCHITECTURES = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+)
+
+
+def require_qwen_vl(hf_dir: Path) -> str:
+    """The checkpoint's architecture, or an error listing the ones qvl converts."""
+    import json
+
+    check_hf_dir(Path(hf_dir))
+    try:
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{hf_dir}/config.json is not valid JSON ({err}); the checkpoint is corrupt") from err
+    architectures = config.get("architectures") or []
+    supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+    if not supported:
+        raise ConversionError(f"{hf_dir}: architecture {architectures or 'unknown'} is not supported; "
+                              f"qvl converts {', '.join(SUPPORTED_ARCHITECTURES)}")  # fmt: skip
+    return supported[0]
+
+
 def check_hf_dir(hf_dir: Path) -> None:
     """Fail early, naming the file, when an HF checkpoint directory is incomplete."""
     if not hf_dir.is_dir():
@@ -71,7 +96,7 @@ def import_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str = "bf16") -> Co
 
     started = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    check_hf_dir(hf_dir)
+    require_qwen_vl(hf_dir)
     if dtype not in DTYPES:
         raise ConversionError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     bridge = auto_bridge_with_weights(hf_dir, DTYPES[dtype])
@@ -100,17 +125,8 @@ def auto_bridge_with_weights(hf_dir: Path, dtype: torch.dtype):
     import qvl.bridges.registry  # noqa: F401
     from megatron.bridge import AutoBridge
 
-    try:
-        return AutoBridge.from_hf_pretrained(str(hf_dir), dtype=dtype)
-    except ValueError as err:
-        if "not supported" in str(err) or "not yet supported" in str(err):
-            raise ConversionError(f"{hf_dir}: unsupported architecture. {supported_architectures_hint()}") from err
-        raise
-
-
-def supported_architectures_hint() -> str:
-    return ("qvl converts Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, "
-            "Qwen3VLForConditionalGeneration and Qwen3VLMoeForConditionalGeneration")  # fmt: skip
+    require_qwen_vl(hf_dir)
+    return AutoBridge.from_hf_pretrained(str(hf_dir), dtype=dtype)
 
 
 def _fix(provider, bridge) -> None:
