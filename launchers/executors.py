@@ -8,14 +8,13 @@ NeMo-Run's. The job itself runs inside a NeMo container that has qvl installed, 
 """
 
 
-import logging
+import dataclasses
+import inspect
 import os
 from typing import Any, Optional
 
 import nemo_run as run
 from nemo_run.core.execution.launcher import Torchrun
-
-logger = logging.getLogger(__name__)
 
 # Set on a LocalExecutor that runs on the CPU runtime; the task then gets `--device cpu`.
 CPU_DEVICE_ENV = "QVL_DEVICE"
@@ -181,6 +180,25 @@ def kuberay(
 
 
 FACTORIES = {"local": local, "slurm": slurm, "kubernetes": kubernetes}
+# Executor fields a factory sets itself; the other fields pass through its **keywords.
+_SET_BY_FACTORY = {
+    "slurm": {"ntasks_per_node", "container_mounts", "job_name_prefix", "tunnel", "packager", "launcher"},
+    "kubernetes": {"num_nodes", "runtime_ref", "volumes", "volume_mounts", "packager", "launcher"},
+}
+
+
+def factory_settings(kind: str) -> list[str]:
+    """Every keyword the `kind` factory accepts: its own and, for slurm/kubernetes, the executor's other fields."""
+    factory = FACTORIES[kind]
+    own = [n for n, p in inspect.signature(factory).parameters.items() if p.kind is not p.VAR_KEYWORD]
+    if kind == "local":
+        return own
+    if kind == "slurm":
+        cls = run.SlurmExecutor
+    else:
+        from nemo_run.core.execution.kubeflow import KubeflowExecutor as cls
+    passthrough = {f.name for f in dataclasses.fields(cls) if f.init} - _SET_BY_FACTORY[kind]
+    return own + sorted(passthrough - set(own))
 
 
 def is_cpu(executor: run.Executor) -> bool:

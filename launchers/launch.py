@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -84,9 +84,7 @@ def build_executor(kind: str, settings: dict[str, Any]):
 
     factory = executors.FACTORIES[kind]
     check_required(kind, factory, settings)
-    accepted = set(function_params_names(factory))
-    if kind != "local":  # slurm/kubernetes pass other keywords through to the NeMo-Run executor's fields
-        accepted |= _executor_fields(kind)
+    accepted = set(executors.factory_settings(kind))
     check_accepted(kind, accepted, settings)
     if kind == "slurm":
         check_ssh_job_dir(settings)
@@ -101,23 +99,7 @@ def build_executor(kind: str, settings: dict[str, Any]):
                           f"in-cluster service account, also for a dry run: {err}") from err
 
 
-def function_params_names(fn) -> list[str]:
-    import inspect
-
-    return [n for n, p in inspect.signature(fn).parameters.items() if p.kind is not p.VAR_KEYWORD]
-
-
-def _executor_fields(kind: str) -> set[str]:
-    import nemo_run as run
-
-    if kind == "slurm":
-        cls = run.SlurmExecutor
-    else:
-        from nemo_run.core.execution.kubeflow import KubeflowExecutor as cls
-    return {f.name for f in fields(cls) if f.init}
-
-
-def validate(job: Job, executor, settings: dict[str, Any]) -> None:
+def validate(job: Job, executor) -> None:
     """Every check that needs no cluster: layout vs world size, mounts on a local tunnel."""
     import nemo_run as run
 
@@ -216,7 +198,7 @@ def launch(recipe: str, pairs: Sequence[str], *, kind: str = "local", site_file:
     job = resolve_job(recipe, pairs)
     settings = executor_settings(kind, site_file=site_file, overrides=job.overrides.executor)
     executor = build_executor(kind, settings)
-    validate(job, executor, settings)
+    validate(job, executor)
     name = name or f"qvl-{recipe}".replace("_", "-")
     exp = new_experiment(executor, name=name, experiments_dir=experiments_dir, exp_id=exp_id, quiet=dryrun)
     result = {"experiment": exp._id, "title": name, "folder": exp._exp_dir, "executor": kind}
@@ -225,6 +207,7 @@ def launch(recipe: str, pairs: Sequence[str], *, kind: str = "local", site_file:
         exp.add(task_for(job, executor), name=job.recipe)
         if dryrun:
             return result | {"request": render_dryrun(exp), "config": resolved_config(job, executor)}
+        logger.info("submitting experiment %s to %s: qvl %s", exp._id, kind, shlex.join(task_argv(job, executor)))
         exp.run(detach=not wait, tail_logs=False)
     states = [str(j.state).split(".")[-1] for j in exp.jobs]
     return result | {"states": states}

@@ -53,7 +53,7 @@ def check_task(task: run.Partial, executor: Optional[run.Executor]) -> None:
     recipe = fdl.build(task.recipe)
     job = resolve_job(_recipe_name(recipe.func), _pairs(recipe, task.overrides))
     if executor is not None:
-        validate(job, executor, {})
+        validate(job, executor)
 
 
 @run.cli.entrypoint(namespace="qvl", run_ctx_cls=CheckedRunContext,

@@ -185,6 +185,7 @@ def test_ssh_without_job_dir_is_refused(fake_recipe):
 @pytest.mark.parametrize(("recipe", "overrides", "message"), [
     (FAKE_RECIPE, ["tensorparallel=4"], r"'tensorparallel' is not a keyword of the recipe"),
     (FAKE_RECIPE, ["run.executor.nodez=2"], r"the slurm executor has no setting nodez"),
+    (FAKE_RECIPE, ["run.executor.ntasks_per_node=2"], r"the slurm executor has no setting ntasks_per_node"),
     (FAKE_RECIPE, ["tensor_parallel"], r"is not key=value"),
     (FAKE_RECIPE, ["tensor_parallel=0"], r"tensor_parallel=0 must be a positive integer"),
     ("qvl_test_ckpt_sft", [], r"recipe qvl_test_ckpt_sft needs hf_path; pass hf_path=\.\.\."),
