@@ -70,6 +70,7 @@ def use_local_specs(provider: Any) -> None:
     from qvl.bridges.specs import local_gpt_layer_spec
 
     provider.transformer_layer_spec = local_gpt_layer_spec
+    provider.transformer_impl = "local"
     provider.moe_grouped_gemm = False  # grouped GEMM needs TE or the grouped_gemm CUDA package
     provider.moe_permute_fusion = False  # fused token permutation is a TE kernel
     provider.gradient_accumulation_fusion = False

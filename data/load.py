@@ -318,3 +318,46 @@ class PlannedPackLoader:
             with tarfile.open(self.path / shard) as tar:
                 self._offsets[shard] = {m.name: (m.offset_data, m.size) for m in tar.getmembers()}
         return self._offsets[shard]
+
+
+class _PlannedLoaderAdapter:
+    """PlannedPackLoader with the save_state/restore_state names Megatron-Bridge's checkpointing calls."""
+
+    def __init__(self, loader: PlannedPackLoader):
+        self._loader = loader
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> PackedBatch:
+        return next(self._loader)
+
+    def save_state(self) -> dict:
+        return self._loader.state()
+
+    def restore_state(self, state: dict) -> None:
+        self._loader.restore(state)
+
+
+def build_packed_datasets(config: Any, context: Any) -> tuple[Any, None, None]:
+    """Megatron-Bridge DatasetProvider hook: the train loader over a `qvl data prepare` dataset.
+
+    Each data-parallel rank reads its own share: the DP-aware pack plan's (rank, step) order when the
+    dataset has one (issue 7), else Energon's savable loader in file order (no shuffle buffer, so runs
+    repeat exactly). Both resume at the saved stream position through Megatron-Bridge's checkpointing.
+    """
+    from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader
+    from megatron.core import parallel_state
+    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+
+    path = pathlib.Path(config.path)
+    encoder = QwenVLPackedTaskEncoder(hf_dir=pathlib.Path(config.hf_path), family=config.family)
+    rank, world = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    report = json.loads((path / "report.json").read_text()) if (path / "report.json").is_file() else {}
+    if report.get("dp_plan"):
+        planned = PlannedPackLoader(path, encoder, rank=rank, micro_batch_size=config.micro_batch_size)
+        return _PlannedLoaderAdapter(planned), None, None
+    worker = WorkerConfig(rank=rank, world_size=world, num_workers=config.num_workers)
+    dataset = get_train_dataset(str(path), batch_size=config.micro_batch_size, task_encoder=encoder,
+                                worker_config=worker, shuffle_buffer_size=None, max_samples_per_sequence=None)  # fmt: skip
+    return EnergonDataloader(get_savable_loader(dataset, worker_config=worker)), None, None

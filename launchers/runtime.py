@@ -33,7 +33,13 @@ Redirections (undone by `deactivate()`):
    within GPU RNG context" warning is then true by construction and is filtered out.
 6. Distributed: `init_distributed()` initialises torch.distributed with the gloo backend and builds
    Megatron's parallel state on it.
-7. Model configuration: `check_cpu_config()` refuses what CPU cannot run (FP8, sequence parallelism,
+7. Megatron-Bridge's training loop (`enable_bridge_training()`, on top of `activate()`):
+   `initialize_megatron` asserts CUDA unless `allow_no_cuda`, which its setup path never passes;
+   `compile_helpers()` runs `make` for a dataset-helpers module the megatron-core wheel already ships
+   built (and exits the process when there is no compiler setup); and `_set_random_seed` registers the
+   model-parallel RNG tracker only when a CUDA device is counted, so on CPU every tracker fork fails.
+   The first gets allow_no_cuda=True, the second becomes a no-op, the third also seeds the tracker.
+8. Model configuration: `check_cpu_config()` refuses what CPU cannot run (FP8, sequence parallelism,
    Transformer Engine specs, CUDA graphs, communication overlap, hybrid-device optimizer offload) with
    the reason and the fix, and `cpu_safe_config_overrides()` lists the fusion flags to turn off.
 """
@@ -352,6 +358,36 @@ def activate(*, force: bool = False) -> bool:
     _STATE.mode.__enter__()
     logger.debug("CPU runtime active: %d redirections", len(patches) + 1)
     return True
+
+
+def enable_bridge_training() -> None:
+    """Make Megatron-Bridge's pretrain/finetune loop run on CPU (item 7 above); needs `activate()` first."""
+    if not is_active():
+        raise RuntimeError("call runtime.activate() before enable_bridge_training()")
+    import_megatron_bridge()
+    from megatron.bridge.training import initialize, setup
+
+    def initialize_megatron(*args, **kwargs):
+        return _STATE.originals[(initialize, "initialize_megatron")](*args, **{**kwargs, "allow_no_cuda": True})
+
+    def set_random_seed(seed_, *args, **kwargs):
+        _STATE.originals[(initialize, "_set_random_seed")](seed_, *args, **kwargs)
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        # the seed upstream would have used (it offsets by pipeline rank)
+        model_parallel_cuda_manual_seed(seed_ + 100 * parallel_state.get_pipeline_model_parallel_rank())
+
+    patches = {
+        (initialize, "initialize_megatron"): initialize_megatron,
+        (setup, "initialize_megatron"): initialize_megatron,
+        (initialize, "compile_helpers"): lambda: None,
+        (initialize, "_set_random_seed"): set_random_seed,
+    }
+    for (owner, name), replacement in patches.items():
+        if (owner, name) not in _STATE.originals:
+            _STATE.originals[(owner, name)] = getattr(owner, name)
+        setattr(owner, name, replacement)
 
 
 def deactivate() -> None:

@@ -75,8 +75,9 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
     """A complete ConfigContainer for `arch` trained at `stage` with `options`."""
     o = options
     optimizer, scheduler = build_optimizer(o)
+    model = build_model(arch, o)
     return ConfigContainer(
-        model=build_model(arch, o),
+        model=model,
         train=TrainingConfig(train_iters=o.train_iters, global_batch_size=o.global_batch_size,
                              micro_batch_size=o.micro_batch_size, manual_gc=True, manual_gc_interval=100),
         validation=ValidationConfig(eval_interval=o.save_interval, eval_iters=8),
@@ -89,7 +90,8 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
         logger=LoggerConfig(log_interval=o.log_interval, tensorboard_dir=o.tensorboard_dir,
                             wandb_project=o.wandb_project, wandb_exp_name=Path(o.checkpoint_dir).parent.name),
         # Tokenization happens offline in `qvl data prepare`; the model only needs the vocabulary size.
-        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=arch.text["vocab_size"]),
+        # (the vocabulary of the checkpoint actually used: hf_path may be a local or tiny model)
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=model.vocab_size),
         checkpoint=CheckpointConfig(save=o.checkpoint_dir, load=o.checkpoint_dir, save_interval=o.save_interval,
                                     pretrained_checkpoint=o.pretrained_checkpoint, ckpt_format="torch_dist"),
         rng=RNGConfig(seed=o.seed),

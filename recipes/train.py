@@ -1,0 +1,142 @@
+"""`qvl train RECIPE [key=value ...]`: run a recipe through Megatron-Bridge's own pretrain/finetune loop.
+
+`--model tiny` swaps the recipe's published architecture for a tiny random model of the same family
+(written as an HF checkpoint in the run directory), and `--device cpu` runs it through qvl's CPU
+runtime, so the whole training path runs on a laptop. Every step's loss is appended to
+`RUN_DIR/losses.jsonl` (rank 0) for plots, tests and resume checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+LOSSES_FILE = "losses.jsonl"
+# Overrides a CPU run needs: fp32 (no bf16 kernels worth using), no sequence parallelism (needs TE norms).
+CPU_OVERRIDES = {"precision": "fp32", "sequence_parallel": False}
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainRequest:
+    """What to train, where, and how."""
+
+    recipe: str
+    overrides: dict[str, Any]
+    run_dir: Path
+    model: str | None = None  # "tiny" for a tiny random model of the recipe's family
+    device: str = "auto"  # "cpu" forces the CPU runtime
+
+
+def tiny_family(recipe_family: str, size: str) -> str:
+    """The bridges.testing family for a recipe: MoE sizes (e.g. 30b_a3b) use the tiny MoE model."""
+    return "qwen3_vl_moe" if recipe_family == "qwen3_vl" and "_a" in size else recipe_family
+
+
+def prepare_config(request: TrainRequest):
+    """The recipe's ConfigContainer with the request's model, device and run-directory settings."""
+    from qvl.recipes.registry import get_recipe
+
+    info = get_recipe(request.recipe)
+    overrides = dict(request.overrides)
+    cpu = request.device == "cpu" or not torch.cuda.is_available()
+    if request.model == "tiny" and "hf_path" not in overrides:
+        from qvl.bridges.testing import write_tiny_hf_checkpoint
+
+        hf_dir = request.run_dir / "tiny-hf"
+        if not (hf_dir / "config.json").is_file():
+            write_tiny_hf_checkpoint(hf_dir, tiny_family(info.family, info.size))
+        overrides["hf_path"] = str(hf_dir)
+    if request.model == "tiny":  # a tiny model on one process: no parallelism unless asked for
+        overrides = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1, **overrides}
+    if cpu:
+        overrides = {**CPU_OVERRIDES, **overrides}
+    overrides.setdefault("checkpoint_dir", str(request.run_dir / "checkpoints"))
+    overrides.setdefault("tensorboard_dir", str(request.run_dir / "tensorboard"))
+    config = info.fn(**overrides)
+    if cpu:
+        from qvl.launchers import runtime
+
+        config.dist.distributed_backend = "gloo"
+        config.dataset.num_workers = 0
+        config.dataset.pin_memory = False
+        runtime.check_cpu_config(config.model)
+    return info, config
+
+
+class _LossRecorder:
+    """on_train_step_end callback: append {"step", "loss"} to RUN_DIR/losses.jsonl on global rank 0."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, context) -> None:
+        if torch.distributed.get_rank() != 0 or not context.loss_dict:
+            return
+        loss = context.loss_dict.get("lm loss")
+        value = float(loss[0] / loss[1]) if isinstance(loss, (tuple, list)) else float(loss)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": context.state.train_state.step, "loss": value}) + "\n")
+
+
+def run_training(request: TrainRequest) -> Path:
+    """Train; returns the run directory (checkpoints/, losses.jsonl, tensorboard/)."""
+    from qvl.launchers import runtime
+
+    request.run_dir.mkdir(parents=True, exist_ok=True)
+    if request.device == "cpu" or not torch.cuda.is_available():
+        runtime.activate(force=True)
+        runtime.enable_bridge_training()
+    runtime.import_megatron_bridge()
+    import qvl.bridges.registry  # noqa: F401
+    from megatron.bridge.training.callbacks import CallbackManager
+
+    info, config = prepare_config(request)
+    callbacks = CallbackManager()
+    callbacks.register("on_train_step_end", _LossRecorder(request.run_dir / LOSSES_FILE))
+    from qvl.recipes.step import forward_step
+
+    if info.stage == "pretrain":
+        from megatron.bridge.training.pretrain import pretrain as loop
+    else:
+        from megatron.bridge.training.finetune import finetune as loop
+    loop(config, forward_step, callbacks=callbacks)
+    return request.run_dir
+
+
+def read_losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss from a run directory (a resumed run appends; the latest entry per step wins)."""
+    path = Path(run_dir) / LOSSES_FILE
+    if not path.is_file():
+        return {}
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from qvl.recipes.cli import parse_overrides
+
+    request = TrainRequest(recipe=args.recipe, overrides=parse_overrides(args.overrides), run_dir=Path(args.run_dir),
+                           model=args.model, device=args.device)  # fmt: skip
+    run_training(request)
+    losses = read_losses(request.run_dir)
+    if losses:
+        first, last = losses[min(losses)], losses[max(losses)]
+        print(f"trained {len(losses)} steps: loss {first:.3f} -> {last:.3f}; run directory {request.run_dir}")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `qvl train`."""
+    train = subparsers.add_parser("train", help="train a recipe through Megatron-Bridge (also tiny models on CPU)")
+    train.add_argument("recipe", help="recipe name (`qvl recipes` lists them)")
+    train.add_argument("overrides", nargs="*", help="key=value recipe arguments, e.g. data=DIR train_iters=20")
+    train.add_argument("--model", choices=("tiny",), default=None, help="a tiny random model of the recipe's family")
+    train.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces qvl's CPU runtime")
+    train.add_argument("--run-dir", default="runs/train", help="checkpoints, losses.jsonl, tensorboard (default runs/train)")
+    train.set_defaults(func=run_cli)
