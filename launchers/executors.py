@@ -11,6 +11,7 @@ NeMo-Run's. The job itself runs inside a NeMo container that has qvl installed, 
 import dataclasses
 import inspect
 import os
+import sys
 from typing import Any, Optional
 
 import nemo_run as run
@@ -49,13 +50,21 @@ def visible_gpus() -> int:
 def local(*, gpus: Optional[int] = None, cpu_processes: int = 1, env_vars: Optional[dict[str, str]] = None) -> run.LocalExecutor:
     """This machine: torchrun over the visible GPUs, or the CPU runtime when there are none."""
     gpus = visible_gpus() if gpus is None else gpus
-    extra = dict(env_vars or {})
+    extra = _interpreter_on_path() | dict(env_vars or {})
     if gpus > 0:
         return run.LocalExecutor(ntasks_per_node=gpus, launcher=Torchrun(), env_vars=MEGATRON_ENV | extra)
     # One CPU process needs no torchrun; the CPU runtime makes a world of one with gloo.
     launcher = Torchrun() if cpu_processes > 1 else None
     return run.LocalExecutor(ntasks_per_node=cpu_processes, launcher=launcher,
                              env_vars={CPU_DEVICE_ENV: "cpu", "TOKENIZERS_PARALLELISM": "false"} | extra)  # fmt: skip
+
+
+def _interpreter_on_path() -> dict[str, str]:
+    """PATH with this interpreter's bin/ first, where it is missing (a venv used without activating it):
+    NeMo-Run starts local jobs as `python ...` / `torchrun ...` looked up on PATH."""
+    bindir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    return {} if bindir in path.split(os.pathsep) else {"PATH": os.pathsep.join([bindir, path])}
 
 
 def slurm(

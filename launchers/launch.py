@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import shutil
 import sys
@@ -172,9 +173,16 @@ def _local_command(executor, request) -> str:
     lines = []
     for replicas in request.role_params.values():
         for replica in replicas:
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(executor.env_vars.items()))
+            env = " ".join(f"{k}={_shell_value(k, v)}" for k, v in sorted(executor.env_vars.items()))
             lines.append((f"env {env} " if env else "") + shlex.join(replica.args))
     return "\n".join(lines) + "\n"
+
+
+def _shell_value(key: str, value: str) -> str:
+    inherited = os.environ.get(key)
+    if inherited and value.endswith(os.pathsep + inherited):  # PATH-like: prefix + what this shell has
+        return shlex.quote(value.removesuffix(os.pathsep + inherited)) + f"{os.pathsep}${key}"
+    return shlex.quote(value)
 
 
 def resolved_config(job: Job, executor) -> dict[str, Any]:
