@@ -48,8 +48,10 @@ class Job:
     registered_layout: dict[str, int] = field(default_factory=dict)
 
 
-def resolve_job(recipe: str, pairs: Sequence[str]) -> Job:
-    """Look `recipe` up and sort its overrides; the argv is what `qvl` runs on the execution side."""
+def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = ()) -> Job:
+    """Look `recipe` up and sort its overrides; the argv is what `qvl` runs on the execution side.
+
+    `train_flags` are `qvl train` options passed through (`--model tiny`, `--run-dir DIR`)."""
     if recipe == DEMO_JOB:
         overrides = split_overrides(pairs, lambda name: name in DEMO_PARAMS)
         if overrides.config:
@@ -63,11 +65,12 @@ def resolve_job(recipe: str, pairs: Sequence[str]) -> Job:
     except KeyError as err:
         raise LaunchError(f"{err.args[0]} (or `{DEMO_JOB}`, the built-in tiny job)") from err
     overrides = split_overrides(pairs, function_params(info.fn))
+    tiny = "--model" in train_flags  # `qvl train --model tiny` runs one process: no parallelism unless asked for
     missing = missing_required(info.fn, overrides.recipe)
     if missing:
         raise LaunchError(f"recipe {recipe} needs {', '.join(missing)}; pass " + " ".join(f"{m}=..." for m in missing))
-    return Job(recipe=recipe, overrides=overrides, argv=["train", recipe, *overrides.recipe_args],
-               layout=Layout.from_settings(info.layout, overrides.recipe), recipe_fn=info.fn,
+    return Job(recipe=recipe, overrides=overrides, argv=["train", recipe, *overrides.recipe_args, *train_flags],
+               layout=Layout.from_settings({} if tiny else info.layout, overrides.recipe), recipe_fn=info.fn,
                registered_layout=dict(info.layout))  # fmt: skip
 
 
@@ -199,11 +202,12 @@ def resolved_config(job: Job, executor) -> dict[str, Any]:
     return summary | {"arguments": job.overrides.recipe, "config": to_plain(config, depth=2)}
 
 
-def launch(recipe: str, pairs: Sequence[str], *, kind: str = "local", site_file: str | None = None,
+def launch(recipe: str, pairs: Sequence[str], *, train_flags: Sequence[str] = (), kind: str = "local",
+           site_file: str | None = None,
            dryrun: bool = False, name: str | None = None, experiments_dir: str | None = None,
            exp_id: str | None = None, wait: bool | None = None) -> dict[str, Any]:  # fmt: skip
     """Resolve, validate and run (or dry-run) `recipe`; returns what happened for the CLI to print."""
-    job = resolve_job(recipe, pairs)
+    job = resolve_job(recipe, pairs, train_flags)
     settings = executor_settings(kind, site_file=site_file, overrides=job.overrides.executor)
     executor = build_executor(kind, settings)
     validate(job, executor)
@@ -227,7 +231,8 @@ def run_launch(args: argparse.Namespace) -> int:
 
     console = Console()
     try:
-        result = launch(args.recipe, args.overrides, kind=args.executor, site_file=args.executor_config,
+        result = launch(args.recipe, args.overrides, train_flags=_train_flags(args), kind=args.executor,
+                        site_file=args.executor_config,
                         dryrun=args.dryrun, name=args.name, experiments_dir=args.experiments_dir)  # fmt: skip
     except LaunchError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False)
@@ -247,6 +252,10 @@ def run_launch(args: argparse.Namespace) -> int:
     return 0 if all(s in ("SUCCEEDED", "SUBMITTED", "PENDING", "RUNNING") for s in result["states"]) else 1
 
 
+def _train_flags(args: argparse.Namespace) -> list[str]:
+    return (["--model", args.model] if args.model else []) + (["--run-dir", args.run_dir] if args.run_dir else [])
+
+
 def register(subparsers) -> None:
     """Add `qvl launch`."""
     parser = subparsers.add_parser(
@@ -260,6 +269,8 @@ def register(subparsers) -> None:
                         help="YAML with local:/slurm:/kubernetes: sections of executor settings (no secrets)")  # fmt: skip
     parser.add_argument("--dryrun", action="store_true",
                         help="print the sbatch script / TrainJob manifest / local command and the config; submit nothing")  # fmt: skip
+    parser.add_argument("--model", choices=("tiny",), help="passed to `qvl train`: a tiny random model of the recipe's family")
+    parser.add_argument("--run-dir", help="passed to `qvl train`: checkpoints, losses, tensorboard on the execution side")
     parser.add_argument("--name", help="experiment title (default qvl-RECIPE)")
     parser.add_argument("--experiments-dir", help="where NeMo-Run keeps experiments (default $NEMORUN_HOME)")
     parser.set_defaults(func=run_launch)

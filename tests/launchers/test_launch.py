@@ -230,5 +230,11 @@ def test_qvl_launch_cli_dryrun_and_error(capsys, tmp_path):
     assert "error:" in capsys.readouterr().out
 
 
+def test_train_flags_pass_through_and_tiny_models_drop_the_registered_layout(fake_recipe):
+    job = resolve_job(FAKE_RECIPE, ["pipeline_parallel=2"], ["--model", "tiny", "--run-dir", "runs/x"])
+    assert job.argv == ["train", FAKE_RECIPE, "pipeline_parallel=2", "--model", "tiny", "--run-dir", "runs/x"]
+    assert (job.layout.tensor_parallel, job.layout.pipeline_parallel) == (1, 2)  # registered tensor_parallel=2 dropped
+
+
 def test_demo_job_argv():
     assert resolve_job("demo", ["steps=3"]).argv == ["demo", "--steps", "3"]
