@@ -8,7 +8,7 @@ function becomes a subcommand:
 
 `--factory` choices are the registered recipes (sft/peft ones under `finetune`, pretrain ones under
 `pretrain`) plus `demo`, the built-in tiny job. `recipe.<keyword>=...` overrides a recipe keyword
-(checked against its signature), `overrides=[train.train_iters=100]` sets nested config fields, and
+(checked against its signature), `overrides` (a list of key=value strings) is appended as is, and
 `run.executor=local|slurm|kubernetes` picks an executor factory whose defaults come from the site file
 named by $QVL_EXECUTOR_CONFIG. The entrypoint runs where the executor puts it and executes
 `qvl train RECIPE key=value ...` (or `qvl demo`) there, the same command `qvl launch` submits.
@@ -37,7 +37,8 @@ def version() -> None:
 
 
 def demo(steps: int = 20, output: str = ".demo") -> None:
-    """The built-in tiny job (`qvl demo`): a tiny Megatron GPT, on CPU where there is no GPU."""
+    """The built-in tiny job (`qvl demo`), as a recipe-like signature for `recipe.steps=...`; never called:
+    the entrypoint turns it into the `qvl demo` command line."""
 
 
 class CheckedRunContext(run.cli.RunContext):
