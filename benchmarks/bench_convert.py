@@ -1,0 +1,241 @@
+"""Conversion benchmark: wall time and peak RSS of `qvl convert import` on GB-sized synthetic checkpoints.
+
+The checkpoints have Qwen2.5-VL-3B's widths (hidden 2048, MLP 11008, 16 heads / 2 KV heads, vocabulary
+151936, tied embeddings; vision hidden 1280) with fewer layers, filled with random bf16 weights and
+sharded like a released checkpoint. Each conversion runs in its own process so its peak RSS is its own.
+The constant is the peak RSS of the same command on the tiny Qwen2.5-VL checkpoint (under 2 MB of
+weights): interpreter, torch, Megatron-Core, Megatron-Bridge, transformers and the save machinery.
+
+Goal (issue 3): peak RSS - constant <= 1.5 x the largest shard, flat as depth grows. Megatron-Bridge's
+import builds the whole Megatron model before saving it, so the growth follows the model, not the shard;
+the JSON says so rather than moving the goal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+GOAL_GROWTH_OVER_LARGEST_SHARD = 1.5
+# Qwen2.5-VL-3B's config.json, less depth: the widths that set tensor and shard sizes.
+WIDE_TEXT = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
+                 vocab_size=151936, tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})  # fmt: skip
+WIDE_VISION = dict(hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048, window_size=112)
+DEPTHS = (4, 8, 12)
+QUICK_DEPTHS = (2,)
+SHARD_BYTES = 400 * 2**20
+CONVERT_DTYPE = "bf16"
+
+
+def synthetic_config(text_layers: int, *, vision_depth: int = 4, wide: bool = True):
+    """Qwen2.5-VL config with `text_layers` decoder layers; `wide` gives it Qwen2.5-VL-3B's widths."""
+    from qvl.bridges.testing import tiny_hf_config
+
+    tiny = tiny_hf_config("qwen2_5_vl")
+    fields = tiny.to_dict()
+    text = fields["text_config"] | {"num_hidden_layers": text_layers} | (WIDE_TEXT if wide else {})
+    text.pop("layer_types")  # derived from num_hidden_layers; a stale copy fails validation
+    vision = fields["vision_config"] | {"depth": vision_depth, "fullatt_block_indexes": list(range(1, vision_depth, 2))}
+    vision |= WIDE_VISION if wide else {}
+    fields.update(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"])
+    return type(tiny)(**fields)
+
+
+def hf_layout(config) -> dict[str, torch.Size]:
+    """Name -> shape of every tensor `save_pretrained` writes for `config` (from a meta-device model).
+
+    Tied weights are dropped and names renamed back to the on-disk layout exactly as `save_pretrained`
+    does, so the files look like a released checkpoint (`model.layers.*`, `visual.*`).
+    """
+    from transformers import AutoModelForImageTextToText
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    state = revert_weight_conversion(model, remove_tied_weights_from_state_dict(model.state_dict(), model))
+    return {name: tensor.shape for name, tensor in state.items()}
+
+
+def write_random_hf_checkpoint(path: pathlib.Path, config, *, max_shard_bytes: int = SHARD_BYTES,
+                               dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:  # fmt: skip
+    """Write random weights for `config` as sharded safetensors + index + config + tokenizer; returns sizes.
+
+    Weights are views into one random pool (a tensor per offset), so GBs take seconds, not HF's init.
+    """
+    from safetensors.torch import save_file
+
+    from qvl.bridges.testing import VOCAB_SIZE
+    from qvl.data.testing import write_tiny_hf_processor_dir
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    layout = hf_layout(config)
+    generator = torch.Generator().manual_seed(seed)
+    pool = torch.empty(max(s.numel() for s in layout.values()) + 2**24, dtype=dtype).normal_(0, 0.02, generator=generator)
+    shards, current, current_bytes = [], {}, 0
+    for name, shape in layout.items():
+        offset = int(torch.randint(0, pool.numel() - shape.numel() + 1, (1,), generator=generator))
+        tensor = pool[offset:offset + shape.numel()].view(shape)
+        size = tensor.numel() * tensor.element_size()
+        if current and current_bytes + size > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = {}, 0
+        current[name] = tensor
+        current_bytes += size
+    shards.append(current)
+    weight_map, shard_bytes = {}, []
+    for index, shard in enumerate(shards, start=1):
+        filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file({name: tensor.clone() for name, tensor in shard.items()}, path / filename, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, filename))
+        shard_bytes.append((path / filename).stat().st_size)
+    total = sum(s.numel() for s in layout.values()) * pool.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.save_pretrained(path)
+    write_tiny_hf_processor_dir(path, "qwen2_5_vl", vocab_size=VOCAB_SIZE)
+    return {"tensors": len(layout), "weight_bytes": total, "shards": len(shards), "largest_shard_bytes": max(shard_bytes)}
+
+
+def convert_command(hf_dir: pathlib.Path, out_dir: pathlib.Path) -> list[str]:
+    """`qvl convert import` at TP=PP=1 on CPU, as a user runs it."""
+    return [sys.executable, "-m", "qvl.bridges.cli", "import", str(hf_dir), str(out_dir), "--dtype", CONVERT_DTYPE,
+            "--device", "cpu"]  # fmt: skip
+
+
+def measure_process(command: list[str], *, timeout_s: float = 600) -> dict:
+    """Run `command`; its wall time, peak RSS (kernel's high-water mark) and sampled peak anonymous RSS.
+
+    Anonymous memory is what the process allocated; RSS also counts mmapped safetensors pages, which the
+    kernel can drop under pressure. Sampling every 50 ms can miss a short spike; the high-water mark cannot.
+    """
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with tempfile.TemporaryFile() as log:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        peak_anon, done = [0], threading.Event()
+        sampler = threading.Thread(target=_sample_anon_rss, args=(process.pid, peak_anon, done), daemon=True)
+        sampler.start()
+        timer = threading.Timer(timeout_s, process.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage, unlike RUSAGE_CHILDREN
+        finally:
+            timer.cancel()
+            done.set()
+            sampler.join()
+        process.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - started
+        log.seek(0)
+        output = log.read().decode(errors="replace")
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited with {process.returncode}:\n{output[-3000:]}")
+    return {"seconds": round(seconds, 2), "peak_rss_bytes": usage.ru_maxrss * 1024, "peak_anon_rss_bytes": peak_anon[0]}
+
+
+def _sample_anon_rss(pid: int, peak: list[int], done: threading.Event) -> None:
+    status = pathlib.Path(f"/proc/{pid}/status")
+    while not done.wait(0.05):
+        try:
+            text = status.read_text()
+        except OSError:  # exited, or no /proc (macOS): the high-water mark still stands
+            return
+        for line in text.splitlines():
+            if line.startswith("RssAnon:"):
+                peak[0] = max(peak[0], int(line.split()[1]) * 1024)
+
+
+def baseline(work: pathlib.Path) -> dict:
+    """The constant: the same command on the tiny Qwen2.5-VL checkpoint."""
+    from qvl.bridges.testing import write_tiny_hf_checkpoint
+
+    hf_dir = write_tiny_hf_checkpoint(work / "tiny", "qwen2_5_vl")
+    try:
+        return measure_process(convert_command(hf_dir, work / "tiny-out"))
+    finally:
+        shutil.rmtree(work / "tiny", ignore_errors=True)
+        shutil.rmtree(work / "tiny-out", ignore_errors=True)
+
+
+def convert_at_depth(work: pathlib.Path, text_layers: int, constant: dict) -> dict:
+    """Write a synthetic checkpoint with `text_layers` layers, convert it in a fresh process, delete both."""
+    hf_dir, out_dir = work / f"hf-{text_layers}", work / f"megatron-{text_layers}"
+    try:
+        started = time.perf_counter()
+        sizes = write_random_hf_checkpoint(hf_dir, synthetic_config(text_layers))
+        write_seconds = time.perf_counter() - started
+        measured = measure_process(convert_command(hf_dir, out_dir))
+        out_bytes = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
+    finally:
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        shutil.rmtree(out_dir, ignore_errors=True)
+    growth = measured["peak_rss_bytes"] - constant["peak_rss_bytes"]
+    return {
+        "text_layers": text_layers, **sizes, "megatron_checkpoint_bytes": out_bytes, "write_seconds": round(write_seconds, 2),
+        **measured,
+        "growth_bytes": growth,
+        "growth_over_largest_shard": round(growth / sizes["largest_shard_bytes"], 3),
+        "growth_over_checkpoint": round(growth / sizes["weight_bytes"], 3),
+        "anon_growth_over_checkpoint": round((measured["peak_anon_rss_bytes"] - constant["peak_anon_rss_bytes"])
+                                             / sizes["weight_bytes"], 3),
+    }  # fmt: skip
+
+
+def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
+    """Run the conversion benchmark; write `bench_convert.json` into out_dir and return the results."""
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="qvl-bench-convert-") as tmp:
+        work = pathlib.Path(tmp)
+        constant = baseline(work)
+        rows = [convert_at_depth(work, depth, constant) for depth in (QUICK_DEPTHS if quick else DEPTHS)]
+    results = {
+        "quick": quick,
+        "shape": "Qwen2.5-VL-3B widths, 4 vision blocks, random bf16 weights, tied embeddings",
+        "command": "qvl convert import HF_DIR OUT_DIR --dtype bf16 --device cpu (TP=PP=1, one process)",
+        "constant": constant,
+        "depths": rows,
+        "goals": {"growth_over_largest_shard": GOAL_GROWTH_OVER_LARGEST_SHARD},
+    }
+    results.update(assess(rows))
+    (out_dir / "bench_convert.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+def assess(rows: list[dict]) -> dict:
+    """Whether the goal is met, why not, and per-depth checks for the summary table."""
+    met = all(r["growth_over_largest_shard"] <= GOAL_GROWTH_OVER_LARGEST_SHARD for r in rows)
+    checks = [{"figure": f"{r['text_layers']} layers: (peak RSS - constant) / largest shard",
+               "value": r["growth_over_largest_shard"], "goal": f"<= {GOAL_GROWTH_OVER_LARGEST_SHARD}",
+               "met": r["growth_over_largest_shard"] <= GOAL_GROWTH_OVER_LARGEST_SHARD} for r in rows]  # fmt: skip
+    checks += [{"figure": f"{r['text_layers']} layers: peak RSS GiB, wall s",
+                "value": f"{r['peak_rss_bytes'] / 2**30:.2f}, {r['seconds']:.0f}", "goal": "", "met": None} for r in rows]
+    why = None
+    if not met:
+        why = ("Megatron-Bridge's import (AutoBridge.to_megatron_provider(load_weights=True) -> "
+               "provide_distributed_model -> save_megatron_model) builds the whole Megatron model in memory and "
+               "then saves it, so peak RSS grows with the checkpoint (see growth_over_checkpoint), not with the "
+               "largest shard. Meeting the goal needs a streaming import: map and save one HF shard (or layer) "
+               "at a time into the torch_dist checkpoint without materialising the model.")
+    return {"goal_met": met, "why": why, "checks": checks}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench"))
+    parser.add_argument("--quick", action="store_true")
+    cli_args = parser.parse_args()
+    print(json.dumps(run(cli_args.out, quick=cli_args.quick), indent=2))
