@@ -13,6 +13,7 @@ the JSON says so rather than moving the goal.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pathlib
@@ -23,8 +24,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 GOAL_GROWTH_OVER_LARGEST_SHARD = 1.5
 CONVERT_DTYPE = "bf16"
@@ -56,7 +61,8 @@ QUICK = Sweep(name="half width, 32k vocabulary, 4 vision blocks, random bf16, ti
               vision=MID_VISION, shard_bytes=48 * 2**20, depths=(2,))  # fmt: skip
 
 
-def synthetic_config(text_layers: int, *, text: dict = WIDE_TEXT, vision: dict = WIDE_VISION, vision_depth: int = 4):
+def synthetic_config(text_layers: int, *, text: dict = WIDE_TEXT, vision: dict = WIDE_VISION,
+                     vision_depth: int = 4) -> PreTrainedConfig:
     """The tiny Qwen2.5-VL config with `text_layers` decoder layers and the given text and vision widths."""
     from qvl.bridges.testing import tiny_hf_config
 
@@ -70,7 +76,7 @@ def synthetic_config(text_layers: int, *, text: dict = WIDE_TEXT, vision: dict =
     return type(tiny)(**fields)
 
 
-def hf_layout(config) -> dict[str, torch.Size]:
+def hf_layout(config: PreTrainedConfig) -> dict[str, torch.Size]:
     """Name -> shape of every tensor `save_pretrained` writes for `config` (from a meta-device model).
 
     Tied weights are dropped and names renamed back to the on-disk layout exactly as `save_pretrained`
@@ -86,7 +92,7 @@ def hf_layout(config) -> dict[str, torch.Size]:
     return {name: tensor.shape for name, tensor in state.items()}
 
 
-def write_random_hf_checkpoint(path: pathlib.Path, config, *, max_shard_bytes: int,
+def write_random_hf_checkpoint(path: pathlib.Path, config: PreTrainedConfig, *, max_shard_bytes: int,
                                dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:  # fmt: skip
     """Write random weights for `config` as sharded safetensors + index + config + tokenizer; returns sizes.
 
@@ -122,6 +128,8 @@ def write_random_hf_checkpoint(path: pathlib.Path, config, *, max_shard_bytes: i
     total = sum(s.numel() for s in layout.values()) * pool.element_size()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = copy.copy(config)
+    config.dtype = dtype  # like a released checkpoint's "dtype": "bfloat16"
     config.save_pretrained(path)
     write_tiny_hf_processor_dir(path, "qwen2_5_vl", vocab_size=VOCAB_SIZE)
     return {"tensors": len(layout), "weight_bytes": total, "shards": len(shards), "largest_shard_bytes": max(shard_bytes)}

@@ -3,7 +3,7 @@
 Every `benchmarks/bench_<name>.py` exposing `run(out_dir, quick=False) -> dict` is a benchmark. Each writes
 `bench_<name>.json` into the output folder; this runner adds `summary.json` and prints one table per
 benchmark. A benchmark that reports `checks` (a list of {figure, value, goal, met}) gets them in its table
-with pass/fail; otherwise its scalar figures are shown next to its `goals`. A benchmark that raises is
+with pass/fail; otherwise its scalar figures are shown, and its `goals` as unchecked. A benchmark that raises is
 reported with its traceback and the others still run; the exit code is 1 if any raised. A missed goal is
 a result, not a failure: it shows as FAIL in the table and in summary.json.
 """
@@ -130,6 +130,7 @@ def run_all(names: list[str], out_dir: pathlib.Path, *, quick: bool, console: Co
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: run the benchmarks asked for; 1 if any raised, else 0."""
     available = discover()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, for smoke tests (each bench < ~90 s)")
