@@ -32,6 +32,7 @@ class TrainRequest:
     run_dir: Path
     model: str | None = None  # "tiny" for a tiny random model of the recipe's family
     device: str = "auto"  # "cpu" forces the CPU runtime
+    stop_after: int | None = None  # save and exit after this many steps, as a preempted job would
 
 
 def tiny_family(recipe_family: str, size: str) -> str:
@@ -67,6 +68,8 @@ def prepare_config(request: TrainRequest):
         config.dataset.num_workers = 0
         config.dataset.pin_memory = False
         runtime.check_cpu_config(config.model)
+    if request.stop_after:
+        config.train.exit_interval = request.stop_after  # Megatron-Bridge saves a checkpoint and exits
     return info, config
 
 
@@ -82,7 +85,8 @@ class _LossRecorder:
         loss = context.loss_dict.get("lm loss")
         value = float(loss[0] / loss[1]) if isinstance(loss, (tuple, list)) else float(loss)
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": context.state.train_state.step, "loss": value}) + "\n")
+            # train_state.step still counts completed steps before this one: record 1-based iterations
+            f.write(json.dumps({"step": context.state.train_state.step + 1, "loss": value}) + "\n")
 
 
 def run_training(request: TrainRequest) -> Path:
@@ -96,6 +100,10 @@ def run_training(request: TrainRequest) -> Path:
     runtime.import_megatron_bridge()
     import qvl.bridges.registry  # noqa: F401
     from megatron.bridge.training.callbacks import CallbackManager
+
+    from qvl.launchers import optimizer_fixes
+
+    optimizer_fixes.apply()  # resume correctness with torch Adam (no TE/Apex), on any device
 
     info, config = prepare_config(request)
     callbacks = CallbackManager()
@@ -122,7 +130,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from qvl.recipes.cli import parse_overrides
 
     request = TrainRequest(recipe=args.recipe, overrides=parse_overrides(args.overrides), run_dir=Path(args.run_dir),
-                           model=args.model, device=args.device)  # fmt: skip
+                           model=args.model, device=args.device, stop_after=args.stop_after)  # fmt: skip
     run_training(request)
     losses = read_losses(request.run_dir)
     if losses:
@@ -139,4 +147,6 @@ def register(subparsers) -> None:
     train.add_argument("--model", choices=("tiny",), default=None, help="a tiny random model of the recipe's family")
     train.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces qvl's CPU runtime")
     train.add_argument("--run-dir", default="runs/train", help="checkpoints, losses.jsonl, tensorboard (default runs/train)")
+    train.add_argument("--stop-after", type=int, default=None, metavar="N",
+                       help="save a checkpoint and exit after N steps (resume by running the same command again)")
     train.set_defaults(func=run_cli)
