@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from qvl.bridges import convert
 
@@ -38,6 +39,8 @@ def run_export(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     results = _ranks(args)(convert.verify_on_rank, args.hf_dir, args.megatron_dir, args.tolerance, not args.no_video)
     (report,) = [r for r in results if r is not None]
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -76,6 +79,7 @@ def register(subparsers) -> None:
     ver.add_argument("hf_dir")
     ver.add_argument("megatron_dir")
     ver.add_argument("--json", action="store_true", help="print the report as JSON")
+    ver.add_argument("--report", metavar="FILE", help="also write the JSON report to FILE")
     ver.add_argument("--tolerance", type=float, default=None, help="max |logit diff| (default: 1e-4 fp32, 0.25 bf16)")
     ver.add_argument("--no-video", action="store_true", help="images and text only")
     _layout_args(ver)

@@ -1,51 +1,142 @@
-"""`qvl demo`: the main job, end to end with a tiny model, on CPU (or a GPU where there is one).
+"""`qvl demo`: the whole pipeline end to end with a tiny Qwen2.5-VL, on CPU (or the GPU where there is one).
 
-Today it runs what exists: Megatron-Core's real training machinery (DDP, distributed optimizer,
-forward-backward schedule) on a tiny GPT through qvl's CPU runtime and SDPA attention. The Qwen-VL
-pipeline (prepare data -> convert -> plan -> train -> export -> verify) replaces it as issues #3, #4
-and #6 land; the demo says which parts it ran.
+prepare data -> convert HF to Megatron (+ verify) -> plan -> train (SFT from the converted checkpoint)
+-> export to HF -> verify the export against the trained checkpoint. Every stage is the `qvl` command a
+user would type, run as a subprocess; the summary table says where each artifact is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+FAMILY = "qwen2_5_vl"
+RECIPE = "qwen25_vl_3b_sft"
+PLAN_RECIPE = "qwen25_vl_7b_sft"
+
+
+@dataclass(kw_only=True, slots=True)
+class Stage:
+    """One demo stage: its name, its qvl arguments, and what it produced."""
+
+    name: str
+    args: list[str]
+    artifact: Path | None = None
+    seconds: float = 0.0
+    output: str = field(default="", repr=False)
+
+
+def _qvl(args: list[str], log: Path) -> str:
+    """Run `qvl ARGS` in a fresh interpreter (as a user would), teeing its output into `log`."""
+    process = subprocess.run([sys.executable, "-m", "qvl.launchers.cli", *args], capture_output=True, text=True)
+    log.write_text(process.stdout + process.stderr)
+    if process.returncode != 0:
+        tail = "\n".join((process.stdout + process.stderr).splitlines()[-25:])
+        raise RuntimeError(f"`qvl {' '.join(args[:3])} ...` failed (exit {process.returncode}); log: {log}\n{tail}")
+    return process.stdout
+
+
+def _stages(out: Path, device: list[str], steps: int) -> list[Stage]:
+    hf, data, mega, run, export = out / "hf", out / "data", out / "megatron", out / "train", out / "export"
+    samples = out / "samples"
+    train = [RECIPE, f"data={data}", f"hf_path={hf}", f"pretrained_checkpoint={mega}", f"train_iters={steps}",
+             "global_batch_size=2", "micro_batch_size=1", "seq_length=256", "warmup_iters=1", "lr=1e-3",
+             f"save_interval={steps}", "log_interval=1"]  # fmt: skip
+    return [
+        Stage(name="prepare data", args=["data", "prepare", "--input", str(samples / "conversations.jsonl"), "--media-root",
+              str(samples / "images"), "--family", FAMILY, "--tokenizer", str(hf), "--seq-length", "256",
+              "--output", str(data)], artifact=data),  # fmt: skip
+        Stage(name="convert HF -> Megatron", args=["convert", "import", str(hf), str(mega), "--dtype", "fp32", *device],
+              artifact=mega),  # fmt: skip
+        Stage(name="verify conversion", args=["convert", "verify", str(hf), str(mega), "--report",
+              str(out / "verify-conversion.json"), *device]),  # fmt: skip
+        Stage(name="plan (7B SFT, 8 x H100)", args=["plan", PLAN_RECIPE, "--gpus", "8", "--gpu", "h100"]),
+        Stage(name="train (SFT, tiny)", args=["train", *train, "--model", "tiny", "--run-dir", str(run), *device],
+              artifact=run),  # fmt: skip
+        Stage(name="export Megatron -> HF", args=["convert", "export", str(run / "checkpoints"), str(export), *device],
+              artifact=export),  # fmt: skip
+        Stage(name="verify export", args=["convert", "verify", str(export), str(run / "checkpoints"), "--report",
+              str(out / "verify-export.json"), *device]),  # fmt: skip
+    ]
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import torch
     from rich.console import Console
+    from rich.table import Table
 
-    from qvl.launchers import runtime, smoke
+    from qvl.bridges.convert import copy_hf_side_files
+    from qvl.bridges.testing import write_tiny_hf_checkpoint
+    from qvl.data.samples import write_sample_dataset
 
-    console = Console()
-    out_dir = Path(args.output)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    on_cpu = args.device == "cpu" or not torch.cuda.is_available()
-    if on_cpu:
-        runtime.activate(force=True)
-    device = "cpu (qvl CPU runtime)" if on_cpu else f"cuda ({torch.cuda.get_device_name(0)})"
-    console.print(f"[bold]qvl demo[/] on {device}")
-    console.print("Runs now: tiny Megatron-Core GPT, DDP + distributed optimizer, SDPA attention, "
-                  f"{args.steps} steps.\nNot yet: the Qwen-VL pipeline (data #4, convert #3, recipes/train #6).")  # fmt: skip
-    started = time.perf_counter()
-    runtime.init_distributed()
+    console, out = Console(), Path(args.output).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    device = ["--device", "cpu"] if args.device == "cpu" else []
+    write_sample_dataset(out / "samples")
+    write_tiny_hf_checkpoint(out / "hf", FAMILY)
+    console.print(f"[bold]qvl demo[/]: tiny {FAMILY} end to end in {out}")
+    results: dict = {"output": str(out)}
+    for stage in _stages(out, device, args.steps):
+        if stage.name == "export Megatron -> HF":  # the training checkpoint carries no HF config: add it
+            copy_hf_side_files(out / "hf", out / "train" / "checkpoints" / "hf")
+        console.print(f"[cyan]>[/] {stage.name}: qvl {' '.join(stage.args[:2])} ...")
+        started = time.perf_counter()
+        stage.output = _qvl(stage.args, out / f"{stage.name.split()[0]}-{len(results)}.log")
+        stage.seconds = time.perf_counter() - started
+        results[stage.name] = {"seconds": round(stage.seconds, 1), "artifact": str(stage.artifact or "")}
+        if stage.name.startswith("verify"):
+            results[stage.name]["report"] = json.loads(Path(stage.args[stage.args.index("--report") + 1]).read_text())
+    _summarise(results, out, console, Table)
+    return 0 if all(r["report"]["ok"] for k, r in results.items() if k.startswith("verify")) else 1
+
+
+def _summarise(results: dict, out: Path, console, table_cls) -> None:
+    from qvl.recipes.train import read_losses
+
+    data = json.loads((out / "data" / "report.json").read_text())
+    losses = read_losses(out / "train")
+    results["losses"] = losses
+    results["data"] = {k: data[k] for k in ("accepted", "quarantined", "packed_sequences", "packing_efficiency") if k in data}
+    (out / "demo_summary.json").write_text(json.dumps(results, indent=2, default=str))
+    _plot_losses(losses, out / "loss.png")
+    table = table_cls(title="qvl demo")
+    for column in ("stage", "seconds", "result", "artifact"):
+        table.add_column(column, overflow="fold")
+    for name, result in results.items():
+        if not isinstance(result, dict) or "seconds" not in result:
+            continue
+        detail = ""
+        if "report" in result:
+            r = result["report"]
+            detail = f"max |logit diff| {r['max_abs_diff']:.2g}, {r['tensors_compared']} tensors equal: {r['ok']}"
+        elif name.startswith("train") and losses:
+            detail = f"loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f} in {len(losses)} steps"
+        elif name.startswith("prepare"):
+            detail = f"{data.get('accepted')} accepted, {data.get('quarantined')} quarantined"
+        table.add_row(name, f"{result['seconds']:.0f}", detail, result["artifact"])
+    console.print(table)
+    console.print(f"summary: {out / 'demo_summary.json'}   loss curve: {out / 'loss.png'}")
+
+
+def _plot_losses(losses: dict[int, float], path: Path) -> None:
     try:
-        shape = smoke.TinyGPT()
-        model = smoke.wrap_ddp(smoke.build_model(shape))
-        batches = smoke.synthetic_batches(shape, micro_batch_size=2, count=2 * args.steps)
-        losses, _ = smoke.train([model], batches, shape=shape, steps=args.steps, micro_batch_size=2, num_microbatches=2)
-    finally:
-        runtime.destroy_distributed()
-    seconds = time.perf_counter() - started
-    summary = {"device": device, "steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1],
-               "losses": losses, "seconds": round(seconds, 2)}  # fmt: skip
-    (out_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} steps in {seconds:.1f} s")
-    console.print(f"summary: {out_dir / 'demo_summary.json'}")
-    return 0 if losses[-1] < losses[0] else 1
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # matplotlib comes with qvl[test]; the demo still works without the picture
+        return
+    fig, ax = plt.subplots(figsize=(5, 3))
+    steps = sorted(losses)
+    ax.plot(steps, [losses[s] for s in steps], marker="o")
+    ax.set(xlabel="step", ylabel="LM loss", title="qvl demo: tiny Qwen2.5-VL SFT on CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def register(subparsers) -> None:
@@ -53,5 +144,5 @@ def register(subparsers) -> None:
     demo = subparsers.add_parser("demo", help="run the pipeline end to end with a tiny model (CPU or GPU)")
     demo.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces the CPU runtime")
     demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    demo.add_argument("--output", default=".demo", help="where to write the summary (default .demo/)")
+    demo.add_argument("--output", default=".demo", help="where artifacts go (default .demo/)")
     demo.set_defaults(func=run_demo)
