@@ -96,7 +96,8 @@ def write_random_hf_checkpoint(path: pathlib.Path, config: PreTrainedConfig, *, 
                                dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:  # fmt: skip
     """Write random weights for `config` as sharded safetensors + index + config + tokenizer; returns sizes.
 
-    Weights are views into one random pool (a tensor per offset), so GBs take seconds, not HF's init.
+    Each tensor is a slice of one random pool at a random offset, so GBs take seconds, not HF's init.
+    The tokenizer is the tiny test one (512 ids): conversion only copies it.
     """
     from safetensors.torch import save_file
 
@@ -108,22 +109,14 @@ def write_random_hf_checkpoint(path: pathlib.Path, config: PreTrainedConfig, *, 
     layout = hf_layout(config)
     generator = torch.Generator().manual_seed(seed)
     pool = torch.empty(max(s.numel() for s in layout.values()) + 2**24, dtype=dtype).normal_(0, 0.02, generator=generator)
-    shards, current, current_bytes = [], {}, 0
-    for name, shape in layout.items():
-        offset = int(torch.randint(0, pool.numel() - shape.numel() + 1, (1,), generator=generator))
-        tensor = pool[offset:offset + shape.numel()].view(shape)
-        size = tensor.numel() * tensor.element_size()
-        if current and current_bytes + size > max_shard_bytes:
-            shards.append(current)
-            current, current_bytes = {}, 0
-        current[name] = tensor
-        current_bytes += size
-    shards.append(current)
+    shards = shard_names(layout, max_shard_bytes, pool.element_size())
     weight_map, shard_bytes = {}, []
-    for index, shard in enumerate(shards, start=1):
+    for index, names in enumerate(shards, start=1):
         filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file({name: tensor.clone() for name, tensor in shard.items()}, path / filename, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, filename))
+        offsets = torch.randint(0, pool.numel() - max(layout[n].numel() for n in names) + 1, (len(names),), generator=generator)
+        tensors = {n: pool[o : o + layout[n].numel()].view(layout[n]).clone() for n, o in zip(names, offsets.tolist())}
+        save_file(tensors, path / filename, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, filename))
         shard_bytes.append((path / filename).stat().st_size)
     total = sum(s.numel() for s in layout.values()) * pool.element_size()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -133,6 +126,19 @@ def write_random_hf_checkpoint(path: pathlib.Path, config: PreTrainedConfig, *, 
     config.save_pretrained(path)
     write_tiny_hf_processor_dir(path, "qwen2_5_vl", vocab_size=VOCAB_SIZE)
     return {"tensors": len(layout), "weight_bytes": total, "shards": len(shards), "largest_shard_bytes": max(shard_bytes)}
+
+
+def shard_names(layout: dict[str, torch.Size], max_shard_bytes: int, element_size: int) -> list[list[str]]:
+    """Tensor names per shard, in order, each shard at most max_shard_bytes (a bigger tensor gets its own)."""
+    shards, current_bytes = [[]], 0
+    for name, shape in layout.items():
+        size = shape.numel() * element_size
+        if shards[-1] and current_bytes + size > max_shard_bytes:
+            shards.append([])
+            current_bytes = 0
+        shards[-1].append(name)
+        current_bytes += size
+    return shards
 
 
 def convert_command(hf_dir: pathlib.Path, out_dir: pathlib.Path) -> list[str]:
@@ -254,12 +260,12 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
         "depth_scaling": depth_scaling(rows),
         "goals": {"growth_over_largest_shard": GOAL_GROWTH_OVER_LARGEST_SHARD},
     }
-    results.update(assess(rows))
+    results.update(assess(rows, results["depth_scaling"]))
     (out_dir / "bench_convert.json").write_text(json.dumps(results, indent=2))
     return results
 
 
-def assess(rows: list[dict]) -> dict:
+def assess(rows: list[dict], scaling: dict | None) -> dict:
     """Whether the goal is met, why not, and per-depth checks for the summary table."""
     goal = GOAL_GROWTH_OVER_LARGEST_SHARD
     checks = []
@@ -270,6 +276,9 @@ def assess(rows: list[dict]) -> dict:
         checks.append({"figure": f"{r['text_layers']} layers: peak RSS GiB | wall s | growth / checkpoint",
                        "value": f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['seconds']:.0f} | {r['growth_over_checkpoint']}",
                        "goal": "", "met": None})  # fmt: skip
+    if scaling:
+        checks.append({"figure": "peak RSS added per extra layer / bytes of one layer",
+                       "value": scaling["peak_rss_per_layer_over_layer_bytes"], "goal": "flat (~0)", "met": None})  # fmt: skip
     met = all(c["met"] for c in checks if c["met"] is not None)
     why = None if met else (
         "Megatron-Bridge's import (AutoBridge.to_megatron_provider(load_weights=True) -> provide_distributed_model -> "

@@ -55,11 +55,13 @@ def run_benchmark(name: str, out_dir: pathlib.Path, *, quick: bool) -> tuple[Out
     try:
         module = importlib.import_module(f"benchmarks.{PREFIX}{name}")
         results = module.run(out_dir, quick=quick)
+        if not isinstance(results, dict):
+            raise TypeError(f"benchmarks.{PREFIX}{name}.run returned {type(results).__name__}, not a dict of results")
     # Any error in one benchmark is reported in full (traceback in the table and summary.json) and the
     # remaining benchmarks still run; the exit code carries the failure.
     except Exception:  # noqa: BLE001
         return Outcome(name=name, ok=False, seconds=round(time.perf_counter() - started, 2), json_file=None,
-                       goal_met=False, checks=[], error=traceback.format_exc()), None  # fmt: skip
+                       goal_met=None, checks=[], error=traceback.format_exc()), None  # fmt: skip
     if not json_path.exists():  # the convention is that each bench writes its own JSON; make sure it is there
         json_path.write_text(json.dumps(results, indent=2, default=str))
     checks = list(results.get("checks", []))
