@@ -7,7 +7,6 @@ checks). Cluster jobs go through NeMo-Run executors instead.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -15,12 +14,6 @@ from typing import Any, Callable
 import torch
 
 from qvl.launchers import runtime
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, layout: dict, cpu: bool, out: str) -> None:
@@ -65,6 +58,6 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, tensor_parallel: int = 1, p
                 runtime.destroy_distributed()
                 if cpu and not was_active:
                     runtime.deactivate()
-        torch.multiprocessing.spawn(_rank_main, args=(world_size, _free_port(), fn, args, layout, cpu, out),
+        torch.multiprocessing.spawn(_rank_main, args=(world_size, runtime.free_port(), fn, args, layout, cpu, out),
                                     nprocs=world_size)  # fmt: skip
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -436,7 +436,7 @@ def init_distributed(
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     backend = "gloo" if is_active() or not torch.cuda.is_available() else "nccl"
@@ -461,7 +461,8 @@ def destroy_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     import socket
 
     with socket.socket() as sock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,8 @@ def run_training(request: TrainRequest) -> Path:
     from qvl.launchers import runtime
 
     request.run_dir.mkdir(parents=True, exist_ok=True)
+    if "MASTER_PORT" not in os.environ:  # not under torchrun: a free port, not the fixed default 29500
+        os.environ["MASTER_PORT"] = str(runtime.free_port())
     if request.device == "cpu" or not torch.cuda.is_available():
         runtime.activate(force=True)
         runtime.enable_bridge_training()
