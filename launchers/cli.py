@@ -1,8 +1,7 @@
 """The `qvl` command line.
 
 Each product area owns its subcommands: a module listed in COMMAND_MODULES exposes
-`register(subparsers)` and sets `func(args) -> int` on each parser it adds. Groups whose module has
-not landed yet answer with the issue that tracks them instead of pretending to work.
+`register(subparsers)` and sets `func(args) -> int` on each parser it adds.
 """
 
 from __future__ import annotations
@@ -23,17 +22,6 @@ COMMAND_MODULES = (
     "qvl.launchers.launch",  # launch
 )
 
-# Command groups the product needs, with the issue that delivers each; shown until its module lands.
-PLANNED_GROUPS = {
-    "convert": ("HF <-> Megatron checkpoint conversion and logit parity", 3),
-    "data": ("conversations -> validated, token-counted, packed Energon dataset", 4),
-    "launch": ("run a recipe locally, on Slurm or Kubernetes through NeMo-Run", 5),
-    "recipes": ("list the recipe functions", 6),
-    "plan": ("memory and FLOP planner for a recipe", 6),
-    "train": ("train a recipe (also on CPU with a tiny model)", 6),
-}
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The full `qvl` parser with every available command group registered."""
     parser = argparse.ArgumentParser(
@@ -50,19 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(subparsers)
-    for name, (summary, issue) in PLANNED_GROUPS.items():
-        if name not in subparsers.choices:
-            planned = subparsers.add_parser(name, help=f"{summary} (not in this version yet: issue #{issue})")
-            planned.set_defaults(func=_not_available(name, issue))
     return parser
-
-
-def _not_available(name: str, issue: int):
-    def run(args: argparse.Namespace) -> int:
-        print(f"qvl {name} is not available in this version yet; it is tracked in issue #{issue}.", file=sys.stderr)
-        return 2
-
-    return run
 
 
 def main(argv: list[str] | None = None) -> int:
