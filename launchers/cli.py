@@ -50,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")  # fmt: skip
     logging.getLogger("qvl").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if not args.verbose:
-        # megatron-bridge 0.6.2's import_utils forces its logger to INFO with its own handler and logs a full
-        # traceback for every optional symbol it probes (e.g. TE's FP8GlobalStateManager): keep that for -v.
-        logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
+        # megatron-bridge 0.6.2's import_utils sets its logger to INFO (on import, so after this) with its own
+        # handler, and logs a full traceback for every optional symbol it probes (e.g. TE's
+        # FP8GlobalStateManager). A filter outlives that setLevel; -v keeps the tracebacks.
+        logging.getLogger("megatron.bridge.utils.import_utils").addFilter(lambda r: r.levelno >= logging.WARNING)
         for category in (UserWarning, FutureWarning, DeprecationWarning):
             warnings.filterwarnings("ignore", category=category)
     if not getattr(args, "func", None):
