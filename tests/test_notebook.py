@@ -1,0 +1,64 @@
+"""notebooks/quickstart.ipynb runs top to bottom on CPU inside its work directory, and its plots and loss come out."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import nbformat
+import pytest
+from ipykernel.kernelspec import write_kernel_spec
+from nbclient import NotebookClient
+
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
+
+
+def test_committed_notebook_has_no_outputs():
+    """Outputs are produced by the test run, never committed (they hold machine paths and megabytes of PNG)."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    code_cells = [(i, cell) for i, cell in enumerate(nb.cells) if cell.cell_type == "code"]
+    dirty = [i for i, cell in code_cells if cell.outputs or cell.execution_count]
+    assert not dirty, f"code cells {dirty} of {NOTEBOOK.name} have outputs; clear them before committing"
+
+
+@pytest.fixture
+def this_interpreters_kernel(tmp_path, monkeypatch) -> str:
+    """A `python3` kernelspec whose argv is this interpreter, found first on JUPYTER_PATH.
+
+    The stock spec says `python`, which jupyter_client maps to sys.executable, but a user-level `python3` spec
+    (~/.local/share/jupyter/kernels) would win over it and could run another environment's Python.
+    """
+    kernels = tmp_path / "jupyter" / "kernels"
+    write_kernel_spec(kernels / "python3")
+    spec = json.loads((kernels / "python3" / "kernel.json").read_text())
+    assert spec["argv"][0] == sys.executable, spec
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    return "python3"
+
+
+def test_quickstart_notebook_runs(tmp_path, monkeypatch, this_interpreters_kernel):
+    work = tmp_path / "work"
+    monkeypatch.setenv("QVL_NOTEBOOK_DIR", str(work))
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+
+    client = NotebookClient(nb, timeout=600, kernel_name=this_interpreters_kernel,
+                            resources={"metadata": {"path": str(tmp_path)}})  # fmt: skip
+    client.execute()  # raises CellExecutionError with the failing cell's traceback
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jupyter", "work"], "the notebook wrote outside $WORK"
+
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    images = [out for out in outputs if "image/png" in out.get("data", {})]
+    assert len(images) == 3, f"expected 3 inline plots (lengths, pack fill, loss), got {len(images)}"
+    for name in ("lengths.png", "pack_fill.png", "loss.png"):
+        assert (work / name).stat().st_size > 1000, f"{name} missing or empty in {work}"
+
+    verify = json.loads((work / "verify.json").read_text())
+    assert verify["ok"] and verify["top1_agreement"] == 1.0, verify
+
+    losses = json.loads((work / "losses.json").read_text())
+    assert losses["steps"] == list(range(1, 13)), losses["steps"]
+    assert losses["losses"][-1] < losses["losses"][0] - 0.3, f"loss did not fall: {losses['losses']}"
+
+    report = json.loads((work / "data" / "report.json").read_text())
+    assert report["accepted"] > 0 and report["quarantined"] == 3, report
