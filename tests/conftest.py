@@ -22,7 +22,7 @@ def _cuda_available() -> bool:
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (on a GPU machine: make test PYTEST_ARGS="-m gpu")")
+    skip = pytest.mark.skip(reason='needs a CUDA GPU (on a GPU machine: make test PYTEST_ARGS="-m gpu")')
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
