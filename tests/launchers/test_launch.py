@@ -114,14 +114,25 @@ def test_dryrun_of_a_recipe_needing_a_cluster_checkpoint_prints_its_arguments(fa
     assert "not built here (FileNotFoundError" in result["config"]["config"]
 
 
-def test_local_run_of_the_tiny_job_executes_on_cpu(tmp_path):
-    """The real thing: NeMo-Run's LocalExecutor runs `qvl demo --steps 2 --device cpu` and it succeeds."""
-    out = tmp_path / "demo"
-    result = launch("demo", ["steps=2", f"output={out}", "run.executor.gpus=0"], kind="local",
-                    experiments_dir=str(tmp_path / "nemo_run"))  # fmt: skip
+def test_local_run_of_a_tiny_recipe_executes_on_cpu(tmp_path):
+    """The real thing: NeMo-Run's LocalExecutor runs `qvl train qwen25_vl_3b_pretrain --model tiny` on a packed
+    sample dataset (CPU runtime, Megatron-Bridge's loop) and the experiment succeeds."""
+    from qvl.bridges.testing import write_tiny_hf_checkpoint
+    from qvl.data.samples import write_sample_dataset
+    from qvl.launchers.cli import main
+    from qvl.recipes.train import read_losses
+
+    jsonl, media = write_sample_dataset(tmp_path / "samples", count=16, with_bad=False)
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen2_5_vl")
+    assert main(["data", "prepare", "--input", str(jsonl), "--media-root", str(media), "--family", "qwen2_5_vl",
+                 "--tokenizer", str(hf), "--seq-length", "256", "--output", str(tmp_path / "data")]) == 0  # fmt: skip
+    run_dir = tmp_path / "run"
+    pairs = [f"data={tmp_path / 'data'}", f"hf_path={hf}", "train_iters=2", "global_batch_size=2", "micro_batch_size=1",
+             "seq_length=256", "warmup_iters=1", "save_interval=100", "run.executor.gpus=0"]  # fmt: skip
+    result = launch("qwen25_vl_3b_pretrain", pairs, train_flags=["--model", "tiny", "--run-dir", str(run_dir)],
+                    kind="local", experiments_dir=str(tmp_path / "nemo_run"))  # fmt: skip
     assert result["states"] == ["SUCCEEDED"], result
-    summary = json.loads((out / "demo_summary.json").read_text())
-    assert summary["steps"] == 2 and summary["device"].startswith("cpu")
+    assert sorted(read_losses(run_dir)) == [1, 2]
     assert Path(result["folder"]).is_dir()  # the experiment (status, logs) stays for `nemo experiment ...`
 
 
