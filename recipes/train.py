@@ -46,7 +46,9 @@ def prepare_config(request: TrainRequest):
     from qvl.recipes.registry import get_recipe
 
     info = get_recipe(request.recipe)
-    overrides = dict(request.overrides)
+    # `section.field=value` pairs set fields of the built ConfigContainer; the rest are recipe arguments.
+    dotted = {k: v for k, v in request.overrides.items() if "." in k}
+    overrides = {k: v for k, v in request.overrides.items() if "." not in k}
     cpu = request.device == "cpu" or not torch.cuda.is_available()
     if request.model == "tiny" and "hf_path" not in overrides:
         from qvl.bridges.testing import write_tiny_hf_checkpoint
@@ -62,6 +64,10 @@ def prepare_config(request: TrainRequest):
     overrides.setdefault("checkpoint_dir", str(request.run_dir / "checkpoints"))
     overrides.setdefault("tensorboard_dir", str(request.run_dir / "tensorboard"))
     config = info.fn(**overrides)
+    if dotted:
+        from qvl.launchers.overrides import apply_config_overrides
+
+        apply_config_overrides(config, dotted)
     if cpu:
         from qvl.launchers import runtime
 
@@ -146,7 +152,8 @@ def register(subparsers) -> None:
     """Add `qvl train`."""
     train = subparsers.add_parser("train", help="train a recipe through Megatron-Bridge (also tiny models on CPU)")
     train.add_argument("recipe", help="recipe name (`qvl recipes` lists them)")
-    train.add_argument("overrides", nargs="*", help="key=value recipe arguments, e.g. data=DIR train_iters=20")
+    train.add_argument("overrides", nargs="*",
+                       help="key=value recipe arguments (data=DIR train_iters=20) or section.field=value config fields")
     train.add_argument("--model", choices=("tiny",), default=None, help="a tiny random model of the recipe's family")
     train.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces qvl's CPU runtime")
     train.add_argument("--run-dir", default="runs/train", help="checkpoints, losses.jsonl, tensorboard (default runs/train)")

@@ -76,3 +76,17 @@ def test_trained_checkpoint_exports_to_hf_that_transformers_loads(runs, dataset,
     assert trained.keys() == initial.keys()
     changed = [k for k in trained if not torch.equal(trained[k], initial[k])]
     assert len(changed) > len(trained) // 2, "training must have moved most weights"
+
+
+def test_dotted_overrides_set_config_fields_and_unknown_ones_are_named(tmp_path, cpu_runtime):
+    from qvl.launchers.overrides import LaunchError
+    from qvl.recipes.train import TrainRequest, prepare_config
+
+    request = TrainRequest(recipe="qwen25_vl_3b_pretrain", overrides={"train.exit_interval": 7, "train_iters": 3},
+                           run_dir=tmp_path, model="tiny", device="cpu")  # fmt: skip
+    _, config = prepare_config(request)
+    assert (config.train.exit_interval, config.train.train_iters) == (7, 3)
+    assert config.model.vocab_size == 512 and config.model.tensor_model_parallel_size == 1  # the tiny model, alone
+    request.overrides = {"train.nope": 1}
+    with pytest.raises(LaunchError, match="TrainingConfig has no field 'nope'"):
+        prepare_config(request)
