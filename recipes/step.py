@@ -13,22 +13,37 @@ from qvl.data.count import IGNORE_INDEX
 _VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
-def model_inputs(batch: Any, device: torch.device) -> tuple[dict, torch.Tensor]:
-    """Keyword arguments for the model's forward and the loss mask, from a qvl PackedBatch."""
+def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) -> tuple[dict, torch.Tensor]:
+    """Keyword arguments for the model's forward and the loss mask, from a qvl PackedBatch.
+
+    `pad_to`: pipeline parallelism sends activations between stages in buffers of a fixed
+    `seq_length`, so a shorter pack is padded to it with one extra sub-sequence of pad tokens that
+    attends only to itself and carries no loss.
+    """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    labels = batch.labels.to(device)
+    tokens, labels = batch.tokens.to(device), batch.labels.to(device)
     # Megatron's cross-entropy has no ignore index: learn nothing where labels are IGNORE_INDEX.
     loss_mask = (batch.loss_mask.to(device) > 0) & (labels != IGNORE_INDEX)
     cu = batch.cu_seqlens_q.to(device=device, dtype=torch.int32)
+    padding = (pad_to or 0) - tokens.shape[1]
+    if padding < 0:
+        raise ValueError(f"a packed batch of {tokens.shape[1]} tokens exceeds seq_length={pad_to}; "
+                         "prepare the dataset with --seq-length <= the recipe's seq_length")  # fmt: skip
+    if padding > 0:
+        tokens = torch.nn.functional.pad(tokens, (0, padding), value=0)
+        labels = torch.nn.functional.pad(labels, (0, padding), value=0)
+        loss_mask = torch.nn.functional.pad(loss_mask, (0, padding), value=False)
+        cu = torch.cat([cu, cu.new_tensor([pad_to])])
     kwargs = {
-        "input_ids": batch.tokens.to(device),
+        "input_ids": tokens,
         "labels": labels.clamp(min=0),
         "loss_mask": loss_mask.float(),
         "attention_mask": None,
         "position_ids": None,  # the model derives 3-D mRoPE positions per sub-sequence itself
         "packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                             max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen),
+                                             max_seqlen_q=max(batch.max_seqlen, padding),
+                                             max_seqlen_kv=max(batch.max_seqlen, padding)),
     }  # fmt: skip
     for name in _VISUAL_FIELDS:
         value = getattr(batch, name, None)
@@ -42,7 +57,9 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
     from megatron.bridge.training.losses import masked_next_token_loss
 
     device = next(model.parameters()).device
-    kwargs, loss_mask = model_inputs(next(data_iterator), device)
+    model_config = state.cfg.model
+    pad_to = model_config.seq_length if model_config.pipeline_model_parallel_size > 1 else None
+    kwargs, loss_mask = model_inputs(next(data_iterator), device, pad_to=pad_to)
     output = model(**kwargs)
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
         output, loss_mask = output
