@@ -26,7 +26,7 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
     # Megatron's cross-entropy has no ignore index: learn nothing where labels are IGNORE_INDEX.
     loss_mask = (batch.loss_mask.to(device) > 0) & (labels != IGNORE_INDEX)
     cu = batch.cu_seqlens_q.to(device=device, dtype=torch.int32)
-    padding = (pad_to or 0) - tokens.shape[1]
+    padding = 0 if pad_to is None else pad_to - tokens.shape[1]
     if padding < 0:
         raise ValueError(f"a packed batch of {tokens.shape[1]} tokens exceeds seq_length={pad_to}; "
                          "prepare the dataset with --seq-length <= the recipe's seq_length")  # fmt: skip
