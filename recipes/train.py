@@ -81,13 +81,18 @@ def prepare_config(request: TrainRequest):
 
 
 class _LossRecorder:
-    """on_train_step_end callback: append {"step", "loss"} to RUN_DIR/losses.jsonl on global rank 0."""
+    """on_train_step_end callback: append {"step", "loss"} to RUN_DIR/losses.jsonl from the one rank that
+    holds the reduced loss: first tensor- and data-parallel rank of the last pipeline stage."""
 
     def __init__(self, path: Path):
         self.path = path
 
     def __call__(self, context) -> None:
-        if torch.distributed.get_rank() != 0 or not context.loss_dict:
+        from megatron.core import parallel_state as ps
+
+        if not context.loss_dict or not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return
+        if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
             return
         loss = context.loss_dict.get("lm loss")
         value = float(loss[0] / loss[1]) if isinstance(loss, (tuple, list)) else float(loss)
