@@ -429,19 +429,21 @@ def init_distributed(
 ) -> None:
     """Initialise torch.distributed (gloo on CPU, nccl on GPU) and Megatron's parallel state.
 
-    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment as torchrun sets them;
-    a single process without them becomes rank 0 of 1.
+    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment as torchrun sets them.
+    A single process without them becomes rank 0 of 1 on a free port, WITHOUT writing them into
+    os.environ: processes it starts later (e.g. `qvl train` from a test) must not inherit a port
+    this process may still hold.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
     backend = "gloo" if is_active() or not torch.cuda.is_available() else "nccl"
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend=backend)
+        if "MASTER_PORT" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, or qvl's local ranks
+            torch.distributed.init_process_group(backend=backend)
+        else:
+            torch.distributed.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                                 rank=0, world_size=1)  # fmt: skip
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
