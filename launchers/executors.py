@@ -120,6 +120,16 @@ def slurm(
     )
 
 
+def _pvc_volumes(claims) -> tuple[list[dict], list[dict]]:
+    """Pod volumes and mounts for (name, claim, mount path) triples whose claim is set."""
+    volumes, mounts = [], []
+    for name, claim, path in claims:
+        if claim:
+            volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim}})
+            mounts.append({"name": name, "mountPath": path})
+    return volumes, mounts
+
+
 def kubernetes(
     *,
     image: str,
@@ -142,14 +152,10 @@ def kubernetes(
     """
     from nemo_run.core.execution.kubeflow import KubeflowExecutor
 
-    volumes, mounts = [], []
+    volumes, mounts = _pvc_volumes((("data", data_pvc, data_path), ("checkpoints", checkpoints_pvc, checkpoints_path)))
     # NCCL and the dataloader workers exchange tensors through /dev/shm; a pod's default is 64 MiB.
-    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}})
-    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    for name, claim, path in (("data", data_pvc, data_path), ("checkpoints", checkpoints_pvc, checkpoints_path)):
-        if claim:
-            volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim}})
-            mounts.append({"name": name, "mountPath": path})
+    volumes.insert(0, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}})
+    mounts.insert(0, {"name": "dshm", "mountPath": "/dev/shm"})
     return KubeflowExecutor(
         image=image,
         num_nodes=nodes,
@@ -179,10 +185,7 @@ def kuberay(
     """A KubeRay cluster for Ray workloads (data preparation, evaluation): one GPU worker group."""
     from nemo_run.core.execution.kuberay import KubeRayExecutor, KubeRayWorkerGroup
 
-    volumes, mounts = [], []
-    if data_pvc:
-        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": data_pvc}})
-        mounts.append({"name": "data", "mountPath": data_path})
+    volumes, mounts = _pvc_volumes((("data", data_pvc, data_path),))
     workers = KubeRayWorkerGroup(group_name="gpu", replicas=nodes, gpus_per_worker=gpus_per_node)
     return KubeRayExecutor(image=image, namespace=namespace, worker_groups=[workers], volumes=volumes,
                            volume_mounts=mounts, env_vars=dict(MEGATRON_ENV))  # fmt: skip

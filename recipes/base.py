@@ -200,6 +200,13 @@ def split_of(model: Any) -> list[int]:
 __all__ = ["ConfigContainer", "QvlPackedDatasetConfig", "build_config", "build_model", "split_of", "split_from_counts"]
 
 
+# Non-layout defaults per (size, stage) for the 72B dense models (Qwen2-VL, Qwen2.5-VL): full recompute,
+# since activations (4 packs in flight on stage 0, each with its images' replicated HF vision activations)
+# would not fit otherwise.
+DENSE_72B_SETTINGS: dict[tuple[str, str], dict] = {("72b", "pretrain"): dict(recompute="full"),
+                                                   ("72b", "sft"): dict(recompute="full")}  # fmt: skip
+
+
 def family_recipe(*, arch: Architecture, stage: str, layout: dict[str, int], settings: dict,
                   overrides: dict) -> ConfigContainer:  # fmt: skip
     """What every family's base recipe does: stage defaults, the size's layout and settings, the caller's overrides."""
