@@ -22,10 +22,13 @@ def _gib(n: int) -> str:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    results = _ranks(args)(convert.import_on_rank, args.hf_dir, args.out_dir, args.dtype)
-    peak = max(r["peak_rss_bytes"] for r in results)
-    print(f"wrote Megatron checkpoint {args.out_dir} (TP={args.tp}, PP={args.pp}, {args.dtype}) in "
-          f"{max(r['seconds'] for r in results):.1f} s; peak RSS per rank {_gib(peak)}")  # fmt: skip
+    from qvl.launchers.local_ranks import run_on_ranks
+
+    # One process streams the checkpoint; it loads at any layout, and --tp/--pp are checked against the model.
+    (result,) = run_on_ranks(convert.import_on_rank, args.hf_dir, args.out_dir, args.dtype, args.tp, args.pp,
+                             cpu=True if args.device == "cpu" else None)  # fmt: skip
+    print(f"wrote Megatron checkpoint {args.out_dir} ({args.dtype}; loads at any TP/PP, checked for TP={args.tp}, "
+          f"PP={args.pp}) in {result['seconds']:.1f} s; peak RSS {_gib(result['peak_rss_bytes'])}")  # fmt: skip
     return 0
 
 

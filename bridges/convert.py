@@ -1,7 +1,8 @@
 """HF <-> Megatron checkpoint conversion through Megatron-Bridge's AutoBridge, at any TP/PP layout.
 
-`import_checkpoint` and `export_checkpoint` run inside an initialised distributed context (one process
-per rank; `launch_ranks` starts them on this machine). The Megatron checkpoint directory also keeps
+`import_checkpoint` streams the HF weights into a torch_dist checkpoint in one process (qvl.bridges.stream);
+the checkpoint loads at any TP/PP. `export_checkpoint` and verification run inside an initialised
+distributed context at the layout asked for (one process per rank; `run_on_ranks` starts them here). The Megatron checkpoint directory also keeps
 the small HF files (config, tokenizer, processor) under `hf/`, so export needs nothing else.
 """
 
@@ -90,33 +91,38 @@ def copy_hf_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(path, dst / path.name)
 
 
-def import_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str = "bf16") -> ConversionResult:
-    """HF directory -> Megatron distributed checkpoint at the current TP/PP layout (collective)."""
-    from megatron.core import parallel_state
+def import_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str = "bf16", tensor_parallel: int = 1,
+                      pipeline_parallel: int = 1) -> ConversionResult:  # fmt: skip
+    """HF directory -> Megatron torch_dist checkpoint, streamed one tensor at a time (qvl.bridges.stream).
+
+    Runs in one process. A torch_dist checkpoint holds global tensors, so training loads it at any TP/PP;
+    `tensor_parallel` and `pipeline_parallel` are the layout it will be trained with, checked to divide the
+    model's heads and layers before anything is written.
+    """
+    from qvl.bridges.stream import save_streaming
 
     started = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     require_qwen_vl(hf_dir)
     if dtype not in DTYPES:
         raise ConversionError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    if torch.distributed.get_world_size() != 1:
+        raise ConversionError(f"import runs in one process (got {torch.distributed.get_world_size()}); the checkpoint "
+                              "it writes loads at any TP/PP, so start it on one rank")  # fmt: skip
     bridge = auto_bridge_with_weights(hf_dir, DTYPES[dtype])
-    provider = bridge.to_megatron_provider(load_weights=True)
+    provider = bridge.to_megatron_provider(load_weights=False)
     _fix(provider, bridge)
-    provider.params_dtype = DTYPES[dtype]
-    provider.bf16, provider.fp16 = dtype == "bf16", dtype == "fp16"
-    provider.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
-    provider.pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
-    provider.pipeline_dtype = DTYPES[dtype]
+    provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = tensor_parallel, pipeline_parallel
     check_layout(provider)
+    provider.tensor_model_parallel_size = provider.pipeline_model_parallel_size = 1
+    provider.params_dtype = provider.pipeline_dtype = DTYPES[dtype]
+    provider.bf16, provider.fp16 = dtype == "bf16", dtype == "fp16"
+    provider.perform_initialization = False  # as Megatron-Bridge sets it for a weights-loading provider
     provider.finalize()
-    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
-    bridge.save_megatron_model(model, out_dir, hf_tokenizer_path=str(hf_dir), low_memory_save=True)
-    if torch.distributed.get_rank() == 0:
-        copy_hf_side_files(hf_dir, out_dir / HF_FILES_DIR)
-    torch.distributed.barrier()
+    save_streaming(bridge, provider, out_dir, hf_tokenizer_path=str(hf_dir))
+    copy_hf_side_files(hf_dir, out_dir / HF_FILES_DIR)
     return ConversionResult(output=out_dir, seconds=time.perf_counter() - started, peak_rss_bytes=peak_rss_bytes(),
-                            tensor_parallel=provider.tensor_model_parallel_size,
-                            pipeline_parallel=provider.pipeline_model_parallel_size)  # fmt: skip
+                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)  # fmt: skip
 
 
 def auto_bridge_with_weights(hf_dir: Path, dtype: torch.dtype):
@@ -182,8 +188,9 @@ def load_megatron(bridge, megatron_dir: Path) -> list:
 # --- entry points run on every rank by `qvl convert` (module level, so spawned ranks can import them) ---
 
 
-def import_on_rank(hf_dir: str, out_dir: str, dtype: str) -> dict:
-    result = import_checkpoint(Path(hf_dir), Path(out_dir), dtype=dtype)
+def import_on_rank(hf_dir: str, out_dir: str, dtype: str, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> dict:
+    result = import_checkpoint(Path(hf_dir), Path(out_dir), dtype=dtype, tensor_parallel=tensor_parallel,
+                               pipeline_parallel=pipeline_parallel)  # fmt: skip
     return {"seconds": result.seconds, "peak_rss_bytes": result.peak_rss_bytes}
 
 

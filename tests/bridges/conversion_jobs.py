@@ -1,5 +1,5 @@
-"""Rank functions for the conversion tests: import + verify every family inside one set of processes,
-so the two-process tests pay for process start-up and imports once."""
+"""Rank functions for the conversion tests: import or verify every family inside one set of processes,
+so the tests pay for process start-up and imports once."""
 
 from __future__ import annotations
 
@@ -8,11 +8,35 @@ from pathlib import Path
 from qvl.bridges import convert
 
 
-def import_and_verify_all(hf_dirs: dict[str, str], out_root: str) -> dict[str, dict | None]:
-    """On each rank: convert every family at the current TP/PP layout, then verify it; reports by family."""
-    reports = {}
+def import_all(hf_dirs: dict[str, str], out_root: str) -> None:
+    """In one process: stream every family's HF checkpoint into a Megatron checkpoint (fp32)."""
     for family, hf_dir in hf_dirs.items():
-        out = Path(out_root) / family
-        convert.import_checkpoint(Path(hf_dir), out, dtype="fp32")
-        reports[family] = convert.verify_on_rank(hf_dir, str(out), tolerance=None, video=True)
-    return reports
+        convert.import_checkpoint(Path(hf_dir), Path(out_root) / family, dtype="fp32")
+
+
+def verify_all(hf_dirs: dict[str, str], out_root: str) -> dict[str, dict | None]:
+    """On each rank: load every family's checkpoint at the current TP/PP layout and verify it; reports by family."""
+    return {family: convert.verify_on_rank(hf_dir, str(Path(out_root) / family), tolerance=None, video=True)
+            for family, hf_dir in hf_dirs.items()}  # fmt: skip
+
+
+def import_materialised(hf_dir: str, out_dir: str, dtype: str) -> None:
+    """The reference: Megatron-Bridge's own import (whole model built, loaded, then saved), qvl's provider fixes."""
+    import torch
+
+    bridge = convert.auto_bridge_with_weights(Path(hf_dir), convert.DTYPES[dtype])
+    provider = bridge.to_megatron_provider(load_weights=True)
+    convert._fix(provider, bridge)
+    provider.params_dtype = provider.pipeline_dtype = convert.DTYPES[dtype]
+    provider.bf16, provider.fp16 = dtype == "bf16", dtype == "fp16"
+    provider.finalize()
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    bridge.save_megatron_model(model, out_dir, hf_tokenizer_path=hf_dir, low_memory_save=True)
+    torch.distributed.barrier()
+
+
+def import_both_ways(hf_dirs: dict[str, str], out_root: str, dtype: str) -> None:
+    """Per family: qvl's streamed import into OUT/family/stream, Megatron-Bridge's into OUT/family/reference."""
+    for family, hf_dir in hf_dirs.items():
+        convert.import_checkpoint(Path(hf_dir), Path(out_root) / family / "stream", dtype=dtype)
+        import_materialised(hf_dir, str(Path(out_root) / family / "reference"), dtype)

@@ -1,5 +1,6 @@
 """HF <-> Megatron conversion for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: logit parity, per-tensor
-export equality, TP=2 and PP=2 in two gloo processes, and the errors users hit.
+export equality, the one streamed checkpoint loaded at TP=1, TP=2 and PP=2 (two gloo processes), and the
+errors users hit.
 
 Tolerance: fp32 logits on CPU must agree to 1e-6. Measured: Qwen2-VL and Qwen2.5-VL 0 (bit-identical),
 Qwen3-VL 2.7e-7, Qwen3-VL-MoE 4.2e-7 - summation-order noise of fp32 (the text-only path alone shows
@@ -25,6 +26,14 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
     return {family: str(write_tiny_hf_checkpoint(root / family, family, seed=1)) for family in FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def imported(hf_dirs, tmp_path_factory) -> str:
+    """Every family imported once (streamed, one process); the tests load it at different layouts."""
+    out = tmp_path_factory.mktemp("megatron")
+    run_on_ranks(conversion_jobs.import_all, hf_dirs, str(out), cpu=True)
+    return str(out)
+
+
 def _assert_parity(report: dict) -> None:
     assert report["max_abs_diff"] <= PARITY, report
     assert report["top1_agreement"] == 1.0
@@ -33,13 +42,13 @@ def _assert_parity(report: dict) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_import_verify_export_round_trip(family, hf_dirs, tmp_path):
+def test_import_verify_export_round_trip(family, hf_dirs, imported, tmp_path):
     from transformers import AutoModelForImageTextToText
 
     hf_dir = hf_dirs[family]
-    (report,) = run_on_ranks(conversion_jobs.import_and_verify_all, {family: hf_dir}, str(tmp_path), cpu=True)
+    (report,) = run_on_ranks(conversion_jobs.verify_all, {family: hf_dir}, imported, cpu=True)
     _assert_parity(report[family])
-    run_on_ranks(convert.export_on_rank, str(tmp_path / family), str(tmp_path / "export"), cpu=True)
+    run_on_ranks(convert.export_on_rank, f"{imported}/{family}", str(tmp_path / "export"), cpu=True)
     original = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
     exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).state_dict()
     assert original.keys() == exported.keys()
@@ -48,8 +57,8 @@ def test_import_verify_export_round_trip(family, hf_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("layout", [{"tensor_parallel": 2}, {"pipeline_parallel": 2}], ids=["tp2", "pp2"])
-def test_two_process_conversion_matches_hf(layout, hf_dirs, tmp_path):
-    ranks = run_on_ranks(conversion_jobs.import_and_verify_all, hf_dirs, str(tmp_path), cpu=True, **layout)
+def test_two_process_conversion_matches_hf(layout, hf_dirs, imported):
+    ranks = run_on_ranks(conversion_jobs.verify_all, hf_dirs, imported, cpu=True, **layout)
     for family in FAMILIES:
         reports = [r[family] for r in ranks if r[family] is not None]
         assert len(reports) == 1, f"{family}: exactly one rank reports"
