@@ -22,7 +22,9 @@ process with the TP=PP=1 model, and `--tp/--pp` only check that the layout will 
 
 from __future__ import annotations
 
+import json
 import logging
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,52 @@ logger = logging.getLogger(__name__)
 # Converted parameters kept for chunks that come later (gated-MLP halves, a fused MoE tensor's experts):
 # the writer asks for the chunks of one parameter one after another, so two is enough.
 _CACHED_PARAMETERS = 2
+
+
+_READ_BUFFER_BYTES = 16 * 2**20
+# safetensors dtype names (the format's header) -> torch dtypes.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # fmt: skip
+
+
+class SafetensorsFiles:
+    """Tensors of an HF checkpoint directory by name, each read into fresh memory with plain file reads.
+
+    Not memory-mapped: pages of a mapped shard count in the process's RSS for as long as the mapping lives,
+    and a copy made from them doubles the tensor's footprint while both exist.
+    """
+
+    def __init__(self, hf_dir: Path) -> None:
+        self.entries: dict[str, tuple[Path, str, list[int], int, int]] = {}
+        for path in sorted(Path(hf_dir).glob("*.safetensors")):
+            with path.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    start, end = entry["data_offsets"]
+                    self.entries[name] = (path, entry["dtype"], entry["shape"], 8 + length + start, end - start)
+
+    def keys(self):
+        return self.entries.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path, dtype, shape, offset, size = self.entries[name]
+        # Read through a fixed buffer, not into the tensor's memory directly: memory that numpy or a Python
+        # buffer has seen cannot be freed early (the streaming planner frees each tensor once written).
+        data, buffer = torch.empty(size, dtype=torch.uint8), bytearray(min(size, _READ_BUFFER_BYTES))
+        with path.open("rb") as f:
+            f.seek(offset)
+            for start in range(0, size, len(buffer)):
+                view = memoryview(buffer)[: min(len(buffer), size - start)]
+                if f.readinto(view) != len(view):
+                    raise OSError(f"{path} ends inside tensor {name}; the file is truncated, download it again")
+                data[start : start + len(view)] = torch.frombuffer(view, dtype=torch.uint8)
+        return data.view(_SAFETENSORS_DTYPES[dtype]).reshape(shape)
 
 
 def _is_meta(value: Any) -> bool:
@@ -68,7 +116,7 @@ class StreamingConverter:
 
     def __init__(self, bridge, model: list) -> None:
         self.model_bridge = bridge._model_bridge
-        self.hf_state = bridge.hf_pretrained.state
+        self.hf_state = SafetensorsFiles(Path(bridge.hf_pretrained.model_name_or_path))
         tasks = [t for t in self.model_bridge.build_conversion_tasks(bridge.hf_pretrained, model) if t is not None]
         self.tasks = {id(t.param_weight): t for t in tasks}
         self._converted: OrderedDict[int, torch.Tensor] = OrderedDict()
@@ -79,8 +127,11 @@ class StreamingConverter:
         """Parameters no conversion task fills (they would be written uninitialised)."""
         return [name for m in model for name, p in m.named_parameters() if id(p) not in self.tasks]
 
-    def parameter(self, parameter: torch.nn.Parameter, name: str) -> torch.Tensor:
-        """The real value of a meta parameter, converted from the HF tensors it comes from."""
+    def parameter(self, parameter: torch.nn.Parameter, name: str, *, keep: bool) -> torch.Tensor:
+        """The real value of a meta parameter, converted from the HF tensors it comes from.
+
+        `keep`: the parameter has more chunks to come (a factory splits it), so keep it for them.
+        """
         key = id(parameter)
         if key in self._converted:
             self._converted.move_to_end(key)
@@ -106,11 +157,19 @@ class StreamingConverter:
             raise ConversionError(f"{name}: HF {mapping.hf_param} converts to shape {tuple(converted.shape)}, "
                                   f"the model expects {tuple(parameter.shape)}; the checkpoint does not match its config.json")  # fmt: skip
         converted = converted.detach().to(device="cpu", dtype=parameter.dtype)
-        self._converted[key] = converted
-        while len(self._converted) > _CACHED_PARAMETERS:
-            self._converted.popitem(last=False)
         self.converted_parameters += 1
+        if keep:
+            self._converted[key] = converted
+            while len(self._converted) > _CACHED_PARAMETERS:
+                self._converted.popitem(last=False)
         return converted
+
+    def private_copy(self, data: torch.Tensor) -> torch.Tensor:
+        """`data` itself when nothing else uses its memory, else a copy: the writer may then free it."""
+        shared = data.untyped_storage().nbytes() != data.nbytes or data.data_ptr() != data.untyped_storage().data_ptr()
+        kept = {t.untyped_storage().data_ptr() for t in [*self._converted.values(), *self._grouped.values()]
+                if isinstance(t, torch.Tensor)}  # fmt: skip
+        return data.clone() if shared or data.untyped_storage().data_ptr() in kept else data
 
 
 def chunk_sources(sharded_state_dict: dict, names: dict[int, str]) -> dict[tuple[str, tuple[int, ...]], _Source]:
@@ -145,7 +204,7 @@ def _pieces(built) -> list:
 
 def _chunk(converter: StreamingConverter, source: _Source, key: str, offset: tuple[int, ...]) -> torch.Tensor:
     """The data of one checkpoint chunk, from the converted parameter."""
-    value = converter.parameter(source.parameter, source.name)
+    value = converter.parameter(source.parameter, source.name, keep=source.factory is not None)
     if source.factory is None:
         return value
     built = source.factory.build_fn(source.factory.key, value, source.factory.replica_id, source.factory.flattened_range)
@@ -167,7 +226,10 @@ def streaming_save_strategy(converter: StreamingConverter, sources: dict, progre
     from torch.distributed.checkpoint import save as dcp_save
 
     class StreamingPlanner(MCoreSavePlanner):
+        written: torch.Tensor | None = None
+
         def resolve_data(self, write_item):
+            self.free_written()
             index = write_item.index
             source = sources.get((index.fqn, tuple(index.offset or ())))
             if source is None:
@@ -175,7 +237,16 @@ def streaming_save_strategy(converter: StreamingConverter, sources: dict, progre
             data = _chunk(converter, source, index.fqn, tuple(index.offset))
             if progress is not None:
                 progress()
-            return data.reshape(write_item.tensor_data.chunk.sizes)  # prepended (layer) axes are size 1
+            # Prepended (layer) axes are size 1. A private tensor: PyTorch 2.14's FileSystemWriter keeps a
+            # reference to every tensor it wrote until the file ends (for its safetensors format only), so
+            # its memory is released here, when the writer asks for the next chunk, and after the last.
+            self.written = converter.private_copy(data.reshape(write_item.tensor_data.chunk.sizes))
+            return self.written
+
+        def free_written(self) -> None:
+            if self.written is not None:
+                self.written.untyped_storage().resize_(0)
+                self.written = None
 
     class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir: Path) -> None:
@@ -186,6 +257,7 @@ def streaming_save_strategy(converter: StreamingConverter, sources: dict, progre
             planner = StreamingPlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
                                        flatten_sharded_tensors=False)  # fmt: skip
             dcp_save(state_dict, storage_writer=writer, planner=planner)
+            planner.free_written()
 
     return StreamingSaveStrategy("torch_dist", 1)
 
