@@ -17,6 +17,7 @@ GPU expect equality to within rounding rather than bit for bit.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from qvl.data.cost import VisionShape, vision_flops_per_image
 
+logger = logging.getLogger(__name__)
 VisionFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -178,6 +180,9 @@ def balanced_vision_forward(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if len(plan.cost) < world:
         return vision_fn(pixel_values, grid_thw) if len(grids[rank]) else None
+    if rank == 0:
+        logger.debug("vision balance: %d images moved of %d; vision FLOPs per rank %s -> %s", plan.moved(),
+                     len(plan.cost), _flops(plan.cost_before()), _flops(plan.cost_after()))  # fmt: skip
     patches = [g.prod(axis=1) for g in grids]
     if pixel_values is None:  # no images here, but this rank may encode others': an empty tensor to send from
         width = shape.in_channels * shape.temporal_patch_size * shape.patch_size**2
@@ -202,6 +207,10 @@ def balanced_vision_forward(
     # by_dest holds my images ordered by (destination, local index); put them back in local order.
     index = _restore_rows(send_order, patches[rank] // rows_per_patch)
     return by_dest[torch.as_tensor(index, device=by_dest.device)]
+
+
+def _flops(per_rank: np.ndarray) -> str:
+    return "[" + ", ".join(f"{c:.3g}" for c in per_rank) + "]"
 
 
 def _rows_per_patch(encoded: torch.Tensor, grid: torch.Tensor) -> int:

@@ -51,6 +51,9 @@ class QvlPackedDatasetConfig(DatasetProvider):
     micro_batch_size: int = 1
     dataloader_type: str | None = "external"  # energon yields batches itself
     num_workers: int = 2
+    # Online vision balancing in qvl's forward step (qvl.recipes.step); it lives here because the dataset section
+    # is qvl's own, so the step sees it at train time and it survives run_config.yaml.
+    vision_balance: bool = False
 
     def finalize(self) -> None:
         """Refuse a missing dataset before any process group or model is built."""
@@ -86,7 +89,7 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
         ddp=DistributedDataParallelConfig(check_for_nan_in_grad=True, grad_reduce_in_fp32=True,
                                           use_distributed_optimizer=True, average_in_collective=False),
         dataset=QvlPackedDatasetConfig(path=o.data, hf_path=o.hf_path, family=arch.family, seq_length=o.seq_length,
-                                       micro_batch_size=o.micro_batch_size),
+                                       micro_batch_size=o.micro_batch_size, vision_balance=o.vision_balance),
         logger=LoggerConfig(log_interval=o.log_interval, tensorboard_dir=o.tensorboard_dir,
                             wandb_project=o.wandb_project, wandb_exp_name=Path(o.checkpoint_dir).parent.name),
         # Tokenization happens offline in `qvl data prepare`; the model only needs the vocabulary size.
@@ -120,6 +123,7 @@ def build_model(arch: Architecture, o: RecipeOptions) -> Any:
 
     model = provider_from_hf(load_hf_config(o.hf_path, arch))
     _check_divisible(model, o)
+    _check_vision_balance(model, arch, o)
     model.seq_length = o.seq_length
     model.tensor_model_parallel_size = o.tensor_parallel
     model.pipeline_model_parallel_size = o.pipeline_parallel
@@ -151,6 +155,16 @@ def _check_divisible(model: Any, o: RecipeOptions) -> None:
         raise ValueError(f"expert_parallel={o.expert_parallel} needs a MoE model whose experts ({experts}) it divides")
     if o.sequence_parallel and o.tensor_parallel == 1:
         raise ValueError("sequence_parallel=True needs tensor_parallel >= 2; set sequence_parallel=False")
+
+
+def _check_vision_balance(model: Any, arch: Architecture, o: RecipeOptions) -> None:
+    from megatron.bridge.models.qwen_vl.qwen25_vl_provider import Qwen25VLModelProvider
+
+    # The balanced step computes inputs_embeds itself and hands them to Qwen25VLModel.forward (Qwen2-VL's too);
+    # Qwen3-VL's Megatron tower also feeds deepstack features into the decoder, which that path does not carry.
+    if o.vision_balance and not isinstance(model, Qwen25VLModelProvider):
+        raise ValueError(f"vision_balance=True is not supported for {arch.family} yet (its Megatron vision tower's "
+                         "deepstack features have no balanced path); drop vision_balance")  # fmt: skip
 
 
 def _apply_recompute(model: Any, o: RecipeOptions) -> None:

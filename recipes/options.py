@@ -34,6 +34,7 @@ class RecipeOptions:
     context_parallel: int = 1
     expert_parallel: int = 1
     sequence_parallel: bool = False
+    vision_balance: bool = False  # OrchMLLM-style online balancing of vision work over data-parallel ranks
     pipeline_split: str = "auto"  # "auto" (vision on stage 0, balanced), "uniform", or "FIRST,LAST" layer counts
     precision: str = "bf16-mixed"
     recompute: str = "none"
@@ -75,6 +76,10 @@ class RecipeOptions:
         if self.virtual_pipeline is not None and self.pipeline_parallel < 2:
             raise ValueError(f"virtual_pipeline={self.virtual_pipeline} needs pipeline_parallel >= 2 "
                              f"(got {self.pipeline_parallel}); drop virtual_pipeline or raise it")  # fmt: skip
+        if self.vision_balance and self.context_parallel > 1:
+            raise ValueError(f"vision_balance=True needs context_parallel=1 (got {self.context_parallel}): "
+                             "images move over the data-parallel group, and context-parallel ranks (which split one "
+                             "sequence) are not wired in; set context_parallel=1 or drop vision_balance")  # fmt: skip
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size="
                              f"{self.micro_batch_size}")  # fmt: skip

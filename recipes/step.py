@@ -60,9 +60,61 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
     model_config = state.cfg.model
     pad_to = model_config.seq_length if model_config.pipeline_model_parallel_size > 1 else None
     kwargs, loss_mask = model_inputs(next(data_iterator), device, pad_to=pad_to)
+    if state.cfg.dataset.vision_balance:
+        kwargs = balanced_vision_inputs(model, kwargs)
     output = model(**kwargs)
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
         output, loss_mask = output
     checks = state.cfg.rerun_state_machine
     return output, partial(masked_next_token_loss, loss_mask, check_for_nan_in_loss=checks.check_for_nan_in_loss,
                            check_for_spiky_loss=checks.check_for_spiky_loss)  # fmt: skip
+
+
+def balanced_vision_inputs(model: Any, kwargs: dict) -> dict:
+    """`kwargs` with the vision work balanced over the data-parallel group (qvl.data.vision_balance): the image
+    and video embeddings are scattered into `inputs_embeds` here and the pixels dropped, so the model skips its
+    own tower; the grids stay, for mRoPE positions. Collective: every data-parallel rank of the first pipeline
+    stage calls it for every micro-batch, with or without images. Qwen2-VL / Qwen2.5-VL (Qwen25VLModel) only.
+    """
+    from megatron.core.utils import unwrap_model
+
+    vlm = unwrap_model(model)
+    if not vlm.pre_process:  # a later pipeline stage: its inputs are the previous stage's activations
+        return kwargs
+    kwargs = dict(kwargs)
+    input_ids = kwargs["input_ids"]
+    embeds = _balanced_vision_embeddings(vlm, kwargs)
+    # As Qwen25VLModel.forward embeds when it is given no inputs_embeds ([s, b, h] -> [b, s, h]); it still
+    # transposes back and scatters for sequence parallelism when it is given them.
+    inputs_embeds = vlm.language_model.embedding(input_ids=input_ids, position_ids=None).transpose(1, 0).contiguous()
+    if embeds is not None:
+        image_mask, video_mask = vlm.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds)
+        n_image, n_video = int(image_mask.sum()), int(video_mask.sum())
+        if embeds.shape[0] != n_image + n_video:
+            raise ValueError(f"the vision tower gave {embeds.shape[0]} embeddings for {n_image} image and {n_video} "
+                             "video placeholder tokens; the packed batch's grids and placeholders disagree")
+        # masked_scatter keeps even an empty `embeds` in the graph: its backward (an all_to_all) is collective too.
+        embeds = embeds.to(inputs_embeds.dtype)
+        inputs_embeds = inputs_embeds.masked_scatter(image_mask, embeds[:n_image])
+        inputs_embeds = inputs_embeds.masked_scatter(video_mask, embeds[n_image:])
+    kwargs["inputs_embeds"] = inputs_embeds
+    return kwargs
+
+
+def _balanced_vision_embeddings(vlm: Any, kwargs: dict) -> torch.Tensor | None:
+    """Pop the pixels from `kwargs` and encode images, then videos, in one balanced call (they share the tower)."""
+    from megatron.core import parallel_state
+
+    from qvl.data.vision_balance import balanced_vision_forward
+    from qvl.recipes.planner import model_shapes
+
+    pixels = [kwargs.pop(name, None) for name in ("pixel_values", "pixel_values_videos")]
+    grids = [kwargs[grid] for grid, p in zip(("image_grid_thw", "video_grid_thw"), pixels) if p is not None]
+    pixels = [p for p in pixels if p is not None]
+    return balanced_vision_forward(
+        lambda rows, grid: torch.cat(vlm.get_image_features(rows, grid, return_dict=True).pooler_output),
+        torch.cat(pixels) if pixels else None,
+        torch.cat(grids) if grids else torch.zeros(0, 3, dtype=torch.long, device=kwargs["input_ids"].device),
+        shape=model_shapes(vlm.config)[1], group=parallel_state.get_data_parallel_group(),
+        pixel_dtype=torch.float32,  # what qvl.data.load's image processor yields, on every rank
+    )  # fmt: skip

@@ -82,6 +82,7 @@ def test_pipeline_split_is_set_from_the_model():
         ({"virtual_pipeline": 2}, "pipeline_parallel >= 2"),
         ({"expert_parallel": 2}, "MoE"),
         ({"pipeline_parallel": 4, "pipeline_split": "1,2"}, "pipeline_split=auto"),
+        ({"vision_balance": True, "context_parallel": 2}, "set context_parallel=1 or drop vision_balance"),
     ],
 )
 def test_bad_arguments_fail_naming_value_and_fix(overrides, message):
@@ -107,3 +108,20 @@ def test_packed_dataset_config_refuses_a_missing_dataset(tmp_path):
 def test_recipe_reads_a_local_checkpoint_config(tiny_hf_dirs, family, name):
     cfg = get_recipe(name).fn(hf_path=str(tiny_hf_dirs[family]), tensor_parallel=1, expert_parallel=1)
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.vocab_size) == (64, 4, 512)
+
+
+def test_vision_balance_reaches_the_training_config_and_its_yaml(tmp_path):
+    from megatron.bridge.training.config import ConfigContainer
+
+    from qvl.recipes.cli import parse_overrides
+
+    assert not get_recipe("qwen25_vl_7b_sft").fn().dataset.vision_balance
+    assert get_recipe("qwen2_vl_7b_sft").fn(**parse_overrides(["vision_balance=true"])).dataset.vision_balance
+    cfg = get_recipe("qwen25_vl_7b_sft").fn(vision_balance=True)
+    cfg.to_yaml(str(tmp_path / "run_config.yaml"))  # what Megatron-Bridge writes beside every checkpoint
+    assert ConfigContainer.from_yaml(str(tmp_path / "run_config.yaml")).dataset.vision_balance is True
+
+
+def test_vision_balance_is_refused_for_qwen3_vl():
+    with pytest.raises(ValueError, match="not supported for qwen3_vl yet.*drop vision_balance"):
+        get_recipe("qwen3_vl_8b_sft").fn(vision_balance=True)
