@@ -6,9 +6,10 @@ sharded like a released checkpoint. Each conversion runs in its own process so i
 The constant is the peak RSS of the same command on the tiny Qwen2.5-VL checkpoint (under 2 MB of
 weights): interpreter, torch, Megatron-Core, Megatron-Bridge, transformers and the save machinery.
 
-Goal (issue 3): peak RSS - constant <= 1.5 x the largest shard, flat as depth grows. Megatron-Bridge's
-import builds the whole Megatron model before saving it, so the growth follows the model, not the shard;
-the JSON says so rather than moving the goal.
+Goal (issue 3): peak RSS - constant <= 1.5 x the largest shard, flat as depth grows. qvl's import streams
+(qvl.bridges.stream: a meta-device model, each tensor converted when the checkpoint writer asks for it and
+freed once written); Megatron-Bridge's own import builds the whole model first, and grew by 1.08x the bytes
+of each added layer here before qvl streamed.
 """
 
 from __future__ import annotations
@@ -281,10 +282,8 @@ def assess(rows: list[dict], scaling: dict | None) -> dict:
                        "value": scaling["peak_rss_per_layer_over_layer_bytes"], "goal": "flat (~0)", "met": None})  # fmt: skip
     met = all(c["met"] for c in checks if c["met"] is not None)
     why = None if met else (
-        "Megatron-Bridge's import (AutoBridge.to_megatron_provider(load_weights=True) -> provide_distributed_model -> "
-        "save_megatron_model) builds the whole Megatron model in memory and then saves it, so peak RSS grows with the "
-        "checkpoint (growth_over_checkpoint, depth_scaling), not with the largest shard. Meeting the goal needs a "
-        "streaming import that maps and saves one HF shard (or layer) at a time into the torch_dist checkpoint.")
+        "peak RSS grew beyond 1.5 x the largest shard: something in the import holds more than one tensor at a time "
+        "(see growth_over_checkpoint and depth_scaling; qvl.bridges.stream should hold one parameter)")
     return {"goal_met": met, "why": why, "checks": checks}
 
 
