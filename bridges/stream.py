@@ -13,7 +13,7 @@ of Megatron-Bridge run in a different order:
    PyTorch's writer asks for one of its chunks and drops it once that chunk is on disk.
 
 So the peak holds one parameter's HF source tensors and its converted copy (plus a grouped MoE tensor that
-several parameters slice), whatever the depth. The files are the ones the non-streaming import writes: same
+several parameters slice), whatever the depth. The files are the ones Megatron-Bridge's import writes: same
 keys, shapes, dtypes and bytes (tests/bridges/test_stream.py compares them).
 
 A torch_dist checkpoint stores global tensors, so any TP/PP layout loads it; the import therefore runs in one
@@ -23,7 +23,6 @@ process with the TP=PP=1 model, and `--tp/--pp` only check that the layout will 
 from __future__ import annotations
 
 import json
-import logging
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,13 +32,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-logger = logging.getLogger(__name__)
-
 # Converted parameters kept for chunks that come later (gated-MLP halves, a fused MoE tensor's experts):
 # the writer asks for the chunks of one parameter one after another, so two is enough.
 _CACHED_PARAMETERS = 2
-
-
+# HF tensors are read through a buffer of this size (a constant in the import's memory).
 _READ_BUFFER_BYTES = 16 * 2**20
 # safetensors dtype names (the format's header) -> torch dtypes.
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -64,6 +60,11 @@ class SafetensorsFiles:
                 if name != "__metadata__":
                     start, end = entry["data_offsets"]
                     self.entries[name] = (path, entry["dtype"], entry["shape"], 8 + length + start, end - start)
+        if not self.entries:
+            from qvl.bridges.convert import ConversionError
+
+            raise ConversionError(f"{hf_dir} has no *.safetensors weights; qvl imports safetensors only: load the model "
+                                  "in transformers and save_pretrained() it again (safetensors is the default)")  # fmt: skip
 
     def keys(self):
         return self.entries.keys()
@@ -72,6 +73,8 @@ class SafetensorsFiles:
         return name in self.entries
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.entries:
+            raise KeyError(f"tensor {name} is in none of the *.safetensors files; the checkpoint is incomplete")
         path, dtype, shape, offset, size = self.entries[name]
         # Read through a fixed buffer, not into the tensor's memory directly: memory that numpy or a Python
         # buffer has seen cannot be freed early (the streaming planner frees each tensor once written).
@@ -252,8 +255,10 @@ def streaming_save_strategy(converter: StreamingConverter, sources: dict, progre
         def save(self, sharded_state_dict, checkpoint_dir: Path) -> None:
             sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
             state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
-            # One thread: PyTorch's writer then resolves (converts) the chunks one by one, in plan order.
-            writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1)
+            # One thread and no copy-ahead (which a visible GPU would otherwise switch on): PyTorch's writer
+            # then resolves (converts) the chunks one by one, in plan order, each after the last is written.
+            writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1,
+                                      per_thread_copy_ahead=0)  # fmt: skip
             planner = StreamingPlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
                                        flatten_sharded_tensors=False)  # fmt: skip
             dcp_save(state_dict, storage_writer=writer, planner=planner)

@@ -46,3 +46,31 @@ def test_streamed_checkpoint_equals_megatron_bridge_import(dtype, tmp_path):
         assert not different, (family, different[:5])
         expected = torch.float32 if dtype == "fp32" else torch.bfloat16
         assert sum(t.dtype == expected for t in ours.values()) > len(ours) // 2, family
+
+
+def test_safetensors_reader_matches_safetensors_and_names_bad_files(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from qvl.bridges.convert import ConversionError
+    from qvl.bridges.stream import SafetensorsFiles
+
+    tensors = {"a": torch.randn(3, 5, dtype=torch.float32), "b": torch.randn(7).to(torch.bfloat16),
+               "c": torch.arange(6, dtype=torch.int64).reshape(2, 3), "d": torch.ones(2, dtype=torch.bool)}  # fmt: skip
+    save_file(tensors, tmp_path / "one.safetensors")
+    save_file({"e": torch.randn(4, 4).half()}, tmp_path / "two.safetensors")
+    reader = SafetensorsFiles(tmp_path)
+    expected = load_file(tmp_path / "one.safetensors") | load_file(tmp_path / "two.safetensors")
+    assert set(reader.keys()) == set(expected)
+    for name, tensor in expected.items():
+        assert reader[name].dtype == tensor.dtype and torch.equal(reader[name], tensor), name
+        assert reader[name].untyped_storage().resizable()  # the streaming planner frees it once written
+    with pytest.raises(KeyError, match="missing.weight is in none"):
+        reader["missing.weight"]
+    data = (tmp_path / "two.safetensors").read_bytes()
+    (tmp_path / "two.safetensors").write_bytes(data[:-8])
+    with pytest.raises(OSError, match="ends inside tensor e"):
+        SafetensorsFiles(tmp_path)["e"]
+    empty = tmp_path / "bin-only"
+    empty.mkdir()
+    with pytest.raises(ConversionError, match="no \\*.safetensors weights"):
+        SafetensorsFiles(empty)
