@@ -83,8 +83,10 @@ def runs(skewed_dataset, tmp_path_factory) -> dict[str, tuple[dict[int, float], 
     data, hf = skewed_dataset
     root = tmp_path_factory.mktemp("runs")
     # No warmup: step 1 already updates the weights, so every later loss depends on a balanced backward.
+    # No checkpoint or TensorBoard writing: only the losses are compared (saves ~7% of each run's CPU time).
     common = [*ARGS, f"train_iters={len(SKEW)}", "global_batch_size=4", "warmup_iters=0", f"data={data}",
-              f"hf_path={hf}", "--model", "tiny", "--device", "cpu"]  # fmt: skip
+              f"hf_path={hf}", "tensorboard_dir=none", "checkpoint.save=none",
+              "--model", "tiny", "--device", "cpu"]  # fmt: skip
     out = {}
     for name, flag in (("off", "false"), ("on", "true")):
         log = torchrun_train(*common, f"vision_balance={flag}", "--run-dir", str(root / name))
