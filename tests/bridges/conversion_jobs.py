@@ -35,8 +35,8 @@ def import_materialised(hf_dir: str, out_dir: str, dtype: str) -> None:
     torch.distributed.barrier()
 
 
-def import_both_ways(hf_dirs: dict[str, str], out_root: str, dtype: str) -> None:
-    """Per family: qvl's streamed import into OUT/family/stream, Megatron-Bridge's into OUT/family/reference."""
-    for family, hf_dir in hf_dirs.items():
-        convert.import_checkpoint(Path(hf_dir), Path(out_root) / family / "stream", dtype=dtype)
-        import_materialised(hf_dir, str(Path(out_root) / family / "reference"), dtype)
+def import_both_ways(jobs: list[tuple[str, str, str]]) -> None:
+    """Per (hf_dir, out_dir, dtype): qvl's streamed import into OUT/stream, Megatron-Bridge's into OUT/reference."""
+    for hf_dir, out_dir, dtype in jobs:
+        convert.import_checkpoint(Path(hf_dir), Path(out_dir) / "stream", dtype=dtype)
+        import_materialised(hf_dir, str(Path(out_dir) / "reference"), dtype)
