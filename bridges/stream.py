@@ -235,8 +235,13 @@ def streaming_save_strategy(converter: StreamingConverter, sources: dict, progre
             self.free_written()
             index = write_item.index
             source = sources.get((index.fqn, tuple(index.offset or ())))
-            if source is None:
-                return super().resolve_data(write_item)
+            if source is None:  # bytes (extra state, common state) or a tensor no mapping fills
+                data = super().resolve_data(write_item)
+                if isinstance(data, torch.Tensor) and data.is_meta:
+                    from qvl.bridges.convert import ConversionError
+
+                    raise ConversionError(f"no Megatron-Bridge mapping fills checkpoint tensor {index.fqn}")
+                return data
             data = _chunk(converter, source, index.fqn, tuple(index.offset))
             if progress is not None:
                 progress()
@@ -296,7 +301,7 @@ def save_streaming(bridge, provider, out_dir: Path, *, hf_tokenizer_path: str | 
         from qvl.bridges.convert import ConversionError
 
         raise ConversionError(f"no Megatron-Bridge mapping fills {len(missing)} parameters, e.g. {missing[:5]}")
-    names = {id(p): n for m in model for n, p in m.named_parameters()}
+    names = {id(t): n for m in model for n, t in [*m.named_parameters(), *m.named_buffers()]}
     state = _checkpoint_state(provider, out_dir, hf_tokenizer_path)
     pg_collection = get_pg_collection(model)
     metadata = _build_sharded_state_dict_metadata(False, state.cfg.checkpoint)
