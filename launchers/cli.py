@@ -17,8 +17,7 @@ COMMAND_MODULES = (
     "qvl.launchers.demo",  # demo
     "qvl.data.cli",  # data prepare | stats
     "qvl.bridges.cli",  # convert import | export | verify
-    "qvl.recipes.cli",  # recipes, plan
-    "qvl.recipes.train",  # train
+    "qvl.recipes.cli",  # recipes, plan, train
     "qvl.launchers.launch",  # launch
 )
 

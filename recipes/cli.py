@@ -1,4 +1,4 @@
-"""`qvl recipes` (list every recipe) and `qvl plan RECIPE [key=value ...] --gpus N --gpu h100`."""
+"""`qvl recipes` (list every recipe), `qvl plan RECIPE [key=value ...] --gpus N --gpu h100` and `qvl train RECIPE`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ PLAN_EPILOG = "overrides are recipe keyword arguments, e.g. tensor_parallel=4 re
 
 
 def register(subparsers: Any) -> None:
-    """Add the `recipes` and `plan` subcommands."""
+    """Add the `recipes`, `plan` and `train` subcommands."""
     listing = subparsers.add_parser("recipes", help="list the recipe functions with their default layout")
     listing.add_argument("--family", help="only this family (qwen2_vl, qwen2_5_vl, qwen3_vl)")
     listing.set_defaults(func=run_recipes)
@@ -24,6 +24,16 @@ def register(subparsers: Any) -> None:
     plan.add_argument("--vision-fraction", type=float, default=0.5, help="share of tokens that are image tokens")
     plan.add_argument("--patches-per-image", type=int, default=1024, help="ViT patches per image (1024 = 448 px)")
     plan.set_defaults(func=run_plan)
+    train = subparsers.add_parser("train", help="train a recipe through Megatron-Bridge (also tiny models on CPU)")
+    train.add_argument("recipe", help="recipe name (`qvl recipes` lists them)")
+    train.add_argument("overrides", nargs="*",
+                       help="key=value recipe arguments (data=DIR train_iters=20) or section.field=value config fields")
+    train.add_argument("--model", choices=("tiny",), default=None, help="a tiny random model of the recipe's family")
+    train.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces qvl's CPU runtime")
+    train.add_argument("--run-dir", default="runs/train", help="checkpoints, losses.jsonl, tensorboard (default runs/train)")
+    train.add_argument("--stop-after", type=int, default=None, metavar="N",
+                       help="save a checkpoint and exit after N steps (resume by running the same command again)")
+    train.set_defaults(func=run_train)
 
 
 def parse_value(text: str) -> Any:
@@ -132,3 +142,18 @@ def print_plan(name: str, plan: Any) -> None:
     elif plan.problems and any(p.startswith("does not fit") for p in plan.problems):
         console.print("no single change fits; raise --gpus, or combine tensor_parallel/pipeline_parallel and "
                       "recompute=full")  # fmt: skip
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from qvl.recipes.train import TrainRequest, read_losses, run_training
+
+    request = TrainRequest(recipe=args.recipe, overrides=parse_overrides(args.overrides), run_dir=Path(args.run_dir),
+                           model=args.model, device=args.device, stop_after=args.stop_after)  # fmt: skip
+    run_training(request)
+    losses = read_losses(request.run_dir)
+    if losses:
+        first, last = losses[min(losses)], losses[max(losses)]
+        print(f"trained {len(losses)} steps: loss {first:.3f} -> {last:.3f}; run directory {request.run_dir}")
+    return 0

@@ -1,4 +1,4 @@
-"""`qvl train RECIPE [key=value ...]`: run a recipe through Megatron-Bridge's own pretrain/finetune loop.
+"""Training a recipe (`qvl train RECIPE [key=value ...]`, parsed in qvl.recipes.cli) through Megatron-Bridge's own pretrain/finetune loop.
 
 `--model tiny` swaps the recipe's published architecture for a tiny random model of the same family
 (written as an HF checkpoint in the run directory), and `--device cpu` runs it through qvl's CPU
@@ -8,7 +8,6 @@ runtime, so the whole training path runs on a laptop. Every step's loss is appen
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -138,30 +137,3 @@ def read_losses(run_dir: Path) -> dict[int, float]:
     if not path.is_file():
         return {}
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    from qvl.recipes.cli import parse_overrides
-
-    request = TrainRequest(recipe=args.recipe, overrides=parse_overrides(args.overrides), run_dir=Path(args.run_dir),
-                           model=args.model, device=args.device, stop_after=args.stop_after)  # fmt: skip
-    run_training(request)
-    losses = read_losses(request.run_dir)
-    if losses:
-        first, last = losses[min(losses)], losses[max(losses)]
-        print(f"trained {len(losses)} steps: loss {first:.3f} -> {last:.3f}; run directory {request.run_dir}")
-    return 0
-
-
-def register(subparsers) -> None:
-    """Add `qvl train`."""
-    train = subparsers.add_parser("train", help="train a recipe through Megatron-Bridge (also tiny models on CPU)")
-    train.add_argument("recipe", help="recipe name (`qvl recipes` lists them)")
-    train.add_argument("overrides", nargs="*",
-                       help="key=value recipe arguments (data=DIR train_iters=20) or section.field=value config fields")
-    train.add_argument("--model", choices=("tiny",), default=None, help="a tiny random model of the recipe's family")
-    train.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces qvl's CPU runtime")
-    train.add_argument("--run-dir", default="runs/train", help="checkpoints, losses.jsonl, tensorboard (default runs/train)")
-    train.add_argument("--stop-after", type=int, default=None, metavar="N",
-                       help="save a checkpoint and exit after N steps (resume by running the same command again)")
-    train.set_defaults(func=run_cli)
