@@ -25,17 +25,33 @@ from qvl.data.balance import imbalance, plan_dp_balanced, plan_random
 from qvl.data.cost import LMShape, VisionShape, lm_flops_per_sequence, sample_flops, vision_flops_per_image
 from qvl.data.pack import pack_best_fit_decreasing
 from qvl.data.vision import image_grid_thw
-from qvl.data.vision_balance import assign_images
+from qvl.recipes.training.vision_balance import assign_images
 
 SEQ_LENGTH = 8192
 DATA_PARALLEL = (8, 32, 128)
 PACKS_PER_RANK = (4, 16)
 # Qwen2.5-VL-7B-Instruct's config.json.
-QWEN25_7B_LM = LMShape(hidden_size=3584, num_layers=28, num_attention_heads=28, num_query_groups=4,
-                       ffn_hidden_size=18944, vocab_size=152064)
-QWEN25_7B_VISION = VisionShape(hidden_size=1280, depth=32, num_heads=16, intermediate_size=3420, patch_size=14,
-                               spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584, gated_mlp=True,
-                               window_size=112, fullatt_block_indexes=(7, 15, 23, 31))
+QWEN25_7B_LM = LMShape(
+    hidden_size=3584,
+    num_layers=28,
+    num_attention_heads=28,
+    num_query_groups=4,
+    ffn_hidden_size=18944,
+    vocab_size=152064,
+)
+QWEN25_7B_VISION = VisionShape(
+    hidden_size=1280,
+    depth=32,
+    num_heads=16,
+    intermediate_size=3420,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=3584,
+    gated_mlp=True,
+    window_size=112,
+    fullatt_block_indexes=(7, 15, 23, 31),
+)
 
 
 def llava_like_samples(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -57,8 +73,12 @@ def pack_costs(n_samples: int, seed: int = 0) -> dict:
     plan = pack_best_fit_decreasing(lengths, SEQ_LENGTH)
     pack_of_slot = np.repeat(np.arange(plan.n_packs), np.diff(plan.offsets))
     cost = sample_flops(QWEN25_7B_LM, QWEN25_7B_VISION, lengths, grids, owner)
-    return {"cost": np.bincount(pack_of_slot, weights=cost[plan.order]), "tokens": plan.pack_tokens(lengths),
-            "samples": np.diff(plan.offsets), "n_samples": n_samples}
+    return {
+        "cost": np.bincount(pack_of_slot, weights=cost[plan.order]),
+        "tokens": plan.pack_tokens(lengths),
+        "samples": np.diff(plan.offsets),
+        "n_samples": n_samples,
+    }
 
 
 def schedule_balance(packs: dict, steps: int) -> list[dict]:
@@ -75,18 +95,23 @@ def schedule_balance(packs: dict, steps: int) -> list[dict]:
             seconds = time.perf_counter() - start
             n_steps = qvl.n_steps
             samples_per_batch = packs["samples"][:n].sum() / max(n_steps, 1)
-            rows.append({
-                "data_parallel": data_parallel, "packs_per_rank": per_rank, "global_batch": global_batch,
-                "steps": n_steps,
-                "random": imbalance(plan_random(n, data_parallel, global_batch), cost)["time_over_ideal"],
-                "token_balanced": imbalance(plan_dp_balanced(tokens, data_parallel, global_batch), cost)[
-                    "time_over_ideal"],
-                "qvl": imbalance(qvl, cost)["time_over_ideal"],
-                "qvl_worst_step": imbalance(qvl, cost)["worst_max_over_mean"],
-                "ms_per_global_batch": round(seconds / max(n_steps, 1) * 1e3, 3),
-                "samples_per_global_batch": round(float(samples_per_batch)),
-                "ms_per_1k_samples": round(seconds / max(n_steps, 1) * 1e3 / (samples_per_batch / 1000), 3),
-            })
+            rows.append(
+                {
+                    "data_parallel": data_parallel,
+                    "packs_per_rank": per_rank,
+                    "global_batch": global_batch,
+                    "steps": n_steps,
+                    "random": imbalance(plan_random(n, data_parallel, global_batch), cost)["time_over_ideal"],
+                    "token_balanced": imbalance(plan_dp_balanced(tokens, data_parallel, global_batch), cost)[
+                        "time_over_ideal"
+                    ],
+                    "qvl": imbalance(qvl, cost)["time_over_ideal"],
+                    "qvl_worst_step": imbalance(qvl, cost)["worst_max_over_mean"],
+                    "ms_per_global_batch": round(seconds / max(n_steps, 1) * 1e3, 3),
+                    "samples_per_global_batch": round(float(samples_per_batch)),
+                    "ms_per_1k_samples": round(seconds / max(n_steps, 1) * 1e3 / (samples_per_batch / 1000), 3),
+                }
+            )
     return rows
 
 
@@ -96,7 +121,9 @@ def online_vision_balance(n_batches: int = 50, data_parallel: int = 8, seed: int
     plan = pack_best_fit_decreasing(lengths, SEQ_LENGTH)
     image_cost = vision_flops_per_image(QWEN25_7B_VISION, grids)
     sample_vision = np.bincount(owner, weights=image_cost, minlength=len(lengths))
-    pack_vision = np.bincount(np.repeat(np.arange(plan.n_packs), np.diff(plan.offsets)), weights=sample_vision[plan.order])
+    pack_vision = np.bincount(
+        np.repeat(np.arange(plan.n_packs), np.diff(plan.offsets)), weights=sample_vision[plan.order]
+    )
     rng = np.random.default_rng(seed)
     before, after, seconds, moved = [], [], 0.0, 0
     pack_of_sample = np.empty(len(lengths), np.int64)
@@ -116,12 +143,15 @@ def online_vision_balance(n_batches: int = 50, data_parallel: int = 8, seed: int
         load_after = np.bincount(dest, weights=image_cost[images], minlength=data_parallel)
         before.append(load_before.max() / load_before.mean())
         after.append(load_after.max() / load_after.mean())
-    return {"data_parallel": data_parallel, "micro_batches": n_batches,
-            "vision_max_over_mean_before": round(float(np.mean(before)), 4),
-            "vision_max_over_mean_after": round(float(np.mean(after)), 4),
-            "images_moved_per_batch": round(moved / n_batches, 1),
-            "assign_ms": round(seconds / n_batches * 1e3, 3),
-            "gpu_encoder_time": "not measured (no GPU in this run)"}
+    return {
+        "data_parallel": data_parallel,
+        "micro_batches": n_batches,
+        "vision_max_over_mean_before": round(float(np.mean(before)), 4),
+        "vision_max_over_mean_after": round(float(np.mean(after)), 4),
+        "images_moved_per_batch": round(moved / n_batches, 1),
+        "assign_ms": round(seconds / n_batches * 1e3, 3),
+        "gpu_encoder_time": "not measured (no GPU in this run)",
+    }
 
 
 def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
@@ -133,29 +163,39 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     lm_share = float(lm_flops_per_sequence(QWEN25_7B_LM, packs["tokens"]).sum() / packs["cost"].sum())
     results = {
         "quick": quick,
-        "mix": {"samples": n_samples, "packs": int(len(packs["cost"])), "seq_length": SEQ_LENGTH,
-                "model": "Qwen2.5-VL-7B shapes", "pack_cost_cv": round(float(packs["cost"].std() / packs["cost"].mean()), 4),
-                "lm_share_of_flops_upper_bound": round(lm_share, 4)},
+        "mix": {
+            "samples": n_samples,
+            "packs": int(len(packs["cost"])),
+            "seq_length": SEQ_LENGTH,
+            "model": "Qwen2.5-VL-7B shapes",
+            "pack_cost_cv": round(float(packs["cost"].std() / packs["cost"].mean()), 4),
+            "lm_share_of_flops_upper_bound": round(lm_share, 4),
+        },
         "schedules": schedule_balance(packs, steps),
         "online_vision": online_vision_balance(n_batches=10 if quick else 50),
-        "goals": {"max_over_mean_at_16_per_rank": 1.02, "max_over_mean_at_4_per_rank": 1.10,
-                  "ms_per_1k_samples": 5.0},
+        "goals": {"max_over_mean_at_16_per_rank": 1.02, "max_over_mean_at_4_per_rank": 1.10, "ms_per_1k_samples": 5.0},
     }
     (out_dir / "bench_balance.json").write_text(json.dumps(results, indent=2))
     return results
 
 
 def _print_table(results: dict) -> None:
-    print(f"{'D':>4} {'G/D':>4} {'steps':>5} {'random':>8} {'tokens':>8} {'qvl':>8} {'worst':>8} {'ms/batch':>9} "
-          f"{'ms/1k':>7}")
+    print(
+        f"{'D':>4} {'G/D':>4} {'steps':>5} {'random':>8} {'tokens':>8} {'qvl':>8} {'worst':>8} {'ms/batch':>9} "
+        f"{'ms/1k':>7}"
+    )
     for r in results["schedules"]:
-        print(f"{r['data_parallel']:>4} {r['packs_per_rank']:>4} {r['steps']:>5} {r['random']:>8.4f} "
-              f"{r['token_balanced']:>8.4f} {r['qvl']:>8.4f} {r['qvl_worst_step']:>8.4f} "
-              f"{r['ms_per_global_batch']:>9.2f} {r['ms_per_1k_samples']:>7.3f}")
+        print(
+            f"{r['data_parallel']:>4} {r['packs_per_rank']:>4} {r['steps']:>5} {r['random']:>8.4f} "
+            f"{r['token_balanced']:>8.4f} {r['qvl']:>8.4f} {r['qvl_worst_step']:>8.4f} "
+            f"{r['ms_per_global_batch']:>9.2f} {r['ms_per_1k_samples']:>7.3f}"
+        )
     online = results["online_vision"]
-    print(f"online vision, D={online['data_parallel']}: max/mean {online['vision_max_over_mean_before']} -> "
-          f"{online['vision_max_over_mean_after']}, {online['images_moved_per_batch']} images moved, "
-          f"{online['assign_ms']} ms per assignment")
+    print(
+        f"online vision, D={online['data_parallel']}: max/mean {online['vision_max_over_mean_before']} -> "
+        f"{online['vision_max_over_mean_after']}, {online['images_moved_per_batch']} images moved, "
+        f"{online['assign_ms']} ms per assignment"
+    )
 
 
 if __name__ == "__main__":

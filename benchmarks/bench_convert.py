@@ -35,9 +35,15 @@ if TYPE_CHECKING:
 GOAL_GROWTH_OVER_LARGEST_SHARD = 1.5
 CONVERT_DTYPE = "bf16"
 # Qwen2.5-VL-3B's config.json, less depth: the widths that set tensor and shard sizes. head_dim 128.
-WIDE_TEXT = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
-                 vocab_size=151936, tie_word_embeddings=True,
-                 rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})  # fmt: skip
+WIDE_TEXT = dict(
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+)
 WIDE_VISION = dict(hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048, window_size=112)
 # Half-width, small-vocabulary shape for quick runs and the memory test: ~30 MB per layer, 64 MiB embedding.
 MID_TEXT = WIDE_TEXT | dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, vocab_size=32768)
@@ -56,23 +62,37 @@ class Sweep:
     vision_depth: int = 4
 
 
-FULL = Sweep(name="Qwen2.5-VL-3B widths, 4 vision blocks, random bf16, tied embeddings", text=WIDE_TEXT,
-             vision=WIDE_VISION, shard_bytes=400 * 2**20, depths=(4, 8, 12))  # fmt: skip
-QUICK = Sweep(name="half width, 32k vocabulary, 4 vision blocks, random bf16, tied embeddings", text=MID_TEXT,
-              vision=MID_VISION, shard_bytes=48 * 2**20, depths=(2,))  # fmt: skip
+FULL = Sweep(
+    name="Qwen2.5-VL-3B widths, 4 vision blocks, random bf16, tied embeddings",
+    text=WIDE_TEXT,
+    vision=WIDE_VISION,
+    shard_bytes=400 * 2**20,
+    depths=(4, 8, 12),
+)
+QUICK = Sweep(
+    name="half width, 32k vocabulary, 4 vision blocks, random bf16, tied embeddings",
+    text=MID_TEXT,
+    vision=MID_VISION,
+    shard_bytes=48 * 2**20,
+    depths=(2,),
+)
 
 
-def synthetic_config(text_layers: int, *, text: dict = WIDE_TEXT, vision: dict = WIDE_VISION,
-                     vision_depth: int = 4) -> PreTrainedConfig:
+def synthetic_config(
+    text_layers: int, *, text: dict = WIDE_TEXT, vision: dict = WIDE_VISION, vision_depth: int = 4
+) -> PreTrainedConfig:
     """The tiny Qwen2.5-VL config with `text_layers` decoder layers and the given text and vision widths."""
-    from qvl.bridges.testing import tiny_hf_config
+    from qvl.bridges.tiny import tiny_hf_config
 
     tiny = tiny_hf_config("qwen2_5_vl")
     fields = tiny.to_dict()
     text = fields["text_config"] | text | {"num_hidden_layers": text_layers}
     text.pop("layer_types")  # derived from num_hidden_layers; a stale copy fails validation
-    vision = fields["vision_config"] | vision | {"depth": vision_depth,
-                                                "fullatt_block_indexes": list(range(1, vision_depth, 2))}  # fmt: skip
+    vision = (
+        fields["vision_config"]
+        | vision
+        | {"depth": vision_depth, "fullatt_block_indexes": list(range(1, vision_depth, 2))}
+    )
     fields.update(text_config=text, vision_config=vision, tie_word_embeddings=text.get("tie_word_embeddings", False))
     return type(tiny)(**fields)
 
@@ -93,8 +113,14 @@ def hf_layout(config: PreTrainedConfig) -> dict[str, torch.Size]:
     return {name: tensor.shape for name, tensor in state.items()}
 
 
-def write_random_hf_checkpoint(path: pathlib.Path, config: PreTrainedConfig, *, max_shard_bytes: int,
-                               dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:  # fmt: skip
+def write_random_hf_checkpoint(
+    path: pathlib.Path,
+    config: PreTrainedConfig,
+    *,
+    max_shard_bytes: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> dict:
     """Write random weights for `config` as sharded safetensors + index + config + tokenizer; returns sizes.
 
     Each tensor is a slice of one random pool at a random offset, so GBs take seconds, not HF's init.
@@ -102,19 +128,23 @@ def write_random_hf_checkpoint(path: pathlib.Path, config: PreTrainedConfig, *, 
     """
     from safetensors.torch import save_file
 
-    from qvl.bridges.testing import VOCAB_SIZE
-    from qvl.data.testing import write_tiny_hf_processor_dir
+    from qvl.bridges.tiny import VOCAB_SIZE
+    from qvl.foundation.tiny import write_tiny_hf_processor_dir
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     layout = hf_layout(config)
     generator = torch.Generator().manual_seed(seed)
-    pool = torch.empty(max(s.numel() for s in layout.values()) + 2**24, dtype=dtype).normal_(0, 0.02, generator=generator)
+    pool = torch.empty(max(s.numel() for s in layout.values()) + 2**24, dtype=dtype).normal_(
+        0, 0.02, generator=generator
+    )
     shards = shard_names(layout, max_shard_bytes, pool.element_size())
     weight_map, shard_bytes = {}, []
     for index, names in enumerate(shards, start=1):
         filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        offsets = torch.randint(0, pool.numel() - max(layout[n].numel() for n in names) + 1, (len(names),), generator=generator)
+        offsets = torch.randint(
+            0, pool.numel() - max(layout[n].numel() for n in names) + 1, (len(names),), generator=generator
+        )
         tensors = {n: pool[o : o + layout[n].numel()].view(layout[n]).clone() for n, o in zip(names, offsets.tolist())}
         save_file(tensors, path / filename, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, filename))
@@ -126,7 +156,12 @@ def write_random_hf_checkpoint(path: pathlib.Path, config: PreTrainedConfig, *, 
     config.dtype = dtype  # like a released checkpoint's "dtype": "bfloat16"
     config.save_pretrained(path)
     write_tiny_hf_processor_dir(path, "qwen2_5_vl", vocab_size=VOCAB_SIZE)
-    return {"tensors": len(layout), "weight_bytes": total, "shards": len(shards), "largest_shard_bytes": max(shard_bytes)}
+    return {
+        "tensors": len(layout),
+        "weight_bytes": total,
+        "shards": len(shards),
+        "largest_shard_bytes": max(shard_bytes),
+    }
 
 
 def shard_names(layout: dict[str, torch.Size], max_shard_bytes: int, element_size: int) -> list[list[str]]:
@@ -144,8 +179,18 @@ def shard_names(layout: dict[str, torch.Size], max_shard_bytes: int, element_siz
 
 def convert_command(hf_dir: pathlib.Path, out_dir: pathlib.Path) -> list[str]:
     """`qvl convert import` at TP=PP=1 on CPU, as a user runs it."""
-    return [sys.executable, "-m", "qvl.bridges.cli", "import", str(hf_dir), str(out_dir), "--dtype", CONVERT_DTYPE,
-            "--device", "cpu"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "qvl.launchers.commands.convert",
+        "import",
+        str(hf_dir),
+        str(out_dir),
+        "--dtype",
+        CONVERT_DTYPE,
+        "--device",
+        "cpu",
+    ]
 
 
 def measure_process(command: list[str], *, timeout_s: float = 600) -> dict:
@@ -178,8 +223,12 @@ def measure_process(command: list[str], *, timeout_s: float = 600) -> dict:
     if process.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited with {process.returncode}:\n{output[-3000:]}")
     tree_peak = usage.ru_maxrss * 1024
-    return {"seconds": round(seconds, 2), "peak_rss_bytes": peaks["VmHWM"] or tree_peak,
-            "peak_anon_rss_bytes": peaks["RssAnon"], "tree_peak_rss_bytes": tree_peak}  # fmt: skip
+    return {
+        "seconds": round(seconds, 2),
+        "peak_rss_bytes": peaks["VmHWM"] or tree_peak,
+        "peak_anon_rss_bytes": peaks["RssAnon"],
+        "tree_peak_rss_bytes": tree_peak,
+    }
 
 
 def _sample_peaks(pid: int, peaks: dict[str, int], done: threading.Event) -> None:
@@ -197,7 +246,7 @@ def _sample_peaks(pid: int, peaks: dict[str, int], done: threading.Event) -> Non
 
 def baseline(work: pathlib.Path) -> dict:
     """The constant: the same command on the tiny Qwen2.5-VL checkpoint."""
-    from qvl.bridges.testing import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny import write_tiny_hf_checkpoint
 
     hf_dir = write_tiny_hf_checkpoint(work / "tiny", "qwen2_5_vl")
     try:
@@ -223,12 +272,16 @@ def convert_at_depth(work: pathlib.Path, sweep: Sweep, text_layers: int, constan
     growth = measured["peak_rss_bytes"] - constant["peak_rss_bytes"]
     anon_growth = measured["peak_anon_rss_bytes"] - constant["peak_anon_rss_bytes"]
     return {
-        "text_layers": text_layers, **sizes, "megatron_checkpoint_bytes": out_bytes,
-        "write_seconds": round(write_seconds, 2), **measured, "growth_bytes": growth,
+        "text_layers": text_layers,
+        **sizes,
+        "megatron_checkpoint_bytes": out_bytes,
+        "write_seconds": round(write_seconds, 2),
+        **measured,
+        "growth_bytes": growth,
         "growth_over_largest_shard": round(growth / sizes["largest_shard_bytes"], 3),
         "growth_over_checkpoint": round(growth / sizes["weight_bytes"], 3),
         "anon_growth_over_checkpoint": round(anon_growth / sizes["weight_bytes"], 3),
-    }  # fmt: skip
+    }
 
 
 def depth_scaling(rows: list[dict]) -> dict | None:
@@ -239,8 +292,11 @@ def depth_scaling(rows: list[dict]) -> dict | None:
     layers = last["text_layers"] - first["text_layers"]
     layer_bytes = (last["weight_bytes"] - first["weight_bytes"]) / layers
     per_layer = (last["peak_rss_bytes"] - first["peak_rss_bytes"]) / layers
-    return {"layer_bytes": round(layer_bytes), "peak_rss_per_layer_bytes": round(per_layer),
-            "peak_rss_per_layer_over_layer_bytes": round(per_layer / layer_bytes, 3)}  # fmt: skip
+    return {
+        "layer_bytes": round(layer_bytes),
+        "peak_rss_per_layer_bytes": round(per_layer),
+        "peak_rss_per_layer_over_layer_bytes": round(per_layer / layer_bytes, 3),
+    }
 
 
 def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
@@ -271,19 +327,41 @@ def assess(rows: list[dict], scaling: dict | None) -> dict:
     goal = GOAL_GROWTH_OVER_LARGEST_SHARD
     checks = []
     for r in rows:
-        checks.append({"figure": f"{r['text_layers']} layers, {r['weight_bytes'] / 2**30:.2f} GiB in {r['shards']} shards: "
-                                 "(peak RSS - constant) / largest shard",
-                       "value": r["growth_over_largest_shard"], "goal": f"<= {goal}", "met": r["growth_over_largest_shard"] <= goal})  # fmt: skip
-        checks.append({"figure": f"{r['text_layers']} layers: peak RSS GiB | wall s | growth / checkpoint",
-                       "value": f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['seconds']:.0f} | {r['growth_over_checkpoint']}",
-                       "goal": "", "met": None})  # fmt: skip
+        checks.append(
+            {
+                "figure": f"{r['text_layers']} layers, {r['weight_bytes'] / 2**30:.2f} GiB in {r['shards']} shards: "
+                "(peak RSS - constant) / largest shard",
+                "value": r["growth_over_largest_shard"],
+                "goal": f"<= {goal}",
+                "met": r["growth_over_largest_shard"] <= goal,
+            }
+        )
+        checks.append(
+            {
+                "figure": f"{r['text_layers']} layers: peak RSS GiB | wall s | growth / checkpoint",
+                "value": f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['seconds']:.0f} | {r['growth_over_checkpoint']}",
+                "goal": "",
+                "met": None,
+            }
+        )
     if scaling:
-        checks.append({"figure": "peak RSS added per extra layer / bytes of one layer",
-                       "value": scaling["peak_rss_per_layer_over_layer_bytes"], "goal": "flat (~0)", "met": None})  # fmt: skip
+        checks.append(
+            {
+                "figure": "peak RSS added per extra layer / bytes of one layer",
+                "value": scaling["peak_rss_per_layer_over_layer_bytes"],
+                "goal": "flat (~0)",
+                "met": None,
+            }
+        )
     met = all(c["met"] for c in checks if c["met"] is not None)
-    why = None if met else (
-        "peak RSS grew beyond 1.5 x the largest shard: something in the import holds more than one tensor at a time "
-        "(see growth_over_checkpoint and depth_scaling; qvl.bridges.stream should hold one parameter)")
+    why = (
+        None
+        if met
+        else (
+            "peak RSS grew beyond 1.5 x the largest shard: something in the import holds more than one tensor at a time "
+            "(see growth_over_checkpoint and depth_scaling; qvl.bridges.stream should hold one parameter)"
+        )
+    )
     return {"goal_met": met, "why": why, "checks": checks}
 
 
@@ -298,7 +376,7 @@ def import_growth_in_this_process(jobs: list[tuple[str, str]]) -> list[dict]:
     import gc
 
     from qvl.bridges import convert
-    from qvl.launchers.local_ranks import run_on_ranks
+    from qvl.foundation.distributed import run_on_ranks
 
     libc = ctypes.CDLL("libc.so.6")
     rows = []
@@ -310,8 +388,15 @@ def import_growth_in_this_process(jobs: list[tuple[str, str]]) -> list[dict]:
         started = time.perf_counter()
         run_on_ranks(convert.import_on_rank, hf_dir, out_dir, CONVERT_DTYPE, cpu=True)
         peak = _proc_status()["VmHWM"]
-        rows.append({"hf_dir": hf_dir, "rss_before_bytes": before, "peak_rss_bytes": peak, "growth_bytes": peak - before,
-                     "seconds": round(time.perf_counter() - started, 2)})  # fmt: skip
+        rows.append(
+            {
+                "hf_dir": hf_dir,
+                "rss_before_bytes": before,
+                "peak_rss_bytes": peak,
+                "growth_bytes": peak - before,
+                "seconds": round(time.perf_counter() - started, 2),
+            }
+        )
     return rows
 
 
@@ -330,8 +415,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench"))
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--import-growth", nargs="+", metavar="DIR",
-                        help="HF_DIR OUT_DIR pairs: import each in this process, print per-import RSS growth as JSON")  # fmt: skip
+    parser.add_argument(
+        "--import-growth",
+        nargs="+",
+        metavar="DIR",
+        help="HF_DIR OUT_DIR pairs: import each in this process, print per-import RSS growth as JSON",
+    )
     cli_args = parser.parse_args()
     if cli_args.import_growth:
         pairs = list(zip(cli_args.import_growth[::2], cli_args.import_growth[1::2], strict=True))

@@ -27,9 +27,19 @@ from qvl.data.write import WriteConfig, pack_members, write_shards
 SEQ_LENGTHS = (4096, 8192, 16384)
 # Qwen2.5-VL defaults (preprocessor_config.json of the released checkpoints).
 QWEN25_VISION = VisionConfig(
-    family="qwen2_5_vl", patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=56 * 56,
-    max_pixels=28 * 28 * 1280, video_patch_size=14, video_min_pixels=128 * 28 * 28, video_max_pixels=28 * 28 * 768,
-    video_fps=2.0, video_min_frames=4, video_max_frames=768, video_do_sample_frames=False,
+    family="qwen2_5_vl",
+    patch_size=14,
+    temporal_patch_size=2,
+    merge_size=2,
+    min_pixels=56 * 56,
+    max_pixels=28 * 28 * 1280,
+    video_patch_size=14,
+    video_min_pixels=128 * 28 * 28,
+    video_max_pixels=28 * 28 * 768,
+    video_fps=2.0,
+    video_min_frames=4,
+    video_max_frames=768,
+    video_do_sample_frames=False,
 )
 # (height, width) of typical LLaVA-665k sources: COCO, GQA, OCR-VQA, TextVQA, VG.
 RESOLUTIONS = ((480, 640), (375, 500), (427, 640), (640, 480), (336, 336), (768, 1024), (600, 800), (1024, 683))
@@ -57,16 +67,18 @@ def packing_efficiency(lengths: np.ndarray) -> list[dict]:
         start = time.perf_counter()
         plan = pack_best_fit_decreasing(fitting, seq_length)
         elapsed = time.perf_counter() - start
-        rows.append({
-            "seq_length": seq_length,
-            "samples": int(len(fitting)),
-            "dropped_too_long": int(len(lengths) - len(fitting)),
-            "qvl_best_fit_decreasing": round(plan.efficiency(fitting), 5),
-            "naive_padding": round(pack_padded(fitting, seq_length).efficiency(fitting), 5),
-            "online_next_fit": round(pack_next_fit(fitting, seq_length).efficiency(fitting), 5),
-            "qvl_packs": plan.n_packs,
-            "qvl_seconds": round(elapsed, 4),
-        })
+        rows.append(
+            {
+                "seq_length": seq_length,
+                "samples": int(len(fitting)),
+                "dropped_too_long": int(len(lengths) - len(fitting)),
+                "qvl_best_fit_decreasing": round(plan.efficiency(fitting), 5),
+                "naive_padding": round(pack_padded(fitting, seq_length).efficiency(fitting), 5),
+                "online_next_fit": round(pack_next_fit(fitting, seq_length).efficiency(fitting), 5),
+                "qvl_packs": plan.n_packs,
+                "qvl_seconds": round(elapsed, 4),
+            }
+        )
     return rows
 
 
@@ -75,8 +87,12 @@ def packer_speed(n: int, seq_length: int = 8192, repeats: int = 3) -> dict:
     lengths = llava_like_lengths(n, seed=1)
     lengths = lengths[lengths <= seq_length]
     best = min(_timed(lambda: pack_best_fit_decreasing(lengths, seq_length)) for _ in range(repeats))
-    return {"samples": int(len(lengths)), "seq_length": seq_length, "seconds": round(best, 4),
-            "samples_per_second": round(len(lengths) / best)}
+    return {
+        "samples": int(len(lengths)),
+        "seq_length": seq_length,
+        "seconds": round(best, 4),
+        "samples_per_second": round(len(lengths) / best),
+    }
 
 
 def _timed(fn) -> float:
@@ -96,11 +112,17 @@ def _synthetic_samples(root: pathlib.Path, n_samples: int, n_images: int) -> lis
     for index in range(n_samples):
         ids = rng.integers(10, 500, int(rng.integers(50, 400))).astype(np.int32)
         ids[5] = 5  # one image pad, expanded to its run
-        samples.append(TokenizedSample(
-            index=index, ids=ids, loss=np.ones(len(ids), np.uint8), runs=np.asarray([391], np.int32),
-            image_grids=[(1, 34, 46)], media_first_token=[4],
-            media=[MediaInfo(kind="image", path=images[index % n_images], height=480, width=640)],
-        ))
+        samples.append(
+            TokenizedSample(
+                index=index,
+                ids=ids,
+                loss=np.ones(len(ids), np.uint8),
+                runs=np.asarray([391], np.int32),
+                image_grids=[(1, 34, 46)],
+                media_first_token=[4],
+                media=[MediaInfo(kind="image", path=images[index % n_images], height=480, width=640)],
+            )
+        )
     return samples
 
 
@@ -118,7 +140,9 @@ def shard_throughput(n_samples: int, out_dir: pathlib.Path) -> dict:
         sources = _plain_sources(plan, samples, config)
         plain_seconds = _timed(lambda: _plain_tar(root / "plain.tar", sources))
     return {
-        "samples": n_samples, "packs": plan.n_packs, "bytes": qvl_bytes,
+        "samples": n_samples,
+        "packs": plan.n_packs,
+        "bytes": qvl_bytes,
         "qvl_MB_per_s": round(qvl_bytes / qvl_seconds / 1e6, 1),
         "plain_tar_MB_per_s": round(qvl_bytes / plain_seconds / 1e6, 1),
         "relative_to_plain_tar": round(plain_seconds / qvl_seconds, 3),
@@ -168,12 +192,16 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
 def _print_table(results: dict) -> None:
     print(f"{'seq':>6} {'qvl BFD':>9} {'next-fit':>9} {'padding':>9} {'packs':>8}")
     for row in results["packing_efficiency"]:
-        print(f"{row['seq_length']:>6} {row['qvl_best_fit_decreasing']:>9.4%} {row['online_next_fit']:>9.4%} "
-              f"{row['naive_padding']:>9.4%} {row['qvl_packs']:>8}")
+        print(
+            f"{row['seq_length']:>6} {row['qvl_best_fit_decreasing']:>9.4%} {row['online_next_fit']:>9.4%} "
+            f"{row['naive_padding']:>9.4%} {row['qvl_packs']:>8}"
+        )
     speed, shards = results["packer_speed"], results["shard_writing"]
     print(f"packer: {speed['samples_per_second']:,} samples/s on {speed['samples']:,} samples")
-    print(f"shards: {shards['qvl_MB_per_s']} MB/s vs plain tar {shards['plain_tar_MB_per_s']} MB/s "
-          f"({shards['relative_to_plain_tar']}x)")
+    print(
+        f"shards: {shards['qvl_MB_per_s']} MB/s vs plain tar {shards['plain_tar_MB_per_s']} MB/s "
+        f"({shards['relative_to_plain_tar']}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -60,22 +60,40 @@ def run_benchmark(name: str, out_dir: pathlib.Path, *, quick: bool) -> tuple[Out
     # Any error in one benchmark is reported in full (traceback in the table and summary.json) and the
     # remaining benchmarks still run; the exit code carries the failure.
     except Exception:  # noqa: BLE001
-        return Outcome(name=name, ok=False, seconds=round(time.perf_counter() - started, 2), json_file=None,
-                       goal_met=None, checks=[], error=traceback.format_exc()), None  # fmt: skip
+        return Outcome(
+            name=name,
+            ok=False,
+            seconds=round(time.perf_counter() - started, 2),
+            json_file=None,
+            goal_met=None,
+            checks=[],
+            error=traceback.format_exc(),
+        ), None
     if not json_path.exists():  # the convention is that each bench writes its own JSON; make sure it is there
         json_path.write_text(json.dumps(results, indent=2, default=str))
     checks = list(results.get("checks", []))
     goal_met = results.get("goal_met")
     if goal_met is None and checks and all(c.get("met") is not None for c in checks):
         goal_met = all(c["met"] for c in checks)
-    outcome = Outcome(name=name, ok=True, seconds=round(time.perf_counter() - started, 2), json_file=json_path.name,
-                      goal_met=goal_met, checks=checks, error=None)  # fmt: skip
+    outcome = Outcome(
+        name=name,
+        ok=True,
+        seconds=round(time.perf_counter() - started, 2),
+        json_file=json_path.name,
+        goal_met=goal_met,
+        checks=checks,
+        error=None,
+    )
     return outcome, results
 
 
 def figures_table(outcome: Outcome, results: dict | None) -> Table:
     """The table printed for one benchmark: its checks, or else its scalar figures and goals."""
-    status = "ERROR" if not outcome.ok else {True: "goals met", False: "goal missed", None: "no goal checks"}[outcome.goal_met]
+    status = (
+        "ERROR"
+        if not outcome.ok
+        else {True: "goals met", False: "goal missed", None: "no goal checks"}[outcome.goal_met]
+    )
     table = Table(title=f"{outcome.name}: {status} ({outcome.seconds:.0f} s)", title_justify="left")
     for column in ("figure", "value", "goal", "met"):
         table.add_column(column, overflow="fold")
@@ -113,7 +131,7 @@ def run_all(names: list[str], out_dir: pathlib.Path, *, quick: bool, console: Co
     """Run the named benchmarks in order, print a table after each, write summary.json; returns the outcomes."""
     console = console or Console(width=None if sys.stdout.isatty() else 120)  # logs and CI: no 80-column wrap
     out_dir.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     outcomes = []
     for name in names:
         console.print(f"running {name}{' (quick)' if quick else ''} ...")
@@ -123,9 +141,13 @@ def run_all(names: list[str], out_dir: pathlib.Path, *, quick: bool, console: Co
         if outcome.error:
             console.print(outcome.error, markup=False, highlight=False)
     summary = {
-        "started": started, "quick": quick, "python": platform.python_version(), "machine": platform.machine(),
-        "ok": all(o.ok for o in outcomes), "benchmarks": {o.name: asdict(o) for o in outcomes},
-    }  # fmt: skip
+        "started": started,
+        "quick": quick,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "ok": all(o.ok for o in outcomes),
+        "benchmarks": {o.name: asdict(o) for o in outcomes},
+    }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     console.print(f"wrote {out_dir / 'summary.json'}")
     return outcomes
@@ -136,8 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     available = discover()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, for smoke tests (each bench < ~90 s)")
-    parser.add_argument("--only", action="append", choices=available, metavar="NAME",
-                        help=f"run only this benchmark (repeatable): {', '.join(available)}")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=available,
+        metavar="NAME",
+        help=f"run only this benchmark (repeatable): {', '.join(available)}",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench"), help="output folder")
     args = parser.parse_args(argv)
     outcomes = run_all(args.only or available, args.out, quick=args.quick)

@@ -61,10 +61,15 @@ class SDPAttention(DotProductAttention):
 
     def _sdpa(self, q_bhsd, k_bhsd, v_bhsd, mask, causal, dropout_p) -> torch.Tensor:
         return F.scaled_dot_product_attention(
-            q_bhsd, k_bhsd, v_bhsd, attn_mask=mask, dropout_p=dropout_p,
-            is_causal=causal and mask is None, scale=self.softmax_scale,
+            q_bhsd,
+            k_bhsd,
+            v_bhsd,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            is_causal=causal and mask is None,
+            scale=self.softmax_scale,
             enable_gqa=k_bhsd.size(1) != q_bhsd.size(1),
-        )  # fmt: skip
+        )
 
     def _padded(self, query, key, value, attention_mask, causal, dropout_p) -> torch.Tensor:
         # [s, b, h, d] -> [b, h, s, d]

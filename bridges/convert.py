@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from qvl.bridges.providers import auto_bridge
-from qvl.launchers.runtime import import_megatron_bridge
+from qvl.foundation.errors import ConversionError
+from qvl.foundation.megatron import import_megatron_bridge
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +27,6 @@ HF_FILES_DIR = "hf"
 # Everything in an HF checkpoint directory except the weights: needed to export and to run the model.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-
-class ConversionError(ValueError):
-    """A checkpoint cannot be converted as asked; the message says why and what to do."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,15 +65,19 @@ def require_qwen_vl(hf_dir: Path) -> str:
     architectures = config.get("architectures") or []
     supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
     if not supported:
-        raise ConversionError(f"{hf_dir}: architecture {architectures or 'unknown'} is not supported; "
-                              f"qvl converts {', '.join(SUPPORTED_ARCHITECTURES)}")  # fmt: skip
+        raise ConversionError(
+            f"{hf_dir}: architecture {architectures or 'unknown'} is not supported; "
+            f"qvl converts {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     return supported[0]
 
 
 def check_hf_dir(hf_dir: Path) -> None:
     """Fail early, naming the file, when an HF checkpoint directory is incomplete."""
     if not hf_dir.is_dir():
-        raise ConversionError(f"{hf_dir} is not a directory; pass an HF checkpoint directory (config.json + *.safetensors)")
+        raise ConversionError(
+            f"{hf_dir} is not a directory; pass an HF checkpoint directory (config.json + *.safetensors)"
+        )
     if not (hf_dir / "config.json").is_file():
         raise ConversionError(f"{hf_dir} has no config.json; it is not a Hugging Face checkpoint directory")
     if not any(hf_dir.glob("*.safetensors")) and not any(hf_dir.glob("*.bin")):
@@ -91,8 +92,9 @@ def copy_hf_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(path, dst / path.name)
 
 
-def import_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str = "bf16", tensor_parallel: int = 1,
-                      pipeline_parallel: int = 1) -> ConversionResult:  # fmt: skip
+def import_checkpoint(
+    hf_dir: Path, out_dir: Path, *, dtype: str = "bf16", tensor_parallel: int = 1, pipeline_parallel: int = 1
+) -> ConversionResult:
     """HF directory -> Megatron torch_dist checkpoint, streamed one tensor at a time (qvl.bridges.stream).
 
     Runs in one process. A torch_dist checkpoint holds global tensors, so training loads it at any TP/PP;
@@ -107,8 +109,10 @@ def import_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str = "bf16", tenso
     if dtype not in DTYPES:
         raise ConversionError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if torch.distributed.get_world_size() != 1:
-        raise ConversionError(f"import runs in one process (got {torch.distributed.get_world_size()}); the checkpoint "
-                              "it writes loads at any TP/PP, so start it on one rank")  # fmt: skip
+        raise ConversionError(
+            f"import runs in one process (got {torch.distributed.get_world_size()}); the checkpoint "
+            "it writes loads at any TP/PP, so start it on one rank"
+        )
     bridge = auto_bridge_with_weights(hf_dir, DTYPES[dtype])
     provider = bridge.to_megatron_provider(load_weights=False)
     _fix(provider, bridge)
@@ -121,15 +125,21 @@ def import_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str = "bf16", tenso
     provider.finalize()
     save_streaming(bridge, provider, out_dir, hf_tokenizer_path=str(hf_dir))
     copy_hf_side_files(hf_dir, out_dir / HF_FILES_DIR)
-    return ConversionResult(output=out_dir, seconds=time.perf_counter() - started, peak_rss_bytes=peak_rss_bytes(),
-                            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)  # fmt: skip
+    return ConversionResult(
+        output=out_dir,
+        seconds=time.perf_counter() - started,
+        peak_rss_bytes=peak_rss_bytes(),
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+    )
 
 
 def auto_bridge_with_weights(hf_dir: Path, dtype: torch.dtype):
     """An AutoBridge over an HF checkpoint directory whose weights stream from its safetensors files."""
     import_megatron_bridge()
-    import qvl.bridges.registry  # noqa: F401
     from megatron.bridge import AutoBridge
+
+    import qvl.bridges.registry  # noqa: F401
 
     require_qwen_vl(hf_dir)
     return AutoBridge.from_hf_pretrained(str(hf_dir), dtype=dtype)
@@ -144,11 +154,16 @@ def _fix(provider, bridge) -> None:
 def check_layout(provider) -> None:
     """TP must divide the attention heads and query groups, PP the decoder layers; say which values work."""
     tp, pp = provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size
-    heads, groups, layers = provider.num_attention_heads, provider.num_query_groups or provider.num_attention_heads, provider.num_layers
+    heads, groups, layers = (
+        provider.num_attention_heads,
+        provider.num_query_groups or provider.num_attention_heads,
+        provider.num_layers,
+    )
     if heads % tp or groups % tp:
         ok = [d for d in range(1, heads + 1) if heads % d == 0 and groups % d == 0]
-        raise ConversionError(f"tensor_parallel={tp} does not divide {heads} attention heads and {groups} query groups; "
-                              f"use one of {ok}")  # fmt: skip
+        raise ConversionError(
+            f"tensor_parallel={tp} does not divide {heads} attention heads and {groups} query groups; use one of {ok}"
+        )
     if layers % pp:
         ok = [d for d in range(1, layers + 1) if layers % d == 0]
         raise ConversionError(f"pipeline_parallel={pp} does not divide {layers} decoder layers; use one of {ok}")
@@ -160,8 +175,10 @@ def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:
     megatron_dir, out_hf_dir = Path(megatron_dir), Path(out_hf_dir)
     hf_files = megatron_dir / HF_FILES_DIR
     if not (hf_files / "config.json").is_file():
-        raise ConversionError(f"{megatron_dir} has no {HF_FILES_DIR}/config.json; convert it with `qvl convert import`, "
-                              "or copy the original HF config.json and tokenizer files into that folder")  # fmt: skip
+        raise ConversionError(
+            f"{megatron_dir} has no {HF_FILES_DIR}/config.json; convert it with `qvl convert import`, "
+            "or copy the original HF config.json and tokenizer files into that folder"
+        )
     bridge = auto_bridge(hf_files)
     model = load_megatron(bridge, megatron_dir)
     bridge.save_hf_pretrained(model, out_hf_dir, show_progress=False)
@@ -170,8 +187,13 @@ def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:
             if not (out_hf_dir / path.name).exists():
                 shutil.copy2(path, out_hf_dir / path.name)
     torch.distributed.barrier()
-    return ConversionResult(output=out_hf_dir, seconds=time.perf_counter() - started, peak_rss_bytes=peak_rss_bytes(),
-                            tensor_parallel=1, pipeline_parallel=1)  # fmt: skip
+    return ConversionResult(
+        output=out_hf_dir,
+        seconds=time.perf_counter() - started,
+        peak_rss_bytes=peak_rss_bytes(),
+        tensor_parallel=1,
+        pipeline_parallel=1,
+    )
 
 
 def load_megatron(bridge, megatron_dir: Path) -> list:
@@ -189,8 +211,9 @@ def load_megatron(bridge, megatron_dir: Path) -> list:
 
 
 def import_on_rank(hf_dir: str, out_dir: str, dtype: str, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> dict:
-    result = import_checkpoint(Path(hf_dir), Path(out_dir), dtype=dtype, tensor_parallel=tensor_parallel,
-                               pipeline_parallel=pipeline_parallel)  # fmt: skip
+    result = import_checkpoint(
+        Path(hf_dir), Path(out_dir), dtype=dtype, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel
+    )
     return {"seconds": result.seconds, "peak_rss_bytes": result.peak_rss_bytes}
 
 

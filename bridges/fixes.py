@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from qvl.foundation.errors import MissingConfigField
+
 logger = logging.getLogger(__name__)
 
 # Provider field -> HF top-level config field, read for every Qwen-VL family.
@@ -25,10 +27,6 @@ _TOKEN_ID_FIELDS = {
     "vision_start_token_id": "vision_start_token_id",
     "vision_end_token_id": "vision_end_token_id",
 }
-
-
-class MissingConfigField(ValueError):
-    """The HF config lacks a field the Megatron provider needs."""
 
 
 def required(config: Any, name: str, where: str) -> Any:
@@ -47,7 +45,9 @@ def mrope_section(text_config: Any) -> list[int]:
         raise MissingConfigField("text_config.rope_parameters has no 'mrope_section'; add it to config.json")
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     if sum(section) * 2 != head_dim:
-        raise ValueError(f"mrope_section {section} sums to {sum(section)}, but head_dim {head_dim} needs {head_dim // 2}")
+        raise ValueError(
+            f"mrope_section {section} sums to {sum(section)}, but head_dim {head_dim} needs {head_dim // 2}"
+        )
     return list(section)
 
 
@@ -59,7 +59,7 @@ def fix_provider(provider: Any, hf_config: Any) -> None:
     for provider_field, hf_field in _TOKEN_ID_FIELDS.items():
         if hasattr(provider, provider_field):
             setattr(provider, provider_field, required(hf_config, hf_field, "config.json"))
-    from qvl.launchers.runtime import have_transformer_engine
+    from qvl.foundation.megatron import have_transformer_engine
 
     if not have_transformer_engine():
         use_local_specs(provider)

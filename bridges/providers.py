@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from qvl.launchers.runtime import import_megatron_bridge
+from qvl.foundation.megatron import import_megatron_bridge
 
 logger = logging.getLogger(__name__)
 
@@ -19,8 +19,9 @@ logger = logging.getLogger(__name__)
 def auto_bridge(config_or_path: Any):
     """A Megatron-Bridge AutoBridge for an HF config object, or an HF directory / hub id (config only)."""
     import_megatron_bridge()
-    import qvl.bridges.registry  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
     from megatron.bridge import AutoBridge
+
+    import qvl.bridges.registry  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
 
     if isinstance(config_or_path, (str, Path)):
         from transformers import AutoConfig
@@ -33,7 +34,9 @@ def provider_from_hf(config_or_path: Any):
     """A Megatron-Bridge provider (no weights loaded) for an HF Qwen-VL config or checkpoint directory."""
     bridge = auto_bridge(config_or_path)
     provider = bridge.to_megatron_provider(load_weights=False)
-    apply_provider_fixes(provider, bridge.hf_pretrained.config if hasattr(bridge.hf_pretrained, "config") else bridge.hf_pretrained)
+    apply_provider_fixes(
+        provider, bridge.hf_pretrained.config if hasattr(bridge.hf_pretrained, "config") else bridge.hf_pretrained
+    )
     return provider
 
 

@@ -30,15 +30,21 @@ from qvl.bridges.fixes import mrope_section, required
 
 # HF Qwen2-VL methods the forward pass needs, bound onto the Megatron model (as Megatron-Bridge does
 # for Qwen2.5-VL): rope index (3-D positions), vision features and the placeholder mask.
-_HF_METHODS = ("get_placeholder_mask", "get_image_features", "get_video_features", "get_rope_index",
-               "get_vision_position_ids")  # fmt: skip
+_HF_METHODS = (
+    "get_placeholder_mask",
+    "get_image_features",
+    "get_video_features",
+    "get_rope_index",
+    "get_vision_position_ids",
+)
 
 
 class Qwen2VLModel(Qwen25VLModel):
     """Qwen2-VL on Megatron-Core: HF Qwen2-VL vision tower (replicated over TP) + Megatron GPT decoder."""
 
-    def __init__(self, config: GPTModelProvider, pre_process: bool = True, post_process: bool = True,
-                 vp_stage: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, config: GPTModelProvider, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None
+    ) -> None:
         MegatronModule.__init__(self, config=config)  # Qwen25VLModel.__init__ would build the 2.5 tower
         self.pre_process = pre_process
         self.post_process = post_process
@@ -46,8 +52,9 @@ class Qwen2VLModel(Qwen25VLModel):
         if pre_process:
             self.visual = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config)
             hook_hf_module_setattr_for_tp_grad_sync(self.visual)
-        self.language_model = config.provide_language_model(pre_process=pre_process, post_process=post_process,
-                                                            vp_stage=vp_stage)  # fmt: skip
+        self.language_model = config.provide_language_model(
+            pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+        )
         self.share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
         self.shared_embedding_or_output_weight = self.language_model.shared_embedding_or_output_weight
         for name in _HF_METHODS:

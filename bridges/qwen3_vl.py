@@ -18,10 +18,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch.nn.functional as F
-
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 from megatron.bridge.models.qwen_vl import qwen3_vl_bridge as upstream_bridge
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as upstream_model
@@ -35,7 +34,7 @@ from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForCondition
 from qvl.bridges.attention import use_sdpa_attention
 from qvl.bridges.fixes import mrope_section
 from qvl.bridges.specs import local_gpt_layer_spec
-from qvl.launchers.runtime import have_transformer_engine
+from qvl.foundation.megatron import have_transformer_engine
 
 
 def _local_vit_layer_spec():
@@ -83,8 +82,9 @@ def _provide(provider, pre_process, post_process, vp_stage, *, num_experts: int 
     if have_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=bool(num_experts),
-                                                          qk_layernorm=provider.qk_layernorm, fp8=False)  # fmt: skip
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=bool(num_experts), qk_layernorm=provider.qk_layernorm, fp8=False
+        )
     else:
         spec = local_gpt_layer_spec(provider, vp_stage=vp_stage)
     model = Qwen3VLModel(
@@ -98,8 +98,11 @@ def _provide(provider, pre_process, post_process, vp_stage, *, num_experts: int 
         add_decoder=provider.add_decoder,
     )
     if provider.freeze_language_model or provider.freeze_vision_model or provider.freeze_vision_projection:
-        model.freeze(freeze_language_model=provider.freeze_language_model, freeze_vision_model=provider.freeze_vision_model,
-                     freeze_vision_projection=provider.freeze_vision_projection)  # fmt: skip
+        model.freeze(
+            freeze_language_model=provider.freeze_language_model,
+            freeze_vision_model=provider.freeze_vision_model,
+            freeze_vision_projection=provider.freeze_vision_projection,
+        )
     return model
 
 
@@ -132,8 +135,9 @@ def _as(cls, provider):
     return cls(**values)
 
 
-@MegatronModelBridge.register_bridge(source=Qwen3VLForConditionalGeneration, target=Qwen3VLModel,
-                                     provider=QvlQwen3VLModelProvider, model_type="qwen3_vl")  # fmt: skip
+@MegatronModelBridge.register_bridge(
+    source=Qwen3VLForConditionalGeneration, target=Qwen3VLModel, provider=QvlQwen3VLModelProvider, model_type="qwen3_vl"
+)
 class Qwen3VLBridge(upstream_bridge.Qwen3VLBridge):
     """Megatron-Bridge's Qwen3-VL bridge, handing out qvl's provider; mappings inherited."""
 
@@ -143,8 +147,12 @@ class Qwen3VLBridge(upstream_bridge.Qwen3VLBridge):
         return provider
 
 
-@MegatronModelBridge.register_bridge(source=Qwen3VLMoeForConditionalGeneration, target=Qwen3VLModel,
-                                     provider=QvlQwen3VLMoEModelProvider, model_type="qwen3_vl_moe")  # fmt: skip
+@MegatronModelBridge.register_bridge(
+    source=Qwen3VLMoeForConditionalGeneration,
+    target=Qwen3VLModel,
+    provider=QvlQwen3VLMoEModelProvider,
+    model_type="qwen3_vl_moe",
+)
 class Qwen3VLMoEBridge(upstream_bridge.Qwen3VLMoEBridge):
     """Megatron-Bridge's Qwen3-VL MoE bridge, handing out qvl's provider; mappings inherited.
 

@@ -38,9 +38,20 @@ _CACHED_PARAMETERS = 2
 # HF tensors are read through a buffer of this size (a constant in the import's memory).
 _READ_BUFFER_BYTES = 16 * 2**20
 # safetensors dtype names (the format's header) -> torch dtypes.
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # fmt: skip
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class SafetensorsFiles:
@@ -63,8 +74,10 @@ class SafetensorsFiles:
         if not self.entries:
             from qvl.bridges.convert import ConversionError
 
-            raise ConversionError(f"{hf_dir} has no *.safetensors weights; qvl imports safetensors only: load the model "
-                                  "in transformers and save_pretrained() it again (safetensors is the default)")  # fmt: skip
+            raise ConversionError(
+                f"{hf_dir} has no *.safetensors weights; qvl imports safetensors only: load the model "
+                "in transformers and save_pretrained() it again (safetensors is the default)"
+            )
 
     def keys(self):
         return self.entries.keys()
@@ -101,7 +114,9 @@ class _MetaTargetsOnCpu(TorchFunctionMode):
         if _is_meta(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to:
-            args = tuple("cpu" if i > 0 and not isinstance(a, torch.Tensor) and _is_meta(a) else a for i, a in enumerate(args))
+            args = tuple(
+                "cpu" if i > 0 and not isinstance(a, torch.Tensor) and _is_meta(a) else a for i, a in enumerate(args)
+            )
         return func(*args, **kwargs)
 
 
@@ -148,7 +163,9 @@ class StreamingConverter:
         hf_key = str(mapping.hf_param)
         if getattr(mapping, "is_grouped_export", False):
             if hf_key not in self._grouped:
-                self._grouped = {hf_key: self.model_bridge.maybe_modify_loaded_hf_weight(mapping.hf_param, self.hf_state)}
+                self._grouped = {
+                    hf_key: self.model_bridge.maybe_modify_loaded_hf_weight(mapping.hf_param, self.hf_state)
+                }
             hf_weights = self._grouped[hf_key]
         else:
             hf_weights = self.model_bridge.maybe_modify_loaded_hf_weight(mapping.hf_param, self.hf_state)
@@ -157,8 +174,10 @@ class StreamingConverter:
         if tuple(converted.shape) != tuple(parameter.shape):
             from qvl.bridges.convert import ConversionError
 
-            raise ConversionError(f"{name}: HF {mapping.hf_param} converts to shape {tuple(converted.shape)}, "
-                                  f"the model expects {tuple(parameter.shape)}; the checkpoint does not match its config.json")  # fmt: skip
+            raise ConversionError(
+                f"{name}: HF {mapping.hf_param} converts to shape {tuple(converted.shape)}, "
+                f"the model expects {tuple(parameter.shape)}; the checkpoint does not match its config.json"
+            )
         converted = converted.detach().to(device="cpu", dtype=parameter.dtype)
         self.converted_parameters += 1
         if keep:
@@ -170,8 +189,11 @@ class StreamingConverter:
     def private_copy(self, data: torch.Tensor) -> torch.Tensor:
         """`data` itself when nothing else uses its memory, else a copy: the writer may then free it."""
         shared = data.untyped_storage().nbytes() != data.nbytes or data.data_ptr() != data.untyped_storage().data_ptr()
-        kept = {t.untyped_storage().data_ptr() for t in [*self._converted.values(), *self._grouped.values()]
-                if isinstance(t, torch.Tensor)}  # fmt: skip
+        kept = {
+            t.untyped_storage().data_ptr()
+            for t in [*self._converted.values(), *self._grouped.values()]
+            if isinstance(t, torch.Tensor)
+        }
         return data.clone() if shared or data.untyped_storage().data_ptr() in kept else data
 
 
@@ -191,8 +213,9 @@ def chunk_sources(sharded_state_dict: dict, names: dict[int, str]) -> dict[tuple
         elif isinstance(value, ShardedTensorFactory) and id(value.data) in names:
             built = value.build_fn(value.key, value.data, value.replica_id, value.flattened_range)
             for piece in _pieces(built):
-                sources[(piece.key, tuple(piece.global_offset))] = _Source(parameter=value.data, name=names[id(value.data)],
-                                                                          factory=value)  # fmt: skip
+                sources[(piece.key, tuple(piece.global_offset))] = _Source(
+                    parameter=value.data, name=names[id(value.data)], factory=value
+                )
     return sources
 
 
@@ -210,7 +233,9 @@ def _chunk(converter: StreamingConverter, source: _Source, key: str, offset: tup
     value = converter.parameter(source.parameter, source.name, keep=source.factory is not None)
     if source.factory is None:
         return value
-    built = source.factory.build_fn(source.factory.key, value, source.factory.replica_id, source.factory.flattened_range)
+    built = source.factory.build_fn(
+        source.factory.key, value, source.factory.replica_id, source.factory.flattened_range
+    )
     for piece in _pieces(built):
         if piece.key == key and tuple(piece.global_offset) == offset:
             return piece.data
@@ -262,10 +287,12 @@ def streaming_save_strategy(converter: StreamingConverter, sources: dict, progre
             state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
             # One thread and no copy-ahead (which a visible GPU would otherwise switch on): PyTorch's writer
             # then resolves (converts) the chunks one by one, in plan order, each after the last is written.
-            writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1,
-                                      per_thread_copy_ahead=0)  # fmt: skip
-            planner = StreamingPlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
-                                       flatten_sharded_tensors=False)  # fmt: skip
+            writer = FileSystemWriter(
+                str(checkpoint_dir), single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0
+            )
+            planner = StreamingPlanner(
+                dedup_replicated_tensors=False, flatten_state_dict=False, flatten_sharded_tensors=False
+            )
             dcp_save(state_dict, storage_writer=writer, planner=planner)
             planner.free_written()
 
@@ -278,8 +305,10 @@ def meta_model(provider) -> list:
         model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
     on_storage = [n for m in model for n, p in m.named_parameters() if not p.is_meta]
     if on_storage:
-        raise RuntimeError(f"{len(on_storage)} parameters were built with storage despite the meta device, e.g. "
-                           f"{on_storage[:3]}; the streaming import cannot bound memory for this model")  # fmt: skip
+        raise RuntimeError(
+            f"{len(on_storage)} parameters were built with storage despite the meta device, e.g. "
+            f"{on_storage[:3]}; the streaming import cannot bound memory for this model"
+        )
     return model
 
 
@@ -305,17 +334,30 @@ def save_streaming(bridge, provider, out_dir: Path, *, hf_tokenizer_path: str | 
     state = _checkpoint_state(provider, out_dir, hf_tokenizer_path)
     pg_collection = get_pg_collection(model)
     metadata = _build_sharded_state_dict_metadata(False, state.cfg.checkpoint)
-    layout = generate_state_dict(state.cfg.checkpoint, model, None, None,
-                                 get_rng_state(False, "torch_dist", pg_collection=pg_collection), iteration=0,
-                                 optim_sd_kwargs=dict(metadata=metadata), model_sd_kwargs=dict(metadata=metadata))  # fmt: skip
+    layout = generate_state_dict(
+        state.cfg.checkpoint,
+        model,
+        None,
+        None,
+        get_rng_state(False, "torch_dist", pg_collection=pg_collection),
+        iteration=0,
+        optim_sd_kwargs=dict(metadata=metadata),
+        model_sd_kwargs=dict(metadata=metadata),
+    )
     sources = chunk_sources(layout, names)
     del layout
     with Progress(transient=True, disable=torch.distributed.get_rank() != 0) as bar:
         task = bar.add_task("converting", total=len(sources))
         strategy = streaming_save_strategy(converter, sources, progress=lambda: bar.advance(task))
-        save_checkpoint(state=state, model=model, optimizer=None, opt_param_scheduler=None,
-                        num_floating_point_operations_so_far=0, checkpointing_context={"save_strategy": strategy},
-                        callback_manager=None)  # fmt: skip
+        save_checkpoint(
+            state=state,
+            model=model,
+            optimizer=None,
+            opt_param_scheduler=None,
+            num_floating_point_operations_so_far=0,
+            checkpointing_context={"save_strategy": strategy},
+            callback_manager=None,
+        )
     _save_tokenizer_assets(state, out_dir)
     return converter.converted_parameters
 
@@ -323,21 +365,35 @@ def save_streaming(bridge, provider, out_dir: Path, *, hf_tokenizer_path: str | 
 def _checkpoint_state(provider, out_dir: Path, hf_tokenizer_path: str | None):
     """The GlobalState Megatron-Bridge's `save_megatron_model` builds for a weights-only checkpoint."""
     from megatron.bridge.training.config import CheckpointConfig, ConfigContainer, LoggerConfig
-    from megatron.core.optimizer import OptimizerConfig
     from megatron.bridge.training.state import GlobalState
     from megatron.bridge.training.tokenizers.config import TokenizerConfig
+    from megatron.core.optimizer import OptimizerConfig
 
     tokenizer = None
     if hf_tokenizer_path is not None:
-        tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(hf_tokenizer_path),
-                                    hf_tokenizer_kwargs={})  # fmt: skip
+        tokenizer = TokenizerConfig(
+            tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(hf_tokenizer_path), hf_tokenizer_kwargs={}
+        )
     state = GlobalState()
-    state.cfg = ConfigContainer(model=provider, train=None, optimizer=OptimizerConfig(use_distributed_optimizer=False),
-                                ddp=None, scheduler=None, dataset=None, logger=LoggerConfig(), tokenizer=tokenizer,
-                                checkpoint=CheckpointConfig(async_save=False, save=str(out_dir), save_optim=False,
-                                                            save_rng=False, ckpt_format="torch_dist",
-                                                            dist_ckpt_optim_fully_reshardable=True),
-                                dist=None)  # fmt: skip
+    state.cfg = ConfigContainer(
+        model=provider,
+        train=None,
+        optimizer=OptimizerConfig(use_distributed_optimizer=False),
+        ddp=None,
+        scheduler=None,
+        dataset=None,
+        logger=LoggerConfig(),
+        tokenizer=tokenizer,
+        checkpoint=CheckpointConfig(
+            async_save=False,
+            save=str(out_dir),
+            save_optim=False,
+            save_rng=False,
+            ckpt_format="torch_dist",
+            dist_ckpt_optim_fully_reshardable=True,
+        ),
+        dist=None,
+    )
     return state
 
 

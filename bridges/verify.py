@@ -77,7 +77,9 @@ def megatron_logits(model_chunks: list, inputs: dict) -> torch.Tensor | None:
 
     model = model_chunks[0]
     model.eval()
-    kwargs = {k: inputs[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw") if k in inputs}
+    kwargs = {
+        k: inputs[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw") if k in inputs
+    }
     if "second_per_grid_ts" in inputs:
         kwargs["second_per_grid_ts"] = inputs["second_per_grid_ts"]
     ids = inputs["input_ids"]
@@ -87,11 +89,15 @@ def megatron_logits(model_chunks: list, inputs: dict) -> torch.Tensor | None:
     with torch.no_grad():
         if not first:  # receive the previous stage's activations: [s, b, h]
             received = torch.empty(ids.shape[1], ids.shape[0], hidden, dtype=model.config.params_dtype)
-            torch.distributed.recv(received, group=pp_group, group_src=parallel_state.get_pipeline_model_parallel_rank() - 1)
+            torch.distributed.recv(
+                received, group=pp_group, group_src=parallel_state.get_pipeline_model_parallel_rank() - 1
+            )
             model.set_input_tensor(received)
         output = model(input_ids=ids, attention_mask=None, position_ids=None, runtime_gather_output=True, **kwargs)
         if not last:
-            torch.distributed.send(output.contiguous(), group=pp_group, group_dst=parallel_state.get_pipeline_model_parallel_rank() + 1)
+            torch.distributed.send(
+                output.contiguous(), group=pp_group, group_dst=parallel_state.get_pipeline_model_parallel_rank() + 1
+            )
             return None
     return output.float()
 
@@ -119,11 +125,19 @@ def compare_exported_tensors(bridge, model_chunks: list, hf_dir: Path) -> tuple[
     return len(exported & set(where)), different
 
 
-def build_report(reference: torch.Tensor, ours: torch.Tensor, compared: int, different: list[str], tolerance: float) -> VerifyReport:
+def build_report(
+    reference: torch.Tensor, ours: torch.Tensor, compared: int, different: list[str], tolerance: float
+) -> VerifyReport:
     """Compare two logit tensors [b, s, v] (ours may carry vocab padding)."""
     ours = ours[..., : reference.shape[-1]]
     diff = (ours - reference).abs()
     agreement = (ours.argmax(-1) == reference.argmax(-1)).float().mean()
-    return VerifyReport(max_abs_diff=float(diff.max()), mean_abs_diff=float(diff.mean()), top1_agreement=float(agreement),
-                        tokens=reference.shape[1], tensors_compared=compared, tensors_different=different,
-                        tolerance=tolerance)  # fmt: skip
+    return VerifyReport(
+        max_abs_diff=float(diff.max()),
+        mean_abs_diff=float(diff.mean()),
+        top1_agreement=float(agreement),
+        tokens=reference.shape[1],
+        tensors_compared=compared,
+        tensors_different=different,
+        tolerance=tolerance,
+    )

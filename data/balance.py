@@ -41,8 +41,9 @@ class DPPlan:
         """[n_steps, D] summed cost per step and rank."""
         scheduled = self.step >= 0
         flat = self.step[scheduled] * self.data_parallel + self.rank[scheduled]
-        sums = np.bincount(flat, weights=np.asarray(cost, np.float64)[scheduled],
-                           minlength=self.n_steps * self.data_parallel)
+        sums = np.bincount(
+            flat, weights=np.asarray(cost, np.float64)[scheduled], minlength=self.n_steps * self.data_parallel
+        )
         return sums.reshape(self.n_steps, self.data_parallel)
 
     def packs_of_rank(self, rank: int) -> np.ndarray:
@@ -72,15 +73,18 @@ def imbalance(plan: DPPlan, cost: np.ndarray) -> dict:
 def check_global_batch(n_packs: int, data_parallel: int, global_batch: int) -> int:
     """The number of whole global batches in `n_packs`; fails if ranks cannot take equal shares."""
     if data_parallel < 1 or global_batch < 1 or global_batch % data_parallel:
-        raise ValueError(f"--global-batch {global_batch} must be a positive multiple of --data-parallel "
-                         f"{data_parallel} (each rank takes global_batch / data_parallel packs per step)")
+        raise ValueError(
+            f"--global-batch {global_batch} must be a positive multiple of --data-parallel "
+            f"{data_parallel} (each rank takes global_batch / data_parallel packs per step)"
+        )
     return n_packs // global_batch
 
 
 def _unscheduled(n_packs: int, data_parallel: int, global_batch: int) -> DPPlan:
     minus = np.full(n_packs, -1, dtype=np.int64)
-    return DPPlan(step=minus, rank=minus.copy(), slot=minus.copy(), data_parallel=data_parallel,
-                  global_batch=global_batch)
+    return DPPlan(
+        step=minus, rank=minus.copy(), slot=minus.copy(), data_parallel=data_parallel, global_batch=global_batch
+    )
 
 
 def _chosen(n_packs: int, n_steps: int, global_batch: int, seed: int) -> np.ndarray:
@@ -129,8 +133,9 @@ def plan_dp_balanced(
     # Slot: place among the rank's packs of the step, costliest first.
     order = np.lexsort((np.broadcast_to(np.arange(global_batch), step_packs.shape), rank_of), axis=1)
     slot = np.empty_like(rank_of)
-    np.put_along_axis(slot, order, np.tile(np.arange(global_batch) % (global_batch // data_parallel), (n_steps, 1)),
-                      axis=1)
+    np.put_along_axis(
+        slot, order, np.tile(np.arange(global_batch) % (global_batch // data_parallel), (n_steps, 1)), axis=1
+    )
     plan.step[step_packs], plan.rank[step_packs], plan.slot[step_packs] = steps, rank_of, slot
     return plan
 
@@ -163,13 +168,19 @@ def _refine(cost: np.ndarray, rank_of: np.ndarray, data_parallel: int, passes: i
         return rank_of
     # Positions of each rank's packs within the step: [S, D, m].
     by_rank = np.argsort(rank_of, axis=1, kind="stable").reshape(n_steps, data_parallel, per_rank)
-    chunk = max(1, _REFINE_ELEMENTS // (_partners(data_parallel, per_rank) * per_rank * per_rank + global_batch))  # bounds the [s, D, m, m] temporaries
+    chunk = max(
+        1, _REFINE_ELEMENTS // (_partners(data_parallel, per_rank) * per_rank * per_rank + global_batch)
+    )  # bounds the [s, D, m, m] temporaries
     for start in range(0, n_steps, chunk):
         part = slice(start, min(start + chunk, n_steps))
         by_rank[part] = _refine_steps(cost[part], by_rank[part], passes)
     out = np.empty_like(rank_of)
-    np.put_along_axis(out, by_rank.reshape(n_steps, -1),
-                      np.broadcast_to(np.repeat(np.arange(data_parallel), per_rank), (n_steps, global_batch)), axis=1)
+    np.put_along_axis(
+        out,
+        by_rank.reshape(n_steps, -1),
+        np.broadcast_to(np.repeat(np.arange(data_parallel), per_rank), (n_steps, global_batch)),
+        axis=1,
+    )
     return out
 
 
@@ -221,5 +232,10 @@ def schedule_order(plan: DPPlan) -> np.ndarray:
 
 def reorder(plan: DPPlan, order: np.ndarray) -> DPPlan:
     """The same schedule with pack `order[k]` renamed k."""
-    return DPPlan(step=plan.step[order], rank=plan.rank[order], slot=plan.slot[order],
-                  data_parallel=plan.data_parallel, global_batch=plan.global_batch)
+    return DPPlan(
+        step=plan.step[order],
+        rank=plan.rank[order],
+        slot=plan.slot[order],
+        data_parallel=plan.data_parallel,
+        global_batch=plan.global_batch,
+    )

@@ -222,12 +222,17 @@ def _lm_shape(text: dict) -> LMShape:
         raise ValueError(f"text config lacks {missing}; is this a Qwen-VL config.json?")
     experts = text.get("num_experts")
     return LMShape(
-        hidden_size=text["hidden_size"], num_layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"],
+        num_layers=text["num_hidden_layers"],
         num_attention_heads=text["num_attention_heads"],
         num_query_groups=text.get("num_key_value_heads") or text["num_attention_heads"],
-        ffn_hidden_size=text.get("intermediate_size", 0), vocab_size=text["vocab_size"], gated_mlp=True,
-        num_experts=experts, moe_router_topk=text.get("num_experts_per_tok") if experts else None,
-        moe_ffn_hidden_size=text.get("moe_intermediate_size") if experts else None, kv_channels=text.get("head_dim"),
+        ffn_hidden_size=text.get("intermediate_size", 0),
+        vocab_size=text["vocab_size"],
+        gated_mlp=True,
+        num_experts=experts,
+        moe_router_topk=text.get("num_experts_per_tok") if experts else None,
+        moe_ffn_hidden_size=text.get("moe_intermediate_size") if experts else None,
+        kv_channels=text.get("head_dim"),
     )
 
 
@@ -235,17 +240,27 @@ def _vision_shape(model_type: str, v: dict) -> VisionShape:
     if "embed_dim" in v:  # Qwen2-VL: embed_dim is the ViT width, hidden_size the LM's; plain GELU MLP
         width = v["embed_dim"]
         return VisionShape(
-            hidden_size=width, depth=v["depth"], num_heads=v["num_heads"],
-            intermediate_size=int(width * v.get("mlp_ratio", 4)), patch_size=v["patch_size"],
-            spatial_merge_size=v["spatial_merge_size"], temporal_patch_size=v["temporal_patch_size"],
-            out_hidden_size=v["hidden_size"], in_channels=v.get("in_channels", 3),
+            hidden_size=width,
+            depth=v["depth"],
+            num_heads=v["num_heads"],
+            intermediate_size=int(width * v.get("mlp_ratio", 4)),
+            patch_size=v["patch_size"],
+            spatial_merge_size=v["spatial_merge_size"],
+            temporal_patch_size=v["temporal_patch_size"],
+            out_hidden_size=v["hidden_size"],
+            in_channels=v.get("in_channels", 3),
         )
     qwen25 = "window_size" in v or model_type.startswith("qwen2_5")
     return VisionShape(
-        hidden_size=v["hidden_size"], depth=v["depth"], num_heads=v["num_heads"],
-        intermediate_size=v["intermediate_size"], patch_size=v["patch_size"],
-        spatial_merge_size=v["spatial_merge_size"], temporal_patch_size=v["temporal_patch_size"],
-        out_hidden_size=v["out_hidden_size"], in_channels=v.get("in_channels", v.get("in_chans", 3)),
+        hidden_size=v["hidden_size"],
+        depth=v["depth"],
+        num_heads=v["num_heads"],
+        intermediate_size=v["intermediate_size"],
+        patch_size=v["patch_size"],
+        spatial_merge_size=v["spatial_merge_size"],
+        temporal_patch_size=v["temporal_patch_size"],
+        out_hidden_size=v["out_hidden_size"],
+        in_channels=v.get("in_channels", v.get("in_chans", 3)),
         gated_mlp=qwen25,  # Qwen2.5-VL's ViT MLP is SwiGLU; Qwen3-VL's is a plain GELU MLP
         window_size=v.get("window_size") if qwen25 else None,
         fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", ())),

@@ -171,8 +171,11 @@ def load_tokenizer(hf_dir: pathlib.Path, chat_template: str | None = None):
         tokenizer.chat_template = chat_template
     if not tokenizer.chat_template:
         raise ValueError(f"tokenizer in {hf_dir} has no chat template; pass --chat-template FILE")
-    missing = [t for t in (IMAGE_PAD, VIDEO_PAD, "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>")
-               if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    missing = [
+        t
+        for t in (IMAGE_PAD, VIDEO_PAD, "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>")
+        if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)
+    ]
     if missing:
         raise ValueError(f"tokenizer in {hf_dir} lacks Qwen-VL special tokens {missing}; use the model's own tokenizer")
     return tokenizer
@@ -196,10 +199,15 @@ def truncate(sample: TokenizedSample, seq_length: int, pad_ids: tuple[int, int])
     images = sum(m.kind == "image" for m in sample.media[:keep_media])
     videos = keep_media - images
     return TokenizedSample(
-        index=sample.index, ids=sample.ids[:cut].copy(), loss=sample.loss[:cut].copy(), runs=sample.runs[:n_runs].copy(),
-        image_grids=sample.image_grids[:images], video_grids=sample.video_grids[:videos],
+        index=sample.index,
+        ids=sample.ids[:cut].copy(),
+        loss=sample.loss[:cut].copy(),
+        runs=sample.runs[:n_runs].copy(),
+        image_grids=sample.image_grids[:images],
+        video_grids=sample.video_grids[:videos],
         video_second_per_grid=sample.video_second_per_grid[:videos],
-        media_first_token=sample.media_first_token[:keep_media], media=sample.media[:keep_media],
+        media_first_token=sample.media_first_token[:keep_media],
+        media=sample.media[:keep_media],
     )
 
 

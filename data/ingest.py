@@ -116,7 +116,10 @@ def to_conversation(index: int, record: dict, config: IngestConfig) -> Conversat
     if isinstance(listed, Rejection):
         return Rejection(index=index, reason=listed.reason, detail=listed.detail)
     conversation = Conversation(index=index, messages=[], media=[])
-    conversation.listed_counts = {"image": sum(m.kind == "image" for m in listed), "video": sum(m.kind == "video" for m in listed)}
+    conversation.listed_counts = {
+        "image": sum(m.kind == "image" for m in listed),
+        "video": sum(m.kind == "video" for m in listed),
+    }
     queues = {"image": [m for m in listed if m.kind == "image"], "video": [m for m in listed if m.kind == "video"]}
     counts = {"image": 0, "video": 0}
     for turn in turns:

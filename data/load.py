@@ -122,7 +122,10 @@ class QwenVLPackedTaskEncoder(DefaultTaskEncoder[PackRecord, PackedSample, Packe
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
         image_pad, video_pad = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VIDEO_PAD])
         self.rope = RopeConfig(
-            family=family, spatial_merge_size=self.vision.merge_size, image_pad_id=image_pad, video_pad_id=video_pad,
+            family=family,
+            spatial_merge_size=self.vision.merge_size,
+            image_pad_id=image_pad,
+            video_pad_id=video_pad,
             tokens_per_second=tokens_per_second or _tokens_per_second(hf_dir),
         )
         self.video_mean, self.video_std = _video_normalization(hf_dir, family)
@@ -256,7 +259,10 @@ def _video_normalization(hf_dir: pathlib.Path, family: str) -> tuple[np.ndarray,
             config = json.loads((hf_dir / name).read_text())
             break
     mean, std = _VIDEO_NORMALIZATION[family]
-    return (np.asarray(config.get("image_mean", mean), np.float32), np.asarray(config.get("image_std", std), np.float32))
+    return (
+        np.asarray(config.get("image_mean", mean), np.float32),
+        np.asarray(config.get("image_std", std), np.float32),
+    )
 
 
 class PlannedPackLoader:
@@ -268,15 +274,19 @@ class PlannedPackLoader:
     at exactly the next micro-batch.
     """
 
-    def __init__(self, path: pathlib.Path, task_encoder: QwenVLPackedTaskEncoder, *, rank: int, micro_batch_size: int = 1):
+    def __init__(
+        self, path: pathlib.Path, task_encoder: QwenVLPackedTaskEncoder, *, rank: int, micro_batch_size: int = 1
+    ):
         self.path, self.encoder, self.micro_batch_size = pathlib.Path(path), task_encoder, micro_batch_size
         rows = [json.loads(line) for line in (self.path / "packs.jsonl").read_text().splitlines()]
         plan = json.loads((self.path / "report.json").read_text()).get("dp_plan")
         if plan is None or "step" not in rows[0]:
             raise ValueError(f"{self.path} has no DP plan; prepare it with --data-parallel D --global-batch G")
         if not 0 <= rank < plan["data_parallel"] or plan["packs_per_rank_per_step"] % micro_batch_size:
-            raise ValueError(f"rank {rank} / micro_batch_size {micro_batch_size} do not fit the plan's "
-                             f"{plan['data_parallel']} ranks x {plan['packs_per_rank_per_step']} packs per step")
+            raise ValueError(
+                f"rank {rank} / micro_batch_size {micro_batch_size} do not fit the plan's "
+                f"{plan['data_parallel']} ranks x {plan['packs_per_rank_per_step']} packs per step"
+            )
         mine = sorted((r["step"], r["slot"], r["pack"], r["shard"]) for r in rows if r["rank"] == rank)
         self.packs = [(pack, shard) for _, _, pack, shard in mine]
         self.position = 0
@@ -358,6 +368,12 @@ def build_packed_datasets(config: Any, context: Any) -> tuple[Any, None, None]:
         planned = PlannedPackLoader(path, encoder, rank=rank, micro_batch_size=config.micro_batch_size)
         return _PlannedLoaderAdapter(planned), None, None
     worker = WorkerConfig(rank=rank, world_size=world, num_workers=config.num_workers)
-    dataset = get_train_dataset(str(path), batch_size=config.micro_batch_size, task_encoder=encoder,
-                                worker_config=worker, shuffle_buffer_size=None, max_samples_per_sequence=None)  # fmt: skip
+    dataset = get_train_dataset(
+        str(path),
+        batch_size=config.micro_batch_size,
+        task_encoder=encoder,
+        worker_config=worker,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+    )
     return EnergonDataloader(get_savable_loader(dataset, worker_config=worker)), None, None

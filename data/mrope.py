@@ -75,7 +75,9 @@ def mrope_position_ids(
 def packed_position_ids(sub_ids: list[np.ndarray], sub_media: list[dict], config: RopeConfig) -> np.ndarray:
     """Position ids [3, T] of a pack: each sub-sequence restarts at 0."""
     blocks = [
-        mrope_position_ids(ids, media["image_grid_thw"], media["video_grid_thw"], config, media.get("second_per_grid_ts"))
+        mrope_position_ids(
+            ids, media["image_grid_thw"], media["video_grid_thw"], config, media.get("second_per_grid_ts")
+        )
         for ids, media in zip(sub_ids, sub_media, strict=True)
     ]
     return np.concatenate(blocks, axis=1) if blocks else np.zeros((3, 0), dtype=np.int64)

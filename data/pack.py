@@ -207,8 +207,11 @@ def pack_next_fit(lengths: np.ndarray, seq_length: int) -> PackPlan:
 def pack_padded(lengths: np.ndarray, seq_length: int) -> PackPlan:
     """No packing: every item padded to its own sequence."""
     lengths = _check_lengths(lengths, seq_length)
-    return PackPlan(order=np.arange(len(lengths), dtype=np.int64), offsets=np.arange(len(lengths) + 1, dtype=np.int64),
-                    seq_length=seq_length)
+    return PackPlan(
+        order=np.arange(len(lengths), dtype=np.int64),
+        offsets=np.arange(len(lengths) + 1, dtype=np.int64),
+        seq_length=seq_length,
+    )
 
 
 def attention_cost(lengths: np.ndarray, vision_patches: list[np.ndarray] | None = None) -> np.ndarray:

@@ -81,8 +81,12 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
     _check_output(pathlib.Path(config.output))
     state = _State()
     vision = load_vision_config(
-        config.tokenizer, config.family, min_pixels=config.min_pixels, max_pixels=config.max_pixels,
-        video_min_pixels=config.video_min_pixels, video_max_pixels=config.video_max_pixels,
+        config.tokenizer,
+        config.family,
+        min_pixels=config.min_pixels,
+        max_pixels=config.max_pixels,
+        video_min_pixels=config.video_min_pixels,
+        video_max_pixels=config.video_max_pixels,
     )
     template = config.chat_template.read_text() if config.chat_template else None
     counter = TokenCounter(tokenizer=load_tokenizer(config.tokenizer, template), vision=vision)
@@ -154,7 +158,9 @@ def _count(valid: list[ValidSample], counter: TokenCounter, config, state: _Stat
     return kept
 
 
-def _fit(sample: TokenizedSample, counter: TokenCounter, config: PrepareConfig, state: _State) -> TokenizedSample | None:
+def _fit(
+    sample: TokenizedSample, counter: TokenCounter, config: PrepareConfig, state: _State
+) -> TokenizedSample | None:
     if sample.length <= config.seq_length:
         return sample
     if config.truncate:
@@ -184,8 +190,10 @@ def _check_dp(config: PrepareConfig) -> None:
         check_global_batch(0, config.data_parallel, config.global_batch)
         path = pathlib.Path(config.model_config or config.tokenizer)
         if not (path / "config.json" if path.is_dir() else path).is_file():
-            raise ValueError(f"the DP plan's cost model needs the model's config.json; none at {path}: pass "
-                             "--model-config PATH (the HF checkpoint dir or its config.json)")
+            raise ValueError(
+                f"the DP plan's cost model needs the model's config.json; none at {path}: pass "
+                "--model-config PATH (the HF checkpoint dir or its config.json)"
+            )
 
 
 def _schedule(samples, lengths: np.ndarray, plan: PackPlan, config: PrepareConfig) -> tuple[PackPlan, dict]:
@@ -197,20 +205,30 @@ def _schedule(samples, lengths: np.ndarray, plan: PackPlan, config: PrepareConfi
     grids = [g for s in samples for g in list(s.image_grids) + list(s.video_grids)]
     owners = np.repeat(np.arange(len(samples)), [len(s.image_grids) + len(s.video_grids) for s in samples])
     costs = sample_flops(lm, vision, lengths, np.asarray(grids, np.int64).reshape(-1, 3), owners)
-    pack_cost = np.bincount(np.repeat(np.arange(plan.n_packs), np.diff(plan.offsets)), weights=costs[plan.order],
-                            minlength=plan.n_packs)
+    pack_cost = np.bincount(
+        np.repeat(np.arange(plan.n_packs), np.diff(plan.offsets)), weights=costs[plan.order], minlength=plan.n_packs
+    )
     dp = plan_dp_balanced(pack_cost, config.data_parallel, config.global_batch, seed=config.seed)
     naive = imbalance(plan_round_robin(plan.n_packs, config.data_parallel, config.global_batch), pack_cost)
     order = schedule_order(dp)
     dp = reorder(dp, order)
     plan = plan.reordered(order)
     plan.columns.update(cost=pack_cost[order], step=dp.step, rank=dp.rank, slot=dp.slot)
-    report = {"data_parallel": config.data_parallel, "global_batch": config.global_batch,
-              "packs_per_rank_per_step": config.global_batch // config.data_parallel, "steps": dp.n_steps,
-              "unscheduled_packs": int((dp.step < 0).sum()), "cost_unit": "forward FLOPs",
-              "qvl": imbalance(dp, plan.columns["cost"]), "round_robin": naive}
-    logger.info("DP plan: max/mean rank cost %.4f (round-robin %.4f)", report["qvl"]["mean_max_over_mean"],
-                naive["mean_max_over_mean"])
+    report = {
+        "data_parallel": config.data_parallel,
+        "global_batch": config.global_batch,
+        "packs_per_rank_per_step": config.global_batch // config.data_parallel,
+        "steps": dp.n_steps,
+        "unscheduled_packs": int((dp.step < 0).sum()),
+        "cost_unit": "forward FLOPs",
+        "qvl": imbalance(dp, plan.columns["cost"]),
+        "round_robin": naive,
+    }
+    logger.info(
+        "DP plan: max/mean rank cost %.4f (round-robin %.4f)",
+        report["qvl"]["mean_max_over_mean"],
+        naive["mean_max_over_mean"],
+    )
     return plan, report
 
 
@@ -261,8 +279,12 @@ def _pack_rows(plan: PackPlan, samples, lengths: np.ndarray, packs_per_shard: in
     indices = np.asarray([s.index for s in samples], dtype=np.int64)
     for k in range(plan.n_packs):
         items = plan.pack(k)
-        row = {"pack": k, "shard": write.shard_name(write.shard_of_pack(k, packs_per_shard)),
-               "samples": indices[items].tolist(), "lengths": lengths[items].tolist()}
+        row = {
+            "pack": k,
+            "shard": write.shard_name(write.shard_of_pack(k, packs_per_shard)),
+            "samples": indices[items].tolist(),
+            "lengths": lengths[items].tolist(),
+        }
         row.update({name: column[k].item() for name, column in plan.columns.items()})
         yield row
 
@@ -279,7 +301,9 @@ def _fingerprint(config: PrepareConfig, plan: PackPlan, lengths: np.ndarray) -> 
     settings = {k: str(v) for k, v in asdict(config).items() if k != "output"}
     digest.update(json.dumps(settings, sort_keys=True).encode())
     digest.update(_file_digest(config.input))
-    for path in sorted(pathlib.Path(config.tokenizer).glob("*.json")) + sorted(pathlib.Path(config.tokenizer).glob("*.jinja")):
+    for path in sorted(pathlib.Path(config.tokenizer).glob("*.json")) + sorted(
+        pathlib.Path(config.tokenizer).glob("*.jinja")
+    ):
         digest.update(path.name.encode() + _file_digest(path))
     for array in (plan.order, plan.offsets, lengths):
         digest.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())

@@ -39,8 +39,10 @@ def _conversation(rng: random.Random, index: int, media: Path) -> dict:
     shape, colour = rng.choice(SHAPES), rng.choice(tuple(COLOURS))
     name = f"img_{index:03d}.png"
     draw_shape(shape, colour, rng.choice(SIZES)).save(media / name)
-    turns = [{"from": "human", "value": "<image>\nWhat is in the picture?"},
-             {"from": "gpt", "value": f"A {colour} {shape}."}]  # fmt: skip
+    turns = [
+        {"from": "human", "value": "<image>\nWhat is in the picture?"},
+        {"from": "gpt", "value": f"A {colour} {shape}."},
+    ]
     images = [name]
     if index % 5 == 0:  # a second turn about the same image
         turns += [{"from": "human", "value": "What colour is it?"}, {"from": "gpt", "value": f"It is {colour}."}]
@@ -48,22 +50,34 @@ def _conversation(rng: random.Random, index: int, media: Path) -> dict:
         other_shape, other_colour = rng.choice(SHAPES), rng.choice(tuple(COLOURS))
         other = f"img_{index:03d}_b.png"
         draw_shape(other_shape, other_colour, rng.choice(SIZES)).save(media / other)
-        turns += [{"from": "human", "value": "<image>\nAnd this one?"},
-                  {"from": "gpt", "value": f"A {other_colour} {other_shape}."}]  # fmt: skip
+        turns += [
+            {"from": "human", "value": "<image>\nAnd this one?"},
+            {"from": "gpt", "value": f"A {other_colour} {other_shape}."},
+        ]
         images.append(other)
     return {"id": f"sample-{index}", "image": images, "conversations": turns}
 
 
 # Deliberately broken samples: each must end in quarantine with this reason.
 BAD_SAMPLES = (
-    ({"id": "bad-missing-image", "image": ["does_not_exist.png"],
-      "conversations": [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "Nothing."}]},
-     "image_missing"),
-    ({"id": "bad-placeholders", "image": [],
-      "conversations": [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "Nothing."}]},
-     "placeholder_mismatch"),
+    (
+        {
+            "id": "bad-missing-image",
+            "image": ["does_not_exist.png"],
+            "conversations": [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "Nothing."}],
+        },
+        "image_missing",
+    ),
+    (
+        {
+            "id": "bad-placeholders",
+            "image": [],
+            "conversations": [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "Nothing."}],
+        },
+        "placeholder_mismatch",
+    ),
     ({"id": "bad-no-answer", "conversations": [{"from": "human", "value": "Hello?"}]}, "no_assistant_turn"),
-)  # fmt: skip
+)
 
 
 def write_sample_dataset(out_dir: Path, *, count: int = 48, seed: int = 0, with_bad: bool = True) -> tuple[Path, Path]:

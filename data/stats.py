@@ -46,7 +46,10 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
     ]
     if plan := report.get("dp_plan"):
         rows += [
-            ("DP plan", f"{plan['data_parallel']} ranks x {plan['packs_per_rank_per_step']} packs, {plan['steps']:,} steps"),
+            (
+                "DP plan",
+                f"{plan['data_parallel']} ranks x {plan['packs_per_rank_per_step']} packs, {plan['steps']:,} steps",
+            ),
             ("  max/mean rank cost (qvl)", f"{plan['qvl']['mean_max_over_mean']:.4f}"),
             ("  max/mean rank cost (round-robin)", f"{plan['round_robin']['mean_max_over_mean']:.4f}"),
             ("  unscheduled packs", f"{plan['unscheduled_packs']:,}"),
@@ -71,8 +74,11 @@ def plot_lengths_and_fill(output: pathlib.Path, png: pathlib.Path) -> pathlib.Pa
     left.hist(lengths, bins=min(100, max(10, len(np.unique(lengths)))), color="tab:blue")
     left.set(title=f"sample length ({len(lengths):,} samples)", xlabel="tokens", ylabel="samples")
     right.hist(fills / seq_length * 100, bins=50, range=(0, 100), color="tab:green")
-    right.set(title=f"pack fill (efficiency {100 * report['packing_efficiency']:.2f}%)", xlabel="% of seq_length",
-              ylabel="packs")
+    right.set(
+        title=f"pack fill (efficiency {100 * report['packing_efficiency']:.2f}%)",
+        xlabel="% of seq_length",
+        ylabel="packs",
+    )
     figure.tight_layout()
     png = pathlib.Path(png)
     figure.savefig(png, dpi=100)

@@ -20,13 +20,31 @@ from qvl.data.vision import VisionConfig, sample_video_frame_indices, smart_resi
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKEN_STRINGS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 )
 FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 REASONS = (
-    "bad_json", "bad_format", "invalid_utf8", "special_token_in_text", "empty", "bad_roles", "no_assistant_turn",
-    "placeholder_mismatch", "image_missing", "image_undecodable", "image_unresizable", "video_missing",
-    "video_undecodable", "video_unresizable", "too_long",
+    "bad_json",
+    "bad_format",
+    "invalid_utf8",
+    "special_token_in_text",
+    "empty",
+    "bad_roles",
+    "no_assistant_turn",
+    "placeholder_mismatch",
+    "image_missing",
+    "image_undecodable",
+    "image_unresizable",
+    "video_missing",
+    "video_undecodable",
+    "video_unresizable",
+    "too_long",
 )
 
 
@@ -100,7 +118,7 @@ def _check_text(conversation: Conversation) -> tuple[str, str] | None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
-            return "invalid_utf8", f"invalid UTF-8 near {text[max(0, err.start - 20):err.start]!r}"
+            return "invalid_utf8", f"invalid UTF-8 near {text[max(0, err.start - 20) : err.start]!r}"
         for token in SPECIAL_TOKEN_STRINGS:
             if token in text:
                 return "special_token_in_text", f"text contains the special token {token}"
@@ -190,10 +208,19 @@ def _check_frame_folder(path: pathlib.Path, ref: MediaRef, config: ValidateConfi
         return "video_undecodable", f"frames of {path.name} differ in size: {sorted(sizes)}"
     (height, width), fps = sizes.pop(), ref.fps or config.vision.video_fps
     if fps is None and config.vision.family != "qwen2_vl":  # Qwen2.5-VL and Qwen3-VL place frames in time
-        return "video_undecodable", f"frame folder {path.name} has no fps; give 'fps' in the sample or the processor config"
+        return (
+            "video_undecodable",
+            f"frame folder {path.name} has no fps; give 'fps' in the sample or the processor config",
+        )
     info = MediaInfo(
-        kind="video", path=path, height=height, width=width, frame_paths=frames,
-        frame_indices=list(range(len(frames))), total_frames=len(frames), fps=fps,
+        kind="video",
+        path=path,
+        height=height,
+        width=width,
+        frame_paths=frames,
+        frame_indices=list(range(len(frames))),
+        total_frames=len(frames),
+        fps=fps,
     )
     return _check_video_resizable(info, config)
 
@@ -205,8 +232,13 @@ def _check_video_file(path: pathlib.Path, config: ValidateConfig) -> MediaInfo |
     except (OSError, ValueError) as err:
         return "video_undecodable", f"{path.name}: {err}"
     info = MediaInfo(
-        kind="video", path=path, height=height, width=width, frame_indices=[int(i) for i in indices],
-        total_frames=total, fps=fps,
+        kind="video",
+        path=path,
+        height=height,
+        width=width,
+        frame_indices=[int(i) for i in indices],
+        total_frames=total,
+        fps=fps,
     )
     return _check_video_resizable(info, config)
 

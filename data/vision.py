@@ -19,15 +19,35 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 # Class defaults transformers falls back to when the config omits a key. Images use Qwen2VLImageProcessor for
 # every family (Qwen3-VL checkpoints set patch_size=16 in their config); videos differ per family.
-IMAGE_DEFAULTS = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280}
+IMAGE_DEFAULTS = {
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "min_pixels": 56 * 56,
+    "max_pixels": 28 * 28 * 1280,
+}
 VIDEO_DEFAULTS = {
     "qwen2_vl": {
-        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 128 * 28 * 28,
-        "max_pixels": 28 * 28 * 768, "fps": None, "min_frames": 4, "max_frames": 768, "do_sample_frames": False,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "min_pixels": 128 * 28 * 28,
+        "max_pixels": 28 * 28 * 768,
+        "fps": None,
+        "min_frames": 4,
+        "max_frames": 768,
+        "do_sample_frames": False,
     },
     "qwen3_vl": {
-        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 128 * 32 * 32,
-        "max_pixels": 32 * 32 * 768, "fps": 2.0, "min_frames": 4, "max_frames": 768, "do_sample_frames": True,
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "min_pixels": 128 * 32 * 32,
+        "max_pixels": 32 * 32 * 768,
+        "fps": 2.0,
+        "min_frames": 4,
+        "max_frames": 768,
+        "do_sample_frames": True,
     },
 }
 VIDEO_DEFAULTS["qwen2_5_vl"] = VIDEO_DEFAULTS["qwen2_vl"]
@@ -89,7 +109,9 @@ def load_vision_config(hf_dir: pathlib.Path, family: str, **overrides) -> Vision
     )
     unknown = set(overrides) - {f.name for f in dataclasses.fields(VisionConfig)}
     if unknown:
-        raise ValueError(f"unknown vision override(s) {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(VisionConfig)]}")
+        raise ValueError(
+            f"unknown vision override(s) {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(VisionConfig)]}"
+        )
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -107,8 +129,12 @@ def _resolve(cfg: dict, defaults: dict) -> dict:
     out = {key: cfg.get(key, default) for key, default in defaults.items() if key not in ("min_pixels", "max_pixels")}
     size = cfg.get("size") or {}
     # Same precedence as the processors' __init__: explicit min_pixels/max_pixels override `size`.
-    out["min_pixels"] = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or defaults["min_pixels"]
-    out["max_pixels"] = cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or defaults["max_pixels"]
+    out["min_pixels"] = (
+        cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or defaults["min_pixels"]
+    )
+    out["max_pixels"] = (
+        cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or defaults["max_pixels"]
+    )
     return out
 
 
@@ -168,7 +194,13 @@ def video_grid_thw(num_frames: int, height: int, width: int, config: VisionConfi
     patch, factor = config.video_patch_size, config.video_patch_size * config.merge_size
     if config.family == "qwen3_vl":
         h, w = smart_resize_video_qwen3(
-            num_frames, height, width, config.temporal_patch_size, factor, config.video_min_pixels, config.video_max_pixels
+            num_frames,
+            height,
+            width,
+            config.temporal_patch_size,
+            factor,
+            config.video_min_pixels,
+            config.video_max_pixels,
         )
     else:
         h, w = smart_resize(height, width, factor, config.video_min_pixels, config.video_max_pixels)

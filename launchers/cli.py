@@ -1,8 +1,4 @@
-"""The `qvl` command line.
-
-Each product area owns its subcommands: a module listed in COMMAND_MODULES exposes
-`register(subparsers)` and sets `func(args) -> int` on each parser it adds.
-"""
+"""The `qvl` command line: the command table, logging set-up, and errors turned into one line and exit 2."""
 
 from __future__ import annotations
 
@@ -12,14 +8,17 @@ import logging
 import sys
 import warnings
 
+# The command table: one module per command group, each exposing `register(subparsers)` and setting
+# `func(args) -> int` on the parsers it adds. Library code never parses arguments or prints.
 COMMAND_MODULES = (
-    "qvl.launchers.info",  # version, doctor
-    "qvl.launchers.demo",  # demo
-    "qvl.data.cli",  # data prepare | stats
-    "qvl.bridges.cli",  # convert import | export | verify
-    "qvl.recipes.cli",  # recipes, plan, train
-    "qvl.launchers.launch",  # launch
+    "qvl.launchers.commands.info",  # version, doctor
+    "qvl.launchers.commands.demo",  # demo
+    "qvl.launchers.commands.data",  # data prepare | stats
+    "qvl.launchers.commands.convert",  # convert import | export | verify
+    "qvl.launchers.commands.recipes",  # recipes, plan, train
+    "qvl.launchers.commands.launch",  # launch
 )
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The full `qvl` parser with every available command group registered."""
@@ -51,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # qvl's own logs at INFO; Megatron's INFO chatter and fallback warnings only with --verbose.
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("qvl").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if not args.verbose:
         # megatron-bridge 0.6.2's import_utils sets its logger to INFO (on import, so after this) with its own

@@ -44,24 +44,73 @@ def _qvl(args: list[str], log: Path) -> str:
 def _stages(out: Path, device: list[str], steps: int) -> list[Stage]:
     hf, data, mega, run, export = out / "hf", out / "data", out / "megatron", out / "train", out / "export"
     samples = out / "samples"
-    train = [RECIPE, f"data={data}", f"hf_path={hf}", f"pretrained_checkpoint={mega}", f"train_iters={steps}",
-             "global_batch_size=2", "micro_batch_size=1", "seq_length=256", "warmup_iters=1", "lr=1e-3",
-             f"save_interval={steps}", "log_interval=1"]  # fmt: skip
+    train = [
+        RECIPE,
+        f"data={data}",
+        f"hf_path={hf}",
+        f"pretrained_checkpoint={mega}",
+        f"train_iters={steps}",
+        "global_batch_size=2",
+        "micro_batch_size=1",
+        "seq_length=256",
+        "warmup_iters=1",
+        "lr=1e-3",
+        f"save_interval={steps}",
+        "log_interval=1",
+    ]
     return [
-        Stage(name="prepare data", args=["data", "prepare", "--input", str(samples / "conversations.jsonl"), "--media-root",
-              str(samples / "images"), "--family", FAMILY, "--tokenizer", str(hf), "--seq-length", "256",
-              "--output", str(data)], artifact=data),  # fmt: skip
-        Stage(name="convert HF -> Megatron", args=["convert", "import", str(hf), str(mega), "--dtype", "fp32", *device],
-              artifact=mega),  # fmt: skip
-        Stage(name="verify conversion", args=["convert", "verify", str(hf), str(mega), "--report",
-              str(out / "verify-conversion.json"), *device]),  # fmt: skip
+        Stage(
+            name="prepare data",
+            args=[
+                "data",
+                "prepare",
+                "--input",
+                str(samples / "conversations.jsonl"),
+                "--media-root",
+                str(samples / "images"),
+                "--family",
+                FAMILY,
+                "--tokenizer",
+                str(hf),
+                "--seq-length",
+                "256",
+                "--output",
+                str(data),
+            ],
+            artifact=data,
+        ),
+        Stage(
+            name="convert HF -> Megatron",
+            args=["convert", "import", str(hf), str(mega), "--dtype", "fp32", *device],
+            artifact=mega,
+        ),
+        Stage(
+            name="verify conversion",
+            args=["convert", "verify", str(hf), str(mega), "--report", str(out / "verify-conversion.json"), *device],
+        ),
         Stage(name="plan (7B SFT, 8 x H100)", args=["plan", PLAN_RECIPE, "--gpus", "8", "--gpu", "h100"]),
-        Stage(name="train (SFT, tiny)", args=["train", *train, "--model", "tiny", "--run-dir", str(run), *device],
-              artifact=run),  # fmt: skip
-        Stage(name="export Megatron -> HF", args=["convert", "export", str(run / "checkpoints"), str(export), *device],
-              artifact=export),  # fmt: skip
-        Stage(name="verify export", args=["convert", "verify", str(export), str(run / "checkpoints"), "--report",
-              str(out / "verify-export.json"), *device]),  # fmt: skip
+        Stage(
+            name="train (SFT, tiny)",
+            args=["train", *train, "--model", "tiny", "--run-dir", str(run), *device],
+            artifact=run,
+        ),
+        Stage(
+            name="export Megatron -> HF",
+            args=["convert", "export", str(run / "checkpoints"), str(export), *device],
+            artifact=export,
+        ),
+        Stage(
+            name="verify export",
+            args=[
+                "convert",
+                "verify",
+                str(export),
+                str(run / "checkpoints"),
+                "--report",
+                str(out / "verify-export.json"),
+                *device,
+            ],
+        ),
     ]
 
 
@@ -70,7 +119,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from qvl.bridges.convert import copy_hf_side_files
-    from qvl.bridges.testing import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny import write_tiny_hf_checkpoint
     from qvl.data.samples import write_sample_dataset
 
     console, out = Console(), Path(args.output).resolve()
@@ -95,12 +144,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _summarise(results: dict, out: Path, console, table_cls) -> None:
-    from qvl.recipes.train import read_losses
+    from qvl.recipes.training.train import read_losses
 
     data = json.loads((out / "data" / "report.json").read_text())
     losses = read_losses(out / "train")
     results["losses"] = losses
-    results["data"] = {k: data[k] for k in ("accepted", "quarantined", "packed_sequences", "packing_efficiency") if k in data}
+    results["data"] = {
+        k: data[k] for k in ("accepted", "quarantined", "packed_sequences", "packing_efficiency") if k in data
+    }
     (out / "demo_summary.json").write_text(json.dumps(results, indent=2, default=str))
     _plot_losses(losses, out / "loss.png")
     table = table_cls(title="qvl demo")
@@ -137,12 +188,3 @@ def _plot_losses(losses: dict[int, float], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def register(subparsers) -> None:
-    """Add `qvl demo`."""
-    demo = subparsers.add_parser("demo", help="run the pipeline end to end with a tiny model (CPU or GPU)")
-    demo.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces the CPU runtime")
-    demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    demo.add_argument("--output", default=".demo", help="where artifacts go (default .demo/)")
-    demo.set_defaults(func=run_demo)

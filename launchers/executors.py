@@ -7,7 +7,6 @@ NeMo-Run's. The job itself runs inside a NeMo container that has qvl installed, 
 (`run.Packager()`); the task is the `qvl` command line (see `launch.py`).
 """
 
-
 import dataclasses
 import inspect
 import os
@@ -47,7 +46,9 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def local(*, gpus: Optional[int] = None, cpu_processes: int = 1, env_vars: Optional[dict[str, str]] = None) -> run.LocalExecutor:
+def local(
+    *, gpus: Optional[int] = None, cpu_processes: int = 1, env_vars: Optional[dict[str, str]] = None
+) -> run.LocalExecutor:
     """This machine: torchrun over the visible GPUs, or the CPU runtime when there are none."""
     gpus = visible_gpus() if gpus is None else gpus
     extra = _interpreter_on_path() | dict(env_vars or {})
@@ -55,8 +56,11 @@ def local(*, gpus: Optional[int] = None, cpu_processes: int = 1, env_vars: Optio
         return run.LocalExecutor(ntasks_per_node=gpus, launcher=Torchrun(), env_vars=MEGATRON_ENV | extra)
     # One CPU process needs no torchrun; the CPU runtime makes a world of one with gloo.
     launcher = Torchrun() if cpu_processes > 1 else None
-    return run.LocalExecutor(ntasks_per_node=cpu_processes, launcher=launcher,
-                             env_vars={CPU_DEVICE_ENV: "cpu", "TOKENIZERS_PARALLELISM": "false"} | extra)  # fmt: skip
+    return run.LocalExecutor(
+        ntasks_per_node=cpu_processes,
+        launcher=launcher,
+        env_vars={CPU_DEVICE_ENV: "cpu", "TOKENIZERS_PARALLELISM": "false"} | extra,
+    )
 
 
 def _interpreter_on_path() -> dict[str, str]:
@@ -92,8 +96,9 @@ def slurm(
     filesystem. `mounts` are pyxis `src:dst` pairs. Other keywords are SlurmExecutor fields (qos, mem, ...).
     """
     if host:
-        tunnel = run.SSHTunnel(host=host, user=user or os.environ.get("USER", ""), job_dir=job_dir,
-                               identity=identity or None)  # fmt: skip
+        tunnel = run.SSHTunnel(
+            host=host, user=user or os.environ.get("USER", ""), job_dir=job_dir, identity=identity or None
+        )
     else:
         tunnel = run.LocalTunnel(job_dir=job_dir)
     return run.SlurmExecutor(
@@ -187,8 +192,14 @@ def kuberay(
 
     volumes, mounts = _pvc_volumes((("data", data_pvc, data_path),))
     workers = KubeRayWorkerGroup(group_name="gpu", replicas=nodes, gpus_per_worker=gpus_per_node)
-    return KubeRayExecutor(image=image, namespace=namespace, worker_groups=[workers], volumes=volumes,
-                           volume_mounts=mounts, env_vars=dict(MEGATRON_ENV))  # fmt: skip
+    return KubeRayExecutor(
+        image=image,
+        namespace=namespace,
+        worker_groups=[workers],
+        volumes=volumes,
+        volume_mounts=mounts,
+        env_vars=dict(MEGATRON_ENV),
+    )
 
 
 FACTORIES = {"local": local, "slurm": slurm, "kubernetes": kubernetes}

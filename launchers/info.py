@@ -54,7 +54,7 @@ def cuda_summary() -> str:
 
 
 def run_version(args: argparse.Namespace) -> int:
-    from qvl.launchers.runtime import have_transformer_engine
+    from qvl.foundation.megatron import have_transformer_engine
 
     for name in VERSION_PACKAGES:
         print(f"{name:18} {installed_version(name) or 'not installed'}")
@@ -79,8 +79,12 @@ def _python_check() -> Check:
     wanted = ".".join(map(str, REQUIRED_PYTHON))
     if found == REQUIRED_PYTHON:
         return Check(name="python", status="ok", detail=sys.version.split()[0])
-    return Check(name="python", status="fail", detail=f"{found[0]}.{found[1]} (need {wanted})",
-                 fix=f"create the environment with Python {wanted}: `make venv` finds pyenv's {wanted}")  # fmt: skip
+    return Check(
+        name="python",
+        status="fail",
+        detail=f"{found[0]}.{found[1]} (need {wanted})",
+        fix=f"create the environment with Python {wanted}: `make venv` finds pyenv's {wanted}",
+    )
 
 
 def _requirement_check(req: Requirement) -> Check:
@@ -90,24 +94,32 @@ def _requirement_check(req: Requirement) -> Check:
     if found is None:
         return Check(name=req.name, status="fail", detail="not installed", fix=fix)
     if req.specifier and not req.specifier.contains(found, prereleases=True):
-        return Check(name=req.name, status="warn", detail=f"{found} (qvl is tested with {req.specifier})",
-                     fix=f"{fix}  (inside a NeMo container, keep the container's version)")  # fmt: skip
+        return Check(
+            name=req.name,
+            status="warn",
+            detail=f"{found} (qvl is tested with {req.specifier})",
+            fix=f"{fix}  (inside a NeMo container, keep the container's version)",
+        )
     return Check(name=req.name, status="ok", detail=found)
 
 
 def _import_check(module: str, why: str) -> Check:
-    from qvl.launchers.runtime import import_megatron_bridge
+    from qvl.foundation.megatron import import_megatron_bridge
 
     try:
         import_megatron_bridge() if module == "megatron.bridge" else importlib.import_module(module)
     except Exception as err:  # doctor reports every failure rather than stopping at the first
-        return Check(name=f"import {module}", status="fail", detail=f"{type(err).__name__}: {err}",
-                     fix=f"needed for {why}; reinstall with `make venv` or see README, Install")  # fmt: skip
+        return Check(
+            name=f"import {module}",
+            status="fail",
+            detail=f"{type(err).__name__}: {err}",
+            fix=f"needed for {why}; reinstall with `make venv` or see README, Install",
+        )
     return Check(name=f"import {module}", status="ok", detail=why)
 
 
 def _device_check() -> Check:
-    from qvl.launchers.runtime import have_transformer_engine
+    from qvl.foundation.megatron import have_transformer_engine
 
     summary = cuda_summary()
     if summary.startswith("no"):
@@ -143,11 +155,3 @@ def run_doctor(args: argparse.Namespace) -> int:
         return 1
     print("environment ok")
     return 0
-
-
-def register(subparsers) -> None:
-    """Add `qvl version` and `qvl doctor`."""
-    version = subparsers.add_parser("version", help="print qvl and stack versions, Transformer Engine and CUDA")
-    version.set_defaults(func=run_version)
-    doctor = subparsers.add_parser("doctor", help="check the environment and say how to fix what is missing")
-    doctor.set_defaults(func=run_doctor)

@@ -9,7 +9,6 @@ lands in the registry, the built-in job `demo` (`qvl demo`, a tiny Megatron GPT)
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shlex
@@ -17,16 +16,33 @@ import shutil
 import sys
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
-from qvl.launchers.overrides import (LaunchError, Overrides, apply_config_overrides, function_params, load_site_config,
-                                     missing_required, split_overrides, to_plain)  # fmt: skip
-from qvl.launchers.preflight import (LAYOUT_KEYS, Layout, check_accepted, check_mounts, check_recipe_gpus,
-                                     check_required, check_ssh_job_dir, check_world_size)  # fmt: skip
+from qvl.launchers.overrides import (
+    LaunchError,
+    Overrides,
+    apply_config_overrides,
+    function_params,
+    load_site_config,
+    missing_required,
+    split_overrides,
+    to_plain,
+)
+from qvl.launchers.preflight import (
+    LAYOUT_KEYS,
+    Layout,
+    check_accepted,
+    check_mounts,
+    check_recipe_gpus,
+    check_required,
+    check_ssh_job_dir,
+    check_world_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +71,9 @@ def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = 
     if recipe == DEMO_JOB:
         overrides = split_overrides(pairs, lambda name: name in DEMO_PARAMS)
         if overrides.config:
-            raise LaunchError(f"the {DEMO_JOB} job takes only {', '.join(DEMO_PARAMS)}; got {', '.join(overrides.config)}")
+            raise LaunchError(
+                f"the {DEMO_JOB} job takes only {', '.join(DEMO_PARAMS)}; got {', '.join(overrides.config)}"
+            )
         argv = [DEMO_JOB] + [arg for key, value in overrides.recipe.items() for arg in (f"--{key}", str(value))]
         return Job(recipe=recipe, overrides=overrides, argv=argv, layout=Layout())
     from qvl.recipes.registry import get_recipe
@@ -69,12 +87,19 @@ def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = 
     missing = missing_required(info.fn, overrides.recipe)
     if missing:
         raise LaunchError(f"recipe {recipe} needs {', '.join(missing)}; pass " + " ".join(f"{m}=..." for m in missing))
-    return Job(recipe=recipe, overrides=overrides, argv=["train", recipe, *overrides.recipe_args, *train_flags],
-               layout=Layout.from_settings({} if tiny else info.layout, overrides.recipe), recipe_fn=info.fn,
-               registered_layout=dict(info.layout))  # fmt: skip
+    return Job(
+        recipe=recipe,
+        overrides=overrides,
+        argv=["train", recipe, *overrides.recipe_args, *train_flags],
+        layout=Layout.from_settings({} if tiny else info.layout, overrides.recipe),
+        recipe_fn=info.fn,
+        registered_layout=dict(info.layout),
+    )
 
 
-def executor_settings(kind: str, *, site_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def executor_settings(
+    kind: str, *, site_file: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The executor factory's keywords: the site file's `kind:` section, then command-line overrides."""
     if kind not in EXECUTORS:
         raise LaunchError(f"--executor {kind!r} is not one of {', '.join(EXECUTORS)}")
@@ -99,8 +124,10 @@ def build_executor(kind: str, settings: dict[str, Any]):
     try:  # the Kubeflow executor loads the kubeconfig when built, dry run or not
         return factory(**settings)
     except ConfigException as err:
-        raise LaunchError(f"the kubernetes executor needs a kubeconfig ($KUBECONFIG or ~/.kube/config) or an "
-                          f"in-cluster service account, also for a dry run: {err}") from err
+        raise LaunchError(
+            f"the kubernetes executor needs a kubeconfig ($KUBECONFIG or ~/.kube/config) or an "
+            f"in-cluster service account, also for a dry run: {err}"
+        ) from err
 
 
 def validate(job: Job, executor) -> None:
@@ -111,12 +138,18 @@ def validate(job: Job, executor) -> None:
 
     nodes, per_node = world_shape(executor)
     cpu = is_cpu(executor)
-    check_world_size(job.layout, nodes=nodes, per_node=per_node, gpu=not cpu,
-                     per_node_name="cpu_processes" if cpu else "gpus_per_node")  # fmt: skip
+    check_world_size(
+        job.layout,
+        nodes=nodes,
+        per_node=per_node,
+        gpu=not cpu,
+        per_node_name="cpu_processes" if cpu else "gpus_per_node",
+    )
     if not cpu:
         overridden = any(key in job.overrides.recipe for key in LAYOUT_KEYS)
-        check_recipe_gpus(job.recipe, job.registered_layout.get("gpus"), nodes=nodes, per_node=per_node,
-                          layout_overridden=overridden)  # fmt: skip
+        check_recipe_gpus(
+            job.recipe, job.registered_layout.get("gpus"), nodes=nodes, per_node=per_node, layout_overridden=overridden
+        )
     if isinstance(executor, run.SlurmExecutor) and isinstance(executor.tunnel, run.LocalTunnel):
         check_mounts(executor.container_mounts)
 
@@ -141,8 +174,9 @@ def task_for(job: Job, executor):
     return run.Script(path=CLI_MODULE, m=True, entrypoint="python", args=argv)
 
 
-def new_experiment(executor, *, name: str, experiments_dir: str | None = None, exp_id: str | None = None,
-                   quiet: bool = False):  # fmt: skip
+def new_experiment(
+    executor, *, name: str, experiments_dir: str | None = None, exp_id: str | None = None, quiet: bool = False
+):
     """A NeMo-Run experiment (its folder holds the name, logs and status of every task)."""
     import nemo_run as run
     from nemo_run.core.execution.launcher import Torchrun
@@ -151,8 +185,9 @@ def new_experiment(executor, *, name: str, experiments_dir: str | None = None, e
     if isinstance(executor.launcher, Torchrun) and executor.launcher.rdzv_id is None:
         # Fixed per experiment, so the dry run shows the script that is submitted, byte for byte.
         executor.launcher.rdzv_id = zlib.crc32(exp_id.encode()) % 10_000 + 1
-    return run.Experiment(name, executor=executor, id=exp_id, base_dir=experiments_dir, log_level="WARN",
-                          clean_mode=quiet)  # fmt: skip
+    return run.Experiment(
+        name, executor=executor, id=exp_id, base_dir=experiments_dir, log_level="WARN", clean_mode=quiet
+    )
 
 
 def render_dryrun(exp) -> str:
@@ -190,8 +225,11 @@ def _shell_value(key: str, value: str) -> str:
 
 def resolved_config(job: Job, executor) -> dict[str, Any]:
     """The config the execution side will build (or, where it cannot be built here, the recipe's arguments)."""
-    summary: dict[str, Any] = {"recipe": job.recipe, "command": "qvl " + shlex.join(task_argv(job, executor)),
-                               "layout": to_plain(job.layout)}  # fmt: skip
+    summary: dict[str, Any] = {
+        "recipe": job.recipe,
+        "command": "qvl " + shlex.join(task_argv(job, executor)),
+        "layout": to_plain(job.layout),
+    }
     if job.recipe_fn is None:
         return summary | {"arguments": job.overrides.recipe}
     try:
@@ -202,10 +240,19 @@ def resolved_config(job: Job, executor) -> dict[str, Any]:
     return summary | {"arguments": job.overrides.recipe, "config": to_plain(config, depth=2)}
 
 
-def launch(recipe: str, pairs: Sequence[str], *, train_flags: Sequence[str] = (), kind: str = "local",
-           site_file: str | None = None,
-           dryrun: bool = False, name: str | None = None, experiments_dir: str | None = None,
-           exp_id: str | None = None, wait: bool | None = None) -> dict[str, Any]:  # fmt: skip
+def launch(
+    recipe: str,
+    pairs: Sequence[str],
+    *,
+    train_flags: Sequence[str] = (),
+    kind: str = "local",
+    site_file: str | None = None,
+    dryrun: bool = False,
+    name: str | None = None,
+    experiments_dir: str | None = None,
+    exp_id: str | None = None,
+    wait: bool | None = None,
+) -> dict[str, Any]:
     """Resolve, validate and run (or dry-run) `recipe`; returns what happened for the CLI to print."""
     job = resolve_job(recipe, pairs, train_flags)
     settings = executor_settings(kind, site_file=site_file, overrides=job.overrides.executor)
@@ -223,54 +270,3 @@ def launch(recipe: str, pairs: Sequence[str], *, train_flags: Sequence[str] = ()
         exp.run(detach=not wait, tail_logs=False)
     states = [str(j.state).split(".")[-1] for j in exp.jobs]
     return result | {"states": states}
-
-
-def run_launch(args: argparse.Namespace) -> int:
-    """`qvl launch`: print the dry run or where to follow the experiment."""
-    from rich.console import Console
-
-    console = Console()
-    try:
-        result = launch(args.recipe, args.overrides, train_flags=_train_flags(args), kind=args.executor,
-                        site_file=args.executor_config,
-                        dryrun=args.dryrun, name=args.name, experiments_dir=args.experiments_dir)  # fmt: skip
-    except LaunchError as err:
-        console.print(f"[bold red]error:[/] {err}", highlight=False)
-        return 2
-    if args.dryrun:  # written raw: the script must survive copy-paste, so no wrapping or markup
-        console.rule(f"{result['executor']} request (dry run, nothing submitted)")
-        sys.stdout.write(result["request"].rstrip("\n") + "\n")
-        console.rule("resolved config")
-        sys.stdout.write(yaml.safe_dump(result["config"], sort_keys=False))
-        return 0
-    home = f"NEMORUN_HOME={args.experiments_dir} " if args.experiments_dir else ""
-    console.print(f"experiment [bold]{result['experiment']}[/] ({', '.join(result['states'])})\n"
-                  f"  folder: {result['folder']}\n"
-                  f"  status: {home}nemo experiment status {result['experiment']}\n"
-                  f"  logs:   {home}nemo experiment logs {result['experiment']} 0\n"
-                  f"  cancel: {home}nemo experiment cancel {result['experiment']} 0", highlight=False)  # fmt: skip
-    return 0 if all(s in ("SUCCEEDED", "SUBMITTED", "PENDING", "RUNNING") for s in result["states"]) else 1
-
-
-def _train_flags(args: argparse.Namespace) -> list[str]:
-    return (["--model", args.model] if args.model else []) + (["--run-dir", args.run_dir] if args.run_dir else [])
-
-
-def register(subparsers) -> None:
-    """Add `qvl launch`."""
-    parser = subparsers.add_parser(
-        "launch", help="run a recipe locally, on Slurm or on Kubernetes through NeMo-Run",
-        description="Run RECIPE with key=value overrides (recipe keywords such as tensor_parallel=4, nested "
-                    "config fields such as train.train_iters=100, executor fields such as run.executor.nodes=2).")  # fmt: skip
-    parser.add_argument("recipe", help=f"a recipe name (`qvl recipes` lists them) or `{DEMO_JOB}`, the built-in tiny job")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe, config or run.executor.* overrides")
-    parser.add_argument("--executor", choices=EXECUTORS, default="local", help="where to run (default local)")
-    parser.add_argument("--executor-config", metavar="SITE.yaml",
-                        help="YAML with local:/slurm:/kubernetes: sections of executor settings (no secrets)")  # fmt: skip
-    parser.add_argument("--dryrun", action="store_true",
-                        help="print the sbatch script / TrainJob manifest / local command and the config; submit nothing")  # fmt: skip
-    parser.add_argument("--model", choices=("tiny",), help="passed to `qvl train`: a tiny random model of the recipe's family")
-    parser.add_argument("--run-dir", help="passed to `qvl train`: checkpoints, losses, tensorboard on the execution side")
-    parser.add_argument("--name", help="experiment title (default qvl-RECIPE)")
-    parser.add_argument("--experiments-dir", help="where NeMo-Run keeps experiments (default $NEMORUN_HOME)")
-    parser.set_defaults(func=run_launch)

@@ -14,10 +14,10 @@ named by $QVL_EXECUTOR_CONFIG. The entrypoint runs where the executor puts it an
 `qvl train RECIPE key=value ...` (or `qvl demo`) there, the same command `qvl launch` submits.
 """
 
-
 import functools
 import os
-from typing import Any, Callable, List, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import fiddle as fdl
 import nemo_run as run
@@ -44,7 +44,7 @@ def demo(steps: int = 20, output: str = ".demo") -> None:
 class CheckedRunContext(run.cli.RunContext):
     """NeMo-Run's run context plus qvl's checks (layout vs world size, recipe keywords) before anything runs."""
 
-    def _execute_task(self, fn: Callable, task_args: List[str]) -> None:
+    def _execute_task(self, fn: Callable, task_args: list[str]) -> None:
         check_task(self.parse_fn(fn, task_args), getattr(self, "executor", None))
         super()._execute_task(fn, task_args)
 
@@ -57,15 +57,21 @@ def check_task(task: run.Partial, executor: Optional[run.Executor]) -> None:
         validate(job, executor)
 
 
-@run.cli.entrypoint(namespace="qvl", run_ctx_cls=CheckedRunContext,
-                    help="Pretrain a recipe (`--factory RECIPE`) on the chosen executor.")  # fmt: skip
+@run.cli.entrypoint(
+    namespace="qvl",
+    run_ctx_cls=CheckedRunContext,
+    help="Pretrain a recipe (`--factory RECIPE`) on the chosen executor.",
+)
 def pretrain(recipe: Any, overrides: Optional[list[str]] = None) -> None:
     """Run `qvl train` for the configured recipe (a Partial of the recipe function) where this executes."""
     _run_recipe(recipe, overrides)
 
 
-@run.cli.entrypoint(namespace="qvl", run_ctx_cls=CheckedRunContext,
-                    help="Fine-tune (SFT or PEFT) a recipe (`--factory RECIPE`) on the chosen executor.")  # fmt: skip
+@run.cli.entrypoint(
+    namespace="qvl",
+    run_ctx_cls=CheckedRunContext,
+    help="Fine-tune (SFT or PEFT) a recipe (`--factory RECIPE`) on the chosen executor.",
+)
 def finetune(recipe: Any, overrides: Optional[list[str]] = None) -> None:
     """Run `qvl train` for the configured recipe (a Partial of the recipe function) where this executes."""
     _run_recipe(recipe, overrides)

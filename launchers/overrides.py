@@ -12,17 +12,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import yaml
 
+from qvl.foundation.errors import LaunchError
+from qvl.recipes.overrides import apply_config_overrides  # noqa: F401  (part of this module's interface)
+
 EXECUTOR_PREFIX = "run.executor."
-
-
-class LaunchError(ValueError):
-    """A launch that cannot work, found before anything is submitted; the message says how to fix it."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,8 +70,10 @@ def split_overrides(pairs: Sequence[str], recipe_params: Callable[[str], bool]) 
         elif recipe_params(key):
             out.recipe[key] = value
         else:
-            raise LaunchError(f"override {key!r} is not a keyword of the recipe; nested config fields use dots "
-                              f"(train.train_iters=100), executor fields run.executor.{key}=...")  # fmt: skip
+            raise LaunchError(
+                f"override {key!r} is not a keyword of the recipe; nested config fields use dots "
+                f"(train.train_iters=100), executor fields run.executor.{key}=..."
+            )
         out.recipe_args.append(pair)
     return out
 
@@ -86,29 +88,13 @@ def function_params(fn: Callable[..., Any]) -> Callable[[str], bool]:
 
 def missing_required(fn: Callable[..., Any], given: dict[str, Any]) -> list[str]:
     """Required keyword parameters of `fn` absent (or empty) in `given`."""
-    return [name for name, p in inspect.signature(fn).parameters.items()
-            if p.default is inspect.Parameter.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-            and given.get(name) in (None, "")]  # fmt: skip
-
-
-def apply_config_overrides(config: Any, overrides: dict[str, Any]) -> Any:
-    """Set dotted fields (`train.train_iters`) on a built config; an unknown field is an error."""
-    for dotted, value in overrides.items():
-        *parents, leaf = dotted.split(".")
-        target = config
-        for name in parents:
-            if not hasattr(target, name):
-                raise LaunchError(f"override {dotted}: the config has no field {name!r} ({_fields_hint(target)})")
-            target = getattr(target, name)
-        if not hasattr(target, leaf):
-            raise LaunchError(f"override {dotted}: {type(target).__name__} has no field {leaf!r} ({_fields_hint(target)})")
-        setattr(target, leaf, value)
-    return config
-
-
-def _fields_hint(obj: Any) -> str:
-    names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
-    return "fields: " + ", ".join(names[:12]) + (", ..." if len(names) > 12 else "") if names else "not a dataclass"
+    return [
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        and given.get(name) in (None, "")
+    ]
 
 
 def load_site_config(path: str | Path, kind: str) -> dict[str, Any]:
@@ -119,7 +105,9 @@ def load_site_config(path: str | Path, kind: str) -> dict[str, Any]:
     except OSError as err:
         raise LaunchError(f"--executor-config {path}: cannot read it ({err.strerror})") from err
     if not isinstance(data, dict):
-        raise LaunchError(f"--executor-config {path}: expected a mapping of executor kinds (slurm:, kubernetes:, local:)")
+        raise LaunchError(
+            f"--executor-config {path}: expected a mapping of executor kinds (slurm:, kubernetes:, local:)"
+        )
     section = data.get(kind) or {}
     if not isinstance(section, dict):
         raise LaunchError(f"--executor-config {path}: section {kind!r} must be a mapping of factory keywords")
@@ -132,8 +120,10 @@ def _reject_secrets(section: dict[str, Any], where: str) -> None:
 
     for key, value in section.items():
         if any(word in key.lower() for word in SECRET_WORDS):
-            raise LaunchError(f"{where}: {key!r} looks like a secret; keep tokens out of the site file (use the "
-                              "environment, your ssh-agent or the kubeconfig)")  # fmt: skip
+            raise LaunchError(
+                f"{where}: {key!r} looks like a secret; keep tokens out of the site file (use the "
+                "environment, your ssh-agent or the kubeconfig)"
+            )
         if isinstance(value, dict):
             _reject_secrets(value, f"{where}.{key}")
 

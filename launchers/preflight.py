@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from qvl.launchers.overrides import LaunchError, missing_required
 
@@ -26,7 +27,7 @@ class Layout:
     expert_parallel: int = 1
 
     @classmethod
-    def from_settings(cls, registered: dict[str, Any], overrides: dict[str, Any]) -> "Layout":
+    def from_settings(cls, registered: dict[str, Any], overrides: dict[str, Any]) -> Layout:
         """The recipe's registered layout with the user's overrides of the same names on top."""
         merged = {k: v for k, v in (registered | overrides).items() if k in LAYOUT_KEYS and v is not None}
         for key, value in merged.items():
@@ -45,13 +46,16 @@ class Layout:
         return self.tensor_parallel * self.pipeline_parallel * self.expert_parallel
 
     def describe(self, include_ep: bool) -> str:
-        names = ["tensor_parallel", "pipeline_parallel", "context_parallel"] + (["expert_parallel"] if include_ep else [])
+        names = ["tensor_parallel", "pipeline_parallel", "context_parallel"] + (
+            ["expert_parallel"] if include_ep else []
+        )
         used = [n for n in names if getattr(self, n) > 1] or ["tensor_parallel"]
         return " x ".join(f"{n}={getattr(self, n)}" for n in used)
 
 
-def check_world_size(layout: Layout, *, nodes: int, per_node: int, per_node_name: str = "gpus_per_node",
-                     gpu: bool = True) -> None:  # fmt: skip
+def check_world_size(
+    layout: Layout, *, nodes: int, per_node: int, per_node_name: str = "gpus_per_node", gpu: bool = True
+) -> None:
     """Fail when the world (nodes x per_node ranks) cannot hold the layout."""
     world = nodes * per_node
     shape = f"nodes={nodes} x {per_node_name}={per_node}"
@@ -59,27 +63,37 @@ def check_world_size(layout: Layout, *, nodes: int, per_node: int, per_node_name
     uses_ep = layout.expert_parallel > 1
     what = layout.describe(include_ep=uses_ep)
     if world < needed:
-        raise LaunchError(f"world size {world} ({shape}) is smaller than the recipe's layout {what} = {needed} ranks; "
-                          f"{_fix(needed, nodes, per_node, per_node_name)}")  # fmt: skip
+        raise LaunchError(
+            f"world size {world} ({shape}) is smaller than the recipe's layout {what} = {needed} ranks; "
+            f"{_fix(needed, nodes, per_node, per_node_name)}"
+        )
     if world % needed:
-        raise LaunchError(f"world size {world} ({shape}) is not divisible by {what} = {needed}; "
-                          f"{_fix(needed, nodes, per_node, per_node_name)}")  # fmt: skip
+        raise LaunchError(
+            f"world size {world} ({shape}) is not divisible by {what} = {needed}; "
+            f"{_fix(needed, nodes, per_node, per_node_name)}"
+        )
     if gpu and layout.tensor_parallel > per_node:
-        raise LaunchError(f"tensor_parallel={layout.tensor_parallel} is larger than {per_node_name}={per_node}: "
-                          "tensor parallelism all-reduces in every layer and must stay inside one node's NVLink "
-                          f"domain; use tensor_parallel<={per_node} and spread across nodes with pipeline_parallel")  # fmt: skip
+        raise LaunchError(
+            f"tensor_parallel={layout.tensor_parallel} is larger than {per_node_name}={per_node}: "
+            "tensor parallelism all-reduces in every layer and must stay inside one node's NVLink "
+            f"domain; use tensor_parallel<={per_node} and spread across nodes with pipeline_parallel"
+        )
 
 
-def check_recipe_gpus(recipe: str, sized_for: int | None, *, nodes: int, per_node: int, layout_overridden: bool) -> None:
+def check_recipe_gpus(
+    recipe: str, sized_for: int | None, *, nodes: int, per_node: int, layout_overridden: bool
+) -> None:
     """Fail when a GPU world is smaller than the recipe was sized for (its registered `gpus`), unless the
     user changed the layout (then memory per GPU is theirs to judge)."""
     world = nodes * per_node
     if not sized_for or layout_overridden or world >= sized_for:
         return
     fix = -(-sized_for // per_node)
-    raise LaunchError(f"recipe {recipe} is sized for {sized_for} GPUs but the executor has {world} "
-                      f"(nodes={nodes} x gpus_per_node={per_node}); use nodes={fix}, or override the layout "
-                      "(tensor_parallel=..., pipeline_parallel=...) if a smaller run fits in memory")  # fmt: skip
+    raise LaunchError(
+        f"recipe {recipe} is sized for {sized_for} GPUs but the executor has {world} "
+        f"(nodes={nodes} x gpus_per_node={per_node}); use nodes={fix}, or override the layout "
+        "(tensor_parallel=..., pipeline_parallel=...) if a smaller run fits in memory"
+    )
 
 
 def _fix(needed: int, nodes: int, per_node: int, per_node_name: str) -> str:
@@ -97,16 +111,19 @@ def check_required(kind: str, factory: Callable[..., Any], settings: dict[str, A
     missing = missing_required(factory, settings)
     if missing:
         flags = " ".join(f"run.executor.{name}=..." for name in missing)
-        raise LaunchError(f"the {kind} executor needs {', '.join(missing)}: set them in the site file "
-                          f"(--executor-config site.yaml, section {kind}:) or pass {flags}")  # fmt: skip
+        raise LaunchError(
+            f"the {kind} executor needs {', '.join(missing)}: set them in the site file "
+            f"(--executor-config site.yaml, section {kind}:) or pass {flags}"
+        )
 
 
 def check_accepted(kind: str, accepted: set[str], settings: dict[str, Any]) -> None:
     """Fail on a setting the `kind` executor does not have (a typo would otherwise be ignored)."""
     unknown = sorted(set(settings) - accepted)
     if unknown:
-        raise LaunchError(f"the {kind} executor has no setting {', '.join(unknown)}; it takes: "
-                          f"{', '.join(sorted(accepted))}")  # fmt: skip
+        raise LaunchError(
+            f"the {kind} executor has no setting {', '.join(unknown)}; it takes: {', '.join(sorted(accepted))}"
+        )
 
 
 def check_mounts(mounts: Sequence[str]) -> None:
@@ -116,12 +133,16 @@ def check_mounts(mounts: Sequence[str]) -> None:
         if not src.startswith("/"):
             raise LaunchError(f"mount {mount!r}: the source must be an absolute path (src:dst)")
         if not os.access(src, os.R_OK):
-            raise LaunchError(f"mount {mount!r}: {src} does not exist or is not readable here; fix the path in "
-                              "mounts=[...] (or the site file), or dry-run on a host that sees the cluster's filesystem")  # fmt: skip
+            raise LaunchError(
+                f"mount {mount!r}: {src} does not exist or is not readable here; fix the path in "
+                "mounts=[...] (or the site file), or dry-run on a host that sees the cluster's filesystem"
+            )
 
 
 def check_ssh_job_dir(settings: dict[str, Any]) -> None:
     """Fail when a Slurm launch over SSH has no experiments folder on the cluster."""
     if settings.get("host") and not settings.get("job_dir"):
-        raise LaunchError(f"slurm over SSH (host={settings['host']}) needs job_dir: the experiments folder on the "
-                          "cluster's shared filesystem, e.g. run.executor.job_dir=/lustre/$USER/qvl")  # fmt: skip
+        raise LaunchError(
+            f"slurm over SSH (host={settings['host']}) needs job_dir: the experiments folder on the "
+            "cluster's shared filesystem, e.g. run.executor.job_dir=/lustre/$USER/qvl"
+        )

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qvl.launchers.runtime import import_megatron_bridge
+from qvl.foundation.megatron import import_megatron_bridge
 from qvl.recipes.architectures import Architecture, load_hf_config
 from qvl.recipes.options import FREEZABLE, PRECISIONS, RecipeOptions
 from qvl.recipes.split import Workload, balanced_split, counts, parse_split, split_from_counts, stage_costs
@@ -51,7 +51,7 @@ class QvlPackedDatasetConfig(DatasetProvider):
     micro_batch_size: int = 1
     dataloader_type: str | None = "external"  # energon yields batches itself
     num_workers: int = 2
-    # Online vision balancing in qvl's forward step (qvl.recipes.step); it lives here because the dataset section
+    # Online vision balancing in qvl's forward step (qvl.recipes.training.step); it lives here because the dataset section
     # is qvl's own, so the step sees it at train time and it survives run_config.yaml.
     vision_balance: bool = False
 
@@ -61,16 +61,19 @@ class QvlPackedDatasetConfig(DatasetProvider):
         if self.path is None:
             raise ValueError("no dataset: pass data=DIR, a directory written by `qvl data prepare`")
         if not (Path(self.path) / ".nv-meta").is_dir():
-            raise ValueError(f"data={self.path} is not a qvl packed dataset (no .nv-meta/); "
-                             "write one with `qvl data prepare`")  # fmt: skip
+            raise ValueError(
+                f"data={self.path} is not a qvl packed dataset (no .nv-meta/); write one with `qvl data prepare`"
+            )
 
     def build_datasets(self, context: DatasetBuildContext) -> tuple[Any, Any, Any]:
         """Train/valid/test loaders, built by qvl.data.load (wired by the training loop)."""
         try:
             from qvl.data.load import build_packed_datasets
         except ImportError as err:
-            raise RuntimeError("qvl.data.load.build_packed_datasets(config, context) is not available in "
-                               "this version; train through `qvl train`, which wires the packed loader") from err
+            raise RuntimeError(
+                "qvl.data.load.build_packed_datasets(config, context) is not available in "
+                "this version; train through `qvl train`, which wires the packed loader"
+            ) from err
         return build_packed_datasets(self, context)
 
 
@@ -81,39 +84,79 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
     model = build_model(arch, o)
     return ConfigContainer(
         model=model,
-        train=TrainingConfig(train_iters=o.train_iters, global_batch_size=o.global_batch_size,
-                             micro_batch_size=o.micro_batch_size, manual_gc=True, manual_gc_interval=100),
+        train=TrainingConfig(
+            train_iters=o.train_iters,
+            global_batch_size=o.global_batch_size,
+            micro_batch_size=o.micro_batch_size,
+            manual_gc=True,
+            manual_gc_interval=100,
+        ),
         validation=ValidationConfig(eval_interval=o.save_interval, eval_iters=8),
-        optimizer=optimizer, scheduler=scheduler,
+        optimizer=optimizer,
+        scheduler=scheduler,
         # Per-token loss over packs with varying numbers of learned tokens; no collective averaging then.
-        ddp=DistributedDataParallelConfig(check_for_nan_in_grad=True, grad_reduce_in_fp32=True,
-                                          use_distributed_optimizer=True, average_in_collective=False),
-        dataset=QvlPackedDatasetConfig(path=o.data, hf_path=o.hf_path, family=arch.family, seq_length=o.seq_length,
-                                       micro_batch_size=o.micro_batch_size, vision_balance=o.vision_balance),
-        logger=LoggerConfig(log_interval=o.log_interval, tensorboard_dir=o.tensorboard_dir,
-                            wandb_project=o.wandb_project, wandb_exp_name=Path(o.checkpoint_dir).parent.name),
+        ddp=DistributedDataParallelConfig(
+            check_for_nan_in_grad=True,
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=True,
+            average_in_collective=False,
+        ),
+        dataset=QvlPackedDatasetConfig(
+            path=o.data,
+            hf_path=o.hf_path,
+            family=arch.family,
+            seq_length=o.seq_length,
+            micro_batch_size=o.micro_batch_size,
+            vision_balance=o.vision_balance,
+        ),
+        logger=LoggerConfig(
+            log_interval=o.log_interval,
+            tensorboard_dir=o.tensorboard_dir,
+            wandb_project=o.wandb_project,
+            wandb_exp_name=Path(o.checkpoint_dir).parent.name,
+        ),
         # Tokenization happens offline in `qvl data prepare`; the model only needs the vocabulary size.
         # (the vocabulary of the checkpoint actually used: hf_path may be a local or tiny model)
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=model.vocab_size),
-        checkpoint=CheckpointConfig(save=o.checkpoint_dir, load=o.checkpoint_dir, save_interval=o.save_interval,
-                                    pretrained_checkpoint=o.pretrained_checkpoint, ckpt_format="torch_dist"),
+        checkpoint=CheckpointConfig(
+            save=o.checkpoint_dir,
+            load=o.checkpoint_dir,
+            save_interval=o.save_interval,
+            pretrained_checkpoint=o.pretrained_checkpoint,
+            ckpt_format="torch_dist",
+        ),
         rng=RNGConfig(seed=o.seed),
         mixed_precision=PRECISIONS[o.precision],
         peft=LoRA(target_modules=list(LORA_TARGETS), dim=o.lora_rank, alpha=o.lora_alpha) if stage == "peft" else None,
-    )  # fmt: skip
+    )
 
 
 def build_optimizer(o: RecipeOptions) -> tuple[OptimizerConfig, SchedulerConfig]:
     """Distributed Adam and its LR schedule (Megatron-Bridge's recipe defaults; its `recipes` package is not
     imported because it pulls in every model family's optional dependencies, e.g. diffusers)."""
-    optimizer = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                                bf16=o.precision != "fp32", adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                                use_distributed_optimizer=True, clip_grad=1.0)  # fmt: skip
+    optimizer = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        bf16=o.precision != "fp32",
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        use_distributed_optimizer=True,
+        clip_grad=1.0,
+    )
     _offload(optimizer, o.optimizer_offload)
-    scheduler = SchedulerConfig(start_weight_decay=o.weight_decay, end_weight_decay=o.weight_decay,
-                                weight_decay_incr_style="constant", lr_decay_style=o.lr_decay_style,
-                                lr_warmup_iters=o.warmup_iters, lr_warmup_init=0.0, lr_decay_iters=o.train_iters,
-                                override_opt_param_scheduler=True)  # fmt: skip
+    scheduler = SchedulerConfig(
+        start_weight_decay=o.weight_decay,
+        end_weight_decay=o.weight_decay,
+        weight_decay_incr_style="constant",
+        lr_decay_style=o.lr_decay_style,
+        lr_warmup_iters=o.warmup_iters,
+        lr_warmup_init=0.0,
+        lr_decay_iters=o.train_iters,
+        override_opt_param_scheduler=True,
+    )
     return optimizer, scheduler
 
 
@@ -148,8 +191,10 @@ def _check_divisible(model: Any, o: RecipeOptions) -> None:
     heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
     if heads % o.tensor_parallel or groups % o.tensor_parallel:
         ok = [t for t in (1, 2, 4, 8, 16) if heads % t == 0 and groups % t == 0]
-        raise ValueError(f"tensor_parallel={o.tensor_parallel} does not divide {heads} attention heads and "
-                         f"{groups} KV groups; use {', '.join(map(str, ok))}")  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel={o.tensor_parallel} does not divide {heads} attention heads and "
+            f"{groups} KV groups; use {', '.join(map(str, ok))}"
+        )
     experts = getattr(model, "num_moe_experts", None)
     if o.expert_parallel > 1 and (not experts or experts % o.expert_parallel):
         raise ValueError(f"expert_parallel={o.expert_parallel} needs a MoE model whose experts ({experts}) it divides")
@@ -163,8 +208,10 @@ def _check_vision_balance(model: Any, arch: Architecture, o: RecipeOptions) -> N
     # The balanced step computes inputs_embeds itself and hands them to Qwen25VLModel.forward (Qwen2-VL's too);
     # Qwen3-VL's Megatron tower also feeds deepstack features into the decoder, which that path does not carry.
     if o.vision_balance and not isinstance(model, Qwen25VLModelProvider):
-        raise ValueError(f"vision_balance=True is not supported for {arch.family} yet (its Megatron vision tower's "
-                         "deepstack features have no balanced path); drop vision_balance")  # fmt: skip
+        raise ValueError(
+            f"vision_balance=True is not supported for {arch.family} yet (its Megatron vision tower's "
+            "deepstack features have no balanced path); drop vision_balance"
+        )
 
 
 def _apply_recompute(model: Any, o: RecipeOptions) -> None:
@@ -207,8 +254,12 @@ def _offload(optimizer: Any, fraction: float) -> None:
 
 def split_of(model: Any) -> list[int]:
     """Per-stage LM layer counts of a configured provider."""
-    return counts(model.num_layers, model.pipeline_model_parallel_size,
-                  model.num_layers_in_first_pipeline_stage, model.num_layers_in_last_pipeline_stage)  # fmt: skip
+    return counts(
+        model.num_layers,
+        model.pipeline_model_parallel_size,
+        model.num_layers_in_first_pipeline_stage,
+        model.num_layers_in_last_pipeline_stage,
+    )
 
 
 __all__ = ["ConfigContainer", "QvlPackedDatasetConfig", "build_config", "build_model", "split_of", "split_from_counts"]
@@ -217,17 +268,25 @@ __all__ = ["ConfigContainer", "QvlPackedDatasetConfig", "build_config", "build_m
 # Non-layout defaults per (size, stage) for the 72B dense models (Qwen2-VL, Qwen2.5-VL): full recompute,
 # since activations (4 packs in flight on stage 0, each with its images' replicated HF vision activations)
 # would not fit otherwise.
-DENSE_72B_SETTINGS: dict[tuple[str, str], dict] = {("72b", "pretrain"): dict(recompute="full"),
-                                                   ("72b", "sft"): dict(recompute="full")}  # fmt: skip
+DENSE_72B_SETTINGS: dict[tuple[str, str], dict] = {
+    ("72b", "pretrain"): dict(recompute="full"),
+    ("72b", "sft"): dict(recompute="full"),
+}
 
 
-def family_recipe(*, arch: Architecture, stage: str, layout: dict[str, int], settings: dict,
-                  overrides: dict) -> ConfigContainer:  # fmt: skip
+def family_recipe(
+    *, arch: Architecture, stage: str, layout: dict[str, int], settings: dict, overrides: dict
+) -> ConfigContainer:
     """What every family's base recipe does: stage defaults, the size's layout and settings, the caller's overrides."""
     from qvl.recipes.options import STAGE_DEFAULTS, make_options
 
     run = f"{arch.family}-{arch.size}-{stage}"
-    defaults = {**STAGE_DEFAULTS[stage], **{k: v for k, v in layout.items() if k != "gpus"}, **settings,
-                "hf_path": arch.hub_id,
-                "checkpoint_dir": f"experiments/{run}/checkpoints", "tensorboard_dir": f"experiments/{run}/tensorboard"}
+    defaults = {
+        **STAGE_DEFAULTS[stage],
+        **{k: v for k, v in layout.items() if k != "gpus"},
+        **settings,
+        "hf_path": arch.hub_id,
+        "checkpoint_dir": f"experiments/{run}/checkpoints",
+        "tensorboard_dir": f"experiments/{run}/tensorboard",
+    }
     return build_config(arch=arch, stage=stage, options=make_options(defaults, overrides))

@@ -14,8 +14,11 @@ PRECISIONS = {
     "fp32": None,
 }
 RECOMPUTE = ("none", "selective", "full")
-FREEZABLE = {"vision": "freeze_vision_model", "projector": "freeze_vision_projection",
-             "language": "freeze_language_model"}  # fmt: skip
+FREEZABLE = {
+    "vision": "freeze_vision_model",
+    "projector": "freeze_vision_projection",
+    "language": "freeze_language_model",
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,22 +70,37 @@ class RecipeOptions:
         for part in self.freeze:
             _one_of("freeze", part, FREEZABLE)
         if not 0.0 <= self.optimizer_offload <= 1.0:
-            raise ValueError(f"optimizer_offload={self.optimizer_offload} is a fraction; use a value in [0, 1], "
-                             "e.g. optimizer_offload=0.6")  # fmt: skip
-        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel",
-                     "micro_batch_size", "global_batch_size", "seq_length"):  # fmt: skip
+            raise ValueError(
+                f"optimizer_offload={self.optimizer_offload} is a fraction; use a value in [0, 1], "
+                "e.g. optimizer_offload=0.6"
+            )
+        for name in (
+            "tensor_parallel",
+            "pipeline_parallel",
+            "context_parallel",
+            "expert_parallel",
+            "micro_batch_size",
+            "global_batch_size",
+            "seq_length",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.virtual_pipeline is not None and self.pipeline_parallel < 2:
-            raise ValueError(f"virtual_pipeline={self.virtual_pipeline} needs pipeline_parallel >= 2 "
-                             f"(got {self.pipeline_parallel}); drop virtual_pipeline or raise it")  # fmt: skip
+            raise ValueError(
+                f"virtual_pipeline={self.virtual_pipeline} needs pipeline_parallel >= 2 "
+                f"(got {self.pipeline_parallel}); drop virtual_pipeline or raise it"
+            )
         if self.vision_balance and self.context_parallel > 1:
-            raise ValueError(f"vision_balance=True needs context_parallel=1 (got {self.context_parallel}): "
-                             "images move over the data-parallel group, and context-parallel ranks (which split one "
-                             "sequence) are not wired in; set context_parallel=1 or drop vision_balance")  # fmt: skip
+            raise ValueError(
+                f"vision_balance=True needs context_parallel=1 (got {self.context_parallel}): "
+                "images move over the data-parallel group, and context-parallel ranks (which split one "
+                "sequence) are not wired in; set context_parallel=1 or drop vision_balance"
+            )
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size="
-                             f"{self.micro_batch_size}")  # fmt: skip
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size="
+                f"{self.micro_batch_size}"
+            )
 
 
 def _one_of(name: str, value: str, allowed) -> None:

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qvl.data.cost import LMShape, VisionShape, lm_flops, shapes_from_hf_config, vision_flops
+from qvl.data.cost import LMShape, VisionShape, shapes_from_hf_config
 from qvl.recipes.split import Workload, counts, split_from_counts, stage_costs
 
 GIB = 1024**3
@@ -43,13 +43,31 @@ class GPU:
 
 
 GPUS = {
-    "h100": GPU(name="H100 SXM 80GB", memory_gib=79.6, bf16_flops=989e12, fp8_flops=1979e12,
-                intra_node_bw=450e9, inter_node_bw=50e9),
-    "h200": GPU(name="H200 SXM 141GB", memory_gib=139.8, bf16_flops=989e12, fp8_flops=1979e12,
-                intra_node_bw=450e9, inter_node_bw=50e9),
-    "a100": GPU(name="A100 SXM 80GB", memory_gib=79.2, bf16_flops=312e12, fp8_flops=None,
-                intra_node_bw=300e9, inter_node_bw=25e9),
-}  # fmt: skip
+    "h100": GPU(
+        name="H100 SXM 80GB",
+        memory_gib=79.6,
+        bf16_flops=989e12,
+        fp8_flops=1979e12,
+        intra_node_bw=450e9,
+        inter_node_bw=50e9,
+    ),
+    "h200": GPU(
+        name="H200 SXM 141GB",
+        memory_gib=139.8,
+        bf16_flops=989e12,
+        fp8_flops=1979e12,
+        intra_node_bw=450e9,
+        inter_node_bw=50e9,
+    ),
+    "a100": GPU(
+        name="A100 SXM 80GB",
+        memory_gib=79.2,
+        bf16_flops=312e12,
+        fp8_flops=None,
+        intra_node_bw=300e9,
+        inter_node_bw=25e9,
+    ),
+}
 OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: what a real run adds on top
 # Share of peak a Megatron step's compute reaches: large GEMMs ~0.7, less for norms, attention kernels, the ViT.
 GEMM_EFFICIENCY = 0.5
@@ -103,14 +121,24 @@ class Plan:
 def model_shapes(model: Any) -> tuple[LMShape, VisionShape]:
     """qvl.data.cost shapes of a Megatron-Bridge Qwen-VL provider (its LM fields, its HF vision_config)."""
     vision = model.vision_config
-    text = dict(hidden_size=model.hidden_size, num_hidden_layers=model.num_layers, vocab_size=model.vocab_size,
-                num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_query_groups,
-                intermediate_size=model.ffn_hidden_size, head_dim=model.kv_channels)  # fmt: skip
+    text = dict(
+        hidden_size=model.hidden_size,
+        num_hidden_layers=model.num_layers,
+        vocab_size=model.vocab_size,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups,
+        intermediate_size=model.ffn_hidden_size,
+        head_dim=model.kv_channels,
+    )
     if getattr(model, "num_moe_experts", None):
-        text.update(num_experts=model.num_moe_experts, num_experts_per_tok=model.moe_router_topk,
-                    moe_intermediate_size=model.moe_ffn_hidden_size)  # fmt: skip
-    return shapes_from_hf_config({"model_type": vision.model_type, "text_config": text,
-                                  "vision_config": vision.to_dict()})  # fmt: skip
+        text.update(
+            num_experts=model.num_moe_experts,
+            num_experts_per_tok=model.moe_router_topk,
+            moe_intermediate_size=model.moe_ffn_hidden_size,
+        )
+    return shapes_from_hf_config(
+        {"model_type": vision.model_type, "text_config": text, "vision_config": vision.to_dict()}
+    )
 
 
 def vision_is_megatron(model: Any) -> bool:
@@ -165,8 +193,13 @@ def lm_param_counts(model: Any) -> dict[str, int]:
     vocab = _padded_vocab(model)
     dense, expert = lm_layer_params(model)
     tied = model.share_embeddings_and_output_weights
-    return dict(embedding=vocab * model.hidden_size, output=0 if tied else vocab * model.hidden_size,
-                final_norm=model.hidden_size, dense=dense * model.num_layers, experts=expert * model.num_layers)
+    return dict(
+        embedding=vocab * model.hidden_size,
+        output=0 if tied else vocab * model.hidden_size,
+        final_norm=model.hidden_size,
+        dense=dense * model.num_layers,
+        experts=expert * model.num_layers,
+    )
 
 
 def lora_params_per_layer(model: Any, rank: int) -> int:
@@ -188,8 +221,9 @@ def _bytes_per_param(cfg: Any) -> tuple[int, int, int]:
     return (2, 4, 12) if bf16 else (4, 4, 8)  # fp32 runs have no separate master copy
 
 
-def layer_activation_bytes(model: Any, lm: LMShape, tokens: float, *, recompute: str | None,
-                           modules: list[str]) -> float:  # fmt: skip
+def layer_activation_bytes(
+    model: Any, lm: LMShape, tokens: float, *, recompute: str | None, modules: list[str]
+) -> float:
     """Bytes one LM layer keeps for backward over `tokens` tokens of one micro-batch (bf16, flash attention)."""
     tp = model.tensor_model_parallel_size
     sp = tp if model.sequence_parallel else 1
@@ -265,16 +299,22 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
     tp, pp, cp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size, model.context_parallel_size
     ep = model.expert_model_parallel_size
     etp = getattr(model, "expert_tensor_parallel_size", None) or tp
-    layout = dict(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep,
-                  virtual_pipeline=model.virtual_pipeline_model_parallel_size or 1)  # fmt: skip
+    layout = dict(
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        context_parallel=cp,
+        expert_parallel=ep,
+        virtual_pipeline=model.virtual_pipeline_model_parallel_size or 1,
+    )
     problems = _divisibility(cfg, gpus, hw)
     dp = max(gpus // (tp * pp * cp), 1)
     edp = max(gpus // (etp * ep * pp), 1)
     layout["data_parallel"] = dp
     workload = replace(workload or Workload(seq_length=model.seq_length), seq_length=model.seq_length)
     lm, vision = model_shapes(model)
-    layers = counts(model.num_layers, pp, model.num_layers_in_first_pipeline_stage,
-                    model.num_layers_in_last_pipeline_stage)  # fmt: skip
+    layers = counts(
+        model.num_layers, pp, model.num_layers_in_first_pipeline_stage, model.num_layers_in_last_pipeline_stage
+    )
     mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
     microbatches = max(gbs // (mbs * dp), 1)
     weight_b, grad_b, optim_b = _bytes_per_param(cfg)
@@ -302,17 +342,29 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
     usable = hw.memory_gib * GIB
     worst = max(range(pp), key=lambda s: stages[s].total)
     if stages[worst].total > usable:
-        problems.append(f"does not fit: pipeline stage {worst} needs {stages[worst].total / GIB:.1f} GiB per GPU, "
-                        f"the {hw.name} has {hw.memory_gib:.1f} GiB")  # fmt: skip
+        problems.append(
+            f"does not fit: pipeline stage {worst} needs {stages[worst].total / GIB:.1f} GiB per GPU, "
+            f"the {hw.name} has {hw.memory_gib:.1f} GiB"
+        )
     costs = stage_costs(lm, vision, workload)
     fwd = [c * mbs for c in split_from_counts(layers, costs).costs]
     total_params = sum(lm_param_counts(model).values()) + vision_param_count(model)
     trainable_total = _trainable_total(model, cfg, total_params)
     model_flops = 3 * sum(fwd) * gbs / mbs
     step, mfu = _step_time(cfg, hw, fwd, microbatches, dp, tokens, lm, model_flops, gpus, trainable_total, layers)
-    return Plan(gpus=gpus, gpu=hw, layout=layout, stages=stages, stage_flops=fwd, params_total=total_params,
-                params_trainable=trainable_total, model_flops_per_step=model_flops, step_time_s=step, mfu=mfu,
-                problems=problems)  # fmt: skip
+    return Plan(
+        gpus=gpus,
+        gpu=hw,
+        layout=layout,
+        stages=stages,
+        stage_flops=fwd,
+        params_total=total_params,
+        params_trainable=trainable_total,
+        model_flops_per_step=model_flops,
+        step_time_s=step,
+        mfu=mfu,
+        problems=problems,
+    )
 
 
 def _trainable_total(model: Any, cfg: Any, total: int) -> int:
@@ -331,21 +383,28 @@ def _divisibility(cfg: Any, gpus: int, hw: GPU) -> list[str]:
     etp = getattr(model, "expert_tensor_parallel_size", None) or tp
     if gpus % (tp * pp * cp):
         fit = [g for g in range(tp * pp * cp, 4 * gpus + 1, tp * pp * cp)][:4]
-        problems.append(f"--gpus {gpus} is not a multiple of tensor x pipeline x context parallel = {tp * pp * cp}; "
-                        f"use --gpus {', '.join(map(str, fit))}")  # fmt: skip
+        problems.append(
+            f"--gpus {gpus} is not a multiple of tensor x pipeline x context parallel = {tp * pp * cp}; "
+            f"use --gpus {', '.join(map(str, fit))}"
+        )
     elif gpus % (etp * ep * pp):
-        problems.append(f"--gpus {gpus} is not a multiple of expert_parallel x expert tensor x pipeline = "
-                        f"{etp * ep * pp}; change expert_parallel or --gpus")  # fmt: skip
+        problems.append(
+            f"--gpus {gpus} is not a multiple of expert_parallel x expert tensor x pipeline = "
+            f"{etp * ep * pp}; change expert_parallel or --gpus"
+        )
     else:
         dp = gpus // (tp * pp * cp)
         mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
         if gbs % (mbs * dp):
             good = (gbs // (mbs * dp) or 1) * mbs * dp
-            problems.append(f"global_batch_size={gbs} is not a multiple of micro_batch_size x data_parallel = "
-                            f"{mbs * dp}; use global_batch_size={good}")  # fmt: skip
+            problems.append(
+                f"global_batch_size={gbs} is not a multiple of micro_batch_size x data_parallel = "
+                f"{mbs * dp}; use global_batch_size={good}"
+            )
     if cfg.mixed_precision and "fp8" in str(cfg.mixed_precision) and hw.fp8_flops is None:
-        problems.append(f"precision {cfg.mixed_precision} needs FP8 tensor cores; the {hw.name} has none: "
-                        "use precision=bf16-mixed")  # fmt: skip
+        problems.append(
+            f"precision {cfg.mixed_precision} needs FP8 tensor cores; the {hw.name} has none: use precision=bf16-mixed"
+        )
     return problems
 
 
@@ -378,8 +437,9 @@ def _step_time(cfg, hw, fwd, microbatches, dp, tokens, lm, model_flops, gpus, tr
 # --- recipes: plan, and say what would fit --------------------------------------------------------------------
 
 
-def plan_recipe(name: str, overrides: dict, *, gpus: int, gpu: str = "h100", workload: Workload | None = None,
-                suggest: bool = True) -> Plan:
+def plan_recipe(
+    name: str, overrides: dict, *, gpus: int, gpu: str = "h100", workload: Workload | None = None, suggest: bool = True
+) -> Plan:
     """Plan the registered recipe `name` with `overrides`; when it does not fit, list overrides that do."""
     from qvl.recipes.registry import get_recipe
 
@@ -392,10 +452,14 @@ def plan_recipe(name: str, overrides: dict, *, gpus: int, gpu: str = "h100", wor
 
 def _candidates(plan: Plan, overrides: dict) -> list[tuple[str, dict]]:
     tp, pp = plan.layout["tensor_parallel"], plan.layout["pipeline_parallel"]
-    out = [("recompute=selective", {"recompute": "selective", "recompute_modules": "core_attn,mlp"}),
-           ("recompute=full", {"recompute": "full"})]
-    out += [(f"optimizer_offload={f:.1f} (offload {f:.0%} of optimizer state)", {"optimizer_offload": f})
-            for f in (0.2, 0.4, 0.6, 0.8, 1.0)]
+    out = [
+        ("recompute=selective", {"recompute": "selective", "recompute_modules": "core_attn,mlp"}),
+        ("recompute=full", {"recompute": "full"}),
+    ]
+    out += [
+        (f"optimizer_offload={f:.1f} (offload {f:.0%} of optimizer state)", {"optimizer_offload": f})
+        for f in (0.2, 0.4, 0.6, 0.8, 1.0)
+    ]
     out += [(f"tensor_parallel={tp * k}", {"tensor_parallel": tp * k}) for k in (2, 4)]
     out += [(f"pipeline_parallel={pp * k}", {"pipeline_parallel": pp * k}) for k in (2, 4)]
     out += [("recompute=full optimizer_offload=0.5", {"recompute": "full", "optimizer_offload": 0.5})]

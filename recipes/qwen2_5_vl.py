@@ -23,14 +23,19 @@ LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
     ("72b", "pretrain"): dict(tensor_parallel=8, pipeline_parallel=4, gpus=64),
     ("72b", "sft"): dict(tensor_parallel=8, pipeline_parallel=4, gpus=64),
     ("72b", "peft"): dict(tensor_parallel=8, gpus=8),
-}  # fmt: skip
+}
 SETTINGS = DENSE_72B_SETTINGS
 
 
 def qwen25_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
     """Base recipe: Qwen2.5-VL at `size` trained at `stage`, with the size's default layout under `overrides`."""
-    return family_recipe(arch=get_architecture(FAMILY, size), stage=stage, layout=LAYOUTS[size, stage],
-                         settings=SETTINGS.get((size, stage), {}), overrides=overrides)  # fmt: skip
+    return family_recipe(
+        arch=get_architecture(FAMILY, size),
+        stage=stage,
+        layout=LAYOUTS[size, stage],
+        settings=SETTINGS.get((size, stage), {}),
+        overrides=overrides,
+    )
 
 
 @recipe(family=FAMILY, size="3b", stage="pretrain", **LAYOUTS["3b", "pretrain"])

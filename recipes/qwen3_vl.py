@@ -29,14 +29,19 @@ LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
     ("235b-a22b", "pretrain"): dict(tensor_parallel=4, pipeline_parallel=8, expert_parallel=8, gpus=256),
     ("235b-a22b", "sft"): dict(tensor_parallel=4, pipeline_parallel=8, expert_parallel=8, gpus=256),
     ("235b-a22b", "peft"): dict(tensor_parallel=4, pipeline_parallel=2, expert_parallel=8, gpus=64),
-}  # fmt: skip
+}
 SETTINGS: dict[tuple[str, str], dict] = {}  # non-layout defaults per (size, stage); none needed yet
 
 
 def qwen3_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
     """Base recipe: Qwen3-VL at `size` trained at `stage`, with the size's default layout under `overrides`."""
-    return family_recipe(arch=get_architecture(FAMILY, size), stage=stage, layout=LAYOUTS[size, stage],
-                         settings=SETTINGS.get((size, stage), {}), overrides=overrides)  # fmt: skip
+    return family_recipe(
+        arch=get_architecture(FAMILY, size),
+        stage=stage,
+        layout=LAYOUTS[size, stage],
+        settings=SETTINGS.get((size, stage), {}),
+        overrides=overrides,
+    )
 
 
 @recipe(family=FAMILY, size="2b", stage="pretrain", **LAYOUTS["2b", "pretrain"])

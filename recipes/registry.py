@@ -8,8 +8,9 @@ modules on first lookup, so `qvl recipes` sees them all without importing Megatr
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # Modules that define recipes; imported lazily by `all_recipes()`.
 RECIPE_MODULES: tuple[str, ...] = ("qvl.recipes.qwen2_vl", "qvl.recipes.qwen2_5_vl", "qvl.recipes.qwen3_vl")
@@ -43,8 +44,9 @@ def recipe(*, family: str, size: str, stage: str, name: str | None = None, **lay
         if key in _RECIPES and _RECIPES[key].fn is not fn:
             raise ValueError(f"recipe {key!r} is registered twice ({_RECIPES[key].fn.__module__} and {fn.__module__})")
         doc = (fn.__doc__ or "").strip().splitlines()
-        _RECIPES[key] = RecipeInfo(name=key, family=family, size=size, stage=stage, fn=fn, layout=dict(layout),
-                                   summary=doc[0] if doc else "")  # fmt: skip
+        _RECIPES[key] = RecipeInfo(
+            name=key, family=family, size=size, stage=stage, fn=fn, layout=dict(layout), summary=doc[0] if doc else ""
+        )
         return fn
 
     return decorate

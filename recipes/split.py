@@ -120,9 +120,11 @@ def balanced_split(num_layers: int, pp: int, vpp: int | None, costs: StageCosts)
             if best is None or key < best[:2]:
                 best = (*key, split)
     if best is None:
-        raise ValueError(f"no pipeline split of {num_layers} layers fits pipeline_parallel={pp}"
-                         f"{f', virtual_pipeline={vpp}' if vpp else ''}; use a pipeline_parallel whose stages "
-                         f"get at least {vpp or 1} layer(s) each")  # fmt: skip
+        raise ValueError(
+            f"no pipeline split of {num_layers} layers fits pipeline_parallel={pp}"
+            f"{f', virtual_pipeline={vpp}' if vpp else ''}; use a pipeline_parallel whose stages "
+            f"get at least {vpp or 1} layer(s) each"
+        )
     return best[2]
 
 
@@ -130,8 +132,10 @@ def parse_split(text: str, num_layers: int, pp: int, vpp: int | None) -> tuple[i
     """`pipeline_split` = "FIRST,LAST" -> (first, last), checked; "uniform" -> None."""
     if text == "uniform":
         if num_layers % (pp * (vpp or 1)):
-            raise ValueError(f"pipeline_split=uniform: {num_layers} layers do not divide into {pp} stages"
-                             f"{f' x {vpp} virtual' if vpp else ''}; use pipeline_split=auto")  # fmt: skip
+            raise ValueError(
+                f"pipeline_split=uniform: {num_layers} layers do not divide into {pp} stages"
+                f"{f' x {vpp} virtual' if vpp else ''}; use pipeline_split=auto"
+            )
         return None
     try:
         first, last = (int(x) for x in text.split(","))

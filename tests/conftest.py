@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cpu_runtime():
     """The CPU runtime switched on for one test and off afterwards (forced on, so it runs on GPU hosts too)."""
-    from qvl.launchers import runtime
+    from qvl.foundation import runtime
 
     runtime.activate(force=True)
     yield runtime

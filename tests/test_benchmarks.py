@@ -31,8 +31,11 @@ def fake_benchmarks(monkeypatch):
     """Two benchmarks the runner imports by name: one that meets its goal, one that raises."""
 
     def good(out_dir, quick=False):
-        results = {"quick": quick, "throughput": 3.0, "checks": [{"figure": "throughput", "value": 3.0, "goal": ">= 2",
-                                                                   "met": True}]}  # fmt: skip
+        results = {
+            "quick": quick,
+            "throughput": 3.0,
+            "checks": [{"figure": "throughput", "value": 3.0, "goal": ">= 2", "met": True}],
+        }
         (out_dir / "bench_fake_good.json").write_text(json.dumps(results))
         return results
 

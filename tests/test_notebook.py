@@ -42,8 +42,9 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch, this_interpreters_kerne
     monkeypatch.setenv("QVL_NOTEBOOK_DIR", str(work))
     nb = nbformat.read(NOTEBOOK, as_version=4)
 
-    client = NotebookClient(nb, timeout=600, kernel_name=this_interpreters_kernel,
-                            resources={"metadata": {"path": str(tmp_path)}})  # fmt: skip
+    client = NotebookClient(
+        nb, timeout=600, kernel_name=this_interpreters_kernel, resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()  # raises CellExecutionError with the failing cell's traceback
     assert sorted(p.name for p in tmp_path.iterdir()) == ["jupyter", "work"], "the notebook wrote outside $WORK"
 

@@ -16,8 +16,10 @@ def import_all(hf_dirs: dict[str, str], out_root: str) -> None:
 
 def verify_all(hf_dirs: dict[str, str], out_root: str) -> dict[str, dict | None]:
     """On each rank: load every family's checkpoint at the current TP/PP layout and verify it; reports by family."""
-    return {family: convert.verify_on_rank(hf_dir, str(Path(out_root) / family), tolerance=None, video=True)
-            for family, hf_dir in hf_dirs.items()}  # fmt: skip
+    return {
+        family: convert.verify_on_rank(hf_dir, str(Path(out_root) / family), tolerance=None, video=True)
+        for family, hf_dir in hf_dirs.items()
+    }
 
 
 def import_materialised(hf_dir: str, out_dir: str, dtype: str) -> None:

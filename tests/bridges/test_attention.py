@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+from qvl.foundation import distributed
+
 
 def naive_attention(q, k, v, causal: bool) -> torch.Tensor:
     """[s, h, d] inputs (k/v may have fewer heads) -> [s, h*d] by explicit softmax."""
@@ -28,16 +30,22 @@ def attention_factory(cpu_runtime):
 
     from qvl.bridges.attention import SDPAttention
 
-    cpu_runtime.init_distributed()
+    distributed.init_distributed()
 
     def make(causal: bool, heads: int = 4, groups: int = 2, head_dim: int = 8) -> SDPAttention:
-        config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
-                                   num_query_groups=groups, attention_dropout=0.0, **cpu_runtime.cpu_safe_config_overrides())  # fmt: skip
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=heads * head_dim,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            attention_dropout=0.0,
+            **cpu_runtime.cpu_safe_config_overrides(),
+        )
         mask_type = AttnMaskType.causal if causal else AttnMaskType.no_mask
         return SDPAttention(config, layer_number=1, attn_mask_type=mask_type, attention_type="self")
 
     yield make
-    cpu_runtime.destroy_distributed()
+    distributed.destroy_distributed()
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
@@ -69,8 +77,13 @@ def test_padded_thd_layout_ignores_padding_tokens(attention_factory):
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     cu_padded = torch.tensor([0, 4, 8], dtype=torch.int32)  # each sub-sequence padded to a multiple of 4
     q, k, v = (torch.randn(8, h, 8) for h in (4, 2, 2))
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)  # fmt: skip
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
+    )
     out = attention(q, k, v, attention_mask=None, packed_seq_params=params)
     torch.testing.assert_close(out[0:3], naive_attention(q[0:3], k[0:3], v[0:3], True), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[4:8], naive_attention(q[4:8], k[4:8], v[4:8], True), rtol=1e-5, atol=1e-5)
@@ -98,9 +111,9 @@ def test_packed_gpt_forward_equals_per_sequence_forward(cpu_runtime):
     """A whole Megatron GPTModel (RoPE restarts per sub-sequence) on a THD pack vs each sequence alone."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from qvl.launchers import smoke
+    from tests import megatron_smoke as smoke
 
-    cpu_runtime.init_distributed()
+    distributed.init_distributed()
     try:
         shape = smoke.TinyGPT(num_layers=2, seq_length=32)
         model = smoke.build_model(shape).eval()
@@ -110,11 +123,12 @@ def test_packed_gpt_forward_equals_per_sequence_forward(cpu_runtime):
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         tokens = torch.cat(sequences)[None]
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))  # fmt: skip
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
+        )
         with torch.no_grad():
             packed = model(tokens, positions, attention_mask=None, packed_seq_params=params)
             alone = [model(s[None], torch.arange(len(s))[None], attention_mask=None) for s in sequences]
     finally:
-        cpu_runtime.destroy_distributed()
+        distributed.destroy_distributed()
     torch.testing.assert_close(packed[0], torch.cat([a[0] for a in alone]), rtol=1e-5, atol=1e-5)

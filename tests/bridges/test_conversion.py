@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from qvl.bridges import convert
-from qvl.bridges.testing import FAMILIES, write_tiny_hf_checkpoint
-from qvl.launchers.local_ranks import run_on_ranks
+from qvl.bridges.tiny import FAMILIES, write_tiny_hf_checkpoint
+from qvl.foundation.distributed import run_on_ranks
 from tests.bridges import conversion_jobs
 
 PARITY = 1e-6
@@ -70,20 +70,40 @@ def test_errors_name_the_problem_and_the_fix(hf_dirs, tmp_path):
         convert.check_hf_dir(tmp_path)
     with pytest.raises(convert.ConversionError, match="not a directory"):
         convert.check_hf_dir(tmp_path / "missing")
-    provider = type("P", (), dict(tensor_model_parallel_size=3, pipeline_model_parallel_size=1, num_attention_heads=4,
-                                  num_query_groups=2, num_layers=4))()  # fmt: skip
-    with pytest.raises(convert.ConversionError, match=r"tensor_parallel=3 does not divide 4 attention heads .*\[1, 2\]"):
+    provider = type(
+        "P",
+        (),
+        dict(
+            tensor_model_parallel_size=3,
+            pipeline_model_parallel_size=1,
+            num_attention_heads=4,
+            num_query_groups=2,
+            num_layers=4,
+        ),
+    )()
+    with pytest.raises(
+        convert.ConversionError, match=r"tensor_parallel=3 does not divide 4 attention heads .*\[1, 2\]"
+    ):
         convert.check_layout(provider)
     provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = 1, 3
-    with pytest.raises(convert.ConversionError, match=r"pipeline_parallel=3 does not divide 4 decoder layers.*\[1, 2, 4\]"):
+    with pytest.raises(
+        convert.ConversionError, match=r"pipeline_parallel=3 does not divide 4 decoder layers.*\[1, 2, 4\]"
+    ):
         convert.check_layout(provider)
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     import transformers
 
-    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, architectures=["Qwen2ForCausalLM"])  # fmt: skip
+    config = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        architectures=["Qwen2ForCausalLM"],
+    )
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(Exception, match="Qwen2VLForConditionalGeneration.*Qwen3VLMoeForConditionalGeneration"):
         convert.require_qwen_vl(tmp_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qvl.foundation import distributed
 from tests.bridges.test_attention import naive_attention
 
 pytestmark = pytest.mark.gpu
@@ -13,11 +14,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def cuda_distributed():
-    from qvl.launchers import runtime
 
-    runtime.init_distributed()  # nccl, one rank; the CPU runtime stays off on a CUDA host
+    distributed.init_distributed()  # nccl, one rank; the CPU runtime stays off on a CUDA host
     yield
-    runtime.destroy_distributed()
+    distributed.destroy_distributed()
 
 
 def test_packed_sdpa_attention_on_cuda_bf16(cuda_distributed):
@@ -34,13 +34,17 @@ def test_packed_sdpa_attention_on_cuda_bf16(cuda_distributed):
     q, k, v = (torch.randn(int(cu[-1]), h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     out = attention(q, k, v, attention_mask=None, packed_seq_params=params).float()
-    expected = torch.cat([naive_attention(q[a:b].float(), k[a:b].float(), v[a:b].float(), True)
-                          for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])  # fmt: skip
+    expected = torch.cat(
+        [
+            naive_attention(q[a:b].float(), k[a:b].float(), v[a:b].float(), True)
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+        ]
+    )
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)  # bf16 inputs
 
 
 def test_tiny_gpt_trains_on_cuda(cuda_distributed):
-    from qvl.launchers import smoke
+    from tests import megatron_smoke as smoke
 
     shape = smoke.TinyGPT()
     model = smoke.wrap_ddp(smoke.build_model(shape))

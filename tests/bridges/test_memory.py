@@ -30,7 +30,7 @@ import sys
 import pytest
 
 from benchmarks.bench_convert import MID_TEXT, MID_VISION, synthetic_config, write_random_hf_checkpoint
-from qvl.bridges.testing import write_tiny_hf_checkpoint
+from qvl.bridges.tiny import write_tiny_hf_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEPTHS = (2, 8)
@@ -41,8 +41,10 @@ PER_LAYER_BOUND = 0.25
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not pathlib.Path("/proc/self/clear_refs").exists(),
-                       reason="needs Linux /proc/self/clear_refs to reset the peak RSS between imports"),  # fmt: skip
+    pytest.mark.skipif(
+        not pathlib.Path("/proc/self/clear_refs").exists(),
+        reason="needs Linux /proc/self/clear_refs to reset the peak RSS between imports",
+    ),
 ]
 
 
@@ -56,7 +58,13 @@ def imports(tmp_path_factory) -> dict[int, dict]:
         config = synthetic_config(depth, text=MID_TEXT, vision=MID_VISION)
         sizes[depth] = write_random_hf_checkpoint(root / f"hf-{depth}", config, max_shard_bytes=SHARD_BYTES)
         jobs.append((root / f"hf-{depth}", root / f"out-{depth}"))
-    command = [sys.executable, "-m", "benchmarks.bench_convert", "--import-growth", *(str(p) for job in jobs for p in job)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_convert",
+        "--import-growth",
+        *(str(p) for job in jobs for p in job),
+    ]
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(2**20)}  # see the module docstring
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -65,8 +73,10 @@ def imports(tmp_path_factory) -> dict[int, dict]:
 
 
 def _describe(row: dict) -> str:
-    return (f"{row['weight_bytes'] / 2**20:.0f} MiB in {row['shards']} shards, largest {row['largest_shard_bytes'] / 2**20:.0f} MiB: "
-            f"growth {row['growth_bytes'] / 2**20:.0f} MiB = {row['growth_bytes'] / row['largest_shard_bytes']:.2f} x largest shard")  # fmt: skip
+    return (
+        f"{row['weight_bytes'] / 2**20:.0f} MiB in {row['shards']} shards, largest {row['largest_shard_bytes'] / 2**20:.0f} MiB: "
+        f"growth {row['growth_bytes'] / 2**20:.0f} MiB = {row['growth_bytes'] / row['largest_shard_bytes']:.2f} x largest shard"
+    )
 
 
 def test_checkpoints_are_multi_shard(imports):
@@ -84,4 +94,5 @@ def test_memory_is_flat_as_depth_grows(imports):
     layer_bytes = (deep["weight_bytes"] - shallow["weight_bytes"]) / (DEPTHS[-1] - DEPTHS[0])
     per_layer = (deep["growth_bytes"] - shallow["growth_bytes"]) / (DEPTHS[-1] - DEPTHS[0])
     assert per_layer <= PER_LAYER_BOUND * layer_bytes, (
-        f"each added layer costs {per_layer / layer_bytes:.2f} x its bytes; {_describe(shallow)}; {_describe(deep)}")
+        f"each added layer costs {per_layer / layer_bytes:.2f} x its bytes; {_describe(shallow)}; {_describe(deep)}"
+    )

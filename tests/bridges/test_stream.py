@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qvl.bridges.testing import FAMILIES, write_tiny_hf_checkpoint
-from qvl.launchers.local_ranks import run_on_ranks
+from qvl.bridges.tiny import FAMILIES, write_tiny_hf_checkpoint
+from qvl.foundation.distributed import run_on_ranks
 from tests.bridges import conversion_jobs
 
 
@@ -57,8 +57,12 @@ def test_safetensors_reader_matches_safetensors_and_names_bad_files(tmp_path):
     from qvl.bridges.convert import ConversionError
     from qvl.bridges.stream import SafetensorsFiles
 
-    tensors = {"a": torch.randn(3, 5, dtype=torch.float32), "b": torch.randn(7).to(torch.bfloat16),
-               "c": torch.arange(6, dtype=torch.int64).reshape(2, 3), "d": torch.ones(2, dtype=torch.bool)}  # fmt: skip
+    tensors = {
+        "a": torch.randn(3, 5, dtype=torch.float32),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "d": torch.ones(2, dtype=torch.bool),
+    }
     save_file(tensors, tmp_path / "one.safetensors")
     save_file({"e": torch.randn(4, 4).half()}, tmp_path / "two.safetensors")
     reader = SafetensorsFiles(tmp_path)

@@ -13,7 +13,7 @@ from PIL import Image
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from qvl.data.testing import write_tiny_hf_processor_dir  # noqa: E402
+from qvl.foundation.tiny import write_tiny_hf_processor_dir  # noqa: E402
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
@@ -66,8 +66,12 @@ def reference_processor(family: str, hf_dir: pathlib.Path, tokenizer, monkeypatc
     monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
     cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf_dir))
-    return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=_VideoRules(),
-               chat_template=tokenizer.chat_template)
+    return cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=_VideoRules(),
+        chat_template=tokenizer.chat_template,
+    )
 
 
 def _good_records(root: pathlib.Path) -> list[dict]:
@@ -79,25 +83,70 @@ def _good_records(root: pathlib.Path) -> list[dict]:
     for f in range(4):
         save_image(root / "clip" / f"{f:03d}.jpg", 96, 64, seed=f, fmt="JPEG")
     records = [
-        {"conversations": [{"from": "human", "value": "Hello there, who are you?"}, {"from": "gpt", "value": "An assistant."}]},
-        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "<image>\nWhat is it?"},
-                           {"from": "gpt", "value": "A square."}, {"from": "human", "value": "Color?"},
-                           {"from": "gpt", "value": "Red."}], "image": "img/0.png"},
-        {"conversations": [{"from": "human", "value": "<image> vs <image> vs <image>"}, {"from": "gpt", "value": "Equal."}],
-         "images": ["img/1.png", "img/2.png", "img/3.png"]},
-        {"messages": [{"role": "user", "content": [{"type": "image", "image": "img/4.png"}, {"type": "text", "text": "Tall?"}]},
-                      {"role": "assistant", "content": "Very tall."}]},
-        {"conversations": [{"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "Nothing."}],
-         "video": "clip", "fps": 2.0},
-        {"conversations": [{"from": "human", "value": "<image>Photo?"}, {"from": "gpt", "value": "A photo, 中文 ok."}],
-         "image": "img/photo.jpg"},
+        {
+            "conversations": [
+                {"from": "human", "value": "Hello there, who are you?"},
+                {"from": "gpt", "value": "An assistant."},
+            ]
+        },
+        {
+            "conversations": [
+                {"from": "system", "value": "Be brief."},
+                {"from": "human", "value": "<image>\nWhat is it?"},
+                {"from": "gpt", "value": "A square."},
+                {"from": "human", "value": "Color?"},
+                {"from": "gpt", "value": "Red."},
+            ],
+            "image": "img/0.png",
+        },
+        {
+            "conversations": [
+                {"from": "human", "value": "<image> vs <image> vs <image>"},
+                {"from": "gpt", "value": "Equal."},
+            ],
+            "images": ["img/1.png", "img/2.png", "img/3.png"],
+        },
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "image": "img/4.png"}, {"type": "text", "text": "Tall?"}],
+                },
+                {"role": "assistant", "content": "Very tall."},
+            ]
+        },
+        {
+            "conversations": [{"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "Nothing."}],
+            "video": "clip",
+            "fps": 2.0,
+        },
+        {
+            "conversations": [
+                {"from": "human", "value": "<image>Photo?"},
+                {"from": "gpt", "value": "A photo, 中文 ok."},
+            ],
+            "image": "img/photo.jpg",
+        },
     ]
     for k in (5, 6, 7):
-        records.append({"conversations": [{"from": "human", "value": f"<image>\nNumber {k}?"},
-                                          {"from": "gpt", "value": f"It is {k}. " * k}], "image": f"img/{k}.png"})
+        records.append(
+            {
+                "conversations": [
+                    {"from": "human", "value": f"<image>\nNumber {k}?"},
+                    {"from": "gpt", "value": f"It is {k}. " * k},
+                ],
+                "image": f"img/{k}.png",
+            }
+        )
     for k in range(12):
-        records.append({"conversations": [{"from": "human", "value": "Count: " + "1 2 3 " * k},
-                                          {"from": "gpt", "value": "Done " * (k + 1)}]})
+        records.append(
+            {
+                "conversations": [
+                    {"from": "human", "value": "Count: " + "1 2 3 " * k},
+                    {"from": "gpt", "value": "Done " * (k + 1)},
+                ]
+            }
+        )
     return records
 
 
@@ -117,11 +166,22 @@ def _bad_records(root: pathlib.Path) -> list[tuple[object, str]]:
     return [
         ("{this is not json", "bad_json"),
         ('{"no_turns": true}', "bad_format"),
-        (b'{"conversations": [{"from": "human", "value": "bad \xff byte"}, {"from": "gpt", "value": "x"}]}', "invalid_utf8"),
+        (
+            b'{"conversations": [{"from": "human", "value": "bad \xff byte"}, {"from": "gpt", "value": "x"}]}',
+            "invalid_utf8",
+        ),
         (conv("Say <|im_start|> please"), "special_token_in_text"),
         (conv("Question?", gpt=""), "empty"),
-        ({"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"},
-                            {"from": "gpt", "value": "c"}]}, "bad_roles"),
+        (
+            {
+                "conversations": [
+                    {"from": "human", "value": "a"},
+                    {"from": "human", "value": "b"},
+                    {"from": "gpt", "value": "c"},
+                ]
+            },
+            "bad_roles",
+        ),
         (conv("Only a question?", gpt=None), "no_assistant_turn"),
         (conv("<image> and <image>?", image="img/full.jpg"), "placeholder_mismatch"),
         (conv("<image>?", image="img/missing.png"), "image_missing"),

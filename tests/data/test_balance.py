@@ -30,13 +30,15 @@ def test_every_rank_gets_its_share_of_every_step_and_the_rest_waits():
     cells = plan.step[scheduled] * 8 * 4 + plan.rank[scheduled] * 4 + plan.slot[scheduled]
     assert np.array_equal(np.sort(cells), np.arange(320))  # one pack per (step, rank, slot)
     again = plan_dp_balanced(cost, 8, 32)
-    assert all(np.array_equal(a, b) for a, b in ((plan.step, again.step), (plan.rank, again.rank),
-                                                  (plan.slot, again.slot)))
+    assert all(
+        np.array_equal(a, b) for a, b in ((plan.step, again.step), (plan.rank, again.rank), (plan.slot, again.slot))
+    )
     assert not np.array_equal(plan.step, plan_dp_balanced(cost, 8, 32, seed=1).step)  # seed shuffles step order
 
 
-@pytest.mark.parametrize(("data_parallel", "per_rank", "goal"), [(8, 16, 1.02), (32, 16, 1.02), (8, 4, 1.10),
-                                                                  (32, 4, 1.10)])
+@pytest.mark.parametrize(
+    ("data_parallel", "per_rank", "goal"), [(8, 16, 1.02), (32, 16, 1.02), (8, 4, 1.10), (32, 4, 1.10)]
+)
 def test_balance_goals(data_parallel, per_rank, goal):
     global_batch = data_parallel * per_rank
     cost = _costs(global_batch * 20)
@@ -64,11 +66,24 @@ def test_global_batch_must_split_evenly():
 
 TINY_CONFIG = {
     "model_type": "qwen2_5_vl",
-    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "intermediate_size": 128, "vocab_size": 1024,
-    "vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
-                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
-                      "fullatt_block_indexes": [1]},
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 1024,
+    "vision_config": {
+        "depth": 2,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [1],
+    },
 }
 
 
@@ -79,9 +94,18 @@ def planned(synthetic_dataset, hf_dirs, tmp_path_factory):
     input_path, media_root, _, good = synthetic_dataset
     root = tmp_path_factory.mktemp("planned")
     (root / "config.json").write_text(json.dumps(TINY_CONFIG))
-    config = PrepareConfig(input=input_path, media_root=media_root, family="qwen2_5_vl", tokenizer=hf_dirs["qwen2_5_vl"],
-                           seq_length=256, output=root / "ds", packs_per_shard=2, data_parallel=2, global_batch=4,
-                           model_config=root / "config.json")
+    config = PrepareConfig(
+        input=input_path,
+        media_root=media_root,
+        family="qwen2_5_vl",
+        tokenizer=hf_dirs["qwen2_5_vl"],
+        seq_length=256,
+        output=root / "ds",
+        packs_per_shard=2,
+        data_parallel=2,
+        global_batch=4,
+        model_config=root / "config.json",
+    )
     report = prepare(config)
     packs = [json.loads(line) for line in (root / "ds" / "packs.jsonl").read_text().splitlines()]
     return root / "ds", report, packs, good
@@ -95,8 +119,9 @@ def test_packs_carry_cost_step_rank_and_the_report_compares_round_robin(planned)
     assert sorted(i for p in packs for i in p["samples"]) == good  # reordering kept every sample once
     scheduled = [p for p in packs if p["step"] >= 0]
     assert len(scheduled) == plan["steps"] * 4 and plan["unscheduled_packs"] == len(packs) - len(scheduled)
-    assert [(p["step"], p["rank"], p["slot"]) for p in scheduled] == sorted((p["step"], p["rank"], p["slot"])
-                                                                           for p in scheduled)
+    assert [(p["step"], p["rank"], p["slot"]) for p in scheduled] == sorted(
+        (p["step"], p["rank"], p["slot"]) for p in scheduled
+    )
     loads = np.zeros((plan["steps"], 2))
     for p in scheduled:
         loads[p["step"], p["rank"]] += p["cost"]
@@ -110,8 +135,9 @@ def test_planned_loader_serves_each_rank_its_packs_in_order_and_resumes(planned,
     output, report, packs, _ = planned
     encoder = QwenVLPackedTaskEncoder(hf_dir=hf_dirs["qwen2_5_vl"], family="qwen2_5_vl", tokens_per_second=2)
     for rank in range(2):
-        mine = [p["samples"] for p in sorted((p for p in packs if p["rank"] == rank), key=lambda p: (p["step"],
-                                                                                                    p["slot"]))]
+        mine = [
+            p["samples"] for p in sorted((p for p in packs if p["rank"] == rank), key=lambda p: (p["step"], p["slot"]))
+        ]
         loader = PlannedPackLoader(output, encoder, rank=rank, micro_batch_size=1)
         served = [next(loader).source_indices[0] for _ in range(len(mine))]
         assert served == mine

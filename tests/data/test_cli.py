@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from qvl.data import cli
+from qvl.launchers.commands import data as cli
 
 from .conftest import save_image, write_jsonl
 
@@ -24,7 +24,10 @@ def small_input(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     save_image(root / "a.png", 120, 80)
     records = [
-        {"conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "Noise."}], "image": "a.png"},
+        {
+            "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "Noise."}],
+            "image": "a.png",
+        },
         {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]},
         {"conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "?"}], "image": "gone.png"},
     ]
@@ -33,14 +36,30 @@ def small_input(tmp_path_factory):
 
 def _prepare_argv(small_input, hf_dirs, output, *extra) -> list[str]:
     input_path, root = small_input
-    return ["data", "prepare", "--input", str(input_path), "--media-root", str(root), "--family", "qwen2_vl",
-            "--tokenizer", str(hf_dirs["qwen2_vl"]), "--seq-length", "256", "--output", str(output), *extra]
+    return [
+        "data",
+        "prepare",
+        "--input",
+        str(input_path),
+        "--media-root",
+        str(root),
+        "--family",
+        "qwen2_vl",
+        "--tokenizer",
+        str(hf_dirs["qwen2_vl"]),
+        "--seq-length",
+        "256",
+        "--output",
+        str(output),
+        *extra,
+    ]
 
 
 def test_prepare_writes_outputs_and_strict_fails_on_quarantine(small_input, hf_dirs, tmp_path):
     assert _run(_prepare_argv(small_input, hf_dirs, tmp_path / "ok")) == 0
     assert [json.loads(line)["reason"] for line in (tmp_path / "ok" / "quarantine.jsonl").read_text().splitlines()] == [
-        "image_missing"]
+        "image_missing"
+    ]
     assert json.loads((tmp_path / "ok" / "report.json").read_text())["accepted"] == 2
     assert _run(_prepare_argv(small_input, hf_dirs, tmp_path / "strict", "--strict")) == 1
 
@@ -73,8 +92,18 @@ def test_stats_plot_writes_a_png(prepared_small, tmp_path):
 
 
 def test_prepare_options_balance_truncate_header_only(small_input, hf_dirs, tmp_path):
-    argv = _prepare_argv(small_input, hf_dirs, tmp_path / "opts", "--balance-cost", "--truncate", "--no-decode-check",
-                         "--max-pixels", str(28 * 28 * 16), "--system-prompt", "Be terse.")
+    argv = _prepare_argv(
+        small_input,
+        hf_dirs,
+        tmp_path / "opts",
+        "--balance-cost",
+        "--truncate",
+        "--no-decode-check",
+        "--max-pixels",
+        str(28 * 28 * 16),
+        "--system-prompt",
+        "Be terse.",
+    )
     argv[argv.index("--seq-length") + 1] = "40"
     assert _run(argv) == 0
     report = json.loads((tmp_path / "opts" / "report.json").read_text())

@@ -17,8 +17,9 @@ from qvl.data.cost import (
     vision_flops_per_image,
 )
 
-TINY_LM = LMShape(hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=16,
-                  vocab_size=10)
+TINY_LM = LMShape(
+    hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=16, vocab_size=10
+)
 
 
 def test_lm_flops_by_hand():
@@ -30,22 +31,52 @@ def test_lm_flops_by_hand():
     # A pack costs the sum of its sub-sequences: attention never crosses them.
     assert lm_flops(TINY_LM, [3, 4]) == linear * 7 + attention * (9 + 16)
     assert lm_flops(TINY_LM, [3, 4]) < lm_flops(TINY_LM, [7])
-    np.testing.assert_array_equal(lm_flops_per_sequence(TINY_LM, np.array([3, 4])),
-                                  [linear * 3 + attention * 9, linear * 4 + attention * 16])
+    np.testing.assert_array_equal(
+        lm_flops_per_sequence(TINY_LM, np.array([3, 4])), [linear * 3 + attention * 9, linear * 4 + attention * 16]
+    )
 
 
 def test_lm_flops_moe_and_head_dim():
-    moe = LMShape(hidden_size=8, num_layers=1, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=0,
-                  vocab_size=10, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=6, kv_channels=16)
+    moe = LMShape(
+        hidden_size=8,
+        num_layers=1,
+        num_attention_heads=2,
+        num_query_groups=2,
+        ffn_hidden_size=0,
+        vocab_size=10,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=6,
+        kv_channels=16,
+    )
     # q = kv = 32 channels: QKV 2*8*96=1536, O 2*32*8=512; routed experts 2*8*6*2*3=576; logits 160.
     assert lm_flops(moe, [1]) == 1536 + 512 + 576 + 160 + 2 * 32
     with pytest.raises(ValueError, match="moe_router_topk"):
-        lm_flops(LMShape(hidden_size=8, num_layers=1, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=0,
-                         vocab_size=10, num_experts=4), [1])
+        lm_flops(
+            LMShape(
+                hidden_size=8,
+                num_layers=1,
+                num_attention_heads=2,
+                num_query_groups=2,
+                ffn_hidden_size=0,
+                vocab_size=10,
+                num_experts=4,
+            ),
+            [1],
+        )
 
 
-TINY_VIT = VisionShape(hidden_size=4, depth=1, num_heads=1, intermediate_size=8, patch_size=2, spatial_merge_size=2,
-                       temporal_patch_size=1, out_hidden_size=6, in_channels=1)
+TINY_VIT = VisionShape(
+    hidden_size=4,
+    depth=1,
+    num_heads=1,
+    intermediate_size=8,
+    patch_size=2,
+    spatial_merge_size=2,
+    temporal_patch_size=1,
+    out_hidden_size=6,
+    in_channels=1,
+)
 
 
 def test_vision_flops_by_hand():
@@ -61,9 +92,19 @@ def test_vision_flops_by_hand():
 
 def test_windowed_blocks_by_hand():
     # Window of 4 px = 1 merged unit = 2x2 patches; block 0 windowed, block 1 full.
-    vit = VisionShape(hidden_size=4, depth=2, num_heads=1, intermediate_size=8, patch_size=2, spatial_merge_size=2,
-                      temporal_patch_size=1, out_hidden_size=6, in_channels=1, window_size=4,
-                      fullatt_block_indexes=(1,))
+    vit = VisionShape(
+        hidden_size=4,
+        depth=2,
+        num_heads=1,
+        intermediate_size=8,
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=1,
+        out_hidden_size=6,
+        in_channels=1,
+        window_size=4,
+        fullatt_block_indexes=(1,),
+    )
     per_patch = 32 + 2 * 256 + 176
     # 4x6 patches: 2x3 merged units -> 6 windows of 4 patches.
     expected = per_patch * 24 + 16 * (24 * 24 + 6 * 16)
@@ -87,8 +128,10 @@ def test_sample_flops_adds_each_samples_images():
 def _counted_flops(model, grid: torch.Tensor) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    pixels = torch.randn(int(grid.prod(1).sum()), model.config.in_channels * model.config.temporal_patch_size
-                         * model.config.patch_size**2)
+    pixels = torch.randn(
+        int(grid.prod(1).sum()),
+        model.config.in_channels * model.config.temporal_patch_size * model.config.patch_size**2,
+    )
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(pixels, grid_thw=grid)
     return counter.get_total_flops()
@@ -101,9 +144,16 @@ def test_vision_flops_equal_torch_flop_counter_on_tiny_hf_towers(family):
     torch.manual_seed(0)
     model = tower._from_config(config).eval()
     grid = torch.tensor([[1, 6, 10], [2, 4, 4], [1, 2, 2]])
-    _, shape = shapes_from_hf_config({"model_type": family, "vision_config": config.to_dict(),
-                                      "hidden_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                      "vocab_size": 10})
+    _, shape = shapes_from_hf_config(
+        {
+            "model_type": family,
+            "vision_config": config.to_dict(),
+            "hidden_size": 48,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "vocab_size": 10,
+        }
+    )
     assert vision_flops_per_image(shape, grid.numpy()).sum() == _counted_flops(model, grid)
 
 
@@ -112,35 +162,77 @@ def _tiny_tower(family: str):
         from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-        config = Qwen2VLVisionConfig(depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=14,
-                                     spatial_merge_size=2)
+        config = Qwen2VLVisionConfig(
+            depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
+        )
         return config, Qwen2VisionTransformerPretrainedModel
     if family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLVisionConfig
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-        config = Qwen2_5_VLVisionConfig(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=48,
-                                        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                                        fullatt_block_indexes=[1])
+        config = Qwen2_5_VLVisionConfig(
+            depth=2,
+            hidden_size=32,
+            num_heads=2,
+            intermediate_size=64,
+            out_hidden_size=48,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        )
         return config, Qwen2_5_VisionTransformerPretrainedModel
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    config = Qwen3VLVisionConfig(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=48,
-                                 patch_size=16, deepstack_visual_indexes=[1], num_position_embeddings=16)
+    config = Qwen3VLVisionConfig(
+        depth=2,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=48,
+        patch_size=16,
+        deepstack_visual_indexes=[1],
+        num_position_embeddings=16,
+    )
     return config, Qwen3VLVisionModel
 
 
 def test_shapes_from_hf_config_reads_qwen3_moe_text_fields():
-    lm, vision = shapes_from_hf_config({
-        "model_type": "qwen3_vl_moe",
-        "text_config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                        "head_dim": 32, "vocab_size": 100, "num_experts": 8, "num_experts_per_tok": 2,
-                        "moe_intermediate_size": 24, "intermediate_size": 128},
-        "vision_config": {"hidden_size": 32, "depth": 2, "num_heads": 2, "intermediate_size": 64, "patch_size": 16,
-                          "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64,
-                          "deepstack_visual_indexes": [0, 1]},
-    })
+    lm, vision = shapes_from_hf_config(
+        {
+            "model_type": "qwen3_vl_moe",
+            "text_config": {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "vocab_size": 100,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 24,
+                "intermediate_size": 128,
+            },
+            "vision_config": {
+                "hidden_size": 32,
+                "depth": 2,
+                "num_heads": 2,
+                "intermediate_size": 64,
+                "patch_size": 16,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "out_hidden_size": 64,
+                "deepstack_visual_indexes": [0, 1],
+            },
+        }
+    )
     assert (lm.num_query_groups, lm.kv_channels, lm.num_experts, lm.moe_router_topk, lm.moe_ffn_hidden_size) == (
-        2, 32, 8, 2, 24)
+        2,
+        32,
+        8,
+        2,
+        24,
+    )
     assert vision.num_deepstack_mergers == 2 and not vision.gated_mlp and vision.window_size is None

@@ -18,9 +18,30 @@ from .conftest import FAMILIES, reference_processor, save_image
 
 # Many shapes: tiny, thin, square, odd, beyond max_pixels, below min_pixels.
 SIZES = [
-    (1, 1), (3, 7), (27, 29), (28, 28), (56, 56), (57, 111), (100, 37), (37, 100), (224, 224), (640, 480),
-    (480, 640), (1000, 5), (5, 999), (333, 777), (1023, 17), (64, 64), (65, 63), (129, 257), (300, 2),
-    (2, 300), (799, 601), (112, 448), (448, 112), (50, 9000),
+    (1, 1),
+    (3, 7),
+    (27, 29),
+    (28, 28),
+    (56, 56),
+    (57, 111),
+    (100, 37),
+    (37, 100),
+    (224, 224),
+    (640, 480),
+    (480, 640),
+    (1000, 5),
+    (5, 999),
+    (333, 777),
+    (1023, 17),
+    (64, 64),
+    (65, 63),
+    (129, 257),
+    (300, 2),
+    (2, 300),
+    (799, 601),
+    (112, 448),
+    (448, 112),
+    (50, 9000),
 ]
 
 
@@ -62,8 +83,16 @@ def _conversation(index: int, turns: list[tuple[str, str]], images: list[str]) -
 def _sample_set(root: pathlib.Path) -> list[tuple[list[tuple[str, str]], list[tuple[int, int]]]]:
     return [
         ([("human", "<image>\nWhat is this?"), ("gpt", "A cat.")], [(77, 123)]),
-        ([("system", "Be brief."), ("human", "Compare <image> and <image>."), ("gpt", "Same."),
-          ("human", "And now <image>?"), ("gpt", "Different: 3 objects!")], [(640, 480), (30, 31), (1000, 20)]),
+        (
+            [
+                ("system", "Be brief."),
+                ("human", "Compare <image> and <image>."),
+                ("gpt", "Same."),
+                ("human", "And now <image>?"),
+                ("gpt", "Different: 3 objects!"),
+            ],
+            [(640, 480), (30, 31), (1000, 20)],
+        ),
         ([("human", "No picture here, only text ünïcödé 中文."), ("gpt", "Fine.")], []),
         ([("human", "<image><image><image>"), ("gpt", "Three.")], [(224, 224), (5, 300), (333, 777)]),
     ]
@@ -108,10 +137,18 @@ def _frame_folder(root: pathlib.Path, frames: int, width: int, height: int) -> s
     return "clip"
 
 
-@pytest.mark.parametrize("family,frames,size", [
-    ("qwen3_vl", 5, (70, 90)), ("qwen3_vl", 4, (200, 40)), ("qwen2_5_vl", 3, (60, 90)), ("qwen2_vl", 6, (120, 50)),
-])
-def test_video_frame_folder_tokens_equal_processor_layout(family, frames, size, hf_dirs, tokenizers, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "family,frames,size",
+    [
+        ("qwen3_vl", 5, (70, 90)),
+        ("qwen3_vl", 4, (200, 40)),
+        ("qwen2_5_vl", 3, (60, 90)),
+        ("qwen2_vl", 6, (120, 50)),
+    ],
+)
+def test_video_frame_folder_tokens_equal_processor_layout(
+    family, frames, size, hf_dirs, tokenizers, tmp_path, monkeypatch
+):
     """Video grid from transformers' own smart_resize, placeholder text from the real processor's replace_video_token."""
     import torch
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
@@ -120,9 +157,14 @@ def test_video_frame_folder_tokens_equal_processor_layout(family, frames, size, 
 
     height, width = size
     vision = load_vision_config(hf_dirs[family], family)
-    record = {"conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "Noise."}],
-              "video": _frame_folder(tmp_path, frames, width, height), "fps": 2.0}
-    sample = validate_sample(to_conversation(0, record, IngestConfig()), ValidateConfig(media_root=tmp_path, vision=vision))
+    record = {
+        "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "Noise."}],
+        "video": _frame_folder(tmp_path, frames, width, height),
+        "fps": 2.0,
+    }
+    sample = validate_sample(
+        to_conversation(0, record, IngestConfig()), ValidateConfig(media_root=tmp_path, vision=vision)
+    )
     counter = TokenCounter(tokenizer=tokenizers[family], vision=vision)
     tokenized = counter.count([sample])[0]
 
@@ -134,8 +176,10 @@ def test_video_frame_folder_tokens_equal_processor_layout(family, frames, size, 
     grid = [-(-frames // 2), rh // vision.video_patch_size, rw // vision.video_patch_size]
     assert list(tokenized.video_grids[0]) == grid
     processor = reference_processor(family, hf_dirs[family], tokenizers[family], monkeypatch)
-    video_inputs = {"video_grid_thw": torch.tensor([grid]),
-                    "video_metadata": [VideoMetadata(total_num_frames=frames, fps=2.0, frames_indices=list(range(frames)))]}
+    video_inputs = {
+        "video_grid_thw": torch.tensor([grid]),
+        "video_metadata": [VideoMetadata(total_num_frames=frames, fps=2.0, frames_indices=list(range(frames)))],
+    }
     text = tokenizers[family].apply_chat_template(sample.conversation.messages, tokenize=False)
     expanded, _ = processor.get_text_with_replacements([text], [], [processor.replace_video_token(video_inputs, 0)])
     reference = tokenizers[family](expanded[0], add_special_tokens=False)["input_ids"]
@@ -154,15 +198,17 @@ def test_qwen3_video_smart_resize_equals_transformers():
         if max(h, w) / min(h, w) > 200:
             continue
         assert smart_resize_video_qwen3(t, h, w, 2, 32, 128 * 32 * 32, 32 * 32 * 768) == smart_resize(
-            t, h, w, 2, 32, 128 * 32 * 32, 32 * 32 * 768)
+            t, h, w, 2, 32, 128 * 32 * 32, 32 * 32 * 768
+        )
 
 
 def test_truncate_keeps_whole_images_and_learnable_tokens(hf_dirs, tokenizers, tmp_path):
     vision = load_vision_config(hf_dirs["qwen2_5_vl"], "qwen2_5_vl")
     counter = TokenCounter(tokenizer=tokenizers["qwen2_5_vl"], vision=vision)
     names = [save_image(tmp_path / f"{k}.png", 200, 200, seed=k).name for k in range(2)]
-    conversation = _conversation(0, [("human", "<image>Look."), ("gpt", "Ok " * 30), ("human", "<image>Again?"),
-                                     ("gpt", "Yes " * 30)], names)
+    conversation = _conversation(
+        0, [("human", "<image>Look."), ("gpt", "Ok " * 30), ("human", "<image>Again?"), ("gpt", "Yes " * 30)], names
+    )
     full = counter.count([validate_sample(conversation, ValidateConfig(media_root=tmp_path, vision=vision))])[0]
     image_tokens = int(full.runs[0])
     cut = truncate(full, full.length - 10, counter.pad_ids)

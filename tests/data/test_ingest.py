@@ -12,12 +12,20 @@ from qvl.data.prepare import PrepareConfig, prepare
 
 def test_json_array_and_openai_messages_with_listed_and_inline_media(tmp_path):
     records = [
-        {"messages": [{"role": "system", "content": "S."},
-                      {"role": "user", "content": "<image>A <image>B"},
-                      {"role": "assistant", "content": [{"type": "text", "text": "C"}]}],
-         "images": ["a.png", {"path": "b.png"}]},
-        {"conversations": [{"from": "human", "value": [{"type": "image", "image": "c.png"}, "Q"]},
-                           {"from": "gpt", "value": "R"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "S."},
+                {"role": "user", "content": "<image>A <image>B"},
+                {"role": "assistant", "content": [{"type": "text", "text": "C"}]},
+            ],
+            "images": ["a.png", {"path": "b.png"}],
+        },
+        {
+            "conversations": [
+                {"from": "human", "value": [{"type": "image", "image": "c.png"}, "Q"]},
+                {"from": "gpt", "value": "R"},
+            ]
+        },
         "not an object",
     ]
     (tmp_path / "in.json").write_text(json.dumps(records))
@@ -25,8 +33,12 @@ def test_json_array_and_openai_messages_with_listed_and_inline_media(tmp_path):
     assert [i for i, _ in read] == [0, 1, 2] and isinstance(read[2][1], Rejection)
     first = to_conversation(0, read[0][1], IngestConfig(system_prompt="unused"))
     assert [m["role"] for m in first.messages] == ["system", "user", "assistant"]
-    assert first.messages[1]["content"] == [{"type": "image"}, {"type": "text", "text": "A "}, {"type": "image"},
-                                            {"type": "text", "text": "B"}]
+    assert first.messages[1]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": "A "},
+        {"type": "image"},
+        {"type": "text", "text": "B"},
+    ]
     assert [m.path for m in first.media] == ["a.png", "b.png"]
     second = to_conversation(1, read[1][1], IngestConfig(system_prompt="Be kind."))
     assert second.messages[0] == {"role": "system", "content": [{"type": "text", "text": "Be kind."}]}
@@ -45,8 +57,14 @@ def test_prepare_refuses_to_replace_a_foreign_output_directory(tmp_path, hf_dirs
     foreign = tmp_path / "precious"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    config = PrepareConfig(input=tmp_path / "in.jsonl", media_root=tmp_path, family="qwen2_vl",
-                           tokenizer=hf_dirs["qwen2_vl"], seq_length=128, output=foreign)
+    config = PrepareConfig(
+        input=tmp_path / "in.jsonl",
+        media_root=tmp_path,
+        family="qwen2_vl",
+        tokenizer=hf_dirs["qwen2_vl"],
+        seq_length=128,
+        output=foreign,
+    )
     with pytest.raises(ValueError, match="not a qvl dataset"):
         prepare(config)
     assert (foreign / "notes.txt").read_text() == "keep me"
@@ -54,8 +72,14 @@ def test_prepare_refuses_to_replace_a_foreign_output_directory(tmp_path, hf_dirs
 
 def test_all_rejected_input_fails_with_the_quarantine_written(tmp_path, hf_dirs):
     (tmp_path / "in.jsonl").write_text('{"conversations": [{"from": "human", "value": "<image>"}]}\n')
-    config = PrepareConfig(input=tmp_path / "in.jsonl", media_root=tmp_path, family="qwen2_vl",
-                           tokenizer=hf_dirs["qwen2_vl"], seq_length=128, output=tmp_path / "out")
+    config = PrepareConfig(
+        input=tmp_path / "in.jsonl",
+        media_root=tmp_path,
+        family="qwen2_vl",
+        tokenizer=hf_dirs["qwen2_vl"],
+        seq_length=128,
+        output=tmp_path / "out",
+    )
     with pytest.raises(ValueError, match="quarantine.jsonl"):
         prepare(config)
     assert json.loads((tmp_path / "out" / "quarantine.jsonl").read_text())["reason"] == "no_assistant_turn"

@@ -38,9 +38,12 @@ def _transformers_positions(family, ids, mm_types, image_grids, video_grids, sec
     if family == "qwen2_5_vl" and seconds:
         kwargs["second_per_grid_ts"] = torch.tensor(seconds)
     positions, _ = cls.get_rope_index(
-        fake, torch.tensor([ids]), torch.tensor([mm_types]),
+        fake,
+        torch.tensor([ids]),
+        torch.tensor([mm_types]),
         image_grid_thw=torch.tensor(image_grids) if image_grids else None,
-        video_grid_thw=torch.tensor(video_grids) if video_grids else None, **kwargs,
+        video_grid_thw=torch.tensor(video_grids) if video_grids else None,
+        **kwargs,
     )
     return positions[:, 0].numpy()
 
@@ -51,10 +54,18 @@ def _tokenized(family, hf_dirs, tokenizers, tmp_path, fps):
         save_image(tmp_path / "clip" / f"{k}.png", 90, 70, seed=k)
     for k, (w, h) in enumerate([(200, 120), (40, 300)]):
         save_image(tmp_path / f"i{k}.png", w, h, seed=k)
-    record = {"conversations": [{"from": "human", "value": "<image> then <video> and <image>?"},
-                                {"from": "gpt", "value": "Yes."}],
-              "images": ["i0.png", "i1.png"], "video": "clip", "fps": fps}
-    sample = validate_sample(to_conversation(0, record, IngestConfig()), ValidateConfig(media_root=tmp_path, vision=vision))
+    record = {
+        "conversations": [
+            {"from": "human", "value": "<image> then <video> and <image>?"},
+            {"from": "gpt", "value": "Yes."},
+        ],
+        "images": ["i0.png", "i1.png"],
+        "video": "clip",
+        "fps": fps,
+    }
+    sample = validate_sample(
+        to_conversation(0, record, IngestConfig()), ValidateConfig(media_root=tmp_path, vision=vision)
+    )
     counter = TokenCounter(tokenizer=tokenizers[family], vision=vision)
     return counter, counter.count([sample])[0]
 
@@ -64,12 +75,25 @@ def test_positions_equal_transformers_get_rope_index(family, fps, hf_dirs, token
     counter, tokenized = _tokenized(family, hf_dirs, tokenizers, tmp_path, fps)
     ids, _ = tokenized.expand(counter.pad_ids)
     image_pad, video_pad = counter.pad_ids
-    config = RopeConfig(family=family, spatial_merge_size=2, image_pad_id=image_pad, video_pad_id=video_pad,
-                        tokens_per_second=TOKENS_PER_SECOND)
-    ours = mrope_position_ids(ids, tokenized.image_grids, tokenized.video_grids, config, tokenized.video_second_per_grid)
+    config = RopeConfig(
+        family=family,
+        spatial_merge_size=2,
+        image_pad_id=image_pad,
+        video_pad_id=video_pad,
+        tokens_per_second=TOKENS_PER_SECOND,
+    )
+    ours = mrope_position_ids(
+        ids, tokenized.image_grids, tokenized.video_grids, config, tokenized.video_second_per_grid
+    )
     mm_types = np.where(ids == image_pad, 1, np.where(ids == video_pad, 2, 0)).tolist()
-    theirs = _transformers_positions(family, ids.tolist(), mm_types, [list(g) for g in tokenized.image_grids],
-                                     [list(g) for g in tokenized.video_grids], tokenized.video_second_per_grid)
+    theirs = _transformers_positions(
+        family,
+        ids.tolist(),
+        mm_types,
+        [list(g) for g in tokenized.image_grids],
+        [list(g) for g in tokenized.video_grids],
+        tokenized.video_second_per_grid,
+    )
     np.testing.assert_array_equal(ours, theirs)
 
 

@@ -10,8 +10,12 @@ import types
 
 import torch
 
+from qvl.foundation import distributed
 
-def _image_spans(tokens: torch.Tensor, cu: list[int], grid_thw: torch.Tensor, merge: int, image_token: int) -> list[tuple[int, int]]:
+
+def _image_spans(
+    tokens: torch.Tensor, cu: list[int], grid_thw: torch.Tensor, merge: int, image_token: int
+) -> list[tuple[int, int]]:
     """Per sub-sequence, the (first, last+1) image indices it owns (images appear in token order)."""
     merged_per_image = (grid_thw.prod(-1) // merge**2).tolist()
     spans, image = [], 0
@@ -27,25 +31,45 @@ def _image_spans(tokens: torch.Tensor, cu: list[int], grid_thw: torch.Tensor, me
 def test_packed_forward_equals_per_sample_forward(tmp_path, cpu_runtime):
     from qvl.bridges.convert import auto_bridge_with_weights
     from qvl.bridges.fixes import fix_provider
-    from qvl.bridges.testing import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny import write_tiny_hf_checkpoint
     from qvl.data.load import build_packed_datasets
     from qvl.data.samples import write_sample_dataset
     from qvl.launchers.cli import main
-    from qvl.recipes.step import model_inputs
+    from qvl.recipes.training.step import model_inputs
 
     jsonl, media = write_sample_dataset(tmp_path / "samples", count=12, with_bad=False)
     hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen2_5_vl")
-    assert main(["data", "prepare", "--input", str(jsonl), "--media-root", str(media), "--family", "qwen2_5_vl",
-                 "--tokenizer", str(hf), "--seq-length", "512", "--output", str(tmp_path / "data")]) == 0  # fmt: skip
-    cpu_runtime.init_distributed()
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--input",
+                str(jsonl),
+                "--media-root",
+                str(media),
+                "--family",
+                "qwen2_5_vl",
+                "--tokenizer",
+                str(hf),
+                "--seq-length",
+                "512",
+                "--output",
+                str(tmp_path / "data"),
+            ]
+        )
+        == 0
+    )
+    distributed.init_distributed()
     try:
         bridge = auto_bridge_with_weights(hf, torch.float32)
         provider = bridge.to_megatron_provider(load_weights=True)
         fix_provider(provider, bridge.hf_pretrained.config)
         provider.finalize()
         model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0].eval()
-        config = types.SimpleNamespace(path=str(tmp_path / "data"), hf_path=str(hf), family="qwen2_5_vl",
-                                       micro_batch_size=1, num_workers=0)  # fmt: skip
+        config = types.SimpleNamespace(
+            path=str(tmp_path / "data"), hf_path=str(hf), family="qwen2_5_vl", micro_batch_size=1, num_workers=0
+        )
         loader, _, _ = build_packed_datasets(config, None)
         batch = next(iter(loader))
         kwargs, _ = model_inputs(batch, torch.device("cpu"))
@@ -57,9 +81,13 @@ def test_packed_forward_equals_per_sample_forward(tmp_path, cpu_runtime):
             rows = torch.cat([torch.zeros(1, dtype=torch.long), grids.prod(-1).cumsum(0)]).tolist()
             spans = _image_spans(tokens, cu, grids, merge=2, image_token=provider.image_token_id)
             for (a, b), (i, j) in zip(zip(cu[:-1], cu[1:]), spans):
-                alone = model(input_ids=tokens[a:b][None], attention_mask=None, position_ids=None,
-                              pixel_values=pixels[rows[i] : rows[j]] if j > i else None,
-                              image_grid_thw=grids[i:j] if j > i else None)[0]  # fmt: skip
+                alone = model(
+                    input_ids=tokens[a:b][None],
+                    attention_mask=None,
+                    position_ids=None,
+                    pixel_values=pixels[rows[i] : rows[j]] if j > i else None,
+                    image_grid_thw=grids[i:j] if j > i else None,
+                )[0]
                 torch.testing.assert_close(packed[a:b], alone, rtol=1e-5, atol=1e-5)
     finally:
-        cpu_runtime.destroy_distributed()
+        distributed.destroy_distributed()

@@ -20,8 +20,15 @@ SEQ_LENGTH = 512
 def prepared(synthetic_dataset, hf_dirs, tmp_path_factory):
     input_path, media_root, expected, good = synthetic_dataset
     output = tmp_path_factory.mktemp("out") / "ds"
-    config = PrepareConfig(input=input_path, media_root=media_root, family="qwen2_5_vl", tokenizer=hf_dirs["qwen2_5_vl"],
-                           seq_length=SEQ_LENGTH, output=output, packs_per_shard=2)
+    config = PrepareConfig(
+        input=input_path,
+        media_root=media_root,
+        family="qwen2_5_vl",
+        tokenizer=hf_dirs["qwen2_5_vl"],
+        seq_length=SEQ_LENGTH,
+        output=output,
+        packs_per_shard=2,
+    )
     report = prepare(config)
     return output, report, expected, good, config
 
@@ -66,9 +73,15 @@ def _encoder(hf_dir):
 def _dataset(path, encoder, batch_size=1, repeat=True):
     from megatron.energon import WorkerConfig, get_train_dataset
 
-    return get_train_dataset(path, batch_size=batch_size, shuffle_buffer_size=None, max_samples_per_sequence=None,
-                             worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), task_encoder=encoder,
-                             repeat=repeat)
+    return get_train_dataset(
+        path,
+        batch_size=batch_size,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+        task_encoder=encoder,
+        repeat=repeat,
+    )
 
 
 def test_energon_epoch_yields_every_pack_once_as_thd_batches(prepared, hf_dirs):
@@ -108,8 +121,12 @@ def _pad_id(hf_dirs) -> int:
 
 
 def _summary(batch) -> tuple:
-    return (batch.tokens.tolist(), batch.position_ids.tolist(), batch.source_indices,
-            None if batch.pixel_values is None else float(batch.pixel_values.sum()))
+    return (
+        batch.tokens.tolist(),
+        batch.position_ids.tolist(),
+        batch.source_indices,
+        None if batch.pixel_values is None else float(batch.pixel_values.sum()),
+    )
 
 
 def test_savable_loader_restores_identical_next_batches(prepared, hf_dirs):

@@ -36,8 +36,10 @@ def mp4(tmp_path_factory):
 
 
 def _record(name: str) -> dict:
-    return {"conversations": [{"from": "human", "value": "<video>\nWhat changes?"}, {"from": "gpt", "value": "Light."}],
-            "video": name}
+    return {
+        "conversations": [{"from": "human", "value": "<video>\nWhat changes?"}, {"from": "gpt", "value": "Light."}],
+        "video": name,
+    }
 
 
 def test_qwen3_video_file_sampling_and_tokens_equal_transformers(mp4, hf_dirs, tokenizers, monkeypatch):
@@ -45,9 +47,12 @@ def test_qwen3_video_file_sampling_and_tokens_equal_transformers(mp4, hf_dirs, t
     from transformers.video_utils import VideoMetadata
 
     vision = load_vision_config(hf_dirs["qwen3_vl"], "qwen3_vl")
-    sample = validate_sample(to_conversation(0, _record(mp4.name), IngestConfig()),
-                             ValidateConfig(media_root=mp4.parent, vision=vision))
-    fake = types.SimpleNamespace(fps=vision.video_fps, min_frames=vision.video_min_frames, max_frames=vision.video_max_frames)
+    sample = validate_sample(
+        to_conversation(0, _record(mp4.name), IngestConfig()), ValidateConfig(media_root=mp4.parent, vision=vision)
+    )
+    fake = types.SimpleNamespace(
+        fps=vision.video_fps, min_frames=vision.video_min_frames, max_frames=vision.video_max_frames
+    )
     expected = Qwen3VLVideoProcessor.sample_frames(fake, VideoMetadata(total_num_frames=FRAMES, fps=FPS))
     assert sample.media[0].frame_indices == expected.tolist()
 
@@ -69,12 +74,26 @@ def test_video_file_pack_loads_with_video_patches(mp4, hf_dirs, tmp_path):
 
     input_path = write_jsonl(tmp_path / "in.jsonl", [_record(mp4.name)])
     output = tmp_path / "ds"
-    prepare(PrepareConfig(input=input_path, media_root=mp4.parent, family="qwen3_vl", tokenizer=hf_dirs["qwen3_vl"],
-                          seq_length=1024, output=output))
+    prepare(
+        PrepareConfig(
+            input=input_path,
+            media_root=mp4.parent,
+            family="qwen3_vl",
+            tokenizer=hf_dirs["qwen3_vl"],
+            seq_length=1024,
+            output=output,
+        )
+    )
     encoder = QwenVLPackedTaskEncoder(hf_dir=hf_dirs["qwen3_vl"], family="qwen3_vl")
-    dataset = get_train_dataset(output, batch_size=1, shuffle_buffer_size=None, max_samples_per_sequence=None,
-                                worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), task_encoder=encoder,
-                                repeat=False)
+    dataset = get_train_dataset(
+        output,
+        batch_size=1,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+        task_encoder=encoder,
+        repeat=False,
+    )
     (batch,) = list(get_loader(dataset))
     t, h, w = batch.video_grid_thw[0].tolist()
     assert batch.pixel_values_videos.shape == (t * h * w, 3 * 2 * 16 * 16)

@@ -54,11 +54,20 @@ def test_local_with_gpus_runs_torchrun_per_gpu():
 
 
 def test_slurm_sets_container_requeue_torchrun_and_megatron_env():
-    executor = executors.slurm(account="acct", partition="batch", container_image="nvcr.io/nvidia/nemo:25.09",
-                               nodes=2, mounts=["/lustre/data:/data"], job_dir="/lustre/qvl", qos="high")  # fmt: skip
+    executor = executors.slurm(
+        account="acct",
+        partition="batch",
+        container_image="nvcr.io/nvidia/nemo:25.09",
+        nodes=2,
+        mounts=["/lustre/data:/data"],
+        job_dir="/lustre/qvl",
+        qos="high",
+    )
     assert isinstance(executor, run.SlurmExecutor)
     assert (executor.account, executor.partition, executor.nodes, executor.gpus_per_node) == ("acct", "batch", 2, 8)
-    assert executor.container_image == "nvcr.io/nvidia/nemo:25.09" and executor.container_mounts == ["/lustre/data:/data"]
+    assert executor.container_image == "nvcr.io/nvidia/nemo:25.09" and executor.container_mounts == [
+        "/lustre/data:/data"
+    ]
     assert isinstance(executor.launcher, Torchrun) and executor.retries == 2 and executor.exclusive is True
     assert isinstance(executor.tunnel, run.LocalTunnel) and executor.tunnel.job_dir == "/lustre/qvl"
     assert executor.qos == "high"  # other keywords reach the SlurmExecutor
@@ -67,10 +76,15 @@ def test_slurm_sets_container_requeue_torchrun_and_megatron_env():
 
 
 def test_slurm_with_host_uses_an_ssh_tunnel():
-    executor = executors.slurm(account="a", partition="p", container_image="img", host="login.example.com",
-                               user="me", job_dir="/lustre/me/qvl")  # fmt: skip
+    executor = executors.slurm(
+        account="a", partition="p", container_image="img", host="login.example.com", user="me", job_dir="/lustre/me/qvl"
+    )
     assert isinstance(executor.tunnel, run.SSHTunnel)
-    assert (executor.tunnel.host, executor.tunnel.user, executor.tunnel.job_dir) == ("login.example.com", "me", "/lustre/me/qvl")
+    assert (executor.tunnel.host, executor.tunnel.user, executor.tunnel.job_dir) == (
+        "login.example.com",
+        "me",
+        "/lustre/me/qvl",
+    )
 
 
 def test_slurm_requires_account_partition_and_image():
@@ -81,8 +95,14 @@ def test_slurm_requires_account_partition_and_image():
 def test_kubernetes_builds_a_trainjob_executor_with_pvcs(fake_kubeconfig):
     from nemo_run.core.execution.kubeflow import KubeflowExecutor
 
-    executor = executors.kubernetes(image="nvcr.io/nvidia/nemo:25.09", nodes=4, gpus_per_node=8,
-                                    data_pvc="qvl-data", checkpoints_pvc="qvl-ckpt", namespace="ml")  # fmt: skip
+    executor = executors.kubernetes(
+        image="nvcr.io/nvidia/nemo:25.09",
+        nodes=4,
+        gpus_per_node=8,
+        data_pvc="qvl-data",
+        checkpoints_pvc="qvl-ckpt",
+        namespace="ml",
+    )
     assert isinstance(executor, KubeflowExecutor)
     assert (executor.num_nodes, executor.gpus_per_node, executor.namespace) == (4, 8, "ml")
     claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in executor.volumes}

@@ -8,7 +8,6 @@ dry run a kubeconfig pointing nowhere.
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import sys
@@ -26,8 +25,17 @@ from tests.launchers.test_executors import fake_kubeconfig  # noqa: F401  (fixtu
 GOLDEN = Path(__file__).parent / "golden"
 FAKE_RECIPE = "qvl_test_tiny_sft"
 IMAGE = "nvcr.io/nvidia/nemo:25.09"
-SLURM = [f"run.executor.{kv}" for kv in ("account=acct", "partition=batch", f"container_image={IMAGE}",
-                                          "host=login.example.com", "user=qvl", "job_dir=/lustre/qvl/experiments")]  # fmt: skip
+SLURM = [
+    f"run.executor.{kv}"
+    for kv in (
+        "account=acct",
+        "partition=batch",
+        f"container_image={IMAGE}",
+        "host=login.example.com",
+        "user=qvl",
+        "job_dir=/lustre/qvl/experiments",
+    )
+]
 
 
 @dataclass
@@ -43,8 +51,13 @@ class TinyConfig:
     pipeline_parallel: int = 1
 
 
-def tiny_sft(*, tensor_parallel: int = 2, pipeline_parallel: int = 1, expert_parallel: int = 1,
-             hf_path: str = "/checkpoints/tiny") -> TinyConfig:  # fmt: skip
+def tiny_sft(
+    *,
+    tensor_parallel: int = 2,
+    pipeline_parallel: int = 1,
+    expert_parallel: int = 1,
+    hf_path: str = "/checkpoints/tiny",
+) -> TinyConfig:
     """A stand-in recipe: a tiny config whose layout comes from its keywords."""
     return TinyConfig(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
 
@@ -64,8 +77,7 @@ def empty_stdin(monkeypatch):
 def fake_recipe(monkeypatch):
     """Register the stand-in recipes for one test (the real ones are written in recipes/ concurrently)."""
     monkeypatch.setattr(registry, "RECIPE_MODULES", ())  # only the stand-ins: no dependence on recipes/ modules
-    registry.recipe(family="qvl_test", size="tiny", stage="sft", name=FAKE_RECIPE, tensor_parallel=2,
-                    gpus=8)(tiny_sft)  # fmt: skip
+    registry.recipe(family="qvl_test", size="tiny", stage="sft", name=FAKE_RECIPE, tensor_parallel=2, gpus=8)(tiny_sft)
     registry.recipe(family="qvl_test", size="tiny", stage="sft", name="qvl_test_ckpt_sft")(needs_checkpoint)
     yield FAKE_RECIPE
     registry._RECIPES.pop(FAKE_RECIPE, None)
@@ -82,34 +94,66 @@ def check_golden(name: str, text: str) -> None:
 
 
 def test_slurm_sbatch_matches_golden(fake_recipe, tmp_path):
-    result = launch(fake_recipe, ["tensor_parallel=4", "train.train_iters=5", "run.executor.nodes=2",
-                                  "run.executor.mounts=[/lustre/data:/data]", *SLURM],
-                    kind="slurm", dryrun=True, experiments_dir=str(tmp_path), exp_id="qvl-golden_1")  # fmt: skip
+    result = launch(
+        fake_recipe,
+        [
+            "tensor_parallel=4",
+            "train.train_iters=5",
+            "run.executor.nodes=2",
+            "run.executor.mounts=[/lustre/data:/data]",
+            *SLURM,
+        ],
+        kind="slurm",
+        dryrun=True,
+        experiments_dir=str(tmp_path),
+        exp_id="qvl-golden_1",
+    )
     check_golden("slurm_sbatch.sh", result["request"])
     assert result["config"]["config"]["train"]["train_iters"] == 5  # the resolved config carries the override
     assert not (tmp_path / "experiments" / "qvl-golden" / "qvl-golden_1").exists()  # the dry run leaves nothing
 
 
 def test_kubernetes_manifest_matches_golden(fake_recipe, fake_kubeconfig, tmp_path):  # noqa: F811
-    result = launch(fake_recipe, ["tensor_parallel=4", "run.executor.nodes=2", f"run.executor.image={IMAGE}",
-                                  "run.executor.data_pvc=qvl-data", "run.executor.checkpoints_pvc=qvl-ckpt",
-                                  "run.executor.namespace=ml"],
-                    kind="kubernetes", dryrun=True, experiments_dir=str(tmp_path), exp_id="qvl-golden_1")  # fmt: skip
+    result = launch(
+        fake_recipe,
+        [
+            "tensor_parallel=4",
+            "run.executor.nodes=2",
+            f"run.executor.image={IMAGE}",
+            "run.executor.data_pvc=qvl-data",
+            "run.executor.checkpoints_pvc=qvl-ckpt",
+            "run.executor.namespace=ml",
+        ],
+        kind="kubernetes",
+        dryrun=True,
+        experiments_dir=str(tmp_path),
+        exp_id="qvl-golden_1",
+    )
     # The TrainJob name ends in a per-launch uuid so relaunches never collide; fix it for the comparison.
     manifest = re.sub(r"(name: qvl-test-tiny-sft)-[0-9a-f]{6}\n", r"\1-XXXXXX\n", result["request"])
     check_golden("kubernetes_trainjob.yaml", manifest)
 
 
 def test_local_dryrun_prints_the_command(tmp_path):
-    result = launch("demo", ["steps=2", "output=out", "run.executor.gpus=0"], kind="local", dryrun=True,
-                    experiments_dir=str(tmp_path))  # fmt: skip
+    result = launch(
+        "demo",
+        ["steps=2", "output=out", "run.executor.gpus=0"],
+        kind="local",
+        dryrun=True,
+        experiments_dir=str(tmp_path),
+    )
     assert "-m qvl.launchers.cli demo --steps 2 --output out --device cpu" in result["request"]
     assert result["config"]["command"] == "qvl demo --steps 2 --output out --device cpu"
 
 
 def test_dryrun_of_a_recipe_needing_a_cluster_checkpoint_prints_its_arguments(fake_recipe, tmp_path):
-    result = launch("qvl_test_ckpt_sft", ["hf_path=/lustre/ckpt", "run.executor.gpus=0"], kind="local",
-                    dryrun=True, experiments_dir=str(tmp_path))  # fmt: skip
+    result = launch(
+        "qvl_test_ckpt_sft",
+        ["hf_path=/lustre/ckpt", "run.executor.gpus=0"],
+        kind="local",
+        dryrun=True,
+        experiments_dir=str(tmp_path),
+    )
     assert result["config"]["arguments"] == {"hf_path": "/lustre/ckpt"}
     assert "not built here (FileNotFoundError" in result["config"]["config"]
 
@@ -117,20 +161,53 @@ def test_dryrun_of_a_recipe_needing_a_cluster_checkpoint_prints_its_arguments(fa
 def test_local_run_of_a_tiny_recipe_executes_on_cpu(tmp_path):
     """The real thing: NeMo-Run's LocalExecutor runs `qvl train qwen25_vl_3b_pretrain --model tiny` on a packed
     sample dataset (CPU runtime, Megatron-Bridge's loop) and the experiment succeeds."""
-    from qvl.bridges.testing import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny import write_tiny_hf_checkpoint
     from qvl.data.samples import write_sample_dataset
     from qvl.launchers.cli import main
-    from qvl.recipes.train import read_losses
+    from qvl.recipes.training.train import read_losses
 
     jsonl, media = write_sample_dataset(tmp_path / "samples", count=16, with_bad=False)
     hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen2_5_vl")
-    assert main(["data", "prepare", "--input", str(jsonl), "--media-root", str(media), "--family", "qwen2_5_vl",
-                 "--tokenizer", str(hf), "--seq-length", "256", "--output", str(tmp_path / "data")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--input",
+                str(jsonl),
+                "--media-root",
+                str(media),
+                "--family",
+                "qwen2_5_vl",
+                "--tokenizer",
+                str(hf),
+                "--seq-length",
+                "256",
+                "--output",
+                str(tmp_path / "data"),
+            ]
+        )
+        == 0
+    )
     run_dir = tmp_path / "run"
-    pairs = [f"data={tmp_path / 'data'}", f"hf_path={hf}", "train_iters=2", "global_batch_size=2", "micro_batch_size=1",
-             "seq_length=256", "warmup_iters=1", "save_interval=100", "run.executor.gpus=0"]  # fmt: skip
-    result = launch("qwen25_vl_3b_pretrain", pairs, train_flags=["--model", "tiny", "--run-dir", str(run_dir)],
-                    kind="local", experiments_dir=str(tmp_path / "nemo_run"))  # fmt: skip
+    pairs = [
+        f"data={tmp_path / 'data'}",
+        f"hf_path={hf}",
+        "train_iters=2",
+        "global_batch_size=2",
+        "micro_batch_size=1",
+        "seq_length=256",
+        "warmup_iters=1",
+        "save_interval=100",
+        "run.executor.gpus=0",
+    ]
+    result = launch(
+        "qwen25_vl_3b_pretrain",
+        pairs,
+        train_flags=["--model", "tiny", "--run-dir", str(run_dir)],
+        kind="local",
+        experiments_dir=str(tmp_path / "nemo_run"),
+    )
     assert result["states"] == ["SUCCEEDED"], result
     assert sorted(read_losses(run_dir)) == [1, 2]
     assert Path(result["folder"]).is_dir()  # the experiment (status, logs) stays for `nemo experiment ...`
@@ -139,15 +216,24 @@ def test_local_run_of_a_tiny_recipe_executes_on_cpu(tmp_path):
 # ---- every check before submission has an error that names the value and the fix ----
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["tensor_parallel=8", "run.executor.nodes=3", "run.executor.gpus_per_node=4"],
-     r"world size 12 \(nodes=3 x gpus_per_node=4\) is not divisible by tensor_parallel=8 = 8; use nodes=2 or nodes=4"),
-    (["tensor_parallel=4", "pipeline_parallel=4", "run.executor.nodes=1"],
-     r"world size 8 .* smaller than the recipe's layout tensor_parallel=4 x pipeline_parallel=4 = 16 ranks; use nodes=2"),
-    (["tensor_parallel=2", "expert_parallel=3", "run.executor.nodes=1"],
-     r"not divisible by tensor_parallel=2 x expert_parallel=3 = 6"),
-    (["tensor_parallel=16", "run.executor.nodes=2"], r"tensor_parallel=16 is larger than gpus_per_node=8"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["tensor_parallel=8", "run.executor.nodes=3", "run.executor.gpus_per_node=4"],
+            r"world size 12 \(nodes=3 x gpus_per_node=4\) is not divisible by tensor_parallel=8 = 8; use nodes=2 or nodes=4",
+        ),
+        (
+            ["tensor_parallel=4", "pipeline_parallel=4", "run.executor.nodes=1"],
+            r"world size 8 .* smaller than the recipe's layout tensor_parallel=4 x pipeline_parallel=4 = 16 ranks; use nodes=2",
+        ),
+        (
+            ["tensor_parallel=2", "expert_parallel=3", "run.executor.nodes=1"],
+            r"not divisible by tensor_parallel=2 x expert_parallel=3 = 6",
+        ),
+        (["tensor_parallel=16", "run.executor.nodes=2"], r"tensor_parallel=16 is larger than gpus_per_node=8"),
+    ],
+)
 def test_layout_that_does_not_fit_the_world_is_refused(fake_recipe, tmp_path, overrides, message):
     with pytest.raises(LaunchError, match=message):
         launch(fake_recipe, overrides + SLURM, kind="slurm", dryrun=True, experiments_dir=str(tmp_path))
@@ -160,12 +246,20 @@ def test_registered_layout_applies_without_overrides(fake_recipe, tmp_path):
 
 
 def test_fewer_gpus_than_the_recipe_is_sized_for_is_refused(fake_recipe, tmp_path):
-    with pytest.raises(LaunchError, match=r"recipe qvl_test_tiny_sft is sized for 8 GPUs but the executor has 4 "
-                                          r"\(nodes=1 x gpus_per_node=4\); use nodes=2"):  # fmt: skip
+    with pytest.raises(
+        LaunchError,
+        match=r"recipe qvl_test_tiny_sft is sized for 8 GPUs but the executor has 4 "
+        r"\(nodes=1 x gpus_per_node=4\); use nodes=2",
+    ):
         launch(fake_recipe, ["run.executor.gpus_per_node=4", *SLURM], kind="slurm", dryrun=True)
     # With the layout overridden the user has judged the memory: the same world is accepted.
-    launch(fake_recipe, ["tensor_parallel=4", "run.executor.gpus_per_node=4", *SLURM], kind="slurm", dryrun=True,
-           experiments_dir=str(tmp_path))  # fmt: skip
+    launch(
+        fake_recipe,
+        ["tensor_parallel=4", "run.executor.gpus_per_node=4", *SLURM],
+        kind="slurm",
+        dryrun=True,
+        experiments_dir=str(tmp_path),
+    )
 
 
 @pytest.mark.parametrize("missing", ["account", "partition", "container_image"])
@@ -183,8 +277,13 @@ def test_kubernetes_without_image_is_refused(fake_recipe):
 def test_unreadable_mount_is_refused_in_a_dry_run(fake_recipe, tmp_path):
     local_tunnel = [s for s in SLURM if ".host=" not in s]  # sbatch on this host: mounts must be readable here
     with pytest.raises(LaunchError, match=r"mount '/nonexistent/qvl-data:/data': /nonexistent/qvl-data does not exist"):
-        launch(fake_recipe, [*local_tunnel, "run.executor.mounts=[/nonexistent/qvl-data:/data]"], kind="slurm",
-               dryrun=True, experiments_dir=str(tmp_path))  # fmt: skip
+        launch(
+            fake_recipe,
+            [*local_tunnel, "run.executor.mounts=[/nonexistent/qvl-data:/data]"],
+            kind="slurm",
+            dryrun=True,
+            experiments_dir=str(tmp_path),
+        )
 
 
 def test_ssh_without_job_dir_is_refused(fake_recipe):
@@ -193,15 +292,18 @@ def test_ssh_without_job_dir_is_refused(fake_recipe):
         launch(fake_recipe, settings, kind="slurm", dryrun=True)
 
 
-@pytest.mark.parametrize(("recipe", "overrides", "message"), [
-    (FAKE_RECIPE, ["tensorparallel=4"], r"'tensorparallel' is not a keyword of the recipe"),
-    (FAKE_RECIPE, ["run.executor.nodez=2"], r"the slurm executor has no setting nodez"),
-    (FAKE_RECIPE, ["run.executor.ntasks_per_node=2"], r"the slurm executor has no setting ntasks_per_node"),
-    (FAKE_RECIPE, ["tensor_parallel"], r"is not key=value"),
-    (FAKE_RECIPE, ["tensor_parallel=0"], r"tensor_parallel=0 must be a positive integer"),
-    ("qvl_test_ckpt_sft", [], r"recipe qvl_test_ckpt_sft needs hf_path; pass hf_path=\.\.\."),
-    ("no_such_recipe", [], r"no recipe named 'no_such_recipe'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "message"),
+    [
+        (FAKE_RECIPE, ["tensorparallel=4"], r"'tensorparallel' is not a keyword of the recipe"),
+        (FAKE_RECIPE, ["run.executor.nodez=2"], r"the slurm executor has no setting nodez"),
+        (FAKE_RECIPE, ["run.executor.ntasks_per_node=2"], r"the slurm executor has no setting ntasks_per_node"),
+        (FAKE_RECIPE, ["tensor_parallel"], r"is not key=value"),
+        (FAKE_RECIPE, ["tensor_parallel=0"], r"tensor_parallel=0 must be a positive integer"),
+        ("qvl_test_ckpt_sft", [], r"recipe qvl_test_ckpt_sft needs hf_path; pass hf_path=\.\.\."),
+        ("no_such_recipe", [], r"no recipe named 'no_such_recipe'"),
+    ],
+)
 def test_bad_overrides_are_refused(fake_recipe, recipe, overrides, message):
     with pytest.raises(LaunchError, match=message):
         launch(recipe, overrides + SLURM, kind="slurm", dryrun=True)
@@ -217,10 +319,18 @@ def test_unknown_config_field_is_refused_in_a_dry_run(fake_recipe, tmp_path):
 
 def test_site_file_holds_executor_settings(fake_recipe, tmp_path):
     site = tmp_path / "site.yaml"
-    site.write_text(f"slurm:\n  account: acct\n  partition: batch\n  container_image: {IMAGE}\n  host: login\n"
-                    "  job_dir: /lustre/qvl\n  nodes: 4\n")  # fmt: skip
-    result = launch(fake_recipe, ["run.executor.nodes=2"], kind="slurm", site_file=str(site), dryrun=True,
-                    experiments_dir=str(tmp_path))  # fmt: skip
+    site.write_text(
+        f"slurm:\n  account: acct\n  partition: batch\n  container_image: {IMAGE}\n  host: login\n"
+        "  job_dir: /lustre/qvl\n  nodes: 4\n"
+    )
+    result = launch(
+        fake_recipe,
+        ["run.executor.nodes=2"],
+        kind="slurm",
+        site_file=str(site),
+        dryrun=True,
+        experiments_dir=str(tmp_path),
+    )
     assert "#SBATCH --nodes=2" in result["request"]  # the command line wins over the site file
     assert "#SBATCH --account=acct" in result["request"]
 
@@ -233,8 +343,10 @@ def test_site_file_refuses_secrets(tmp_path):
 
 
 def test_qvl_launch_cli_dryrun_and_error(capsys, tmp_path):
-    assert cli.main(["launch", "demo", "steps=2", "run.executor.gpus=0", "--dryrun",
-                     "--experiments-dir", str(tmp_path)]) == 0  # fmt: skip
+    assert (
+        cli.main(["launch", "demo", "steps=2", "run.executor.gpus=0", "--dryrun", "--experiments-dir", str(tmp_path)])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "local request (dry run, nothing submitted)" in out and "qvl demo --steps 2 --device cpu" in out
     assert cli.main(["launch", "demo", "bogus=1", "--dryrun"]) == 2

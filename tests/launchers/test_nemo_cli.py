@@ -31,7 +31,15 @@ def nemo_cli(monkeypatch):
 
 COMMANDS = {
     "help": ["finetune", "--help"],
-    "dryrun": ["pretrain", "--factory", "demo", "recipe.steps=2", "run.executor=local", "run.executor.gpus=0", "--dryrun"],
+    "dryrun": [
+        "pretrain",
+        "--factory",
+        "demo",
+        "recipe.steps=2",
+        "run.executor=local",
+        "run.executor.gpus=0",
+        "--dryrun",
+    ],
 }
 
 
@@ -41,9 +49,12 @@ def nemo_runs(tmp_path_factory) -> dict[str, tuple[int, str]]:
     cwd = tmp_path_factory.mktemp("nemo")
     env = os.environ | {"NEMORUN_HOME": str(cwd / "nemo_run"), "COLUMNS": "200", "NO_COLOR": "1"}
     env.pop(SITE_CONFIG_ENV, None)
-    procs = {name: subprocess.Popen([NEMO, "qvl", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)  # fmt: skip
-             for name, args in COMMANDS.items()}
+    procs = {
+        name: subprocess.Popen(
+            [NEMO, "qvl", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for name, args in COMMANDS.items()
+    }
     outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
     return {name: (procs[name].returncode, out) for name, out in outputs.items()}
 
@@ -75,9 +86,19 @@ def test_recipe_command_is_the_qvl_command_line(fake_recipe, nemo_cli, monkeypat
     monkeypatch.delenv(executors.CPU_DEVICE_ENV, raising=False)
     recipe = functools.partial(tiny_sft, tensor_parallel=4)
     assert nemo_cli.recipe_command(recipe, ["train.train_iters=5"]) == [
-        "train", FAKE_RECIPE, "tensor_parallel=4", "train.train_iters=5"]  # fmt: skip
+        "train",
+        FAKE_RECIPE,
+        "tensor_parallel=4",
+        "train.train_iters=5",
+    ]
     monkeypatch.setenv(executors.CPU_DEVICE_ENV, "cpu")
-    assert nemo_cli.recipe_command(functools.partial(nemo_cli.demo, steps=2)) == ["demo", "--steps", "2", "--device", "cpu"]
+    assert nemo_cli.recipe_command(functools.partial(nemo_cli.demo, steps=2)) == [
+        "demo",
+        "--steps",
+        "2",
+        "--device",
+        "cpu",
+    ]
 
 
 def test_check_task_refuses_a_layout_the_executor_cannot_hold(fake_recipe, nemo_cli):

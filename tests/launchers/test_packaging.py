@@ -17,15 +17,26 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SUBPACKAGES = ("recipes", "bridges", "data", "launchers")
 # What a NeMo container provides and qvl must never pull in, upgrade or downgrade.
-CONTAINER_STACK = {"torch", "megatron-core", "megatron-bridge", "transformer-engine", "transformers",
-                   "megatron-energon", "nemo-run", "apex"}  # fmt: skip
+CONTAINER_STACK = {
+    "torch",
+    "megatron-core",
+    "megatron-bridge",
+    "transformer-engine",
+    "transformers",
+    "megatron-energon",
+    "nemo-run",
+    "apex",
+}
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(REPO), "-w", str(out)],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(REPO), "-w", str(out)],
+        check=True,
+        capture_output=True,
+    )
     (path,) = out.glob("qvl-*.whl")
     return path
 
@@ -43,8 +54,11 @@ def test_wheel_maps_each_folder_to_a_qvl_subpackage(wheel):
 
 def test_regular_install_imports_from_site_packages(wheel, tmp_path):
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
     # -S skips site-packages (and so the editable install's finder): only the wheel's files are visible.
     code = (
         "import importlib.resources, qvl.recipes, qvl.bridges, qvl.data, qvl.launchers; "
@@ -82,22 +96,49 @@ def test_dependencies_never_touch_the_container_stack():
 def test_pip_install_in_a_provisioned_env_installs_only_qvl(tmp_path):
     """As in a NeMo container: with the stack present, `pip install .` resolves to qvl alone."""
     report = tmp_path / "report.json"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "-q",
-                    "--report", str(report), str(REPO)], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-build-isolation",
+            "-q",
+            "--report",
+            str(report),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+    )
     installs = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
     assert installs == ["qvl"]
 
 
 def test_console_script_help_lists_the_command_groups():
-    out = subprocess.run([sys.executable, "-m", "qvl.launchers.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "qvl.launchers.cli", "--help"], capture_output=True, text=True, check=True
+    )
     for group in ("version", "doctor", "convert", "data", "plan", "train", "launch"):
         assert group in out.stdout
 
 
 def test_version_names_the_stack():
-    out = subprocess.run([sys.executable, "-m", "qvl.launchers.cli", "version"], capture_output=True, text=True, check=True)
-    for name in ("qvl", "torch", "megatron-core", "megatron-bridge", "transformers", "megatron-energon", "nemo-run",
-                 "transformer-engine", "cuda"):  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "qvl.launchers.cli", "version"], capture_output=True, text=True, check=True
+    )
+    for name in (
+        "qvl",
+        "torch",
+        "megatron-core",
+        "megatron-bridge",
+        "transformers",
+        "megatron-energon",
+        "nemo-run",
+        "transformer-engine",
+        "cuda",
+    ):
         assert any(line.split()[0] == name for line in out.stdout.splitlines()), name
     assert f"megatron-core      {metadata.version('megatron-core')}" in out.stdout
 
@@ -105,7 +146,9 @@ def test_version_names_the_stack():
 def test_doctor_passes_here_and_names_the_fix_when_something_is_missing(monkeypatch):
     from qvl.launchers import info
 
-    assert all(c.status != "fail" for c in info.doctor_checks()), [c for c in info.doctor_checks() if c.status == "fail"]
+    assert all(c.status != "fail" for c in info.doctor_checks()), [
+        c for c in info.doctor_checks() if c.status == "fail"
+    ]
     real = info.installed_version
     monkeypatch.setattr(info, "installed_version", lambda name: None if name == "megatron-bridge" else real(name))
     (check,) = [c for c in info.doctor_checks() if c.name == "megatron-bridge"]

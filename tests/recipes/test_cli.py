@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qvl.launchers.cli import main
-from qvl.recipes.cli import parse_overrides, parse_value
+from qvl.launchers.commands.recipes import parse_overrides, parse_value
 
 
 @pytest.fixture(autouse=True)
@@ -15,7 +15,12 @@ def wide_terminal(monkeypatch):
 
 def test_values_parse_to_python_types():
     assert [parse_value(v) for v in ("4", "0.6", "true", "None", "vision,projector")] == [
-        4, 0.6, True, None, "vision,projector"]  # fmt: skip
+        4,
+        0.6,
+        True,
+        None,
+        "vision,projector",
+    ]
     assert parse_overrides(["tensor_parallel=4", "freeze=vision"]) == {"tensor_parallel": 4, "freeze": "vision"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_overrides(["tensor_parallel"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from qvl.data.cost import lm_flops, vision_flops
+from qvl.foundation import distributed
 from qvl.recipes import planner
 from qvl.recipes.planner import GIB, plan_config, plan_recipe
 from qvl.recipes.registry import get_recipe
@@ -15,19 +16,24 @@ from qvl.recipes.split import Workload
 def test_parameter_counts_equal_megatron_models_built_on_cpu(cpu_runtime, tiny_hf_dirs):
     import torch
 
-    cpu_runtime.init_distributed()
+    distributed.init_distributed()
     try:
-        for family, name in [("qwen2_vl", "qwen2_vl_2b_sft"), ("qwen2_5_vl", "qwen25_vl_3b_sft"),
-                             ("qwen3_vl", "qwen3_vl_2b_sft"), ("qwen3_vl_moe", "qwen3_vl_30b_a3b_sft")]:  # fmt: skip
-            cfg = get_recipe(name).fn(hf_path=str(tiny_hf_dirs[family]), precision="fp32", tensor_parallel=1,
-                                      expert_parallel=1)  # fmt: skip
+        for family, name in [
+            ("qwen2_vl", "qwen2_vl_2b_sft"),
+            ("qwen2_5_vl", "qwen25_vl_3b_sft"),
+            ("qwen3_vl", "qwen3_vl_2b_sft"),
+            ("qwen3_vl_moe", "qwen3_vl_30b_a3b_sft"),
+        ]:
+            cfg = get_recipe(name).fn(
+                hf_path=str(tiny_hf_dirs[family]), precision="fp32", tensor_parallel=1, expert_parallel=1
+            )
             cfg.model.finalize()
             chunks = cfg.model.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
             built = sum(p.numel() for chunk in chunks for p in chunk.parameters())
             counted = sum(planner.lm_param_counts(cfg.model).values()) + planner.vision_param_count(cfg.model)
             assert counted == built, family
     finally:
-        cpu_runtime.destroy_distributed()
+        distributed.destroy_distributed()
         torch.manual_seed(0)
 
 

@@ -16,8 +16,11 @@ def test_registry_covers_every_family_size_and_stage(recipes):
     by_family = {}
     for info in recipes.values():
         by_family.setdefault(info.family, set()).add((info.size, info.stage))
-    expected = {"qwen2_vl": ["2b", "7b", "72b"], "qwen2_5_vl": ["3b", "7b", "32b", "72b"],
-                "qwen3_vl": ["2b", "4b", "8b", "32b", "30b-a3b", "235b-a22b"]}  # fmt: skip
+    expected = {
+        "qwen2_vl": ["2b", "7b", "72b"],
+        "qwen2_5_vl": ["3b", "7b", "32b", "72b"],
+        "qwen3_vl": ["2b", "4b", "8b", "32b", "30b-a3b", "235b-a22b"],
+    }
     for family, sizes in expected.items():
         assert by_family[family] == {(s, st) for s in sizes for st in STAGES}
     assert all(info.layout["gpus"] >= 1 and info.summary for info in recipes.values())
@@ -41,9 +44,18 @@ def test_every_recipe_returns_a_config_container_with_its_default_layout(recipes
 
 def test_overrides_reach_megatron_fields():
     cfg = get_recipe("qwen25_vl_7b_sft").fn(
-        tensor_parallel=4, recompute="full", recompute_layers=2, optimizer_offload=0.6, freeze="vision,projector",
-        precision="fp8-current", lr=3e-5, train_iters=50, checkpoint_dir="/tmp/ck", save_interval=7,
-        wandb_project="qvl")  # fmt: skip
+        tensor_parallel=4,
+        recompute="full",
+        recompute_layers=2,
+        optimizer_offload=0.6,
+        freeze="vision,projector",
+        precision="fp8-current",
+        lr=3e-5,
+        train_iters=50,
+        checkpoint_dir="/tmp/ck",
+        save_interval=7,
+        wandb_project="qvl",
+    )
     m = cfg.model
     assert (m.tensor_model_parallel_size, m.sequence_parallel) == (4, True)
     assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "block", 2)
@@ -102,9 +114,15 @@ def test_packed_dataset_config_refuses_a_missing_dataset(tmp_path):
     assert (dataset.path, dataset.hf_path, dataset.family) == (str(tmp_path), "Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl")
 
 
-@pytest.mark.parametrize(("family", "name"), [("qwen2_vl", "qwen2_vl_2b_peft"), ("qwen2_5_vl", "qwen25_vl_3b_sft"),
-                                              ("qwen3_vl", "qwen3_vl_2b_pretrain"),
-                                              ("qwen3_vl_moe", "qwen3_vl_30b_a3b_sft")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("family", "name"),
+    [
+        ("qwen2_vl", "qwen2_vl_2b_peft"),
+        ("qwen2_5_vl", "qwen25_vl_3b_sft"),
+        ("qwen3_vl", "qwen3_vl_2b_pretrain"),
+        ("qwen3_vl_moe", "qwen3_vl_30b_a3b_sft"),
+    ],
+)
 def test_recipe_reads_a_local_checkpoint_config(tiny_hf_dirs, family, name):
     cfg = get_recipe(name).fn(hf_path=str(tiny_hf_dirs[family]), tensor_parallel=1, expert_parallel=1)
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.vocab_size) == (64, 4, 512)
@@ -113,7 +131,7 @@ def test_recipe_reads_a_local_checkpoint_config(tiny_hf_dirs, family, name):
 def test_vision_balance_reaches_the_training_config_and_its_yaml(tmp_path):
     from megatron.bridge.training.config import ConfigContainer
 
-    from qvl.recipes.cli import parse_overrides
+    from qvl.launchers.commands.recipes import parse_overrides
 
     assert not get_recipe("qwen25_vl_7b_sft").fn().dataset.vision_balance
     assert get_recipe("qwen2_vl_7b_sft").fn(**parse_overrides(["vision_balance=true"])).dataset.vision_balance

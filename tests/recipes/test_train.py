@@ -11,11 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from qvl.recipes.train import read_losses
+from qvl.recipes.training.train import read_losses
 
 STEPS = 6
-ARGS = ["qwen25_vl_3b_pretrain", f"train_iters={STEPS}", "global_batch_size=2", "micro_batch_size=1",
-        "seq_length=256", "warmup_iters=1", "lr=1e-3", "save_interval=100", "log_interval=1"]  # fmt: skip
+ARGS = [
+    "qwen25_vl_3b_pretrain",
+    f"train_iters={STEPS}",
+    "global_batch_size=2",
+    "micro_batch_size=1",
+    "seq_length=256",
+    "warmup_iters=1",
+    "lr=1e-3",
+    "save_interval=100",
+    "log_interval=1",
+]
 
 
 def qvl(*args: str) -> None:
@@ -25,14 +34,28 @@ def qvl(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> tuple[Path, Path]:
-    from qvl.bridges.testing import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny import write_tiny_hf_checkpoint
     from qvl.data.samples import write_sample_dataset
 
     root = tmp_path_factory.mktemp("train")
     jsonl, media = write_sample_dataset(root / "samples")
     hf = write_tiny_hf_checkpoint(root / "hf", "qwen2_5_vl")
-    qvl("data", "prepare", "--input", str(jsonl), "--media-root", str(media), "--family", "qwen2_5_vl",
-        "--tokenizer", str(hf), "--seq-length", "256", "--output", str(root / "data"))  # fmt: skip
+    qvl(
+        "data",
+        "prepare",
+        "--input",
+        str(jsonl),
+        "--media-root",
+        str(media),
+        "--family",
+        "qwen2_5_vl",
+        "--tokenizer",
+        str(hf),
+        "--seq-length",
+        "256",
+        "--output",
+        str(root / "data"),
+    )
     return root / "data", hf
 
 
@@ -80,10 +103,15 @@ def test_trained_checkpoint_exports_to_hf_that_transformers_loads(runs, dataset,
 
 def test_dotted_overrides_set_config_fields_and_unknown_ones_are_named(tmp_path, cpu_runtime):
     from qvl.launchers.overrides import LaunchError
-    from qvl.recipes.train import TrainRequest, prepare_config
+    from qvl.recipes.training.train import TrainRequest, prepare_config
 
-    request = TrainRequest(recipe="qwen25_vl_3b_pretrain", overrides={"train.exit_interval": 7, "train_iters": 3},
-                           run_dir=tmp_path, model="tiny", device="cpu")  # fmt: skip
+    request = TrainRequest(
+        recipe="qwen25_vl_3b_pretrain",
+        overrides={"train.exit_interval": 7, "train_iters": 3},
+        run_dir=tmp_path,
+        model="tiny",
+        device="cpu",
+    )
     _, config = prepare_config(request)
     assert (config.train.exit_interval, config.train.train_iters) == (7, 3)
     assert config.model.vocab_size == 512 and config.model.tensor_model_parallel_size == 1  # the tiny model, alone
@@ -95,16 +123,46 @@ def test_dotted_overrides_set_config_fields_and_unknown_ones_are_named(tmp_path,
 def test_pipeline_parallel_2_trains_the_packed_dataset_like_one_stage(dataset, tmp_path):
     """PP=2 (two gloo processes under torchrun) from the same converted checkpoint gives PP=1's losses:
     packed batches are padded to seq_length for the fixed-shape stage-to-stage buffers."""
-    from qvl.launchers.runtime import free_port
+    from qvl.foundation.distributed import free_port
 
     data, hf = dataset
     qvl("convert", "import", str(hf), str(tmp_path / "megatron"), "--dtype", "fp32", "--device", "cpu")
-    common = ["qwen25_vl_3b_sft", f"data={data}", f"hf_path={hf}", f"pretrained_checkpoint={tmp_path / 'megatron'}",
-              *ARGS[1:], "train_iters=2", "--model", "tiny", "--device", "cpu"]  # fmt: skip
+    common = [
+        "qwen25_vl_3b_sft",
+        f"data={data}",
+        f"hf_path={hf}",
+        f"pretrained_checkpoint={tmp_path / 'megatron'}",
+        *ARGS[1:],
+        "train_iters=2",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+    ]
     qvl("train", *common, "--run-dir", str(tmp_path / "pp1"))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    out = subprocess.run([*torchrun, "-m", "qvl.launchers.cli", "train", *common, "pipeline_parallel=2",
-                          "--run-dir", str(tmp_path / "pp2")], capture_output=True, text=True)  # fmt: skip
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    out = subprocess.run(
+        [
+            *torchrun,
+            "-m",
+            "qvl.launchers.cli",
+            "train",
+            *common,
+            "pipeline_parallel=2",
+            "--run-dir",
+            str(tmp_path / "pp2"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     one, two = read_losses(tmp_path / "pp1"), read_losses(tmp_path / "pp2")
     assert sorted(two) == [1, 2]

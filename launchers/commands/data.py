@@ -36,8 +36,11 @@ def _add_prepare(commands) -> None:
     p.add_argument("--balance-cost", action="store_true", help="even out packs' attention cost (same token fill)")
     p.add_argument("--data-parallel", type=int, help="schedule packs over D data-parallel ranks by compute cost")
     p.add_argument("--global-batch", type=int, help="packs per optimizer step over all ranks (with --data-parallel)")
-    p.add_argument("--model-config", type=pathlib.Path,
-                   help="HF config.json (or its dir) for the DP plan's cost model; default: the --tokenizer dir")
+    p.add_argument(
+        "--model-config",
+        type=pathlib.Path,
+        help="HF config.json (or its dir) for the DP plan's cost model; default: the --tokenizer dir",
+    )
     p.add_argument("--no-decode-check", action="store_true", help="read image headers only; skip the full decode")
     p.add_argument("--packs-per-shard", type=int, default=256)
     p.add_argument("--strict", action="store_true", help="exit 1 if any sample is quarantined")
@@ -59,12 +62,25 @@ def run_prepare(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     config = PrepareConfig(
-        input=args.input, media_root=args.media_root, family=args.family, tokenizer=args.tokenizer,
-        seq_length=args.seq_length, output=args.output, system_prompt=args.system_prompt,
-        chat_template=args.chat_template, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-        video_min_pixels=args.video_min_pixels, video_max_pixels=args.video_max_pixels, truncate=args.truncate,
-        balance_cost=args.balance_cost, decode_images=not args.no_decode_check, packs_per_shard=args.packs_per_shard,
-        data_parallel=args.data_parallel, global_batch=args.global_batch, model_config=args.model_config,
+        input=args.input,
+        media_root=args.media_root,
+        family=args.family,
+        tokenizer=args.tokenizer,
+        seq_length=args.seq_length,
+        output=args.output,
+        system_prompt=args.system_prompt,
+        chat_template=args.chat_template,
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
+        video_min_pixels=args.video_min_pixels,
+        video_max_pixels=args.video_max_pixels,
+        truncate=args.truncate,
+        balance_cost=args.balance_cost,
+        decode_images=not args.no_decode_check,
+        packs_per_shard=args.packs_per_shard,
+        data_parallel=args.data_parallel,
+        global_batch=args.global_batch,
+        model_config=args.model_config,
     )
     for path, flag in ((args.input, "--input"), (args.media_root, "--media-root"), (args.tokenizer, "--tokenizer")):
         if not path.exists():
@@ -77,7 +93,9 @@ def run_prepare(args: argparse.Namespace) -> int:
         return 2
     _print_report(report)
     if args.strict and report["quarantined"]:
-        console.print(f"[red]--strict: {report['quarantined']} sample(s) quarantined; see {args.output}/quarantine.jsonl")
+        console.print(
+            f"[red]--strict: {report['quarantined']} sample(s) quarantined; see {args.output}/quarantine.jsonl"
+        )
         return 1
     return 0
 

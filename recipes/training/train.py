@@ -1,4 +1,4 @@
-"""Training a recipe (`qvl train RECIPE [key=value ...]`, parsed in qvl.recipes.cli) through Megatron-Bridge's own pretrain/finetune loop.
+"""Training a recipe (`qvl train RECIPE [key=value ...]`, parsed in qvl.launchers.commands.recipes) through Megatron-Bridge's own pretrain/finetune loop.
 
 `--model tiny` swaps the recipe's published architecture for a tiny random model of the same family
 (written as an HF checkpoint in the run directory), and `--device cpu` runs it through qvl's CPU
@@ -50,7 +50,7 @@ def prepare_config(request: TrainRequest):
     overrides = {k: v for k, v in request.overrides.items() if "." not in k}
     cpu = request.device == "cpu" or not torch.cuda.is_available()
     if request.model == "tiny" and "hf_path" not in overrides:
-        from qvl.bridges.testing import write_tiny_hf_checkpoint
+        from qvl.bridges.tiny import write_tiny_hf_checkpoint
 
         hf_dir = request.run_dir / "tiny-hf"
         if not (hf_dir / "config.json").is_file():
@@ -64,11 +64,11 @@ def prepare_config(request: TrainRequest):
     overrides.setdefault("tensorboard_dir", str(request.run_dir / "tensorboard"))
     config = info.fn(**overrides)
     if dotted:
-        from qvl.launchers.overrides import apply_config_overrides
+        from qvl.recipes.overrides import apply_config_overrides
 
         apply_config_overrides(config, dotted)
     if cpu:
-        from qvl.launchers import runtime
+        from qvl.foundation import runtime
 
         config.dist.distributed_backend = "gloo"
         config.dataset.num_workers = 0
@@ -102,26 +102,26 @@ class _LossRecorder:
 
 def run_training(request: TrainRequest) -> Path:
     """Train; returns the run directory (checkpoints/, losses.jsonl, tensorboard/)."""
-    from qvl.launchers import runtime
+    from qvl.foundation import distributed, megatron, runtime
 
     request.run_dir.mkdir(parents=True, exist_ok=True)
     if "MASTER_PORT" not in os.environ:  # not under torchrun: a free port, not the fixed default 29500
-        os.environ["MASTER_PORT"] = str(runtime.free_port())
+        os.environ["MASTER_PORT"] = str(distributed.free_port())
     if request.device == "cpu" or not torch.cuda.is_available():
         runtime.activate(force=True)
         runtime.enable_bridge_training()
-    runtime.import_megatron_bridge()
-    import qvl.bridges.registry  # noqa: F401
+    megatron.import_megatron_bridge()
     from megatron.bridge.training.callbacks import CallbackManager
 
-    from qvl.launchers import optimizer_fixes
+    import qvl.bridges.registry  # noqa: F401
+    from qvl.recipes.training import optimizer_fixes
 
     optimizer_fixes.apply()  # resume correctness with torch Adam (no TE/Apex), on any device
 
     info, config = prepare_config(request)
     callbacks = CallbackManager()
     callbacks.register("on_train_step_end", _LossRecorder(request.run_dir / LOSSES_FILE))
-    from qvl.recipes.step import forward_step
+    from qvl.recipes.training.step import forward_step
 
     if info.stage == "pretrain":
         from megatron.bridge.training.pretrain import pretrain as loop

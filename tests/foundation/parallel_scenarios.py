@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from qvl.launchers import runtime, smoke
+from qvl.foundation import distributed, runtime
+from tests import megatron_smoke as smoke
 
 SHAPE = smoke.TinyGPT(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=16)
 MICRO_BATCH = 2
@@ -71,7 +72,7 @@ def forward_loss(model) -> float:
 
 def reference(out_dir: Path) -> dict:
     """Single process: full weights, forward loss, and the 3-step trajectory on both micro-batches."""
-    runtime.init_distributed()
+    distributed.init_distributed()
     try:
         model = smoke.build_model(SHAPE)
         weights = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
@@ -79,10 +80,11 @@ def reference(out_dir: Path) -> dict:
         loss = forward_loss(model)
         trained = smoke.wrap_ddp(smoke.build_model(SHAPE))
         load_full_weights(trained.module, weights)
-        losses, _ = smoke.train([trained], training_batches(), shape=SHAPE, steps=STEPS,
-                                micro_batch_size=MICRO_BATCH, num_microbatches=2)  # fmt: skip
+        losses, _ = smoke.train(
+            [trained], training_batches(), shape=SHAPE, steps=STEPS, micro_batch_size=MICRO_BATCH, num_microbatches=2
+        )
     finally:
-        runtime.destroy_distributed()
+        distributed.destroy_distributed()
     return {"forward_loss": loss, "trajectory": losses}
 
 
@@ -95,21 +97,22 @@ def two_process_worker(rank: int, world_size: int, port: int, out_dir: str) -> N
     full = torch.load(out / "reference_weights.pt")
     results = {}
     for name, parallel in (("tp2", {"tensor_parallel": 2}), ("pp2", {"pipeline_parallel": 2})):
-        runtime.init_distributed(**parallel)
+        distributed.init_distributed(**parallel)
         model = smoke.build_model(SHAPE)
         load_full_weights(model, full)
         results[f"{name}_forward_loss"] = forward_loss(model)
         if name == "tp2":
             results["checkpoint"] = checkpoint_round_trip(model, out / "dist_ckpt")
         _reset_parallel_state()
-    runtime.init_distributed()  # TP=1, PP=1: both processes are data-parallel ranks
+    distributed.init_distributed()  # TP=1, PP=1: both processes are data-parallel ranks
     model = smoke.wrap_ddp(smoke.build_model(SHAPE))
     load_full_weights(model.module, full)
     mine = training_batches()[rank::world_size]
-    results["dp2_trajectory"], _ = smoke.train([model], mine, shape=SHAPE, steps=STEPS,
-                                               micro_batch_size=MICRO_BATCH, num_microbatches=1)  # fmt: skip
+    results["dp2_trajectory"], _ = smoke.train(
+        [model], mine, shape=SHAPE, steps=STEPS, micro_batch_size=MICRO_BATCH, num_microbatches=1
+    )
     torch.save(results, out / f"rank{rank}.pt")
-    runtime.destroy_distributed()
+    distributed.destroy_distributed()
 
 
 def checkpoint_round_trip(model, directory: Path) -> dict:

@@ -7,12 +7,12 @@ distributed optimizer and the forward-backward schedules, on the local layer spe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
-from qvl.launchers import runtime
+from qvl.foundation import runtime
 
 
 @dataclass(kw_only=True, slots=True)
@@ -137,10 +137,11 @@ def train(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, use_distributed_optimizer=distributed_optimizer,
-                        clip_grad=1.0, weight_decay=0.0),
+        OptimizerConfig(
+            optimizer="adam", lr=lr, use_distributed_optimizer=distributed_optimizer, clip_grad=1.0, weight_decay=0.0
+        ),
         model_chunks,
-    )  # fmt: skip
+    )
     # The schedule reduces gradients across data-parallel ranks (and embedding/LayerNorm grads across
     # pipeline stages) only through this hook, which Megatron's own training loop installs.
     for chunk in model_chunks:
@@ -186,4 +187,3 @@ def wrap_ddp(model, *, distributed_optimizer: bool = True):
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer, overlap_grad_reduce=False
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-

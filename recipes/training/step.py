@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -28,8 +29,10 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
     cu = batch.cu_seqlens_q.to(device=device, dtype=torch.int32)
     padding = 0 if pad_to is None else pad_to - tokens.shape[1]
     if padding < 0:
-        raise ValueError(f"a packed batch of {tokens.shape[1]} tokens exceeds seq_length={pad_to}; "
-                         "prepare the dataset with --seq-length <= the recipe's seq_length")  # fmt: skip
+        raise ValueError(
+            f"a packed batch of {tokens.shape[1]} tokens exceeds seq_length={pad_to}; "
+            "prepare the dataset with --seq-length <= the recipe's seq_length"
+        )
     if padding > 0:
         tokens = torch.nn.functional.pad(tokens, (0, padding), value=0)
         labels = torch.nn.functional.pad(labels, (0, padding), value=0)
@@ -41,10 +44,14 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
         "loss_mask": loss_mask.float(),
         "attention_mask": None,
         "position_ids": None,  # the model derives 3-D mRoPE positions per sub-sequence itself
-        "packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                             max_seqlen_q=max(batch.max_seqlen, padding),
-                                             max_seqlen_kv=max(batch.max_seqlen, padding)),
-    }  # fmt: skip
+        "packed_seq_params": PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=max(batch.max_seqlen, padding),
+            max_seqlen_kv=max(batch.max_seqlen, padding),
+        ),
+    }
     for name in _VISUAL_FIELDS:
         value = getattr(batch, name, None)
         if value is not None and value.numel():
@@ -66,12 +73,16 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
         output, loss_mask = output
     checks = state.cfg.rerun_state_machine
-    return output, partial(masked_next_token_loss, loss_mask, check_for_nan_in_loss=checks.check_for_nan_in_loss,
-                           check_for_spiky_loss=checks.check_for_spiky_loss)  # fmt: skip
+    return output, partial(
+        masked_next_token_loss,
+        loss_mask,
+        check_for_nan_in_loss=checks.check_for_nan_in_loss,
+        check_for_spiky_loss=checks.check_for_spiky_loss,
+    )
 
 
 def balanced_vision_inputs(model: Any, kwargs: dict) -> dict:
-    """`kwargs` with the vision work balanced over the data-parallel group (qvl.data.vision_balance): the image
+    """`kwargs` with the vision work balanced over the data-parallel group (qvl.recipes.training.vision_balance): the image
     and video embeddings are scattered into `inputs_embeds` here and the pixels dropped, so the model skips its
     own tower; the grids stay, for mRoPE positions. Collective: every data-parallel rank of the first pipeline
     stage calls it for every micro-batch, with or without images. Qwen2-VL / Qwen2.5-VL (Qwen25VLModel) only.
@@ -91,8 +102,10 @@ def balanced_vision_inputs(model: Any, kwargs: dict) -> dict:
         image_mask, video_mask = vlm.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds)
         n_image, n_video = int(image_mask.sum()), int(video_mask.sum())
         if embeds.shape[0] != n_image + n_video:
-            raise ValueError(f"the vision tower gave {embeds.shape[0]} embeddings for {n_image} image and {n_video} "
-                             "video placeholder tokens; the packed batch's grids and placeholders disagree")
+            raise ValueError(
+                f"the vision tower gave {embeds.shape[0]} embeddings for {n_image} image and {n_video} "
+                "video placeholder tokens; the packed batch's grids and placeholders disagree"
+            )
         # masked_scatter keeps even an empty `embeds` in the graph: its backward (an all_to_all) is collective too.
         embeds = embeds.to(inputs_embeds.dtype)
         inputs_embeds = inputs_embeds.masked_scatter(image_mask, embeds[:n_image])
@@ -105,8 +118,8 @@ def _balanced_vision_embeddings(vlm: Any, kwargs: dict) -> torch.Tensor | None:
     """Pop the pixels from `kwargs` and encode images, then videos, in one balanced call (they share the tower)."""
     from megatron.core import parallel_state
 
-    from qvl.data.vision_balance import balanced_vision_forward
     from qvl.recipes.planner import model_shapes
+    from qvl.recipes.training.vision_balance import balanced_vision_forward
 
     pixels = [kwargs.pop(name, None) for name in ("pixel_values", "pixel_values_videos")]
     grids = [kwargs[grid] for grid, p in zip(("image_grid_thw", "video_grid_thw"), pixels) if p is not None]
@@ -115,6 +128,7 @@ def _balanced_vision_embeddings(vlm: Any, kwargs: dict) -> torch.Tensor | None:
         lambda rows, grid: torch.cat(vlm.get_image_features(rows, grid, return_dict=True).pooler_output),
         torch.cat(pixels) if pixels else None,
         torch.cat(grids) if grids else torch.zeros(0, 3, dtype=torch.long, device=kwargs["input_ids"].device),
-        shape=model_shapes(vlm.config)[1], group=parallel_state.get_data_parallel_group(),
+        shape=model_shapes(vlm.config)[1],
+        group=parallel_state.get_data_parallel_group(),
         pixel_dtype=torch.float32,  # what qvl.data.load's image processor yields, on every rank
-    )  # fmt: skip
+    )

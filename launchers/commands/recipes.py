@@ -14,8 +14,9 @@ def register(subparsers: Any) -> None:
     listing = subparsers.add_parser("recipes", help="list the recipe functions with their default layout")
     listing.add_argument("--family", help="only this family (qwen2_vl, qwen2_5_vl, qwen3_vl)")
     listing.set_defaults(func=run_recipes)
-    plan = subparsers.add_parser("plan", help="memory, pipeline split, FLOPs and MFU of a recipe per GPU",
-                                 epilog=PLAN_EPILOG)  # fmt: skip
+    plan = subparsers.add_parser(
+        "plan", help="memory, pipeline split, FLOPs and MFU of a recipe per GPU", epilog=PLAN_EPILOG
+    )
     plan.add_argument("recipe", help="a name from `qvl recipes`")
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe keyword arguments")
     plan.add_argument("--gpus", type=int, help="number of GPUs (default: the recipe's planned count)")
@@ -26,13 +27,23 @@ def register(subparsers: Any) -> None:
     plan.set_defaults(func=run_plan)
     train = subparsers.add_parser("train", help="train a recipe through Megatron-Bridge (also tiny models on CPU)")
     train.add_argument("recipe", help="recipe name (`qvl recipes` lists them)")
-    train.add_argument("overrides", nargs="*",
-                       help="key=value recipe arguments (data=DIR train_iters=20) or section.field=value config fields")
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        help="key=value recipe arguments (data=DIR train_iters=20) or section.field=value config fields",
+    )
     train.add_argument("--model", choices=("tiny",), default=None, help="a tiny random model of the recipe's family")
     train.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces qvl's CPU runtime")
-    train.add_argument("--run-dir", default="runs/train", help="checkpoints, losses.jsonl, tensorboard (default runs/train)")
-    train.add_argument("--stop-after", type=int, default=None, metavar="N",
-                       help="save a checkpoint and exit after N steps (resume by running the same command again)")
+    train.add_argument(
+        "--run-dir", default="runs/train", help="checkpoints, losses.jsonl, tensorboard (default runs/train)"
+    )
+    train.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="save a checkpoint and exit after N steps (resume by running the same command again)",
+    )
     train.set_defaults(func=run_train)
 
 
@@ -76,9 +87,17 @@ def run_recipes(args: argparse.Namespace) -> int:
         if args.family and info.family != args.family:
             continue
         lay = info.layout
-        table.add_row(info.name, info.family, info.size, info.stage, str(lay.get("tensor_parallel", 1)),
-                      str(lay.get("pipeline_parallel", 1)), str(lay.get("expert_parallel", 1)),
-                      str(lay.get("gpus", "")), info.summary)  # fmt: skip
+        table.add_row(
+            info.name,
+            info.family,
+            info.size,
+            info.stage,
+            str(lay.get("tensor_parallel", 1)),
+            str(lay.get("pipeline_parallel", 1)),
+            str(lay.get("expert_parallel", 1)),
+            str(lay.get("gpus", "")),
+            info.summary,
+        )
     Console().print(table)
     return 0
 
@@ -93,8 +112,12 @@ def run_plan(args: argparse.Namespace) -> int:
         overrides = parse_overrides(args.overrides)
         info = get_recipe(args.recipe)
         gpus = args.gpus or info.layout.get("gpus", 8)
-        workload = Workload(seq_length=1, sample_tokens=args.sample_tokens, vision_token_fraction=args.vision_fraction,
-                            patches_per_image=args.patches_per_image)  # seq_length: the recipe's
+        workload = Workload(
+            seq_length=1,
+            sample_tokens=args.sample_tokens,
+            vision_token_fraction=args.vision_fraction,
+            patches_per_image=args.patches_per_image,
+        )  # seq_length: the recipe's
         plan = plan_recipe(args.recipe, overrides, gpus=gpus, gpu=args.gpu, workload=workload)
     except (ValueError, KeyError, TypeError) as err:
         print(f"qvl plan: {err}", file=sys.stderr)
@@ -114,43 +137,69 @@ def print_plan(name: str, plan: Any) -> None:
     lay = plan.layout
     layout = " ".join(f"{k}={v}" for k, v in lay.items())
     memory = Table(title=f"{name} on {plan.gpus} x {plan.gpu.name}: {layout}")
-    for column in ("pipeline stage", "LM layers", "params GiB", "grads GiB", "optimizer GiB", "activations GiB",
-                   "overhead GiB", "total GiB / GPU"):  # fmt: skip
+    for column in (
+        "pipeline stage",
+        "LM layers",
+        "params GiB",
+        "grads GiB",
+        "optimizer GiB",
+        "activations GiB",
+        "overhead GiB",
+        "total GiB / GPU",
+    ):
         memory.add_column(column, justify="right")
     usable = plan.gpu.memory_gib
     for s, stage in enumerate(plan.stages):
         extra = " (+ vision)" if s == 0 else ""
         total = stage.total / GIB
-        memory.add_row(f"{s}{extra}", str(stage.layers), *(f"{x / GIB:.1f}" for x in (stage.params, stage.grads,
-                       stage.optimizer, stage.activations, stage.overhead)),
-                       f"[{'red' if total > usable else 'green'}]{total:.1f}[/] of {usable:.1f}")  # fmt: skip
+        memory.add_row(
+            f"{s}{extra}",
+            str(stage.layers),
+            *(
+                f"{x / GIB:.1f}"
+                for x in (stage.params, stage.grads, stage.optimizer, stage.activations, stage.overhead)
+            ),
+            f"[{'red' if total > usable else 'green'}]{total:.1f}[/] of {usable:.1f}",
+        )
     console.print(memory)
     split = "/".join(str(s.layers) for s in plan.stages)
     console.print(f"pipeline split (LM layers per stage, vision tower on stage 0): {split}")
     flops = plan.stage_flops
     if len(flops) > 1:
-        console.print("stage forward FLOPs per micro-batch: " + ", ".join(f"{f:.2e}" for f in flops)
-                      + f" (slowest / mean = {max(flops) / (sum(flops) / len(flops)):.2f})")  # fmt: skip
+        console.print(
+            "stage forward FLOPs per micro-batch: "
+            + ", ".join(f"{f:.2e}" for f in flops)
+            + f" (slowest / mean = {max(flops) / (sum(flops) / len(flops)):.2f})"
+        )
     console.print(f"parameters: {plan.params_total / 1e9:.2f} B total, {plan.params_trainable / 1e9:.3f} B trainable")
-    console.print(f"model FLOPs per step: {plan.model_flops_per_step:.3e}; estimated step time "
-                  f"{plan.step_time_s:.2f} s; MFU estimate {plan.mfu:.1%} (assumes {GEMM_EFFICIENCY:.0%} of peak "
-                  "in compute, pipeline bubble and unoverlapped TP/EP/DP traffic)")  # fmt: skip
+    console.print(
+        f"model FLOPs per step: {plan.model_flops_per_step:.3e}; estimated step time "
+        f"{plan.step_time_s:.2f} s; MFU estimate {plan.mfu:.1%} (assumes {GEMM_EFFICIENCY:.0%} of peak "
+        "in compute, pipeline bubble and unoverlapped TP/EP/DP traffic)"
+    )
     for problem in plan.problems:
         console.print(f"[red]refused:[/] {problem}")
     if plan.suggestions:
         console.print("fits with: " + "; ".join(plan.suggestions))
     elif plan.problems and any(p.startswith("does not fit") for p in plan.problems):
-        console.print("no single change fits; raise --gpus, or combine tensor_parallel/pipeline_parallel and "
-                      "recompute=full")  # fmt: skip
+        console.print(
+            "no single change fits; raise --gpus, or combine tensor_parallel/pipeline_parallel and recompute=full"
+        )
 
 
 def run_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from qvl.recipes.train import TrainRequest, read_losses, run_training
+    from qvl.recipes.training.train import TrainRequest, read_losses, run_training
 
-    request = TrainRequest(recipe=args.recipe, overrides=parse_overrides(args.overrides), run_dir=Path(args.run_dir),
-                           model=args.model, device=args.device, stop_after=args.stop_after)  # fmt: skip
+    request = TrainRequest(
+        recipe=args.recipe,
+        overrides=parse_overrides(args.overrides),
+        run_dir=Path(args.run_dir),
+        model=args.model,
+        device=args.device,
+        stop_after=args.stop_after,
+    )
     run_training(request)
     losses = read_losses(request.run_dir)
     if losses:

@@ -134,7 +134,10 @@ def video_preprocessor_config(family: str) -> dict:
     config = preprocessor_config(family)
     config.pop("image_processor_type")
     config["video_processor_type"] = "Qwen3VLVideoProcessor" if family == "qwen3_vl" else "Qwen2VLVideoProcessor"
-    config["size"] = {"shortest_edge": config["size"]["shortest_edge"], "longest_edge": 4 * config["size"]["longest_edge"]}
+    config["size"] = {
+        "shortest_edge": config["size"]["shortest_edge"],
+        "longest_edge": 4 * config["size"]["longest_edge"],
+    }
     config["fps"] = 2.0
     return config
 

@@ -12,11 +12,21 @@ import pytest
 import torch
 
 from qvl.data.cost import VisionShape
-from qvl.data.vision_balance import assign_images, plan_vision_balance
+from qvl.recipes.training.vision_balance import assign_images, plan_vision_balance
 
 # The tiny tower of the brief: SwiGLU blocks, 56-px windows (2 x 2 merged units), block 1 full attention.
-TOWER = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=48, patch_size=14,
-             spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+TOWER = dict(
+    depth=2,
+    hidden_size=32,
+    num_heads=2,
+    intermediate_size=64,
+    out_hidden_size=48,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=56,
+    fullatt_block_indexes=[1],
+)
 SHAPE = VisionShape(**{**TOWER, "fullatt_block_indexes": (1,)}, gated_mlp=True)
 # Rank 0 holds the large images, rank 1 small ones (all at least 4 x 4 patches, as the processors make them).
 SKEWED = {0: [[1, 32, 32], [1, 24, 32], [1, 16, 28], [2, 8, 8]], 1: [[1, 4, 4], [1, 4, 8], [1, 8, 4], [1, 4, 4]]}
@@ -72,7 +82,7 @@ def _grads(model) -> torch.Tensor:
 
 def run_scenario(rank: int, batch: dict[int, list[list[int]]]) -> dict:
     """Unbalanced and balanced forward + backward of this rank's images; their outputs and summed gradients."""
-    from qvl.data.vision_balance import balanced_vision_forward
+    from qvl.recipes.training.vision_balance import balanced_vision_forward
 
     model = _tower()
     vision_fn = lambda pixels, grid: model(pixels, grid_thw=grid).pooler_output  # noqa: E731
@@ -87,12 +97,17 @@ def run_scenario(rank: int, batch: dict[int, list[list[int]]]) -> dict:
     (balanced * weights).sum().backward()  # also on a rank without images: the backward is collective
     balanced_grads = _grads(model)
     plan = plan_vision_balance([np.asarray(batch[r]).reshape(-1, 3) for r in range(2)], SHAPE)
-    return {"equal": torch.equal(local.detach(), balanced.detach()), "rows": list(balanced.shape),
-            "max_abs_diff": float((local - balanced).detach().abs().max()) if len(local) else 0.0,
-            # Weight gradients sum over rows grouped differently per rank: equal to rounding, not bit for bit.
-            "grads_close": float((local_grads - balanced_grads).norm()) <= 1e-5 * float(local_grads.norm()),
-            "grad_rel_err": float((local_grads - balanced_grads).norm() / local_grads.norm()),
-            "before": plan.cost_before().tolist(), "after": plan.cost_after().tolist(), "moved": plan.moved()}
+    return {
+        "equal": torch.equal(local.detach(), balanced.detach()),
+        "rows": list(balanced.shape),
+        "max_abs_diff": float((local - balanced).detach().abs().max()) if len(local) else 0.0,
+        # Weight gradients sum over rows grouped differently per rank: equal to rounding, not bit for bit.
+        "grads_close": float((local_grads - balanced_grads).norm()) <= 1e-5 * float(local_grads.norm()),
+        "grad_rel_err": float((local_grads - balanced_grads).norm() / local_grads.norm()),
+        "before": plan.cost_before().tolist(),
+        "after": plan.cost_after().tolist(),
+        "moved": plan.moved(),
+    }
 
 
 def two_process_worker(rank: int, port: int, out_dir: str) -> None:
@@ -128,8 +143,10 @@ def test_balanced_embeddings_equal_unbalanced_bit_for_bit(two_ranks):
 def test_skewed_vision_cost_is_evened_out(two_ranks):
     skewed = two_ranks[0]["skewed"]
     before, after = np.asarray(skewed["before"]), np.asarray(skewed["after"])
-    print(f"vision FLOPs per rank before {before.tolist()} (max/mean {before.max() / before.mean():.3f}), "
-          f"after {after.tolist()} (max/mean {after.max() / after.mean():.3f}), {skewed['moved']} images moved")
+    print(
+        f"vision FLOPs per rank before {before.tolist()} (max/mean {before.max() / before.mean():.3f}), "
+        f"after {after.tolist()} (max/mean {after.max() / after.mean():.3f}), {skewed['moved']} images moved"
+    )
     assert before.max() / before.mean() > 1.9
     assert after.max() / after.mean() < 1.35 and skewed["moved"] >= 1
 

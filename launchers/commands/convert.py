@@ -11,10 +11,11 @@ from qvl.bridges import convert
 
 
 def _ranks(args: argparse.Namespace):
-    from qvl.launchers.local_ranks import run_on_ranks
+    from qvl.foundation.distributed import run_on_ranks
 
-    return lambda fn, *a: run_on_ranks(fn, *a, tensor_parallel=args.tp, pipeline_parallel=args.pp,
-                                       cpu=True if args.device == "cpu" else None)  # fmt: skip
+    return lambda fn, *a: run_on_ranks(
+        fn, *a, tensor_parallel=args.tp, pipeline_parallel=args.pp, cpu=True if args.device == "cpu" else None
+    )
 
 
 def _gib(n: int) -> str:
@@ -22,20 +23,31 @@ def _gib(n: int) -> str:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from qvl.launchers.local_ranks import run_on_ranks
+    from qvl.foundation.distributed import run_on_ranks
 
     # One process streams the checkpoint; it loads at any layout, and --tp/--pp are checked against the model.
-    (result,) = run_on_ranks(convert.import_on_rank, args.hf_dir, args.out_dir, args.dtype, args.tp, args.pp,
-                             cpu=True if args.device == "cpu" else None)  # fmt: skip
-    print(f"wrote Megatron checkpoint {args.out_dir} ({args.dtype}; loads at any TP/PP, checked for TP={args.tp}, "
-          f"PP={args.pp}) in {result['seconds']:.1f} s; peak RSS {_gib(result['peak_rss_bytes'])}")  # fmt: skip
+    (result,) = run_on_ranks(
+        convert.import_on_rank,
+        args.hf_dir,
+        args.out_dir,
+        args.dtype,
+        args.tp,
+        args.pp,
+        cpu=True if args.device == "cpu" else None,
+    )
+    print(
+        f"wrote Megatron checkpoint {args.out_dir} ({args.dtype}; loads at any TP/PP, checked for TP={args.tp}, "
+        f"PP={args.pp}) in {result['seconds']:.1f} s; peak RSS {_gib(result['peak_rss_bytes'])}"
+    )
     return 0
 
 
 def run_export(args: argparse.Namespace) -> int:
     results = _ranks(args)(convert.export_on_rank, args.megatron_dir, args.out_hf_dir)
-    print(f"wrote HF checkpoint {args.out_hf_dir} in {results[0]['seconds']:.1f} s; "
-          f"peak RSS {_gib(max(r['peak_rss_bytes'] for r in results))}")  # fmt: skip
+    print(
+        f"wrote HF checkpoint {args.out_hf_dir} in {results[0]['seconds']:.1f} s; "
+        f"peak RSS {_gib(max(r['peak_rss_bytes'] for r in results))}"
+    )
     return 0
 
 
@@ -47,9 +59,11 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"logits: max |diff| {report['max_abs_diff']:.3g}, mean {report['mean_abs_diff']:.3g}, "
-              f"top-1 agreement {report['top1_agreement']:.1%} over {report['tokens']} tokens "
-              f"(tolerance {report['tolerance']:.3g})")  # fmt: skip
+        print(
+            f"logits: max |diff| {report['max_abs_diff']:.3g}, mean {report['mean_abs_diff']:.3g}, "
+            f"top-1 agreement {report['top1_agreement']:.1%} over {report['tokens']} tokens "
+            f"(tolerance {report['tolerance']:.3g})"
+        )
         print(f"export: {report['tensors_compared']} tensors compared, {len(report['tensors_different'])} different")
         for name in report["tensors_different"][:20]:
             print(f"  differs: {name}")

@@ -10,7 +10,7 @@ import torch
 
 
 def test_activate_is_explicit_and_reversible():
-    from qvl.launchers import runtime
+    from qvl.foundation import runtime
 
     assert not runtime.is_active(), "importing the runtime must not switch it on"
     original = torch.cuda.current_device
@@ -24,7 +24,7 @@ def test_activate_is_explicit_and_reversible():
 def test_importing_qvl_changes_nothing_in_torch():
     code = (
         "import torch; before = torch.cuda.current_device; "
-        "import qvl.launchers.runtime, qvl.launchers.cli, qvl.bridges.attention; "
+        "import qvl.foundation.runtime, qvl.launchers.cli, qvl.bridges.attention; "
         "assert torch.cuda.current_device is before; "
         "from torch.overrides import _get_current_function_mode_stack as s; assert not s(); print('clean')"
     )
@@ -92,7 +92,7 @@ def test_rng_tracker_forks_the_cpu_generator(cpu_runtime):
 
 def test_megatron_bridge_imports_without_transformer_engine():
     code = (
-        "import sys, importlib; from qvl.launchers.runtime import import_megatron_bridge, have_transformer_engine; "
+        "import sys, importlib; from qvl.foundation.megatron import import_megatron_bridge, have_transformer_engine; "
         "import_megatron_bridge(); import megatron.bridge.training.pretrain; "
         "from megatron.bridge.peft import lora_layers; "
         "assert 'transformer_engine' not in sys.modules, 'stand-in leaked'; "
@@ -108,12 +108,12 @@ def test_megatron_bridge_imports_without_transformer_engine():
 
 
 def test_stand_in_classes_refuse_use():
-    from qvl.launchers import runtime
+    from qvl.foundation import megatron
 
-    with runtime._stand_in(*runtime._STAND_INS["megatron.bridge.peft.lora_layers"]):
+    with megatron._stand_in(*megatron._STAND_INS["megatron.bridge.peft.lora_layers"]):
         import transformer_engine.pytorch as te
 
-        with pytest.raises(runtime.OptionalPackageUnavailable, match="transformer_engine.*not installed"):
+        with pytest.raises(megatron.OptionalPackageUnavailable, match="transformer_engine.*not installed"):
             te.Linear(4, 4)
     assert "transformer_engine" not in sys.modules
 
@@ -128,7 +128,7 @@ def test_stand_in_classes_refuse_use():
     ],
 )
 def test_cpu_refuses_what_it_cannot_run(field, value, message):
-    from qvl.launchers import runtime
+    from qvl.foundation import runtime
 
     config = type("Config", (), {field: value})()
     with pytest.raises(runtime.UnsupportedOnCPU, match=message):
@@ -136,7 +136,7 @@ def test_cpu_refuses_what_it_cannot_run(field, value, message):
 
 
 def test_cpu_accepts_a_plain_fp32_config():
-    from qvl.launchers import runtime
+    from qvl.foundation import runtime
 
     config = type("Config", (), {**runtime.cpu_safe_config_overrides(), "fp8": None, "sequence_parallel": False})()
     runtime.check_cpu_config(config)  # raises if anything is refused

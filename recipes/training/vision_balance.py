@@ -107,8 +107,7 @@ def plan_vision_balance(grids_per_rank: list[np.ndarray], shape: VisionShape) ->
     owner = np.repeat(np.arange(len(grids)), [len(g) for g in grids])
     all_grids = np.concatenate(grids) if grids else np.zeros((0, 3), np.int64)
     cost = vision_flops_per_image(shape, all_grids)
-    return VisionAssignment(owner=owner, dest=assign_images(cost, owner, len(grids)), cost=cost,
-                            world_size=len(grids))
+    return VisionAssignment(owner=owner, dest=assign_images(cost, owner, len(grids)), cost=cost, world_size=len(grids))
 
 
 def _gather_grids(grid_thw: torch.Tensor, group) -> list[np.ndarray]:
@@ -128,8 +127,11 @@ def _gather_grids(grid_thw: torch.Tensor, group) -> list[np.ndarray]:
 
 
 def _comm_device(group) -> torch.device:
-    return torch.device("cpu") if dist.get_backend(group) == dist.Backend.GLOO else torch.device(
-        "cuda", torch.cuda.current_device())
+    return (
+        torch.device("cpu")
+        if dist.get_backend(group) == dist.Backend.GLOO
+        else torch.device("cuda", torch.cuda.current_device())
+    )
 
 
 def _all_to_all_rows(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
@@ -181,8 +183,13 @@ def balanced_vision_forward(
     if len(plan.cost) < world:
         return vision_fn(pixel_values, grid_thw) if len(grids[rank]) else None
     if rank == 0:
-        logger.debug("vision balance: %d images moved of %d; vision FLOPs per rank %s -> %s", plan.moved(),
-                     len(plan.cost), _flops(plan.cost_before()), _flops(plan.cost_after()))  # fmt: skip
+        logger.debug(
+            "vision balance: %d images moved of %d; vision FLOPs per rank %s -> %s",
+            plan.moved(),
+            len(plan.cost),
+            _flops(plan.cost_before()),
+            _flops(plan.cost_after()),
+        )
     patches = [g.prod(axis=1) for g in grids]
     if pixel_values is None:  # no images here, but this rank may encode others': an empty tensor to send from
         width = shape.in_channels * shape.temporal_patch_size * shape.patch_size**2
@@ -217,8 +224,10 @@ def _rows_per_patch(encoded: torch.Tensor, grid: torch.Tensor) -> int:
     """Patches per output row (the spatial merge unit), checked against the tower's output."""
     patches = int(grid.prod(dim=1).sum())
     if encoded.shape[0] == 0 or patches % encoded.shape[0]:
-        raise ValueError(f"vision_fn returned {encoded.shape[0]} rows for {patches} patches; it must return a whole "
-                         "number of rows per merge unit, images in input order")
+        raise ValueError(
+            f"vision_fn returned {encoded.shape[0]} rows for {patches} patches; it must return a whole "
+            "number of rows per merge unit, images in input order"
+        )
     return patches // encoded.shape[0]
 
 

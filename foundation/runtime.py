@@ -52,140 +52,18 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
-import os
-import sys
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from qvl.foundation.errors import UnsupportedOnCPU
+from qvl.foundation.megatron import import_megatron_bridge
+
 logger = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------------------------------
-# (1) Stand-ins for optional packages that Megatron-Bridge imports unconditionally
-# ---------------------------------------------------------------------------------------------------
-
-
-class OptionalPackageUnavailable(RuntimeError):
-    """Raised when code reaches a feature of an optional package that is not installed."""
-
-
-# Importing module -> (missing package, the submodule it imports, what to do instead).
-_STAND_INS: dict[str, tuple[str, str, str]] = {
-    # `import transformer_engine.pytorch as te` at the top of the LoRA layers (isinstance checks only
-    # on the non-TE path).
-    "megatron.bridge.peft.lora_layers": (
-        "transformer_engine", "transformer_engine.pytorch",
-        "use the local (non-TE) layer specs (qvl does where TE is absent), or a NeMo container with TE"),
-    # `from nvidia_resiliency_ext.inprocess import CallWrapper`, used only as a type annotation unless
-    # in-process restart is enabled. PyPI's newest nvidia-resiliency-ext for this stack (0.4.1) lacks the
-    # `__version__` that megatron-core 0.19.2 reads, so qvl does not install it.
-    "megatron.bridge.training.pretrain": (
-        "nvidia_resiliency_ext", "nvidia_resiliency_ext.inprocess",
-        "leave in-process restart off, or install nvidia-resiliency-ext (NeMo containers have it)"),
-}
-
-
-def _placeholder_class(package: str, name: str, advice: str) -> type:
-    def __init__(self, *args, **kwargs):  # noqa: N807
-        raise OptionalPackageUnavailable(f"{package}: {name} was used, but {package} is not installed; {advice}.")
-
-    return type(name, (), {"__init__": __init__, "__module__": package})
-
-
-class _StandInNamespace(types.ModuleType):
-    """A module whose every attribute is a placeholder class (or a nested stand-in namespace)."""
-
-    def __init__(self, name: str, advice: str):
-        super().__init__(name)
-        self.__path__ = []  # a package, so submodule imports resolve through sys.modules
-        self._advice = advice
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name.islower():
-            value: Any = _StandInNamespace(f"{self.__name__}.{name}", self._advice)
-        else:
-            value = _placeholder_class(self.__name__.split(".")[0], name, self._advice)
-        setattr(self, name, value)
-        return value
-
-
-@contextlib.contextmanager
-def _stand_in(package: str, submodule: str, advice: str) -> Iterator[None]:
-    """Make `import <submodule>` succeed inside the block only."""
-    root = _StandInNamespace(package, advice)
-    leaf = getattr(root, submodule.split(".", 1)[1])
-    saved = {n: sys.modules.get(n) for n in (package, submodule)}
-    sys.modules.update({package: root, submodule: leaf})
-    try:
-        yield
-    finally:
-        for n, previous in saved.items():
-            if previous is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = previous
-
-
-class _StandInLoader(importlib.abc.Loader):
-    """Runs the real loader with the stand-in present for that one module's execution only, so that
-    probes elsewhere (`try: import transformer_engine`, megatron.core's `is_te_min_version`) still
-    see the package as absent."""
-
-    def __init__(self, inner: importlib.abc.Loader, stand_in: tuple[str, str, str]):
-        self.inner = inner
-        self.stand_in = stand_in
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        with _stand_in(*self.stand_in):
-            self.inner.exec_module(module)
-
-
-class _StandInFinder(importlib.abc.MetaPathFinder):
-    """Wraps the loader of each module in _STAND_INS whose optional package is not installed."""
-
-    def find_spec(self, fullname, path, target=None):
-        stand_in = _STAND_INS.get(fullname)
-        if stand_in is None or _is_installed(stand_in[0]):
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None:
-            spec.loader = _StandInLoader(spec.loader, stand_in)
-        return spec
-
-
-def _is_installed(package: str) -> bool:
-    # A leftover folder (pip uninstall keeps unrecorded files) imports as an empty namespace package.
-    spec = importlib.util.find_spec(package)
-    return spec is not None and spec.origin is not None
-
-
-_FINDER = _StandInFinder()
-
-
-def import_megatron_bridge() -> types.ModuleType:
-    """Import `megatron.bridge`, with stand-ins for the optional packages it imports unconditionally.
-
-    The finder stays installed afterwards (it acts on the _STAND_INS modules only), because
-    `megatron.bridge.training.pretrain` is imported lazily, long after `megatron.bridge` itself.
-    """
-    importlib.import_module("megatron.core")  # decides HAVE_TE before anything else can
-    if _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
-    return importlib.import_module("megatron.bridge")
-
-
-def have_transformer_engine() -> bool:
-    """True when the real Transformer Engine is importable."""
-    return _is_installed("transformer_engine")
-
 
 # ---------------------------------------------------------------------------------------------------
 # (2, 3) Device redirection
@@ -221,7 +99,9 @@ class _CudaToCpuMode(TorchFunctionMode):
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = _CPU
         if func is torch.Tensor.to:
-            args = tuple(_CPU if i > 0 and _is_cuda_device(a) and not isinstance(a, int) else a for i, a in enumerate(args))
+            args = tuple(
+                _CPU if i > 0 and _is_cuda_device(a) and not isinstance(a, int) else a for i, a in enumerate(args)
+            )
             if len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool):
                 args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
@@ -239,7 +119,7 @@ class _NullStream:
     def __init__(self, *args, **kwargs):
         pass
 
-    def __getattr__(self, name: str) -> Callable[..., "_NullStream"]:
+    def __getattr__(self, name: str) -> Callable[..., _NullStream]:
         if name.startswith("__"):
             raise AttributeError(name)
         return lambda *args, **kwargs: _NullStream()
@@ -274,8 +154,12 @@ def _seed_cpu_generator(seed: int) -> None:
 
 
 def _torch_cuda_patches() -> dict[tuple[Any, str], Any]:
-    nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
-                                 range=_null_stream_context, mark=lambda *a, **k: None)
+    nvtx = types.SimpleNamespace(
+        range_push=lambda *a, **k: None,
+        range_pop=lambda *a, **k: None,
+        range=_null_stream_context,
+        mark=lambda *a, **k: None,
+    )
     cuda = torch.cuda
     return {
         (cuda, "current_device"): lambda: 0,
@@ -414,86 +298,39 @@ def cpu_runtime(*, force: bool = False) -> Iterator[bool]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# (6) Distributed
-# ---------------------------------------------------------------------------------------------------
-
-
-def init_distributed(
-    *,
-    tensor_parallel: int = 1,
-    pipeline_parallel: int = 1,
-    context_parallel: int = 1,
-    expert_parallel: int = 1,
-    virtual_pipeline: int | None = None,
-    seed: int = 1234,
-) -> None:
-    """Initialise torch.distributed (gloo on CPU, nccl on GPU) and Megatron's parallel state.
-
-    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment as torchrun sets them.
-    A single process without them becomes rank 0 of 1 on a free port, WITHOUT writing them into
-    os.environ: processes it starts later (e.g. `qvl train` from a test) must not inherit a port
-    this process may still hold.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    backend = "gloo" if is_active() or not torch.cuda.is_available() else "nccl"
-    if not torch.distributed.is_initialized():
-        if "MASTER_PORT" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, or qvl's local ranks
-            torch.distributed.init_process_group(backend=backend)
-        else:
-            torch.distributed.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
-                                                 rank=0, world_size=1)  # fmt: skip
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel,
-        pipeline_model_parallel_size=pipeline_parallel,
-        context_parallel_size=context_parallel,
-        expert_model_parallel_size=expert_parallel,
-        virtual_pipeline_model_parallel_size=virtual_pipeline,
-    )
-    model_parallel_cuda_manual_seed(seed)
-
-
-def destroy_distributed() -> None:
-    """Tear down Megatron's parallel state and the default process group."""
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# ---------------------------------------------------------------------------------------------------
 # (7) What CPU cannot run
 # ---------------------------------------------------------------------------------------------------
-
-
-class UnsupportedOnCPU(ValueError):
-    """A configuration asks for something the CPU runtime cannot run."""
 
 
 # (config field, value that is refused, why, fix)
 _CPU_REFUSALS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
     ("fp8", lambda v: bool(v), "FP8 needs Transformer Engine on Hopper/Blackwell GPUs", "use fp32 or bf16"),
-    ("sequence_parallel", lambda v: bool(v), "sequence parallelism needs TE/Apex fused norms and CUDA",
-     "set sequence_parallel=False"),
-    ("transformer_impl", lambda v: v == "transformer_engine", "Transformer Engine layer specs need TE and CUDA",
-     "use the local layer spec (transformer_impl='local')"),
+    (
+        "sequence_parallel",
+        lambda v: bool(v),
+        "sequence parallelism needs TE/Apex fused norms and CUDA",
+        "set sequence_parallel=False",
+    ),
+    (
+        "transformer_impl",
+        lambda v: v == "transformer_engine",
+        "Transformer Engine layer specs need TE and CUDA",
+        "use the local layer spec (transformer_impl='local')",
+    ),
     ("enable_cuda_graph", lambda v: bool(v), "CUDA graphs need CUDA", "set enable_cuda_graph=False"),
     ("cuda_graph_impl", lambda v: v not in (None, "none"), "CUDA graphs need CUDA", "set cuda_graph_impl='none'"),
-    ("tp_comm_overlap", lambda v: bool(v), "communication overlap needs CUDA streams and userbuffers",
-     "set tp_comm_overlap=False"),
-    ("optimizer_cpu_offload", lambda v: bool(v), "the hybrid-device optimizer moves state between GPU and CPU",
-     "set optimizer_cpu_offload=False (everything is on the CPU already)"),
+    (
+        "tp_comm_overlap",
+        lambda v: bool(v),
+        "communication overlap needs CUDA streams and userbuffers",
+        "set tp_comm_overlap=False",
+    ),
+    (
+        "optimizer_cpu_offload",
+        lambda v: bool(v),
+        "the hybrid-device optimizer moves state between GPU and CPU",
+        "set optimizer_cpu_offload=False (everything is on the CPU already)",
+    ),
 )
 
 # The local (non-TE) implementation, and fusions whose kernels exist only on CUDA (or need Apex/TE).

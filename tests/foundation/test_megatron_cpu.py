@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launchers import parallel_scenarios as scenarios
+from qvl.foundation import distributed
+from tests.foundation import parallel_scenarios as scenarios
 
 
 def test_gpt_forward_backward_on_cpu(cpu_runtime):
-    from qvl.launchers import smoke
+    from tests import megatron_smoke as smoke
 
-    cpu_runtime.init_distributed()
+    distributed.init_distributed()
     try:
         model = smoke.build_model(scenarios.SHAPE)
         batch = scenarios.fixed_batch()
@@ -26,20 +27,20 @@ def test_gpt_forward_backward_on_cpu(cpu_runtime):
         assert all(g is not None and torch.isfinite(g).all() for g in grads)
         assert sum(float(g.abs().sum()) for g in grads) > 0
     finally:
-        cpu_runtime.destroy_distributed()
+        distributed.destroy_distributed()
 
 
 def test_tiny_gpt_learns_in_twenty_steps(cpu_runtime):
-    from qvl.launchers import smoke
+    from tests import megatron_smoke as smoke
 
-    cpu_runtime.init_distributed()
+    distributed.init_distributed()
     try:
         shape = smoke.TinyGPT()
         model = smoke.wrap_ddp(smoke.build_model(shape))
         batches = smoke.synthetic_batches(shape, micro_batch_size=2, count=40)
         losses, _ = smoke.train([model], batches, shape=shape, steps=20, micro_batch_size=2, num_microbatches=2)
     finally:
-        cpu_runtime.destroy_distributed()
+        distributed.destroy_distributed()
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
 
 
@@ -48,7 +49,7 @@ def parallel_results(tmp_path_factory):
     """One single-process reference, then one 2-process job running TP=2, PP=2, DP=2 and a checkpoint."""
     import socket
 
-    from qvl.launchers import runtime
+    from qvl.foundation import runtime
 
     out = tmp_path_factory.mktemp("parallel")
     with runtime.cpu_runtime(force=True):

@@ -1,0 +1,135 @@
+"""Process groups: torch.distributed + Megatron's parallel state (gloo on CPU, nccl on GPUs), and local ranks.
+
+`run_on_ranks` runs a function on N local processes at a given TP/PP layout on one machine (checkpoint
+conversion, parity checks). Cluster jobs go through NeMo-Run executors instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qvl.foundation import runtime
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, layout: dict, cpu: bool, out: str
+) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    if cpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        runtime.activate(force=True)
+    else:
+        torch.cuda.set_device(rank)
+    init_distributed(**layout)
+    try:
+        torch.save(fn(*args), Path(out) / f"rank{rank}.pt")
+    finally:
+        destroy_distributed()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    world_size: int | None = None,
+    cpu: bool | None = None,
+) -> list[Any]:
+    """Call `fn(*args)` on every rank of a local TP x PP (x DP) job; returns each rank's result, by rank.
+
+    `fn` must be importable (module level) since ranks are spawned processes. With one rank it runs
+    in this process.
+    """
+    world_size = world_size or tensor_parallel * pipeline_parallel
+    if world_size % (tensor_parallel * pipeline_parallel):
+        raise ValueError(
+            f"world_size={world_size} is not divisible by tensor_parallel x pipeline_parallel = "
+            f"{tensor_parallel * pipeline_parallel}"
+        )
+    cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    if not cpu and torch.cuda.device_count() < world_size:
+        raise ValueError(f"{world_size} ranks need {world_size} GPUs, this machine has {torch.cuda.device_count()}")
+    layout = {"tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel}
+    with tempfile.TemporaryDirectory(prefix="qvl-ranks-") as out:
+        if world_size == 1:
+            was_active = runtime.is_active()
+            if cpu:
+                runtime.activate(force=True)
+            init_distributed(**layout)
+            try:
+                return [fn(*args)]
+            finally:
+                destroy_distributed()
+                if cpu and not was_active:
+                    runtime.deactivate()
+        torch.multiprocessing.spawn(
+            _rank_main, args=(world_size, free_port(), fn, args, layout, cpu, out), nprocs=world_size
+        )
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# (6) Distributed
+# ---------------------------------------------------------------------------------------------------
+
+
+def init_distributed(
+    *,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    context_parallel: int = 1,
+    expert_parallel: int = 1,
+    virtual_pipeline: int | None = None,
+    seed: int = 1234,
+) -> None:
+    """Initialise torch.distributed (gloo on CPU, nccl on GPU) and Megatron's parallel state.
+
+    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment as torchrun sets them.
+    A single process without them becomes rank 0 of 1 on a free port, WITHOUT writing them into
+    os.environ: processes it starts later (e.g. `qvl train` from a test) must not inherit a port
+    this process may still hold.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    backend = "gloo" if runtime.is_active() or not torch.cuda.is_available() else "nccl"
+    if not torch.distributed.is_initialized():
+        if "MASTER_PORT" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, or qvl's local ranks
+            torch.distributed.init_process_group(backend=backend)
+        else:
+            torch.distributed.init_process_group(
+                backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+            )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        context_parallel_size=context_parallel,
+        expert_model_parallel_size=expert_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's parallel state and the default process group."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

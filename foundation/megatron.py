@@ -1,0 +1,148 @@
+"""Importing Megatron-Bridge where Transformer Engine or nvidia-resiliency-ext is absent (CPU, or a GPU without TE).
+
+`megatron.bridge.peft.lora_layers` does `import transformer_engine.pytorch as te` and
+`megatron.bridge.training.pretrain` does `from nvidia_resiliency_ext.inprocess import CallWrapper`
+unconditionally, so without TE / nvrx `import megatron.bridge` and its training loop fail.
+`import_megatron_bridge()` installs a meta-path finder that puts a stand-in in sys.modules only while one of
+those modules executes, so every other probe (`try: import transformer_engine`, megatron.core's
+`is_te_min_version`) still sees the package as absent. Stand-in classes cannot be instantiated:
+`isinstance(x, te.Linear)` is always False and any real use raises OptionalPackageUnavailable naming the
+package and the fix. Checked against megatron-core 0.19.2 and megatron-bridge 0.6.2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+from qvl.foundation.errors import OptionalPackageUnavailable
+
+# ---------------------------------------------------------------------------------------------------
+# (1) Stand-ins for optional packages that Megatron-Bridge imports unconditionally
+# ---------------------------------------------------------------------------------------------------
+
+
+# Importing module -> (missing package, the submodule it imports, what to do instead).
+_STAND_INS: dict[str, tuple[str, str, str]] = {
+    # `import transformer_engine.pytorch as te` at the top of the LoRA layers (isinstance checks only
+    # on the non-TE path).
+    "megatron.bridge.peft.lora_layers": (
+        "transformer_engine",
+        "transformer_engine.pytorch",
+        "use the local (non-TE) layer specs (qvl does where TE is absent), or a NeMo container with TE",
+    ),
+    # `from nvidia_resiliency_ext.inprocess import CallWrapper`, used only as a type annotation unless
+    # in-process restart is enabled. PyPI's newest nvidia-resiliency-ext for this stack (0.4.1) lacks the
+    # `__version__` that megatron-core 0.19.2 reads, so qvl does not install it.
+    "megatron.bridge.training.pretrain": (
+        "nvidia_resiliency_ext",
+        "nvidia_resiliency_ext.inprocess",
+        "leave in-process restart off, or install nvidia-resiliency-ext (NeMo containers have it)",
+    ),
+}
+
+
+def _placeholder_class(package: str, name: str, advice: str) -> type:
+    def __init__(self, *args, **kwargs):  # noqa: N807
+        raise OptionalPackageUnavailable(f"{package}: {name} was used, but {package} is not installed; {advice}.")
+
+    return type(name, (), {"__init__": __init__, "__module__": package})
+
+
+class _StandInNamespace(types.ModuleType):
+    """A module whose every attribute is a placeholder class (or a nested stand-in namespace)."""
+
+    def __init__(self, name: str, advice: str):
+        super().__init__(name)
+        self.__path__ = []  # a package, so submodule imports resolve through sys.modules
+        self._advice = advice
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name.islower():
+            value: Any = _StandInNamespace(f"{self.__name__}.{name}", self._advice)
+        else:
+            value = _placeholder_class(self.__name__.split(".")[0], name, self._advice)
+        setattr(self, name, value)
+        return value
+
+
+@contextlib.contextmanager
+def _stand_in(package: str, submodule: str, advice: str) -> Iterator[None]:
+    """Make `import <submodule>` succeed inside the block only."""
+    root = _StandInNamespace(package, advice)
+    leaf = getattr(root, submodule.split(".", 1)[1])
+    saved = {n: sys.modules.get(n) for n in (package, submodule)}
+    sys.modules.update({package: root, submodule: leaf})
+    try:
+        yield
+    finally:
+        for n, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = previous
+
+
+class _StandInLoader(importlib.abc.Loader):
+    """Runs the real loader with the stand-in present for that one module's execution only, so that
+    probes elsewhere (`try: import transformer_engine`, megatron.core's `is_te_min_version`) still
+    see the package as absent."""
+
+    def __init__(self, inner: importlib.abc.Loader, stand_in: tuple[str, str, str]):
+        self.inner = inner
+        self.stand_in = stand_in
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        with _stand_in(*self.stand_in):
+            self.inner.exec_module(module)
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of each module in _STAND_INS whose optional package is not installed."""
+
+    def find_spec(self, fullname, path, target=None):
+        stand_in = _STAND_INS.get(fullname)
+        if stand_in is None or _is_installed(stand_in[0]):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None:
+            spec.loader = _StandInLoader(spec.loader, stand_in)
+        return spec
+
+
+def _is_installed(package: str) -> bool:
+    # A leftover folder (pip uninstall keeps unrecorded files) imports as an empty namespace package.
+    spec = importlib.util.find_spec(package)
+    return spec is not None and spec.origin is not None
+
+
+_FINDER = _StandInFinder()
+
+
+def import_megatron_bridge() -> types.ModuleType:
+    """Import `megatron.bridge`, with stand-ins for the optional packages it imports unconditionally.
+
+    The finder stays installed afterwards (it acts on the _STAND_INS modules only), because
+    `megatron.bridge.training.pretrain` is imported lazily, long after `megatron.bridge` itself.
+    """
+    importlib.import_module("megatron.core")  # decides HAVE_TE before anything else can
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    return importlib.import_module("megatron.bridge")
+
+
+def have_transformer_engine() -> bool:
+    """True when the real Transformer Engine is importable."""
+    return _is_installed("transformer_engine")

@@ -1,0 +1,86 @@
+"""`qvl launch RECIPE [key=value ...] --executor local|slurm|kubernetes [--dryrun]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from qvl.launchers.launch import DEMO_JOB, EXECUTORS, launch
+from qvl.launchers.overrides import LaunchError
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """`qvl launch`: print the dry run or where to follow the experiment."""
+    from rich.console import Console
+
+    console = Console()
+    try:
+        result = launch(
+            args.recipe,
+            args.overrides,
+            train_flags=_train_flags(args),
+            kind=args.executor,
+            site_file=args.executor_config,
+            dryrun=args.dryrun,
+            name=args.name,
+            experiments_dir=args.experiments_dir,
+        )
+    except LaunchError as err:
+        console.print(f"[bold red]error:[/] {err}", highlight=False)
+        return 2
+    if args.dryrun:  # written raw: the script must survive copy-paste, so no wrapping or markup
+        console.rule(f"{result['executor']} request (dry run, nothing submitted)")
+        sys.stdout.write(result["request"].rstrip("\n") + "\n")
+        console.rule("resolved config")
+        sys.stdout.write(yaml.safe_dump(result["config"], sort_keys=False))
+        return 0
+    home = f"NEMORUN_HOME={args.experiments_dir} " if args.experiments_dir else ""
+    console.print(
+        f"experiment [bold]{result['experiment']}[/] ({', '.join(result['states'])})\n"
+        f"  folder: {result['folder']}\n"
+        f"  status: {home}nemo experiment status {result['experiment']}\n"
+        f"  logs:   {home}nemo experiment logs {result['experiment']} 0\n"
+        f"  cancel: {home}nemo experiment cancel {result['experiment']} 0",
+        highlight=False,
+    )
+    return 0 if all(s in ("SUCCEEDED", "SUBMITTED", "PENDING", "RUNNING") for s in result["states"]) else 1
+
+
+def _train_flags(args: argparse.Namespace) -> list[str]:
+    return (["--model", args.model] if args.model else []) + (["--run-dir", args.run_dir] if args.run_dir else [])
+
+
+def register(subparsers) -> None:
+    """Add `qvl launch`."""
+    parser = subparsers.add_parser(
+        "launch",
+        help="run a recipe locally, on Slurm or on Kubernetes through NeMo-Run",
+        description="Run RECIPE with key=value overrides (recipe keywords such as tensor_parallel=4, nested "
+        "config fields such as train.train_iters=100, executor fields such as run.executor.nodes=2).",
+    )
+    parser.add_argument(
+        "recipe", help=f"a recipe name (`qvl recipes` lists them) or `{DEMO_JOB}`, the built-in tiny job"
+    )
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe, config or run.executor.* overrides")
+    parser.add_argument("--executor", choices=EXECUTORS, default="local", help="where to run (default local)")
+    parser.add_argument(
+        "--executor-config",
+        metavar="SITE.yaml",
+        help="YAML with local:/slurm:/kubernetes: sections of executor settings (no secrets)",
+    )
+    parser.add_argument(
+        "--dryrun",
+        action="store_true",
+        help="print the sbatch script / TrainJob manifest / local command and the config; submit nothing",
+    )
+    parser.add_argument(
+        "--model", choices=("tiny",), help="passed to `qvl train`: a tiny random model of the recipe's family"
+    )
+    parser.add_argument(
+        "--run-dir", help="passed to `qvl train`: checkpoints, losses, tensorboard on the execution side"
+    )
+    parser.add_argument("--name", help="experiment title (default qvl-RECIPE)")
+    parser.add_argument("--experiments-dir", help="where NeMo-Run keeps experiments (default $NEMORUN_HOME)")
+    parser.set_defaults(func=run_launch)

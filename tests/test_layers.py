@@ -1,0 +1,70 @@
+"""The layers of qvl: every import between its folders points down, and the code is ruff-clean.
+
+launchers/  (executors, launch, the command line)        layer 3
+recipes/    (recipes, planner, training)                 layer 2
+bridges/    data/                                        layer 1 (neither imports the other)
+foundation/ (runtime, patches, families, errors, ...)    layer 0
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"foundation": 0, "bridges": 1, "data": 1, "recipes": 2, "launchers": 3}
+
+
+def qvl_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported qvl package) for every import in `path`, at module level or inside functions."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        else:
+            continue
+        found += [(node.lineno, name.split(".")[1]) for name in names if name.startswith("qvl.") and name.count(".")]
+    return found
+
+
+def layer_violations(root: Path) -> list[str]:
+    """Each import of a qvl package from the same or a higher layer (other than the module's own package)."""
+    problems = []
+    for package, layer in LAYERS.items():
+        for path in sorted((root / package).rglob("*.py")):
+            for line, target in qvl_imports(path):
+                if target != package and LAYERS.get(target, 99) >= layer:
+                    problems.append(f"{path.relative_to(root)}:{line} ({package}, layer {layer}) imports "
+                                    f"qvl.{target} (layer {LAYERS.get(target, '?')})")  # fmt: skip
+    return problems
+
+
+def test_every_import_points_down():
+    assert layer_violations(ROOT) == []
+
+
+def test_an_upward_import_is_caught(tmp_path):
+    for package in LAYERS:
+        (tmp_path / package).mkdir()
+    (tmp_path / "foundation" / "runtime.py").write_text("def f():\n    from qvl.launchers.cli import main\n")
+    (tmp_path / "bridges" / "tiny.py").write_text("from qvl.data.samples import write_sample_dataset\n")
+    (tmp_path / "recipes" / "base.py").write_text("from qvl.bridges.providers import provider_from_hf\n")
+    problems = layer_violations(tmp_path)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("foundation/runtime.py:2 (foundation, layer 0) imports qvl.launchers")
+    assert problems[1].startswith("bridges/tiny.py:1 (bridges, layer 1) imports qvl.data")
+
+
+@pytest.mark.skipif(shutil.which("ruff", path=str(Path(sys.executable).parent)) is None, reason="ruff not installed")
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
+def test_ruff_clean(command):
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
+    result = subprocess.run([ruff, *command, "."], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
