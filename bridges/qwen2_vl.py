@@ -13,6 +13,10 @@ from __future__ import annotations
 import types
 from dataclasses import dataclass, field
 
+from qvl.foundation.megatron import import_megatron_bridge
+
+import_megatron_bridge()  # Megatron-Bridge imports TE / nvrx unconditionally: qvl gives them stand-ins
+
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 from megatron.bridge.models.conversion.transformers_compat import rope_theta_from_hf
 from megatron.bridge.models.gpt_provider import GPTModelProvider

@@ -18,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
-from collections.abc import Iterator
+
+from qvl.foundation.megatron import import_megatron_bridge
+
+import_megatron_bridge()  # Megatron-Bridge imports TE / nvrx unconditionally: qvl gives them stand-ins
 
 import torch.nn.functional as F
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
@@ -34,6 +37,7 @@ from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForCondition
 from qvl.bridges.attention import use_sdpa_attention
 from qvl.bridges.fixes import mrope_section
 from qvl.bridges.specs import local_gpt_layer_spec
+from qvl.foundation import patches
 from qvl.foundation.megatron import have_transformer_engine
 
 
@@ -41,33 +45,32 @@ def _local_vit_layer_spec():
     return use_sdpa_attention(get_vit_layer_with_local_spec())
 
 
-# Module globals of Megatron-Bridge's Qwen3-VL model that name TE classes, and their local equivalents.
-_LOCAL_VISION_MODULES = {
-    "get_vit_layer_with_transformer_engine_spec": _local_vit_layer_spec,
-    "TENorm": WrappedTorchNorm,
-    "TEColumnParallelLinear": ColumnParallelLinear,
-    "TERowParallelLinear": RowParallelLinear,
-}
+# Replacement factories for patch group "qwen3-vl-local-vision" (qvl.foundation.patches): the module globals of
+# Megatron-Bridge's Qwen3-VL model that name TE classes, pointed at Megatron-Core's local modules while
+# Qwen3VLModel.__init__ runs without TE.
 
 
-@contextlib.contextmanager
-def _local_vision_modules() -> Iterator[None]:
-    """While Qwen3VLModel.__init__ runs, point its TE names at Megatron-Core's local modules."""
-    saved = {name: getattr(upstream_model, name) for name in _LOCAL_VISION_MODULES}
-    for name, local in _LOCAL_VISION_MODULES.items():
-        setattr(upstream_model, name, local)
-    try:
-        yield
-    finally:
-        for name, original in saved.items():
-            setattr(upstream_model, name, original)
+def local_vit_layer_spec(original):
+    return lambda *args, **kwargs: use_sdpa_attention(get_vit_layer_with_local_spec())
+
+
+def local_norm(original):
+    return WrappedTorchNorm
+
+
+def local_column_parallel_linear(original):
+    return ColumnParallelLinear
+
+
+def local_row_parallel_linear(original):
+    return RowParallelLinear
 
 
 class Qwen3VLModel(upstream_model.Qwen3VLModel):
     """Megatron-Bridge's Qwen3-VL model, with a local-module vision tower where TE is absent."""
 
     def __init__(self, *args, **kwargs):
-        with contextlib.nullcontext() if have_transformer_engine() else _local_vision_modules():
+        with contextlib.nullcontext() if have_transformer_engine() else patches.applied("qwen3-vl-local-vision"):
             super().__init__(*args, **kwargs)
         # Megatron-Bridge 0.6.2's patch mergers (final and deepstack) reuse the vision blocks'
         # activation, tanh-approximated GELU ("gelu_pytorch_tanh"), but HF's Qwen3VLVisionPatchMerger uses

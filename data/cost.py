@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qvl.foundation.families import FAMILIES
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class LMShape:
@@ -250,7 +252,8 @@ def _vision_shape(model_type: str, v: dict) -> VisionShape:
             out_hidden_size=v["hidden_size"],
             in_channels=v.get("in_channels", 3),
         )
-    qwen25 = "window_size" in v or model_type.startswith("qwen2_5")
+    family = FAMILIES.get(model_type)
+    gated = family.vision_gated_mlp if family else "window_size" in v
     return VisionShape(
         hidden_size=v["hidden_size"],
         depth=v["depth"],
@@ -261,8 +264,8 @@ def _vision_shape(model_type: str, v: dict) -> VisionShape:
         temporal_patch_size=v["temporal_patch_size"],
         out_hidden_size=v["out_hidden_size"],
         in_channels=v.get("in_channels", v.get("in_chans", 3)),
-        gated_mlp=qwen25,  # Qwen2.5-VL's ViT MLP is SwiGLU; Qwen3-VL's is a plain GELU MLP
-        window_size=v.get("window_size") if qwen25 else None,
+        gated_mlp=gated,
+        window_size=v.get("window_size"),
         fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", ())),
         num_deepstack_mergers=len(v.get("deepstack_visual_indexes", ())),
     )

@@ -98,7 +98,7 @@ class TokenCounter:
             return IMAGE_PAD, [grid[0] * grid[1] * grid[2] // merge2], grid, None
         grid = video_grid_thw(media.num_frames, media.height, media.width, self.vision)
         tps = self.vision.temporal_patch_size
-        if self.vision.family == "qwen3_vl":
+        if self.vision.record.video_frames_timestamped:
             fps = media.fps or QWEN3_FPS_FALLBACK
             times = video_timestamps(np.asarray(media.frame_indices), fps, tps)
             text = "".join(f"<{t:.1f} seconds><|vision_start|>{VIDEO_PAD}<|vision_end|>" for t in times[: grid[0]])
@@ -142,7 +142,7 @@ class TokenCounter:
         """Index of the <|vision_start|> that opens the media whose first pad is at `first_pad`."""
         vision_start = self.tokenizer.convert_tokens_to_ids("<|vision_start|>")
         before = np.flatnonzero(ids[:first_pad] == vision_start)
-        if self.vision.family == "qwen3_vl" and ids[first_pad] == self.pad_ids[1] and len(before) >= 2:
+        if self.vision.record.video_frames_timestamped and ids[first_pad] == self.pad_ids[1] and len(before) >= 2:
             # A Qwen3-VL video is <|vision_start|><t seconds><|vision_start|>pads...: start at the outer one.
             return int(before[-2])
         return int(before[-1]) if len(before) else first_pad

@@ -25,6 +25,7 @@ from PIL import Image
 from qvl.data.count import IGNORE_INDEX, IMAGE_PAD, VIDEO_PAD
 from qvl.data.mrope import RopeConfig, packed_position_ids
 from qvl.data.vision import VisionConfig, check_family, load_vision_config
+from qvl.foundation.families import get_family
 
 logger = logging.getLogger(__name__)
 
@@ -244,13 +245,6 @@ def _tokens_per_second(hf_dir: pathlib.Path) -> int | None:
     return json.loads(config.read_text()).get("vision_config", {}).get("tokens_per_second")
 
 
-_VIDEO_NORMALIZATION = {  # transformers' class defaults (OpenAI CLIP for Qwen2/2.5-VL, 0.5 for Qwen3-VL)
-    "qwen2_vl": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]),
-    "qwen2_5_vl": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]),
-    "qwen3_vl": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
-}
-
-
 def _video_normalization(hf_dir: pathlib.Path, family: str) -> tuple[np.ndarray, np.ndarray]:
     hf_dir = pathlib.Path(hf_dir)
     config: dict[str, Any] = {}
@@ -258,7 +252,7 @@ def _video_normalization(hf_dir: pathlib.Path, family: str) -> tuple[np.ndarray,
         if (hf_dir / name).is_file():
             config = json.loads((hf_dir / name).read_text())
             break
-    mean, std = _VIDEO_NORMALIZATION[family]
+    mean, std = get_family(family).image_mean, get_family(family).image_std  # transformers' class defaults
     return (
         np.asarray(config.get("image_mean", mean), np.float32),
         np.asarray(config.get("image_std", std), np.float32),

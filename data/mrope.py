@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qvl.foundation.families import get_family
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RopeConfig:
@@ -44,7 +46,9 @@ def mrope_position_ids(
     kinds = np.zeros(len(ids), dtype=np.int8)
     kinds[ids == config.image_pad_id] = 1
     kinds[ids == config.video_pad_id] = 2
-    if config.family == "qwen3_vl":  # one t=1 grid per frame: frames are split by timestamps in the text
+    if get_family(
+        config.family
+    ).video_frames_timestamped:  # one t=1 grid per frame: frames are split by timestamps in the text
         video_grids = [(1, g[1], g[2]) for g in video_grids for _ in range(int(g[0]))]
     grids = {1: iter(image_grids), 2: iter(video_grids)}
     seconds = iter(second_per_grid_ts or [])
@@ -60,7 +64,7 @@ def mrope_position_ids(
             continue
         grid = next(grids[kind])
         interval = 1
-        if kind == 2 and config.family == "qwen2_5_vl":
+        if kind == 2 and get_family(config.family).video_positions_in_seconds:
             if config.tokens_per_second is None:
                 raise ValueError("Qwen2.5-VL video positions need tokens_per_second from the model's vision_config")
             interval = config.tokens_per_second * int(next(seconds, 1))  # int(): same truncation as transformers

@@ -207,7 +207,7 @@ def _check_frame_folder(path: pathlib.Path, ref: MediaRef, config: ValidateConfi
     if len(sizes) != 1:
         return "video_undecodable", f"frames of {path.name} differ in size: {sorted(sizes)}"
     (height, width), fps = sizes.pop(), ref.fps or config.vision.video_fps
-    if fps is None and config.vision.family != "qwen2_vl":  # Qwen2.5-VL and Qwen3-VL place frames in time
+    if fps is None and config.vision.record.video_needs_fps:
         return (
             "video_undecodable",
             f"frame folder {path.name} has no fps; give 'fps' in the sample or the processor config",

@@ -15,10 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+from qvl.foundation.families import FAMILIES as _FAMILIES
+from qvl.foundation.families import Family, get_family
+
+FAMILIES = tuple(_FAMILIES)
 
 # Class defaults transformers falls back to when the config omits a key. Images use Qwen2VLImageProcessor for
-# every family (Qwen3-VL checkpoints set patch_size=16 in their config); videos differ per family.
+# every family (Qwen3-VL checkpoints set patch_size=16 in their config); video defaults are the family's.
 IMAGE_DEFAULTS = {
     "patch_size": 14,
     "temporal_patch_size": 2,
@@ -26,31 +29,6 @@ IMAGE_DEFAULTS = {
     "min_pixels": 56 * 56,
     "max_pixels": 28 * 28 * 1280,
 }
-VIDEO_DEFAULTS = {
-    "qwen2_vl": {
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "min_pixels": 128 * 28 * 28,
-        "max_pixels": 28 * 28 * 768,
-        "fps": None,
-        "min_frames": 4,
-        "max_frames": 768,
-        "do_sample_frames": False,
-    },
-    "qwen3_vl": {
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "min_pixels": 128 * 32 * 32,
-        "max_pixels": 32 * 32 * 768,
-        "fps": 2.0,
-        "min_frames": 4,
-        "max_frames": 768,
-        "do_sample_frames": True,
-    },
-}
-VIDEO_DEFAULTS["qwen2_5_vl"] = VIDEO_DEFAULTS["qwen2_vl"]
 MAX_ASPECT_RATIO = 200  # smart_resize refuses anything more elongated
 
 
@@ -73,15 +51,18 @@ class VisionConfig:
     video_do_sample_frames: bool
 
     @property
+    def record(self) -> Family:
+        """The family's record (processor behaviour flags)."""
+        return get_family(self.family)
+
+    @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
 
 def check_family(family: str) -> str:
     """Return `family` if known, else raise naming the valid ones."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; use one of {', '.join(FAMILIES)}")
-    return family
+    return get_family(family).name
 
 
 def load_vision_config(hf_dir: pathlib.Path, family: str, **overrides) -> VisionConfig:
@@ -91,7 +72,7 @@ def load_vision_config(hf_dir: pathlib.Path, family: str, **overrides) -> Vision
     image_cfg = _read_json(hf_dir, "preprocessor_config.json", "image_processor")
     video_cfg = _read_json(hf_dir, "video_preprocessor_config.json", "video_processor") or image_cfg
     image = _resolve(image_cfg, IMAGE_DEFAULTS)
-    video = _resolve(video_cfg, VIDEO_DEFAULTS[family])
+    video = _resolve(video_cfg, dict(get_family(family).video_defaults))
     config = VisionConfig(
         family=family,
         patch_size=image["patch_size"],
@@ -192,7 +173,7 @@ def vision_tokens_for_image(height: int, width: int, config: VisionConfig) -> in
 def video_grid_thw(num_frames: int, height: int, width: int, config: VisionConfig) -> tuple[int, int, int]:
     """The (t, h, w) patch grid the video processor gives `num_frames` (already sampled) frames of height x width."""
     patch, factor = config.video_patch_size, config.video_patch_size * config.merge_size
-    if config.family == "qwen3_vl":
+    if config.record.video_frames_timestamped:  # Qwen3-VL: one pixel budget for the whole clip
         h, w = smart_resize_video_qwen3(
             num_frames,
             height,
@@ -214,7 +195,7 @@ def sample_video_frame_indices(total_frames: int, video_fps: float | None, confi
     if not config.video_do_sample_frames or config.video_fps is None:
         return np.arange(total_frames)
     fps = video_fps if video_fps else 24.0  # transformers' own fallback when a container has no rate
-    if config.family == "qwen3_vl":
+    if config.record.video_frames_timestamped:  # Qwen3VLVideoProcessor: evenly spaced, no temporal rounding
         num = int(total_frames / fps * config.video_fps)
         num = min(max(num, config.video_min_frames), config.video_max_frames, total_frames)
         return np.linspace(0, total_frames - 1, num).round().astype(int)

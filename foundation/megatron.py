@@ -23,30 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from qvl.foundation.errors import OptionalPackageUnavailable
-
-# ---------------------------------------------------------------------------------------------------
-# (1) Stand-ins for optional packages that Megatron-Bridge imports unconditionally
-# ---------------------------------------------------------------------------------------------------
-
-
-# Importing module -> (missing package, the submodule it imports, what to do instead).
-_STAND_INS: dict[str, tuple[str, str, str]] = {
-    # `import transformer_engine.pytorch as te` at the top of the LoRA layers (isinstance checks only
-    # on the non-TE path).
-    "megatron.bridge.peft.lora_layers": (
-        "transformer_engine",
-        "transformer_engine.pytorch",
-        "use the local (non-TE) layer specs (qvl does where TE is absent), or a NeMo container with TE",
-    ),
-    # `from nvidia_resiliency_ext.inprocess import CallWrapper`, used only as a type annotation unless
-    # in-process restart is enabled. PyPI's newest nvidia-resiliency-ext for this stack (0.4.1) lacks the
-    # `__version__` that megatron-core 0.19.2 reads, so qvl does not install it.
-    "megatron.bridge.training.pretrain": (
-        "nvidia_resiliency_ext",
-        "nvidia_resiliency_ext.inprocess",
-        "leave in-process restart off, or install nvidia-resiliency-ext (NeMo containers have it)",
-    ),
-}
+from qvl.foundation.patches import STAND_INS, StandIn
 
 
 def _placeholder_class(package: str, name: str, advice: str) -> type:
@@ -97,7 +74,7 @@ class _StandInLoader(importlib.abc.Loader):
     probes elsewhere (`try: import transformer_engine`, megatron.core's `is_te_min_version`) still
     see the package as absent."""
 
-    def __init__(self, inner: importlib.abc.Loader, stand_in: tuple[str, str, str]):
+    def __init__(self, inner: importlib.abc.Loader, stand_in: StandIn):
         self.inner = inner
         self.stand_in = stand_in
 
@@ -105,16 +82,16 @@ class _StandInLoader(importlib.abc.Loader):
         return self.inner.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        with _stand_in(*self.stand_in):
+        with _stand_in(self.stand_in.package, self.stand_in.submodule, self.stand_in.advice):
             self.inner.exec_module(module)
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder):
-    """Wraps the loader of each module in _STAND_INS whose optional package is not installed."""
+    """Wraps the loader of each module in patches.STAND_INS whose optional package is not installed."""
 
     def find_spec(self, fullname, path, target=None):
         stand_in = _STAND_INS.get(fullname)
-        if stand_in is None or _is_installed(stand_in[0]):
+        if stand_in is None or _is_installed(stand_in.package):
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None:
@@ -128,19 +105,27 @@ def _is_installed(package: str) -> bool:
     return spec is not None and spec.origin is not None
 
 
+_STAND_INS: dict[str, StandIn] = {s.module: s for s in STAND_INS}
 _FINDER = _StandInFinder()
 
 
 def import_megatron_bridge() -> types.ModuleType:
     """Import `megatron.bridge`, with stand-ins for the optional packages it imports unconditionally.
 
-    The finder stays installed afterwards (it acts on the _STAND_INS modules only), because
-    `megatron.bridge.training.pretrain` is imported lazily, long after `megatron.bridge` itself.
+    The finder is on sys.meta_path only while this runs: the modules that need a stand-in (the LoRA layers and
+    the training loop, which Megatron-Bridge would otherwise import lazily later) are imported here, once.
     """
     importlib.import_module("megatron.core")  # decides HAVE_TE before anything else can
-    if _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
-    return importlib.import_module("megatron.bridge")
+    if all(name in sys.modules for name in ("megatron.bridge", *_STAND_INS)):
+        return sys.modules["megatron.bridge"]
+    sys.meta_path.insert(0, _FINDER)
+    try:
+        bridge = importlib.import_module("megatron.bridge")
+        for name in _STAND_INS:
+            importlib.import_module(name)
+    finally:
+        sys.meta_path.remove(_FINDER)
+    return bridge
 
 
 def have_transformer_engine() -> bool:

@@ -47,6 +47,7 @@ Redirections (undone by `deactivate()`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -54,12 +55,13 @@ import importlib.util
 import logging
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from qvl.foundation import patches
 from qvl.foundation.errors import UnsupportedOnCPU
 from qvl.foundation.megatron import import_megatron_bridge
 
@@ -149,38 +151,69 @@ def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
     torch.set_rng_state(new_state)
 
 
-def _seed_cpu_generator(seed: int) -> None:
-    torch.default_generator.manual_seed(int(seed))
+# Replacement factories named by qvl.foundation.patches (group "cpu-runtime"): each gets the original.
 
 
-def _torch_cuda_patches() -> dict[tuple[Any, str], Any]:
-    nvtx = types.SimpleNamespace(
+def answer_device_zero(original: Any) -> Callable[[], int]:
+    return lambda: 0
+
+
+def no_op(original: Any) -> Callable[..., None]:
+    return lambda *args, **kwargs: None
+
+
+def null_stream_class(original: Any) -> type:
+    return _NullStream
+
+
+def null_stream_factory(original: Any) -> Callable[..., _NullStream]:
+    return lambda *args, **kwargs: _NullStream()
+
+
+def null_stream_context(original: Any) -> Callable[..., Any]:
+    return _null_stream_context
+
+
+def null_nvtx(original: Any) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
         range_push=lambda *a, **k: None,
         range_pop=lambda *a, **k: None,
         range=_null_stream_context,
         mark=lambda *a, **k: None,
     )
-    cuda = torch.cuda
-    return {
-        (cuda, "current_device"): lambda: 0,
-        (cuda, "set_device"): lambda *a, **k: None,
-        (cuda, "synchronize"): lambda *a, **k: None,
-        (cuda, "empty_cache"): lambda *a, **k: None,
-        (cuda, "Stream"): _NullStream,
-        (cuda, "Event"): _NullStream,
-        (cuda, "ExternalStream"): _NullStream,
-        (cuda, "current_stream"): lambda *a, **k: _NullStream(),
-        (cuda, "default_stream"): lambda *a, **k: _NullStream(),
-        (cuda, "stream"): _null_stream_context,
-        (cuda, "nvtx"): nvtx,
-        (cuda, "get_rng_state"): _cpu_rng_state,
-        (cuda, "set_rng_state"): _set_cpu_rng_state,
-        # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.
-        (cuda, "manual_seed"): _seed_cpu_generator,
-        (cuda, "manual_seed_all"): lambda seed: None,
-        (cuda.random, "get_rng_state"): _cpu_rng_state,
-        (cuda.random, "set_rng_state"): _set_cpu_rng_state,
-    }
+
+
+def cpu_rng_state(original: Any) -> Callable[..., torch.Tensor]:
+    return _cpu_rng_state
+
+
+def set_cpu_rng_state(original: Any) -> Callable[..., None]:
+    return _set_cpu_rng_state
+
+
+def seed_cpu_generator(original: Any) -> Callable[[int], None]:
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.
+    return lambda seed: torch.default_generator.manual_seed(int(seed))
+
+
+# Replacement factories of group "cpu-bridge-training" (item 7).
+
+
+def allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
+    return functools.wraps(original)(lambda *args, **kwargs: original(*args, **{**kwargs, "allow_no_cuda": True}))
+
+
+def seed_rng_tracker_too(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def set_random_seed(seed_, *args, **kwargs):
+        original(seed_, *args, **kwargs)
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        # the seed upstream would have used (it offsets by pipeline rank)
+        model_parallel_cuda_manual_seed(seed_ + 100 * parallel_state.get_pipeline_model_parallel_rank())
+
+    return set_random_seed
 
 
 class _ForkedRngWarningFilter(logging.Filter):
@@ -194,15 +227,6 @@ _RNG_LOGGER = "megatron.core.tensor_parallel.random"
 _RNG_WARNING_FILTER = _ForkedRngWarningFilter()
 
 
-def _megatron_patches() -> dict[tuple[Any, str], Any]:
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    return {
-        (mcore_random, "_get_cuda_rng_state"): _cpu_rng_state,
-        (mcore_random, "_set_cuda_rng_state"): _set_cpu_rng_state,
-    }
-
-
 # ---------------------------------------------------------------------------------------------------
 # Activation
 # ---------------------------------------------------------------------------------------------------
@@ -211,10 +235,10 @@ def _megatron_patches() -> dict[tuple[Any, str], Any]:
 @dataclass(kw_only=True, slots=True)
 class _RuntimeState:
     mode: _CudaToCpuMode | None = None
-    originals: dict[tuple[Any, str], Any] = field(default_factory=dict)
 
 
 _STATE = _RuntimeState()
+_GROUPS = ("cpu-runtime", "cpu-bridge-training")
 
 
 def is_active() -> bool:
@@ -233,14 +257,11 @@ def activate(*, force: bool = False) -> bool:
         logger.info("CUDA is available: the CPU runtime stays off")
         return False
     importlib.import_module("megatron.core")
-    patches = {**_torch_cuda_patches(), **_megatron_patches()}
-    for (owner, name), replacement in patches.items():
-        _STATE.originals[(owner, name)] = getattr(owner, name)
-        setattr(owner, name, replacement)
+    patches.apply("cpu-runtime")
     logging.getLogger(_RNG_LOGGER).addFilter(_RNG_WARNING_FILTER)
     _STATE.mode = _CudaToCpuMode()
     _STATE.mode.__enter__()
-    logger.debug("CPU runtime active: %d redirections", len(patches) + 1)
+    logger.debug("CPU runtime active")
     return True
 
 
@@ -249,40 +270,17 @@ def enable_bridge_training() -> None:
     if not is_active():
         raise RuntimeError("call runtime.activate() before enable_bridge_training()")
     import_megatron_bridge()
-    from megatron.bridge.training import initialize, setup
-
-    def initialize_megatron(*args, **kwargs):
-        return _STATE.originals[(initialize, "initialize_megatron")](*args, **{**kwargs, "allow_no_cuda": True})
-
-    def set_random_seed(seed_, *args, **kwargs):
-        _STATE.originals[(initialize, "_set_random_seed")](seed_, *args, **kwargs)
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        # the seed upstream would have used (it offsets by pipeline rank)
-        model_parallel_cuda_manual_seed(seed_ + 100 * parallel_state.get_pipeline_model_parallel_rank())
-
-    patches = {
-        (initialize, "initialize_megatron"): initialize_megatron,
-        (setup, "initialize_megatron"): initialize_megatron,
-        (initialize, "compile_helpers"): lambda: None,
-        (initialize, "_set_random_seed"): set_random_seed,
-    }
-    for (owner, name), replacement in patches.items():
-        if (owner, name) not in _STATE.originals:
-            _STATE.originals[(owner, name)] = getattr(owner, name)
-        setattr(owner, name, replacement)
+    patches.apply("cpu-bridge-training")
 
 
 def deactivate() -> None:
-    """Undo every redirection made by `activate()`."""
+    """Undo every redirection made by `activate()` and `enable_bridge_training()`."""
     if _STATE.mode is None:
         return
     _STATE.mode.__exit__(None, None, None)
     logging.getLogger(_RNG_LOGGER).removeFilter(_RNG_WARNING_FILTER)
-    for (owner, name), original in _STATE.originals.items():
-        setattr(owner, name, original)
-    _STATE.originals.clear()
+    for group in reversed(_GROUPS):
+        patches.undo(group)
     _STATE.mode = None
 
 

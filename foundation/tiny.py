@@ -1,4 +1,4 @@
-"""Offline tiny Qwen-VL tokenizer + processor directories for tests, demos and the bridges' tiny models.
+"""The debug flavour's tokenizer and processor: offline tiny Qwen-VL processor directories for every family.
 
 The tokenizer is a byte-level BPE trained in memory on a small corpus, so it needs no hub access, yet it has
 Qwen's special tokens and a Qwen-style chat template; the processor config is the family's real one with the
@@ -10,16 +10,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-# Qwen's special tokens, first in the vocabulary so their ids stay below any vocab_size.
-SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
+from qvl.foundation.families import SPECIAL_TOKENS, get_family
 
 # Qwen2-VL / Qwen2.5-VL chat template (as shipped, minus tool calls): a default system prompt when none is given.
 QWEN2_VL_CHAT_TEMPLATE = (
@@ -64,18 +55,6 @@ _CORPUS = (
     "Ünïcödé text, 中文 字符, emoji 🙂 and tabs\tand\nnew lines are all handled byte by byte.",
 )
 
-# Pixel budgets small enough that test images give a few dozen vision tokens, large enough to exercise resizing.
-_FAMILY_PROCESSOR = {
-    "qwen2_vl": {"patch_size": 14, "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64, "image_mean": "clip"},
-    "qwen2_5_vl": {"patch_size": 14, "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64, "image_mean": "clip"},
-    "qwen3_vl": {"patch_size": 16, "min_pixels": 64 * 64, "max_pixels": 32 * 32 * 64, "image_mean": "half"},
-}
-_MEANS = {
-    "clip": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]),
-    "half": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
-}
-_PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
-
 
 def build_tiny_tokenizer(family: str, vocab_size: int = 1024):
     """A PreTrainedTokenizerFast with Qwen's special tokens and the family's chat template, built offline."""
@@ -94,7 +73,7 @@ def build_tiny_tokenizer(family: str, vocab_size: int = 1024):
         show_progress=False,
     )
     tokenizer.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
-    template = QWEN3_VL_CHAT_TEMPLATE if family == "qwen3_vl" else QWEN2_VL_CHAT_TEMPLATE
+    template = {"qwen2": QWEN2_VL_CHAT_TEMPLATE, "qwen3": QWEN3_VL_CHAT_TEMPLATE}[get_family(family).chat_template]
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
@@ -107,25 +86,23 @@ def build_tiny_tokenizer(family: str, vocab_size: int = 1024):
 
 def preprocessor_config(family: str) -> dict:
     """The family's `preprocessor_config.json` content with a tiny pixel budget."""
-    if family not in _FAMILY_PROCESSOR:
-        raise ValueError(f"unknown family {family!r}; use one of {sorted(_FAMILY_PROCESSOR)}")
-    spec = _FAMILY_PROCESSOR[family]
-    mean, std = _MEANS[spec["image_mean"]]
+    record = get_family(family)
+    min_pixels, max_pixels = record.tiny_pixels
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": _PROCESSOR_CLASS[family],
+        "processor_class": record.processor_class,
         "do_resize": True,
         "do_rescale": True,
         "do_normalize": True,
         "do_convert_rgb": True,
         "rescale_factor": 1 / 255,
         "resample": 3,
-        "image_mean": mean,
-        "image_std": std,
-        "patch_size": spec["patch_size"],
+        "image_mean": list(record.image_mean),
+        "image_std": list(record.image_std),
+        "patch_size": record.patch_size,
         "temporal_patch_size": 2,
         "merge_size": 2,
-        "size": {"shortest_edge": spec["min_pixels"], "longest_edge": spec["max_pixels"]},
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
     }
 
 
@@ -133,7 +110,7 @@ def video_preprocessor_config(family: str) -> dict:
     """The family's `video_preprocessor_config.json` content with a tiny pixel budget."""
     config = preprocessor_config(family)
     config.pop("image_processor_type")
-    config["video_processor_type"] = "Qwen3VLVideoProcessor" if family == "qwen3_vl" else "Qwen2VLVideoProcessor"
+    config["video_processor_type"] = get_family(family).video_processor_class
     config["size"] = {
         "shortest_edge": config["size"]["shortest_edge"],
         "longest_edge": 4 * config["size"]["longest_edge"],

@@ -14,29 +14,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from qvl.foundation.families import FAMILIES, Family, get_family
 
-# Family names as in qvl.data and qvl.bridges (MoE checkpoints are sizes of qwen3_vl).
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Architecture:
     """One published checkpoint: hub id, transformers config class, and its text/vision kwargs."""
 
-    family: str
+    family: str  # a qvl.foundation.families name
     size: str
     hub_id: str
-    config_class: str
     text: dict[str, Any]
     vision: dict[str, Any]
-    moe: bool = False
     top: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def record(self) -> Family:
+        """The family's record."""
+        return get_family(self.family)
+
+    @property
+    def config_class(self) -> str:
+        """The transformers config class."""
+        return self.record.config_class
 
     @property
     def hf_architecture(self) -> str:
         """The `architectures[0]` name the bridges are registered under."""
-        return self.config_class.replace("Config", "ForConditionalGeneration")
+        return self.record.hf_architecture
 
 
 def _rope(theta: float, section: list[int], **extra: Any) -> dict[str, Any]:
@@ -73,48 +80,48 @@ def _text(hidden: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, t
                 max_position_embeddings=128_000, rms_norm_eps=1e-6, **extra)  # fmt: skip
 
 
-def _arch(family: str, size: str, hub: str, cls: str, text: dict, vision: dict, moe: bool = False) -> Architecture:
-    return Architecture(family=family, size=size, hub_id=hub, config_class=cls, text=text, vision=vision, moe=moe,
+def _arch(family: str, size: str, hub: str, text: dict, vision: dict) -> Architecture:
+    return Architecture(family=family, size=size, hub_id=hub, text=text, vision=vision,
                         top={"tie_word_embeddings": text["tie_word_embeddings"]})  # fmt: skip
 
 
 ARCHITECTURES: dict[tuple[str, str], Architecture] = {
     (a.family, a.size): a
     for a in [
-        _arch("qwen2_vl", "2b", "Qwen/Qwen2-VL-2B-Instruct", "Qwen2VLConfig",
+        _arch("qwen2_vl", "2b", "Qwen/Qwen2-VL-2B-Instruct",
               _text(1536, 28, 12, 2, 8960, 151936, True, _Q2_ROPE), dict(_Q2_VISION, hidden_size=1536)),
-        _arch("qwen2_vl", "7b", "Qwen/Qwen2-VL-7B-Instruct", "Qwen2VLConfig",
+        _arch("qwen2_vl", "7b", "Qwen/Qwen2-VL-7B-Instruct",
               _text(3584, 28, 28, 4, 18944, 152064, False, _Q2_ROPE), dict(_Q2_VISION, hidden_size=3584)),
-        _arch("qwen2_vl", "72b", "Qwen/Qwen2-VL-72B-Instruct", "Qwen2VLConfig",
+        _arch("qwen2_vl", "72b", "Qwen/Qwen2-VL-72B-Instruct",
               _text(8192, 80, 64, 8, 29568, 152064, False, _Q2_ROPE), dict(_Q2_VISION, hidden_size=8192)),
-        _arch("qwen2_5_vl", "3b", "Qwen/Qwen2.5-VL-3B-Instruct", "Qwen2_5_VLConfig",
+        _arch("qwen2_5_vl", "3b", "Qwen/Qwen2.5-VL-3B-Instruct",
               _text(2048, 36, 16, 2, 11008, 151936, True, _Q25_ROPE), dict(_Q25_VISION, out_hidden_size=2048)),
-        _arch("qwen2_5_vl", "7b", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen2_5_VLConfig",
+        _arch("qwen2_5_vl", "7b", "Qwen/Qwen2.5-VL-7B-Instruct",
               _text(3584, 28, 28, 4, 18944, 152064, False, _Q25_ROPE), dict(_Q25_VISION, out_hidden_size=3584)),
-        _arch("qwen2_5_vl", "32b", "Qwen/Qwen2.5-VL-32B-Instruct", "Qwen2_5_VLConfig",
+        _arch("qwen2_5_vl", "32b", "Qwen/Qwen2.5-VL-32B-Instruct",
               _text(5120, 64, 40, 8, 27648, 152064, False, _Q25_ROPE), dict(_Q25_VISION, out_hidden_size=5120)),
-        _arch("qwen2_5_vl", "72b", "Qwen/Qwen2.5-VL-72B-Instruct", "Qwen2_5_VLConfig",
+        _arch("qwen2_5_vl", "72b", "Qwen/Qwen2.5-VL-72B-Instruct",
               _text(8192, 80, 64, 8, 29568, 152064, False, _Q25_ROPE), dict(_Q25_VISION, out_hidden_size=8192)),
-        _arch("qwen3_vl", "2b", "Qwen/Qwen3-VL-2B-Instruct", "Qwen3VLConfig",
+        _arch("qwen3_vl", "2b", "Qwen/Qwen3-VL-2B-Instruct",
               _text(2048, 28, 16, 8, 6144, 151936, True, _Q3_ROPE, head_dim=128),
               dict(_Q3_VISION_SMALL, out_hidden_size=2048)),
-        _arch("qwen3_vl", "4b", "Qwen/Qwen3-VL-4B-Instruct", "Qwen3VLConfig",
+        _arch("qwen3_vl", "4b", "Qwen/Qwen3-VL-4B-Instruct",
               _text(2560, 36, 32, 8, 9728, 151936, True, _Q3_ROPE, head_dim=128),
               dict(_Q3_VISION_SMALL, out_hidden_size=2560)),
-        _arch("qwen3_vl", "8b", "Qwen/Qwen3-VL-8B-Instruct", "Qwen3VLConfig",
+        _arch("qwen3_vl", "8b", "Qwen/Qwen3-VL-8B-Instruct",
               _text(4096, 36, 32, 8, 12288, 151936, False, _Q3_ROPE, head_dim=128),
               dict(_Q3_VISION_LARGE, out_hidden_size=4096)),
-        _arch("qwen3_vl", "32b", "Qwen/Qwen3-VL-32B-Instruct", "Qwen3VLConfig",
+        _arch("qwen3_vl", "32b", "Qwen/Qwen3-VL-32B-Instruct",
               _text(5120, 64, 64, 8, 25600, 151936, False, _Q3_ROPE, head_dim=128),
               dict(_Q3_VISION_LARGE, out_hidden_size=5120)),
-        _arch("qwen3_vl", "30b-a3b", "Qwen/Qwen3-VL-30B-A3B-Instruct", "Qwen3VLMoeConfig",
+        _arch("qwen3_vl_moe", "30b-a3b", "Qwen/Qwen3-VL-30B-A3B-Instruct",
               _text(2048, 48, 32, 4, 6144, 151936, False, _Q3_ROPE, head_dim=128, num_experts=128,
                     num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1),
-              dict(_Q3_VISION_LARGE, out_hidden_size=2048), moe=True),
-        _arch("qwen3_vl", "235b-a22b", "Qwen/Qwen3-VL-235B-A22B-Instruct", "Qwen3VLMoeConfig",
+              dict(_Q3_VISION_LARGE, out_hidden_size=2048)),
+        _arch("qwen3_vl_moe", "235b-a22b", "Qwen/Qwen3-VL-235B-A22B-Instruct",
               _text(4096, 94, 64, 4, 12288, 151936, False, _Q3_ROPE, head_dim=128, num_experts=128,
                     num_experts_per_tok=8, moe_intermediate_size=1536, decoder_sparse_step=1),
-              dict(_Q3_VISION_LARGE, out_hidden_size=4096), moe=True),
+              dict(_Q3_VISION_LARGE, out_hidden_size=4096)),
     ]
 }  # fmt: skip
 

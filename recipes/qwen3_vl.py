@@ -9,6 +9,8 @@ from qvl.recipes.base import ConfigContainer, family_recipe  # base imports Mega
 from qvl.recipes.registry import recipe
 
 FAMILY = "qwen3_vl"
+MOE_FAMILY = "qwen3_vl_moe"  # same base recipe; its checkpoints are a family of their own (HF class, bridge)
+MOE_SIZES = ("30b-a3b", "235b-a22b")
 # Default layout per (size, stage): fits H100 80 GB at 4096-token packs on `gpus` GPUs (tests/recipes plan them).
 LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
     ("2b", "pretrain"): dict(tensor_parallel=1, gpus=8),
@@ -36,7 +38,7 @@ SETTINGS: dict[tuple[str, str], dict] = {}  # non-layout defaults per (size, sta
 def qwen3_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
     """Base recipe: Qwen3-VL at `size` trained at `stage`, with the size's default layout under `overrides`."""
     return family_recipe(
-        arch=get_architecture(FAMILY, size),
+        arch=get_architecture(MOE_FAMILY if size in MOE_SIZES else FAMILY, size),
         stage=stage,
         layout=LAYOUTS[size, stage],
         settings=SETTINGS.get((size, stage), {}),
@@ -116,37 +118,37 @@ def qwen3_vl_32b_peft(**overrides: Any) -> ConfigContainer:
     return qwen3_vl(size="32b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="30b-a3b", stage="pretrain", **LAYOUTS["30b-a3b", "pretrain"])
+@recipe(family=MOE_FAMILY, size="30b-a3b", stage="pretrain", **LAYOUTS["30b-a3b", "pretrain"])
 def qwen3_vl_30b_a3b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-30B-A3B (MoE) continued pretraining."""
     return qwen3_vl(size="30b-a3b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="30b-a3b", stage="sft", **LAYOUTS["30b-a3b", "sft"])
+@recipe(family=MOE_FAMILY, size="30b-a3b", stage="sft", **LAYOUTS["30b-a3b", "sft"])
 def qwen3_vl_30b_a3b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-30B-A3B (MoE) full fine-tuning."""
     return qwen3_vl(size="30b-a3b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="30b-a3b", stage="peft", **LAYOUTS["30b-a3b", "peft"])
+@recipe(family=MOE_FAMILY, size="30b-a3b", stage="peft", **LAYOUTS["30b-a3b", "peft"])
 def qwen3_vl_30b_a3b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-30B-A3B (MoE) LoRA fine-tuning."""
     return qwen3_vl(size="30b-a3b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="235b-a22b", stage="pretrain", **LAYOUTS["235b-a22b", "pretrain"])
+@recipe(family=MOE_FAMILY, size="235b-a22b", stage="pretrain", **LAYOUTS["235b-a22b", "pretrain"])
 def qwen3_vl_235b_a22b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-235B-A22B (MoE) continued pretraining."""
     return qwen3_vl(size="235b-a22b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="235b-a22b", stage="sft", **LAYOUTS["235b-a22b", "sft"])
+@recipe(family=MOE_FAMILY, size="235b-a22b", stage="sft", **LAYOUTS["235b-a22b", "sft"])
 def qwen3_vl_235b_a22b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-235B-A22B (MoE) full fine-tuning."""
     return qwen3_vl(size="235b-a22b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="235b-a22b", stage="peft", **LAYOUTS["235b-a22b", "peft"])
+@recipe(family=MOE_FAMILY, size="235b-a22b", stage="peft", **LAYOUTS["235b-a22b", "peft"])
 def qwen3_vl_235b_a22b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-235B-A22B (MoE) LoRA fine-tuning."""
     return qwen3_vl(size="235b-a22b", stage="peft", **overrides)

@@ -15,7 +15,7 @@ distributed optimizer wraps torch's Adam, and resuming from a checkpoint breaks 
    template's `step` (that of a fresh optimizer: 0) over it. Adam's bias correction restarts, and
    losses drift from the uninterrupted run from the second step after a resume. Fix: after loading,
    give each parameter its own `step` tensor holding the checkpoint's step, read from its param groups.
-Both apply on any device; `apply()` is idempotent and a no-op where TE or Apex provides the optimizer.
+Both apply on any device: `fixed()` puts them in place for a block, where TE or Apex does not provide the optimizer.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from collections.abc import Iterator
 
 import torch
 
-_APPLIED = False
+from qvl.foundation import patches
+
+GROUP = "torch-adam-resume"
 
 
 @contextlib.contextmanager
@@ -56,30 +58,36 @@ def _checkpoint_step(state_dict: dict) -> float | None:
     return float(steps.pop()) if len(steps) == 1 else None
 
 
-def apply() -> bool:
-    """Patch DistributedOptimizer.state_dict / load_state_dict; returns whether the fixes are in place."""
-    global _APPLIED
+def needed() -> bool:
+    """Whether the distributed optimizer falls back to torch Adam here (no TE, no Apex)."""
     from megatron.core.optimizer import distrib_optimizer
 
-    if distrib_optimizer.HAVE_APEX_OR_TE:
-        return False
-    if _APPLIED:
-        return True
-    cls = distrib_optimizer.DistributedOptimizer
-    original_state_dict, original_load = cls.state_dict, cls.load_state_dict
+    return not distrib_optimizer.HAVE_APEX_OR_TE
 
-    @functools.wraps(original_state_dict)
+
+def fixed() -> contextlib.AbstractContextManager:
+    """The fixes (patch group "torch-adam-resume" of qvl.foundation.patches) in place for a block, where needed."""
+    return patches.applied(GROUP) if needed() else contextlib.nullcontext()
+
+
+# Replacement factories named by qvl.foundation.patches.
+
+
+def state_dict_with_initial_steps(original):
+    @functools.wraps(original)
     def state_dict(self):
         with _temporary_initial_steps(self.optimizer):
-            return original_state_dict(self)
+            return original(self)
 
-    @functools.wraps(original_load)
+    return state_dict
+
+
+def load_state_dict_with_own_steps(original):
+    @functools.wraps(original)
     def load_state_dict(self, state_dict):
         step = _checkpoint_step(state_dict)  # read first: the upstream load consumes parts of state_dict
-        result = original_load(self, state_dict)
+        result = original(self, state_dict)
         _restore_steps(self.optimizer, step)
         return result
 
-    cls.state_dict, cls.load_state_dict = state_dict, load_state_dict
-    _APPLIED = True
-    return True
+    return load_state_dict

@@ -110,7 +110,8 @@ def test_megatron_bridge_imports_without_transformer_engine():
 def test_stand_in_classes_refuse_use():
     from qvl.foundation import megatron
 
-    with megatron._stand_in(*megatron._STAND_INS["megatron.bridge.peft.lora_layers"]):
+    stand_in = megatron._STAND_INS["megatron.bridge.peft.lora_layers"]
+    with megatron._stand_in(stand_in.package, stand_in.submodule, stand_in.advice):
         import transformer_engine.pytorch as te
 
         with pytest.raises(megatron.OptionalPackageUnavailable, match="transformer_engine.*not installed"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from qvl.launchers.cli import main
-from qvl.launchers.commands.recipes import parse_overrides, parse_value
+from qvl.launchers.commands.recipes import parse_overrides
+from qvl.recipes.overrides import parse_value
 
 
 @pytest.fixture(autouse=True)
@@ -22,14 +23,15 @@ def test_values_parse_to_python_types():
         "vision,projector",
     ]
     assert parse_overrides(["tensor_parallel=4", "freeze=vision"]) == {"tensor_parallel": 4, "freeze": "vision"}
-    with pytest.raises(ValueError, match="KEY=VALUE"):
+    with pytest.raises(ValueError, match="is not key=value"):
         parse_overrides(["tensor_parallel"])
 
 
 def test_qvl_recipes_lists_every_recipe(capsys):
-    assert main(["recipes", "--family", "qwen3_vl"]) == 0
+    assert main(["recipes", "--family", "qwen3_vl_moe"]) == 0
     out = capsys.readouterr().out
-    assert "qwen3_vl_235b_a22b_peft" in out and "qwen3_vl_30b_a3b_sft" in out and "qwen25_vl" not in out
+    assert "qwen3_vl_235b_a22b_peft" in out and "qwen3_vl_30b_a3b_sft" in out
+    assert "qwen25_vl" not in out and "qwen3_vl_8b" not in out
 
 
 def test_qvl_plan_prints_memory_split_flops_and_mfu(capsys):

@@ -19,7 +19,8 @@ def test_registry_covers_every_family_size_and_stage(recipes):
     expected = {
         "qwen2_vl": ["2b", "7b", "72b"],
         "qwen2_5_vl": ["3b", "7b", "32b", "72b"],
-        "qwen3_vl": ["2b", "4b", "8b", "32b", "30b-a3b", "235b-a22b"],
+        "qwen3_vl": ["2b", "4b", "8b", "32b"],
+        "qwen3_vl_moe": ["30b-a3b", "235b-a22b"],
     }
     for family, sizes in expected.items():
         assert by_family[family] == {(s, st) for s in sizes for st in STAGES}
@@ -85,14 +86,14 @@ def test_pipeline_split_is_set_from_the_model():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"tensor_parallel": 3}, "tensor_parallel=3 does not divide 28 attention heads"),
-        ({"tensor_paralel": 2}, "unknown recipe argument"),
+        ({"tensor_parallel": 3}, "tensor_parallel=3 does not divide qwen2_5_vl 7b's 28 attention heads"),
+        ({"tensor_paralel": 2}, "'tensor_paralel' is not a recipe option; did you mean tensor_parallel"),
         ({"precision": "fp4"}, "bf16-mixed"),
         ({"recompute": "some"}, "selective"),
         ({"optimizer_offload": 60}, "optimizer_offload=0.6"),
         ({"freeze": "eyes"}, "projector"),
         ({"virtual_pipeline": 2}, "pipeline_parallel >= 2"),
-        ({"expert_parallel": 2}, "MoE"),
+        ({"expert_parallel": 2}, "expert_parallel=2 needs a mixture-of-experts model"),
         ({"pipeline_parallel": 4, "pipeline_split": "1,2"}, "pipeline_split=auto"),
         ({"vision_balance": True, "context_parallel": 2}, "set context_parallel=1 or drop vision_balance"),
     ],

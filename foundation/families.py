@@ -1,0 +1,287 @@
+"""One record per Qwen-VL model family, read by data, bridges, recipes and the planner.
+
+A family is what shares one HF architecture class, one processor and one bridge: Qwen2-VL, Qwen2.5-VL, Qwen3-VL
+and Qwen3-VL-MoE. Its record says which transformers classes it uses, how its processor resizes, normalises and
+times video, which of its behaviours differ from the others (as flags, so no code outside this file compares
+family names), the tiny debug flavour every test and the demo build, and which qvl modules hold its bridge and
+recipes. Sizes (2B, 7B, ...) are not families: they are rows of `qvl.recipes.architectures`.
+
+Adding a family (say Qwen3.5-VL) is one `Family(...)` below, plus its bridge module (if Megatron-Bridge has none)
+and its recipe module; see the README's "Adding a model family".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from qvl.foundation.errors import ConfigError
+
+# Image normalisation of the HF image processors (class defaults, used when a checkpoint's config omits them).
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HALF = (0.5, 0.5, 0.5)
+
+# Qwen's special tokens, first in the tiny tokenizer's vocabulary so their ids stay below any vocab_size.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+def _frozen(mapping: dict[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Family:
+    """Everything qvl knows about one model family."""
+
+    name: str  # qvl's name, used on the command line and in dataset reports: "qwen2_5_vl"
+    title: str  # "Qwen2.5-VL"
+    hf_architecture: str  # config.json `architectures[0]`, the class Megatron-Bridge bridges are keyed on
+    config_class: str  # transformers config class
+    vision_config_class: str  # transformers class of `config.vision_config`
+    hf_module: str  # transformers.models.<hf_module> holds the classes
+    vision_tower_class: str  # the HF vision tower (incl. merger), built on meta by the planner to count parameters
+    processor_class: str
+    video_processor_class: str
+    moe: bool = False
+    # Qwen3-VL's vision tower is a Megatron module (TP-sharded, recomputable, deepstack outputs); Qwen2/2.5-VL's is
+    # the HF module replicated on every tensor-parallel rank.
+    megatron_vision_tower: bool = False
+    vision_gated_mlp: bool = False  # Qwen2.5-VL's ViT MLP is SwiGLU; Qwen2-VL's and Qwen3-VL's are plain GELU MLPs
+    # --- processor behaviour (transformers 5.12 defaults, used where a checkpoint's processor config is silent)
+    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, ...] = OPENAI_CLIP_STD
+    video_defaults: Mapping[str, Any]
+    # Qwen3VLVideoProcessor's rules: frames sampled evenly (no rounding to the temporal patch), one pixel budget
+    # for the whole clip, each frame pair its own t=1 grid preceded by "<t seconds>" text. Qwen2/2.5-VL resize
+    # per frame and give one grid per video.
+    video_frames_timestamped: bool = False
+    # Qwen2.5-VL: temporal mRoPE positions advance by tokens_per_second x seconds per grid step.
+    video_positions_in_seconds: bool = False
+    # Qwen2.5-VL and Qwen3-VL place frames in time, so a frame folder without fps cannot be used.
+    video_needs_fps: bool = True
+    chat_template: str = "qwen2"  # which Qwen chat template the tiny tokenizer carries (qvl.foundation.tiny)
+    # --- debug flavour: a tiny random model with the family's real block structure
+    tiny_text: Mapping[str, Any]
+    tiny_vision: Mapping[str, Any]
+    tiny_pixels: tuple[int, int]  # (min_pixels, max_pixels) of the tiny processor: a few dozen tokens per image
+    # --- where the code lives
+    bridge_module: str | None  # qvl module whose import registers the bridge; None: Megatron-Bridge's own
+    recipe_module: str  # qvl module that registers the family's recipes
+    extra: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
+
+    @property
+    def patch_size(self) -> int:
+        """The vision tower's patch size (pixels)."""
+        return int(self.tiny_vision["patch_size"])
+
+
+# Tiny text model: Qwen2 / Qwen3 blocks at hidden 64, head_dim 16 (so mRoPE sections sum to 8). Token ids are the
+# tiny tokenizer's (qvl.foundation.tiny), whose special tokens are ids 0-6.
+TINY_VOCAB_SIZE = 512
+TINY_TOKEN_IDS = _frozen(
+    {
+        "vision_start_token_id": SPECIAL_TOKENS.index("<|vision_start|>"),
+        "vision_end_token_id": SPECIAL_TOKENS.index("<|vision_end|>"),
+        "image_token_id": SPECIAL_TOKENS.index("<|image_pad|>"),
+        "video_token_id": SPECIAL_TOKENS.index("<|video_pad|>"),
+    }
+)
+_TINY_TEXT = dict(
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
+    pad_token_id=0,
+)
+_QWEN2_TINY_TEXT = dict(
+    _TINY_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+)
+_QWEN3_TINY_ROPE = {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+_QWEN3_TINY_TEXT = dict(_TINY_TEXT, head_dim=16, rope_parameters=_QWEN3_TINY_ROPE)
+_QWEN3_TINY_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=64,
+    deepstack_visual_indexes=[0],
+)
+
+# Video processor class defaults (transformers 5.12 Qwen2VLVideoProcessor / Qwen3VLVideoProcessor).
+_QWEN2_VIDEO = dict(
+    patch_size=14,
+    temporal_patch_size=2,
+    merge_size=2,
+    min_pixels=128 * 28 * 28,
+    max_pixels=28 * 28 * 768,
+    fps=None,
+    min_frames=4,
+    max_frames=768,
+    do_sample_frames=False,
+)
+_QWEN3_VIDEO = dict(
+    patch_size=16,
+    temporal_patch_size=2,
+    merge_size=2,
+    min_pixels=128 * 32 * 32,
+    max_pixels=32 * 32 * 768,
+    fps=2.0,
+    min_frames=4,
+    max_frames=768,
+    do_sample_frames=True,
+)
+
+_QWEN3_COMMON = dict(
+    hf_module="qwen3_vl",
+    vision_tower_class="Qwen3VLVisionModel",
+    processor_class="Qwen3VLProcessor",
+    video_processor_class="Qwen3VLVideoProcessor",
+    megatron_vision_tower=True,
+    image_mean=HALF,
+    image_std=HALF,
+    video_defaults=_frozen(_QWEN3_VIDEO),
+    video_frames_timestamped=True,
+    chat_template="qwen3",
+    tiny_vision=_frozen(_QWEN3_TINY_VISION),
+    tiny_pixels=(64 * 64, 32 * 32 * 64),
+    bridge_module="qvl.bridges.qwen3_vl",
+    recipe_module="qvl.recipes.qwen3_vl",
+)
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            name="qwen2_vl",
+            title="Qwen2-VL",
+            hf_architecture="Qwen2VLForConditionalGeneration",
+            config_class="Qwen2VLConfig",
+            vision_config_class="Qwen2VLVisionConfig",
+            hf_module="qwen2_vl",
+            vision_tower_class="Qwen2VisionTransformerPretrainedModel",
+            processor_class="Qwen2VLProcessor",
+            video_processor_class="Qwen2VLVideoProcessor",
+            video_defaults=_frozen(_QWEN2_VIDEO),
+            video_needs_fps=False,
+            tiny_text=_frozen(_QWEN2_TINY_TEXT),
+            # LayerNorm blocks and a non-gated (QuickGELU) MLP; embed_dim is the ViT width, hidden_size the LM's.
+            tiny_vision=_frozen(
+                dict(
+                    depth=2,
+                    embed_dim=32,
+                    hidden_size=64,
+                    num_heads=2,
+                    mlp_ratio=2,
+                    patch_size=14,
+                    spatial_merge_size=2,
+                    temporal_patch_size=2,
+                )
+            ),
+            tiny_pixels=(56 * 56, 28 * 28 * 64),
+            bridge_module="qvl.bridges.qwen2_vl",  # Megatron-Bridge 0.6.2 has no Qwen2-VL bridge
+            recipe_module="qvl.recipes.qwen2_vl",
+        ),
+        Family(
+            name="qwen2_5_vl",
+            title="Qwen2.5-VL",
+            hf_architecture="Qwen2_5_VLForConditionalGeneration",
+            config_class="Qwen2_5_VLConfig",
+            vision_config_class="Qwen2_5_VLVisionConfig",
+            hf_module="qwen2_5_vl",
+            vision_tower_class="Qwen2_5_VisionTransformerPretrainedModel",
+            processor_class="Qwen2_5_VLProcessor",
+            video_processor_class="Qwen2VLVideoProcessor",
+            video_defaults=_frozen(_QWEN2_VIDEO),
+            video_positions_in_seconds=True,
+            vision_gated_mlp=True,
+            tiny_text=_frozen(_QWEN2_TINY_TEXT),
+            # Windowed attention (56-pixel windows) with full-attention blocks 1 and 3, SwiGLU MLP.
+            tiny_vision=_frozen(
+                dict(
+                    depth=4,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_heads=2,
+                    out_hidden_size=64,
+                    patch_size=14,
+                    spatial_merge_size=2,
+                    temporal_patch_size=2,
+                    window_size=56,
+                    fullatt_block_indexes=[1, 3],
+                    tokens_per_second=2,
+                )
+            ),
+            tiny_pixels=(56 * 56, 28 * 28 * 64),
+            bridge_module=None,  # Megatron-Bridge's own bridge, with qvl's provider fixes (bridges/fixes.py)
+            recipe_module="qvl.recipes.qwen2_5_vl",
+        ),
+        Family(
+            name="qwen3_vl",
+            title="Qwen3-VL",
+            hf_architecture="Qwen3VLForConditionalGeneration",
+            config_class="Qwen3VLConfig",
+            vision_config_class="Qwen3VLVisionConfig",
+            tiny_text=_frozen(_QWEN3_TINY_TEXT),
+            **_QWEN3_COMMON,
+        ),
+        Family(
+            name="qwen3_vl_moe",
+            title="Qwen3-VL-MoE",
+            hf_architecture="Qwen3VLMoeForConditionalGeneration",
+            config_class="Qwen3VLMoeConfig",
+            vision_config_class="Qwen3VLMoeVisionConfig",
+            moe=True,
+            # moe_intermediate_size 24: the fused gate_up [E, 64, 48] is not square, so transformers can tell its
+            # on-disk layout apart when loading (its Transpose(1, 2, check_dims=True) converter is ambiguous on
+            # square tensors).
+            tiny_text=_frozen(
+                dict(
+                    _QWEN3_TINY_TEXT,
+                    num_experts=4,
+                    num_experts_per_tok=2,
+                    moe_intermediate_size=24,
+                    decoder_sparse_step=1,
+                )
+            ),
+            **{**_QWEN3_COMMON, "hf_module": "qwen3_vl_moe", "vision_tower_class": "Qwen3VLMoeVisionModel"},
+        ),
+    )
+}
+
+
+def get_family(name: str) -> Family:
+    """The family called `name`; the error lists the families that exist."""
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown model family {name!r}; use one of {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_of_architecture(hf_architecture: str) -> Family | None:
+    """The family whose HF class is `hf_architecture` (config.json `architectures[0]`), or None."""
+    return next((f for f in FAMILIES.values() if f.hf_architecture == hf_architecture), None)
+
+
+def family_of_vision_config(class_name: str) -> Family | None:
+    """The family whose vision config class is called `class_name`, or None."""
+    return next((f for f in FAMILIES.values() if f.vision_config_class == class_name), None)

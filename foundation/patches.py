@@ -1,0 +1,251 @@
+"""Every change qvl makes to someone else's code, in one table, applied and undone through one context manager.
+
+Three kinds of entry:
+- `Patch`: an attribute of an upstream module or class replaced while a group is applied (`applied(group)`, or
+  `apply(group)` / `undo(group)`). The replacement is named as "qvl.module:factory"; the factory receives the
+  original and returns what goes in its place, so wrappers can call through. Nothing is applied at import.
+- `StandIn`: an upstream module that imports an optional package unconditionally; `qvl.foundation.megatron`
+  gives it a stand-in for the duration of that one import (see there).
+- `PrivateRead`: a private name qvl reads or overrides without replacing it.
+
+Each entry names the version it was written against; `tests/foundation/test_patches.py` checks at the pinned
+versions that every target exists (with the parameters listed), so a version bump fails there, in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MCORE = "megatron-core 0.19.2"
+MBRIDGE = "megatron-bridge 0.6.2"
+TORCH = "torch 2.14.1"
+NEMO_RUN = "nemo-run 0.11.1"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Patch:
+    """An upstream attribute replaced while its group is applied."""
+
+    group: str
+    target: str  # "package.module:Owner.attribute"
+    replacement: str  # "qvl.module:factory", factory(original) -> replacement
+    why: str
+    version: str
+    params: tuple[str, ...] | None = None  # leading parameter names of the original, checked by the tests
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StandIn:
+    """An upstream module that imports an optional package unconditionally."""
+
+    module: str  # the importing module
+    package: str  # the optional package
+    submodule: str  # what it imports from the package
+    advice: str  # what to do instead, shown when code reaches the stand-in
+    version: str
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PrivateRead:
+    """A private upstream name that qvl reads or overrides (never replaces)."""
+
+    target: str  # "package.module:Owner" (+ attribute); instance attributes are checked in the class source
+    attribute: str
+    used_in: str
+    why: str
+    version: str
+
+
+_RUNTIME = "qvl.foundation.runtime"
+_CUDA_WHY = "Megatron calls torch.cuda process-state functions unconditionally around communication and timing"
+_RNG_WHY = (
+    "the model-parallel RNG tracker forks the CUDA generator; on CPU it must fork the CPU generator so dropout "
+    "and initialisation still differ across TP ranks and repeat across DP ranks"
+)
+
+
+def _cuda(name: str, factory: str, why: str = _CUDA_WHY) -> Patch:
+    return Patch(group="cpu-runtime", target=f"torch.cuda:{name}", replacement=f"{_RUNTIME}:{factory}", why=why,
+                 version=TORCH)  # fmt: skip
+
+
+PATCHES: tuple[Patch, ...] = (
+    # --- cpu-runtime: qvl.foundation.runtime.activate() (CPU only; a no-op where CUDA exists)
+    _cuda("current_device", "answer_device_zero", "callers index devices; 0 is a CUDA ordinal the runtime maps to CPU"),
+    _cuda("set_device", "no_op"),
+    _cuda("synchronize", "no_op"),
+    _cuda("empty_cache", "no_op"),
+    _cuda("Stream", "null_stream_class"),
+    _cuda("Event", "null_stream_class"),
+    _cuda("ExternalStream", "null_stream_class"),
+    _cuda("current_stream", "null_stream_factory"),
+    _cuda("default_stream", "null_stream_factory"),
+    _cuda("stream", "null_stream_context"),
+    _cuda("nvtx", "null_nvtx"),
+    _cuda("get_rng_state", "cpu_rng_state", _RNG_WHY),
+    _cuda("set_rng_state", "set_cpu_rng_state", _RNG_WHY),
+    _cuda("manual_seed", "seed_cpu_generator", "torch.manual_seed calls it; it must seed the CPU generator"),
+    _cuda("manual_seed_all", "no_op", "torch.manual_seed calls it; the CPU generator is seeded already"),
+    Patch(group="cpu-runtime", target="torch.cuda.random:get_rng_state", replacement=f"{_RUNTIME}:cpu_rng_state",
+          why=_RNG_WHY, version=TORCH),
+    Patch(group="cpu-runtime", target="torch.cuda.random:set_rng_state", replacement=f"{_RUNTIME}:set_cpu_rng_state",
+          why=_RNG_WHY, version=TORCH),
+    Patch(group="cpu-runtime", target="megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+          replacement=f"{_RUNTIME}:cpu_rng_state", why=_RNG_WHY, version=MCORE),
+    Patch(group="cpu-runtime", target="megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+          replacement=f"{_RUNTIME}:set_cpu_rng_state", why=_RNG_WHY, version=MCORE, params=("new_state",)),
+    # --- cpu-bridge-training: qvl.foundation.runtime.enable_bridge_training()
+    Patch(group="cpu-bridge-training", target="megatron.bridge.training.initialize:initialize_megatron",
+          replacement=f"{_RUNTIME}:allow_no_cuda", version=MBRIDGE, params=("cfg",),
+          why="it asserts CUDA unless allow_no_cuda, which Megatron-Bridge's setup path never passes"),
+    Patch(group="cpu-bridge-training", target="megatron.bridge.training.setup:initialize_megatron",
+          replacement=f"{_RUNTIME}:allow_no_cuda", version=MBRIDGE, params=("cfg",),
+          why="setup.py imported initialize_megatron by name; the same wrapper as initialize's"),
+    Patch(group="cpu-bridge-training", target="megatron.bridge.training.initialize:compile_helpers",
+          replacement=f"{_RUNTIME}:no_op", version=MBRIDGE,
+          why="it runs `make` for dataset helpers the megatron-core wheel ships prebuilt, and exits without a compiler"),
+    Patch(group="cpu-bridge-training", target="megatron.bridge.training.initialize:_set_random_seed",
+          replacement=f"{_RUNTIME}:seed_rng_tracker_too", version=MBRIDGE, params=("seed_",),
+          why="it registers the model-parallel RNG tracker only when a CUDA device is counted"),
+    # --- torch-adam-resume: qvl.recipes.training.optimizer_fixes (any device without TE/Apex)
+    Patch(group="torch-adam-resume",
+          target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict",
+          replacement="qvl.recipes.training.optimizer_fixes:state_dict_with_initial_steps", version=MCORE,
+          params=("self",),
+          why="with torch Adam it asserts one `step` value, and a fresh optimizer (the resume template) has none"),
+    Patch(group="torch-adam-resume",
+          target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
+          replacement="qvl.recipes.training.optimizer_fixes:load_state_dict_with_own_steps", version=MCORE,
+          params=("self", "state_dict"),
+          why="it gives every parameter ONE shared `step` tensor, then overwrites it with the template's 0"),
+    # --- qwen3-vl-local-vision: while qvl.bridges.qwen3_vl.Qwen3VLModel.__init__ runs without TE
+    *(
+        Patch(group="qwen3-vl-local-vision",
+              target=f"megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model:{name}",
+              replacement=f"qvl.bridges.qwen3_vl:{factory}", version=MBRIDGE,
+              why="Qwen3VLModel.__init__ builds its vision tower from TE classes unconditionally")
+        for name, factory in (
+            ("get_vit_layer_with_transformer_engine_spec", "local_vit_layer_spec"),
+            ("TENorm", "local_norm"),
+            ("TEColumnParallelLinear", "local_column_parallel_linear"),
+            ("TERowParallelLinear", "local_row_parallel_linear"),
+        )
+    ),
+)  # fmt: skip
+
+STAND_INS: tuple[StandIn, ...] = (
+    StandIn(module="megatron.bridge.peft.lora_layers", package="transformer_engine",
+            submodule="transformer_engine.pytorch", version=MBRIDGE,
+            advice="use the local (non-TE) layer specs (qvl does where TE is absent), or a NeMo container with TE"),
+    # Used only as a type annotation unless in-process restart is enabled. PyPI's newest nvidia-resiliency-ext for
+    # this stack (0.4.1) lacks the `__version__` that megatron-core 0.19.2 reads, so qvl does not install it.
+    StandIn(module="megatron.bridge.training.pretrain", package="nvidia_resiliency_ext",
+            submodule="nvidia_resiliency_ext.inprocess", version=MBRIDGE,
+            advice="leave in-process restart off, or install nvidia-resiliency-ext (NeMo containers have it)"),
+)  # fmt: skip
+
+PRIVATE_READS: tuple[PrivateRead, ...] = (
+    PrivateRead(target="megatron.bridge.models.conversion.auto_bridge:AutoBridge", attribute="_model_bridge",
+                used_in="qvl.bridges.stream", version=MBRIDGE,
+                why="the streamed import needs the model bridge's conversion tasks without materialising the model"),
+    PrivateRead(target="megatron.bridge.models.qwen_vl.qwen3_vl_provider:Qwen3VLModelProvider",
+                attribute="_pg_collection", used_in="qvl.bridges.qwen3_vl", version=MBRIDGE,
+                why="the provider's process groups, passed to the model as upstream's provide() does"),
+    PrivateRead(target="transformers:PreTrainedModel", attribute="_from_config",
+                used_in="qvl.bridges.qwen2_vl, qvl.recipes.planner", version="transformers 5.12.1",
+                why="builds a vision tower from its sub-config (on meta in the planner) as transformers does itself"),
+    PrivateRead(target="nemo_run.cli.api:RunContext", attribute="_execute_task",
+                used_in="qvl.launchers.nemo_cli", version=NEMO_RUN,
+                why="`nemo qvl` checks the task (layout vs executor, overrides) before NeMo-Run executes it"),
+    PrivateRead(target="nemo_run.run.experiment:Experiment", attribute="_exp_dir", used_in="qvl.launchers.launch",
+                version=NEMO_RUN, why="where the experiment keeps its files, shown to the user and removed on dry runs"),
+    PrivateRead(target="nemo_run.run.experiment:Experiment", attribute="_id", used_in="qvl.launchers.launch",
+                version=NEMO_RUN, why="the experiment id for `nemo experiment status/logs/cancel`"),
+    PrivateRead(target="nemo_run.run.job:Job", attribute="_dryrun_info", used_in="qvl.launchers.launch",
+                version=NEMO_RUN, why="the rendered sbatch script / manifest of a dry run"),
+    PrivateRead(target="nemo_run.core.execution.kubeflow:KubeflowExecutor", attribute="_trainjob_name",
+                used_in="qvl.launchers.launch", version=NEMO_RUN, why="the TrainJob name launch() will use"),
+)  # fmt: skip
+
+GROUPS: tuple[str, ...] = tuple(dict.fromkeys(p.group for p in PATCHES))
+
+# group -> [(owner, attribute, original)] for the groups applied now
+_APPLIED: dict[str, list[tuple[Any, str, Any]]] = {}
+
+
+def load(path: str) -> Any:
+    """The object named by "package.module:Owner.attribute" (or "package.module:name")."""
+    module_name, _, qualname = path.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in qualname.split(".") if qualname else []:
+        obj = getattr(obj, part)
+    return obj
+
+
+def owner_and_name(target: str) -> tuple[Any, str]:
+    """The object that holds `target`'s attribute, and the attribute's name."""
+    module_name, _, qualname = target.partition(":")
+    owner_path, _, name = qualname.rpartition(".")
+    return load(f"{module_name}:{owner_path}"), name
+
+
+def signature_names(obj: Any) -> tuple[str, ...]:
+    """Parameter names of a callable, in order."""
+    return tuple(inspect.signature(obj).parameters)
+
+
+def is_applied(group: str) -> bool:
+    """Whether `group`'s patches are in place now."""
+    return group in _APPLIED
+
+
+def apply(group: str) -> None:
+    """Put every patch of `group` in place (idempotent)."""
+    if group in _APPLIED:
+        return
+    patches = [p for p in PATCHES if p.group == group]
+    if not patches:
+        raise ValueError(f"no patch group {group!r}; groups: {', '.join(GROUPS)}")
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for patch in patches:
+            owner, name = owner_and_name(patch.target)
+            original = getattr(owner, name)
+            setattr(owner, name, load(patch.replacement)(original))
+            saved.append((owner, name, original))
+    except Exception:
+        _restore(saved)
+        raise
+    _APPLIED[group] = saved
+    logger.debug("patch group %s applied: %d targets", group, len(saved))
+
+
+def undo(group: str) -> None:
+    """Restore every attribute `group` replaced (a no-op when it is not applied)."""
+    _restore(_APPLIED.pop(group, []))
+
+
+def _restore(saved: list[tuple[Any, str, Any]]) -> None:
+    for owner, name, original in reversed(saved):
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def applied(*groups: str) -> Iterator[None]:
+    """Apply `groups` for the duration of the block; groups that were already applied stay applied after it."""
+    fresh = [g for g in groups if g not in _APPLIED]
+    try:
+        for group in fresh:
+            apply(group)
+        yield
+    finally:
+        for group in reversed(fresh):
+            undo(group)

@@ -1,0 +1,88 @@
+"""The registry of upstream patches: every target exists at the pinned versions, and every group undoes cleanly."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+from qvl.foundation import patches
+from qvl.foundation.megatron import import_megatron_bridge
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _megatron_bridge():
+    import_megatron_bridge()  # some targets live in modules that need the TE / nvrx stand-ins to import
+
+
+@pytest.mark.parametrize("patch", patches.PATCHES, ids=lambda p: p.target)
+def test_every_patch_target_exists_with_its_parameters(patch):
+    owner, name = patches.owner_and_name(patch.target)
+    assert hasattr(owner, name), f"{patch.target} is gone ({patch.version} had it): {patch.why}"
+    if patch.params is not None:
+        names = patches.signature_names(getattr(owner, name))
+        assert names[: len(patch.params)] == patch.params, f"{patch.target} now takes {names}"
+    assert callable(patches.load(patch.replacement)), patch.replacement
+
+
+@pytest.mark.parametrize("read", patches.PRIVATE_READS, ids=lambda r: f"{r.target}.{r.attribute}")
+def test_every_private_read_exists(read):
+    owner = patches.load(read.target)
+    found = hasattr(owner, read.attribute) or f"self.{read.attribute}" in inspect.getsource(owner)
+    assert found, f"{read.target} has no {read.attribute} any more ({read.version}); used in {read.used_in}"
+
+
+@pytest.mark.parametrize("stand_in", patches.STAND_INS, ids=lambda s: s.module)
+def test_every_stand_in_module_still_imports_its_package(stand_in):
+    import importlib
+
+    source = inspect.getsource(importlib.import_module(stand_in.module))
+    assert stand_in.submodule in source, f"{stand_in.module} no longer imports {stand_in.submodule}: drop the stand-in"
+
+
+@pytest.mark.parametrize("group", patches.GROUPS)
+def test_leaving_the_context_restores_every_patched_name(group):
+    targets = [p.target for p in patches.PATCHES if p.group == group]
+    before = {t: getattr(*patches.owner_and_name(t)) for t in targets}
+    with patches.applied(group):
+        assert patches.is_applied(group)
+        changed = [t for t in targets if getattr(*patches.owner_and_name(t)) is not before[t]]
+        assert changed == targets
+    assert not patches.is_applied(group)
+    assert all(getattr(*patches.owner_and_name(t)) is before[t] for t in targets)
+
+
+def test_apply_and_undo_are_idempotent_and_unknown_groups_are_refused():
+    original = patches.load("torch.cuda:current_device")
+    patches.apply("cpu-runtime")
+    patches.apply("cpu-runtime")
+    assert patches.load("torch.cuda:current_device")() == 0
+    patches.undo("cpu-runtime")
+    patches.undo("cpu-runtime")
+    assert patches.load("torch.cuda:current_device") is original
+    with pytest.raises(ValueError, match="no patch group 'cpu'; groups: cpu-runtime"):
+        patches.apply("cpu")
+
+
+def test_importing_every_qvl_module_switches_nothing_on():
+    code = """
+import importlib, pathlib, sys, torch
+originals = {"current_device": torch.cuda.current_device, "manual_seed": torch.cuda.manual_seed}
+for folder in ("foundation", "bridges", "data", "recipes", "launchers"):
+    for path in sorted(pathlib.Path(folder).rglob("*.py")):
+        parts = path.with_suffix("").parts
+        importlib.import_module(".".join(("qvl", *parts[:-1], *([] if parts[-1] == "__init__" else parts[-1:]))))
+from qvl.foundation import patches, runtime
+assert not runtime.is_active(), "the CPU runtime switched on at import"
+assert not patches._APPLIED, f"patch groups applied at import: {list(patches._APPLIED)}"
+ours = [f for f in sys.meta_path if type(f).__module__.startswith("qvl.")]
+assert not ours, f"import hooks left behind: {ours}"
+assert torch.cuda.current_device is originals["current_device"] and torch.cuda.manual_seed is originals["manual_seed"]
+print("clean")
+"""
+    from tests.test_layers import ROOT
+
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("clean"), out.stderr[-3000:]
