@@ -19,6 +19,7 @@ import torch
 
 from qvl.bridges.providers import auto_bridge
 from qvl.foundation.errors import ConversionError
+from qvl.foundation.families import FAMILIES
 from qvl.foundation.megatron import import_megatron_bridge
 
 logger = logging.getLogger(__name__)
@@ -45,12 +46,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-SUPPORTED_ARCHITECTURES = (
-    "Qwen2VLForConditionalGeneration",
-    "Qwen2_5_VLForConditionalGeneration",
-    "Qwen3VLForConditionalGeneration",
-    "Qwen3VLMoeForConditionalGeneration",
-)
+SUPPORTED_ARCHITECTURES = tuple(f.hf_architecture for f in FAMILIES.values())
 
 
 def require_qwen_vl(hf_dir: Path) -> str:
@@ -152,21 +148,18 @@ def _fix(provider, bridge) -> None:
 
 
 def check_layout(provider) -> None:
-    """TP must divide the attention heads and query groups, PP the decoder layers; say which values work."""
-    tp, pp = provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size
-    heads, groups, layers = (
-        provider.num_attention_heads,
-        provider.num_query_groups or provider.num_attention_heads,
-        provider.num_layers,
+    """TP must divide the heads and query groups, PP the decoder layers (a checkpoint's layout is even)."""
+    from qvl.bridges.providers import layout_facts
+    from qvl.foundation.errors import ConfigError
+    from qvl.foundation.layout import ParallelLayout, check_layout
+
+    layout = ParallelLayout(
+        tensor_parallel=provider.tensor_model_parallel_size, pipeline_parallel=provider.pipeline_model_parallel_size
     )
-    if heads % tp or groups % tp:
-        ok = [d for d in range(1, heads + 1) if heads % d == 0 and groups % d == 0]
-        raise ConversionError(
-            f"tensor_parallel={tp} does not divide {heads} attention heads and {groups} query groups; use one of {ok}"
-        )
-    if layers % pp:
-        ok = [d for d in range(1, layers + 1) if layers % d == 0]
-        raise ConversionError(f"pipeline_parallel={pp} does not divide {layers} decoder layers; use one of {ok}")
+    try:
+        check_layout(layout_facts(provider, "the checkpoint"), layout, even_pipeline=True)
+    except ConfigError as err:
+        raise ConversionError(f"--tp/--pp: {err}") from err
 
 
 def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:

@@ -6,7 +6,10 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
 import warnings
+
+from qvl.foundation.errors import QvlError
 
 # The command table: one module per command group, each exposing `register(subparsers)` and setting
 # `func(args) -> int` on the parsers it adds. Library code never parses arguments or prints.
@@ -39,8 +42,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_logging(verbose: bool) -> None:
+    """qvl's own logs at INFO; Megatron's INFO chatter, import probes and fallback warnings only when verbose.
+
+    `qvl` and `nemo qvl` both call this, so the two command lines print the same."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("qvl").setLevel(logging.DEBUG if verbose else logging.INFO)
+    if verbose:
+        return
+    # megatron-bridge 0.6.2's import_utils sets its logger to INFO (on import, so after this) with its own
+    # handler, and logs a full traceback for every optional symbol it probes (e.g. TE's FP8GlobalStateManager).
+    # A filter outlives that setLevel; verbose keeps the tracebacks.
+    logging.getLogger("megatron.bridge.utils.import_utils").addFilter(_warnings_and_above)
+    # torch warns once per process that a CPU-only machine has no CUDA runtime for C++ extensions.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+
+
+def _warnings_and_above(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `qvl` console script."""
+    """Entry point of the `qvl` console script: bad input ends in one `error:` line and exit status 2."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # `key=value` overrides may also come after options (`qvl train R --model tiny k=v`); argparse stops
@@ -49,22 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    # qvl's own logs at INFO; Megatron's INFO chatter and fallback warnings only with --verbose.
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("qvl").setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    if not args.verbose:
-        # megatron-bridge 0.6.2's import_utils sets its logger to INFO (on import, so after this) with its own
-        # handler, and logs a full traceback for every optional symbol it probes (e.g. TE's
-        # FP8GlobalStateManager). A filter outlives that setLevel; -v keeps the tracebacks.
-        logging.getLogger("megatron.bridge.utils.import_utils").addFilter(lambda r: r.levelno >= logging.WARNING)
-        for category in (UserWarning, FutureWarning, DeprecationWarning):
-            warnings.filterwarnings("ignore", category=category)
+    quiet_logging(args.verbose)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except QvlError as err:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import sys
 from typing import Any, Optional
 
 import nemo_run as run
+from nemo_run.core.execution.kubeflow import KubeflowExecutor
 from nemo_run.core.execution.launcher import Torchrun
 
 # Set on a LocalExecutor that runs on the CPU runtime; the task then gets `--device cpu`.
@@ -155,13 +156,62 @@ def kubernetes(
     Needs a kubeconfig (or an in-cluster service account) when built; no token belongs here. Other
     keywords are KubeflowExecutor fields (tolerations, affinity, labels, ...).
     """
-    from nemo_run.core.execution.kubeflow import KubeflowExecutor
+    return _kubeflow(
+        KubeflowExecutor,
+        image=image,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        namespace=namespace,
+        data_pvc=data_pvc,
+        data_path=data_path,
+        checkpoints_pvc=checkpoints_pvc,
+        checkpoints_path=checkpoints_path,
+        shm_size=shm_size,
+        runtime=runtime,
+        env_vars=env_vars,
+        **fields,
+    )
 
+
+def kubernetes_manifest_only(**settings: Any) -> run.Executor:
+    """The `kubernetes` executor for a dry run: it renders the same TrainJob without loading a kubeconfig."""
+    params = inspect.signature(kubernetes).parameters.values()
+    defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+    return _kubeflow(_manifest_only, **(defaults | settings))
+
+
+def _manifest_only(**fields: Any) -> KubeflowExecutor:
+    # KubeflowExecutor.__post_init__ loads the kubeconfig through self._load_kube_clients(). An attribute of this
+    # one instance answers that call instead (the class and NeMo-Run stay untouched), and is removed again so
+    # the executor is an ordinary KubeflowExecutor, which NeMo-Run maps by its exact class.
+    executor = KubeflowExecutor.__new__(KubeflowExecutor)
+    executor._load_kube_clients = lambda: None
+    executor.__init__(**fields)
+    del executor._load_kube_clients
+    return executor
+
+
+def _kubeflow(
+    cls: Any,
+    *,
+    image: str,
+    nodes: int,
+    gpus_per_node: int,
+    namespace: str,
+    data_pvc: str,
+    data_path: str,
+    checkpoints_pvc: str,
+    checkpoints_path: str,
+    shm_size: str,
+    runtime: str,
+    env_vars: Optional[dict[str, str]],
+    **fields: Any,
+) -> run.Executor:
     volumes, mounts = _pvc_volumes((("data", data_pvc, data_path), ("checkpoints", checkpoints_pvc, checkpoints_path)))
     # NCCL and the dataloader workers exchange tensors through /dev/shm; a pod's default is 64 MiB.
     volumes.insert(0, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}})
     mounts.insert(0, {"name": "dshm", "mountPath": "/dev/shm"})
-    return KubeflowExecutor(
+    return cls(
         image=image,
         num_nodes=nodes,
         gpus_per_node=gpus_per_node,
@@ -219,7 +269,7 @@ def factory_settings(kind: str) -> list[str]:
     if kind == "slurm":
         cls = run.SlurmExecutor
     else:
-        from nemo_run.core.execution.kubeflow import KubeflowExecutor as cls
+        cls = KubeflowExecutor
     passthrough = {f.name for f in dataclasses.fields(cls) if f.init} - _SET_BY_FACTORY[kind]
     return own + sorted(passthrough - set(own))
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import yaml
 
+from qvl.foundation.errors import ConfigError
+from qvl.foundation.layout import ModelFacts, ParallelLayout
 from qvl.launchers.overrides import (
     LaunchError,
     Overrides,
-    apply_config_overrides,
-    function_params,
     load_site_config,
     missing_required,
     split_overrides,
@@ -35,13 +35,14 @@ from qvl.launchers.overrides import (
 )
 from qvl.launchers.preflight import (
     LAYOUT_KEYS,
-    Layout,
     check_accepted,
     check_mounts,
     check_recipe_gpus,
     check_required,
     check_ssh_job_dir,
     check_world_size,
+    layout_from_settings,
+    recipe_model_facts,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,11 @@ class Job:
     recipe: str
     overrides: Overrides
     argv: list[str]
-    layout: Layout
+    layout: ParallelLayout
     recipe_fn: Any = None
     registered_layout: dict[str, int] = field(default_factory=dict)
+    model: ModelFacts | None = None  # what the layout must divide (None for the demo job)
+    train_flags: list[str] = field(default_factory=list)
 
 
 def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = ()) -> Job:
@@ -69,20 +72,20 @@ def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = 
 
     `train_flags` are `qvl train` options passed through (`--model tiny`, `--run-dir DIR`)."""
     if recipe == DEMO_JOB:
-        overrides = split_overrides(pairs, lambda name: name in DEMO_PARAMS)
+        overrides = split_overrides(pairs, DEMO_PARAMS)
         if overrides.config:
             raise LaunchError(
                 f"the {DEMO_JOB} job takes only {', '.join(DEMO_PARAMS)}; got {', '.join(overrides.config)}"
             )
         argv = [DEMO_JOB] + [arg for key, value in overrides.recipe.items() for arg in (f"--{key}", str(value))]
-        return Job(recipe=recipe, overrides=overrides, argv=argv, layout=Layout())
+        return Job(recipe=recipe, overrides=overrides, argv=argv, layout=ParallelLayout())
     from qvl.recipes.registry import get_recipe
 
     try:
         info = get_recipe(recipe)
-    except KeyError as err:
-        raise LaunchError(f"{err.args[0]} (or `{DEMO_JOB}`, the built-in tiny job)") from err
-    overrides = split_overrides(pairs, function_params(info.fn))
+    except ConfigError as err:
+        raise LaunchError(f"{err} (or `{DEMO_JOB}`, the built-in tiny job)") from err
+    overrides = split_overrides(pairs)
     tiny = "--model" in train_flags  # `qvl train --model tiny` runs one process: no parallelism unless asked for
     missing = missing_required(info.fn, overrides.recipe)
     if missing:
@@ -91,9 +94,11 @@ def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = 
         recipe=recipe,
         overrides=overrides,
         argv=["train", recipe, *overrides.recipe_args, *train_flags],
-        layout=Layout.from_settings({} if tiny else info.layout, overrides.recipe),
+        layout=layout_from_settings({} if tiny else info.layout, overrides.recipe),
         recipe_fn=info.fn,
         registered_layout=dict(info.layout),
+        model=None if tiny else recipe_model_facts(info, overrides.recipe.get("hf_path")),
+        train_flags=list(train_flags),
     )
 
 
@@ -107,8 +112,8 @@ def executor_settings(
     return site | dict(overrides or {})
 
 
-def build_executor(kind: str, settings: dict[str, Any]):
-    """The NeMo-Run executor for `kind` from checked settings."""
+def build_executor(kind: str, settings: dict[str, Any], *, dryrun: bool = False):
+    """The NeMo-Run executor for `kind` from checked settings; a dry run needs no cluster credentials."""
     from qvl.launchers import executors
 
     factory = executors.FACTORIES[kind]
@@ -119,14 +124,16 @@ def build_executor(kind: str, settings: dict[str, Any]):
         check_ssh_job_dir(settings)
     if kind != "kubernetes":
         return factory(**settings)
+    if dryrun:
+        return executors.kubernetes_manifest_only(**settings)
     from kubernetes.config import ConfigException
 
-    try:  # the Kubeflow executor loads the kubeconfig when built, dry run or not
+    try:  # the Kubeflow executor loads the kubeconfig when built
         return factory(**settings)
     except ConfigException as err:
         raise LaunchError(
-            f"the kubernetes executor needs a kubeconfig ($KUBECONFIG or ~/.kube/config) or an "
-            f"in-cluster service account, also for a dry run: {err}"
+            "the kubernetes executor needs a kubeconfig ($KUBECONFIG or ~/.kube/config) or an in-cluster "
+            f"service account to submit ({err}); `--dryrun` prints the TrainJob without one"
         ) from err
 
 
@@ -144,6 +151,7 @@ def validate(job: Job, executor) -> None:
         per_node=per_node,
         gpu=not cpu,
         per_node_name="cpu_processes" if cpu else "gpus_per_node",
+        model=job.model,
     )
     if not cpu:
         overridden = any(key in job.overrides.recipe for key in LAYOUT_KEYS)
@@ -224,7 +232,8 @@ def _shell_value(key: str, value: str) -> str:
 
 
 def resolved_config(job: Job, executor) -> dict[str, Any]:
-    """The config the execution side will build (or, where it cannot be built here, the recipe's arguments)."""
+    """The config the execution side will build: `qvl train`'s own preparation, run here with the job's flags
+    and the executor's device (or, where it cannot be built here, the recipe's arguments and why)."""
     summary: dict[str, Any] = {
         "recipe": job.recipe,
         "command": "qvl " + shlex.join(task_argv(job, executor)),
@@ -233,11 +242,34 @@ def resolved_config(job: Job, executor) -> dict[str, Any]:
     if job.recipe_fn is None:
         return summary | {"arguments": job.overrides.recipe}
     try:
-        config = job.recipe_fn(**job.overrides.recipe)
-    except (OSError, ValueError) as err:  # e.g. a checkpoint path that exists only on the cluster
+        config = build_job_config(job, executor)
+    except OSError as err:  # e.g. a stand-in recipe that reads a file only the cluster has
         return summary | {"arguments": job.overrides.recipe, "config": f"not built here ({type(err).__name__}: {err})"}
-    config = apply_config_overrides(config, job.overrides.config)
     return summary | {"arguments": job.overrides.recipe, "config": to_plain(config, depth=2)}
+
+
+def build_job_config(job: Job, executor) -> Any:
+    """Build the job's ConfigContainer here exactly as `qvl train` will there, which checks every dotted key."""
+    import tempfile
+
+    from qvl.launchers.executors import is_cpu
+    from qvl.recipes.training.train import TrainRequest, prepare_config
+
+    flags = dict(zip(job.train_flags[::2], job.train_flags[1::2], strict=False))
+    run_dir = Path(flags.get("--run-dir", "runs/train"))
+    request = TrainRequest(
+        recipe=job.recipe,
+        overrides=job.overrides.recipe | job.overrides.config,
+        run_dir=run_dir,
+        model=flags.get("--model"),
+    )
+    with tempfile.TemporaryDirectory(prefix="qvl-dryrun-") as tiny_dir:
+        # A tiny model's checkpoint is written where the job runs; here it goes to a scratch folder and the
+        # config is given the job's path, so the printed config is the job's.
+        _, config = prepare_config(request, cpu=is_cpu(executor), tiny_dir=Path(tiny_dir))
+    if request.model == "tiny" and "hf_path" not in job.overrides.recipe:
+        config.dataset.hf_path = str(run_dir / "tiny-hf")
+    return config
 
 
 def launch(
@@ -256,8 +288,10 @@ def launch(
     """Resolve, validate and run (or dry-run) `recipe`; returns what happened for the CLI to print."""
     job = resolve_job(recipe, pairs, train_flags)
     settings = executor_settings(kind, site_file=site_file, overrides=job.overrides.executor)
-    executor = build_executor(kind, settings)
+    executor = build_executor(kind, settings, dryrun=dryrun)
     validate(job, executor)
+    if job.recipe_fn is not None and not dryrun:
+        build_job_config(job, executor)  # every key checked here, before the job waits in a queue
     name = name or f"qvl-{recipe}".replace("_", "-")
     exp = new_experiment(executor, name=name, experiments_dir=experiments_dir, exp_id=exp_id, quiet=dryrun)
     result = {"experiment": exp._id, "title": name, "folder": exp._exp_dir, "executor": kind}

@@ -7,8 +7,9 @@ function becomes a subcommand:
     nemo qvl pretrain --factory demo recipe.steps=2 run.executor=local --dryrun
 
 `--factory` choices are the registered recipes (sft/peft ones under `finetune`, pretrain ones under
-`pretrain`) plus `demo`, the built-in tiny job. `recipe.<keyword>=...` overrides a recipe keyword
-(checked against its signature), `overrides` (a list of key=value strings) is appended as is, and
+`pretrain`) plus `demo`, the built-in tiny job. `recipe.<keyword>=...` overrides a recipe option
+(checked against qvl.recipes.options like every qvl override), `overrides` (a list of key=value strings, the
+same grammar as `qvl train`) is appended as is, and
 `run.executor=local|slurm|kubernetes` picks an executor factory whose defaults come from the site file
 named by $QVL_EXECUTOR_CONFIG. The entrypoint runs where the executor puts it and executes
 `qvl train RECIPE key=value ...` (or `qvl demo`) there, the same command `qvl launch` submits.
@@ -16,14 +17,21 @@ named by $QVL_EXECUTOR_CONFIG. The entrypoint runs where the executor puts it an
 
 import functools
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, Optional
 
-import fiddle as fdl
-import nemo_run as run
+from qvl.launchers.cli import quiet_logging
 
-from qvl.launchers import executors
-from qvl.launchers.launch import DEMO_JOB, resolve_job, validate
+# Before the recipe factories below import Megatron-Bridge: its import probes and fallback warnings would
+# print dozens of lines ahead of `--help`. Same filters as `qvl`; `nemo qvl ... --verbose` shows them.
+quiet_logging(verbose=bool({"-v", "--verbose"} & set(sys.argv)))
+
+import fiddle as fdl  # noqa: E402
+import nemo_run as run  # noqa: E402
+
+from qvl.launchers import executors  # noqa: E402
+from qvl.launchers.launch import DEMO_JOB, resolve_job, validate  # noqa: E402
 
 SITE_CONFIG_ENV = "QVL_EXECUTOR_CONFIG"
 

@@ -4,7 +4,7 @@ An override names one of three things:
 - a recipe keyword argument: `tensor_parallel=4`
 - a nested field of the recipe's config: `train.train_iters=100`
 - an executor field: `run.executor.nodes=2`
-Values are parsed as YAML scalars and lists (`4` -> int, `true` -> bool, `[a,b]` -> list).
+Values are parsed by qvl.recipes.overrides.parse_value, the grammar `qvl train` uses too.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from qvl.foundation.errors import LaunchError
-from qvl.recipes.overrides import apply_config_overrides  # noqa: F401  (part of this module's interface)
+from qvl.recipes.options import check_option_values
+from qvl.recipes.overrides import apply_config_overrides, parse_overrides, parse_value, split_pair  # noqa: F401
 
 EXECUTOR_PREFIX = "run.executor."
 
@@ -35,55 +36,24 @@ class Overrides:
     recipe_args: list[str] = field(default_factory=list)
 
 
-def parse_value(text: str) -> Any:
-    """A YAML scalar or list (`4`, `1e-4`, `true`, `[a, b]`); anything else stays a string."""
-    try:
-        return yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError:
-        return text
+def split_overrides(pairs: Sequence[str], options: Sequence[str] | None = None) -> Overrides:
+    """Sort `pairs` into recipe options, nested config fields and executor fields (`run.executor.<field>`).
 
-
-def split_pair(pair: str) -> tuple[str, str]:
-    """`key=value` -> (key, value)."""
-    key, sep, value = pair.partition("=")
-    if not sep or not key.strip():
-        raise LaunchError(f"override {pair!r} is not key=value; e.g. tensor_parallel=4 or run.executor.nodes=2")
-    return key.strip(), value
-
-
-def split_overrides(pairs: Sequence[str], recipe_params: Callable[[str], bool]) -> Overrides:
-    """Sort `pairs` into recipe arguments, nested config fields and executor fields.
-
-    `recipe_params(name)` answers whether the recipe takes keyword `name`.
-    """
-    out = Overrides()
+    `options` are the accepted option names (default: every recipe option); values are parsed and type-checked
+    by the one grammar in qvl.recipes.overrides, the same that `qvl train` uses on the execution side."""
+    out, rest = Overrides(), []
     for pair in pairs:
         key, text = split_pair(pair)
-        value = parse_value(text)
         if key.startswith(EXECUTOR_PREFIX):
-            out.executor[key.removeprefix(EXECUTOR_PREFIX)] = value
-            continue
-        if key.startswith("run."):
+            out.executor[key.removeprefix(EXECUTOR_PREFIX)] = parse_value(text)
+        elif key.startswith("run."):
             raise LaunchError(f"override {key!r}: only run.executor.<field> is supported under run.")
-        if "." in key:
-            out.config[key] = value
-        elif recipe_params(key):
-            out.recipe[key] = value
         else:
-            raise LaunchError(
-                f"override {key!r} is not a keyword of the recipe; nested config fields use dots "
-                f"(train.train_iters=100), executor fields run.executor.{key}=..."
-            )
-        out.recipe_args.append(pair)
+            rest.append(pair)
+    parsed = parse_overrides(rest, options=options)
+    out.recipe = check_option_values(parsed.options) if options is None else parsed.options
+    out.config, out.recipe_args = parsed.config, parsed.texts
     return out
-
-
-def function_params(fn: Callable[..., Any]) -> Callable[[str], bool]:
-    """A predicate for the keywords `fn` accepts (any name when it takes **kwargs)."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return lambda name: True
-    return lambda name: name in params
 
 
 def missing_required(fn: Callable[..., Any], given: dict[str, Any]) -> list[str]:
@@ -104,6 +74,14 @@ def load_site_config(path: str | Path, kind: str) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text()) or {}
     except OSError as err:
         raise LaunchError(f"--executor-config {path}: cannot read it ({err.strerror})") from err
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise LaunchError(
+            f"--executor-config {path}: not valid YAML{where} ({problem}); fix the file (e.g. `key: value`, "
+            "two-space indents, no tabs)"
+        ) from err
     if not isinstance(data, dict):
         raise LaunchError(
             f"--executor-config {path}: expected a mapping of executor kinds (slurm:, kubernetes:, local:)"

@@ -6,72 +6,50 @@ launch fails on the laptop in a second instead of in the queue an hour later.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from qvl.foundation.layout import ModelFacts, ParallelLayout, check_model_layout, world_fixes
 from qvl.launchers.overrides import LaunchError, missing_required
 
 LAYOUT_KEYS = ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel")
+Layout = ParallelLayout  # the launch's layout is the one layout record
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Layout:
-    """The model-parallel sizes of a run (data parallel fills the rest of the world)."""
-
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    context_parallel: int = 1
-    expert_parallel: int = 1
-
-    @classmethod
-    def from_settings(cls, registered: dict[str, Any], overrides: dict[str, Any]) -> Layout:
-        """The recipe's registered layout with the user's overrides of the same names on top."""
-        merged = {k: v for k, v in (registered | overrides).items() if k in LAYOUT_KEYS and v is not None}
-        for key, value in merged.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LaunchError(f"{key}={value!r} must be a positive integer")
-        return cls(**merged)
-
-    @property
-    def model_parallel(self) -> int:
-        """Ranks one dense model replica spans: TP x PP x CP."""
-        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
-
-    @property
-    def expert_model_parallel(self) -> int:
-        """Ranks one expert replica spans: TP x PP x EP (expert TP defaults to TP in Megatron)."""
-        return self.tensor_parallel * self.pipeline_parallel * self.expert_parallel
-
-    def describe(self, include_ep: bool) -> str:
-        names = ["tensor_parallel", "pipeline_parallel", "context_parallel"] + (
-            ["expert_parallel"] if include_ep else []
-        )
-        used = [n for n in names if getattr(self, n) > 1] or ["tensor_parallel"]
-        return " x ".join(f"{n}={getattr(self, n)}" for n in used)
+def layout_from_settings(registered: dict[str, Any], overrides: dict[str, Any]) -> ParallelLayout:
+    """The recipe's registered layout with the user's overrides of the same names on top."""
+    merged = {k: v for k, v in (registered | overrides).items() if k in LAYOUT_KEYS and v is not None}
+    for key, value in merged.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LaunchError(f"{key}={value!r} must be a positive integer")
+    return ParallelLayout(**merged)
 
 
 def check_world_size(
-    layout: Layout, *, nodes: int, per_node: int, per_node_name: str = "gpus_per_node", gpu: bool = True
+    layout: ParallelLayout,
+    *,
+    nodes: int,
+    per_node: int,
+    per_node_name: str = "gpus_per_node",
+    gpu: bool = True,
+    model: ModelFacts | None = None,
 ) -> None:
-    """Fail when the world (nodes x per_node ranks) cannot hold the layout."""
+    """Fail when the model cannot be split as asked, or the world (nodes x per_node ranks) cannot hold the layout.
+
+    The model's own constraints (heads, KV heads, layers, experts) come first: no node count fixes those."""
     world = nodes * per_node
+    if model is not None:
+        check_model_layout(model, layout, world_size=world)
     shape = f"nodes={nodes} x {per_node_name}={per_node}"
-    needed = math.lcm(layout.model_parallel, layout.expert_model_parallel)
-    uses_ep = layout.expert_parallel > 1
-    what = layout.describe(include_ep=uses_ep)
-    if world < needed:
-        raise LaunchError(
-            f"world size {world} ({shape}) is smaller than the recipe's layout {what} = {needed} ranks; "
-            f"{_fix(needed, nodes, per_node, per_node_name)}"
-        )
-    if world % needed:
-        raise LaunchError(
-            f"world size {world} ({shape}) is not divisible by {what} = {needed}; "
-            f"{_fix(needed, nodes, per_node, per_node_name)}"
-        )
+    needed, what = layout.ranks, layout.describe()
+    if world < needed or world % needed:
+        problem = "is smaller than the recipe's layout" if world < needed else "is not divisible by"
+        fixes = [_fix(needed, nodes, per_node, per_node_name)]
+        if model is not None:  # layouts that fit this world, as another way out
+            fixes += world_fixes(model, layout, world)
+        ranks = " ranks" if world < needed else ""
+        raise LaunchError(f"world size {world} ({shape}) {problem} {what} = {needed}{ranks}; {' or '.join(fixes)}")
     if gpu and layout.tensor_parallel > per_node:
         raise LaunchError(
             f"tensor_parallel={layout.tensor_parallel} is larger than {per_node_name}={per_node}: "
@@ -146,3 +124,35 @@ def check_ssh_job_dir(settings: dict[str, Any]) -> None:
             f"slurm over SSH (host={settings['host']}) needs job_dir: the experiments folder on the "
             "cluster's shared filesystem, e.g. run.executor.job_dir=/lustre/$USER/qvl"
         )
+
+
+def recipe_model_facts(info: Any, hf_path: Any = None) -> ModelFacts | None:
+    """What a recipe's layout must divide, without building it: a local checkpoint's config.json where
+    `hf_path` is one, else the published architecture of the recipe's family and size (None for a recipe of
+    no known family, whose layout is then checked against the world size only)."""
+    import json
+    from pathlib import Path
+
+    from qvl.foundation.families import FAMILIES
+    from qvl.recipes.architectures import ARCHITECTURES
+
+    family = FAMILIES.get(info.family)
+    if family is None or (info.family, info.size) not in ARCHITECTURES:
+        return None
+    config = Path(str(hf_path)) / "config.json" if hf_path else None
+    if config is not None and config.is_file():
+        raw = json.loads(config.read_text())
+        text, vision = raw.get("text_config", raw), raw.get("vision_config", {})
+        name = str(hf_path)
+    else:
+        arch = ARCHITECTURES[info.family, info.size]
+        text, vision, name = arch.text, arch.vision, f"{family.title} {info.size.upper()}"
+    heads = text["num_attention_heads"]
+    return ModelFacts(
+        attention_heads=heads,
+        kv_heads=text.get("num_key_value_heads") or heads,
+        layers=text["num_hidden_layers"],
+        experts=text.get("num_experts") or None,
+        vision_heads=vision.get("num_heads") if family.megatron_vision_tower else None,
+        name=name,
+    )

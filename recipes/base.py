@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qvl.foundation.errors import ConfigError, DataError
+from qvl.foundation.layout import ParallelLayout, check_layout
 from qvl.foundation.megatron import import_megatron_bridge
 from qvl.recipes.architectures import Architecture, load_hf_config
 from qvl.recipes.options import FREEZABLE, PRECISIONS, RecipeOptions
@@ -18,10 +20,10 @@ from qvl.recipes.split import Workload, balanced_split, counts, parse_split, spl
 
 import_megatron_bridge()
 
-import torch  # noqa: E402
-from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider  # noqa: E402
-from megatron.bridge.peft.lora import LoRA  # noqa: E402
-from megatron.bridge.training.config import (  # noqa: E402
+import torch
+from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
+from megatron.bridge.peft.lora import LoRA
+from megatron.bridge.training.config import (
     CheckpointConfig,
     ConfigContainer,
     DistributedDataParallelConfig,
@@ -58,12 +60,7 @@ class QvlPackedDatasetConfig(DatasetProvider):
     def finalize(self) -> None:
         """Refuse a missing dataset before any process group or model is built."""
         super().finalize()
-        if self.path is None:
-            raise ValueError("no dataset: pass data=DIR, a directory written by `qvl data prepare`")
-        if not (Path(self.path) / ".nv-meta").is_dir():
-            raise ValueError(
-                f"data={self.path} is not a qvl packed dataset (no .nv-meta/); write one with `qvl data prepare`"
-            )
+        check_dataset(self)
 
     def build_datasets(self, context: DatasetBuildContext) -> tuple[Any, Any, Any]:
         """Train/valid/test loaders, built by qvl.data.load (wired by the training loop)."""
@@ -75,6 +72,20 @@ class QvlPackedDatasetConfig(DatasetProvider):
                 "this version; train through `qvl train`, which wires the packed loader"
             ) from err
         return build_packed_datasets(self, context)
+
+
+def check_dataset(dataset: Any) -> None:
+    """Refuse a missing dataset, or a folder that `qvl data prepare` did not write, naming the option to fix."""
+    if not isinstance(dataset, QvlPackedDatasetConfig):
+        return
+    if dataset.path is None:
+        raise ConfigError("no dataset: pass data=DIR, a directory written by `qvl data prepare`")
+    if not Path(dataset.path).is_dir():
+        raise DataError(f"data={dataset.path} does not exist; pass the --output folder of `qvl data prepare`")
+    if not (Path(dataset.path) / ".nv-meta").is_dir():
+        raise DataError(
+            f"data={dataset.path} is not a qvl packed dataset (no .nv-meta/); write one with `qvl data prepare`"
+        )
 
 
 def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> ConfigContainer:
@@ -165,7 +176,7 @@ def build_model(arch: Architecture, o: RecipeOptions) -> Any:
     from qvl.bridges.providers import provider_from_hf
 
     model = provider_from_hf(load_hf_config(o.hf_path, arch))
-    _check_divisible(model, o)
+    _check_divisible(model, o, f"{arch.family} {arch.size}")
     _check_vision_balance(model, arch, o)
     model.seq_length = o.seq_length
     model.tensor_model_parallel_size = o.tensor_parallel
@@ -187,19 +198,19 @@ def build_model(arch: Architecture, o: RecipeOptions) -> Any:
     return model
 
 
-def _check_divisible(model: Any, o: RecipeOptions) -> None:
-    heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
-    if heads % o.tensor_parallel or groups % o.tensor_parallel:
-        ok = [t for t in (1, 2, 4, 8, 16) if heads % t == 0 and groups % t == 0]
-        raise ValueError(
-            f"tensor_parallel={o.tensor_parallel} does not divide {heads} attention heads and "
-            f"{groups} KV groups; use {', '.join(map(str, ok))}"
-        )
-    experts = getattr(model, "num_moe_experts", None)
-    if o.expert_parallel > 1 and (not experts or experts % o.expert_parallel):
-        raise ValueError(f"expert_parallel={o.expert_parallel} needs a MoE model whose experts ({experts}) it divides")
+def _check_divisible(model: Any, o: RecipeOptions, name: str) -> None:
+    from qvl.bridges.providers import layout_facts
+
+    layout = ParallelLayout(
+        tensor_parallel=o.tensor_parallel,
+        pipeline_parallel=o.pipeline_parallel,
+        context_parallel=o.context_parallel,
+        expert_parallel=o.expert_parallel,
+        virtual_pipeline=o.virtual_pipeline,
+    )
+    check_layout(layout_facts(model, name), layout)
     if o.sequence_parallel and o.tensor_parallel == 1:
-        raise ValueError("sequence_parallel=True needs tensor_parallel >= 2; set sequence_parallel=False")
+        raise ConfigError("sequence_parallel=True needs tensor_parallel >= 2; set sequence_parallel=False")
 
 
 def _check_vision_balance(model: Any, arch: Architecture, o: RecipeOptions) -> None:
@@ -208,7 +219,7 @@ def _check_vision_balance(model: Any, arch: Architecture, o: RecipeOptions) -> N
     # The balanced step computes inputs_embeds itself and hands them to Qwen25VLModel.forward (Qwen2-VL's too);
     # Qwen3-VL's Megatron tower also feeds deepstack features into the decoder, which that path does not carry.
     if o.vision_balance and not isinstance(model, Qwen25VLModelProvider):
-        raise ValueError(
+        raise ConfigError(
             f"vision_balance=True is not supported for {arch.family} yet (its Megatron vision tower's "
             "deepstack features have no balanced path); drop vision_balance"
         )

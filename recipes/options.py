@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import difflib
+import types
+import typing
+from collections.abc import Iterable
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from qvl.foundation.errors import ConfigError
 
 # qvl precision name -> Megatron-Bridge mixed-precision recipe (training/mixed_precision.py); fp32 = none.
 PRECISIONS = {
@@ -70,7 +77,7 @@ class RecipeOptions:
         for part in self.freeze:
             _one_of("freeze", part, FREEZABLE)
         if not 0.0 <= self.optimizer_offload <= 1.0:
-            raise ValueError(
+            raise ConfigError(
                 f"optimizer_offload={self.optimizer_offload} is a fraction; use a value in [0, 1], "
                 "e.g. optimizer_offload=0.6"
             )
@@ -84,20 +91,20 @@ class RecipeOptions:
             "seq_length",
         ):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
         if self.virtual_pipeline is not None and self.pipeline_parallel < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"virtual_pipeline={self.virtual_pipeline} needs pipeline_parallel >= 2 "
                 f"(got {self.pipeline_parallel}); drop virtual_pipeline or raise it"
             )
         if self.vision_balance and self.context_parallel > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"vision_balance=True needs context_parallel=1 (got {self.context_parallel}): "
                 "images move over the data-parallel group, and context-parallel ranks (which split one "
                 "sequence) are not wired in; set context_parallel=1 or drop vision_balance"
             )
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size="
                 f"{self.micro_batch_size}"
             )
@@ -105,7 +112,7 @@ class RecipeOptions:
 
 def _one_of(name: str, value: str, allowed) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not supported; use one of: {', '.join(allowed)}")
+        raise ConfigError(f"{name}={value!r} is not supported; use one of: {', '.join(allowed)}")
 
 
 def option_names() -> list[str]:
@@ -113,12 +120,66 @@ def option_names() -> list[str]:
     return [f.name for f in fields(RecipeOptions)]
 
 
+def did_you_mean(key: str, known: Iterable[str]) -> str:
+    """`; did you mean tensor_parallel?` for the closest names, or nothing."""
+    close = difflib.get_close_matches(key, list(known), n=2, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def check_option_names(keys: Iterable[str], known: Iterable[str] | None = None) -> None:
+    """Refuse a key that is not a recipe option (or not in `known`), suggesting the closest ones."""
+    known = list(known) if known is not None else option_names()
+    for key in keys:
+        if key not in known:
+            raise ConfigError(
+                f"{key!r} is not a recipe option{did_you_mean(key, known)}; nested config fields use dots "
+                "(train.train_iters=100), executor fields run.executor.<field>=... "
+                "(`qvl train --help` lists the options)"
+            )
+
+
+def check_option_values(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each checked against its RecipeOptions type (ints stay ints, `5` for a float becomes 5.0)."""
+    hints = typing.get_type_hints(RecipeOptions)
+    defaults = {f.name: f.default for f in fields(RecipeOptions) if f.default is not MISSING}
+    return {name: _typed(name, value, hints[name], defaults.get(name)) for name, value in values.items()}
+
+
+def _typed(name: str, value: Any, hint: Any, default: Any) -> Any:
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+    if value is None and type(None) in members:
+        return None
+    kind = next((m for m in members if m is not type(None)), hint) if members else hint
+    example = f" (e.g. {name}={default})" if default not in (None, MISSING, ()) else ""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}={value!r} must be true or false")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}={value!r} must be an integer{example}")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{name}={value!r} must be a number{example}")
+    if kind is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{name}={value!r} must be a string{example}")
+    if typing.get_origin(kind) is tuple:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{name}={value!r} must be a comma-separated list of names, e.g. {name}=a,b")
+    return value
+
+
 def make_options(defaults: dict, overrides: dict) -> RecipeOptions:
-    """Options from stage/size defaults and user overrides; an unknown key is an error naming the valid ones."""
-    unknown = sorted(set(overrides) - set(option_names()))
-    if unknown:
-        raise TypeError(f"unknown recipe argument(s) {', '.join(unknown)}; valid: {', '.join(option_names())}")
-    merged = {**defaults, **overrides}
+    """Options from stage/size defaults and user overrides; an unknown key is an error naming the closest ones."""
+    check_option_names(overrides)
+    merged = {**defaults, **check_option_values(overrides)}
     # Sequence parallelism comes with TP unless asked otherwise: it splits the LayerNorm/residual activations
     # that TP alone leaves replicated, at no extra communication (all-reduce becomes all-gather + reduce-scatter).
     merged.setdefault("sequence_parallel", merged.get("tensor_parallel", 1) > 1)

@@ -1,30 +1,155 @@
-"""`section.field=value` overrides applied to a built Megatron-Bridge ConfigContainer (what `qvl launch` forwards)."""
+"""The one `key=value` override grammar, used by `qvl train`, `qvl plan`, `qvl launch` and `nemo qvl`.
+
+A key is a recipe option (`tensor_parallel=4`, a field of `qvl.recipes.options.RecipeOptions`) or a dotted field
+of the built Megatron-Bridge ConfigContainer (`train.train_iters=100`). Values read like YAML scalars and lists,
+with two exceptions that YAML 1.1 gets wrong for a command line: `1e-4` is a float (YAML wants `1.0e-4`) and
+`04:00:00` stays a string (YAML reads base-60 integers); `none`/`null` are None, `true`/`false` bools, and
+quoting ('4') keeps a string. The submitting side and the job parse the same text with the same function, so
+the config a dry run prints is the config the job builds. Unknown keys are refused with a did-you-mean.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from qvl.foundation.errors import LaunchError
+import yaml
+
+from qvl.foundation.errors import ConfigError
+from qvl.recipes.options import check_option_names, did_you_mean, option_names
+
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value: int, float (`1e-4`), bool, None (`none`/`null`), a `[a, b]` list, else the string."""
+    s = text.strip()
+    lowered = s.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null", "~"):
+        return None
+    if _INT.fullmatch(s):
+        return int(s)
+    if _FLOAT.fullmatch(s):
+        return float(s)
+    if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"":
+        return s[1:-1]
+    if s.startswith(("[", "{")):
+        try:
+            loaded = yaml.safe_load(s)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"value {text!r} is not a valid list or mapping ({err.problem}); e.g. [a, b]") from err
+        return _parse_items(loaded)
+    return text
+
+
+def _parse_items(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_parse_items(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _parse_items(v) for k, v in value.items()}
+    return parse_value(value) if isinstance(value, str) else value
+
+
+def split_pair(pair: str) -> tuple[str, str]:
+    """`key=value` -> (key, value text)."""
+    key, sep, value = pair.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {pair!r} is not key=value; e.g. tensor_parallel=4 or train.train_iters=100")
+    return key.strip(), value
+
+
+@dataclass(kw_only=True, slots=True)
+class RecipeOverrides:
+    """Parsed overrides: recipe options, dotted config fields, and the original `key=value` texts."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Options and dotted fields in one mapping (what `qvl train` and `plan_recipe` take)."""
+        return self.options | self.config
+
+
+def parse_overrides(pairs: Sequence[str], *, options: Sequence[str] | None = None) -> RecipeOverrides:
+    """Sort `key=value` pairs into recipe options and dotted config fields; an unknown option is an error.
+
+    `options` are the accepted option names (default: every RecipeOptions field)."""
+    known = list(options if options is not None else option_names())
+    out = RecipeOverrides()
+    for pair in pairs:
+        key, text = split_pair(pair)
+        value = parse_value(text)
+        if "." in key:
+            out.config[key] = value
+        else:
+            check_option_names([key], known)
+            out.options[key] = value
+        out.texts.append(pair)
+    return out
+
+
+def split_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(recipe options, dotted config fields) of an already-parsed mapping."""
+    return {k: v for k, v in values.items() if "." not in k}, {k: v for k, v in values.items() if "." in k}
 
 
 def apply_config_overrides(config: Any, overrides: dict[str, Any]) -> Any:
-    """Set dotted fields (`train.train_iters`) on a built config; an unknown field is an error."""
+    """Set dotted fields (`train.train_iters`) on a built config; an unknown field is an error with a did-you-mean."""
     for dotted, value in overrides.items():
         *parents, leaf = dotted.split(".")
         target = config
-        for name in parents:
-            if not hasattr(target, name):
-                raise LaunchError(f"override {dotted}: the config has no field {name!r} ({_fields_hint(target)})")
-            target = getattr(target, name)
-        if not hasattr(target, leaf):
-            raise LaunchError(
-                f"override {dotted}: {type(target).__name__} has no field {leaf!r} ({_fields_hint(target)})"
-            )
+        for depth, name in enumerate([*parents, leaf]):
+            names = _field_names(target)
+            if not (name in names if names is not None else hasattr(target, name)):
+                where = ".".join(parents[:depth]) or "the config"
+                raise ConfigError(
+                    f"override {dotted}: {where} ({type(target).__name__}) has no field {name!r}"
+                    f"{did_you_mean(name, names or [])}"
+                )
+            if depth < len(parents):
+                target = getattr(target, name)
         setattr(target, leaf, value)
     return config
 
 
-def _fields_hint(obj: Any) -> str:
-    names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
-    return "fields: " + ", ".join(names[:12]) + (", ..." if len(names) > 12 else "") if names else "not a dataclass"
+def _field_names(obj: Any) -> list[str] | None:
+    if dataclasses.is_dataclass(obj):
+        return [f.name for f in dataclasses.fields(obj)]
+    return None
+
+
+def check_config_paths(keys: Sequence[str], root: type) -> None:
+    """Check dotted keys against the dataclass field types under `root` (for when no config can be built).
+
+    A union type (the ConfigContainer's `model` and `dataset`) accepts a field any of its members has, and a
+    field whose type is not a dataclass ends the walk."""
+    for dotted in keys:
+        types, path = [root], []
+        for name in dotted.split("."):
+            if not types:
+                break
+            names = sorted({f.name for t in types for f in dataclasses.fields(t)})
+            if name not in names:
+                where = ".".join(path) or "the config"
+                raise ConfigError(f"override {dotted}: {where} has no field {name!r}{did_you_mean(name, names)}")
+            types = [t for owner in types for t in _dataclass_types(owner, name)]
+            path.append(name)
+
+
+def _dataclass_types(owner: type, name: str) -> list[type]:
+    if name not in {f.name for f in dataclasses.fields(owner)}:
+        return []
+    try:
+        hint = typing.get_type_hints(owner)[name]
+    except (NameError, TypeError):  # an unresolvable forward reference: nothing to check below this field
+        return []
+    members = typing.get_args(hint) if typing.get_args(hint) else (hint,)
+    return [m for m in members if isinstance(m, type) and dataclasses.is_dataclass(m)]

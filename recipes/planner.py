@@ -24,6 +24,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from qvl.data.cost import LMShape, VisionShape, shapes_from_hf_config
+from qvl.foundation.errors import ConfigError
+from qvl.foundation.families import FAMILIES, Family, family_of_vision_config
+from qvl.foundation.layout import ParallelLayout
 from qvl.recipes.split import Workload, counts, split_from_counts, stage_costs
 
 GIB = 1024**3
@@ -141,9 +144,18 @@ def model_shapes(model: Any) -> tuple[LMShape, VisionShape]:
     )
 
 
+def vision_family(model: Any) -> Family:
+    """The family record of a Megatron-Bridge Qwen-VL provider, from its HF vision config's class."""
+    name = type(model.vision_config).__name__
+    family = family_of_vision_config(name)
+    if family is None:
+        raise ValueError(f"vision config {name} belongs to no qvl family; families: {', '.join(FAMILIES)}")
+    return family
+
+
 def vision_is_megatron(model: Any) -> bool:
     """Qwen3-VL's vision tower is Megatron's (TP-sharded, recomputable); Qwen2/2.5-VL's is HF's, replicated."""
-    return "qwen3" in type(model.vision_config).__name__.lower()
+    return vision_family(model).megatron_vision_tower
 
 
 def vision_param_count(model: Any) -> int:
@@ -152,16 +164,10 @@ def vision_param_count(model: Any) -> int:
 
     import torch
 
-    config = model.vision_config
-    module, cls = {
-        "Qwen2VLVisionConfig": ("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
-        "Qwen2_5_VLVisionConfig": ("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
-        "Qwen3VLVisionConfig": ("qwen3_vl", "Qwen3VLVisionModel"),
-        "Qwen3VLMoeVisionConfig": ("qwen3_vl_moe", "Qwen3VLMoeVisionModel"),
-    }[type(config).__name__]
-    tower_class = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
+    family = vision_family(model)
+    module = importlib.import_module(f"transformers.models.{family.hf_module}.modeling_{family.hf_module}")
     with torch.device("meta"):
-        tower = tower_class._from_config(config)
+        tower = getattr(module, family.vision_tower_class)._from_config(model.vision_config)
     return sum(p.numel() for p in tower.parameters())
 
 
@@ -294,7 +300,7 @@ def _in_flight(model: Any, stage: int, microbatches: int) -> float:
 def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | None = None) -> Plan:
     """Memory per GPU, pipeline split, FLOPs and an MFU estimate for `cfg` on `gpus` GPUs of kind `gpu`."""
     if gpu not in GPUS:
-        raise ValueError(f"gpu={gpu!r} is not known; use one of: {', '.join(GPUS)}")
+        raise ConfigError(f"gpu={gpu!r} is not known; use one of: {', '.join(GPUS)}")
     hw, model = GPUS[gpu], cfg.model
     tp, pp, cp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size, model.context_parallel_size
     ep = model.expert_model_parallel_size
@@ -381,10 +387,11 @@ def _divisibility(cfg: Any, gpus: int, hw: GPU) -> list[str]:
     tp, pp, cp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size, model.context_parallel_size
     ep = model.expert_model_parallel_size
     etp = getattr(model, "expert_tensor_parallel_size", None) or tp
-    if gpus % (tp * pp * cp):
-        fit = [g for g in range(tp * pp * cp, 4 * gpus + 1, tp * pp * cp)][:4]
+    layout = ParallelLayout(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
+    if gpus % layout.ranks:
+        fit = [g for g in range(layout.ranks, 4 * gpus + 1, layout.ranks)][:4]
         problems.append(
-            f"--gpus {gpus} is not a multiple of tensor x pipeline x context parallel = {tp * pp * cp}; "
+            f"--gpus {gpus} is not a multiple of {layout.describe()} = {layout.ranks}; "
             f"use --gpus {', '.join(map(str, fit))}"
         )
     elif gpus % (etp * ep * pp):
@@ -441,10 +448,12 @@ def plan_recipe(
     name: str, overrides: dict, *, gpus: int, gpu: str = "h100", workload: Workload | None = None, suggest: bool = True
 ) -> Plan:
     """Plan the registered recipe `name` with `overrides`; when it does not fit, list overrides that do."""
+    from qvl.recipes.overrides import apply_config_overrides, split_options
     from qvl.recipes.registry import get_recipe
 
     info = get_recipe(name)
-    plan = plan_config(info.fn(**overrides), gpus=gpus, gpu=gpu, workload=workload)
+    overrides, dotted = split_options(overrides)  # dotted fields (train.global_batch_size=...) set the built config
+    plan = plan_config(apply_config_overrides(info.fn(**overrides), dotted), gpus=gpus, gpu=gpu, workload=workload)
     if suggest and plan.problems and all(p.startswith("does not fit") for p in plan.problems):
         plan.suggestions = _suggestions(info, overrides, plan, gpus=gpus, gpu=gpu, workload=workload)
     return plan

@@ -8,12 +8,17 @@ modules on first lookup, so `qvl recipes` sees them all without importing Megatr
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-# Modules that define recipes; imported lazily by `all_recipes()`.
-RECIPE_MODULES: tuple[str, ...] = ("qvl.recipes.qwen2_vl", "qvl.recipes.qwen2_5_vl", "qvl.recipes.qwen3_vl")
+from qvl.foundation.errors import ConfigError
+from qvl.foundation.families import FAMILIES
+from qvl.recipes.options import did_you_mean
+
+# Modules that define recipes (each family record names its own); imported lazily by `all_recipes()`.
+RECIPE_MODULES: tuple[str, ...] = tuple(dict.fromkeys(f.recipe_module for f in FAMILIES.values()))
 
 STAGES = ("pretrain", "sft", "peft")
 
@@ -56,13 +61,17 @@ def all_recipes() -> list[RecipeInfo]:
     """Every registered recipe, sorted by family, size and stage."""
     for module in RECIPE_MODULES:
         importlib.import_module(module)
-    return sorted(_RECIPES.values(), key=lambda r: (r.family, r.size, STAGES.index(r.stage), r.name))
+    return sorted(_RECIPES.values(), key=lambda r: (r.family, size_key(r.size), STAGES.index(r.stage), r.name))
+
+
+def size_key(size: str) -> tuple:
+    """Natural order of sizes: 3b before 7b before 32b, 30b-a3b by its total size."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", size))
 
 
 def get_recipe(name: str) -> RecipeInfo:
     """The recipe called `name`; the error lists the names that exist."""
     known = {r.name: r for r in all_recipes()}
     if name not in known:
-        close = [n for n in known if name.split("_")[0] in n][:8] or sorted(known)[:8]
-        raise KeyError(f"no recipe named {name!r}; did you mean one of: {', '.join(close)}? (`qvl recipes` lists all)")
+        raise ConfigError(f"no recipe named {name!r}{did_you_mean(name, known)} (`qvl recipes` lists all)")
     return known[name]

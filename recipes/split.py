@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from qvl.data.cost import LMShape, VisionShape, lm_flops, vision_flops
+from qvl.foundation.errors import ConfigError
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -120,7 +121,7 @@ def balanced_split(num_layers: int, pp: int, vpp: int | None, costs: StageCosts)
             if best is None or key < best[:2]:
                 best = (*key, split)
     if best is None:
-        raise ValueError(
+        raise ConfigError(
             f"no pipeline split of {num_layers} layers fits pipeline_parallel={pp}"
             f"{f', virtual_pipeline={vpp}' if vpp else ''}; use a pipeline_parallel whose stages "
             f"get at least {vpp or 1} layer(s) each"
@@ -132,7 +133,7 @@ def parse_split(text: str, num_layers: int, pp: int, vpp: int | None) -> tuple[i
     """`pipeline_split` = "FIRST,LAST" -> (first, last), checked; "uniform" -> None."""
     if text == "uniform":
         if num_layers % (pp * (vpp or 1)):
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline_split=uniform: {num_layers} layers do not divide into {pp} stages"
                 f"{f' x {vpp} virtual' if vpp else ''}; use pipeline_split=auto"
             )
@@ -140,8 +141,8 @@ def parse_split(text: str, num_layers: int, pp: int, vpp: int | None) -> tuple[i
     try:
         first, last = (int(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(f"pipeline_split={text!r}: use auto, uniform, or FIRST,LAST (e.g. 6,8)") from None
+        raise ConfigError(f"pipeline_split={text!r}: use auto, uniform, or FIRST,LAST (e.g. 6,8)") from None
     problem = check_split(num_layers, pp, vpp, first, last)
     if problem:
-        raise ValueError(f"pipeline_split={text!r}: {problem}; use pipeline_split=auto")
+        raise ConfigError(f"pipeline_split={text!r}: {problem}; use pipeline_split=auto")
     return first, last

@@ -8,7 +8,6 @@ import sys
 import yaml
 
 from qvl.launchers.launch import DEMO_JOB, EXECUTORS, launch
-from qvl.launchers.overrides import LaunchError
 
 
 def run_launch(args: argparse.Namespace) -> int:
@@ -16,20 +15,16 @@ def run_launch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
-    try:
-        result = launch(
-            args.recipe,
-            args.overrides,
-            train_flags=_train_flags(args),
-            kind=args.executor,
-            site_file=args.executor_config,
-            dryrun=args.dryrun,
-            name=args.name,
-            experiments_dir=args.experiments_dir,
-        )
-    except LaunchError as err:
-        console.print(f"[bold red]error:[/] {err}", highlight=False)
-        return 2
+    result = launch(
+        args.recipe,
+        args.overrides,
+        train_flags=_train_flags(args),
+        kind=args.executor,
+        site_file=args.executor_config,
+        dryrun=args.dryrun,
+        name=args.name,
+        experiments_dir=args.experiments_dir,
+    )
     if args.dryrun:  # written raw: the script must survive copy-paste, so no wrapping or markup
         console.rule(f"{result['executor']} request (dry run, nothing submitted)")
         sys.stdout.write(result["request"].rstrip("\n") + "\n")

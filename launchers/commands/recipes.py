@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
+
+from qvl.foundation.errors import ConfigError
+from qvl.foundation.families import FAMILIES
 
 PLAN_EPILOG = "overrides are recipe keyword arguments, e.g. tensor_parallel=4 recompute=full optimizer_offload=0.6"
 
@@ -12,7 +16,8 @@ PLAN_EPILOG = "overrides are recipe keyword arguments, e.g. tensor_parallel=4 re
 def register(subparsers: Any) -> None:
     """Add the `recipes`, `plan` and `train` subcommands."""
     listing = subparsers.add_parser("recipes", help="list the recipe functions with their default layout")
-    listing.add_argument("--family", help="only this family (qwen2_vl, qwen2_5_vl, qwen3_vl)")
+    listing.add_argument("--family", choices=tuple(FAMILIES), help="only this family")
+    listing.add_argument("--json", action="store_true", help="print the recipes as JSON")
     listing.set_defaults(func=run_recipes)
     plan = subparsers.add_parser(
         "plan", help="memory, pipeline split, FLOPs and MFU of a recipe per GPU", epilog=PLAN_EPILOG
@@ -24,6 +29,7 @@ def register(subparsers: Any) -> None:
     plan.add_argument("--sample-tokens", type=int, default=1024, help="mean conversation length in a pack")
     plan.add_argument("--vision-fraction", type=float, default=0.5, help="share of tokens that are image tokens")
     plan.add_argument("--patches-per-image", type=int, default=1024, help="ViT patches per image (1024 = 448 px)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=run_plan)
     train = subparsers.add_parser("train", help="train a recipe through Megatron-Bridge (also tiny models on CPU)")
     train.add_argument("recipe", help="recipe name (`qvl recipes` lists them)")
@@ -47,57 +53,61 @@ def register(subparsers: Any) -> None:
     train.set_defaults(func=run_train)
 
 
-def parse_value(text: str) -> Any:
-    """A command-line value: int, float, bool, None, or the string itself."""
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`key=value` strings -> a dict; a pair without `=` is an error naming it."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {pair!r} is not KEY=VALUE (e.g. tensor_parallel=4)")
-        out[key] = parse_value(value)
-    return out
+    """`key=value` strings -> options and dotted config fields, by the one grammar (qvl.recipes.overrides)."""
+    from qvl.recipes.overrides import parse_overrides as parse
+
+    return parse(pairs).as_dict()
+
+
+RECIPE_COLUMNS = ("recipe", "family", "size", "stage", "TP", "PP", "EP", "planned GPUs", "summary")
+
+
+def recipe_rows(family: str | None = None) -> list[dict[str, Any]]:
+    """One row per registered recipe (natural size order), as `qvl recipes --json` prints them."""
+    from qvl.recipes.registry import all_recipes
+
+    rows = []
+    for info in all_recipes():
+        if family and info.family != family:
+            continue
+        lay = info.layout
+        rows.append(
+            {
+                "recipe": info.name,
+                "family": info.family,
+                "size": info.size,
+                "stage": info.stage,
+                "TP": lay.get("tensor_parallel", 1),
+                "PP": lay.get("pipeline_parallel", 1),
+                "EP": lay.get("expert_parallel", 1),
+                "planned GPUs": lay.get("gpus"),
+                "summary": info.summary,
+            }
+        )
+    return rows
 
 
 def run_recipes(args: argparse.Namespace) -> int:
-    """Print every registered recipe."""
+    """Print every registered recipe: a table on a terminal, whole names in plain columns into a pipe, or JSON."""
+    rows = recipe_rows(args.family)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    cells = [[("" if row[c] is None else str(row[c])) for c in RECIPE_COLUMNS] for row in rows]
+    if not sys.stdout.isatty():  # a pipe or a file: tab-free aligned columns, never wrapped or cut
+        widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(RECIPE_COLUMNS)]
+        for line in [list(RECIPE_COLUMNS), *cells]:
+            print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+        return 0
     from rich.console import Console
     from rich.table import Table
 
-    from qvl.recipes.registry import all_recipes
-
     table = Table(title="qvl recipes (each returns a Megatron-Bridge ConfigContainer)")
-    for column in ("recipe", "family", "size", "stage", "TP", "PP", "EP", "planned GPUs", "summary"):
-        table.add_column(column)
-    for info in all_recipes():
-        if args.family and info.family != args.family:
-            continue
-        lay = info.layout
-        table.add_row(
-            info.name,
-            info.family,
-            info.size,
-            info.stage,
-            str(lay.get("tensor_parallel", 1)),
-            str(lay.get("pipeline_parallel", 1)),
-            str(lay.get("expert_parallel", 1)),
-            str(lay.get("gpus", "")),
-            info.summary,
-        )
+    for column in RECIPE_COLUMNS:
+        table.add_column(column, no_wrap=column == "recipe")
+    for line in cells:
+        table.add_row(*line)
     Console().print(table)
     return 0
 
@@ -108,22 +118,54 @@ def run_plan(args: argparse.Namespace) -> int:
     from qvl.recipes.registry import get_recipe
     from qvl.recipes.split import Workload
 
-    try:
-        overrides = parse_overrides(args.overrides)
-        info = get_recipe(args.recipe)
-        gpus = args.gpus or info.layout.get("gpus", 8)
-        workload = Workload(
-            seq_length=1,
-            sample_tokens=args.sample_tokens,
-            vision_token_fraction=args.vision_fraction,
-            patches_per_image=args.patches_per_image,
-        )  # seq_length: the recipe's
-        plan = plan_recipe(args.recipe, overrides, gpus=gpus, gpu=args.gpu, workload=workload)
-    except (ValueError, KeyError, TypeError) as err:
-        print(f"qvl plan: {err}", file=sys.stderr)
-        return 2
-    print_plan(args.recipe, plan)
+    overrides = parse_overrides(args.overrides)
+    info = get_recipe(args.recipe)
+    gpus = args.gpus or info.layout.get("gpus", 8)
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus} must be at least 1, e.g. --gpus 8")
+    workload = Workload(
+        seq_length=1,
+        sample_tokens=args.sample_tokens,
+        vision_token_fraction=args.vision_fraction,
+        patches_per_image=args.patches_per_image,
+    )  # seq_length: the recipe's
+    plan = plan_recipe(args.recipe, overrides, gpus=gpus, gpu=args.gpu, workload=workload)
+    if args.json:
+        print(json.dumps(plan_dict(args.recipe, plan), indent=2))
+    else:
+        print_plan(args.recipe, plan)
     return 0 if plan.fits else 1
+
+
+def plan_dict(name: str, plan: Any) -> dict[str, Any]:
+    """The plan as plain data (`qvl plan --json`): memory in GiB per stage, FLOPs, MFU, problems, suggestions."""
+    from qvl.recipes.planner import GIB
+
+    return {
+        "recipe": name,
+        "gpus": plan.gpus,
+        "gpu": plan.gpu.name,
+        "layout": dict(plan.layout),
+        "fits": plan.fits,
+        "stages": [
+            {
+                "layers": s.layers,
+                **{
+                    f"{k}_gib": round(getattr(s, k) / GIB, 3)
+                    for k in ("params", "grads", "optimizer", "activations", "overhead", "total")
+                },
+            }
+            for s in plan.stages
+        ],
+        "stage_flops": plan.stage_flops,
+        "params_total": plan.params_total,
+        "params_trainable": plan.params_trainable,
+        "model_flops_per_step": plan.model_flops_per_step,
+        "step_time_s": plan.step_time_s,
+        "mfu": plan.mfu,
+        "problems": list(plan.problems),
+        "suggestions": list(plan.suggestions),
+    }
 
 
 def print_plan(name: str, plan: Any) -> None:

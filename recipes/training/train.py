@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from qvl.foundation.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 LOSSES_FILE = "losses.jsonl"
 # Overrides a CPU run needs: fp32 (no bf16 kernels worth using), no sequence parallelism (needs TE norms).
@@ -35,26 +37,26 @@ class TrainRequest:
     stop_after: int | None = None  # save and exit after this many steps, as a preempted job would
 
 
-def tiny_family(recipe_family: str, size: str) -> str:
-    """The bridges.testing family for a recipe: MoE sizes (e.g. 30b_a3b) use the tiny MoE model."""
-    return "qwen3_vl_moe" if recipe_family == "qwen3_vl" and "_a" in size else recipe_family
+def prepare_config(request: TrainRequest, *, cpu: bool | None = None, tiny_dir: Path | None = None):
+    """The recipe's ConfigContainer with the request's model, device and run-directory settings.
 
-
-def prepare_config(request: TrainRequest):
-    """The recipe's ConfigContainer with the request's model, device and run-directory settings."""
+    `cpu` defaults to this machine (`--device cpu` or no CUDA); `qvl launch --dryrun` passes the executor's.
+    `tiny_dir` is where `--model tiny` writes its checkpoint (default RUN_DIR/tiny-hf)."""
+    from qvl.recipes.options import check_option_names
+    from qvl.recipes.overrides import apply_config_overrides, split_options
     from qvl.recipes.registry import get_recipe
 
     info = get_recipe(request.recipe)
-    # `section.field=value` pairs set fields of the built ConfigContainer; the rest are recipe arguments.
-    dotted = {k: v for k, v in request.overrides.items() if "." in k}
-    overrides = {k: v for k, v in request.overrides.items() if "." not in k}
-    cpu = request.device == "cpu" or not torch.cuda.is_available()
+    # `section.field=value` pairs set fields of the built ConfigContainer; the rest are recipe options.
+    overrides, dotted = split_options(request.overrides)
+    check_option_names(overrides)
+    cpu = (request.device == "cpu" or not torch.cuda.is_available()) if cpu is None else cpu
     if request.model == "tiny" and "hf_path" not in overrides:
         from qvl.bridges.tiny import write_tiny_hf_checkpoint
 
-        hf_dir = request.run_dir / "tiny-hf"
+        hf_dir = tiny_dir or request.run_dir / "tiny-hf"
         if not (hf_dir / "config.json").is_file():
-            write_tiny_hf_checkpoint(hf_dir, tiny_family(info.family, info.size))
+            write_tiny_hf_checkpoint(hf_dir, info.family)
         overrides["hf_path"] = str(hf_dir)
     if request.model == "tiny":  # a tiny model on one process: no parallelism unless asked for
         overrides = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1, **overrides}
@@ -64,8 +66,6 @@ def prepare_config(request: TrainRequest):
     overrides.setdefault("tensorboard_dir", str(request.run_dir / "tensorboard"))
     config = info.fn(**overrides)
     if dotted:
-        from qvl.recipes.overrides import apply_config_overrides
-
         apply_config_overrides(config, dotted)
     if cpu:
         from qvl.foundation import runtime
@@ -77,6 +77,44 @@ def prepare_config(request: TrainRequest):
     if request.stop_after:
         config.train.exit_interval = request.stop_after  # Megatron-Bridge saves a checkpoint and exits
     return info, config
+
+
+def check_inputs(info, config, run_dir: Path) -> None:
+    """Refuse, before any model is built, what Megatron-Bridge would only find after: no pretrained checkpoint
+    for a fine-tune, a missing or truncated checkpoint, a missing dataset, an unwritable run directory."""
+    from qvl.bridges.checkpoints import check_megatron_checkpoint, has_checkpoint
+    from qvl.recipes.base import check_dataset
+
+    for what, path in (("--run-dir", run_dir), ("checkpoint_dir", Path(config.checkpoint.save))):
+        check_writable(what, path)
+    resuming = has_checkpoint(Path(config.checkpoint.load)) if config.checkpoint.load else False
+    pretrained = config.checkpoint.pretrained_checkpoint
+    if info.stage != "pretrain" and not pretrained and not resuming:
+        raise ConfigError(
+            f"recipe {info.name} fine-tunes a converted model but pretrained_checkpoint is not set; pass "
+            "pretrained_checkpoint=DIR, a Megatron checkpoint written by `qvl convert import HF_DIR DIR`"
+        )
+    if pretrained and not resuming:
+        check_megatron_checkpoint(Path(pretrained), "pretrained_checkpoint")
+    check_dataset(config.dataset)
+
+
+def check_writable(what: str, path: Path) -> None:
+    """Refuse an output folder that cannot be created or written (named by its flag)."""
+    existing = next((p for p in [path, *path.parents] if p.exists()), Path("."))
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{what}={path} cannot be written ({existing} is not a writable folder); choose a folder you can write"
+        )
+
+
+class _CleanExitFilter(logging.Filter):
+    """Megatron-Bridge's pretrain() logs every BaseException as "Pretrain failed ..." with a traceback, including
+    the SystemExit(0) it raises itself after saving at exit_interval (`--stop-after`): a planned stop is no failure."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, SystemExit) and error.code in (0, None))
 
 
 class _LossRecorder:
@@ -104,6 +142,7 @@ def run_training(request: TrainRequest) -> Path:
     """Train; returns the run directory (checkpoints/, losses.jsonl, tensorboard/)."""
     from qvl.foundation import distributed, megatron, runtime
 
+    check_writable("--run-dir", request.run_dir)
     request.run_dir.mkdir(parents=True, exist_ok=True)
     if "MASTER_PORT" not in os.environ:  # not under torchrun: a free port, not the fixed default 29500
         os.environ["MASTER_PORT"] = str(distributed.free_port())
@@ -113,12 +152,11 @@ def run_training(request: TrainRequest) -> Path:
     megatron.import_megatron_bridge()
     from megatron.bridge.training.callbacks import CallbackManager
 
-    import qvl.bridges.registry  # noqa: F401
+    import qvl.bridges.registry  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
     from qvl.recipes.training import optimizer_fixes
 
-    optimizer_fixes.apply()  # resume correctness with torch Adam (no TE/Apex), on any device
-
     info, config = prepare_config(request)
+    check_inputs(info, config, request.run_dir)
     callbacks = CallbackManager()
     callbacks.register("on_train_step_end", _LossRecorder(request.run_dir / LOSSES_FILE))
     from qvl.recipes.training.step import forward_step
@@ -127,7 +165,18 @@ def run_training(request: TrainRequest) -> Path:
         from megatron.bridge.training.pretrain import pretrain as loop
     else:
         from megatron.bridge.training.finetune import finetune as loop
-    loop(config, forward_step, callbacks=callbacks)
+    with optimizer_fixes.fixed():  # exact resume with torch Adam (no TE/Apex), on any device
+        clean_exit = _CleanExitFilter()
+    pretrain_logger = logging.getLogger("megatron.bridge.training.pretrain")
+    pretrain_logger.addFilter(clean_exit)
+    try:
+        loop(config, forward_step, callbacks=callbacks)
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise
+        logger.info("stopped after %s steps as asked; the same command resumes", request.stop_after)
+    finally:
+        pretrain_logger.removeFilter(clean_exit)
     return request.run_dir
 
 
