@@ -11,6 +11,7 @@ patchified like the HF video processor (grids exact, interpolation may differ sl
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import logging
 import pathlib
@@ -25,6 +26,7 @@ from PIL import Image
 from qvl.data.count import IGNORE_INDEX, IMAGE_PAD, VIDEO_PAD
 from qvl.data.mrope import RopeConfig, packed_position_ids
 from qvl.data.vision import VisionConfig, check_family, load_vision_config
+from qvl.foundation.errors import DataError
 from qvl.foundation.families import get_family
 
 logger = logging.getLogger(__name__)
@@ -259,57 +261,42 @@ def _video_normalization(hf_dir: pathlib.Path, family: str) -> tuple[np.ndarray,
     )
 
 
-class PlannedPackLoader:
-    """Serves one data-parallel rank its packs of a `--data-parallel` plan, in plan order, as micro-batches.
+def check_plan(path: pathlib.Path, plan: dict, *, data_parallel: int, global_batch: int | None, what: str) -> None:
+    """Refuse a data-parallel size or global batch other than the ones the dataset's pack plan was made for.
 
-    Energon shards a dataset by position, which would ignore the plan; this reads packs.jsonl's (step, rank, slot)
-    and the tar shards directly. Each step gives this rank global_batch / data_parallel packs in
-    `micro_batch_size` groups; after the last step it starts again at step 0. `state()` / `restore(state)` resume
-    at exactly the next micro-batch.
-    """
+    A plan for D ranks read at fewer ranks never serves the packs planned for the others (data silently
+    unused); read at more, or with another global batch, the (step, rank) schedule no longer matches the steps."""
+    planned = (plan["data_parallel"], plan["global_batch"])
+    asked = (data_parallel, planned[1] if global_batch is None else global_batch)
+    if asked != planned:
+        raise DataError(
+            f"{what} at data_parallel={asked[0]}, global_batch_size={asked[1]}, but {path} was planned for "
+            f"data_parallel={planned[0]}, global_batch_size={planned[1]} (report.json dp_plan); re-plan it with "
+            f"`qvl data prepare ... --data-parallel {asked[0]} --global-batch {asked[1]}`, or train at "
+            f"data_parallel={planned[0]} with global_batch_size={planned[1]}"
+        )
 
-    def __init__(
-        self, path: pathlib.Path, task_encoder: QwenVLPackedTaskEncoder, *, rank: int, micro_batch_size: int = 1
-    ):
-        self.path, self.encoder, self.micro_batch_size = pathlib.Path(path), task_encoder, micro_batch_size
-        rows = [json.loads(line) for line in (self.path / "packs.jsonl").read_text().splitlines()]
-        plan = json.loads((self.path / "report.json").read_text()).get("dp_plan")
-        if plan is None or "step" not in rows[0]:
-            raise ValueError(f"{self.path} has no DP plan; prepare it with --data-parallel D --global-batch G")
-        if not 0 <= rank < plan["data_parallel"] or plan["packs_per_rank_per_step"] % micro_batch_size:
-            raise ValueError(
-                f"rank {rank} / micro_batch_size {micro_batch_size} do not fit the plan's "
-                f"{plan['data_parallel']} ranks x {plan['packs_per_rank_per_step']} packs per step"
-            )
-        mine = sorted((r["step"], r["slot"], r["pack"], r["shard"]) for r in rows if r["rank"] == rank)
-        self.packs = [(pack, shard) for _, _, pack, shard in mine]
-        self.position = 0
+
+class _PlannedMicroBatches(torch.utils.data.Dataset):
+    """Micro-batch `i` of one rank's plan order (wrapping past the end): what a loader worker encodes."""
+
+    def __init__(self, path: pathlib.Path, encoder: QwenVLPackedTaskEncoder, packs: list, micro_batch_size: int):
+        self.path, self.encoder, self.packs, self.micro_batch_size = path, encoder, packs, micro_batch_size
         self._offsets: dict[str, dict[str, tuple[int, int]]] = {}
 
-    def __iter__(self):
-        return self
+    def __len__(self) -> int:
+        return len(self.packs) // self.micro_batch_size
 
-    def __next__(self) -> PackedBatch:
-        batch = []
-        for _ in range(self.micro_batch_size):
-            pack, shard = self.packs[self.position % len(self.packs)]
-            self.position += 1
-            batch.append(self.encoder.encode_sample(cook_pack(self._read(pack, shard))))
-        return self.encoder.batch(batch)
-
-    def state(self) -> dict:
-        """Where this rank's stream stands (packs served so far)."""
-        return {"position": self.position}
-
-    def restore(self, state: dict) -> None:
-        self.position = int(state["position"])
+    def __getitem__(self, index: int) -> PackedBatch:
+        first = index * self.micro_batch_size
+        picks = [self.packs[(first + k) % len(self.packs)] for k in range(self.micro_batch_size)]
+        return self.encoder.batch([self.encoder.encode_sample(cook_pack(self._read(*pick))) for pick in picks])
 
     def _read(self, pack: int, shard: str) -> dict:
         key = f"{pack:09d}"
-        members = self._members(shard)
         sample = {"__key__": key, "__restore_key__": ("planned", shard, pack)}
         with (self.path / shard).open("rb") as f:
-            for name, (offset, size) in members.items():
+            for name, (offset, size) in self._members(shard).items():
                 if name.startswith(key + "."):
                     f.seek(offset)
                     sample[name[len(key) + 1 :]] = f.read(size)
@@ -322,6 +309,110 @@ class PlannedPackLoader:
             with tarfile.open(self.path / shard) as tar:
                 self._offsets[shard] = {m.name: (m.offset_data, m.size) for m in tar.getmembers()}
         return self._offsets[shard]
+
+
+def _as_is(batch: PackedBatch) -> PackedBatch:
+    return batch
+
+
+class PlannedPackLoader:
+    """Serves one data-parallel rank its packs of a `--data-parallel` plan, in plan order, as micro-batches.
+
+    Energon shards a dataset by position, which would ignore the plan; this reads packs.jsonl's (step, rank, slot)
+    and the tar shards directly. Each step gives this rank global_batch / data_parallel packs in
+    `micro_batch_size` groups; after the last step it starts again at step 0. It refuses a data-parallel size or
+    global batch other than the plan's (`check_plan`). With `num_workers` > 0, worker processes decode, resize and
+    patchify the next `prefetch` micro-batches per worker while the GPU computes (a torch DataLoader over
+    micro-batch indices, in order). `state()` / `restore(state)` count micro-batches handed out, not prefetched
+    ones, so a resume continues at exactly the next micro-batch whatever the worker count.
+    """
+
+    def __init__(
+        self,
+        path: pathlib.Path,
+        task_encoder: QwenVLPackedTaskEncoder,
+        *,
+        rank: int,
+        data_parallel: int,
+        global_batch: int | None = None,
+        micro_batch_size: int = 1,
+        num_workers: int = 0,
+        prefetch: int = 4,
+    ):
+        self.path, self.micro_batch_size = pathlib.Path(path), micro_batch_size
+        self.num_workers, self.prefetch = num_workers, prefetch
+        rows = [json.loads(line) for line in (self.path / "packs.jsonl").read_text().splitlines()]
+        self.plan = json.loads((self.path / "report.json").read_text()).get("dp_plan")
+        if self.plan is None or "step" not in rows[0]:
+            raise DataError(f"{self.path} has no DP plan; prepare it with --data-parallel D --global-batch G")
+        check_plan(self.path, self.plan, data_parallel=data_parallel, global_batch=global_batch, what="training")
+        if not 0 <= rank < data_parallel or self.plan["packs_per_rank_per_step"] % micro_batch_size:
+            raise DataError(
+                f"rank {rank} / micro_batch_size {micro_batch_size} do not fit the plan's "
+                f"{self.plan['data_parallel']} ranks x {self.plan['packs_per_rank_per_step']} packs per step; "
+                "use a micro_batch_size that divides the packs per rank per step"
+            )
+        mine = sorted(
+            (r["step"], r["slot"], r["pack"], r["shard"]) for r in rows if r["rank"] == rank and r["step"] >= 0
+        )
+        self.packs = [(pack, shard) for _, _, pack, shard in mine]
+        self.micro_batches = _PlannedMicroBatches(self.path, task_encoder, self.packs, micro_batch_size)
+        self.position = 0  # micro-batches handed out
+        self._stream = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> PackedBatch:
+        if self.num_workers == 0:
+            batch = self.micro_batches[self.position]
+        else:
+            if self._stream is None:
+                self._stream = iter(self._worker_loader(self.position))
+            batch = next(self._stream)
+        self.position += 1
+        return batch
+
+    def _worker_loader(self, start: int) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            self.micro_batches,
+            batch_size=None,
+            sampler=itertools.count(start),  # endless, in order: the plan wraps to step 0 after its last step
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch,
+            collate_fn=_as_is,
+        )
+
+    def state(self) -> dict:
+        """Where this rank's stream stands (micro-batches served so far) and the plan it was served from."""
+        return {
+            "position": self.position,
+            "micro_batch_size": self.micro_batch_size,
+            "data_parallel": self.plan["data_parallel"],
+            "global_batch": self.plan["global_batch"],
+        }
+
+    def restore(self, state: dict) -> None:
+        """Continue at the saved position; refuses a state saved under another DP size, global batch or micro-batch."""
+        if "data_parallel" in state:
+            check_plan(
+                self.path,
+                self.plan,
+                data_parallel=int(state["data_parallel"]),
+                global_batch=int(state["global_batch"]),
+                what="the checkpoint being resumed was trained",
+            )
+        if int(state.get("micro_batch_size", self.micro_batch_size)) != self.micro_batch_size:
+            raise DataError(
+                f"the checkpoint's data position counts micro-batches of {state['micro_batch_size']} packs, this run's "
+                f"are {self.micro_batch_size}; resume with micro_batch_size={state['micro_batch_size']}"
+            )
+        self.position = int(state["position"])
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker processes (a later next() starts them again at the current position)."""
+        self._stream = None
 
 
 class _PlannedLoaderAdapter:
@@ -359,7 +450,15 @@ def build_packed_datasets(config: Any, context: Any) -> tuple[Any, None, None]:
     rank, world = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     report = json.loads((path / "report.json").read_text()) if (path / "report.json").is_file() else {}
     if report.get("dp_plan"):
-        planned = PlannedPackLoader(path, encoder, rank=rank, micro_batch_size=config.micro_batch_size)
+        planned = PlannedPackLoader(
+            path,
+            encoder,
+            rank=rank,
+            data_parallel=world,
+            global_batch=_megatron_global_batch(),
+            micro_batch_size=config.micro_batch_size,
+            num_workers=config.num_workers,
+        )
         return _PlannedLoaderAdapter(planned), None, None
     worker = WorkerConfig(rank=rank, world_size=world, num_workers=config.num_workers)
     dataset = get_train_dataset(
@@ -371,3 +470,13 @@ def build_packed_datasets(config: Any, context: Any) -> tuple[Any, None, None]:
         max_samples_per_sequence=None,
     )
     return EnergonDataloader(get_savable_loader(dataset, worker_config=worker)), None, None
+
+
+def _megatron_global_batch() -> int | None:
+    """The training loop's global batch size (packs per optimizer step), or None outside a training loop."""
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+
+    try:
+        return get_current_global_batch_size()
+    except AttributeError:  # the calculator is a module global that stays None until a training loop sets it up
+        return None

@@ -138,14 +138,14 @@ def test_planned_loader_serves_each_rank_its_packs_in_order_and_resumes(planned,
         mine = [
             p["samples"] for p in sorted((p for p in packs if p["rank"] == rank), key=lambda p: (p["step"], p["slot"]))
         ]
-        loader = PlannedPackLoader(output, encoder, rank=rank, micro_batch_size=1)
+        loader = PlannedPackLoader(output, encoder, rank=rank, data_parallel=2, micro_batch_size=1)
         served = [next(loader).source_indices[0] for _ in range(len(mine))]
         assert served == mine
-    loader = PlannedPackLoader(output, encoder, rank=0, micro_batch_size=2)
+    loader = PlannedPackLoader(output, encoder, rank=0, data_parallel=2, micro_batch_size=2)
     next(loader)
     state = loader.state()
     expected = [next(loader).tokens.tolist() for _ in range(2)]  # runs past the end: wraps to step 0
-    resumed = PlannedPackLoader(output, encoder, rank=0, micro_batch_size=2)
+    resumed = PlannedPackLoader(output, encoder, rank=0, data_parallel=2, micro_batch_size=2)
     resumed.restore(state)
     assert [next(resumed).tokens.tolist() for _ in range(2)] == expected
 
