@@ -6,7 +6,7 @@ sharded like a released checkpoint. Each conversion runs in its own process so i
 The constant is the peak RSS of the same command on the tiny Qwen2.5-VL checkpoint (under 2 MB of
 weights): interpreter, torch, Megatron-Core, Megatron-Bridge, transformers and the save machinery.
 
-Goal (issue 3): peak RSS - constant <= 1.5 x the largest shard, flat as depth grows. qvl's import streams
+Goal: peak RSS - constant <= 1.5 x the largest shard, flat as depth grows. qvl's import streams
 (qvl.bridges.stream: a meta-device model, each tensor converted when the checkpoint writer asks for it and
 freed once written); Megatron-Bridge's own import builds the whole model first, and grew by 1.08x the bytes
 of each added layer here before qvl streamed.

@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from qvl.bridges.specs import local_gpt_layer_spec
 from qvl.foundation.errors import MissingConfigField
+from qvl.foundation.megatron import NO_TE_SETTINGS, have_transformer_engine
 
 logger = logging.getLogger(__name__)
 
@@ -56,25 +58,20 @@ def fix_provider(provider: Any, hf_config: Any) -> None:
     text_config = getattr(hf_config, "text_config", hf_config)
     if getattr(provider, "position_embedding_type", None) == "mrope":
         provider.mrope_section = mrope_section(text_config)
-    for provider_field, hf_field in _TOKEN_ID_FIELDS.items():
-        if hasattr(provider, provider_field):
-            setattr(provider, provider_field, required(hf_config, hf_field, "config.json"))
-    from qvl.foundation.megatron import have_transformer_engine
-
+    set_token_ids(provider, hf_config)
     if not have_transformer_engine():
         use_local_specs(provider)
 
 
 def use_local_specs(provider: Any) -> None:
     """Build the language model from Megatron-Core's local spec with SDPA attention (no TE needed)."""
-    from qvl.bridges.specs import local_gpt_layer_spec
-
     provider.transformer_layer_spec = local_gpt_layer_spec
-    provider.transformer_impl = "local"
-    provider.moe_grouped_gemm = False  # grouped GEMM needs TE or the grouped_gemm CUDA package
-    provider.moe_permute_fusion = False  # fused token permutation is a TE kernel
-    provider.gradient_accumulation_fusion = False
-    provider.bias_activation_fusion = False
-    provider.masked_softmax_fusion = False
-    provider.persist_layer_norm = False
-    provider.apply_rope_fusion = False
+    for name, value in NO_TE_SETTINGS.items():
+        setattr(provider, name, value)
+
+
+def set_token_ids(provider: Any, hf_config: Any) -> None:
+    """The provider's vision token ids, read from the checkpoint's config.json (never Qwen's released values)."""
+    for provider_field, hf_field in _TOKEN_ID_FIELDS.items():
+        if hasattr(provider, provider_field):
+            setattr(provider, provider_field, required(hf_config, hf_field, "config.json"))

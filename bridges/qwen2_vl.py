@@ -30,7 +30,7 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionCon
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel as HFQwen2VLModel
 
-from qvl.bridges.fixes import mrope_section, required
+from qvl.bridges.fixes import mrope_section, set_token_ids
 
 # HF Qwen2-VL methods the forward pass needs, bound onto the Megatron model (as Megatron-Bridge does
 # for Qwen2.5-VL): rope index (3-D positions), vision features and the placeholder mask.
@@ -99,8 +99,7 @@ class Qwen2VLBridge(Qwen25VLBridge):
         provider.mrope_section = mrope_section(text_config)
         provider.share_embeddings_and_output_weights = bool(getattr(hf_config, "tie_word_embeddings", False))
         provider.vision_config = hf_config.vision_config
-        for name in ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"):
-            setattr(provider, name, required(hf_config, name, "config.json"))
+        set_token_ids(provider, hf_config)
         provider.bos_token_id = text_config.bos_token_id
         provider.eos_token_id = text_config.eos_token_id
         return provider

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from qvl.foundation.errors import ConversionError
+
 # Converted parameters kept for chunks that come later (gated-MLP halves, a fused MoE tensor's experts):
 # the writer asks for the chunks of one parameter one after another, so two is enough.
 _CACHED_PARAMETERS = 2
@@ -72,8 +74,6 @@ class SafetensorsFiles:
                     start, end = entry["data_offsets"]
                     self.entries[name] = (path, entry["dtype"], entry["shape"], 8 + length + start, end - start)
         if not self.entries:
-            from qvl.bridges.convert import ConversionError
-
             raise ConversionError(
                 f"{hf_dir} has no *.safetensors weights; qvl imports safetensors only: load the model "
                 "in transformers and save_pretrained() it again (safetensors is the default)"
@@ -156,8 +156,6 @@ class StreamingConverter:
             return self._converted[key]
         task = self.tasks.get(key)
         if task is None:
-            from qvl.bridges.convert import ConversionError
-
             raise ConversionError(f"no Megatron-Bridge mapping fills {name}; the checkpoint would hold no value for it")
         mapping = task.mapping
         hf_key = str(mapping.hf_param)
@@ -172,8 +170,6 @@ class StreamingConverter:
         with _MetaTargetsOnCpu():  # the mappings put their output on the (meta) target parameter's device
             converted = mapping.hf_to_megatron(hf_weights, task.megatron_module)
         if tuple(converted.shape) != tuple(parameter.shape):
-            from qvl.bridges.convert import ConversionError
-
             raise ConversionError(
                 f"{name}: HF {mapping.hf_param} converts to shape {tuple(converted.shape)}, "
                 f"the model expects {tuple(parameter.shape)}; the checkpoint does not match its config.json"
@@ -263,8 +259,6 @@ def streaming_save_strategy(converter: StreamingConverter, sources: dict, progre
             if source is None:  # bytes (extra state, common state) or a tensor no mapping fills
                 data = super().resolve_data(write_item)
                 if isinstance(data, torch.Tensor) and data.is_meta:
-                    from qvl.bridges.convert import ConversionError
-
                     raise ConversionError(f"no Megatron-Bridge mapping fills checkpoint tensor {index.fqn}")
                 return data
             data = _chunk(converter, source, index.fqn, tuple(index.offset))
@@ -327,8 +321,6 @@ def save_streaming(bridge, provider, out_dir: Path, *, hf_tokenizer_path: str | 
     converter = StreamingConverter(bridge, model)
     missing = converter.missing(model)
     if missing:
-        from qvl.bridges.convert import ConversionError
-
         raise ConversionError(f"no Megatron-Bridge mapping fills {len(missing)} parameters, e.g. {missing[:5]}")
     names = {id(t): n for m in model for n, t in [*m.named_parameters(), *m.named_buffers()]}
     state = _checkpoint_state(provider, out_dir, hf_tokenizer_path)

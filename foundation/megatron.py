@@ -105,6 +105,20 @@ def _is_installed(package: str) -> bool:
     return spec is not None and spec.origin is not None
 
 
+# TransformerConfig fields for Megatron-Core's local (non-TE) modules, on any device without Transformer Engine:
+# these fusions need kernels that only TE, Apex or the grouped_gemm package provide. (The jit-scripted fusions,
+# bias-dropout-add and cross-entropy, stay on: they run on a plain CUDA torch.)
+NO_TE_SETTINGS: dict[str, Any] = {
+    "transformer_impl": "local",
+    "gradient_accumulation_fusion": False,
+    "bias_activation_fusion": False,
+    "masked_softmax_fusion": False,
+    "persist_layer_norm": False,
+    "apply_rope_fusion": False,
+    "moe_grouped_gemm": False,
+    "moe_permute_fusion": False,
+}
+
 _STAND_INS: dict[str, StandIn] = {s.module: s for s in STAND_INS}
 _FINDER = _StandInFinder()
 

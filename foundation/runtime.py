@@ -63,7 +63,7 @@ from torch.overrides import TorchFunctionMode
 
 from qvl.foundation import patches
 from qvl.foundation.errors import UnsupportedOnCPU
-from qvl.foundation.megatron import import_megatron_bridge
+from qvl.foundation.megatron import NO_TE_SETTINGS, import_megatron_bridge
 
 logger = logging.getLogger(__name__)
 
@@ -331,15 +331,10 @@ _CPU_REFUSALS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
     ),
 )
 
-# The local (non-TE) implementation, and fusions whose kernels exist only on CUDA (or need Apex/TE).
+# The local (non-TE) implementation, and also the jit-scripted fusions, whose kernels exist only on CUDA.
 _CPU_FUSION_OVERRIDES: dict[str, Any] = {
-    "transformer_impl": "local",
-    "gradient_accumulation_fusion": False,
-    "bias_activation_fusion": False,
+    **NO_TE_SETTINGS,
     "bias_dropout_fusion": False,
-    "masked_softmax_fusion": False,
-    "persist_layer_norm": False,
-    "apply_rope_fusion": False,
     "cross_entropy_loss_fusion": False,
 }
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
@@ -40,6 +39,6 @@ def cpu_runtime():
 
 @pytest.fixture
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from qvl.foundation.distributed import free_port
+
+    return free_port()

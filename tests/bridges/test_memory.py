@@ -1,4 +1,4 @@
-"""Conversion memory (issue 3): `qvl convert import` streams, so its memory follows the largest shard, not the model.
+"""Conversion memory: `qvl convert import` streams, so its memory follows the largest shard, not the model.
 
 Growth is an import's peak RSS over the RSS of its process just before it; the imports run one after
 another in one subprocess, after a tiny warm-up import that pays the one-off lazy imports and set-up,
@@ -35,7 +35,7 @@ from qvl.bridges.tiny import write_tiny_hf_checkpoint
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEPTHS = (2, 8)
 SHARD_BYTES = 32 * 2**20
-STREAMING_GOAL = 1.5  # issue 3: growth <= 1.5 x the largest shard + a constant
+STREAMING_GOAL = 1.5  # the goal: growth <= 1.5 x the largest shard + a constant
 CONSTANT = 16 * 2**20  # qvl.bridges.stream._READ_BUFFER_BYTES
 PER_LAYER_BOUND = 0.25
 

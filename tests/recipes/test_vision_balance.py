@@ -14,7 +14,7 @@ import torch
 from qvl.data.cost import VisionShape
 from qvl.recipes.training.vision_balance import assign_images, plan_vision_balance
 
-# The tiny tower of the brief: SwiGLU blocks, 56-px windows (2 x 2 merged units), block 1 full attention.
+# A tiny Qwen2.5-VL-like tower: SwiGLU blocks, 56-px windows (2 x 2 merged units), block 1 full attention.
 TOWER = dict(
     depth=2,
     hidden_size=32,
