@@ -2,18 +2,13 @@
 
 Switched on explicitly with `activate()` (or `--device cpu` on the CLI), never as an import side effect,
 and a no-op where CUDA is available. Every redirection is listed here with the reason it is needed;
-`tests/launchers/test_runtime.py` exercises each one, so a Megatron version bump that breaks an
+`tests/foundation/test_runtime.py` exercises each one, so a Megatron version bump that breaks an
 assumption fails there first. Checked against megatron-core 0.19.2 and megatron-bridge 0.6.2.
 
-Redirections (undone by `deactivate()`):
-1. Stand-ins for optional packages (CPU or GPU alike). `megatron.bridge.peft.lora_layers` does
-   `import transformer_engine.pytorch as te` and `megatron.bridge.training.pretrain` does
-   `from nvidia_resiliency_ext.inprocess import CallWrapper` unconditionally, so without TE / nvrx
-   `import megatron.bridge` and its training loop fail. `import_megatron_bridge()` installs a meta-path
-   loader that puts a stand-in in sys.modules only while one of those modules executes, so every other
-   probe (`try: import transformer_engine`, megatron.core's `is_te_min_version`) still sees the package
-   as absent. Stand-in classes cannot be instantiated: `isinstance(x, te.Linear)` is always False and
-   any real use raises OptionalPackageUnavailable naming the package and the fix.
+Redirections (undone by `deactivate()`); the attribute replacements among them are the patch groups
+"cpu-runtime" and "cpu-bridge-training" of qvl.foundation.patches:
+1. Stand-ins for optional packages (TE, nvrx) that Megatron-Bridge imports unconditionally: see
+   qvl.foundation.megatron; needed on CPU and on GPUs without TE alike.
 2. Device redirection (`_CudaToCpuMode`, a TorchFunctionMode). Megatron-Core creates tensors with
    `device="cuda"` / `torch.cuda.current_device()` in the causal-mask helpers (transformer/utils.py),
    the pipeline schedules (token counters), p2p shape exchange, grad clipping, grad scaler and the
@@ -31,8 +26,7 @@ Redirections (undone by `deactivate()`):
    get/set-state helpers and `torch.cuda.{get,set}_rng_state, manual_seed` are pointed at the CPU
    generator, which keeps the fork-and-restore semantics exact. The tracker's "CPU RNG state changed
    within GPU RNG context" warning is then true by construction and is filtered out.
-6. Distributed: `init_distributed()` initialises torch.distributed with the gloo backend and builds
-   Megatron's parallel state on it.
+6. Distributed: `qvl.foundation.distributed.init_distributed()` picks gloo while this runtime is active.
 7. Megatron-Bridge's training loop (`enable_bridge_training()`, on top of `activate()`):
    `initialize_megatron` asserts CUDA unless `allow_no_cuda`, which its setup path never passes;
    `compile_helpers()` runs `make` for a dataset-helpers module the megatron-core wheel already ships
