@@ -181,14 +181,19 @@ def kubernetes_manifest_only(**settings: Any) -> run.Executor:
 
 
 def _manifest_only(**fields: Any) -> KubeflowExecutor:
-    # KubeflowExecutor.__post_init__ loads the kubeconfig through self._load_kube_clients(). An attribute of this
-    # one instance answers that call instead (the class and NeMo-Run stay untouched), and is removed again so
-    # the executor is an ordinary KubeflowExecutor, which NeMo-Run maps by its exact class.
+    # KubeflowExecutor.__post_init__ loads the kubeconfig through self._load_kube_clients(), and NeMo-Run rebuilds
+    # the executor (`clone()`) when a task is added. Attributes of this one instance answer both calls instead, so
+    # neither the class nor NeMo-Run changes; NeMo-Run maps executors by their exact class, so no subclass either.
     executor = KubeflowExecutor.__new__(KubeflowExecutor)
     executor._load_kube_clients = lambda: None
     executor.__init__(**fields)
     del executor._load_kube_clients
+    executor.clone = lambda: _manifest_only(**{f.name: getattr(executor, f.name) for f in _init_fields(executor)})
     return executor
+
+
+def _init_fields(executor: KubeflowExecutor) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(executor) if f.init]
 
 
 def _kubeflow(

@@ -168,6 +168,8 @@ def _typed(name: str, value: Any, hint: Any, default: Any) -> Any:
             return str(value)
         raise ConfigError(f"{name}={value!r} must be a string{example}")
     if typing.get_origin(kind) is tuple:
+        if value is None:  # freeze=none
+            return ()
         if isinstance(value, str):
             return value
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):

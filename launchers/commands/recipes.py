@@ -120,7 +120,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     overrides = parse_overrides(args.overrides)
     info = get_recipe(args.recipe)
-    gpus = args.gpus or info.layout.get("gpus", 8)
+    gpus = info.layout.get("gpus", 8) if args.gpus is None else args.gpus
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus} must be at least 1, e.g. --gpus 8")
     workload = Workload(

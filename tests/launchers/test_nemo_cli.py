@@ -64,6 +64,10 @@ def test_nemo_qvl_finetune_help_lists_factories_and_executors(nemo_runs):
     assert code == 0, out
     for name in ("demo", "local", "slurm", "kubernetes", "recipe", "overrides"):
         assert name in out
+    # As quiet as `qvl`: no Megatron-Bridge import probes, fallback warnings or tracebacks before the help.
+    assert out.lstrip().startswith(("Usage:", "╭", "\x1b")), out[:2000]
+    for noise in ("Traceback", "UserWarning", "INFO", "Transformer Engine and Apex are not installed"):
+        assert noise not in out, noise
 
 
 def test_nemo_qvl_dryrun_of_a_factory(nemo_runs):
