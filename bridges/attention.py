@@ -6,11 +6,25 @@ handles both layouts:
 - SBHD: [s, b, heads, dim] with a causal, padding or arbitrary mask, as `DotProductAttention` does;
 - THD: [tokens, heads, dim] with `packed_seq_params.cu_seqlens_q/kv`: each sub-sequence attends only to
   itself (causally for decoder self-attention, fully for a vision encoder's per-image blocks).
-THD runs one SDPA call per sub-sequence, so memory stays linear in the packed length and each call can
-take the flash / memory-efficient kernel on a GPU (`is_causal=True`, no materialised mask).
+THD on a GPU runs PyTorch's own varlen attention (`torch.nn.attention.varlen.varlen_attn`, FlashAttention
+kernels inside torch >= 2.10): one call for every sub-sequence of the pack, GQA and causality in the kernel, no
+host sync. Elsewhere (CPU, fp32, old torch, attention dropout, a padded THD layout) it runs one SDPA call per
+sub-sequence, so memory stays linear in the packed length. `varlen_usable` is that decision, on its own so it
+can be tested without a GPU.
+
+`use_varlen_vision_attention(provider)` gives the replicated HF vision towers of Qwen2-VL / Qwen2.5-VL the same
+kernel through transformers' attention-function registry (`AttentionInterface.register`, an extension point, not
+a patch): the towers already pass `cu_seqlens` to a flash-type attention function, so their per-window and
+per-image blocks stop looping in Python on a GPU.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +34,86 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+logger = logging.getLogger(__name__)
+
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+# transformers routes `cu_seqlens` to an attention function only when its registered name contains "flash".
+HF_VARLEN_ATTENTION = "qvl_flash_varlen"
+_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+_VARLEN_MAX_HEAD_DIM = 256  # FlashAttention-2's limit
+
+
+@functools.cache
+def _varlen_kernel() -> tuple[Any, frozenset[str]] | None:
+    """torch's varlen_attn and its keyword names, or None where this torch has none (< 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_supported(
+    *, device_type: str, dtype: torch.dtype, head_dim: int, dropout_p: float = 0.0, padded_layout: bool = False
+) -> bool:
+    """Whether torch's varlen kernel can run a THD attention: CUDA, fp16/bf16, head dim <= 256, no attention
+    dropout (the kernel has none), unpadded sub-sequences (padding would join a bidirectional block), torch >= 2.10."""
+    return (
+        device_type == "cuda"
+        and dtype in _VARLEN_DTYPES
+        and head_dim <= _VARLEN_MAX_HEAD_DIM
+        and dropout_p == 0.0
+        and not padded_layout
+        and _varlen_kernel() is not None
+    )
+
+
+def varlen_usable(query: torch.Tensor, *, dropout_p: float = 0.0, padded_layout: bool = False) -> bool:
+    """`varlen_supported` for a [tokens, heads, dim] query."""
+    return varlen_supported(
+        device_type=query.device.type,
+        dtype=query.dtype,
+        head_dim=query.shape[-1],
+        dropout_p=dropout_p,
+        padded_layout=padded_layout,
+    )
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """[tokens, heads, dim] attention of every packed sub-sequence to itself in one varlen kernel call.
+
+    Adapts to the kernel's keywords across torch versions: causality is `window_size=(-1, 0)` from 2.11 and
+    `is_causal` in 2.10; without `enable_gqa` the KV heads are repeated; without `scale` the query is scaled."""
+    kernel, names = _varlen_kernel()
+    kwargs: dict[str, Any] = {}
+    if "window_size" in names:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kwargs["is_causal"] = causal
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in names:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if scale is not None:
+        if "scale" in names:
+            kwargs["scale"] = scale
+        else:
+            query = query * (scale * math.sqrt(query.shape[-1]))  # the kernel's default scale is 1/sqrt(dim)
+    cu_q, cu_kv = (c.to(device=query.device, dtype=torch.int32) for c in (cu_seqlens_q, cu_seqlens_kv))
+    return kernel(query, key, value, cu_q, cu_kv, int(max_seqlen_q), int(max_seqlen_kv), **kwargs)
 
 
 class SDPAttention(DotProductAttention):
@@ -86,6 +179,24 @@ class SDPAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
 
     def _packed(self, query, key, value, params: PackedSeqParams, causal, dropout_p) -> torch.Tensor:
+        padded = params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None
+        if varlen_usable(query, dropout_p=dropout_p, padded_layout=padded):
+            out = varlen_attention(
+                query,
+                key,
+                value,
+                params.cu_seqlens_q,
+                params.cu_seqlens_kv,
+                params.max_seqlen_q or _max_length(params.cu_seqlens_q),
+                params.max_seqlen_kv or _max_length(params.cu_seqlens_kv),
+                causal=causal,
+                scale=self.softmax_scale,
+            )
+            return out.reshape(out.shape[0], -1)
+        return self._packed_loop(query, key, value, params, causal, dropout_p)
+
+    def _packed_loop(self, query, key, value, params: PackedSeqParams, causal, dropout_p) -> torch.Tensor:
+        """One SDPA call per sub-sequence (CPU, fp32, dropout, padded layouts, torch < 2.10)."""
         starts_q, lengths_q = _segments(params.cu_seqlens_q, params.cu_seqlens_q_padded)
         starts_kv, lengths_kv = _segments(params.cu_seqlens_kv, params.cu_seqlens_kv_padded)
         out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
@@ -100,6 +211,10 @@ class SDPAttention(DotProductAttention):
         return out.reshape(out.shape[0], -1)
 
 
+def _max_length(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
 def _segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> tuple[list[int], list[int]]:
     """Start offsets (padded layout if given) and real lengths of each packed sub-sequence."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
@@ -112,3 +227,94 @@ def use_sdpa_attention(layer_spec: ModuleSpec) -> ModuleSpec:
     attention = layer_spec.submodules.self_attention
     attention.submodules.core_attention = SDPAttention
     return layer_spec
+
+
+def hf_varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | torch.Tensor | None = None,
+    max_length_k: int | torch.Tensor | None = None,
+    is_causal: bool = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function ([1, heads, tokens, dim] in, [1, tokens, heads, dim] out) over packed
+    blocks: torch's varlen kernel where usable, else one SDPA call per block (CPU, fp32, dropout)."""
+    if query.shape[0] != 1 or cu_seq_lens_q is None or attention_mask is not None:
+        raise ValueError(
+            f"{HF_VARLEN_ATTENTION} attention serves packed vision blocks (batch 1, cu_seqlens, no mask); got batch "
+            f"{query.shape[0]}, cu_seqlens {'missing' if cu_seq_lens_q is None else 'given'}, "
+            f"mask {'given' if attention_mask is not None else 'none'}; use attn_implementation='sdpa' for this model"
+        )
+    cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
+    dropout_p = dropout if module.training else 0.0
+    if varlen_usable(q, dropout_p=dropout_p):
+        max_q = _max_length(cu_seq_lens_q) if max_length_q is None else max_length_q
+        max_k = _max_length(cu_k) if max_length_k is None else max_length_k
+        out = varlen_attention(q, k, v, cu_seq_lens_q, cu_k, max_q, max_k, causal=is_causal, scale=scaling)
+        return out.unsqueeze(0), None
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    bounds_q, bounds_k = cu_seq_lens_q.tolist(), cu_k.tolist()
+    for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:]), strict=True):
+        block = F.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1),
+            k[k0:k1].transpose(0, 1),
+            v[k0:k1].transpose(0, 1),
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scaling,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        out[q0:q1] = block.transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def register_hf_varlen_attention() -> str:
+    """Register `hf_varlen_attention` with transformers' attention-function registry (idempotent); its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(HF_VARLEN_ATTENTION, hf_varlen_attention)
+    return HF_VARLEN_ATTENTION
+
+
+def use_varlen_vision_attention(provider: Any) -> bool:
+    """Have a provider's replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) run `hf_varlen_attention`; True if it has one.
+
+    The attention function is chosen after the model is built, in a pre-wrap hook (Megatron-Bridge's extension
+    point): at build time transformers treats any "flash" name it does not know as a hub kernel to download. A
+    Megatron vision tower (Qwen3-VL) already runs `SDPAttention`; nothing to do."""
+    from qvl.foundation.families import family_of_vision_config
+
+    vision = getattr(provider, "vision_config", None)
+    family = family_of_vision_config(type(vision).__name__) if vision is not None else None
+    if family is None or family.megatron_vision_tower:
+        return False
+    register_hf_varlen_attention()
+    provider.register_pre_wrap_hook(varlen_vision_towers)
+    return True
+
+
+def varlen_vision_towers(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Pre-wrap hook: every HF vision tower in the model chunks attends through `hf_varlen_attention`."""
+    from transformers import PreTrainedModel
+
+    from qvl.foundation.families import family_of_vision_config
+
+    for chunk in model:
+        for module in chunk.modules():
+            if (
+                isinstance(module, PreTrainedModel)
+                and module._supports_flash_attn  # its attention hands cu_seqlens to a flash-type function
+                and family_of_vision_config(type(module.config).__name__) is not None
+            ):
+                # All blocks share the tower's config object and read the implementation at every forward.
+                module.config._attn_implementation = register_hf_varlen_attention()
+    return model

@@ -42,10 +42,13 @@ def provider_from_hf(config_or_path: Any):
 
 
 def apply_provider_fixes(provider: Any, hf_config: Any) -> None:
-    """Copy into the provider what the upstream bridges do not read from the HF config."""
+    """Copy into the provider what the upstream bridges do not read from the HF config; give a replicated HF
+    vision tower the packed varlen attention (one kernel call per pack on a GPU, qvl.bridges.attention)."""
+    from qvl.bridges.attention import use_varlen_vision_attention
     from qvl.bridges.fixes import fix_provider
 
     fix_provider(provider, hf_config)
+    use_varlen_vision_attention(provider)
 
 
 def layout_facts(provider: Any, name: str = "the model") -> ModelFacts:

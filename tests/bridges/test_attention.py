@@ -4,6 +4,7 @@ kernel and the explicit softmax."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -132,3 +133,94 @@ def test_packed_gpt_forward_equals_per_sequence_forward(cpu_runtime):
     finally:
         distributed.destroy_distributed()
     torch.testing.assert_close(packed[0], torch.cat([a[0] for a in alone]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "usable"),
+    [
+        ({}, True),
+        ({"device_type": "cpu"}, False),
+        ({"dtype": torch.float32}, False),
+        ({"dtype": torch.float16}, True),
+        ({"head_dim": 512}, False),
+        ({"dropout_p": 0.1}, False),
+        ({"padded_layout": True}, False),
+    ],
+    ids=["cuda-bf16", "cpu", "fp32", "fp16", "head-dim-512", "dropout", "padded-thd"],
+)
+def test_varlen_kernel_is_chosen_only_where_it_can_run(change, usable):
+    from qvl.bridges.attention import _varlen_kernel, varlen_supported
+
+    base = dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, dropout_p=0.0, padded_layout=False)
+    assert _varlen_kernel() is not None  # torch 2.14.1 ships torch.nn.attention.varlen
+    assert varlen_supported(**{**base, **change}) is usable
+
+
+def test_varlen_kernel_absent_in_old_torch_falls_back_to_the_loop(monkeypatch):
+    from qvl.bridges import attention as module
+
+    monkeypatch.setattr(module, "_varlen_kernel", lambda: None)
+    assert not module.varlen_supported(device_type="cuda", dtype=torch.bfloat16, head_dim=128)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_thd_takes_one_varlen_call_where_usable(attention_factory, monkeypatch, causal):
+    """The dispatch on CPU: with the kernel declared usable, a THD pack goes to ONE varlen call with the pack's
+    cu_seqlens, max lengths, causality and softmax scale (the kernel itself is compared on a GPU in test_gpu)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from qvl.bridges import attention as module
+
+    calls = []
+
+    def fake_varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, *, causal, scale):
+        calls.append((cu_q.tolist(), cu_kv.tolist(), max_q, max_kv, causal, scale))
+        bounds = cu_q.tolist()
+        return torch.cat([naive_attention(q[a:b], k[a:b], v[a:b], causal) for a, b in zip(bounds, bounds[1:])])
+
+    monkeypatch.setattr(module, "varlen_usable", lambda query, **kw: True)
+    monkeypatch.setattr(module, "varlen_attention", fake_varlen)
+    attention = attention_factory(causal)
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    q, k, v = (torch.randn(15, h, 8) for h in (4, 2, 2))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    out = attention(q, k, v, attention_mask=None, packed_seq_params=params)
+    assert calls == [([0, 5, 6, 15], [0, 5, 6, 15], 9, 9, causal, attention.softmax_scale)]
+    looped = attention._packed_loop(q, k, v, params, causal, 0.0)
+    torch.testing.assert_close(out, looped, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_hf_vision_tower_with_qvl_varlen_attention_equals_sdpa(family):
+    """The provider's pre-wrap hook gives the replicated HF tower qvl's registered attention; on CPU (fp32) it loops
+    over the tower's window / image blocks and equals transformers' SDPA path."""
+    from transformers import AutoModel
+
+    from qvl.bridges.attention import HF_VARLEN_ATTENTION, varlen_vision_towers
+    from qvl.bridges.providers import provider_from_hf
+    from qvl.bridges.tiny import tiny_hf_config
+
+    provider = provider_from_hf(tiny_hf_config(family))
+    assert varlen_vision_towers in provider._pre_wrap_hooks
+    torch.manual_seed(0)
+    tower_class = type(AutoModel.from_config(tiny_hf_config(family)).visual)
+    reference = tower_class._from_config(copy.deepcopy(provider.vision_config)).eval()  # as Megatron-Bridge builds it
+    tower = copy.deepcopy(reference)
+    (wrapper,) = varlen_vision_towers([torch.nn.ModuleDict({"visual": tower})])
+    assert tower.config._attn_implementation == HF_VARLEN_ATTENTION != reference.config._attn_implementation
+    grid = torch.tensor([[1, 8, 12], [2, 4, 4]])  # two images of several windows each
+    vision = provider.vision_config
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * vision.temporal_patch_size * vision.patch_size**2)
+    with torch.no_grad():
+        expected, got = reference(pixels, grid_thw=grid), wrapper["visual"](pixels, grid_thw=grid)
+    expected, got = (getattr(o, "pooler_output", o) for o in (expected, got))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_vision_tower_keeps_its_own_attention():
+    from qvl.bridges.attention import varlen_vision_towers
+    from qvl.bridges.providers import provider_from_hf
+    from qvl.bridges.tiny import tiny_hf_config
+
+    provider = provider_from_hf(tiny_hf_config("qwen3_vl"))
+    assert varlen_vision_towers not in (getattr(provider, "_pre_wrap_hooks", None) or [])
