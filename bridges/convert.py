@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from qvl.bridges.consistency import check_hf_checkpoint
 from qvl.bridges.providers import auto_bridge
 from qvl.foundation.errors import ConversionError
 from qvl.foundation.families import FAMILIES
@@ -68,6 +69,15 @@ def require_qwen_vl(hf_dir: Path) -> str:
     return supported[0]
 
 
+def check_before_verify(hf_dir: Path, megatron_dir: Path) -> None:
+    """Everything `verify` can refuse before starting ranks: both checkpoints' files and their consistency."""
+    from qvl.bridges.checkpoints import check_megatron_checkpoint
+
+    require_qwen_vl(Path(hf_dir))
+    check_hf_checkpoint(Path(hf_dir))
+    check_megatron_checkpoint(Path(megatron_dir), "MEGATRON_DIR")
+
+
 def check_hf_dir(hf_dir: Path) -> None:
     """Fail early, naming the file, when an HF checkpoint directory is incomplete."""
     if not hf_dir.is_dir():
@@ -102,6 +112,7 @@ def import_checkpoint(
     started = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     require_qwen_vl(hf_dir)
+    check_hf_checkpoint(hf_dir)
     if dtype not in DTYPES:
         raise ConversionError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if torch.distributed.get_world_size() != 1:
@@ -222,9 +233,14 @@ def verify_on_rank(hf_dir: str, megatron_dir: str, tolerance: float | None, vide
     from qvl.bridges import verify
 
     # A weights-backed bridge: its export names follow the checkpoint's own layout (e.g. fused MoE experts).
+    files = check_hf_checkpoint(Path(hf_dir))
     bridge = auto_bridge_with_weights(Path(hf_dir), torch.float32)
     model = load_megatron(bridge, Path(megatron_dir))
-    inputs = verify.reference_inputs(Path(hf_dir), video=video)
+    # Without tokenizer or processor files (a model saved with save_pretrained alone) the inputs come from config.json.
+    if files.tokenizer and files.processor:
+        inputs = verify.reference_inputs(Path(hf_dir), video=video)
+    else:
+        inputs = verify.config_inputs(Path(hf_dir))
     ours = verify.megatron_logits(model, inputs)
     compared, different = verify.compare_exported_tensors(bridge, model, Path(hf_dir))
     if ours is None or parallel_state.get_tensor_model_parallel_rank() != 0:

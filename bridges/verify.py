@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qvl.foundation.errors import ConversionError
+
 # fp32 CPU parity measured for all four families is <= 3e-7; bf16 checkpoints are compared in fp32.
 DEFAULT_TOLERANCE = 1e-4
 
@@ -60,6 +62,42 @@ def reference_inputs(hf_dir: Path, *, video: bool = True) -> dict:
         kwargs["videos_kwargs"] = {"do_sample_frames": False}
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     return dict(processor(text=[text], return_tensors="pt", **kwargs))
+
+
+# Image grids (t, h, w) in patches for inputs built from config.json alone: two images of different shapes.
+CONFIG_ONLY_GRIDS = ((1, 4, 6), (1, 8, 4))
+
+
+def config_inputs(hf_dir: Path) -> dict:
+    """Deterministic test inputs from config.json alone, for a checkpoint saved without tokenizer or processor
+    files: random text ids around two images whose placeholder tokens and pixel patches follow the vision config.
+    The logit comparison needs only that both models see the same ids and pixels, not real text or images."""
+    from qvl.bridges.consistency import config_token_id, read_config
+
+    config = read_config(hf_dir)
+    vision, text = config["vision_config"], config.get("text_config", config)
+    merge, patch = vision["spatial_merge_size"], vision["patch_size"]
+    channels, temporal = vision.get("in_channels", 3), vision["temporal_patch_size"]
+    ids = {f: config_token_id(config, f) for f in ("image_token_id", "vision_start_token_id", "vision_end_token_id")}
+    missing = [f for f, v in ids.items() if v is None]
+    if missing:
+        raise ConversionError(f"{hf_dir}/config.json has no {', '.join(missing)}; verify cannot place image tokens")
+    rng = np.random.default_rng(0)
+    low = max(ids.values()) + 1  # ordinary text ids above the special tokens, inside the vocabulary
+    words = lambda n: rng.integers(low, min(text["vocab_size"], low + 1000), n).tolist()  # noqa: E731
+    tokens = words(8)
+    for t, h, w in CONFIG_ONLY_GRIDS:
+        tokens += [ids["vision_start_token_id"], *[ids["image_token_id"]] * (t * h * w // merge**2)]
+        tokens += [ids["vision_end_token_id"], *words(5)]
+    patches = sum(t * h * w for t, h, w in CONFIG_ONLY_GRIDS)
+    input_ids = torch.tensor([tokens])
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "mm_token_type_ids": (input_ids == ids["image_token_id"]).long(),  # 1 marks image tokens, as processors do
+        "pixel_values": torch.from_numpy(rng.standard_normal((patches, channels * temporal * patch * patch))).float(),
+        "image_grid_thw": torch.tensor(CONFIG_ONLY_GRIDS),
+    }
 
 
 def hf_logits(hf_dir: Path, inputs: dict) -> torch.Tensor:

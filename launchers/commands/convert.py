@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -52,7 +53,12 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    results = _ranks(args)(convert.verify_on_rank, args.hf_dir, args.megatron_dir, args.tolerance, not args.no_video)
+    convert.check_before_verify(Path(args.hf_dir), Path(args.megatron_dir))  # in this process: one clear line
+    # Megatron prints progress to stdout; with --json stdout carries the report alone, so it pipes into jq.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        results = _ranks(args)(
+            convert.verify_on_rank, args.hf_dir, args.megatron_dir, args.tolerance, not args.no_video
+        )
     (report,) = [r for r in results if r is not None]
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=2))
