@@ -3,14 +3,18 @@
 Each factory is a small function of keyword arguments with defaults for a typical 8-GPU node and
 returns a plain NeMo-Run executor, so anything NeMo-Run offers stays reachable by setting a field on the
 result. qvl adds no scheduler, job runner or SSH code: submission, tunnels, requeueing and logs are
-NeMo-Run's. The job itself runs inside a NeMo container that has qvl installed, so nothing is packaged
-(`run.Packager()`); the task is the `qvl` command line (see `launch.py`).
+NeMo-Run's. A Slurm job brings the qvl source of the submitting process with it (`QvlSourcePackager`) into a
+stock NeMo container; a Kubernetes TrainJob runs the qvl of its image. The task is the `qvl` command line
+(see `launch.py`).
 """
 
 import dataclasses
+import importlib
 import inspect
 import os
 import sys
+import tarfile
+from pathlib import Path
 from typing import Any, Optional
 
 import nemo_run as run
@@ -72,6 +76,34 @@ def _interpreter_on_path() -> dict[str, str]:
     return {} if bindir in path.split(os.pathsep) else {"PATH": os.pathsep.join([bindir, path])}
 
 
+# The folders that make up the `qvl` package (pyproject's package-dir: each is `qvl.<folder>`).
+QVL_FOLDERS = ("foundation", "bridges", "data", "recipes", "launchers")
+
+
+@dataclasses.dataclass(kw_only=True)
+class QvlSourcePackager(run.Packager):
+    """Packs the qvl source this process runs as `qvl/<folder>/...`, so a job brings the same qvl with it.
+
+    NeMo-Run extracts it into the job's code folder, which is the container's working directory
+    (`/nemo_run/code`); `torchrun -m qvl.launchers.cli` puts the working directory first on sys.path, so the
+    job imports this qvl without installing anything and without touching the image's Megatron stack. `qvl` is
+    a namespace package, so a qvl already in the image is shadowed folder by folder, never mixed in."""
+
+    def package(self, path: Path, job_dir: str, name: str) -> str:
+        """Write `JOB_DIR/NAME.tar.gz` and return its path (`path`, NeMo-Run's working copy, is not used)."""
+        root = Path(importlib.import_module("qvl.launchers").__file__).parent.parent
+        output = Path(job_dir) / f"{name}.tar.gz"
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(output, "w:gz") as tar:
+            for folder in QVL_FOLDERS:
+                tar.add(root / folder, arcname=f"qvl/{folder}", filter=_source_only)
+        return str(output)
+
+
+def _source_only(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    return None if "__pycache__" in member.name or member.name.endswith(".pyc") else member
+
+
 def slurm(
     *,
     account: str,
@@ -88,6 +120,7 @@ def slurm(
     retries: int = 2,
     exclusive: bool = True,
     env_vars: Optional[dict[str, str]] = None,
+    package_qvl: bool = True,
     **sbatch: Any,
 ) -> run.SlurmExecutor:
     """A Slurm cluster with pyxis/enroot: one torchrun per node in `container_image`, requeued on failure.
@@ -95,6 +128,8 @@ def slurm(
     `host` submits over SSH (NeMo-Run's SSHTunnel; keys from your ssh-agent or `identity`); without it
     sbatch runs on this machine (a login node). `job_dir` is where experiments live on the cluster's shared
     filesystem. `mounts` are pyxis `src:dst` pairs. Other keywords are SlurmExecutor fields (qos, mem, ...).
+    `package_qvl` (default) sends the qvl source this process runs with the job (QvlSourcePackager); turn it
+    off for an image that already has the qvl you want.
     """
     if host:
         tunnel = run.SSHTunnel(
@@ -116,7 +151,7 @@ def slurm(
         exclusive=exclusive or None,
         job_name_prefix="qvl-",
         tunnel=tunnel,
-        packager=run.Packager(),
+        packager=QvlSourcePackager() if package_qvl else run.Packager(),
         launcher=Torchrun(),
         # On failure the sbatch script requeues the job (`scontrol requeue`) up to this many times;
         # training resumes from its last checkpoint.

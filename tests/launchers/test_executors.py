@@ -125,3 +125,27 @@ def test_every_megatron_env_var_says_why():
         if match:
             assert lines[i - 1].strip().startswith("#"), f"{match.group(1)} has no comment saying why"
     assert set(re.findall(r'"(\w+)":', source)) == set(executors.MEGATRON_ENV)
+
+
+def test_slurm_job_brings_the_qvl_source_with_it(tmp_path):
+    """A stock NeMo container has no qvl: the job's code folder (the container's working directory) gets the qvl
+    source of this process as `qvl/<folder>`, and `python -m` there imports it from that folder."""
+    import subprocess
+    import sys
+    import tarfile
+
+    executor = executors.slurm(account="a", partition="p", container_image="img")
+    assert isinstance(executor.packager, executors.QvlSourcePackager)
+    archive = executor.packager.package(tmp_path, str(tmp_path / "job"), "train")
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "code", filter="data")
+    assert "qvl/launchers/cli.py" in names and "qvl/recipes/overrides.py" in names
+    assert not any("__pycache__" in n for n in names)
+    found = subprocess.run(
+        [sys.executable, "-c", "import qvl.recipes.overrides as m; print(m.__file__)"],
+        cwd=tmp_path / "code", capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert found == str(tmp_path / "code" / "qvl" / "recipes" / "overrides.py")
+    plain = executors.slurm(account="a", partition="p", container_image="img", package_qvl=False)
+    assert type(plain.packager) is run.Packager  # an image that already has qvl
