@@ -7,11 +7,14 @@ be read becomes a `Rejection` with its source index instead of an exception, so 
 
 from __future__ import annotations
 
+import codecs
 import json
 import pathlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from qvl.foundation.errors import DataError
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -68,36 +71,80 @@ class IngestConfig:
 
 def read_records(path: pathlib.Path) -> Iterator[tuple[int, dict | Rejection]]:
     """Yield (index, record) from a JSON array or JSONL file; unreadable records come back as Rejection."""
-    raw = pathlib.Path(path).read_bytes()
-    # surrogateescape keeps invalid UTF-8 bytes visible (as lone surrogates) so the validator can name them.
-    text = raw.decode("utf-8", errors="surrogateescape")
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        yield from _read_json_array(text, path)
-        return
-    index = 0
-    for line in text.splitlines():
-        if not line.strip():
+    for index, text in iter_record_texts(path):
+        yield index, parse_record(index, text)
+
+
+def iter_record_texts(path: pathlib.Path, block_size: int = 1 << 22) -> Iterator[tuple[int, str]]:
+    """Yield (index, raw JSON text) of each record of a JSONL file or a JSON array, reading the file in blocks.
+
+    Memory stays at one block plus one record however large the file is: a JSON array is split into its
+    elements with `raw_decode` on a sliding buffer, never parsed as a whole.
+    """
+    with open(path, "rb") as f:
+        head = f.read(block_size)
+        f.seek(0)
+        if head.lstrip()[:1] == b"[":
+            yield from _iter_array_elements(f, path, block_size)
+            return
+        index = 0
+        for line in f:
+            # surrogateescape keeps invalid UTF-8 bytes visible (as lone surrogates) so the validator can name them.
+            text = line.decode("utf-8", errors="surrogateescape")
+            if not text.strip():
+                continue
+            yield index, text
+            index += 1
+
+
+_WHITESPACE_COMMA = re.compile(r"[\s,]*")
+
+
+def _iter_array_elements(f, path: pathlib.Path, block_size: int) -> Iterator[tuple[int, str]]:
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    parser = json.JSONDecoder()
+    buffer, eof, index = "", False, 0
+
+    def fill() -> bool:
+        nonlocal buffer, eof
+        block = f.read(block_size)
+        eof = not block
+        buffer += decoder.decode(block, final=eof)
+        return not eof
+
+    fill()
+    start = buffer.index("[") + 1
+    while True:
+        start = _WHITESPACE_COMMA.match(buffer, start).end()
+        if start == len(buffer) and fill():
             continue
-        yield index, _parse_line(line, index)
+        if buffer.startswith("]", start):
+            return
+        try:
+            _, end = parser.raw_decode(buffer, start)
+        except json.JSONDecodeError as err:
+            if not eof:  # the element may continue in the next block
+                buffer, start = buffer[start:], 0
+                fill()
+                continue
+            raise DataError(
+                f"{path} is not valid JSON (element {index}: {err}); fix the file or convert it to JSONL, one sample "
+                "a line"
+            ) from None
+        if end == len(buffer) and not eof:  # a bare number may go on in the next block
+            fill()
+            continue
+        yield index, buffer[start:end]
         index += 1
+        start = end
+        if start > block_size:
+            buffer, start = buffer[start:], 0
 
 
-def _read_json_array(text: str, path: pathlib.Path) -> Iterator[tuple[int, dict | Rejection]]:
+def parse_record(index: int, text: str) -> dict | Rejection:
+    """One record's JSON text as a dict, or the Rejection that says why it is not one."""
     try:
-        records = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); fix the file or convert it to JSONL, one sample a line")
-    for index, record in enumerate(records):
-        if isinstance(record, dict):
-            yield index, record
-        else:
-            yield index, Rejection(index=index, reason="bad_format", detail=f"record is {type(record).__name__}")
-
-
-def _parse_line(line: str, index: int) -> dict | Rejection:
-    try:
-        record = json.loads(line)
+        record = json.loads(text)
     except json.JSONDecodeError as err:
         return Rejection(index=index, reason="bad_json", detail=str(err))
     if not isinstance(record, dict):

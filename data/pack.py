@@ -214,19 +214,6 @@ def pack_padded(lengths: np.ndarray, seq_length: int) -> PackPlan:
     )
 
 
-def attention_cost(lengths: np.ndarray, vision_patches: list[np.ndarray] | None = None) -> np.ndarray:
-    """A relative compute cost per sample: causal attention over its tokens plus full attention per image.
-
-    Stand-in until the cost model of issue 7: quadratic terms only, because they are what makes packs of
-    equal token count unequal in time.
-    """
-    lengths = np.asarray(lengths, dtype=np.float64)
-    cost = lengths * lengths / 2
-    if vision_patches is not None:
-        cost += np.asarray([float(np.square(np.asarray(p, np.float64)).sum()) for p in vision_patches])
-    return cost
-
-
 def balance_by_cost(plan: PackPlan, lengths: np.ndarray, costs: np.ndarray, passes: int = 2) -> PackPlan:
     """Even out pack costs by swapping equal-length items between packs (token fill stays exactly the same).
 

@@ -1,8 +1,16 @@
-"""Prepare: ingest -> validate -> count -> pack -> write, with quarantine, packs and report files.
+"""Prepare: ingest -> validate -> count (per chunk, in parallel) -> pack (once) -> write (per shard, in parallel).
 
 `prepare(config)` builds the Energon dataset in `config.output` plus `quarantine.jsonl` (one line per rejected
 sample), `packs.jsonl` (one line per packed sequence) and `report.json` (counts, tokens, efficiency, time per
-stage). Progress goes through an optional `Progress` hook so the CLI can draw bars; this module only logs.
+stage). The input is read lazily and cut into chunks by position (`qvl.data.chunks`); each chunk is validated
+and counted by whichever worker gets it, in this process, in `workers` processes or as Ray tasks, and its
+results go to disk. The driver keeps five integers per accepted sample (source index, length, where the sample
+is spilled), packs those, and hands shards out to the same workers. Memory is flat in the corpus size.
+
+Everything is built in `OUT.partial/` under a fingerprint of the input and settings: a run killed at any point
+leaves nothing loadable, and the same command again reuses every finished chunk and shard. The output does not
+depend on how many workers made it. Progress goes through an optional `Progress` hook (the CLI draws bars with
+rates and ETAs); this module only logs.
 """
 
 from __future__ import annotations
@@ -13,23 +21,27 @@ import hashlib
 import json
 import logging
 import pathlib
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from qvl.data import write
-from qvl.data.count import TokenCounter, TokenizedSample, load_tokenizer, truncate
-from qvl.data.ingest import Conversation, IngestConfig, Rejection, read_records, to_conversation
-from qvl.data.pack import PackPlan, attention_cost, balance_by_cost, pack_best_fit_decreasing
-from qvl.data.validate import ValidateConfig, ValidSample, validate_sample
+from qvl.data import chunks, parallel, write
+from qvl.data.count import TokenCounter, load_tokenizer
+from qvl.data.ingest import iter_record_texts
+from qvl.data.pack import PackPlan, balance_by_cost, pack_best_fit_decreasing
+from qvl.data.parallel import RaySettings
 from qvl.data.vision import check_family, load_vision_config
+from qvl.foundation.errors import DataError
 
 logger = logging.getLogger(__name__)
 
 # stage(name, total) -> context manager yielding advance(n); the CLI passes rich bars, the default does nothing.
 Progress = Callable[[str, int | None], contextlib.AbstractContextManager[Callable[[int], None]]]
+# Settings that decide how the work is spread, not what it produces: left out of the fingerprint.
+_NOT_IN_FINGERPRINT = ("output", "workers", "ray")
 
 
 @contextlib.contextmanager
@@ -54,22 +66,40 @@ class PrepareConfig:
     video_min_pixels: int | None = None
     video_max_pixels: int | None = None
     truncate: bool = False
-    balance_cost: bool = False
+    balance_cost: bool = False  # even out packs' forward FLOPs (qvl.data.cost) at equal token fill
     data_parallel: int | None = None  # with global_batch: schedule packs into (step, rank) by compute cost
     global_batch: int | None = None  # packs per optimizer step over all data-parallel ranks
     model_config: pathlib.Path | None = None  # HF config.json (or its dir) for the cost model; default: tokenizer dir
     seed: int = 0  # the DP schedule's step order
-    decode_images: bool = True
+    decode_images: bool = True  # check every image is intact; False reads headers only
+    full_decode: bool = False  # decode every pixel instead of the structure / CRC check (qvl.data.integrity)
     packs_per_shard: int = 256
     count_batch_size: int = 256
+    chunk_size: int = 1024  # records per unit of parallel work (and of resumption)
+    workers: int | None = 1  # local worker processes; None: every core; 1: this process only
+    ray: RaySettings | None = None  # run the chunks and shards as Ray tasks instead
+
+
+@dataclass(kw_only=True, slots=True)
+class _Samples:
+    """What the driver holds per accepted sample, in chunk order: five integers."""
+
+    index: np.ndarray  # source index in the input
+    length: np.ndarray  # tokens
+    chunk: np.ndarray  # where the sample is spilled: chunk number, byte offset and size in chunk-<k>.bin
+    offset: np.ndarray
+    size: np.ndarray
+    vision_flops: np.ndarray | None = None  # per sample, when a cost model is asked for
 
 
 @dataclass(kw_only=True, slots=True)
 class _State:
-    rejections: list[Rejection] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=lambda: {"ingest": 0.0, "validate": 0.0, "count": 0.0})
+    reasons: collections.Counter = field(default_factory=collections.Counter)
     read: int = 0
     truncated: int = 0
+    executor: str = ""
 
 
 def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
@@ -77,41 +107,57 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
     check_family(config.family)
     _check_dp(config)
     if config.seq_length < 16:
-        raise ValueError(f"--seq-length {config.seq_length} is too small; use at least 16 (typically 4096-32768)")
+        raise DataError(f"--seq-length {config.seq_length} is too small; use at least 16 (typically 4096-32768)")
     _check_output(pathlib.Path(config.output))
+    settings = _chunk_settings(config, write.partial_dir(config.output))
+    vision = load_vision_config(config.tokenizer, config.family, **dict(settings.vision_overrides))  # fail early
+    counter = TokenCounter(tokenizer=load_tokenizer(config.tokenizer, settings.chat_template), vision=vision)
+    work = write.start_partial(config.output, _fingerprint(config))
     state = _State()
-    vision = load_vision_config(
-        config.tokenizer,
-        config.family,
-        min_pixels=config.min_pixels,
-        max_pixels=config.max_pixels,
-        video_min_pixels=config.video_min_pixels,
-        video_max_pixels=config.video_max_pixels,
-    )
-    template = config.chat_template.read_text() if config.chat_template else None
-    counter = TokenCounter(tokenizer=load_tokenizer(config.tokenizer, template), vision=vision)
-
-    conversations = _timed(state, "ingest", lambda: _ingest(config, state, progress))
-    valid = _timed(state, "validate", lambda: _validate(conversations, config, vision, state, progress))
-    samples = _timed(state, "count", lambda: _count(valid, counter, config, state, progress))
-    lengths = np.asarray([s.length for s in samples], dtype=np.int64)
-    plan = _timed(state, "pack", lambda: _pack(samples, lengths, config))
-    dp_report = None
-    if config.data_parallel is not None:
-        plan, dp_report = _timed(state, "schedule", lambda: _schedule(samples, lengths, plan, config))
-    report = _report(config, state, lengths, plan)
-    if dp_report:
-        report["dp_plan"] = dp_report
-    if not samples:
-        _write_rejections_only(config, state, report)
-    _write(config, counter, plan, samples, lengths, state, report, progress)
+    with parallel.executor(config.workers, config.ray) as pool:
+        state.executor = pool.name
+        n_chunks = _timed(state, "validate_count", lambda: _process(config, settings, pool, state, progress))
+        samples = _merge(config, work, n_chunks, state)
+        plan = _timed(state, "pack", lambda: _pack(samples, config))
+        dp_report = None
+        if config.data_parallel is not None:
+            plan, dp_report = _timed(state, "schedule", lambda: _schedule(samples, plan, config))
+        report = _report(config, state, samples.length, plan)
+        if dp_report:
+            report["dp_plan"] = dp_report
+        if not len(samples.length):
+            _write_rejections_only(config, work, report)
+        _write(config, work, pool, counter.pad_ids, plan, samples, state, report, progress)
     return report
+
+
+def _chunk_settings(config: PrepareConfig, work: pathlib.Path) -> chunks.ChunkSettings:
+    overrides = {
+        "min_pixels": config.min_pixels,
+        "max_pixels": config.max_pixels,
+        "video_min_pixels": config.video_min_pixels,
+        "video_max_pixels": config.video_max_pixels,
+    }
+    return chunks.ChunkSettings(
+        work=pathlib.Path(work).resolve(),
+        media_root=pathlib.Path(config.media_root).resolve(),
+        family=config.family,
+        tokenizer=pathlib.Path(config.tokenizer).resolve(),
+        seq_length=config.seq_length,
+        chat_template=config.chat_template.read_text() if config.chat_template else None,
+        system_prompt=config.system_prompt,
+        vision_overrides=tuple(sorted(overrides.items())),
+        truncate=config.truncate,
+        decode_images=config.decode_images,
+        full_decode=config.full_decode,
+        count_batch_size=config.count_batch_size,
+    )
 
 
 def _check_output(output: pathlib.Path) -> None:
     # The finished build replaces OUT wholesale, so never replace a directory that is not ours.
     if output.exists() and any(output.iterdir()) and not (output / "report.json").is_file():
-        raise ValueError(f"--output {output} exists and is not a qvl dataset; choose a new directory or remove it")
+        raise DataError(f"--output {output} exists and is not a qvl dataset; choose a new directory or remove it")
 
 
 def _timed(state: _State, stage: str, fn):
@@ -122,89 +168,130 @@ def _timed(state: _State, stage: str, fn):
     return result
 
 
-def _ingest(config: PrepareConfig, state: _State, progress: Progress) -> list[Conversation]:
-    ingest_config = IngestConfig(system_prompt=config.system_prompt)
-    conversations = []
-    with progress("ingest", None) as advance:
-        for index, record in read_records(config.input):
-            state.read += 1
-            item = record if isinstance(record, Rejection) else to_conversation(index, record, ingest_config)
-            (state.rejections if isinstance(item, Rejection) else conversations).append(item)
-            advance(1)
-    return conversations
+def count_records(path: pathlib.Path) -> int | None:
+    """Records in a JSONL file (non-blank lines), for progress totals; None for a JSON array."""
+    with open(path, "rb") as f:
+        if f.read(1 << 16).lstrip()[:1] == b"[":
+            return None
+        f.seek(0)
+        return sum(1 for line in f if line.strip())
 
 
-def _validate(conversations, config, vision, state: _State, progress: Progress) -> list[ValidSample]:
-    validate_config = ValidateConfig(media_root=config.media_root, vision=vision, decode_images=config.decode_images)
-    valid = []
-    with progress("validate", len(conversations)) as advance:
-        for conversation in conversations:
-            item = validate_sample(conversation, validate_config)
-            (state.rejections if isinstance(item, Rejection) else valid).append(item)
-            advance(1)
-    return valid
+def _process(config: PrepareConfig, settings, pool: parallel.Executor, state: _State, progress: Progress) -> int:
+    """Validate and count every chunk not already on disk; return the number of chunks."""
+    n_chunks = 0
+
+    def jobs() -> Iterator[tuple]:
+        nonlocal n_chunks
+        batch: list[str] = []
+        for index, text in iter_record_texts(config.input):
+            batch.append(text)
+            if len(batch) == config.chunk_size:
+                yield from _job(n_chunks, index + 1 - len(batch), batch)
+                n_chunks, batch = n_chunks + 1, []
+        if batch:
+            yield from _job(n_chunks, n_chunks * config.chunk_size, batch)
+            n_chunks += 1
+
+    def _job(chunk: int, first: int, batch: list[str]) -> Iterator[tuple]:
+        if chunks.is_done(settings.work, chunk):
+            advance(len(batch))  # finished by an earlier run
+        else:
+            yield settings, chunk, first, batch
+
+    def on_result(result: dict) -> None:
+        for stage, seconds in result["times"].items():
+            state.cpu[stage] += seconds
+        advance(result["read"])
+
+    with progress("validate+count", count_records(config.input)) as advance:
+        pool.map(chunks.process_chunk, jobs(), on_result)
+    return n_chunks
 
 
-def _count(valid: list[ValidSample], counter: TokenCounter, config, state: _State, progress) -> list[TokenizedSample]:
-    kept = []
-    with progress("count", len(valid)) as advance:
-        for start in range(0, len(valid), config.count_batch_size):
-            batch = valid[start : start + config.count_batch_size]
-            for sample in counter.count(batch):
-                kept_sample = _fit(sample, counter, config, state)
-                if kept_sample is not None:
-                    kept.append(kept_sample)
-            advance(len(batch))
-    return kept
+def _merge(config: PrepareConfig, work: pathlib.Path, n_chunks: int, state: _State) -> _Samples:
+    """Read the chunks' summaries in order: per-sample integers, quarantine.jsonl, counters, vision cost."""
+    columns = collections.defaultdict(list)
+    shapes = _cost_shapes(config) if config.balance_cost or config.data_parallel is not None else None
+    with (work / "quarantine.jsonl").open("w") as quarantine:
+        for chunk in range(n_chunks):
+            summary = chunks.load_summary(work, chunk)
+            meta = summary["meta"]
+            state.read += meta["read"]
+            state.truncated += meta["truncated"]
+            for row in meta["rejections"]:
+                state.reasons[row["reason"]] += 1
+                quarantine.write(json.dumps(row, ensure_ascii=False) + "\n")
+            for key in ("index", "length", "offset", "size"):
+                columns[key].append(summary[key])
+            columns["chunk"].append(np.full(len(summary["index"]), chunk, dtype=np.int64))
+            if shapes is not None:
+                columns["vision_flops"].append(_vision_flops(shapes[1], summary))
+    arrays = {key: np.concatenate(columns[key]) if columns[key] else np.zeros(0, np.int64) for key in columns}
+    empty = np.zeros(0, np.int64)
+    return _Samples(
+        index=arrays.get("index", empty),
+        length=arrays.get("length", empty),
+        chunk=arrays.get("chunk", empty),
+        offset=arrays.get("offset", empty),
+        size=arrays.get("size", empty),
+        vision_flops=arrays.get("vision_flops", np.zeros(0)) if shapes is not None else None,
+    )
 
 
-def _fit(
-    sample: TokenizedSample, counter: TokenCounter, config: PrepareConfig, state: _State
-) -> TokenizedSample | None:
-    if sample.length <= config.seq_length:
-        return sample
-    if config.truncate:
-        cut = truncate(sample, config.seq_length, counter.pad_ids)
-        if cut is not None:
-            state.truncated += 1
-            return cut
-    detail = f"{sample.length} tokens > seq_length {config.seq_length}"
-    state.rejections.append(Rejection(index=sample.index, reason="too_long", detail=detail))
-    return None
+def _cost_shapes(config: PrepareConfig):
+    from qvl.data.cost import shapes_from_hf_config
+
+    return shapes_from_hf_config(pathlib.Path(config.model_config or config.tokenizer))
 
 
-def _pack(samples: list[TokenizedSample], lengths: np.ndarray, config: PrepareConfig) -> PackPlan:
-    plan = pack_best_fit_decreasing(lengths, config.seq_length)
+def _vision_flops(vision_shape, summary: dict) -> np.ndarray:
+    from qvl.data.cost import vision_flops_per_image
+
+    n = len(summary["index"])
+    if not len(summary["grid_thw"]):
+        return np.zeros(n)
+    per_image = vision_flops_per_image(vision_shape, summary["grid_thw"])
+    return np.bincount(summary["grid_owner"], weights=per_image, minlength=n)
+
+
+def sample_costs(config: PrepareConfig, samples: _Samples) -> np.ndarray:
+    """Forward FLOPs per accepted sample: the LM over its tokens plus the vision tower over its images."""
+    from qvl.data.cost import lm_flops_per_sequence
+
+    lm, _ = _cost_shapes(config)
+    return lm_flops_per_sequence(lm, samples.length) + samples.vision_flops
+
+
+def _pack(samples: _Samples, config: PrepareConfig) -> PackPlan:
+    plan = pack_best_fit_decreasing(samples.length, config.seq_length)
     if config.balance_cost:
-        patches = [np.asarray([g[0] * g[1] * g[2] for g in s.image_grids + s.video_grids]) for s in samples]
-        plan = balance_by_cost(plan, lengths, attention_cost(lengths, patches))
+        plan = balance_by_cost(plan, samples.length, sample_costs(config, samples))
     return plan
 
 
 def _check_dp(config: PrepareConfig) -> None:
     if (config.data_parallel is None) != (config.global_batch is None):
-        raise ValueError("--data-parallel and --global-batch go together; pass both (or neither)")
+        raise DataError("--data-parallel and --global-batch go together; pass both (or neither)")
     if config.data_parallel is not None:
         from qvl.data.balance import check_global_batch
 
         check_global_batch(0, config.data_parallel, config.global_batch)
+    if config.data_parallel is not None or config.balance_cost:
         path = pathlib.Path(config.model_config or config.tokenizer)
         if not (path / "config.json" if path.is_dir() else path).is_file():
-            raise ValueError(
-                f"the DP plan's cost model needs the model's config.json; none at {path}: pass "
+            flag = "--balance-cost" if config.data_parallel is None else "the DP plan"
+            raise DataError(
+                f"{flag}'s cost model needs the model's config.json; none at {path}: pass "
                 "--model-config PATH (the HF checkpoint dir or its config.json)"
             )
 
 
-def _schedule(samples, lengths: np.ndarray, plan: PackPlan, config: PrepareConfig) -> tuple[PackPlan, dict]:
+def _schedule(samples: _Samples, plan: PackPlan, config: PrepareConfig) -> tuple[PackPlan, dict]:
     """The packs in (step, rank, slot) order with "cost", "step", "rank" and "slot" columns, and the plan's report."""
     from qvl.data.balance import imbalance, plan_dp_balanced, plan_round_robin, reorder, schedule_order
-    from qvl.data.cost import sample_flops, shapes_from_hf_config
 
-    lm, vision = shapes_from_hf_config(pathlib.Path(config.model_config or config.tokenizer))
-    grids = [g for s in samples for g in list(s.image_grids) + list(s.video_grids)]
-    owners = np.repeat(np.arange(len(samples)), [len(s.image_grids) + len(s.video_grids) for s in samples])
-    costs = sample_flops(lm, vision, lengths, np.asarray(grids, np.int64).reshape(-1, 3), owners)
+    costs = sample_costs(config, samples)
     pack_cost = np.bincount(
         np.repeat(np.arange(plan.n_packs), np.diff(plan.offsets)), weights=costs[plan.order], minlength=plan.n_packs
     )
@@ -233,57 +320,72 @@ def _schedule(samples, lengths: np.ndarray, plan: PackPlan, config: PrepareConfi
 
 
 def _report(config: PrepareConfig, state: _State, lengths: np.ndarray, plan: PackPlan) -> dict:
-    reasons = collections.Counter(r.reason for r in state.rejections)
     return {
         "family": config.family,
         "seq_length": config.seq_length,
         "read": state.read,
         "accepted": int(len(lengths)),
-        "quarantined": len(state.rejections),
-        "quarantined_by_reason": dict(sorted(reasons.items())),
+        "quarantined": sum(state.reasons.values()),
+        "quarantined_by_reason": dict(sorted(state.reasons.items())),
         "truncated": state.truncated,
         "total_tokens": int(lengths.sum()),
         "packed_sequences": plan.n_packs,
         "packing_efficiency": round(plan.efficiency(lengths), 6),
-        "time_s": state.timings,  # filled in as stages finish
+        "executor": state.executor,
+        "time_s": state.timings,  # wall time per driver stage, filled in as stages finish
+        "worker_cpu_s": {k: round(v, 4) for k, v in state.cpu.items()},  # summed over workers (this run's chunks)
     }
 
 
-def _write(config, counter, plan, samples, lengths, state: _State, report: dict, progress: Progress) -> None:
+def _shard_jobs(work: pathlib.Path, plan: PackPlan, samples: _Samples, config: write.WriteConfig) -> Iterator[tuple]:
+    for shard, packs in enumerate(write.shard_packs(plan.n_packs, config.packs_per_shard)):
+        if (work / write.shard_name(shard)).is_file():
+            continue
+        where = [
+            (k, list(zip(*(samples.chunk[i].tolist(), samples.offset[i].tolist(), samples.size[i].tolist()))))
+            for k in packs
+            for i in [plan.pack(k)]
+        ]
+        yield work, shard, where, config
+
+
+def _write(config, work, pool, pad_ids, plan: PackPlan, samples: _Samples, state: _State, report: dict, progress):
     start = time.perf_counter()
-    work = write.start_partial(config.output, _fingerprint(config, plan, lengths))
     write_config = write.WriteConfig(
-        output=config.output, family=config.family, pad_ids=counter.pad_ids, packs_per_shard=config.packs_per_shard
+        output=config.output, family=config.family, pad_ids=pad_ids, packs_per_shard=config.packs_per_shard
     )
+    shards = write.shard_packs(plan.n_packs, config.packs_per_shard)
+    shard_names = [write.shard_name(s) for s in range(len(shards))]
     with progress("write", plan.n_packs) as advance:
-        shard_names = write.write_shards(work, plan, samples, write_config, on_pack=advance)
+        advance(sum(len(packs) for name, packs in zip(shard_names, shards) if (work / name).is_file()))  # resumed
+        pool.map(write.write_shard_from_spill, _shard_jobs(work, plan, samples, write_config), advance)
     write.write_energon_meta(work, shard_names)
-    _write_jsonl(work / "quarantine.jsonl", (r.to_json() for r in sorted(state.rejections, key=lambda r: r.index)))
-    _write_jsonl(work / "packs.jsonl", _pack_rows(plan, samples, lengths, config.packs_per_shard))
+    _write_jsonl(work / "packs.jsonl", _pack_rows(plan, samples, config.packs_per_shard))
     report["shards"] = len(shard_names)
     state.timings["write"] = round(time.perf_counter() - start, 4)
     (work / "report.json").write_text(json.dumps(report, indent=2))
+    shutil.rmtree(work / chunks.CHUNK_DIR)  # spilled tokens: every shard that needs them is written
     write.commit(work, config.output)
 
 
-def _write_rejections_only(config: PrepareConfig, state: _State, report: dict) -> None:
+def _write_rejections_only(config: PrepareConfig, work: pathlib.Path, report: dict) -> None:
     """Nothing to pack: leave the quarantine and report (no shards, no .nv-meta) and fail."""
     output = pathlib.Path(config.output)
     output.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(output / "quarantine.jsonl", (r.to_json() for r in sorted(state.rejections, key=lambda r: r.index)))
+    shutil.copyfile(work / "quarantine.jsonl", output / "quarantine.jsonl")
     (output / "report.json").write_text(json.dumps(report, indent=2))
-    raise ValueError(f"no sample of {config.input} was accepted; the reasons are in {output / 'quarantine.jsonl'}")
+    shutil.rmtree(work)
+    raise DataError(f"no sample of {config.input} was accepted; the reasons are in {output / 'quarantine.jsonl'}")
 
 
-def _pack_rows(plan: PackPlan, samples, lengths: np.ndarray, packs_per_shard: int) -> Iterator[dict]:
-    indices = np.asarray([s.index for s in samples], dtype=np.int64)
+def _pack_rows(plan: PackPlan, samples: _Samples, packs_per_shard: int) -> Iterator[dict]:
     for k in range(plan.n_packs):
         items = plan.pack(k)
         row = {
             "pack": k,
             "shard": write.shard_name(write.shard_of_pack(k, packs_per_shard)),
-            "samples": indices[items].tolist(),
-            "lengths": lengths[items].tolist(),
+            "samples": samples.index[items].tolist(),
+            "lengths": samples.length[items].tolist(),
         }
         row.update({name: column[k].item() for name, column in plan.columns.items()})
         yield row
@@ -295,18 +397,18 @@ def _write_jsonl(path: pathlib.Path, rows) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def _fingerprint(config: PrepareConfig, plan: PackPlan, lengths: np.ndarray) -> str:
-    """Identifies the shard contents: same input, tokenizer dir, settings and plan -> same shards."""
+def _fingerprint(config: PrepareConfig) -> str:
+    """Identifies the chunks and shards: same input, tokenizer dir and settings -> same files, however many workers."""
     digest = hashlib.sha256()
-    settings = {k: str(v) for k, v in asdict(config).items() if k != "output"}
+    settings = {k: str(v) for k, v in asdict(config).items() if k not in _NOT_IN_FINGERPRINT}
     digest.update(json.dumps(settings, sort_keys=True).encode())
     digest.update(_file_digest(config.input))
     for path in sorted(pathlib.Path(config.tokenizer).glob("*.json")) + sorted(
         pathlib.Path(config.tokenizer).glob("*.jinja")
     ):
         digest.update(path.name.encode() + _file_digest(path))
-    for array in (plan.order, plan.offsets, lengths):
-        digest.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
+    if config.chat_template:
+        digest.update(_file_digest(config.chat_template))
     return digest.hexdigest()
 
 

@@ -8,6 +8,7 @@ family's rule; each video (file or frame folder) exists, has frames of one size 
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from PIL import Image
 
 from qvl.data.ingest import Conversation, MediaRef, Rejection
+from qvl.data.integrity import check_image_file
 from qvl.data.vision import VisionConfig, sample_video_frame_indices, smart_resize, video_grid_thw
 
 logger = logging.getLogger(__name__)
@@ -48,13 +50,14 @@ REASONS = (
 )
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class ValidateConfig:
     """Where media live and how hard to look at them."""
 
     media_root: pathlib.Path
     vision: VisionConfig
-    decode_images: bool = True  # full decode (catches truncated files); False only reads headers
+    decode_images: bool = True  # check every file is intact (truncated, corrupt); False only reads headers
+    full_decode: bool = False  # decode every pixel instead of qvl.data.integrity's structure and CRC checks
 
 
 @dataclass(kw_only=True, slots=True)
@@ -169,23 +172,36 @@ def _check_media(ref: MediaRef, config: ValidateConfig) -> MediaInfo | tuple[str
     return _check_video_file(path, config)
 
 
-def _read_image_size(path: pathlib.Path, decode: bool) -> tuple[int, int]:
+def _read_image_size(path: pathlib.Path, config: ValidateConfig) -> tuple[int, int]:
     with Image.open(path) as image:
         width, height = image.size  # from the header
-        if decode:
+        if config.full_decode:
             image.load()
+        elif config.decode_images:
+            check_image_file(path, image)
         else:
             image.verify()
     return height, width
 
 
-def _check_image(path: pathlib.Path, config: ValidateConfig) -> MediaInfo | tuple[str, str]:
+@functools.lru_cache(maxsize=1 << 16)
+def _image_size_or_error(path: pathlib.Path, config: ValidateConfig) -> tuple[int, int] | str:
+    """An image's (height, width), or why it cannot be used; each file is opened once per process."""
     if not path.is_file():
-        return "image_missing", f"{path} not found"
+        return "missing"
     try:
-        height, width = _read_image_size(path, config.decode_images)
+        return _read_image_size(path, config)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        return "image_undecodable", f"{path.name}: {err}"
+        return f"{path.name}: {err}"
+
+
+def _check_image(path: pathlib.Path, config: ValidateConfig) -> MediaInfo | tuple[str, str]:
+    size = _image_size_or_error(path, config)
+    if size == "missing":
+        return "image_missing", f"{path} not found"
+    if isinstance(size, str):
+        return "image_undecodable", size
+    height, width = size
     vision = config.vision
     try:
         smart_resize(height, width, vision.factor, vision.min_pixels, vision.max_pixels)
@@ -201,7 +217,7 @@ def _check_frame_folder(path: pathlib.Path, ref: MediaRef, config: ValidateConfi
     sizes = set()
     for frame in frames:
         try:
-            sizes.add(_read_image_size(frame, config.decode_images))
+            sizes.add(_read_image_size(frame, config))
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
             return "video_undecodable", f"frame {frame.name}: {err}"
     if len(sizes) != 1:

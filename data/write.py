@@ -21,11 +21,12 @@ import os
 import pathlib
 import shutil
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from qvl.data.chunks import SampleReader
 from qvl.data.count import TokenizedSample
 from qvl.data.pack import PackPlan
 
@@ -76,41 +77,56 @@ def shard_of_pack(pack: int, packs_per_shard: int) -> int:
 def write_shards(
     work: pathlib.Path,
     plan: PackPlan,
-    samples: list[TokenizedSample],
+    samples: Sequence[TokenizedSample],
     config: WriteConfig,
     on_pack: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Write every shard of `plan` not already complete in `work`; return all shard names in order.
+    """Write every shard of `plan` not already complete in `work`, in this process; return all shard names.
 
     `samples[i]` is the sample at item position i of the plan.
     """
-    n_shards = -(-plan.n_packs // config.packs_per_shard)
     names = []
-    for shard in range(n_shards):
-        name = shard_name(shard)
-        names.append(name)
-        first = shard * config.packs_per_shard
-        packs = range(first, min(first + config.packs_per_shard, plan.n_packs))
-        if (work / name).is_file():
-            if on_pack:
-                on_pack(len(packs))
-            continue
-        _write_shard(work / name, packs, plan, samples, config, on_pack)
+    for shard, packs in enumerate(shard_packs(plan.n_packs, config.packs_per_shard)):
+        names.append(shard_name(shard))
+        if not (work / shard_name(shard)).is_file():
+            write_shard(work, shard, ((k, [samples[i] for i in plan.pack(k)]) for k in packs), config)
+        if on_pack:
+            on_pack(len(packs))
     return names
 
 
-def _write_shard(path, packs, plan, samples, config, on_pack) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+def shard_packs(n_packs: int, packs_per_shard: int) -> list[range]:
+    """The packs of each shard, in order."""
+    return [range(first, min(first + packs_per_shard, n_packs)) for first in range(0, n_packs, packs_per_shard)]
+
+
+def write_shard(
+    work: pathlib.Path, shard: int, packs: Iterable[tuple[int, list[TokenizedSample]]], config: WriteConfig
+) -> str:
+    """Write one shard from (pack id, its samples) under a temporary name, then rename it into place."""
+    path = pathlib.Path(work) / shard_name(shard)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as raw, tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for pack in packs:
-            for member, payload in pack_members(pack, [samples[i] for i in plan.pack(pack)], config):
+        for pack, subs in packs:
+            for member, payload in pack_members(pack, subs, config):
                 _add_member(tar, member, payload)
-            if on_pack:
-                on_pack(1)
         tar.close()
         raw.flush()
         os.fsync(raw.fileno())
     os.replace(tmp, path)
+    return path.name
+
+
+def write_shard_from_spill(work: pathlib.Path, shard: int, packs: list[tuple[int, list]], config: WriteConfig) -> int:
+    """Write one shard whose samples are spilled chunks: `packs` is [(pack id, [(chunk, offset, size), ...])]."""
+    path = pathlib.Path(work) / shard_name(shard)
+    if not path.is_file():
+        reader = SampleReader(work)
+        try:
+            write_shard(work, shard, ((k, [reader.read(*where) for where in subs]) for k, subs in packs), config)
+        finally:
+            reader.close()
+    return len(packs)
 
 
 def _add_member(tar: tarfile.TarFile, name: str, payload: bytes) -> None:

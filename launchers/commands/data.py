@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import pathlib
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 from qvl.data.vision import FAMILIES
@@ -33,7 +36,11 @@ def _add_prepare(commands) -> None:
     for name in ("min-pixels", "max-pixels", "video-min-pixels", "video-max-pixels"):
         p.add_argument(f"--{name}", type=int, help=f"override the processor config's {name.replace('-', '_')}")
     p.add_argument("--truncate", action="store_true", help="truncate over-long samples instead of quarantining them")
-    p.add_argument("--balance-cost", action="store_true", help="even out packs' attention cost (same token fill)")
+    p.add_argument(
+        "--balance-cost",
+        action="store_true",
+        help="even out packs' forward FLOPs (LM + vision, same token fill); needs the model's config.json",
+    )
     p.add_argument("--data-parallel", type=int, help="schedule packs over D data-parallel ranks by compute cost")
     p.add_argument("--global-batch", type=int, help="packs per optimizer step over all ranks (with --data-parallel)")
     p.add_argument(
@@ -41,9 +48,31 @@ def _add_prepare(commands) -> None:
         type=pathlib.Path,
         help="HF config.json (or its dir) for the DP plan's cost model; default: the --tokenizer dir",
     )
-    p.add_argument("--no-decode-check", action="store_true", help="read image headers only; skip the full decode")
+    p.add_argument("--no-decode-check", action="store_true", help="read image headers only; skip the integrity check")
+    p.add_argument(
+        "--full-decode",
+        action="store_true",
+        help="decode every image's pixels instead of checking JPEG markers / PNG CRCs (slower)",
+    )
     p.add_argument("--packs-per-shard", type=int, default=256)
+    p.add_argument(
+        "--workers",
+        type=_positive,
+        help=f"worker processes for validate, count and write (default: every core, {len(os.sched_getaffinity(0))})",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="run the chunks and shards as Ray tasks: ADDRESS is 'auto' (the running cluster), host:port or "
+        "ray://host:10001; without one (or 'local[:CPUS]') a cluster on this machine. Paths must be on storage "
+        "every node sees",
+    )
+    p.add_argument("--ray-temp-dir", type=pathlib.Path, help="a local Ray cluster's session dir (default: Ray's)")
+    p.add_argument("--chunk-size", type=_positive, default=1024, help="records per unit of work and of resumption")
     p.add_argument("--strict", action="store_true", help="exit 1 if any sample is quarantined")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run_prepare)
 
 
@@ -51,7 +80,26 @@ def _add_stats(commands) -> None:
     p = commands.add_parser("stats", help="show a prepared dataset's report")
     p.add_argument("output", type=pathlib.Path, help="the --output of `qvl data prepare`")
     p.add_argument("--plot", type=pathlib.Path, help="write a PNG of sample lengths and pack fill")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run_stats)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _ray_settings(args: argparse.Namespace):
+    from qvl.data.parallel import RaySettings
+
+    if args.ray is None:
+        return None
+    if args.ray == "local" or args.ray.startswith("local:"):
+        cpus = args.ray.partition(":")[2]
+        return RaySettings(num_cpus=int(cpus) if cpus else None, temp_dir=args.ray_temp_dir)
+    return RaySettings(address=args.ray)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
@@ -77,7 +125,11 @@ def run_prepare(args: argparse.Namespace) -> int:
         truncate=args.truncate,
         balance_cost=args.balance_cost,
         decode_images=not args.no_decode_check,
+        full_decode=args.full_decode,
         packs_per_shard=args.packs_per_shard,
+        chunk_size=args.chunk_size,
+        workers=args.workers or len(os.sched_getaffinity(0)),
+        ray=_ray_settings(args),
         data_parallel=args.data_parallel,
         global_batch=args.global_batch,
         model_config=args.model_config,
@@ -86,8 +138,9 @@ def run_prepare(args: argparse.Namespace) -> int:
         if not path.exists():
             console.print(f"[red]error:[/] {flag} {path} does not exist")
             return 2
+    progress = _no_progress if args.quiet else _rich_progress(console) if console.is_terminal else _line_progress
     try:
-        report = prepare(config, progress=_rich_progress(console))
+        report = prepare(config, progress=progress)
     except (ValueError, OSError) as err:
         console.print(f"[red]error:[/] {err}")
         return 2
@@ -106,7 +159,10 @@ def run_stats(args: argparse.Namespace) -> int:
 
     try:
         report = load_report(args.output)
-        _print_report(report)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print_report(report)
         if args.plot:
             print(f"plot written to {plot_lengths_and_fill(args.output, args.plot)}")
     except (FileNotFoundError, ImportError) as err:
@@ -121,6 +177,12 @@ def _print_report(report: dict) -> None:
 
     from qvl.data.stats import report_rows
 
+    if not sys.stdout.isatty():  # a pipe or a file: plain aligned columns, never wrapped or cut
+        rows = report_rows(report)
+        width = max(len(name) for name, _ in rows)
+        for name, value in rows:
+            print(f"{name.ljust(width)}  {value}")
+        return
     table = Table(title="qvl data report", show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -129,14 +191,59 @@ def _print_report(report: dict) -> None:
     Console().print(table)
 
 
+@contextlib.contextmanager
+def _no_progress(name: str, total: int | None) -> Iterator[Callable[[int], None]]:
+    yield lambda n=1: None
+
+
 def _rich_progress(console) -> Callable:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """Progress bars with the stage's rate (items/s) and ETA, for a terminal."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     @contextlib.contextmanager
     def stage(name: str, total: int | None) -> Iterator[Callable[[int], None]]:
-        columns = (TextColumn(f"{name:>8}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=False) as progress:
-            task = progress.add_task(name, total=total)
-            yield lambda n=1: progress.advance(task, n)
+        rate = TextColumn("{task.fields[rate]}")
+        columns = (TextColumn(f"{name:>14}"), BarColumn(), MofNCompleteColumn(), rate, TimeElapsedColumn())
+        with Progress(*columns, TextColumn("ETA"), TimeRemainingColumn(), console=console) as progress:
+            task = progress.add_task(name, total=total, rate="")
+            start = time.perf_counter()
+
+            def advance(n: int = 1) -> None:
+                progress.advance(task, n)
+                done = progress.tasks[0].completed
+                progress.update(task, rate=f"{done / max(time.perf_counter() - start, 1e-9):,.0f}/s")
+
+            yield advance
 
     return stage
+
+
+@contextlib.contextmanager
+def _line_progress(name: str, total: int | None, every_s: float = 10.0) -> Iterator[Callable[[int], None]]:
+    """One line on stderr every `every_s` seconds with count, rate and ETA: for logs and pipes."""
+    start = last = time.perf_counter()
+    done = 0
+
+    def line(final: bool = False) -> None:
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        rate = done / elapsed
+        of = f"/{total:,}" if total else ""
+        eta = f", ETA {(total - done) / rate:,.0f} s" if total and rate and not final else ""
+        print(f"{name}: {done:,}{of} in {elapsed:,.1f} s ({rate:,.0f}/s{eta})", file=sys.stderr, flush=True)
+
+    def advance(n: int = 1) -> None:
+        nonlocal done, last
+        done += n
+        if time.perf_counter() - last >= every_s:
+            last = time.perf_counter()
+            line()
+
+    yield advance
+    line(final=True)

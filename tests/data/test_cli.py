@@ -51,7 +51,7 @@ def _prepare_argv(small_input, hf_dirs, output, *extra) -> list[str]:
         "256",
         "--output",
         str(output),
-        *extra,
+        *(extra or ("--workers", "1")),
     ]
 
 

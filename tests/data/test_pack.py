@@ -5,12 +5,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qvl.data.pack import (
-    attention_cost,
-    balance_by_cost,
-    pack_best_fit_decreasing,
-    pack_next_fit,
-    pack_padded,
+from qvl.data.cost import LMShape, VisionShape, sample_flops
+from qvl.data.pack import balance_by_cost, pack_best_fit_decreasing, pack_next_fit, pack_padded
+
+# Qwen2.5-VL-7B's language model and vision tower (the cost model's FLOPs, as --balance-cost uses them).
+LM_7B = LMShape(
+    hidden_size=3584, num_layers=28, num_attention_heads=28, num_query_groups=4, ffn_hidden_size=18944, vocab_size=152064
+)
+VISION_7B = VisionShape(
+    hidden_size=1280,
+    depth=32,
+    num_heads=16,
+    intermediate_size=3420,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=3584,
+    gated_mlp=True,
+    window_size=112,
+    fullatt_block_indexes=(7, 15, 23, 31),
 )
 
 
@@ -63,8 +76,13 @@ def test_rejects_items_longer_than_seq_length_naming_the_fix():
 
 def test_balance_by_cost_keeps_fill_and_reduces_cost_spread():
     rng = np.random.default_rng(3)
-    lengths = rng.choice([100, 200, 400, 800], 4000)
-    costs = attention_cost(lengths) * rng.choice([1.0, 4.0], 4000)  # equal lengths, unequal compute
+    lengths = rng.choice([300, 600, 1200], 4000)
+    # Equal lengths, unequal compute: half the samples spend their tokens on one large image, half on text.
+    has_image = rng.random(4000) < 0.5
+    owners = np.flatnonzero(has_image)
+    grids = np.tile([1, 32, 32], (len(owners), 1))  # 1024 patches -> 256 image tokens
+    costs = sample_flops(LM_7B, VISION_7B, lengths, grids, owners)
+    assert costs[has_image].mean() > 1.1 * costs[~has_image].mean()
     plan = pack_best_fit_decreasing(lengths, 2048)
     balanced = balance_by_cost(plan, lengths, costs)
     assert np.array_equal(plan.pack_tokens(lengths), balanced.pack_tokens(lengths))

@@ -1,0 +1,263 @@
+"""Chunks: validate and count one chunk of records in any process, and spill the results to disk.
+
+The input is cut by position into chunks of `chunk_size` records; chunk k holds records k*C .. k*C + C - 1.
+A chunk is processed on its own (parse, canonicalise, validate, count, fit to `seq_length`) by whichever
+process, worker or Ray task gets it, and leaves two files in `WORK/chunks/`:
+
+- `chunk-<k>.bin`: the accepted samples' compact tokens and media, one blob per sample, back to back;
+- `chunk-<k>.npz`: per accepted sample its source index, token length and blob offset/size, its vision grids
+  (for the cost model), plus the chunk's rejections and counters. It is written last, by rename: a chunk whose
+  `.npz` exists is finished, and a rerun skips it.
+
+Because a chunk's files depend only on its records and the settings, 1 process, N workers and Ray give the
+same files, and the driver merges them in chunk order. The driver keeps per sample only a few integers.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import logging
+import os
+import pathlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from qvl.data.count import TokenCounter, TokenizedSample, load_tokenizer, truncate
+from qvl.data.ingest import IngestConfig, Rejection, parse_record, to_conversation
+from qvl.data.validate import MediaInfo, ValidateConfig, validate_sample
+from qvl.data.vision import VisionConfig, load_vision_config
+
+logger = logging.getLogger(__name__)
+
+CHUNK_DIR = "chunks"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ChunkSettings:
+    """What a worker needs to process any chunk; small and picklable (it travels with every task)."""
+
+    work: pathlib.Path  # the build's working directory (shared storage when the workers are Ray nodes)
+    media_root: pathlib.Path
+    family: str
+    tokenizer: pathlib.Path
+    seq_length: int
+    chat_template: str | None = None
+    system_prompt: str | None = None
+    vision_overrides: tuple[tuple[str, int | None], ...] = ()
+    truncate: bool = False
+    decode_images: bool = True
+    full_decode: bool = False
+    count_batch_size: int = 256
+
+
+@dataclass(kw_only=True, slots=True)
+class _Worker:
+    """The per-process state: loaded once per process and settings, reused for every chunk it processes."""
+
+    vision: VisionConfig
+    counter: TokenCounter
+    validate: ValidateConfig
+    ingest: IngestConfig
+
+
+@functools.lru_cache(maxsize=2)
+def _worker(settings: ChunkSettings) -> _Worker:
+    vision = load_vision_config(settings.tokenizer, settings.family, **dict(settings.vision_overrides))
+    counter = TokenCounter(tokenizer=load_tokenizer(settings.tokenizer, settings.chat_template), vision=vision)
+    validate = ValidateConfig(
+        media_root=pathlib.Path(settings.media_root),
+        vision=vision,
+        decode_images=settings.decode_images,
+        full_decode=settings.full_decode,
+    )
+    return _Worker(vision=vision, counter=counter, validate=validate, ingest=IngestConfig(system_prompt=settings.system_prompt))
+
+
+def chunk_path(work: pathlib.Path, chunk: int, suffix: str) -> pathlib.Path:
+    return pathlib.Path(work) / CHUNK_DIR / f"chunk-{chunk:06d}{suffix}"
+
+
+def is_done(work: pathlib.Path, chunk: int) -> bool:
+    """Whether the chunk's results are on disk (its summary is renamed into place last)."""
+    return chunk_path(work, chunk, ".npz").is_file()
+
+
+def process_chunk(settings: ChunkSettings, chunk: int, first_index: int, texts: list[str]) -> dict:
+    """Parse, validate, count and fit one chunk; spill its results; return its counters and stage times."""
+    worker = _worker(settings)
+    times = {"ingest": 0.0, "validate": 0.0, "count": 0.0}
+    rejections: list[Rejection] = []
+    start = time.perf_counter()
+    conversations = []
+    for index, text in enumerate(texts, start=first_index):
+        record = parse_record(index, text)
+        item = record if isinstance(record, Rejection) else to_conversation(index, record, worker.ingest)
+        (rejections if isinstance(item, Rejection) else conversations).append(item)
+    times["ingest"] = time.perf_counter() - start
+    start = time.perf_counter()
+    valid = []
+    for conversation in conversations:
+        item = validate_sample(conversation, worker.validate)
+        (rejections if isinstance(item, Rejection) else valid).append(item)
+    times["validate"] = time.perf_counter() - start
+    start = time.perf_counter()
+    kept, truncated = [], 0
+    for batch_start in range(0, len(valid), settings.count_batch_size):
+        for sample in worker.counter.count(valid[batch_start : batch_start + settings.count_batch_size]):
+            fitted = _fit(sample, worker.counter, settings, rejections)
+            if fitted is not None:
+                truncated += fitted is not sample
+                kept.append(fitted)
+    times["count"] = time.perf_counter() - start
+    rejections.sort(key=lambda r: r.index)
+    _spill(settings.work, chunk, kept, rejections, read=len(texts), truncated=truncated)
+    return {"chunk": chunk, "read": len(texts), "accepted": len(kept), "times": times}
+
+
+def _fit(sample: TokenizedSample, counter: TokenCounter, settings: ChunkSettings, rejections: list):
+    if sample.length <= settings.seq_length:
+        return sample
+    if settings.truncate:
+        cut = truncate(sample, settings.seq_length, counter.pad_ids)
+        if cut is not None:
+            return cut
+    detail = f"{sample.length} tokens > seq_length {settings.seq_length}"
+    rejections.append(Rejection(index=sample.index, reason="too_long", detail=detail))
+    return None
+
+
+def _spill(work, chunk: int, kept: list[TokenizedSample], rejections: list[Rejection], read: int, truncated: int):
+    blobs = [encode_sample(s) for s in kept]
+    sizes = np.asarray([len(b) for b in blobs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(blobs) else sizes
+    grids = [g for s in kept for g in list(s.image_grids) + list(s.video_grids)]
+    owners = [k for k, s in enumerate(kept) for _ in range(len(s.image_grids) + len(s.video_grids))]
+    meta = {"read": read, "truncated": truncated, "rejections": [r.to_json() for r in rejections]}
+    _write_atomic(chunk_path(work, chunk, ".bin"), b"".join(blobs))
+    summary = io.BytesIO()
+    np.savez(
+        summary,
+        index=np.asarray([s.index for s in kept], dtype=np.int64),
+        length=np.asarray([s.length for s in kept], dtype=np.int64),
+        offset=offsets,
+        size=sizes,
+        grid_thw=np.asarray(grids, dtype=np.int64).reshape(-1, 3),
+        grid_owner=np.asarray(owners, dtype=np.int64),
+        meta=np.frombuffer(json.dumps(meta, ensure_ascii=False).encode("utf-8", "surrogateescape"), dtype=np.uint8),
+    )
+    _write_atomic(chunk_path(work, chunk, ".npz"), summary.getvalue())
+
+
+def _write_atomic(path: pathlib.Path, payload: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_summary(work: pathlib.Path, chunk: int) -> dict:
+    """A finished chunk's per-sample arrays and its `meta` (read, truncated, rejections) as a dict."""
+    with np.load(chunk_path(work, chunk, ".npz")) as data:
+        out = {key: data[key] for key in data.files if key != "meta"}
+        out["meta"] = json.loads(data["meta"].tobytes().decode("utf-8", "surrogateescape"))
+    return out
+
+
+# --- one sample as bytes ---------------------------------------------------------------------------------
+
+
+def encode_sample(sample: TokenizedSample) -> bytes:
+    """A TokenizedSample as bytes: a JSON header (lengths, grids, media), then ids, loss and runs."""
+    header = {
+        "index": sample.index,
+        "n": len(sample.ids),
+        "runs": len(sample.runs),
+        "image_grids": sample.image_grids,
+        "video_grids": sample.video_grids,
+        "video_second_per_grid": sample.video_second_per_grid,
+        "media_first_token": sample.media_first_token,
+        "media": [_media_json(m) for m in sample.media],
+    }
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogateescape")
+    arrays = (
+        np.ascontiguousarray(sample.ids, np.int32).tobytes()
+        + np.ascontiguousarray(sample.loss, np.uint8).tobytes()
+        + np.ascontiguousarray(sample.runs, np.int32).tobytes()
+    )
+    return len(head).to_bytes(4, "little") + head + arrays
+
+
+def decode_sample(blob: bytes) -> TokenizedSample:
+    """The TokenizedSample `encode_sample` wrote."""
+    size = int.from_bytes(blob[:4], "little")
+    header = json.loads(blob[4 : 4 + size].decode("utf-8", "surrogateescape"))
+    n, n_runs, pos = header["n"], header["runs"], 4 + size
+    ids = np.frombuffer(blob, np.int32, n, pos)
+    loss = np.frombuffer(blob, np.uint8, n, pos + 4 * n)
+    runs = np.frombuffer(blob, np.int32, n_runs, pos + 5 * n)
+    return TokenizedSample(
+        index=header["index"],
+        ids=ids,
+        loss=loss,
+        runs=runs,
+        image_grids=[tuple(g) for g in header["image_grids"]],
+        video_grids=[tuple(g) for g in header["video_grids"]],
+        video_second_per_grid=header["video_second_per_grid"],
+        media_first_token=header["media_first_token"],
+        media=[_media_from_json(m) for m in header["media"]],
+    )
+
+
+def _media_json(media: MediaInfo) -> dict:
+    return {
+        "kind": media.kind,
+        "path": str(media.path),
+        "height": media.height,
+        "width": media.width,
+        "frame_paths": [str(p) for p in media.frame_paths],
+        "frame_indices": media.frame_indices,
+        "total_frames": media.total_frames,
+        "fps": media.fps,
+    }
+
+
+def _media_from_json(media: dict) -> MediaInfo:
+    return MediaInfo(
+        kind=media["kind"],
+        path=pathlib.Path(media["path"]),
+        height=media["height"],
+        width=media["width"],
+        frame_paths=[pathlib.Path(p) for p in media["frame_paths"]],
+        frame_indices=media["frame_indices"],
+        total_frames=media["total_frames"],
+        fps=media["fps"],
+    )
+
+
+class SampleReader:
+    """Random access to spilled samples by (chunk, offset, size), one open file per chunk at a time."""
+
+    def __init__(self, work: pathlib.Path, max_open: int = 64):
+        self.work = pathlib.Path(work)
+        self.max_open = max_open
+        self._files: dict[int, int] = {}
+
+    def read(self, chunk: int, offset: int, size: int) -> TokenizedSample:
+        fd = self._files.get(chunk)
+        if fd is None:
+            if len(self._files) >= self.max_open:
+                os.close(self._files.pop(next(iter(self._files))))
+            fd = self._files[chunk] = os.open(chunk_path(self.work, chunk, ".bin"), os.O_RDONLY)
+        return decode_sample(os.pread(fd, size, offset))
+
+    def close(self) -> None:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
