@@ -165,12 +165,12 @@ def run_training(request: TrainRequest) -> Path:
         from megatron.bridge.training.pretrain import pretrain as loop
     else:
         from megatron.bridge.training.finetune import finetune as loop
-    with optimizer_fixes.fixed():  # exact resume with torch Adam (no TE/Apex), on any device
-        clean_exit = _CleanExitFilter()
+    clean_exit = _CleanExitFilter()
     pretrain_logger = logging.getLogger("megatron.bridge.training.pretrain")
     pretrain_logger.addFilter(clean_exit)
     try:
-        loop(config, forward_step, callbacks=callbacks)
+        with optimizer_fixes.fixed():  # exact resume with torch Adam (no TE/Apex), on any device
+            loop(config, forward_step, callbacks=callbacks)
     except SystemExit as stop:
         if stop.code not in (0, None):
             raise
