@@ -82,10 +82,11 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
 
 
 def balanced_vision_inputs(model: Any, kwargs: dict) -> dict:
-    """`kwargs` with the vision work balanced over the data-parallel group (qvl.recipes.training.vision_balance): the image
-    and video embeddings are scattered into `inputs_embeds` here and the pixels dropped, so the model skips its
-    own tower; the grids stay, for mRoPE positions. Collective: every data-parallel rank of the first pipeline
-    stage calls it for every micro-batch, with or without images. Qwen2-VL / Qwen2.5-VL (Qwen25VLModel) only.
+    """`kwargs` with the vision work spread over the first pipeline stage's data- x tensor-parallel ranks, each image
+    encoded once (qvl.recipes.training.vision_balance): the image and video embeddings are scattered into
+    `inputs_embeds` here and the pixels dropped, so the model skips its own tower; the grids stay, for mRoPE
+    positions. Collective: every DP x TP rank of the first pipeline stage calls it for every micro-batch, with or
+    without images. Qwen2-VL / Qwen2.5-VL (Qwen25VLModel, HF tower replicated over TP) only.
     """
     from megatron.core.utils import unwrap_model
 
@@ -129,6 +130,31 @@ def _balanced_vision_embeddings(vlm: Any, kwargs: dict) -> torch.Tensor | None:
         torch.cat(pixels) if pixels else None,
         torch.cat(grids) if grids else torch.zeros(0, 3, dtype=torch.long, device=kwargs["input_ids"].device),
         shape=model_shapes(vlm.config)[1],
-        group=parallel_state.get_data_parallel_group(),
+        # The first stage's DP x TP ranks (context parallelism is refused with vision_balance); a replica's TP
+        # ranks share its micro-batch, so its DP rank names it.
+        group=parallel_state.get_tensor_and_data_parallel_group(),
+        replica=parallel_state.get_data_parallel_rank(),
+        grad_scale=tower_grad_scale(vlm.visual, parallel_state.get_tensor_model_parallel_world_size()),
         pixel_dtype=torch.float32,  # what qvl.data.load's image processor yields, on every rank
     )
+
+
+def tower_grad_scale(tower: torch.nn.Module, tensor_parallel: int) -> int:
+    """What each rank's partial tower gradient is multiplied by so that training's reduction yields the full one.
+
+    Megatron-Bridge marks a replicated HF tower's parameters `average_gradients_across_tp_domain`, and
+    `finalize_model_grads` then AVERAGES their gradients over the TP group (right when every TP rank encoded
+    every image). With each image encoded on one rank the average must become a sum: TP x the partial gradients,
+    averaged, is their sum (exact: TP is a power of two in practice). Unmarked parameters would not be reduced
+    over TP at all, so a tower with any such parameter is refused rather than silently trained on a fraction.
+    """
+    flags = {bool(getattr(p, "average_gradients_across_tp_domain", False)) for p in tower.parameters()}
+    if tensor_parallel == 1:
+        return 1
+    if flags != {True}:
+        raise ValueError(
+            "vision_balance with tensor_parallel > 1 needs every vision-tower parameter marked "
+            "average_gradients_across_tp_domain (Megatron-Bridge's hook_hf_module_setattr_for_tp_grad_sync), so "
+            "that its gradient is reduced over the TP group; mark the tower, or train with vision_balance=false"
+        )
+    return tensor_parallel
