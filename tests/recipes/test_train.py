@@ -27,9 +27,10 @@ ARGS = [
 ]
 
 
-def qvl(*args: str) -> None:
+def qvl(*args: str) -> str:
     out = subprocess.run([sys.executable, "-m", "qvl.launchers.cli", *args], capture_output=True, text=True)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return out.stdout + out.stderr
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,10 @@ def runs(dataset, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     common = [*ARGS, f"data={data}", f"hf_path={hf}", "--model", "tiny", "--device", "cpu"]
     qvl("train", *common, "--run-dir", str(root / "full"))
-    qvl("train", *common, "--run-dir", str(root / "resumed"), "--stop-after", "3")
+    stopped = qvl("train", *common, "--run-dir", str(root / "resumed"), "--stop-after", "3")
+    # A planned stop reads as one: no "Pretrain failed ... SystemExit: 0" and no traceback (issue 16, defect 10).
+    assert "Pretrain failed" not in stopped and "Traceback" not in stopped, stopped[-4000:]
+    assert "trained 3 steps" in stopped
     qvl("train", *common, "--run-dir", str(root / "resumed"))  # same command again: resumes from step 3
     return {"full": root / "full", "resumed": root / "resumed"}
 
@@ -102,7 +106,7 @@ def test_trained_checkpoint_exports_to_hf_that_transformers_loads(runs, dataset,
 
 
 def test_dotted_overrides_set_config_fields_and_unknown_ones_are_named(tmp_path, cpu_runtime):
-    from qvl.launchers.overrides import LaunchError
+    from qvl.foundation.errors import ConfigError
     from qvl.recipes.training.train import TrainRequest, prepare_config
 
     request = TrainRequest(
@@ -116,7 +120,7 @@ def test_dotted_overrides_set_config_fields_and_unknown_ones_are_named(tmp_path,
     assert (config.train.exit_interval, config.train.train_iters) == (7, 3)
     assert config.model.vocab_size == 512 and config.model.tensor_model_parallel_size == 1  # the tiny model, alone
     request.overrides = {"train.nope": 1}
-    with pytest.raises(LaunchError, match="TrainingConfig has no field 'nope'"):
+    with pytest.raises(ConfigError, match=r"train \(TrainingConfig\) has no field 'nope'"):
         prepare_config(request)
 
 
