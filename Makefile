@@ -2,6 +2,7 @@
 #   make demo  - bootstrap .venv, then run the pipeline end to end with a tiny model (CPU, or a GPU if present)
 #   make test  - bootstrap .venv, then run the test suite
 #   make bench - bootstrap .venv, then run the benchmarks (JSON + table under .bench/)
+#   make bench-train - the training benchmark (benchmarks/bench_train.py; real shapes on a GPU)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +13,7 @@ PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $$(pyenv root 2>/dev/null || e
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v "$$p"; break; }; done)
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo bench clean-venv
+.PHONY: venv test demo bench bench-train clean-venv
 
 venv: $(STAMP)
 
@@ -35,6 +36,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+
+# Training throughput at real shapes on a GPU (tiny model on CPU); BENCH_TRAIN_ARGS="--model qwen3_vl_4b --layers 8"
+bench-train: $(STAMP)
+	$(PY) -m benchmarks.bench_train $(BENCH_TRAIN_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -20,6 +20,7 @@ per-image blocks stop looping in Python on a GPU.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -315,6 +316,18 @@ def varlen_vision_towers(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
                 and module._supports_flash_attn  # its attention hands cu_seqlens to a flash-type function
                 and family_of_vision_config(type(module.config).__name__) is not None
             ):
-                # All blocks share the tower's config object and read the implementation at every forward.
-                module.config._attn_implementation = register_hf_varlen_attention()
+                _set_tower_attention(module, register_hf_varlen_attention())
     return model
+
+
+def _set_tower_attention(tower: torch.nn.Module, implementation: str) -> None:
+    """Point a built tower's attention at `implementation`. Its blocks read the implementation from the config
+    object they share, at every forward; that object is the provider's vision_config (Megatron-Bridge builds the
+    tower from it without a copy), so the tower gets its own copy: a later build from the provider's config must
+    still pass transformers' checks, which treat an unknown "flash" name as a hub kernel to download."""
+    shared = tower.config
+    own = copy.deepcopy(shared)
+    own._attn_implementation = implementation
+    for module in tower.modules():
+        if getattr(module, "config", None) is shared:
+            module.config = own
