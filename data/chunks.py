@@ -74,7 +74,9 @@ def _worker(settings: ChunkSettings) -> _Worker:
         decode_images=settings.decode_images,
         full_decode=settings.full_decode,
     )
-    return _Worker(vision=vision, counter=counter, validate=validate, ingest=IngestConfig(system_prompt=settings.system_prompt))
+    return _Worker(
+        vision=vision, counter=counter, validate=validate, ingest=IngestConfig(system_prompt=settings.system_prompt)
+    )
 
 
 def chunk_path(work: pathlib.Path, chunk: int, suffix: str) -> pathlib.Path:

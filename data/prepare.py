@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import pathlib
 import shutil
 import time
@@ -100,6 +101,7 @@ class _State:
     read: int = 0
     truncated: int = 0
     executor: str = ""
+    reused: dict[str, int] = field(default_factory=lambda: {"chunks": 0, "shards": 0})  # finished by an earlier run
 
 
 def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
@@ -114,9 +116,13 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
     counter = TokenCounter(tokenizer=load_tokenizer(config.tokenizer, settings.chat_template), vision=vision)
     work = write.start_partial(config.output, _fingerprint(config))
     state = _State()
-    with parallel.executor(config.workers, config.ray) as pool:
+    total = count_records(config.input)
+    workers = config.workers
+    if total is not None and workers != 1:  # more processes than chunks would only cost their start-up
+        workers = max(1, min(workers or len(os.sched_getaffinity(0)), -(-total // config.chunk_size)))
+    with parallel.executor(workers, config.ray) as pool:
         state.executor = pool.name
-        n_chunks = _timed(state, "validate_count", lambda: _process(config, settings, pool, state, progress))
+        n_chunks = _timed(state, "validate_count", lambda: _process(config, settings, pool, state, total, progress))
         samples = _merge(config, work, n_chunks, state)
         plan = _timed(state, "pack", lambda: _pack(samples, config))
         dp_report = None
@@ -177,7 +183,7 @@ def count_records(path: pathlib.Path) -> int | None:
         return sum(1 for line in f if line.strip())
 
 
-def _process(config: PrepareConfig, settings, pool: parallel.Executor, state: _State, progress: Progress) -> int:
+def _process(config: PrepareConfig, settings, pool: parallel.Executor, state: _State, total, progress) -> int:
     """Validate and count every chunk not already on disk; return the number of chunks."""
     n_chunks = 0
 
@@ -195,7 +201,8 @@ def _process(config: PrepareConfig, settings, pool: parallel.Executor, state: _S
 
     def _job(chunk: int, first: int, batch: list[str]) -> Iterator[tuple]:
         if chunks.is_done(settings.work, chunk):
-            advance(len(batch))  # finished by an earlier run
+            state.reused["chunks"] += 1
+            advance(len(batch))
         else:
             yield settings, chunk, first, batch
 
@@ -204,7 +211,7 @@ def _process(config: PrepareConfig, settings, pool: parallel.Executor, state: _S
             state.cpu[stage] += seconds
         advance(result["read"])
 
-    with progress("validate+count", count_records(config.input)) as advance:
+    with progress("validate+count", total) as advance:
         pool.map(chunks.process_chunk, jobs(), on_result)
     return n_chunks
 
@@ -334,6 +341,7 @@ def _report(config: PrepareConfig, state: _State, lengths: np.ndarray, plan: Pac
         "executor": state.executor,
         "time_s": state.timings,  # wall time per driver stage, filled in as stages finish
         "worker_cpu_s": {k: round(v, 4) for k, v in state.cpu.items()},  # summed over workers (this run's chunks)
+        "reused": state.reused,  # chunks and shards an earlier, interrupted run of the same command finished
     }
 
 
@@ -357,7 +365,9 @@ def _write(config, work, pool, pad_ids, plan: PackPlan, samples: _Samples, state
     shards = write.shard_packs(plan.n_packs, config.packs_per_shard)
     shard_names = [write.shard_name(s) for s in range(len(shards))]
     with progress("write", plan.n_packs) as advance:
-        advance(sum(len(packs) for name, packs in zip(shard_names, shards) if (work / name).is_file()))  # resumed
+        done = [len(packs) for name, packs in zip(shard_names, shards) if (work / name).is_file()]
+        state.reused["shards"] = len(done)
+        advance(sum(done))
         pool.map(write.write_shard_from_spill, _shard_jobs(work, plan, samples, write_config), advance)
     write.write_energon_meta(work, shard_names)
     _write_jsonl(work / "packs.jsonl", _pack_rows(plan, samples, config.packs_per_shard))

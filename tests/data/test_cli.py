@@ -51,7 +51,8 @@ def _prepare_argv(small_input, hf_dirs, output, *extra) -> list[str]:
         "256",
         "--output",
         str(output),
-        *(extra or ("--workers", "1")),
+        *extra,
+        *(() if "--workers" in extra else ("--workers", "1")),
     ]
 
 
@@ -92,11 +93,17 @@ def test_stats_plot_writes_a_png(prepared_small, tmp_path):
 
 
 def test_prepare_options_balance_truncate_header_only(small_input, hf_dirs, tmp_path):
+    from .test_balance import TINY_CONFIG
+
+    model_config = tmp_path / "config.json"
+    model_config.write_text(json.dumps(TINY_CONFIG))
     argv = _prepare_argv(
         small_input,
         hf_dirs,
         tmp_path / "opts",
         "--balance-cost",
+        "--model-config",
+        str(model_config),
         "--truncate",
         "--no-decode-check",
         "--max-pixels",
@@ -113,3 +120,18 @@ def test_prepare_options_balance_truncate_header_only(small_input, hf_dirs, tmp_
     quarantine = [json.loads(line) for line in (tmp_path / "opts" / "quarantine.jsonl").read_text().splitlines()]
     too_long = [q for q in quarantine if q["reason"] == "too_long"]
     assert too_long and all("> seq_length 40" in q["detail"] for q in too_long)  # its length is reported
+
+
+def test_stats_json_and_plain_columns_into_a_pipe(prepared_small, capsys):
+    capsys.readouterr()
+    assert _run(["data", "stats", str(prepared_small), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["accepted"] == 2 and report["quarantined_by_reason"] == {"image_missing": 1}
+    assert _run(["data", "stats", str(prepared_small)]) == 0  # captured stdout is not a terminal
+    lines = capsys.readouterr().out.splitlines()
+    assert not any(c in "".join(lines) for c in "│┃━─") and any(line.startswith("packing efficiency") for line in lines)
+
+
+def test_balance_cost_without_a_model_config_names_the_flag(small_input, hf_dirs, tmp_path, capsys):
+    assert _run(_prepare_argv(small_input, hf_dirs, tmp_path / "b", "--balance-cost")) == 2
+    assert "--model-config" in capsys.readouterr().err

@@ -10,7 +10,12 @@ from qvl.data.pack import balance_by_cost, pack_best_fit_decreasing, pack_next_f
 
 # Qwen2.5-VL-7B's language model and vision tower (the cost model's FLOPs, as --balance-cost uses them).
 LM_7B = LMShape(
-    hidden_size=3584, num_layers=28, num_attention_heads=28, num_query_groups=4, ffn_hidden_size=18944, vocab_size=152064
+    hidden_size=3584,
+    num_layers=28,
+    num_attention_heads=28,
+    num_query_groups=4,
+    ffn_hidden_size=18944,
+    vocab_size=152064,
 )
 VISION_7B = VisionShape(
     hidden_size=1280,
