@@ -15,9 +15,12 @@ named by $QVL_EXECUTOR_CONFIG. The entrypoint runs where the executor puts it an
 `qvl train RECIPE key=value ...` (or `qvl demo`) there, the same command `qvl launch` submits.
 """
 
+import dataclasses
 import functools
+import inspect
 import os
 import sys
+import typing
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -108,6 +111,8 @@ def _run_recipe(recipe: functools.partial, overrides: Optional[list[str]]) -> No
 def _recipe_name(fn: Any) -> str:
     if fn is demo:
         return DEMO_JOB
+    if fn in _TYPED_RECIPES:
+        return _TYPED_RECIPES[fn]
     from qvl.recipes.registry import all_recipes
 
     for info in all_recipes():
@@ -124,7 +129,49 @@ def _register_recipe_factories() -> None:
         run.cli.factory(_factory(target, demo), target=target, name=DEMO_JOB)
     for info in all_recipes():
         target = pretrain if info.stage == "pretrain" else finetune
-        run.cli.factory(_factory(target, info.fn), target=target, name=info.name)
+        run.cli.factory(_factory(target, _typed_recipe(info)), target=target, name=info.name)
+
+
+_TYPED_RECIPES: dict[Callable, str] = {}
+
+
+def _typed_recipe(info: Any) -> Callable:
+    """The recipe with every recipe option declared with its type, for `recipe.<option>=value`.
+
+    NeMo-Run parses `recipe.x=v` by the type of the recipe's parameter `x`, and a recipe's `**overrides: Any` has
+    none ("Unsupported type: Any"). The wrapper is a module attribute named after the recipe, so NeMo-Run can
+    serialize it; options left at None are not passed, so the recipe's own defaults apply."""
+    params = inspect.signature(info.fn).parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        return info.fn  # an explicit signature is already typed
+    from qvl.recipes.options import RecipeOptions
+
+    hints = typing.get_type_hints(RecipeOptions)
+
+    def recipe(**options: Any) -> Any:
+        return info.fn(**{k: v for k, v in options.items() if v is not None})
+
+    recipe.__signature__ = inspect.Signature(
+        [
+            # tuple options (freeze, recompute_modules) are given as comma-separated text, as on `qvl train`
+            inspect.Parameter(
+                f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Optional[_cli_type(hints[f.name])]
+            )
+            for f in dataclasses.fields(RecipeOptions)
+        ]
+    )
+    recipe.__name__ = recipe.__qualname__ = info.name
+    recipe.__module__ = __name__
+    recipe.__doc__ = info.fn.__doc__
+    globals()[info.name] = recipe
+    _TYPED_RECIPES[recipe] = info.name
+    return recipe
+
+
+def _cli_type(hint: Any) -> Any:
+    members = [m for m in typing.get_args(hint) if m is not type(None)] or [hint]
+    kind = members[0]
+    return str if typing.get_origin(kind) is tuple else kind
 
 
 def _factory(target: Any, fn: Any) -> Any:

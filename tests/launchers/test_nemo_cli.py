@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import fiddle as fdl
 import nemo_run as run
@@ -31,6 +33,18 @@ def nemo_cli(monkeypatch):
 
 COMMANDS = {
     "help": ["finetune", "--help"],
+    "real": [
+        "finetune",
+        "--factory",
+        "qwen25_vl_7b_sft",
+        "recipe.tensor_parallel=4",
+        "recipe.lr=1e-4",
+        "overrides=['train.train_iters=7']",
+        "run.executor=local",
+        "run.executor.gpus=0",
+        "run.executor.cpu_processes=4",
+        "--dryrun",
+    ],
     "dryrun": [
         "pretrain",
         "--factory",
@@ -70,6 +84,12 @@ def test_nemo_qvl_finetune_help_lists_factories_and_executors(nemo_runs):
         assert noise not in out, noise
 
 
+def test_nemo_qvl_takes_recipe_options_of_a_real_recipe(nemo_runs):
+    code, out = nemo_runs["real"]
+    assert code == 0, out
+    assert "tensor_parallel=4" in out and "lr=0.0001" in out, out[-3000:]
+
+
 def test_nemo_qvl_dryrun_of_a_factory(nemo_runs):
     code, out = nemo_runs["dryrun"]
     assert code == 0, out
@@ -82,7 +102,10 @@ def test_every_registered_recipe_becomes_a_factory(fake_recipe, nemo_cli):
 
     nemo_cli._register_recipe_factories()
     task = parse_factory(nemo_cli.finetune, "", nemo_cli.finetune, FAKE_RECIPE)
-    assert task.__fn_or_cls__ is nemo_cli.finetune and task.recipe.__fn_or_cls__ is tiny_sft
+    assert task.__fn_or_cls__ is nemo_cli.finetune and nemo_cli._recipe_name(task.recipe.__fn_or_cls__) == FAKE_RECIPE
+    # `recipe.<option>=...` needs typed parameters: every recipe option is declared, with its type.
+    params = inspect.signature(task.recipe.__fn_or_cls__).parameters
+    assert params["tensor_parallel"].annotation == Optional[int] and params["lr"].annotation == Optional[float]
     assert parse_factory(nemo_cli.pretrain, "", nemo_cli.pretrain, "demo").recipe.__fn_or_cls__ is nemo_cli.demo
 
 
