@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,32 +123,3 @@ def _field_names(obj: Any) -> list[str] | None:
     if dataclasses.is_dataclass(obj):
         return [f.name for f in dataclasses.fields(obj)]
     return None
-
-
-def check_config_paths(keys: Sequence[str], root: type) -> None:
-    """Check dotted keys against the dataclass field types under `root` (for when no config can be built).
-
-    A union type (the ConfigContainer's `model` and `dataset`) accepts a field any of its members has, and a
-    field whose type is not a dataclass ends the walk."""
-    for dotted in keys:
-        types, path = [root], []
-        for name in dotted.split("."):
-            if not types:
-                break
-            names = sorted({f.name for t in types for f in dataclasses.fields(t)})
-            if name not in names:
-                where = ".".join(path) or "the config"
-                raise ConfigError(f"override {dotted}: {where} has no field {name!r}{did_you_mean(name, names)}")
-            types = [t for owner in types for t in _dataclass_types(owner, name)]
-            path.append(name)
-
-
-def _dataclass_types(owner: type, name: str) -> list[type]:
-    if name not in {f.name for f in dataclasses.fields(owner)}:
-        return []
-    try:
-        hint = typing.get_type_hints(owner)[name]
-    except (NameError, TypeError):  # an unresolvable forward reference: nothing to check below this field
-        return []
-    members = typing.get_args(hint) if typing.get_args(hint) else (hint,)
-    return [m for m in members if isinstance(m, type) and dataclasses.is_dataclass(m)]
