@@ -216,12 +216,14 @@ def _check_divisible(model: Any, o: RecipeOptions, name: str) -> None:
 def _check_vision_balance(model: Any, arch: Architecture, o: RecipeOptions) -> None:
     from megatron.bridge.models.qwen_vl.qwen25_vl_provider import Qwen25VLModelProvider
 
-    # The balanced step computes inputs_embeds itself and hands them to Qwen25VLModel.forward (Qwen2-VL's too);
-    # Qwen3-VL's Megatron tower also feeds deepstack features into the decoder, which that path does not carry.
+    # The balanced step runs the replicated HF tower and hands inputs_embeds to Qwen25VLModel.forward (Qwen2-VL's
+    # too). Qwen3-VL's tower is Megatron's, sharded over TP, and feeds deepstack features into the decoder.
     if o.vision_balance and not isinstance(model, Qwen25VLModelProvider):
         raise ConfigError(
-            f"vision_balance=True is not supported for {arch.family} yet (its Megatron vision tower's "
-            "deepstack features have no balanced path); drop vision_balance"
+            f"vision_balance=True is not supported for {arch.family} yet: its vision tower is Megatron's, "
+            "tensor-parallel itself (each rank holds 1/TP of its weights), so no rank can encode an image alone, "
+            "and its deepstack features enter decoder layers the balanced step does not reach (README: "
+            "'Vision work over the DP x TP grid'); drop vision_balance"
         )
 
 

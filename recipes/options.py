@@ -44,7 +44,7 @@ class RecipeOptions:
     context_parallel: int = 1
     expert_parallel: int = 1
     sequence_parallel: bool = False
-    vision_balance: bool = False  # OrchMLLM-style online balancing of vision work over data-parallel ranks
+    vision_balance: bool = False  # vision tower data-parallel over stage 0's DP x TP ranks, each image once, by cost
     pipeline_split: str = "auto"  # "auto" (vision on stage 0, balanced), "uniform", or "FIRST,LAST" layer counts
     precision: str = "bf16-mixed"
     recompute: str = "none"
@@ -99,9 +99,10 @@ class RecipeOptions:
             )
         if self.vision_balance and self.context_parallel > 1:
             raise ConfigError(
-                f"vision_balance=True needs context_parallel=1 (got {self.context_parallel}): "
-                "images move over the data-parallel group, and context-parallel ranks (which split one "
-                "sequence) are not wired in; set context_parallel=1 or drop vision_balance"
+                f"vision_balance=True needs context_parallel=1 (got {self.context_parallel}): the CP ranks of a "
+                "replica each hold a slice of its sequences, and the step would have to send each embedding to "
+                "the CP rank whose slice holds its placeholder tokens (not wired in); set context_parallel=1 or "
+                "drop vision_balance"
             )
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(

@@ -12,7 +12,8 @@ Memory per GPU (the most loaded pipeline stage decides):
   inputs/outputs are split by TP only with sequence parallelism. 1F1B keeps min(PP - stage, micro-batches)
   micro-batches in flight (interleaving: x (1 + (PP-1)/(PP*VPP)), the same formula's penalty). Full
   recompute keeps each layer's input plus one layer's working set. The vision tower's activations sit on
-  stage 0 (replicated over TP for the HF towers of Qwen2-VL / Qwen2.5-VL).
+  stage 0 (replicated over TP for the HF towers of Qwen2-VL / Qwen2.5-VL; with `vision_balance` each rank keeps
+  those of its 1/TP share of the images, plus the moved pixels and embeddings, `vision_balance_buffer_bytes`).
 FLOPs: `qvl.data.cost` (forward FLOPs; x3 for training, +1 forward for full recompute). MFU is an estimate
 from a roofline: GEMM efficiency, pipeline bubble, unoverlapped TP/EP/DP communication.
 """
@@ -27,7 +28,7 @@ from qvl.data.cost import LMShape, VisionShape, shapes_from_hf_config
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import FAMILIES, Family, family_of_vision_config
 from qvl.foundation.layout import ParallelLayout
-from qvl.recipes.split import Workload, counts, split_from_counts, stage_costs
+from qvl.recipes.split import StageCosts, Workload, counts, split_from_counts, stage_costs
 
 GIB = 1024**3
 
@@ -108,6 +109,10 @@ class Plan:
     mfu: float
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
+    # Share of a stage-0 rank's forward FLOPs that is vision work: "replicated" (each TP rank encodes all of its
+    # replica's images) and "vision_balance" (each image once over the DP x TP grid); which one runs: vision_balance.
+    vision_share: dict[str, float] = field(default_factory=dict)
+    vision_balance: bool = False
 
     @property
     def worst(self) -> StageMemory:
@@ -263,6 +268,30 @@ def vision_activation_bytes(model: Any, vision: VisionShape, patches: float) -> 
     return patches * per_patch * vision.depth
 
 
+def vision_balance_buffer_bytes(vision: VisionShape, patches: float, tp: int) -> float:
+    """Bytes `vision_balance` adds on one stage-0 rank per micro-batch (mean; the busiest rank is within ~1.15x).
+
+    Pixels received for the images it encodes (float32, at most its 1/TP share: images of its own replica
+    do not move), its tower output and the send buffer that repeats each row once per TP rank of the image's
+    replica (bf16), and the gradients returned in backward (bf16, 1/TP share).
+    """
+    pixel = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2 * 4
+    rows = patches / tp / vision.spatial_merge_size**2
+    return patches / tp * pixel + rows * vision.out_hidden_size * 2 * (1 + tp + 1)
+
+
+def vision_shares(model: Any, costs: StageCosts, first_stage_layers: int) -> dict[str, float]:
+    """Vision share of a stage-0 rank's forward FLOPs per micro-batch, replicated and with vision_balance."""
+    tp = model.tensor_model_parallel_size
+    lm = costs.layer * first_stage_layers / tp
+    replicated = costs.vision / tp if vision_is_megatron(model) else costs.vision
+    shares = {"replicated": replicated / (replicated + lm) if replicated + lm else 0.0}
+    if not vision_is_megatron(model):  # refused for Megatron towers (qvl.recipes.base)
+        balanced = costs.vision / tp
+        shares["vision_balance"] = balanced / (balanced + lm) if balanced + lm else 0.0
+    return shares
+
+
 def _stage_params(model: Any, cfg: Any, layers: list[int]) -> list[tuple[float, float, float, float]]:
     """Per stage: (frozen, trainable dense, trainable expert) params on one GPU, and total trainable."""
     tp, ep = model.tensor_model_parallel_size, model.expert_model_parallel_size
@@ -328,6 +357,7 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
     recompute, modules = model.recompute_granularity, list(model.recompute_modules or [])
     tokens = workload.seq_length * mbs / cp
     patches = sum(workload.images(vision.spatial_merge_size)) * mbs / cp
+    balanced = bool(getattr(cfg.dataset, "vision_balance", False))
     stages = []
     for s, (frozen, train_dense, train_expert, trainable) in enumerate(_stage_params(model, cfg, layers)):
         mem = StageMemory(layers=layers[s])
@@ -336,7 +366,10 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
         mem.optimizer = (train_dense / dp + train_expert / edp) * optim_b * (1 - offload)
         per_layer = layer_activation_bytes(model, lm, tokens, recompute=recompute, modules=modules)
         acts = per_layer * layers[s]
-        if s == 0:
+        if s == 0 and balanced:  # this rank keeps the activations of its 1/TP share of the images only
+            acts += vision_activation_bytes(model, vision, patches / tp) + tokens * 2 * lm.hidden_size
+            acts += vision_balance_buffer_bytes(vision, patches, tp)
+        elif s == 0:
             acts += vision_activation_bytes(model, vision, patches) + tokens * 2 * lm.hidden_size
         if s == pp - 1:
             acts += tokens * 4 * (lm.hidden_size + _padded_vocab(model)) / tp  # logits + loss, fp32 (same source)
@@ -370,6 +403,8 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
         step_time_s=step,
         mfu=mfu,
         problems=problems,
+        vision_share=vision_shares(model, costs, layers[0]),
+        vision_balance=balanced,
     )
 
 

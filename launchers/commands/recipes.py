@@ -163,6 +163,8 @@ def plan_dict(name: str, plan: Any) -> dict[str, Any]:
         "model_flops_per_step": plan.model_flops_per_step,
         "step_time_s": plan.step_time_s,
         "mfu": plan.mfu,
+        "vision_share": dict(plan.vision_share),
+        "vision_balance": plan.vision_balance,
         "problems": list(plan.problems),
         "suggestions": list(plan.suggestions),
     }
@@ -219,6 +221,9 @@ def print_plan(name: str, plan: Any) -> None:
         f"{plan.step_time_s:.2f} s; MFU estimate {plan.mfu:.1%} (assumes {GEMM_EFFICIENCY:.0%} of peak "
         "in compute, pipeline bubble and unoverlapped TP/EP/DP traffic)"
     )
+    if plan.vision_share:
+        shares = ", ".join(f"{mode} {share:.1%}" for mode, share in plan.vision_share.items())
+        console.print(f"vision share of a stage-0 rank's FLOPs: {shares} (vision_balance={plan.vision_balance})")
     for problem in plan.problems:
         console.print(f"[red]refused:[/] {problem}")
     if plan.suggestions:

@@ -121,3 +121,28 @@ def test_pipeline_split_puts_less_lm_work_on_the_vision_stage():
     assert layers[0] < max(layers) and sum(layers) == 80
     flops = plan.stage_flops
     assert max(flops) / (sum(flops) / len(flops)) < 1.05
+
+
+def test_vision_balance_cuts_the_vision_share_and_the_tower_activations_by_tp():
+    def plan(**kw):
+        return plan_config(get_recipe("qwen25_vl_7b_sft").fn(tensor_parallel=4, **kw), gpus=8)
+
+    replicated, balanced = plan(), plan(vision_balance=True)
+    share = balanced.vision_share
+    assert share == replicated.vision_share and balanced.vision_balance and not replicated.vision_balance
+    # Replicated, each TP rank encodes every image of its replica; balanced, a quarter of them (the LM's per-rank
+    # FLOPs are 1/4 either way): vision / lm drops 4x.
+    odds = [share[k] / (1 - share[k]) for k in ("replicated", "vision_balance")]
+    assert odds[0] == pytest.approx(4 * odds[1])
+    # The tower's activations shrink to a quarter; the moved pixels and embeddings cost less than that saves.
+    saved = replicated.stages[0].activations - balanced.stages[0].activations
+    tower = planner.vision_activation_bytes(get_recipe("qwen25_vl_7b_sft").fn().model, *_vision_and_patches())
+    assert 0 < saved < 0.75 * tower
+    assert "vision_balance" not in plan_config(get_recipe("qwen3_vl_8b_sft").fn(), gpus=8).vision_share
+
+
+def _vision_and_patches():
+    cfg = get_recipe("qwen25_vl_7b_sft").fn(tensor_parallel=4)
+    _, vision = planner.model_shapes(cfg.model)
+    workload = Workload(seq_length=cfg.model.seq_length)
+    return vision, sum(workload.images(vision.spatial_merge_size)) * cfg.train.micro_batch_size
