@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.bench_attention import pack_lengths
 from qvl.foundation import distributed
 from tests.bridges.test_attention import naive_attention
 
@@ -52,15 +53,6 @@ def test_tiny_gpt_trains_on_cuda(cuda_distributed):
     batches = smoke.synthetic_batches(shape, micro_batch_size=2, count=40)
     losses, _ = smoke.train([model], batches, shape=shape, steps=20, micro_batch_size=2, num_microbatches=2)
     assert losses[-1] < losses[0] - 0.5
-
-
-def pack_lengths(total: int = 8192, count: int = 40, seed: int = 0) -> list[int]:
-    """`count` sub-sequence lengths summing to `total`, uneven like a real pack (a few long, many short)."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = torch.rand(count, generator=gen) ** 3 + 0.02
-    lengths = (weights / weights.sum() * total).long().clamp(min=1)
-    lengths[0] += total - int(lengths.sum())
-    return lengths.tolist()
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

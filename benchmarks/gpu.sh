@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU figures in one command on a lent GPU machine (no network, no Megatron, no TE there; see benchmarks/README.md).
+#
+#   bash benchmarks/gpu.sh wheels   # HERE, on a machine with pip and a registry: the wheelhouse .whl/ (~52 MB)
+#   bash benchmarks/gpu.sh run      # THERE, with .whl carried: install, GPU tests, attention and training benchmarks
+#
+# `run` writes everything into $OUT (the device tool brings it back; default .bench/gpu): env.txt, gpu_tests.txt,
+# bench_attention.json, bench_train.json, train_log.txt. Each stage has its own time limit so that the whole run ends
+# inside one 10-minute command and a failing stage still leaves the others' results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# What the GPU image (Python 3.12, torch 2.11, transformers 5.17) lacks for qvl's training path, found by importing
+# the GPU tests and a training run under `python -X importtime` and keeping the distributions the image does not
+# hold. Versions are the pinned stack's (launchers/requirements-*.txt). transformers is carried at the pinned 5.12.1
+# (Megatron-Bridge 0.6.2 pins <= 5.12.1; the image's 5.17 is untested with its bridges), with the tokenizers it
+# accepts (<= 0.23.0; the image has 0.23.2). Left out on purpose: botocore (tensorboard imports it only for S3),
+# av (energon imports it only for video), nemo-run and its executors (launching, not training).
+WHEELS=(
+  megatron-core==0.19.2 megatron-bridge==0.6.2 megatron-energon==7.4.1 transformers==5.12.1 tokenizers==0.22.2
+  nvidia-modelopt==0.47.0 pulp==3.3.2 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+  omegaconf==2.3.1 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+  webdataset==1.0.2 braceexpand==0.1.7 multi-storage-client==1.3.1 rapidyaml==0.15.2 xattr==1.3.0 cffi==2.1.1
+  wcmatch==10.2.1 bracex==3.2.2 lark==1.3.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
+  referencing==0.37.0 rpds-py==2026.9.1 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2
+  opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-prometheus==0.66b2
+  google-api-core==2.44.0 google-auth==2.62.2 googleapis-common-protos==1.76.0 h2==4.4.1 hpack==4.2.0
+  hyperframe==6.1.0 deprecation==2.1.0 filetype==1.2.0 toml==0.10.2 sniffio==1.3.1 wcwidth==0.9.4
+)
+SDIST_ONLY=(antlr4-python3-runtime==4.9.3)  # omegaconf's parser runtime: no wheel on PyPI, built here (pure Python)
+PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+           manylinux1_x86_64)
+LIMIT_MIB=60  # what travels is capped at 64 MiB, the repository included
+
+wheels() {
+  local python=${PYTHON:-python3} platform_args=() spec
+  for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
+  mkdir -p .whl
+  for spec in "${WHEELS[@]}"; do
+    "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      "${platform_args[@]}" -d .whl "$spec" || { echo "error: could not download $spec" >&2; exit 1; }
+  done
+  for spec in "${SDIST_ONLY[@]}"; do
+    "$python" -m pip wheel -q --no-deps -w .whl "$spec" || { echo "error: could not build $spec" >&2; exit 1; }
+  done
+  local mib
+  mib=$(du -sm .whl | cut -f1)
+  echo "wheelhouse .whl: $(ls .whl | wc -l) wheels, ${mib} MiB"
+  if (( mib > LIMIT_MIB )); then echo "error: .whl is ${mib} MiB, over ${LIMIT_MIB}; remove stale wheels" >&2; exit 1; fi
+}
+
+run() {
+  local out=${OUT:-.bench/gpu} site=/tmp/qvl-site src=/tmp/qvl-src
+  mkdir -p "$out"
+  [ -d .whl ] || { echo "error: no .whl/ here; run 'bash benchmarks/gpu.sh wheels' first and carry .whl" >&2; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    || { echo "error: installing the wheelhouse failed" >&2; exit 1; }
+  # qvl itself: its folders are the subpackages of the `qvl` namespace (pyproject's package-dir), linked, not built.
+  mkdir -p "$src/qvl"
+  for d in foundation bridges data recipes launchers; do ln -sfn "$PWD/$d" "$src/qvl/$d"; done
+  export PYTHONPATH="$src:$site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  python3 - <<'EOF' 2>&1 | tee "$out/env.txt"
+import torch, transformers, megatron.core
+from qvl.bridges.attention import _varlen_kernel
+print("device", torch.cuda.get_device_name(), "torch", torch.__version__, "transformers", transformers.__version__,
+      "megatron-core", megatron.core.__version__, "varlen kernel", _varlen_kernel() is not None,
+      "keywords", sorted(_varlen_kernel()[1]) if _varlen_kernel() else None)
+EOF
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/bridges/test_gpu.py 2>&1 | tail -n 60 | tee "$out/gpu_tests.txt"
+  timeout 60 python3 -m benchmarks.bench_attention >/dev/null 2>"$out/attention_log.txt"; cp .bench/bench_attention.json "$out/" 2>/dev/null
+  timeout "${BENCH_TRAIN_SECONDS:-330}" python3 -m benchmarks.bench_train --out /tmp/bench_train ${BENCH_TRAIN_ARGS:-} \
+    2>&1 | tail -n 40 | tee -a "$out/gpu_tests.txt"
+  cp /tmp/bench_train/bench_train.json "$out/" 2>/dev/null
+  tail -c 1000000 /tmp/bench_train/train_log.txt >"$out/train_log.txt" 2>/dev/null
+  ls -la "$out"
+}
+
+case "${1:-}" in
+  wheels) wheels ;;
+  run) run ;;
+  *) echo "usage: bash benchmarks/gpu.sh wheels|run   (see benchmarks/README.md)" >&2; exit 2 ;;
+esac
