@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any
@@ -90,7 +91,9 @@ def recipe_rows(family: str | None = None) -> list[dict[str, Any]]:
 
 def run_recipes(args: argparse.Namespace) -> int:
     """Print every registered recipe: a table on a terminal, whole names in plain columns into a pipe, or JSON."""
-    rows = recipe_rows(args.family)
+    # Importing the recipe modules imports Megatron, which may print; stdout carries the listing alone.
+    with contextlib.redirect_stdout(sys.stderr):
+        rows = recipe_rows(args.family)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -129,7 +132,8 @@ def run_plan(args: argparse.Namespace) -> int:
         vision_token_fraction=args.vision_fraction,
         patches_per_image=args.patches_per_image,
     )  # seq_length: the recipe's
-    plan = plan_recipe(args.recipe, overrides, gpus=gpus, gpu=args.gpu, workload=workload)
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        plan = plan_recipe(args.recipe, overrides, gpus=gpus, gpu=args.gpu, workload=workload)
     if args.json:
         print(json.dumps(plan_dict(args.recipe, plan), indent=2))
     else:
