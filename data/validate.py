@@ -2,8 +2,8 @@
 
 Checks, in order (the first failure is the reason): text is valid UTF-8 and free of Qwen's special-token
 strings; the sample is not empty; roles alternate user/assistant after an optional system turn and end on an
-assistant turn; placeholders match the listed media; each image exists, decodes and can be resized by the
-family's rule; each video (file or frame folder) exists, has frames of one size and can be resized.
+assistant turn; placeholders match the listed media; each image exists, is intact (`qvl.data.integrity`) and
+can be resized by the family's rule; each video (file or frame folder) exists, has frames of one size and can be resized.
 """
 
 from __future__ import annotations
