@@ -264,8 +264,11 @@ def test_tensor_parallel_grid_reproduces_the_replicated_losses(tp_runs):
 
 def test_pipeline_parallel_2_with_vision_balance_trains_like_one_stage(one_replica_dataset, tmp_path):
     """PP=2: the tower and the balancer live on stage 0 (its grid is the one rank there: nothing moves, and the
-    last stage must not join its collectives); the losses equal a one-process PP=1 run's, as in test_train.py."""
-    common = common_args(*one_replica_dataset)
+    last stage must not join its collectives); the losses equal a one-process PP=1 run's, as in test_train.py:
+    from one converted checkpoint (a pretrain recipe's random init differs between PP=1 and PP=2)."""
+    data, hf = one_replica_dataset
+    qvl("convert", "import", str(hf), str(tmp_path / "megatron"), "--dtype", "fp32", "--device", "cpu")
+    common = ["qwen25_vl_3b_sft", f"pretrained_checkpoint={tmp_path / 'megatron'}", *common_args(data, hf)[1:]]
     torchrun_train(*common, "pipeline_parallel=2", "vision_balance=true", "--run-dir", str(tmp_path / "pp2"))
     qvl("train", *common, "vision_balance=true", "--run-dir", str(tmp_path / "pp1"))
     one, two = read_losses(tmp_path / "pp1"), read_losses(tmp_path / "pp2")
