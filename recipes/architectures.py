@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import FAMILIES, Family, get_family
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def load_hf_config(hf_path: str | Path | None, arch: Architecture) -> Any:
         config = AutoConfig.from_pretrained(str(hf_path), trust_remote_code=False)
         found = (getattr(config, "architectures", None) or ["?"])[0]
         if found != arch.hf_architecture:
-            raise ValueError(f"{hf_path}/config.json is a {found}, but the recipe is for {arch.family} "
+            raise ConfigError(f"{hf_path}/config.json is a {found}, but the recipe is for {arch.family} "
                              f"({arch.hf_architecture}); pick a {found} recipe or another hf_path")  # fmt: skip
         return config
     return hf_config(arch)
