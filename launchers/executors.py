@@ -268,30 +268,6 @@ def _kubeflow(
     )
 
 
-def kuberay(
-    *,
-    image: str,
-    nodes: int = 1,
-    gpus_per_node: int = 8,
-    namespace: str = "default",
-    data_pvc: str = "",
-    data_path: str = "/data",
-) -> run.Executor:
-    """A KubeRay cluster for Ray workloads (data preparation, evaluation): one GPU worker group."""
-    from nemo_run.core.execution.kuberay import KubeRayExecutor, KubeRayWorkerGroup
-
-    volumes, mounts = _pvc_volumes((("data", data_pvc, data_path),))
-    workers = KubeRayWorkerGroup(group_name="gpu", replicas=nodes, gpus_per_worker=gpus_per_node)
-    return KubeRayExecutor(
-        image=image,
-        namespace=namespace,
-        worker_groups=[workers],
-        volumes=volumes,
-        volume_mounts=mounts,
-        env_vars=dict(MEGATRON_ENV),
-    )
-
-
 FACTORIES = {"local": local, "slurm": slurm, "kubernetes": kubernetes}
 # Executor fields a factory sets itself; the other fields pass through its **keywords.
 _SET_BY_FACTORY = {

@@ -112,11 +112,6 @@ def test_kubernetes_builds_a_trainjob_executor_with_pvcs(fake_kubeconfig):
     assert executors.world_shape(executor) == (4, 8)
 
 
-def test_kuberay_for_ray_workloads(fake_kubeconfig):
-    executor = executors.kuberay(image="rayproject/ray:2.43.0", nodes=2, gpus_per_node=4, data_pvc="qvl-data")
-    assert executor.worker_groups[0].replicas == 2 and executor.worker_groups[0].gpus_per_worker == 4
-
-
 def test_every_megatron_env_var_says_why():
     source = inspect.getsource(executors).split("MEGATRON_ENV", 1)[1].split("}", 1)[0]
     lines = source.splitlines()
