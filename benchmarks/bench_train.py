@@ -65,6 +65,7 @@ class Setup:
     num_workers: int
     out: pathlib.Path
     padded: bool = True
+    loader_only: bool = False  # no training: the loader's packs/s against what `qvl plan` says an H100 step needs
 
 
 # --- inputs: model directory and dataset --------------------------------------------------------------------------
@@ -528,8 +529,10 @@ def train_all(setup: Setup, specs: list[pathlib.Path]) -> list[dict]:
 def benchmark(setup: Setup) -> dict:
     """Prepare, train every variant, and summarise; writes OUT/bench_train.json."""
     _, family, _ = MODELS[setup.model]
-    if setup.model != "tiny" and not torch.cuda.is_available():
-        raise SystemExit(f"--model {setup.model} needs a CUDA GPU (real shapes); on CPU use --model tiny")
+    if setup.model != "tiny" and not torch.cuda.is_available() and not setup.loader_only:
+        raise SystemExit(
+            f"--model {setup.model} needs a CUDA GPU to train (real shapes); on CPU use --model tiny, or --loader-only"
+        )
     setup.out.mkdir(parents=True, exist_ok=True)
     hf_dir = write_model_dir(setup.out / "hf", setup.model, setup.layers)
     jsonl, media = write_llava_like(setup.out / "samples", setup.samples, scale=1.0 if setup.model != "tiny" else 0.25)
@@ -547,6 +550,13 @@ def benchmark(setup: Setup) -> dict:
     }
     modes = ("packed", "padded") if setup.padded else ("packed",)
     datasets = {n: prepare_dataset(setup, hf_dir, jsonl, media, n) for n in setup.seq_lengths}
+    if setup.loader_only:
+        for seq_length, data in datasets.items():
+            needed = planned_packs_per_second(setup, hf_dir, data, seq_length)
+            results["loader"].append(loader_row(data, hf_dir, family, setup, needed, what="h100_step_needs_planned"))
+        results["checks"] = checks(results)
+        (setup.out / "bench_train.json").write_text(json.dumps(results, indent=2))
+        return results
     specs = [variant_spec(setup, hf_dir, datasets[n], n, mode) for n in setup.seq_lengths for mode in modes]
     measured = iter(train_all(setup, specs))
     for seq_length, data in datasets.items():
@@ -562,10 +572,29 @@ def benchmark(setup: Setup) -> dict:
     return results
 
 
-def loader_row(data, hf_dir, family, setup: Setup, consumed: float) -> dict:
-    """Packs/s of the planned loader in one process and with workers, against the packs/s training consumed."""
+def planned_packs_per_second(setup: Setup, hf_dir: pathlib.Path, data: pathlib.Path, seq_length: int) -> float:
+    """Packs/s one H100 consumes by `qvl plan`'s step-time estimate for this model, packs and dataset."""
+    from qvl.foundation import megatron
+    from qvl.recipes.planner import plan_config
+    from qvl.recipes.split import Workload
+    from qvl.recipes.training.train import TrainRequest, prepare_config
+
+    megatron.import_megatron_bridge()
+    spec = json.loads(variant_spec(setup, hf_dir, data, seq_length, "packed").read_text())
+    request = TrainRequest(recipe=spec["recipe"], overrides=spec["overrides"], run_dir=pathlib.Path(spec["run_dir"]))
+    config = prepare_config(request, cpu=False)[1]
+    rows = [json.loads(line) for line in (data / "packs.jsonl").read_text().splitlines()]
+    sample_tokens = int(np.mean([n for r in rows for n in r["lengths"]]))
+    plan = plan_config(
+        config, gpus=1, gpu="h100", workload=Workload(seq_length=seq_length, sample_tokens=sample_tokens)
+    )
+    return round(setup.global_batch / plan.step_time_s, 2)
+
+
+def loader_row(data, hf_dir, family, setup: Setup, consumed: float, what: str = "consumed") -> dict:
+    """Packs/s of the planned loader in one process and with workers, against the packs/s training consumes."""
     count = 8 if setup.model == "tiny" else 24
-    row = {"seq_length": int(json.loads((data / "report.json").read_text())["seq_length"]), "consumed": consumed}
+    row = {"seq_length": int(json.loads((data / "report.json").read_text())["seq_length"]), what: consumed}
     for workers in sorted({0, setup.num_workers or 2}):
         row[f"workers_{workers}"] = round(loader_packs_per_second(data, hf_dir, family, workers, count), 2)
     return row
@@ -584,6 +613,12 @@ def checks(results: dict) -> list[dict]:
                 "met": many > one,
             }  # fmt: skip
         )
+        if "h100_step_needs_planned" in row:
+            needed = row["h100_step_needs_planned"]
+            out.append(
+                {"figure": f"loader packs/s at {row['seq_length']} with workers / planned H100 need",
+                 "value": round(many / needed, 2), "goal": ">= 1 (else: more workers)", "met": many >= needed}
+            )  # fmt: skip
     if results["gpu_kind"]:
         for run in results["runs"]:
             packed = run["packed"]
@@ -633,6 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, help="synthetic conversations to prepare")
     parser.add_argument("--num-workers", type=int, help="loader worker processes")
     parser.add_argument("--no-padded", action="store_true", help="skip the padded baseline")
+    parser.add_argument(
+        "--loader-only", action="store_true", help="no training (CPU): loader packs/s vs the planner's H100 step"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench/train"))
     parser.add_argument("--worker", type=pathlib.Path, nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -642,8 +680,10 @@ def main(argv: list[str] | None = None) -> int:
     options = {k: getattr(args, k) for k in ("layers", "steps", "global_batch", "samples", "num_workers")}
     options["seq_lengths"] = tuple(args.seq_lengths) if args.seq_lengths else None
     setup = default_setup(args.model, args.out, **options)
-    setup.padded = not args.no_padded
+    setup.padded, setup.loader_only = not args.no_padded, args.loader_only
     results = benchmark(setup)
+    for row in results["loader"]:
+        print(f"loader {row}")
     for run in results["runs"]:
         for mode in ("packed", "padded"):
             if mode in run:
