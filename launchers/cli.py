@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_logging(verbose: bool) -> None:
     """qvl's own logs at INFO; Megatron's INFO chatter, import probes and fallback warnings only when verbose.
 
-    `qvl` and `nemo qvl` both call this, so the two command lines print the same."""
+    `qvl` and `nemo qvl` both call this, so the two command lines print the same. It configures the process's
+    logging and warnings: only command-line entry points call it (`qvl`'s main() undoes the warning filters
+    when it returns; `nemo qvl`'s process is the command)."""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
@@ -76,12 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    quiet_logging(args.verbose)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
     try:
-        return int(args.func(args) or 0)
+        # The warning filters quiet_logging sets hold for this command only (main() is also called in-process).
+        with warnings.catch_warnings():
+            quiet_logging(args.verbose)
+            return int(args.func(args) or 0)
     except QvlError as err:
         if args.verbose:
             traceback.print_exc()
