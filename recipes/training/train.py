@@ -85,8 +85,9 @@ def check_inputs(info, config, run_dir: Path) -> None:
     from qvl.bridges.checkpoints import check_megatron_checkpoint, has_checkpoint
     from qvl.recipes.base import check_dataset
 
-    for what, path in (("--run-dir", run_dir), ("checkpoint_dir", Path(config.checkpoint.save))):
-        check_writable(what, path)
+    check_writable("--run-dir", run_dir)
+    if config.checkpoint.save:  # checkpoint.save=none trains without saving
+        check_writable("checkpoint_dir", Path(config.checkpoint.save))
     resuming = has_checkpoint(Path(config.checkpoint.load)) if config.checkpoint.load else False
     pretrained = config.checkpoint.pretrained_checkpoint
     if info.stage != "pretrain" and not pretrained and not resuming:
