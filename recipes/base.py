@@ -7,7 +7,7 @@ Family modules (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`) own their sizes' default l
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +53,6 @@ class QvlPackedDatasetConfig(DatasetProvider):
     micro_batch_size: int = 1
     dataloader_type: str | None = "external"  # energon yields batches itself
     num_workers: int = 2
-    # Online vision balancing in qvl's forward step (qvl.recipes.training.step); it lives here because the dataset section
-    # is qvl's own, so the step sees it at train time and it survives run_config.yaml.
-    vision_balance: bool = False
 
     def finalize(self) -> None:
         """Refuse a missing dataset before any process group or model is built."""
@@ -64,14 +61,26 @@ class QvlPackedDatasetConfig(DatasetProvider):
 
     def build_datasets(self, context: DatasetBuildContext) -> tuple[Any, Any, Any]:
         """Train/valid/test loaders, built by qvl.data.load (wired by the training loop)."""
-        try:
-            from qvl.data.load import build_packed_datasets
-        except ImportError as err:
-            raise RuntimeError(
-                "qvl.data.load.build_packed_datasets(config, context) is not available in "
-                "this version; train through `qvl train`, which wires the packed loader"
-            ) from err
+        from qvl.data.load import build_packed_datasets  # Energon is imported only when data is loaded
+
         return build_packed_datasets(self, context)
+
+
+@dataclass(kw_only=True)
+class QvlTrainingConfig:
+    """qvl's own training settings, read by its forward step (qvl.recipes.training.step)."""
+
+    # Vision work balanced over the first pipeline stage's DP x TP ranks (qvl.recipes.training.vision_balance).
+    vision_balance: bool = False
+
+
+# Not slots: Megatron-Bridge's ConfigContainer is a plain dataclass.
+@dataclass(kw_only=True)
+class QvlConfigContainer(ConfigContainer):
+    """Megatron-Bridge's ConfigContainer with a `qvl` section, so qvl's settings have a home of their own and
+    travel with run_config.yaml (`qvl.vision_balance=true` overrides it like any other field)."""
+
+    qvl: QvlTrainingConfig = field(default_factory=QvlTrainingConfig)
 
 
 def check_dataset(dataset: Any) -> None:
@@ -93,7 +102,8 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
     o = options
     optimizer, scheduler = build_optimizer(o)
     model = build_model(arch, o)
-    return ConfigContainer(
+    return QvlConfigContainer(
+        qvl=QvlTrainingConfig(vision_balance=o.vision_balance),
         model=model,
         train=TrainingConfig(
             train_iters=o.train_iters,
@@ -118,7 +128,6 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
             family=arch.family,
             seq_length=o.seq_length,
             micro_batch_size=o.micro_batch_size,
-            vision_balance=o.vision_balance,
         ),
         logger=LoggerConfig(
             log_interval=o.log_interval,

@@ -357,7 +357,7 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
     recompute, modules = model.recompute_granularity, list(model.recompute_modules or [])
     tokens = workload.seq_length * mbs / cp
     patches = sum(workload.images(vision.spatial_merge_size)) * mbs / cp
-    balanced = bool(getattr(cfg.dataset, "vision_balance", False))
+    balanced = bool(getattr(getattr(cfg, "qvl", None), "vision_balance", False))
     stages = []
     for s, (frozen, train_dense, train_expert, trainable) in enumerate(_stage_params(model, cfg, layers)):
         mem = StageMemory(layers=layers[s])

@@ -67,7 +67,7 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
     model_config = state.cfg.model
     pad_to = model_config.seq_length if model_config.pipeline_model_parallel_size > 1 else None
     kwargs, loss_mask = model_inputs(next(data_iterator), device, pad_to=pad_to)
-    if state.cfg.dataset.vision_balance:
+    if state.cfg.qvl.vision_balance:
         kwargs = balanced_vision_inputs(model, kwargs)
     output = model(**kwargs)
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism

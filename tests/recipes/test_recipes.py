@@ -130,15 +130,15 @@ def test_recipe_reads_a_local_checkpoint_config(tiny_hf_dirs, family, name):
 
 
 def test_vision_balance_reaches_the_training_config_and_its_yaml(tmp_path):
-    from megatron.bridge.training.config import ConfigContainer
-
     from qvl.launchers.commands.recipes import parse_overrides
+    from qvl.recipes.base import QvlConfigContainer
 
-    assert not get_recipe("qwen25_vl_7b_sft").fn().dataset.vision_balance
-    assert get_recipe("qwen2_vl_7b_sft").fn(**parse_overrides(["vision_balance=true"])).dataset.vision_balance
+    assert not get_recipe("qwen25_vl_7b_sft").fn().qvl.vision_balance
+    assert get_recipe("qwen2_vl_7b_sft").fn(**parse_overrides(["vision_balance=true"])).qvl.vision_balance
     cfg = get_recipe("qwen25_vl_7b_sft").fn(vision_balance=True)
     cfg.to_yaml(str(tmp_path / "run_config.yaml"))  # what Megatron-Bridge writes beside every checkpoint
-    assert ConfigContainer.from_yaml(str(tmp_path / "run_config.yaml")).dataset.vision_balance is True
+    loaded = QvlConfigContainer.from_yaml(str(tmp_path / "run_config.yaml"))
+    assert isinstance(loaded, QvlConfigContainer) and loaded.qvl.vision_balance is True
 
 
 def test_vision_balance_is_refused_for_qwen3_vl():
