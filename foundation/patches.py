@@ -162,6 +162,13 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="transformers:PreTrainedModel", attribute="_from_config",
                 used_in="qvl.bridges.qwen2_vl, qvl.recipes.planner", version="transformers 5.12.1",
                 why="builds a vision tower from its sub-config (on meta in the planner) as transformers does itself"),
+    PrivateRead(target="transformers:PreTrainedModel", attribute="_supports_flash_attn",
+                used_in="qvl.bridges.attention", version="transformers 5.12.1",
+                why="only towers whose attention hands cu_seqlens to a flash-type function get the varlen kernel"),
+    PrivateRead(target="transformers:PretrainedConfig", attribute="_attn_implementation",
+                used_in="qvl.bridges.attention", version="transformers 5.12.1",
+                why="set on the HF vision tower's own config copy after build: transformers' build-time check would "
+                    "treat the registered varlen function's name as a hub kernel to download"),
     PrivateRead(target="nemo_run.cli.api:RunContext", attribute="_execute_task",
                 used_in="qvl.launchers.nemo_cli", version=NEMO_RUN,
                 why="`nemo qvl` checks the task (layout vs executor, overrides) before NeMo-Run executes it"),
