@@ -35,6 +35,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from qvl.foundation.families import family_of_vision_config
+
 logger = logging.getLogger(__name__)
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
@@ -292,8 +294,6 @@ def use_varlen_vision_attention(provider: Any) -> bool:
     The attention function is chosen after the model is built, in a pre-wrap hook (Megatron-Bridge's extension
     point): at build time transformers treats any "flash" name it does not know as a hub kernel to download. A
     Megatron vision tower (Qwen3-VL) already runs `SDPAttention`; nothing to do."""
-    from qvl.foundation.families import family_of_vision_config
-
     vision = getattr(provider, "vision_config", None)
     family = family_of_vision_config(type(vision).__name__) if vision is not None else None
     if family is None or family.megatron_vision_tower:
@@ -306,8 +306,6 @@ def use_varlen_vision_attention(provider: Any) -> bool:
 def varlen_vision_towers(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Pre-wrap hook: every HF vision tower in the model chunks attends through `hf_varlen_attention`."""
     from transformers import PreTrainedModel
-
-    from qvl.foundation.families import family_of_vision_config
 
     for chunk in model:
         for module in chunk.modules():

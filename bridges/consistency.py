@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qvl.foundation.errors import ConversionError
+from qvl.foundation.families import family_of_architecture
 
 # config.json field -> the special token the tokenizer must map to the same id.
 TOKEN_FIELDS = {
@@ -84,8 +85,6 @@ def _check_token_ids(hf_dir: Path, config: dict) -> None:
 
 
 def _check_processor(hf_dir: Path, config: dict) -> None:
-    from qvl.foundation.families import family_of_architecture
-
     path = hf_dir / PROCESSOR_FILE
     try:
         processor = json.loads(path.read_text())

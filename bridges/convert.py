@@ -17,10 +17,14 @@ from pathlib import Path
 
 import torch
 
+from qvl.bridges import verify
+from qvl.bridges.checkpoints import check_megatron_checkpoint
 from qvl.bridges.consistency import check_hf_checkpoint
-from qvl.bridges.providers import auto_bridge
-from qvl.foundation.errors import ConversionError
+from qvl.bridges.providers import auto_bridge, layout_facts
+from qvl.bridges.stream import save_streaming
+from qvl.foundation.errors import ConfigError, ConversionError
 from qvl.foundation.families import FAMILIES
+from qvl.foundation.layout import ParallelLayout, check_layout
 from qvl.foundation.megatron import import_megatron_bridge
 
 logger = logging.getLogger(__name__)
@@ -71,8 +75,6 @@ def require_qwen_vl(hf_dir: Path) -> str:
 
 def check_before_verify(hf_dir: Path, megatron_dir: Path) -> None:
     """Everything `verify` can refuse before starting ranks: both checkpoints' files and their consistency."""
-    from qvl.bridges.checkpoints import check_megatron_checkpoint
-
     require_qwen_vl(Path(hf_dir))
     check_hf_checkpoint(Path(hf_dir))
     check_megatron_checkpoint(Path(megatron_dir), "MEGATRON_DIR")
@@ -107,8 +109,6 @@ def import_checkpoint(
     `tensor_parallel` and `pipeline_parallel` are the layout it will be trained with, checked to divide the
     model's heads and layers before anything is written.
     """
-    from qvl.bridges.stream import save_streaming
-
     started = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     require_qwen_vl(hf_dir)
@@ -124,7 +124,7 @@ def import_checkpoint(
     provider = bridge.to_megatron_provider(load_weights=False)
     _fix(provider, bridge)
     provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = tensor_parallel, pipeline_parallel
-    check_layout(provider)
+    check_checkpoint_layout(provider)
     provider.tensor_model_parallel_size = provider.pipeline_model_parallel_size = 1
     provider.params_dtype = provider.pipeline_dtype = DTYPES[dtype]
     provider.bf16, provider.fp16 = dtype == "bf16", dtype == "fp16"
@@ -158,12 +158,8 @@ def _fix(provider, bridge) -> None:
     fix_provider(provider, bridge.hf_pretrained.config)
 
 
-def check_layout(provider) -> None:
+def check_checkpoint_layout(provider) -> None:
     """TP must divide the heads and query groups, PP the decoder layers (a checkpoint's layout is even)."""
-    from qvl.bridges.providers import layout_facts
-    from qvl.foundation.errors import ConfigError
-    from qvl.foundation.layout import ParallelLayout, check_layout
-
     layout = ParallelLayout(
         tensor_parallel=provider.tensor_model_parallel_size, pipeline_parallel=provider.pipeline_model_parallel_size
     )
@@ -229,8 +225,6 @@ def export_on_rank(megatron_dir: str, out_hf_dir: str) -> dict:
 def verify_on_rank(hf_dir: str, megatron_dir: str, tolerance: float | None, video: bool) -> dict | None:
     """Logit parity and per-tensor export equality; the last pipeline stage's rank 0 returns the report."""
     from megatron.core import parallel_state
-
-    from qvl.bridges import verify
 
     # A weights-backed bridge: its export names follow the checkpoint's own layout (e.g. fused MoE experts).
     files = check_hf_checkpoint(Path(hf_dir))

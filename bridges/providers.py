@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from qvl.foundation.families import family_of_vision_config
 from qvl.foundation.layout import ModelFacts
 from qvl.foundation.megatron import import_megatron_bridge
 
@@ -54,8 +55,6 @@ def apply_provider_fixes(provider: Any, hf_config: Any) -> None:
 def layout_facts(provider: Any, name: str = "the model") -> ModelFacts:
     """What a parallel layout must divide in `provider`: LM heads, KV heads, layers, experts, and the vision
     heads where the vision tower is Megatron's (TP-split); an HF vision tower is replicated over TP."""
-    from qvl.foundation.families import family_of_vision_config
-
     vision = getattr(provider, "vision_config", None)
     family = family_of_vision_config(type(vision).__name__) if vision is not None else None
     split_vision = family is not None and family.megatron_vision_tower

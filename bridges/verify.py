@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qvl.bridges.consistency import config_token_id, read_config
 from qvl.foundation.errors import ConversionError
 
 # fp32 CPU parity measured for all four families is <= 3e-7; bf16 checkpoints are compared in fp32.
@@ -72,8 +73,6 @@ def config_inputs(hf_dir: Path) -> dict:
     """Deterministic test inputs from config.json alone, for a checkpoint saved without tokenizer or processor
     files: random text ids around two images whose placeholder tokens and pixel patches follow the vision config.
     The logit comparison needs only that both models see the same ids and pixels, not real text or images."""
-    from qvl.bridges.consistency import config_token_id, read_config
-
     config = read_config(hf_dir)
     vision, text = config["vision_config"], config.get("text_config", config)
     merge, patch = vision["spatial_merge_size"], vision["patch_size"]

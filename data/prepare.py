@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from qvl.data import chunks, parallel, write
+from qvl.data.balance import check_global_batch, imbalance, plan_dp_balanced, plan_round_robin, reorder, schedule_order
+from qvl.data.cost import lm_flops_per_sequence, shapes_from_hf_config, vision_flops_per_image
 from qvl.data.count import TokenCounter, load_tokenizer
 from qvl.data.ingest import iter_record_texts
 from qvl.data.pack import PackPlan, balance_by_cost, pack_best_fit_decreasing
@@ -247,14 +249,10 @@ def _merge(config: PrepareConfig, work: pathlib.Path, n_chunks: int, state: _Sta
 
 
 def _cost_shapes(config: PrepareConfig):
-    from qvl.data.cost import shapes_from_hf_config
-
     return shapes_from_hf_config(pathlib.Path(config.model_config or config.tokenizer))
 
 
 def _vision_flops(vision_shape, summary: dict) -> np.ndarray:
-    from qvl.data.cost import vision_flops_per_image
-
     n = len(summary["index"])
     if not len(summary["grid_thw"]):
         return np.zeros(n)
@@ -264,8 +262,6 @@ def _vision_flops(vision_shape, summary: dict) -> np.ndarray:
 
 def sample_costs(config: PrepareConfig, samples: _Samples) -> np.ndarray:
     """Forward FLOPs per accepted sample: the LM over its tokens plus the vision tower over its images."""
-    from qvl.data.cost import lm_flops_per_sequence
-
     lm, _ = _cost_shapes(config)
     return lm_flops_per_sequence(lm, samples.length) + samples.vision_flops
 
@@ -281,8 +277,6 @@ def _check_dp(config: PrepareConfig) -> None:
     if (config.data_parallel is None) != (config.global_batch is None):
         raise DataError("--data-parallel and --global-batch go together; pass both (or neither)")
     if config.data_parallel is not None:
-        from qvl.data.balance import check_global_batch
-
         check_global_batch(0, config.data_parallel, config.global_batch)
     if config.data_parallel is not None or config.balance_cost:
         path = pathlib.Path(config.model_config or config.tokenizer)
@@ -296,8 +290,6 @@ def _check_dp(config: PrepareConfig) -> None:
 
 def _schedule(samples: _Samples, plan: PackPlan, config: PrepareConfig) -> tuple[PackPlan, dict]:
     """The packs in (step, rank, slot) order with "cost", "step", "rank" and "slot" columns, and the plan's report."""
-    from qvl.data.balance import imbalance, plan_dp_balanced, plan_round_robin, reorder, schedule_order
-
     costs = sample_costs(config, samples)
     pack_cost = np.bincount(
         np.repeat(np.arange(plan.n_packs), np.diff(plan.offsets)), weights=costs[plan.order], minlength=plan.n_packs

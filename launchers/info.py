@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from packaging.requirements import Requirement
 
+from qvl.foundation.megatron import have_transformer_engine, import_megatron_bridge
+
 # Distribution names shown by `qvl version`, in stack order.
 VERSION_PACKAGES = ("qvl", "torch", "megatron-core", "megatron-bridge", "transformers", "megatron-energon", "nemo-run")
 REQUIRED_PYTHON = (3, 12)
@@ -54,8 +56,6 @@ def cuda_summary() -> str:
 
 
 def run_version(args: argparse.Namespace) -> int:
-    from qvl.foundation.megatron import have_transformer_engine
-
     for name in VERSION_PACKAGES:
         print(f"{name:18} {installed_version(name) or 'not installed'}")
     te = installed_version("transformer-engine") or installed_version("transformer_engine")
@@ -104,8 +104,6 @@ def _requirement_check(req: Requirement) -> Check:
 
 
 def _import_check(module: str, why: str) -> Check:
-    from qvl.foundation.megatron import import_megatron_bridge
-
     try:
         import_megatron_bridge() if module == "megatron.bridge" else importlib.import_module(module)
     except Exception as err:  # doctor reports every failure rather than stopping at the first
@@ -119,8 +117,6 @@ def _import_check(module: str, why: str) -> Check:
 
 
 def _device_check() -> Check:
-    from qvl.foundation.megatron import have_transformer_engine
-
     summary = cuda_summary()
     if summary.startswith("no"):
         return Check(name="device", status="ok", detail="CPU only: qvl's CPU runtime runs tiny models (--device cpu)")

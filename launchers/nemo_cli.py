@@ -24,7 +24,10 @@ import typing
 from collections.abc import Callable
 from typing import Any, Optional
 
-from qvl.launchers.cli import quiet_logging
+from qvl.launchers.cli import main, quiet_logging
+from qvl.launchers.info import run_version
+from qvl.launchers.overrides import load_site_config
+from qvl.recipes.options import RecipeOptions
 
 # Before the recipe factories below import Megatron-Bridge: its import probes and fallback warnings would
 # print dozens of lines ahead of `--help`. Same filters as `qvl`; `nemo qvl ... --verbose` shows them.
@@ -42,8 +45,6 @@ SITE_CONFIG_ENV = "QVL_EXECUTOR_CONFIG"
 @run.cli.entrypoint(namespace="qvl", help="Print qvl and Megatron stack versions (same as `qvl version`).")
 def version() -> None:
     """Print the versions `qvl version` prints."""
-    from qvl.launchers.info import run_version
-
     run_version(None)
 
 
@@ -100,8 +101,6 @@ def _pairs(recipe: functools.partial, overrides: Optional[list[str]]) -> list[st
 
 
 def _run_recipe(recipe: functools.partial, overrides: Optional[list[str]]) -> None:
-    from qvl.launchers.cli import main
-
     argv = recipe_command(recipe, overrides)
     code = main(argv)
     if code:
@@ -144,8 +143,6 @@ def _typed_recipe(info: Any) -> Callable:
     params = inspect.signature(info.fn).parameters.values()
     if not any(p.kind is p.VAR_KEYWORD for p in params):
         return info.fn  # an explicit signature is already typed
-    from qvl.recipes.options import RecipeOptions
-
     hints = typing.get_type_hints(RecipeOptions)
 
     def recipe(**options: Any) -> Any:
@@ -183,8 +180,6 @@ def _factory(target: Any, fn: Any) -> Any:
 
 
 def _site_settings(kind: str) -> dict[str, Any]:
-    from qvl.launchers.overrides import load_site_config
-
     path = os.environ.get(SITE_CONFIG_ENV)
     return load_site_config(path, kind) if path else {}
 

@@ -10,8 +10,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from qvl.foundation.families import FAMILIES
 from qvl.foundation.layout import ModelFacts, ParallelLayout, check_model_layout, world_fixes
 from qvl.launchers.overrides import LaunchError, missing_required
+from qvl.recipes.architectures import ARCHITECTURES
 
 LAYOUT_KEYS = ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel")
 Layout = ParallelLayout  # the launch's layout is the one layout record
@@ -132,9 +134,6 @@ def recipe_model_facts(info: Any, hf_path: Any = None) -> ModelFacts | None:
     no known family, whose layout is then checked against the world size only)."""
     import json
     from pathlib import Path
-
-    from qvl.foundation.families import FAMILIES
-    from qvl.recipes.architectures import ARCHITECTURES
 
     family = FAMILIES.get(info.family)
     if family is None or (info.family, info.size) not in ARCHITECTURES:

@@ -15,7 +15,7 @@ from qvl.foundation.errors import ConfigError, DataError
 from qvl.foundation.layout import ParallelLayout, check_layout
 from qvl.foundation.megatron import import_megatron_bridge
 from qvl.recipes.architectures import Architecture, load_hf_config
-from qvl.recipes.options import FREEZABLE, PRECISIONS, RecipeOptions
+from qvl.recipes.options import FREEZABLE, PRECISIONS, STAGE_DEFAULTS, RecipeOptions, make_options
 from qvl.recipes.split import Workload, balanced_split, counts, parse_split, split_from_counts, stage_costs
 
 import_megatron_bridge()
@@ -300,8 +300,6 @@ def family_recipe(
     *, arch: Architecture, stage: str, layout: dict[str, int], settings: dict, overrides: dict
 ) -> ConfigContainer:
     """What every family's base recipe does: stage defaults, the size's layout and settings, the caller's overrides."""
-    from qvl.recipes.options import STAGE_DEFAULTS, make_options
-
     run = f"{arch.family}-{arch.size}-{stage}"
     defaults = {
         **STAGE_DEFAULTS[stage],

@@ -28,6 +28,7 @@ from qvl.data.cost import LMShape, VisionShape, shapes_from_hf_config
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import FAMILIES, Family, family_of_vision_config
 from qvl.foundation.layout import ParallelLayout
+from qvl.recipes.overrides import apply_config_overrides, split_options
 from qvl.recipes.split import StageCosts, Workload, counts, split_from_counts, stage_costs
 
 GIB = 1024**3
@@ -483,7 +484,6 @@ def plan_recipe(
     name: str, overrides: dict, *, gpus: int, gpu: str = "h100", workload: Workload | None = None, suggest: bool = True
 ) -> Plan:
     """Plan the registered recipe `name` with `overrides`; when it does not fit, list overrides that do."""
-    from qvl.recipes.overrides import apply_config_overrides, split_options
     from qvl.recipes.registry import get_recipe
 
     info = get_recipe(name)

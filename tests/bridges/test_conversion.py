@@ -85,13 +85,13 @@ def test_errors_name_the_problem_and_the_fix(hf_dirs, tmp_path):
         convert.ConversionError,
         match=r"tensor_parallel=3 does not divide the checkpoint's 4 attention heads .*use tensor_parallel=1 or 2",
     ):
-        convert.check_layout(provider)
+        convert.check_checkpoint_layout(provider)
     provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = 1, 3
     with pytest.raises(
         convert.ConversionError,
         match=r"pipeline_parallel=3 does not divide the checkpoint's 4 layers.*use pipeline_parallel=1, 2 or 4",
     ):
-        convert.check_layout(provider)
+        convert.check_checkpoint_layout(provider)
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
