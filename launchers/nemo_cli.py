@@ -18,23 +18,29 @@ named by $QVL_EXECUTOR_CONFIG. The entrypoint runs where the executor puts it an
 import dataclasses
 import functools
 import inspect
+import logging
 import os
 import sys
 import typing
 from collections.abc import Callable
 from typing import Any, Optional
 
+from qvl.foundation.errors import QvlError
 from qvl.launchers.cli import main, quiet_logging
 from qvl.launchers.info import run_version
 from qvl.launchers.overrides import load_site_config
-from qvl.recipes.options import RecipeOptions
+from qvl.recipes.options import RecipeOptions, did_you_mean, option_names
 
 # Before the recipe factories below import Megatron-Bridge: its import probes and fallback warnings would
 # print dozens of lines ahead of `--help`. Same filters as `qvl`; `nemo qvl ... --verbose` shows them.
-quiet_logging(verbose=bool({"-v", "--verbose"} & set(sys.argv)))
+_VERBOSE = bool({"-v", "--verbose"} & set(sys.argv))
+quiet_logging(verbose=_VERBOSE)
+if not _VERBOSE:  # NeMo-Run logs each argument error before raising it; the error line below says it once
+    logging.getLogger("nemo_run.cli.cli_parser").setLevel(logging.CRITICAL)
 
 import fiddle as fdl  # noqa: E402
 import nemo_run as run  # noqa: E402
+from nemo_run.cli.cli_parser import CLIException  # noqa: E402
 
 from qvl.launchers import executors  # noqa: E402
 from qvl.launchers.launch import DEMO_JOB, resolve_job, validate  # noqa: E402
@@ -57,8 +63,25 @@ class CheckedRunContext(run.cli.RunContext):
     """NeMo-Run's run context plus qvl's checks (layout vs world size, recipe keywords) before anything runs."""
 
     def _execute_task(self, fn: Callable, task_args: list[str]) -> None:
-        check_task(self.parse_fn(fn, task_args), getattr(self, "executor", None))
+        try:
+            check_task(self.parse_fn(fn, task_args), getattr(self, "executor", None))
+        except (QvlError, CLIException) as err:
+            # As `qvl` does: one line naming the value and the fix, exit status 2 (NeMo-Run would print its
+            # own context dump and exit 1).
+            print(f"error: {_one_line(err)}", file=sys.stderr)
+            raise SystemExit(2) from None
         super()._execute_task(fn, task_args)
+
+
+def _one_line(err: Exception) -> str:
+    """A NeMo-Run argument error as qvl words it: the unknown `recipe.<key>` with the closest recipe options."""
+    if not isinstance(err, CLIException):
+        return str(err)
+    key = str(err.context.get("key", err.arg))
+    if key.startswith("recipe.") and "No parameter named" in str(err):
+        name = key.removeprefix("recipe.")
+        return f"{key}: {name!r} is not a recipe option{did_you_mean(name, option_names())}"
+    return err.user_friendly_message()
 
 
 def check_task(task: run.Partial, executor: Optional[run.Executor]) -> None:

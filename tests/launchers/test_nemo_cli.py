@@ -45,6 +45,14 @@ COMMANDS = {
         "run.executor.cpu_processes=4",
         "--dryrun",
     ],
+    "misspelt": [
+        "finetune",
+        "--factory",
+        "qwen25_vl_7b_sft",
+        "recipe.tensorparalel=2",
+        "run.executor=local",
+        "--dryrun",
+    ],
     "dryrun": [
         "pretrain",
         "--factory",
@@ -88,6 +96,17 @@ def test_nemo_qvl_takes_recipe_options_of_a_real_recipe(nemo_runs):
     code, out = nemo_runs["real"]
     assert code == 0, out
     assert "tensor_parallel=4" in out and "lr=0.0001" in out, out[-3000:]
+
+
+def test_nemo_qvl_refuses_a_misspelt_recipe_option_in_one_line(nemo_runs):
+    code, out = nemo_runs["misspelt"]
+    assert code == 2, out
+    errors = [line for line in out.splitlines() if "tensorparalel" in line]
+    assert errors == [
+        "error: recipe.tensorparalel: 'tensorparalel' is not a recipe option; did you mean tensor_parallel or "
+        "expert_parallel?"
+    ], out
+    assert "Traceback" not in out and "Context:" not in out
 
 
 def test_nemo_qvl_dryrun_of_a_factory(nemo_runs):
