@@ -3,23 +3,28 @@
 Each factory is a small function of keyword arguments with defaults for a typical 8-GPU node and
 returns a plain NeMo-Run executor, so anything NeMo-Run offers stays reachable by setting a field on the
 result. qvl adds no scheduler, job runner or SSH code: submission, tunnels, requeueing and logs are
-NeMo-Run's. A Slurm job brings the qvl source of the submitting process with it (`QvlSourcePackager`) into a
-stock NeMo container; a Kubernetes TrainJob runs the qvl of its image. The task is the `qvl` command line
-(see `launch.py`).
+NeMo-Run's. A job brings the qvl source of the submitting process with it into a stock NeMo container: on
+Slurm as a package NeMo-Run extracts into the job's code folder (`QvlSourcePackager`), on Kubernetes through
+NeMo-Run's workdir PVC. The task is the `qvl` command line (see `launch.py`).
 """
 
+import atexit
 import dataclasses
 import importlib
 import inspect
 import os
+import shutil
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 import nemo_run as run
 from nemo_run.core.execution.kubeflow import KubeflowExecutor
 from nemo_run.core.execution.launcher import Torchrun
+
+from qvl.foundation.errors import LaunchError
 
 # Set on a LocalExecutor that runs on the CPU runtime; the task then gets `--device cpu`.
 CPU_DEVICE_ENV = "QVL_DEVICE"
@@ -184,12 +189,16 @@ def kubernetes(
     shm_size: str = "64Gi",
     runtime: str = "torch-distributed",
     env_vars: Optional[dict[str, str]] = None,
+    package_qvl: bool = True,
+    workdir_pvc: str = "",
     **fields: Any,
 ) -> run.Executor:
     """A Kubeflow Trainer v2 TrainJob: `nodes` pods of `gpus_per_node` GPUs, data and checkpoints on PVCs.
 
     Needs a kubeconfig (or an in-cluster service account) when built; no token belongs here. Other
-    keywords are KubeflowExecutor fields (tolerations, affinity, labels, ...).
+    keywords are KubeflowExecutor fields (tolerations, affinity, labels, ...). `package_qvl` (default) brings the
+    qvl source this process runs with the job through NeMo-Run's workdir PVC (`workdir_pvc`, a ReadWriteMany
+    claim); turn it off for an image that already has the qvl you want.
     """
     return _kubeflow(
         KubeflowExecutor,
@@ -204,6 +213,8 @@ def kubernetes(
         shm_size=shm_size,
         runtime=runtime,
         env_vars=env_vars,
+        package_qvl=package_qvl,
+        workdir_pvc=workdir_pvc,
         **fields,
     )
 
@@ -245,12 +256,19 @@ def _kubeflow(
     shm_size: str,
     runtime: str,
     env_vars: Optional[dict[str, str]],
+    package_qvl: bool,
+    workdir_pvc: str,
     **fields: Any,
 ) -> run.Executor:
     volumes, mounts = _pvc_volumes((("data", data_pvc, data_path), ("checkpoints", checkpoints_pvc, checkpoints_path)))
     # NCCL and the dataloader workers exchange tensors through /dev/shm; a pod's default is 64 MiB.
     volumes.insert(0, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}})
     mounts.insert(0, {"name": "dshm", "mountPath": "/dev/shm"})
+    env = dict(env_vars or {})
+    if package_qvl:
+        fields |= _workdir_with_qvl(workdir_pvc, volumes, mounts, env)
+    elif workdir_pvc:
+        fields["workdir_pvc"] = workdir_pvc
     return cls(
         image=image,
         num_nodes=nodes,
@@ -263,16 +281,60 @@ def _kubeflow(
         # No NeMo-Run launcher: the TrainJob's torch runtime sets PET_NNODES, PET_NPROC_PER_NODE,
         # PET_NODE_RANK and PET_MASTER_ADDR, which torchrun reads; the task command starts torchrun itself.
         launcher=None,
-        env_vars=MEGATRON_ENV | dict(env_vars or {}),
+        env_vars=MEGATRON_ENV | env,
         **fields,
     )
+
+
+# Where the job's code folder appears in the pod. NeMo-Run's launch script links `/nemo_run` to the job's code
+# folder on the workdir PVC, so the PVC itself is mounted elsewhere (mounted at /nemo_run, the link would land
+# inside it).
+WORKDIR_MOUNT = "/qvl-workdir"
+POD_CODE_LINK = "/nemo_run"
+
+
+def _workdir_with_qvl(workdir_pvc: str, volumes: list[dict], mounts: list[dict], env: dict[str, str]) -> dict:
+    """KubeflowExecutor fields that ship the qvl source through NeMo-Run's workdir PVC.
+
+    NeMo-Run copies `workdir_local_path` into the job folder, syncs that to the PVC and runs the job through a
+    launch script there, which links /nemo_run to it: with PYTHONPATH=/nemo_run every rank imports the qvl it
+    brought (nothing installed; the image's Megatron stack untouched)."""
+    if not workdir_pvc:
+        raise LaunchError(
+            "the kubernetes executor brings qvl with the job through NeMo-Run's workdir PVC: set workdir_pvc=CLAIM "
+            "(a ReadWriteMany PVC; run.executor.workdir_pvc=... or the site file's kubernetes: section), or "
+            "package_qvl=false for an image that already has qvl"
+        )
+    volumes.append({"name": "workdir", "persistentVolumeClaim": {"claimName": workdir_pvc}})
+    mounts.append({"name": "workdir", "mountPath": WORKDIR_MOUNT})
+    env["PYTHONPATH"] = POD_CODE_LINK
+    return {"workdir_pvc": workdir_pvc, "workdir_pvc_path": WORKDIR_MOUNT, "workdir_local_path": stage_qvl_source()}
+
+
+def stage_qvl_source() -> str:
+    """A fresh folder holding the qvl source this process runs, as `qvl/<folder>/...` (what a job imports)."""
+    root = Path(importlib.import_module("qvl.launchers").__file__).parent.parent
+    stage = Path(tempfile.mkdtemp(prefix="qvl-source-"))
+    atexit.register(shutil.rmtree, stage, ignore_errors=True)  # NeMo-Run copies it at submission, in this process
+    for folder in QVL_FOLDERS:
+        shutil.copytree(root / folder, stage / "qvl" / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return str(stage)
 
 
 FACTORIES = {"local": local, "slurm": slurm, "kubernetes": kubernetes}
 # Executor fields a factory sets itself; the other fields pass through its **keywords.
 _SET_BY_FACTORY = {
     "slurm": {"ntasks_per_node", "container_mounts", "job_name_prefix", "tunnel", "packager", "launcher"},
-    "kubernetes": {"num_nodes", "runtime_ref", "volumes", "volume_mounts", "packager", "launcher"},
+    "kubernetes": {
+        "num_nodes",
+        "runtime_ref",
+        "volumes",
+        "volume_mounts",
+        "packager",
+        "launcher",
+        "workdir_pvc_path",
+        "workdir_local_path",
+    },
 }
 
 

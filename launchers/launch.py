@@ -209,8 +209,13 @@ def render_dryrun(exp) -> str:
             return request.materialize()
         if hasattr(request, "role_params"):  # torchx PopenRequest: one process per replica on this machine
             return _local_command(exp.jobs[0].executor, request)
-        job_name = request.executor._trainjob_name(request.name)  # the name launch() will use
-        return yaml.safe_dump(request.executor.get_job_body(job_name, request.cmd), sort_keys=False)
+        executor = request.executor
+        job_name = executor._trainjob_name(request.name)  # the name launch() will use
+        manifest = yaml.safe_dump(executor.get_job_body(job_name, request.cmd), sort_keys=False)
+        script = Path(executor.job_dir) / "launch.sh"  # with a workdir PVC the pods run this script from it
+        if executor.workdir_pvc and script.is_file():
+            manifest += f"---\n# {executor.code_dir}/launch.sh\n" + script.read_text()
+        return manifest
     finally:
         shutil.rmtree(exp._exp_dir, ignore_errors=True)
 

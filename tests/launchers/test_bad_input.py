@@ -159,7 +159,7 @@ def test_qvl_recipes_and_plan_json(capsys):
 
 def test_kubernetes_dryrun_needs_no_kubeconfig(tmp_path, monkeypatch):
     monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "none"))
-    settings = ["run.executor.image=img", "run.executor.nodes=1"]
+    settings = ["run.executor.image=img", "run.executor.nodes=1", "run.executor.workdir_pvc=qvl-work"]
     result = launch(RECIPE, settings, kind="kubernetes", dryrun=True, experiments_dir=str(tmp_path))
     assert "kind: TrainJob" in result["request"]
     with pytest.raises(LaunchError, match=r"needs a kubeconfig .* `--dryrun` prints the TrainJob without one"):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import inspect
+import os
 import re
+from pathlib import Path
 
 import nemo_run as run
 import pytest
 from nemo_run.core.execution.launcher import Torchrun
 
+from qvl.foundation.errors import LaunchError
 from qvl.launchers import executors
 
 FAKE_KUBECONFIG = """\
@@ -102,6 +105,7 @@ def test_kubernetes_builds_a_trainjob_executor_with_pvcs(fake_kubeconfig):
         data_pvc="qvl-data",
         checkpoints_pvc="qvl-ckpt",
         namespace="ml",
+        package_qvl=False,  # an image that has qvl: no workdir PVC needed
     )
     assert isinstance(executor, KubeflowExecutor)
     assert (executor.num_nodes, executor.gpus_per_node, executor.namespace) == (4, 8, "ml")
@@ -144,3 +148,26 @@ def test_slurm_job_brings_the_qvl_source_with_it(tmp_path):
     assert found == str(tmp_path / "code" / "qvl" / "recipes" / "overrides.py")
     plain = executors.slurm(account="a", partition="p", container_image="img", package_qvl=False)
     assert type(plain.packager) is run.Packager  # an image that already has qvl
+
+
+def test_kubernetes_job_brings_the_qvl_source_through_the_workdir_pvc(fake_kubeconfig, tmp_path):
+    """NeMo-Run copies `workdir_local_path` into the job's code folder on the workdir PVC and its launch script links
+    /nemo_run to that folder: with PYTHONPATH=/nemo_run the pods import the qvl this process runs."""
+    import subprocess
+    import sys
+
+    executor = executors.kubernetes(image="img", workdir_pvc="qvl-work")
+    assert (executor.workdir_pvc, executor.workdir_pvc_path) == ("qvl-work", executors.WORKDIR_MOUNT)
+    assert executor.env_vars["PYTHONPATH"] == executors.POD_CODE_LINK
+    assert {"name": "workdir", "mountPath": executors.WORKDIR_MOUNT} in executor.volume_mounts
+    staged = Path(executor.workdir_local_path)
+    assert (staged / "qvl" / "launchers" / "cli.py").is_file() and not list(staged.rglob("__pycache__"))
+    code_link = tmp_path / "nemo_run"  # what launch.sh's `ln -sfn CODE_DIR /nemo_run` makes in the pod
+    code_link.symlink_to(staged)
+    found = subprocess.run(
+        [sys.executable, "-c", "import qvl.recipes.overrides as m; print(m.__file__)"],
+        env={**os.environ, "PYTHONPATH": str(code_link)}, cwd=tmp_path, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert found == str(code_link / "qvl" / "recipes" / "overrides.py")
+    with pytest.raises(LaunchError, match="set workdir_pvc=CLAIM .* or package_qvl=false"):
+        executors.kubernetes(image="img")

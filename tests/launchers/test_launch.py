@@ -117,6 +117,7 @@ def test_kubernetes_manifest_matches_golden(fake_recipe, fake_kubeconfig, tmp_pa
             f"run.executor.image={IMAGE}",
             "run.executor.data_pvc=qvl-data",
             "run.executor.checkpoints_pvc=qvl-ckpt",
+            "run.executor.workdir_pvc=qvl-work",
             "run.executor.namespace=ml",
         ],
         kind="kubernetes",
@@ -126,6 +127,7 @@ def test_kubernetes_manifest_matches_golden(fake_recipe, fake_kubeconfig, tmp_pa
     )
     # The TrainJob name ends in a per-launch uuid so relaunches never collide; fix it for the comparison.
     manifest = re.sub(r"(name: qvl-test-tiny-sft)-[0-9a-f]{6}\n", r"\1-XXXXXX\n", result["request"])
+    manifest = re.sub(r"/qvl-workdir/[^/]+/", "/qvl-workdir/USER/", manifest)  # the submitting user's name
     check_golden("kubernetes_trainjob.yaml", manifest)
 
 
