@@ -18,18 +18,10 @@ from PIL import Image
 from qvl.data.ingest import Conversation, MediaRef, Rejection
 from qvl.data.integrity import check_image_file
 from qvl.data.vision import VisionConfig, sample_video_frame_indices, smart_resize, video_grid_thw
+from qvl.foundation.families import SPECIAL_TOKENS
 
 logger = logging.getLogger(__name__)
 
-SPECIAL_TOKEN_STRINGS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
 FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 REASONS = (
     "bad_json",
@@ -122,7 +114,7 @@ def _check_text(conversation: Conversation) -> tuple[str, str] | None:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
             return "invalid_utf8", f"invalid UTF-8 near {text[max(0, err.start - 20) : err.start]!r}"
-        for token in SPECIAL_TOKEN_STRINGS:
+        for token in SPECIAL_TOKENS:  # in user text they would be parsed as chat or vision markup
             if token in text:
                 return "special_token_in_text", f"text contains the special token {token}"
     if not conversation.messages:
