@@ -64,6 +64,11 @@ class _Worker:
     ingest: IngestConfig
 
 
+def warm_up(settings: ChunkSettings) -> _Worker:
+    """Load what every chunk needs (tokenizer, processor settings) in this process, so forked workers start with it."""
+    return _worker(settings)
+
+
 @functools.lru_cache(maxsize=2)
 def _worker(settings: ChunkSettings) -> _Worker:
     vision = load_vision_config(settings.tokenizer, settings.family, **dict(settings.vision_overrides))

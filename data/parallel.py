@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import os
 import pathlib
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -47,12 +48,20 @@ class Executor:
 
 
 class ProcessExecutor(Executor):
-    """N spawned worker processes on this machine (spawn: the driver may hold threads from torch/tokenizers)."""
+    """N worker processes on this machine.
+
+    On Linux they are forked, so each starts with what the driver has already loaded (the tokenizer, the
+    processor settings: `chunks.warm_up`) instead of spending seconds importing transformers again; elsewhere
+    they are spawned. The driver starts no threads of its own before the pool (tokenizer parallelism is off for
+    the run), so nothing a child inherits is held by a thread that is not there."""
 
     def __init__(self, workers: int):
         self.workers = workers
         self.name = f"{workers} worker processes"
-        self._pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        method = "fork" if sys.platform == "linux" else "spawn"
+        # A forked child of a process whose tokenizer ran its thread pool would deadlock; this run never needs it.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self._pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
 
     def map(self, fn: Callable, jobs: Iterable[tuple], on_result: Callable[[object], None]) -> None:
         pending: set[concurrent.futures.Future] = set()

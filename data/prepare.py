@@ -32,11 +32,10 @@ import numpy as np
 from qvl.data import chunks, parallel, write
 from qvl.data.balance import check_global_batch, imbalance, plan_dp_balanced, plan_round_robin, reorder, schedule_order
 from qvl.data.cost import lm_flops_per_sequence, shapes_from_hf_config, vision_flops_per_image
-from qvl.data.count import TokenCounter, load_tokenizer
 from qvl.data.ingest import iter_record_texts
 from qvl.data.pack import PackPlan, balance_by_cost, pack_best_fit_decreasing
 from qvl.data.parallel import RaySettings
-from qvl.data.vision import check_family, load_vision_config
+from qvl.data.vision import check_family
 from qvl.foundation.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -114,8 +113,9 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
         raise DataError(f"--seq-length {config.seq_length} is too small; use at least 16 (typically 4096-32768)")
     _check_output(pathlib.Path(config.output))
     settings = _chunk_settings(config, write.partial_dir(config.output))
-    vision = load_vision_config(config.tokenizer, config.family, **dict(settings.vision_overrides))  # fail early
-    counter = TokenCounter(tokenizer=load_tokenizer(config.tokenizer, settings.chat_template), vision=vision)
+    # The tokenizer and processor settings, loaded once (a bad --tokenizer fails here, before any work); forked
+    # workers start with them, and one process uses them directly.
+    counter = chunks.warm_up(settings).counter
     work = write.start_partial(config.output, _fingerprint(config))
     state = _State()
     total = count_records(config.input)
