@@ -10,6 +10,7 @@ NeMo-Run's workdir PVC. The task is the `qvl` command line (see `launch.py`).
 
 import atexit
 import dataclasses
+import functools
 import importlib
 import inspect
 import os
@@ -96,17 +97,11 @@ class QvlSourcePackager(run.Packager):
 
     def package(self, path: Path, job_dir: str, name: str) -> str:
         """Write `JOB_DIR/NAME.tar.gz` and return its path (`path`, NeMo-Run's working copy, is not used)."""
-        root = Path(importlib.import_module("qvl.launchers").__file__).parent.parent
         output = Path(job_dir) / f"{name}.tar.gz"
         output.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(output, "w:gz") as tar:
-            for folder in QVL_FOLDERS:
-                tar.add(root / folder, arcname=f"qvl/{folder}", filter=_source_only)
+            tar.add(Path(stage_qvl_source()) / "qvl", arcname="qvl")
         return str(output)
-
-
-def _source_only(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
-    return None if "__pycache__" in member.name or member.name.endswith(".pyc") else member
 
 
 def slurm(
@@ -311,8 +306,10 @@ def _workdir_with_qvl(workdir_pvc: str, volumes: list[dict], mounts: list[dict],
     return {"workdir_pvc": workdir_pvc, "workdir_pvc_path": WORKDIR_MOUNT, "workdir_local_path": stage_qvl_source()}
 
 
+@functools.lru_cache(maxsize=1)
 def stage_qvl_source() -> str:
-    """A fresh folder holding the qvl source this process runs, as `qvl/<folder>/...` (what a job imports)."""
+    """A folder holding the qvl source this process runs, as `qvl/<folder>/...` (what a job imports); made once per
+    process, since NeMo-Run builds an executor several times per launch (validation, dry run, clone)."""
     root = Path(importlib.import_module("qvl.launchers").__file__).parent.parent
     stage = Path(tempfile.mkdtemp(prefix="qvl-source-"))
     atexit.register(shutil.rmtree, stage, ignore_errors=True)  # NeMo-Run copies it at submission, in this process
