@@ -2,10 +2,12 @@
 # The GPU figures in one command on a lent GPU machine (no network, no Megatron, no TE there; see benchmarks/README.md).
 #
 #   bash benchmarks/gpu.sh wheels   # HERE, on a machine with pip and a registry: the wheelhouse .whl/ (~52 MB)
-#   bash benchmarks/gpu.sh run      # THERE, with .whl carried: install, GPU tests, attention and training benchmarks
+#   bash benchmarks/gpu.sh run [STAGE ...]  # THERE, with .whl carried: install, then the stages (default all):
+#                                           # tests attention vision train
 #
-# `run` writes everything into $OUT (the device tool brings it back; default .bench/gpu): env.txt, gpu_tests.txt,
-# bench_attention.json, bench_train.json, train_log.txt. Each stage has its own time limit so that the whole run ends
+# `run` writes into $OUT (the device tool brings it back; default .bench/gpu): log.txt (environment and every
+# stage's output), bench_attention.json, bench_vision_gpu.json, bench_train.json, train_log.txt and, with
+# BENCH_TRAIN_ARGS=--profile, profile.txt. Each stage has its own time limit so that the whole run ends
 # inside one 10-minute command and a failing stage still leaves the others' results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +52,11 @@ wheels() {
 }
 
 run() {
-  local out=${OUT:-.bench/gpu} site=/tmp/qvl-site src=/tmp/qvl-src
+  # Stages, in the order given (default: all): tests attention vision train. Each has its own time limit, so a
+  # failing or slow stage still leaves the others' results; pick stages so that one call ends inside 10 minutes.
+  local out=${OUT:-.bench/gpu} site=/tmp/qvl-site src=/tmp/qvl-src stage
+  local stages=("$@")
+  (( ${#stages[@]} )) || stages=(tests attention vision train)
   mkdir -p "$out"
   [ -d .whl ] || { echo "error: no .whl/ here; run 'bash benchmarks/gpu.sh wheels' first and carry .whl" >&2; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
@@ -59,24 +65,44 @@ run() {
   mkdir -p "$src/qvl"
   for d in foundation bridges data recipes launchers; do ln -sfn "$PWD/$d" "$src/qvl/$d"; done
   export PYTHONPATH="$src:$site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-  python3 - <<'EOF' 2>&1 | tee "$out/env.txt"
-import torch, transformers, megatron.core
+  local log="$out/log.txt"  # what each stage prints, in one file (at most 8 files come back from a device run)
+  { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader; nproc; } >"$log" 2>&1
+  python3 - <<'EOF2' 2>&1 | tee -a "$log"
+from importlib.metadata import version
+import torch
+from qvl.foundation.megatron import import_megatron_bridge
+import_megatron_bridge()  # the shim: Megatron-Bridge imports transformer_engine unconditionally in one module
 from qvl.bridges.attention import _varlen_kernel
-print("device", torch.cuda.get_device_name(), "torch", torch.__version__, "transformers", transformers.__version__,
-      "megatron-core", megatron.core.__version__, "varlen kernel", _varlen_kernel() is not None,
-      "keywords", sorted(_varlen_kernel()[1]) if _varlen_kernel() else None)
-EOF
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/bridges/test_gpu.py 2>&1 | tail -n 60 | tee "$out/gpu_tests.txt"
-  timeout 60 python3 -m benchmarks.bench_attention >/dev/null 2>"$out/attention_log.txt"; cp .bench/bench_attention.json "$out/" 2>/dev/null
-  timeout "${BENCH_TRAIN_SECONDS:-330}" python3 -m benchmarks.bench_train --out /tmp/bench_train ${BENCH_TRAIN_ARGS:-} \
-    2>&1 | tail -n 40 | tee -a "$out/gpu_tests.txt"
-  cp /tmp/bench_train/bench_train.json "$out/" 2>/dev/null
-  tail -c 1000000 /tmp/bench_train/train_log.txt >"$out/train_log.txt" 2>/dev/null
+print("device", torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      *(f"{name} {version(name)}" for name in ("transformers", "megatron-core", "megatron-bridge", "megatron-energon")),
+      "varlen kernel", _varlen_kernel() is not None, "keywords", sorted(_varlen_kernel()[1]) if _varlen_kernel() else None)
+EOF2
+  for stage in "${stages[@]}"; do
+    echo "== $stage ($(date +%T))" | tee -a "$log"
+    case "$stage" in
+      tests)
+        timeout "${GPU_TESTS_SECONDS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/bridges/test_gpu.py \
+          2>&1 | tail -n 60 | tee -a "$log" ;;
+      attention)
+        timeout 60 python3 -m benchmarks.bench_attention 2>&1 | tail -n 20 >>"$log"
+        cp .bench/bench_attention.json "$out/" 2>/dev/null ;;
+      vision)
+        timeout "${BENCH_VISION_SECONDS:-120}" python3 -m benchmarks.bench_vision_gpu --out "$out" ${BENCH_VISION_ARGS:-} \
+          2>&1 | tail -n 20 | tee -a "$log" ;;
+      train)
+        timeout "${BENCH_TRAIN_SECONDS:-330}" python3 -m benchmarks.bench_train --out /tmp/bench_train ${BENCH_TRAIN_ARGS:-} \
+          2>&1 | tail -n 40 | tee -a "$log"
+        cp /tmp/bench_train/bench_train.json "$out/" 2>/dev/null
+        for f in /tmp/bench_train/run-*-packed/profile.txt; do [ -f "$f" ] && cat "$f"; done >"$out/profile.txt" 2>/dev/null
+        tail -c 1000000 /tmp/bench_train/train_log.txt >"$out/train_log.txt" 2>/dev/null ;;
+      *) echo "error: unknown stage '$stage'; stages: tests attention vision train" >&2; exit 2 ;;
+    esac
+  done
   ls -la "$out"
 }
 
 case "${1:-}" in
   wheels) wheels ;;
-  run) run ;;
+  run) shift; run "$@" ;;
   *) echo "usage: bash benchmarks/gpu.sh wheels|run   (see benchmarks/README.md)" >&2; exit 2 ;;
 esac

@@ -12,7 +12,7 @@ import torch
 def test_tiny_training_benchmark_writes_every_figure(tmp_path):
     from benchmarks import bench_train
 
-    assert bench_train.main(["--model", "tiny", "--out", str(tmp_path)]) == 0
+    assert bench_train.main(["--model", "tiny", "--profile", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "bench_train.json").read_text())
     (run,) = results["runs"]
     for mode in ("packed", "padded"):
@@ -23,6 +23,9 @@ def test_tiny_training_benchmark_writes_every_figure(tmp_path):
         rates = [figures[f"tflops_{name}"] for name in ("megatron_bridge", "qvl_cost_model", "six_n")]
         assert min(rates) > 0 and max(rates) < 2 * min(rates), rates
     assert run["packed_over_padded_tokens_per_s"] > 0
+    # --profile adds two profiled steps to the packed run, left out of its figures (steps_measured above)
+    profile = (tmp_path / "run-256-packed" / "profile.txt").read_text()
+    assert profile.startswith("steps 4-5") and "aten::" in profile
     if not torch.cuda.is_available():
         assert run["packed"]["peak_memory_gib"] is None and run["packed"]["plan"] is None
     (loader,) = results["loader"]
