@@ -347,7 +347,7 @@ def bench_dataset_class():
 
 def train_once(spec: dict) -> dict:
     """Train one variant as `spec` says; returns its raw measurements."""
-    from qvl.foundation import distributed, megatron, runtime
+    from qvl.foundation import distributed, megatron, patches, runtime
     from qvl.recipes.training.train import TrainRequest, prepare_config
 
     if "MASTER_PORT" not in os.environ:
@@ -388,7 +388,8 @@ def train_once(spec: dict) -> dict:
         callbacks.register("on_train_step_end", profiler.step_end)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    pretrain(config, forward_step, callbacks=callbacks)
+    with patches.applied("megatron-wheel"):  # the pip-installed megatron-core ships its dataset helpers built
+        pretrain(config, forward_step, callbacks=callbacks)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     raw = {
         "step_ends": RECORDER.step_ends,

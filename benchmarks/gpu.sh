@@ -92,10 +92,14 @@ EOF2
       train)
         timeout "${BENCH_TRAIN_SECONDS:-330}" python3 -m benchmarks.bench_train --out /tmp/bench_train ${BENCH_TRAIN_ARGS:-} \
           2>&1 | tail -n 40 | tee -a "$log"
+        pkill -f "benchmarks.bench_train" 2>/dev/null  # a training child left by the time limit would hold the GPU
         cp /tmp/bench_train/bench_train.json "$out/" 2>/dev/null
+        for f in /tmp/bench_train/run-*/result.json; do echo "$f: $(cat "$f")"; done 2>/dev/null >>"$log"  # each run, as done
         for f in /tmp/bench_train/run-*-packed/profile.txt; do [ -f "$f" ] && cat "$f"; done >"$out/profile.txt" 2>/dev/null
         tail -c 1000000 /tmp/bench_train/train_log.txt >"$out/train_log.txt" 2>/dev/null ;;
-      *) echo "error: unknown stage '$stage'; stages: tests attention vision train" >&2; exit 2 ;;
+      py:*)  # a diagnostic script, in the same environment
+        timeout "${PY_SECONDS:-90}" python3 "${stage#py:}" 2>&1 | grep -v "warn" | tail -n 60 | tee -a "$log" ;;
+      *) echo "error: unknown stage '$stage'; stages: tests attention vision train py:SCRIPT" >&2; exit 2 ;;
     esac
   done
   ls -la "$out"

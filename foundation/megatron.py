@@ -19,7 +19,7 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from qvl.foundation.errors import OptionalPackageUnavailable
@@ -145,3 +145,17 @@ def import_megatron_bridge() -> types.ModuleType:
 def have_transformer_engine() -> bool:
     """True when the real Transformer Engine is importable."""
     return _is_installed("transformer_engine")
+
+
+def prebuilt_dataset_helpers(original: Callable[[], None]) -> Callable[[], None]:
+    """`compile_helpers` that builds Megatron-Core's dataset helpers only where they are not built yet.
+
+    The megatron-core wheel ships `helpers_cpp` compiled and no Makefile, so upstream's unconditional `make`
+    fails and `sys.exit(1)`s a pip-installed run; a source checkout (a NeMo container) has no module yet, and
+    builds it as before."""
+
+    def compile_helpers() -> None:
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+            original()
+
+    return compile_helpers

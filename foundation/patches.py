@@ -109,12 +109,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch(group="cpu-bridge-training", target="megatron.bridge.training.setup:initialize_megatron",
           replacement=f"{_RUNTIME}:allow_no_cuda", version=MBRIDGE, params=("cfg",),
           why="setup.py imported initialize_megatron by name; the same wrapper as initialize's"),
-    Patch(group="cpu-bridge-training", target="megatron.bridge.training.initialize:compile_helpers",
-          replacement=f"{_RUNTIME}:no_op", version=MBRIDGE,
-          why="it runs `make` for dataset helpers the megatron-core wheel ships prebuilt, and exits without a compiler"),
     Patch(group="cpu-bridge-training", target="megatron.bridge.training.initialize:_set_random_seed",
           replacement=f"{_RUNTIME}:seed_rng_tracker_too", version=MBRIDGE, params=("seed_",),
           why="it registers the model-parallel RNG tracker only when a CUDA device is counted"),
+    # --- megatron-wheel: around every Megatron-Bridge training loop qvl runs, on any device
+    Patch(group="megatron-wheel", target="megatron.bridge.training.initialize:compile_helpers",
+          replacement="qvl.foundation.megatron:prebuilt_dataset_helpers", version=MBRIDGE,
+          why="it runs `make` in megatron/core/datasets, which the megatron-core wheel ships prebuilt and without a "
+              "Makefile: every pip-installed training run exits there (seen on an H100); from source it still builds"),
     # --- torch-adam-resume: qvl.recipes.training.optimizer_fixes (any device without TE/Apex)
     Patch(group="torch-adam-resume",
           target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict",

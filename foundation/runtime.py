@@ -28,11 +28,11 @@ Redirections (undone by `deactivate()`); the attribute replacements among them a
    within GPU RNG context" warning is then true by construction and is filtered out.
 6. Distributed: `qvl.foundation.distributed.init_distributed()` picks gloo while this runtime is active.
 7. Megatron-Bridge's training loop (`enable_bridge_training()`, on top of `activate()`):
-   `initialize_megatron` asserts CUDA unless `allow_no_cuda`, which its setup path never passes;
-   `compile_helpers()` runs `make` for a dataset-helpers module the megatron-core wheel already ships
-   built (and exits the process when there is no compiler setup); and `_set_random_seed` registers the
-   model-parallel RNG tracker only when a CUDA device is counted, so on CPU every tracker fork fails.
-   The first gets allow_no_cuda=True, the second becomes a no-op, the third also seeds the tracker.
+   `initialize_megatron` asserts CUDA unless `allow_no_cuda`, which its setup path never passes, and
+   `_set_random_seed` registers the model-parallel RNG tracker only when a CUDA device is counted, so on
+   CPU every tracker fork fails. The first gets allow_no_cuda=True, the second also seeds the tracker.
+   (Upstream's `make` of the dataset helpers, which the wheel ships built, is not CPU-specific: the group
+   "megatron-wheel" around every training loop handles it, qvl.foundation.megatron.prebuilt_dataset_helpers.)
 8. Model configuration: `check_cpu_config()` refuses what CPU cannot run (FP8, sequence parallelism,
    Transformer Engine specs, CUDA graphs, communication overlap, hybrid-device optimizer offload) with
    the reason and the fix, and `cpu_safe_config_overrides()` lists the fusion flags to turn off.

@@ -141,7 +141,7 @@ class _LossRecorder:
 
 def run_training(request: TrainRequest) -> Path:
     """Train; returns the run directory (checkpoints/, losses.jsonl, tensorboard/)."""
-    from qvl.foundation import distributed, megatron, runtime
+    from qvl.foundation import distributed, megatron, patches, runtime
 
     check_writable("--run-dir", request.run_dir)
     request.run_dir.mkdir(parents=True, exist_ok=True)
@@ -170,7 +170,8 @@ def run_training(request: TrainRequest) -> Path:
     pretrain_logger = logging.getLogger("megatron.bridge.training.pretrain")
     pretrain_logger.addFilter(clean_exit)
     try:
-        with optimizer_fixes.fixed():  # exact resume with torch Adam (no TE/Apex), on any device
+        # exact resume with torch Adam (no TE/Apex), on any device; the wheel's prebuilt dataset helpers
+        with optimizer_fixes.fixed(), patches.applied("megatron-wheel"):
             loop(config, forward_step, callbacks=callbacks)
     except SystemExit as stop:
         if stop.code not in (0, None):

@@ -86,3 +86,20 @@ print("clean")
 
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("clean"), out.stderr[-3000:]
+
+
+def test_dataset_helpers_are_built_only_where_the_wheel_did_not_ship_them(monkeypatch):
+    """megatron-wheel: Megatron-Bridge's `make` of the dataset helpers runs only where `helpers_cpp` is missing
+    (a source checkout); the pip-installed wheel ships it built and has no Makefile."""
+    import importlib.util
+
+    from qvl.foundation.megatron import prebuilt_dataset_helpers
+
+    builds = []
+    compile_helpers = prebuilt_dataset_helpers(lambda: builds.append("make"))
+    assert importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None  # this install's wheel
+    compile_helpers()
+    assert builds == []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)  # as in a fresh source checkout
+    compile_helpers()
+    assert builds == ["make"]
