@@ -27,7 +27,7 @@ import pathlib
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ WORDS = (
 WARMUP_STEPS = 1
 # The GPU-path issue's targets on one H100, bf16, no TE.
 GOALS = {"mfu": 0.40, "packed_over_padded": 1.5, "data_wait": 0.02, "plan_error": 0.15}
+RESTART = 3  # a worker's exit code after a failed run: the driver starts a fresh one for the rest
 PROFILED_STEPS = 2  # with --profile: the last two steps of a packed run, left out of its figures
 
 
@@ -68,6 +69,7 @@ class Setup:
     num_workers: int
     out: pathlib.Path
     padded: bool = True
+    options: dict[str, object] = field(default_factory=dict)  # recipe options (`--set KEY=VALUE`)
     profile: bool = False  # torch.profiler over the last two steps of each packed run (left out of the figures)
     loader_only: bool = False  # no training: the loader's packs/s against what `qvl plan` says an H100 step needs
 
@@ -516,7 +518,9 @@ def gpu_kind() -> tuple[str | None, float | None]:
 # --- driver --------------------------------------------------------------------------------------------------------
 
 
-def _worker(spec_paths: list[pathlib.Path]) -> None:
+def _worker(spec_paths: list[pathlib.Path]) -> int:
+    """Train each spec in turn; after a failed run, exit 3 so the driver starts a fresh process for the rest (a
+    failed pretrain() keeps its model and optimizer referenced: on a GPU the next run would find no memory)."""
     for spec_path in spec_paths:
         spec = json.loads(spec_path.read_text())
         try:
@@ -525,10 +529,10 @@ def _worker(spec_paths: list[pathlib.Path]) -> None:
         # result, with its traceback in train_log.txt.
         except Exception as error:  # noqa: BLE001
             logger.exception("%s run at %s failed", spec["mode"], spec["overrides"]["seq_length"])
-            result = {"error": f"{type(error).__name__}: {error}"[:2000]}
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            pathlib.Path(spec["result"]).write_text(json.dumps({"error": f"{type(error).__name__}: {error}"[:2000]}))
+            return RESTART
         pathlib.Path(spec["result"]).write_text(json.dumps(result))
+    return 0
 
 
 def variant_spec(setup: Setup, hf_dir: pathlib.Path, data: pathlib.Path, seq_length: int, mode: str) -> pathlib.Path:
@@ -559,6 +563,7 @@ def variant_spec(setup: Setup, hf_dir: pathlib.Path, data: pathlib.Path, seq_len
             "warmup_iters": 1,
             "save_interval": 10**6,
             "log_interval": 10**6,
+            **setup.options,
         },
     }
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -567,14 +572,21 @@ def variant_spec(setup: Setup, hf_dir: pathlib.Path, data: pathlib.Path, seq_len
 
 
 def train_all(setup: Setup, specs: list[pathlib.Path]) -> list[dict]:
-    """Train every spec in one child process (one set of imports; Megatron state stays out of this process)."""
-    command = [sys.executable, "-m", "benchmarks.bench_train", "--worker", *map(str, specs)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=pathlib.Path(__file__).resolve().parents[1])
-    log = setup.out / "train_log.txt"
-    log.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"training failed (exit {done.returncode}); see {log}:\n{done.stderr[-3000:]}")
-    return [json.loads(pathlib.Path(json.loads(p.read_text())["result"]).read_text()) for p in specs]
+    """Train every spec in a child process (one set of imports; Megatron state stays out of this process), a
+    fresh one after each failed run."""
+    log, results = setup.out / "train_log.txt", [pathlib.Path(json.loads(p.read_text())["result"]) for p in specs]
+    log.write_text("")
+    for result in results:
+        result.unlink(missing_ok=True)
+    while pending := [spec for spec, result in zip(specs, results, strict=True) if not result.is_file()]:
+        command = [sys.executable, "-m", "benchmarks.bench_train", "--worker", *map(str, pending)]
+        root = pathlib.Path(__file__).resolve().parents[1]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=root)
+        with log.open("a") as f:
+            f.write(done.stdout + done.stderr)
+        if done.returncode not in (0, RESTART) or not results[specs.index(pending[0])].is_file():
+            raise RuntimeError(f"training failed (exit {done.returncode}); see {log}:\n{done.stderr[-3000:]}")
+    return [json.loads(result.read_text()) for result in results]
 
 
 def benchmark(setup: Setup) -> dict:
@@ -591,6 +603,7 @@ def benchmark(setup: Setup) -> dict:
     results: dict = {
         "model": setup.model,
         "layers": setup.layers,
+        "options": setup.options,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "gpu_kind": kind,
         "steps": setup.steps,
@@ -749,6 +762,8 @@ def default_setup(model: str, out: pathlib.Path, **overrides) -> Setup:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line (`make bench-train`); prints the JSON path and a one-line summary per run."""
+    from qvl.recipes.overrides import parse_value, split_pair
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", choices=list(MODELS), default="tiny" if not torch.cuda.is_available() else "qwen25_vl_3b"
@@ -761,6 +776,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, help="packs per step")
     parser.add_argument("--samples", type=int, help="synthetic conversations to prepare")
     parser.add_argument("--num-workers", type=int, help="loader worker processes")
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="recipe options, e.g. vision_recompute=true"
+    )
     parser.add_argument("--no-padded", action="store_true", help="skip the padded baseline")
     parser.add_argument(
         "--profile", action="store_true", help="torch.profiler over two extra steps of each packed run (profile.txt)"
@@ -772,12 +790,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", type=pathlib.Path, nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args.worker)
-        return 0
+        return _worker(args.worker)
     options = {k: getattr(args, k) for k in ("layers", "steps", "global_batch", "samples", "num_workers")}
     options["seq_lengths"] = tuple(args.seq_lengths) if args.seq_lengths else None
     setup = default_setup(args.model, args.out, **options)
     setup.padded, setup.loader_only, setup.profile = not args.no_padded, args.loader_only, args.profile
+    setup.options = {key: parse_value(value) for key, value in map(split_pair, args.set)}
     results = benchmark(setup)
     for row in results["loader"]:
         print(f"loader {row}")

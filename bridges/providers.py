@@ -52,6 +52,22 @@ def apply_provider_fixes(provider: Any, hf_config: Any) -> None:
     use_varlen_vision_attention(provider)
 
 
+def recompute_vision_towers(model: list[Any]) -> list[Any]:
+    """Pre-wrap hook: every replicated HF vision tower (Qwen2-VL / Qwen2.5-VL) recomputes its blocks in backward,
+    keeping only each block's input (transformers' gradient checkpointing, non-reentrant: the tower has no dropout,
+    so the recomputed forward equals the first)."""
+    from transformers import PreTrainedModel
+
+    towers = 0
+    for chunk in model:
+        for module in chunk.modules():
+            if isinstance(module, PreTrainedModel) and family_of_vision_config(type(module.config).__name__):
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                towers += 1
+    logger.info("vision recompute on in %d HF vision tower(s)", towers)
+    return model
+
+
 def layout_facts(provider: Any, name: str = "the model") -> ModelFacts:
     """What a parallel layout must divide in `provider`: LM heads, KV heads, layers, experts, and the vision
     heads where the vision tower is Megatron's (TP-split); an HF vision tower is replicated over TP."""

@@ -72,6 +72,10 @@ class QvlTrainingConfig:
 
     # Vision work balanced over the first pipeline stage's DP x TP ranks (qvl.recipes.training.vision_balance).
     vision_balance: bool = False
+    # The replicated HF vision tower (Qwen2-VL / Qwen2.5-VL) keeps only each block's input for backward and
+    # recomputes the rest (qvl.bridges.providers.recompute_vision_towers); at 4k packs of LLaVA-like images its
+    # activations are most of a step's (an H100 ran out of memory without it, Qwen2.5-VL-3B shapes, 12 layers).
+    vision_recompute: bool = False
 
 
 # Not slots: Megatron-Bridge's ConfigContainer is a plain dataclass.
@@ -103,7 +107,7 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
     optimizer, scheduler = build_optimizer(o)
     model = build_model(arch, o)
     return QvlConfigContainer(
-        qvl=QvlTrainingConfig(vision_balance=o.vision_balance),
+        qvl=QvlTrainingConfig(vision_balance=o.vision_balance, vision_recompute=o.vision_recompute),
         model=model,
         train=TrainingConfig(
             train_iters=o.train_iters,

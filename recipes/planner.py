@@ -257,8 +257,9 @@ def layer_activation_bytes(
     return tokens * per_token
 
 
-def vision_activation_bytes(model: Any, vision: VisionShape, patches: float) -> float:
-    """Bytes the vision tower keeps for backward over `patches` patches of one micro-batch."""
+def vision_activation_bytes(model: Any, vision: VisionShape, patches: float, *, recompute: bool = False) -> float:
+    """Bytes the vision tower keeps for backward over `patches` patches of one micro-batch; `recompute`: the HF
+    tower's blocks keep their inputs only (`vision_recompute`), plus one block's working set while it reruns."""
     if model.freeze_vision_model:
         return 0.0 if model.freeze_vision_projection else patches * 2 * vision.hidden_size  # merger input
     shard = model.tensor_model_parallel_size if vision_is_megatron(model) else 1
@@ -266,6 +267,8 @@ def vision_activation_bytes(model: Any, vision: VisionShape, patches: float) -> 
     per_patch = 8 * width + (8 * width + (6 if vision.gated_mlp else 4) * ffn) / shard
     if vision_is_megatron(model) and model.recompute_granularity == "full":
         per_patch = 2 * width
+    elif recompute and not vision_is_megatron(model):
+        return patches * (2 * width * vision.depth + per_patch)
     return patches * per_patch * vision.depth
 
 
@@ -359,6 +362,7 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
     tokens = workload.seq_length * mbs / cp
     patches = sum(workload.images(vision.spatial_merge_size)) * mbs / cp
     balanced = bool(getattr(getattr(cfg, "qvl", None), "vision_balance", False))
+    vision_recompute = bool(getattr(getattr(cfg, "qvl", None), "vision_recompute", False))
     stages = []
     for s, (frozen, train_dense, train_expert, trainable) in enumerate(_stage_params(model, cfg, layers)):
         mem = StageMemory(layers=layers[s])
@@ -368,10 +372,12 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
         per_layer = layer_activation_bytes(model, lm, tokens, recompute=recompute, modules=modules)
         acts = per_layer * layers[s]
         if s == 0 and balanced:  # this rank keeps the activations of its 1/TP share of the images only
-            acts += vision_activation_bytes(model, vision, patches / tp) + tokens * 2 * lm.hidden_size
+            acts += vision_activation_bytes(model, vision, patches / tp, recompute=vision_recompute)
+            acts += tokens * 2 * lm.hidden_size
             acts += vision_balance_buffer_bytes(vision, patches, tp)
         elif s == 0:
-            acts += vision_activation_bytes(model, vision, patches) + tokens * 2 * lm.hidden_size
+            acts += vision_activation_bytes(model, vision, patches, recompute=vision_recompute)
+            acts += tokens * 2 * lm.hidden_size
         if s == pp - 1:
             acts += tokens * 4 * (lm.hidden_size + _padded_vocab(model)) / tp  # logits + loss, fp32 (same source)
         acts *= _in_flight(model, s, microbatches)

@@ -12,7 +12,10 @@ import torch
 def test_tiny_training_benchmark_writes_every_figure(tmp_path):
     from benchmarks import bench_train
 
-    assert bench_train.main(["--model", "tiny", "--profile", "--out", str(tmp_path)]) == 0
+    assert (
+        bench_train.main(["--model", "tiny", "--profile", "--set", "vision_recompute=true", "--out", str(tmp_path)])
+        == 0
+    )
     results = json.loads((tmp_path / "bench_train.json").read_text())
     (run,) = results["runs"]
     for mode in ("packed", "padded"):
@@ -28,6 +31,7 @@ def test_tiny_training_benchmark_writes_every_figure(tmp_path):
     assert profile.startswith("steps 4-5") and "aten::" in profile
     if not torch.cuda.is_available():
         assert run["packed"]["peak_memory_gib"] is None and run["packed"]["plan"] is None
+    assert results["options"] == {"vision_recompute": True}
     (loader,) = results["loader"]
     assert loader["workers_0"] > 0 and loader["workers_2"] > 0
     assert results["checks"][0]["figure"].startswith("loader packs/s")

@@ -67,6 +67,7 @@ def prepare_config(request: TrainRequest, *, cpu: bool | None = None, tiny_dir: 
     config = info.fn(**overrides)
     if dotted:
         apply_config_overrides(config, dotted)
+    apply_vision_recompute(config, info.family)
     if cpu:
         from qvl.foundation import runtime
 
@@ -77,6 +78,22 @@ def prepare_config(request: TrainRequest, *, cpu: bool | None = None, tiny_dir: 
     if request.stop_after:
         config.train.exit_interval = request.stop_after  # Megatron-Bridge saves a checkpoint and exits
     return info, config
+
+
+def apply_vision_recompute(config, family: str) -> None:
+    """`vision_recompute` (option, or qvl.vision_recompute=true): the HF vision tower recomputes its blocks."""
+    from qvl.foundation.families import get_family
+
+    if not getattr(getattr(config, "qvl", None), "vision_recompute", False):
+        return
+    if get_family(family).megatron_vision_tower:
+        raise ConfigError(
+            f"vision_recompute=True is for the replicated HF vision towers of Qwen2-VL / Qwen2.5-VL; {family}'s "
+            "tower is Megatron's and recomputes with the language model (recompute=full); drop vision_recompute"
+        )
+    from qvl.bridges.providers import recompute_vision_towers
+
+    config.model.register_pre_wrap_hook(recompute_vision_towers)
 
 
 def check_inputs(info, config, run_dir: Path) -> None:

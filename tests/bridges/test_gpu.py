@@ -28,7 +28,11 @@ def test_packed_sdpa_attention_on_cuda_bf16(cuda_distributed):
 
     from qvl.bridges.attention import SDPAttention
 
-    config = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, bf16=True)
+    # attention_dropout=0: the module is in training mode, and Megatron's default of 0.1 would drop out (and take
+    # the per-segment path: the varlen kernel has no dropout), which no dropout-free reference can match.
+    config = TransformerConfig(
+        num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, bf16=True, attention_dropout=0.0
+    )
     attention = SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self").cuda()
     lengths = [300, 17, 1024, 5]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
