@@ -3,6 +3,9 @@
 The input is LLaVA-like: ~87% one image, ~8% text only, ~5% two to four images, multi-turn text of log-normal
 length, and real encoded JPEGs at COCO / GQA / VG sizes (smooth content plus grain, ~50-200 KB, like photos).
 A share of the samples point at images other samples also use (LLaVA reuses COCO images across its sources).
+Samples/s "at scale" is the slope between runs at a quarter and all of the distinct-image set (the fastest of
+`REPEATS` runs each): what a corpus-sized run sees, without the fixed start-up (imports, tokenizer, Energon's
+index) that dominates a few-thousand-sample run on 2 cores. The 2-worker goal is checked on it.
 Every run is a fresh subprocess (`python -m qvl.launchers.cli data prepare ...`), so peak RSS is that run's alone
 (children included).
 """
@@ -27,6 +30,7 @@ WORDS = (
     "behind front small large white black wooden two three several answer question describe detail please"
 ).split()
 GOALS = {"speedup_2_workers": 1.8, "rss_200k_over_20k": 1.1, "one_core_distinct_over_baseline": 1.5}
+REPEATS = 2  # runs per size and worker count; the fastest counts (the other jobs of a 2-core machine add noise)
 BASELINE_DISTINCT_SAMPLES_PER_S = 265.0  # qvl 154aea6..f1a38f5 here: 230-300 samples/s end to end, one core
 
 
@@ -120,6 +124,14 @@ def run_prepare(
     }
 
 
+def scale_rate(small: list[dict], full: list[dict]) -> dict:
+    """Samples/s at scale from runs at two sizes of one input: the slope (extra samples over extra seconds, fastest
+    run of each size), and the fixed start-up seconds it leaves (the intercept)."""
+    a, b = min(small, key=lambda r: r["seconds"]), min(full, key=lambda r: r["seconds"])
+    rate = (b["samples"] - a["samples"]) / max(b["seconds"] - a["seconds"], 1e-9)
+    return {"samples_per_s": round(rate, 1), "fixed_start_s": round(a["seconds"] - a["samples"] / rate, 2)}
+
+
 def _check(figure: str, value: float, goal: float, *, at_most: bool = False) -> dict:
     return {
         "figure": figure,
@@ -140,10 +152,16 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     hf_dir = write_tiny_hf_processor_dir(work / "hf", "qwen2_5_vl")
     n_rate, n_small, n_large = (600, 2_000, 6_000) if quick else (4_000, 20_000, 200_000)
     distinct = write_llava_like(work / "distinct", n_rate, shared=0.0, seed=1)
-    rates = {
-        "workers_1": run_prepare(*distinct, hf_dir, work / "o1", "--workers", "1"),
-        "workers_2": run_prepare(*distinct, hf_dir, work / "o2", "--workers", "2"),
-    }
+    # The same images, a quarter of the samples: the runs at both sizes give the rate at scale (the slope) apart
+    # from the fixed start-up (imports, tokenizer, Energon's index), which a corpus-sized run does not notice.
+    first = work / "distinct" / "first_quarter.jsonl"
+    first.write_text("".join(distinct[0].read_text().splitlines(keepends=True)[: n_rate // 4]))
+    rates, at_scale = {}, {}
+    for workers in ("1", "2"):
+        small = [run_prepare(first, distinct[1], hf_dir, work / "o", "--workers", workers) for _ in range(REPEATS)]
+        full = [run_prepare(*distinct, hf_dir, work / "o", "--workers", workers) for _ in range(REPEATS)]
+        rates[f"workers_{workers}"] = min(full, key=lambda r: r["seconds"])
+        at_scale[f"workers_{workers}"] = scale_rate(small, full)
     try:
         import ray  # noqa: F401
 
@@ -151,6 +169,7 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     except ImportError:
         rates["ray_local_2cpu"] = None
     one = rates["workers_1"]["samples_per_s"]
+    scale_speedup = at_scale["workers_2"]["samples_per_s"] / at_scale["workers_1"]["samples_per_s"]
     # The memory runs share a pool of images (generating 200k distinct JPEGs takes longer than preparing them).
     memory = {}
     for n in (n_small, n_large):
@@ -162,13 +181,21 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
         "quick": quick,
         "cores": os.cpu_count(),
         "distinct_images": rates,
+        "at_scale": at_scale,
+        "speedup_2_workers_at_scale": round(scale_speedup, 3),
         "memory": memory,
         "speedup_2_workers": round(speedup, 3),
         "rss_large_over_small": round(rss_ratio, 3),
         "llava_665k_hours_per_core": round(665_000 / one / 3600, 3),
         "one_core_over_baseline": round(one / BASELINE_DISTINCT_SAMPLES_PER_S, 3),
         "checks": [
-            _check("samples/s, 2 workers / 1 worker", round(speedup, 3), GOALS["speedup_2_workers"]),
+            _check("samples/s at scale (slope), 2 workers / 1", round(scale_speedup, 3), GOALS["speedup_2_workers"]),
+            {
+                "figure": f"samples/s end to end at {n_rate:,}, 2 workers / 1 (fixed start-up included)",
+                "value": round(speedup, 3),
+                "goal": "",
+                "met": None,
+            },  # fmt: skip
             _check(f"peak RSS {n_large:,} / {n_small:,} samples", round(rss_ratio, 3), 1.1, at_most=True),
             _check(
                 f"1-core samples/s / {BASELINE_DISTINCT_SAMPLES_PER_S:.0f} (before)",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -75,7 +76,7 @@ class PrepareConfig:
     seed: int = 0  # the DP schedule's step order
     decode_images: bool = True  # check every image is intact; False reads headers only
     full_decode: bool = False  # decode every pixel instead of the structure / CRC check (qvl.data.integrity)
-    packs_per_shard: int = 256
+    packs_per_shard: int | None = None  # None: write.auto_packs_per_shard (256, fewer for small datasets)
     count_batch_size: int = 256
     chunk_size: int = 1024  # records per unit of parallel work (and of resumption)
     workers: int | None = 1  # local worker processes; None: every core; 1: this process only
@@ -130,6 +131,9 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
         dp_report = None
         if config.data_parallel is not None:
             plan, dp_report = _timed(state, "schedule", lambda: _schedule(samples, plan, config))
+        config = dataclasses.replace(
+            config, packs_per_shard=config.packs_per_shard or write.auto_packs_per_shard(plan.n_packs)
+        )
         report = _report(config, state, samples.length, plan)
         if dp_report:
             report["dp_plan"] = dp_report
@@ -330,6 +334,7 @@ def _report(config: PrepareConfig, state: _State, lengths: np.ndarray, plan: Pac
         "total_tokens": int(lengths.sum()),
         "packed_sequences": plan.n_packs,
         "packing_efficiency": round(plan.efficiency(lengths), 6),
+        "packs_per_shard": config.packs_per_shard,
         "executor": state.executor,
         "time_s": state.timings,  # wall time per driver stage, filled in as stages finish
         "worker_cpu_s": {k: round(v, 4) for k, v in state.cpu.items()},  # summed over workers (this run's chunks)
@@ -361,7 +366,9 @@ def _write(config, work, pool, pad_ids, plan: PackPlan, samples: _Samples, state
         state.reused["shards"] = len(done)
         advance(sum(done))
         pool.map(write.write_shard_from_spill, _shard_jobs(work, plan, samples, write_config), advance)
-    write.write_energon_meta(work, shard_names)
+    # Energon reads every shard back to index it: in its own processes where this run has local workers.
+    local = len(os.sched_getaffinity(0)) if isinstance(pool, parallel.ProcessExecutor | parallel.RayExecutor) else 1
+    write.write_energon_meta(work, shard_names, workers=max(1, min(local, pool.workers, len(shard_names))))
     _write_jsonl(work / "packs.jsonl", _pack_rows(plan, samples, config.packs_per_shard))
     report["shards"] = len(shard_names)
     state.timings["write"] = round(time.perf_counter() - start, 4)

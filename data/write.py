@@ -95,6 +95,18 @@ def write_shards(
     return names
 
 
+MAX_PACKS_PER_SHARD = 256
+SPREAD_SHARDS = 64  # a small dataset is cut into about this many shards, so that every worker has some to write
+MIN_PACKS_PER_SHARD = 16
+
+
+def auto_packs_per_shard(n_packs: int) -> int:
+    """Packs per shard when none is asked for: 256, or fewer for a dataset of under 64 such shards, so that its
+    writing (and Energon's indexing) spreads over the workers; a function of the pack count alone, so every executor
+    writes the same shards."""
+    return max(MIN_PACKS_PER_SHARD, min(MAX_PACKS_PER_SHARD, -(-n_packs // SPREAD_SHARDS)))
+
+
 def shard_packs(n_packs: int, packs_per_shard: int) -> list[range]:
     """The packs of each shard, in order."""
     return [range(first, min(first + packs_per_shard, n_packs)) for first in range(0, n_packs, packs_per_shard)]
@@ -197,14 +209,15 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def write_energon_meta(work: pathlib.Path, shard_names: list[str]) -> None:
-    """Index the shards with Energon (`.nv-meta`: index, .info.json, split.yaml) and add its dataset.yaml."""
+def write_energon_meta(work: pathlib.Path, shard_names: list[str], workers: int = 1) -> None:
+    """Index the shards with Energon (`.nv-meta`: index, .info.json, split.yaml), in `workers` processes of its
+    own, and add its dataset.yaml."""
     from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
 
     captured = io.StringIO()
     with contextlib.redirect_stdout(captured):  # energon prints progress; keep library output in logging
         BaseWebdatasetFactory.prepare_dataset(
-            work, shard_names, split_parts_ratio=[("train", 1.0)], shuffle_seed=None, workers=1
+            work, shard_names, split_parts_ratio=[("train", 1.0)], shuffle_seed=None, workers=workers
         )
     logger.debug("energon prepare: %s", captured.getvalue().strip())
     (work / ".nv-meta" / "dataset.yaml").write_text(DATASET_YAML)

@@ -8,7 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from qvl.bridges import convert
+# The --dtype names of qvl.bridges.convert.DTYPES (tests/launchers/test_cli.py holds them equal). The command
+# table imports every command module for each `qvl` call, so this one imports torch and the converter only when
+# a convert command runs.
+DTYPE_NAMES = ("bf16", "fp32", "fp16")
 
 
 def _ranks(args: argparse.Namespace):
@@ -24,6 +27,7 @@ def _gib(n: int) -> str:
 
 
 def run_import(args: argparse.Namespace) -> int:
+    from qvl.bridges import convert
     from qvl.foundation.distributed import run_on_ranks
 
     # One process streams the checkpoint; it loads at any layout, and --tp/--pp are checked against the model.
@@ -44,6 +48,8 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from qvl.bridges import convert
+
     results = _ranks(args)(convert.export_on_rank, args.megatron_dir, args.out_hf_dir)
     print(
         f"wrote HF checkpoint {args.out_hf_dir} in {results[0]['seconds']:.1f} s; "
@@ -53,6 +59,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from qvl.bridges import convert
+
     convert.check_before_verify(Path(args.hf_dir), Path(args.megatron_dir))  # in this process: one clear line
     # Megatron prints progress to stdout; with --json stdout carries the report alone, so it pipes into jq.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
@@ -90,7 +98,7 @@ def register(subparsers) -> None:
     imp = commands.add_parser("import", help="HF directory -> Megatron distributed checkpoint")
     imp.add_argument("hf_dir")
     imp.add_argument("out_dir")
-    imp.add_argument("--dtype", choices=tuple(convert.DTYPES), default="bf16")
+    imp.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
     _layout_args(imp)
     imp.set_defaults(func=run_import)
     exp = commands.add_parser("export", help="Megatron checkpoint -> HF safetensors + config")

@@ -54,7 +54,11 @@ def _add_prepare(commands) -> None:
         action="store_true",
         help="decode every image's pixels instead of checking JPEG markers / PNG CRCs (slower)",
     )
-    p.add_argument("--packs-per-shard", type=int, default=256)
+    p.add_argument(
+        "--packs-per-shard",
+        type=_positive,
+        help="packs per shard (default: 256, fewer for small datasets so that writing spreads over the workers)",
+    )
     p.add_argument(
         "--workers",
         type=_positive,

@@ -153,3 +153,11 @@ def test_changed_settings_discard_stale_partial_work(corpus, hf_dirs, tmp_path):
     (stale / "shard-000000.tar").write_bytes(b"stale")
     prepare(_config(corpus, hf_dirs, output))
     assert (output / "shard-000000.tar").read_bytes() != b"stale"
+
+
+def test_default_shard_size_spreads_small_datasets_and_caps_large_ones():
+    from qvl.data.write import auto_packs_per_shard, shard_packs
+
+    assert auto_packs_per_shard(340) == 16 and len(shard_packs(340, 16)) == 22  # 2 shards of 256 + 84 before
+    assert auto_packs_per_shard(8_000) == 125 and len(shard_packs(8_000, 125)) == 64
+    assert auto_packs_per_shard(100_000) == 256 and auto_packs_per_shard(1) == 16

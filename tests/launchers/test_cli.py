@@ -1,0 +1,20 @@
+"""The `qvl` command table: building it is cheap (every `qvl` call builds it, `qvl data prepare` on a CPU node too),
+and the names it offers match the library's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_building_the_parser_imports_neither_torch_nor_transformers():
+    code = "import sys; from qvl.launchers import cli; cli.build_parser(); print(sorted(m for m in ('torch', 'transformers', 'megatron') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_convert_dtype_choices_are_the_converters():
+    from qvl.bridges.convert import DTYPES
+    from qvl.launchers.commands.convert import DTYPE_NAMES
+
+    assert sorted(DTYPE_NAMES) == sorted(DTYPES)
