@@ -519,8 +519,7 @@ def gpu_kind() -> tuple[str | None, float | None]:
 
 
 def _worker(spec_paths: list[pathlib.Path]) -> int:
-    """Train each spec in turn; after a failed run, exit 3 so the driver starts a fresh process for the rest (a
-    failed pretrain() keeps its model and optimizer referenced: on a GPU the next run would find no memory)."""
+    """Train each spec in turn; after a failed run, exit RESTART so the driver starts a fresh process for the rest."""
     for spec_path in spec_paths:
         spec = json.loads(spec_path.read_text())
         try:
@@ -572,14 +571,17 @@ def variant_spec(setup: Setup, hf_dir: pathlib.Path, data: pathlib.Path, seq_len
 
 
 def train_all(setup: Setup, specs: list[pathlib.Path]) -> list[dict]:
-    """Train every spec in a child process (one set of imports; Megatron state stays out of this process), a
-    fresh one after each failed run."""
+    """Train the specs in child processes (Megatron state stays out of this one), and on a GPU each in its own: a
+    finished pretrain() leaves its model and optimizer allocated (an H100 run measured the next run's peak on top
+    of the last one's ~34 GiB, and a third run failed to allocate its gradient buffer). After a failed run the
+    rest go to a fresh process."""
     log, results = setup.out / "train_log.txt", [pathlib.Path(json.loads(p.read_text())["result"]) for p in specs]
     log.write_text("")
     for result in results:
         result.unlink(missing_ok=True)
+    per_process = 1 if torch.cuda.is_available() else len(specs)  # the tiny CPU runs share one (imports cost)
     while pending := [spec for spec, result in zip(specs, results, strict=True) if not result.is_file()]:
-        command = [sys.executable, "-m", "benchmarks.bench_train", "--worker", *map(str, pending)]
+        command = [sys.executable, "-m", "benchmarks.bench_train", "--worker", *map(str, pending[:per_process])]
         root = pathlib.Path(__file__).resolve().parents[1]
         done = subprocess.run(command, capture_output=True, text=True, cwd=root)
         with log.open("a") as f:
