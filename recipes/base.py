@@ -291,12 +291,14 @@ def split_of(model: Any) -> list[int]:
 __all__ = ["ConfigContainer", "QvlPackedDatasetConfig", "build_config", "build_model", "split_of", "split_from_counts"]
 
 
-# Non-layout defaults per (size, stage) for the 72B dense models (Qwen2-VL, Qwen2.5-VL): full recompute,
-# since activations (4 packs in flight on stage 0, each with its images' replicated HF vision activations)
-# would not fit otherwise.
-DENSE_72B_SETTINGS: dict[tuple[str, str], dict] = {
-    ("72b", "pretrain"): dict(recompute="full"),
-    ("72b", "sft"): dict(recompute="full"),
+# Non-layout defaults per (size, stage) for the large dense models (Qwen2-VL, Qwen2.5-VL). Their stage 0 holds
+# several packs in flight, each with its images' replicated HF vision activations: about 2.8 MB per patch
+# (planner.HF_TOWER_BYTES, measured), so the tower recomputes its blocks; at 72B the LM recomputes too.
+DENSE_LARGE_SETTINGS: dict[tuple[str, str], dict] = {
+    ("32b", "pretrain"): dict(vision_recompute=True),
+    ("32b", "sft"): dict(vision_recompute=True),
+    ("72b", "pretrain"): dict(recompute="full", vision_recompute=True),
+    ("72b", "sft"): dict(recompute="full", vision_recompute=True),
 }
 
 

@@ -257,18 +257,44 @@ def layer_activation_bytes(
     return tokens * per_token
 
 
+# What the replicated HF vision towers (Qwen2-VL, Qwen2.5-VL) keep for backward, in bytes per patch, as measured:
+# the unique storages a bf16 tower saves for backward (torch.autograd.graph.saved_tensors_hooks, the weights'
+# storages left out) with 2 and with 3 blocks (the difference is one block), at the published widths and at half
+# the width or half the MLP width, on 784 and 1,984 patches (the same per patch: the bytes are linear in patches).
+# Per block:
+# - SwiGLU (Qwen2.5-VL): 30 x width + 8 x MLP width + 712, which is 66.5 KB at the published shape;
+# - GELU (Qwen2-VL): 22 x width + 6 x MLP width + 712, which is 59.6 KB.
+# The 712 bytes are the rotary tables, fp32 cos and sin of head_dim 80. Outside the blocks: 12 (Qwen2.5-VL) or
+# 8 (Qwen2-VL) x width, plus the bf16 pixels. The older count, 16 x width + 6 x MLP width, was 41 KB: it missed
+# the fp32 copies of the RMSNorm and rotary steps. tests/recipes/test_planner.py re-measures the published
+# Qwen2.5-VL shape.
+HF_TOWER_BYTES = {True: (30, 8, 12), False: (22, 6, 8)}  # gated MLP -> bytes per width, per MLP width, outside
+HF_TOWER_ROTARY_BYTES = 712
+
+
+def hf_tower_bytes_per_patch(vision: VisionShape) -> tuple[float, float]:
+    """(bytes per patch per block, bytes per patch outside the blocks) an HF vision tower keeps for backward."""
+    per_width, per_ffn, outside = HF_TOWER_BYTES[vision.gated_mlp]
+    pixels = 2 * vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    per_block = per_width * vision.hidden_size + per_ffn * vision.intermediate_size + HF_TOWER_ROTARY_BYTES
+    return per_block, outside * vision.hidden_size + pixels
+
+
 def vision_activation_bytes(model: Any, vision: VisionShape, patches: float, *, recompute: bool = False) -> float:
     """Bytes the vision tower keeps for backward over `patches` patches of one micro-batch; `recompute`: the HF
     tower's blocks keep their inputs only (`vision_recompute`), plus one block's working set while it reruns."""
     if model.freeze_vision_model:
         return 0.0 if model.freeze_vision_projection else patches * 2 * vision.hidden_size  # merger input
-    shard = model.tensor_model_parallel_size if vision_is_megatron(model) else 1
     width, ffn = vision.hidden_size, vision.intermediate_size
+    if not vision_is_megatron(model):
+        per_block, outside = hf_tower_bytes_per_patch(vision)
+        if recompute:
+            return patches * (2 * width * vision.depth + per_block + outside)
+        return patches * (per_block * vision.depth + outside)
+    shard = model.tensor_model_parallel_size
     per_patch = 8 * width + (8 * width + (6 if vision.gated_mlp else 4) * ffn) / shard
-    if vision_is_megatron(model) and model.recompute_granularity == "full":
+    if model.recompute_granularity == "full":
         per_patch = 2 * width
-    elif recompute and not vision_is_megatron(model):
-        return patches * (2 * width * vision.depth + per_patch)
     return patches * per_patch * vision.depth
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from qvl.recipes.architectures import get_architecture
-from qvl.recipes.base import DENSE_72B_SETTINGS, ConfigContainer, family_recipe  # base imports Megatron-Bridge safely
+from qvl.recipes.base import DENSE_LARGE_SETTINGS, ConfigContainer, family_recipe  # base imports Megatron-Bridge safely
 from qvl.recipes.registry import recipe
 
 FAMILY = "qwen2_5_vl"
@@ -24,7 +24,7 @@ LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
     ("72b", "sft"): dict(tensor_parallel=8, pipeline_parallel=4, gpus=64),
     ("72b", "peft"): dict(tensor_parallel=8, gpus=8),
 }
-SETTINGS = DENSE_72B_SETTINGS
+SETTINGS = DENSE_LARGE_SETTINGS
 
 
 def qwen25_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:

@@ -4,6 +4,7 @@ published configurations."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from qvl.data.cost import lm_flops, vision_flops
 from qvl.foundation import distributed
@@ -146,3 +147,45 @@ def _vision_and_patches():
     _, vision = planner.model_shapes(cfg.model)
     workload = Workload(seq_length=cfg.model.seq_length)
     return vision, sum(workload.images(vision.spatial_merge_size)) * cfg.train.micro_batch_size
+
+
+def _saved_bytes(tower, grid: list[list[int]]) -> tuple[int, int]:
+    """Bytes of the unique storages a forward saves for backward (parameters aside), and the patch count."""
+    grid_thw = torch.tensor(grid)
+    patches = int(grid_thw.prod(-1).sum())
+    config = tower.config
+    pixels = torch.randn(patches, 3 * config.temporal_patch_size * config.patch_size**2, dtype=torch.bfloat16)
+    weights = {p.untyped_storage().data_ptr() for p in tower.parameters()}  # saved as views by the linear layers
+    storages: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        tower(pixels, grid_thw=grid_thw)
+    return sum(storages.values()), patches
+
+
+def test_hf_vision_tower_bytes_match_what_the_published_qwen25_vl_tower_saves():
+    """The planner's per-patch bytes for the replicated HF tower against a measurement of the published Qwen2.5-VL
+    ViT (1280 wide, SwiGLU 3420) in bf16: towers of 2 and 3 blocks, the difference per block."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from qvl.bridges.attention import varlen_vision_towers
+    from qvl.data.cost import shapes_from_hf_config
+    from qvl.recipes.architectures import get_architecture, hf_config
+
+    config = hf_config(get_architecture("qwen2_5_vl", "3b"))
+    measured = []
+    for depth in (2, 3):
+        config.vision_config.depth, config.vision_config.fullatt_block_indexes = depth, [depth - 1]
+        torch.manual_seed(0)
+        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config).to(torch.bfloat16)
+        varlen_vision_towers([tower])  # the attention training uses
+        measured.append(_saved_bytes(tower, [[1, 16, 24], [1, 20, 20]]))
+    (two, patches), (three, _) = measured
+    per_block, outside = planner.hf_tower_bytes_per_patch(shapes_from_hf_config(config.to_dict())[1])
+    assert (three - two) / patches == pytest.approx(per_block, rel=0.02)
+    assert (two - 2 * (three - two)) / patches == pytest.approx(outside, rel=0.02)
