@@ -529,6 +529,8 @@ def plan_recipe(
 def _candidates(plan: Plan, overrides: dict) -> list[tuple[str, dict]]:
     tp, pp = plan.layout["tensor_parallel"], plan.layout["pipeline_parallel"]
     out = [
+        # First: the cheapest (the HF vision tower's blocks rerun; a Megatron tower's plan does not change with it)
+        ("vision_recompute=true", {"vision_recompute": True}),
         ("recompute=selective", {"recompute": "selective", "recompute_modules": "core_attn,mlp"}),
         ("recompute=full", {"recompute": "full"}),
     ]

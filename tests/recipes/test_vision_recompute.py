@@ -53,6 +53,13 @@ def test_planner_counts_block_inputs_only_with_vision_recompute():
     assert recomputed.worst.params == plain.worst.params
 
 
+def test_a_layout_that_fits_only_with_it_is_told_so():
+    from qvl.recipes.planner import plan_recipe
+
+    plan = plan_recipe("qwen25_vl_32b_sft", {"vision_recompute": False}, gpus=16)
+    assert not plan.fits and plan.suggestions[0].startswith("vision_recompute=true (")
+
+
 def test_qwen3_vl_is_refused_with_the_option_that_recomputes_its_tower(tmp_path, cpu_runtime):
     from qvl.foundation.errors import ConfigError
     from qvl.recipes.training.train import TrainRequest, prepare_config
