@@ -57,7 +57,7 @@ def build_tower(model: str, *, tiny: bool, device: torch.device, dtype: torch.dt
             vision.fullatt_block_indexes = [1]
         if hasattr(vision, "embed_dim"):  # Qwen2-VL names its width embed_dim and its output hidden_size
             vision.embed_dim, vision.hidden_size = TINY["hidden_size"], TINY["out_hidden_size"]
-            vision.mlp_ratio = TINY["intermediate_size"] / TINY["hidden_size"]
+            vision.mlp_ratio = TINY["intermediate_size"] // TINY["hidden_size"]  # an int in transformers 5.12
     module = __import__(f"transformers.models.{family.hf_module}.modeling_{family.hf_module}", fromlist=["x"])
     tower = getattr(module, family.vision_tower_class)._from_config(vision).to(device=device, dtype=dtype)
     varlen_vision_towers([tower])

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import bench_vision_gpu
 
 
-def test_tiny_vision_share_benchmark_writes_its_figures(tmp_path):
-    assert bench_vision_gpu.main(["--tiny", "--packs", "2", "--repeats", "1", "--out", str(tmp_path)]) == 0
+@pytest.mark.parametrize("model", ["qwen25_vl_3b", "qwen2_vl_2b"])
+def test_tiny_vision_share_benchmark_writes_its_figures(tmp_path, model):
+    args = ["--tiny", "--model", model, "--packs", "2", "--repeats", "1", "--out", str(tmp_path)]
+    assert bench_vision_gpu.main(args) == 0
     results = json.loads((tmp_path / "bench_vision_gpu.json").read_text())
     for row in results["tp_split"]:
         tp = row["tensor_parallel"]
