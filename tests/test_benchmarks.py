@@ -97,7 +97,12 @@ def test_quick_convert_benchmark_writes_its_json(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ok"] is True and list(summary["benchmarks"]) == ["convert"]
     (row,) = results["depths"]
-    assert row["shards"] >= 3 and row["peak_rss_bytes"] > results["constant"]["peak_rss_bytes"] > 0
+    # The quick model is small: its conversion's peak RSS is within noise of the tiny baseline's (a clean-clone CI
+    # run measured 8 MB below it), so only the bookkeeping is asserted here; tests/bridges/test_memory.py holds the
+    # memory goal on checkpoints large enough to measure.
+    constant = results["constant"]["peak_rss_bytes"]
+    assert row["shards"] >= 3 and row["peak_rss_bytes"] > 0 and constant > 0
+    assert row["growth_bytes"] == row["peak_rss_bytes"] - constant
     assert row["megatron_checkpoint_bytes"] >= row["weight_bytes"]
     assert isinstance(results["goal_met"], bool) and (results["why"] is None) == results["goal_met"]
     assert "convert" in done.stdout and "largest shard" in done.stdout
