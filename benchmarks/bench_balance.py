@@ -22,36 +22,16 @@ import numpy as np
 
 from benchmarks.bench_data import QWEN25_VISION, RESOLUTIONS
 from qvl.data.balance import imbalance, plan_dp_balanced, plan_random
-from qvl.data.cost import LMShape, VisionShape, lm_flops_per_sequence, sample_flops, vision_flops_per_image
+from qvl.data.cost import lm_flops_per_sequence, sample_flops, vision_flops_per_image
 from qvl.data.pack import pack_best_fit_decreasing
 from qvl.data.vision import image_grid_thw
+from qvl.recipes.architectures import cost_shapes
 from qvl.recipes.training.vision_balance import assign_images
 
 SEQ_LENGTH = 8192
 DATA_PARALLEL = (8, 32, 128)
 PACKS_PER_RANK = (4, 16)
-# Qwen2.5-VL-7B-Instruct's config.json.
-QWEN25_7B_LM = LMShape(
-    hidden_size=3584,
-    num_layers=28,
-    num_attention_heads=28,
-    num_query_groups=4,
-    ffn_hidden_size=18944,
-    vocab_size=152064,
-)
-QWEN25_7B_VISION = VisionShape(
-    hidden_size=1280,
-    depth=32,
-    num_heads=16,
-    intermediate_size=3420,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    out_hidden_size=3584,
-    gated_mlp=True,
-    window_size=112,
-    fullatt_block_indexes=(7, 15, 23, 31),
-)
+QWEN25_7B_LM, QWEN25_7B_VISION = cost_shapes("qwen2_5_vl", "7b")  # Qwen2.5-VL-7B-Instruct's config.json
 
 
 def llava_like_samples(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -199,10 +179,6 @@ def _print_table(results: dict) -> None:
 
 
 if __name__ == "__main__":
-    import argparse
+    from benchmarks.run import standalone
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench"))
-    parser.add_argument("--quick", action="store_true")
-    cli_args = parser.parse_args()
-    _print_table(run(cli_args.out, quick=cli_args.quick))
+    standalone(__doc__, run, _print_table)

@@ -217,10 +217,6 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    import argparse
+    from benchmarks.run import standalone
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench"))
-    parser.add_argument("--quick", action="store_true")
-    cli_args = parser.parse_args()
-    print(json.dumps(run(cli_args.out, quick=cli_args.quick), indent=2))
+    standalone(__doc__, run)

@@ -26,9 +26,8 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.bench_balance import SEQ_LENGTH, llava_like_samples
+from benchmarks.bench_vision_parallel import pack_images
 from qvl.data.cost import shapes_from_hf_config, vision_flops_per_image
-from qvl.data.pack import pack_best_fit_decreasing
 from qvl.recipes.training.vision_balance import assign_images, plan_vision_balance
 
 TOWERS = {
@@ -62,16 +61,6 @@ def build_tower(model: str, *, tiny: bool, device: torch.device, dtype: torch.dt
     tower = getattr(module, family.vision_tower_class)._from_config(vision).to(device=device, dtype=dtype)
     varlen_vision_towers([tower])
     return tower, config
-
-
-def packs_of_images(n_samples: int, seed: int) -> list[np.ndarray]:
-    """Image grids [n, 3] of each 8192-token pack of the LLaVA-like mix, packs without images left out."""
-    lengths, grids, owner = llava_like_samples(n_samples, seed)
-    plan = pack_best_fit_decreasing(lengths, SEQ_LENGTH)
-    pack_of_sample = np.empty(len(lengths), np.int64)
-    pack_of_sample[plan.order] = np.repeat(np.arange(plan.n_packs), np.diff(plan.offsets))
-    image_pack = pack_of_sample[owner]
-    return [grids[image_pack == p] for p in range(plan.n_packs) if (image_pack == p).any()]
 
 
 class Timer:
@@ -200,7 +189,7 @@ def benchmark(model: str, *, tiny: bool, packs: int, repeats: int, out: pathlib.
     torch.manual_seed(0)
     tower, config = build_tower(model, tiny=tiny, device=device, dtype=dtype)
     shape = shapes_from_hf_config(config.to_dict())[1]
-    all_packs = packs_of_images(4000 if not tiny else 400, seed=0)
+    all_packs = [grids for grids in pack_images(4000 if not tiny else 400, seed=0) if len(grids)]
     rng = np.random.default_rng(0)
     chosen = [all_packs[i] for i in rng.choice(len(all_packs), min(packs, len(all_packs)), replace=False)]
     if tiny:  # a sixteenth of the patches on CPU (grid sides stay even and >= 4, as the processors make them)

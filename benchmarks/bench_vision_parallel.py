@@ -140,10 +140,6 @@ def _print_table(results: dict) -> None:
 
 
 if __name__ == "__main__":
-    import argparse
+    from benchmarks.run import standalone
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench"))
-    parser.add_argument("--quick", action="store_true")
-    cli_args = parser.parse_args()
-    _print_table(run(cli_args.out, quick=cli_args.quick))
+    standalone(__doc__, run, _print_table)

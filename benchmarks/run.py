@@ -42,6 +42,17 @@ class Outcome:
     error: str | None
 
 
+def standalone(module_doc: str, run_fn, show=None) -> None:
+    """The command line of one benchmark run on its own (`python -m benchmarks.bench_NAME [--out D] [--quick]`):
+    runs it and shows its results with `show` (default: the JSON)."""
+    parser = argparse.ArgumentParser(description=module_doc.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    results = run_fn(args.out, quick=args.quick)
+    (show or (lambda r: print(json.dumps(r, indent=2))))(results)
+
+
 def discover() -> list[str]:
     """Names of the benchmarks in this folder (`bench_data.py` -> "data"), sorted."""
     return sorted(path.stem.removeprefix(PREFIX) for path in BENCH_DIR.glob(f"{PREFIX}*.py"))

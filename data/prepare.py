@@ -366,9 +366,10 @@ def _write(config, work, pool, pad_ids, plan: PackPlan, samples: _Samples, state
         state.reused["shards"] = len(done)
         advance(sum(done))
         pool.map(write.write_shard_from_spill, _shard_jobs(work, plan, samples, write_config), advance)
-    # Energon reads every shard back to index it: in its own processes where this run has local workers.
-    local = len(os.sched_getaffinity(0)) if isinstance(pool, parallel.ProcessExecutor | parallel.RayExecutor) else 1
-    write.write_energon_meta(work, shard_names, workers=max(1, min(local, pool.workers, len(shard_names))))
+    # Energon reads every shard back to index it: in as many processes of its own as this run has workers (one
+    # for a one-process run), at most this machine's cores.
+    cores = len(os.sched_getaffinity(0))
+    write.write_energon_meta(work, shard_names, workers=max(1, min(cores, pool.workers, len(shard_names))))
     _write_jsonl(work / "packs.jsonl", _pack_rows(plan, samples, config.packs_per_shard))
     report["shards"] = len(shard_names)
     state.timings["write"] = round(time.perf_counter() - start, 4)

@@ -146,6 +146,13 @@ def hf_config(arch: Architecture, **text_overrides: Any) -> Any:
                         architectures=[arch.hf_architecture], **arch.top)  # fmt: skip
 
 
+def cost_shapes(family: str, size: str) -> tuple[Any, Any]:
+    """qvl.data.cost's (LMShape, VisionShape) of a published model, from its config in this table."""
+    from qvl.data.cost import shapes_from_hf_config
+
+    return shapes_from_hf_config(hf_config(get_architecture(family, size)).to_dict())
+
+
 def load_hf_config(hf_path: str | Path | None, arch: Architecture) -> Any:
     """The checkpoint's own config when `hf_path` is a local directory with config.json, else the table's."""
     if hf_path is not None and (Path(hf_path) / "config.json").is_file():

@@ -5,31 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qvl.data.cost import LMShape, VisionShape, sample_flops
+from qvl.data.cost import sample_flops
 from qvl.data.pack import balance_by_cost, pack_best_fit_decreasing, pack_next_fit, pack_padded
+from qvl.recipes.architectures import cost_shapes
 
 # Qwen2.5-VL-7B's language model and vision tower (the cost model's FLOPs, as --balance-cost uses them).
-LM_7B = LMShape(
-    hidden_size=3584,
-    num_layers=28,
-    num_attention_heads=28,
-    num_query_groups=4,
-    ffn_hidden_size=18944,
-    vocab_size=152064,
-)
-VISION_7B = VisionShape(
-    hidden_size=1280,
-    depth=32,
-    num_heads=16,
-    intermediate_size=3420,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    out_hidden_size=3584,
-    gated_mlp=True,
-    window_size=112,
-    fullatt_block_indexes=(7, 15, 23, 31),
-)
+LM_7B, VISION_7B = cost_shapes("qwen2_5_vl", "7b")
 
 
 def _naive_best_fit_decreasing_loads(lengths: list[int], seq_length: int) -> list[int]:
