@@ -1,0 +1,373 @@
+"""One `bench_train` run, in the training child process: Megatron-Bridge's `pretrain()` on the packed or padded
+loader, timed per micro-batch and per step (optionally profiled), and its figures: tokens/s, TFLOP/s and MFU three
+ways, data wait, peak memory next to `qvl plan`. `benchmarks/bench_train.py` writes the specs and starts it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import time
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+WARMUP_STEPS = 1
+RESTART = 3  # a worker's exit code after a failed run: the driver starts a fresh one for the rest
+PROFILED_STEPS = 2  # with --profile: the last two steps of a packed run, left out of its figures
+
+
+class _Recorder:
+    """Per micro-batch: seconds the training loop waited for it, real sub-sequence lengths, image grids."""
+
+    def __init__(self):
+        self.batches: list[dict] = []
+        self.step_ends: list[float] = [time.perf_counter()]
+
+    def step_end(self, context) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.step_ends.append(time.perf_counter())
+
+
+RECORDER = _Recorder()
+
+
+class _Profiler:
+    """torch.profiler over steps `first`..`first + count - 1` (callbacks), then the top ops by device time to a file."""
+
+    def __init__(self, path: pathlib.Path, first: int, count: int = 2):
+        self.path, self.first, self.last, self.profiler = path, first, first + count - 1, None
+
+    def step_start(self, context) -> None:
+        if context.state.train_state.step + 1 == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+
+    def step_end(self, context) -> None:
+        if self.profiler is None or context.state.train_state.step + 1 != self.last:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profiler.stop()
+        events = self.profiler.key_averages()
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        steps = self.last - self.first + 1
+        self.path.write_text(
+            f"steps {self.first}-{self.last} ({steps} steps), sorted by {sort}\n"
+            + events.table(sort_by=sort, row_limit=40, max_name_column_width=90)
+        )
+        self.profiler = None
+
+
+class _TimedLoader:
+    """The training loader, timed: `next()` is where the training loop waits for data."""
+
+    def __init__(self, inner, lengths_of):
+        self.inner, self.lengths_of = inner, lengths_of
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        batch = next(self.inner)
+        wait = time.perf_counter() - start
+        grids = batch.image_grid_thw.tolist()
+        RECORDER.batches.append({"wait": wait, "lengths": self.lengths_of(batch), "grids": grids})
+        return batch
+
+
+class PaddedLoader:
+    """The packs' samples one per micro-batch, each padded to `pad_to` tokens (what training without packing does)."""
+
+    def __init__(self, packed, *, pad_to: int, image_pad_id: int, merge_size: int):
+        self.packed, self.pad_to, self.image_pad_id, self.merge = packed, pad_to, image_pad_id, merge_size
+        self.queue: list = []
+        self.real: dict[int, int] = {}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.queue:
+            self.queue = split_padded(next(self.packed), self.pad_to, self.image_pad_id, self.merge)
+        batch, real = self.queue.pop(0)
+        self.real[id(batch)] = real
+        return batch
+
+    def lengths_of(self, batch) -> list[int]:
+        return [self.real.pop(id(batch))]
+
+
+def split_padded(batch, pad_to: int, image_pad_id: int, merge: int) -> list[tuple]:
+    """(one-sample batch padded to `pad_to`, real length) for each sub-sequence of a packed image batch."""
+    from qvl.data.count import IGNORE_INDEX
+    from qvl.data.load import PackedBatch
+
+    if batch.pixel_values_videos is not None:
+        raise ValueError("the padded baseline handles image datasets only")
+    cu, tokens = batch.cu_seqlens_q.tolist(), batch.tokens[0]
+    merged = [int(np.prod(g)) // merge**2 for g in batch.image_grid_thw.tolist()]
+    image, row, out = 0, 0, []
+    for a, b in zip(cu, cu[1:]):
+        first_image, wanted = image, int((tokens[a:b] == image_pad_id).sum())
+        while wanted > 0:
+            wanted -= merged[image]
+            image += 1
+        grids = batch.image_grid_thw[first_image:image]
+        rows = int(grids.prod(-1).sum()) if len(grids) else 0
+        extra = pad_to - (b - a)
+        positions = batch.position_ids[:, :, a:b]
+        pad_positions = positions.amax(-1, keepdim=True) + 1 + torch.arange(extra).view(1, 1, -1)
+        padded = PackedBatch(
+            __key__=[f"{batch.__key__[0]}/{a}"],
+            __restore_key__=("padded", a),
+            tokens=torch.cat([tokens[a:b], tokens[a].expand(extra)])[None],  # its first token: never a vision token
+            labels=torch.cat([batch.labels[0, a:b], torch.full((extra,), IGNORE_INDEX)])[None],
+            loss_mask=torch.cat([batch.loss_mask[0, a:b], torch.zeros(extra)])[None],
+            position_ids=torch.cat([positions, pad_positions], dim=-1),
+            cu_seqlens_q=torch.tensor([0, pad_to], dtype=torch.int32),
+            cu_seqlens_kv=torch.tensor([0, pad_to], dtype=torch.int32),
+            max_seqlen=pad_to,
+            pixel_values=batch.pixel_values[row : row + rows] if rows else None,
+            image_grid_thw=grids,
+            pixel_values_videos=None,
+            video_grid_thw=batch.video_grid_thw[:0],
+            second_per_grid_ts=batch.second_per_grid_ts[:0],
+            source_indices=[[]],
+        )
+        row += rows
+        out.append((padded, b - a))
+    return out
+
+
+def bench_dataset_class():
+    """QvlPackedDatasetConfig whose loader is timed and, in "padded" mode, unpacked (built on demand: it imports
+    Megatron-Bridge)."""
+    from qvl.data.load import PlannedPackLoader, QwenVLPackedTaskEncoder
+    from qvl.recipes.base import QvlPackedDatasetConfig
+
+    @dataclass(kw_only=True)
+    class BenchDatasetConfig(QvlPackedDatasetConfig):
+        mode: str = "packed"
+        pad_to: int = 0
+
+        def build_datasets(self, context):
+            path = pathlib.Path(self.path)
+            encoder = QwenVLPackedTaskEncoder(hf_dir=pathlib.Path(self.hf_path), family=self.family)
+            plan = json.loads((path / "report.json").read_text())["dp_plan"]
+            packed = PlannedPackLoader(
+                path,
+                encoder,
+                rank=0,
+                data_parallel=1,
+                global_batch=plan["global_batch"],  # the padded run re-slices the planned packs into samples
+                micro_batch_size=1 if self.mode == "padded" else self.micro_batch_size,
+                num_workers=self.num_workers,
+            )
+            if self.mode == "packed":
+                return _TimedLoader(packed, lambda b: np.diff(b.cu_seqlens_q.tolist()).tolist()), None, None
+            padded = PaddedLoader(
+                packed,
+                pad_to=self.pad_to,
+                image_pad_id=encoder.rope.image_pad_id,
+                merge_size=encoder.vision.merge_size,
+            )
+            return _TimedLoader(padded, padded.lengths_of), None, None
+
+    return BenchDatasetConfig
+
+
+def train_once(spec: dict) -> dict:
+    """Train one variant as `spec` says; returns its raw measurements."""
+    from qvl.foundation import distributed, megatron, patches, runtime
+    from qvl.recipes.training.train import TrainRequest, prepare_config
+
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(distributed.free_port())
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        runtime.activate(force=True)
+        runtime.enable_bridge_training()
+    megatron.import_megatron_bridge()
+    from megatron.bridge.training.callbacks import CallbackManager
+    from megatron.bridge.training.pretrain import pretrain
+
+    import qvl.bridges.registry  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
+    from qvl.recipes.training.step import forward_step
+
+    run_dir = pathlib.Path(spec["run_dir"])
+    request = TrainRequest(
+        recipe=spec["recipe"], overrides=spec["overrides"], run_dir=run_dir, model="tiny" if spec["tiny"] else None
+    )
+    _, config = prepare_config(request)
+    config.checkpoint.save = config.checkpoint.load = None  # measure training, not checkpoint writing
+    config.logger.tensorboard_dir = None
+    config.logger.log_interval = 1000
+    config.dataset.num_workers = spec["num_workers"]
+    dataset = config.dataset
+    config.dataset = bench_dataset_class()(
+        **{f.name: getattr(dataset, f.name) for f in fields(dataset) if f.init},
+        mode=spec["mode"],
+        pad_to=spec["pad_to"],
+    )
+    RECORDER.__init__()  # one process trains every variant in turn; pretrain() tears its global state down
+    callbacks = CallbackManager()
+    callbacks.register("on_train_step_end", RECORDER.step_end)
+    profiled = PROFILED_STEPS if spec.get("profile") and spec["mode"] == "packed" else 0
+    if profiled:
+        profiler = _Profiler(run_dir / "profile.txt", first=spec["overrides"]["train_iters"] - profiled + 1)
+        callbacks.register("on_train_step_start", profiler.step_start)
+        callbacks.register("on_train_step_end", profiler.step_end)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with patches.applied("megatron-wheel"):  # the pip-installed megatron-core ships its dataset helpers built
+        pretrain(config, forward_step, callbacks=callbacks)
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    raw = {
+        "step_ends": RECORDER.step_ends,
+        "batches": RECORDER.batches,
+        "peak_memory_bytes": peak,
+        "micro_batches_per_step": config.train.global_batch_size // config.train.micro_batch_size,
+        "profiled_steps": profiled,
+    }
+    kind, peak_flops = gpu_kind()
+    result = summarize(raw, config, gpu_peak_flops=peak_flops)
+    if spec["mode"] == "packed":
+        result["plan"] = planner_estimate(config, _step_figures(raw), kind)
+    return result
+
+
+# --- figures -------------------------------------------------------------------------------------------------------
+
+
+def _step_figures(raw: dict) -> list[dict]:
+    """Per step (after warm-up): seconds, data-wait seconds, real tokens, sub-sequence lengths, image grids."""
+    per_step, ends = raw["micro_batches_per_step"], raw["step_ends"]
+    steps = []
+    for step in range(len(ends) - 1):
+        batches = raw["batches"][step * per_step : (step + 1) * per_step]
+        lengths = [n for b in batches for n in b["lengths"]]
+        steps.append(
+            {
+                "seconds": ends[step + 1] - ends[step],
+                "wait": sum(b["wait"] for b in batches),
+                "lengths": lengths,
+                "grids": [g for b in batches for g in b["grids"]],
+            }
+        )
+    return steps[WARMUP_STEPS : len(steps) - raw.get("profiled_steps", 0)]
+
+
+def flops_per_step(config, step: dict) -> dict[str, float]:
+    """Training FLOPs of one step three ways: Megatron-Bridge's formula (its ViT term included), qvl's cost model,
+    and 6 x parameters x tokens."""
+    from megatron.bridge.training.utils.flop_utils import num_floating_point_operations
+
+    from qvl.data.cost import lm_flops, vision_flops_per_image
+    from qvl.recipes.planner import lm_param_counts, model_shapes, vision_param_count
+
+    lengths, grids = np.asarray(step["lengths"]), np.asarray(step["grids"], np.int64).reshape(-1, 3)
+    patches = int(grids.prod(-1).sum())
+    bridge = num_floating_point_operations(
+        config,
+        batch_size=len(lengths),
+        seqlen_sum=int(lengths.sum()),
+        seqlen_squared_sum=int((lengths**2).sum()),
+        num_vision_patches=patches,
+    )
+    lm, vision = model_shapes(config.model)
+    qvl = 3 * (lm_flops(lm, lengths.tolist()) + float(vision_flops_per_image(vision, grids).sum() if patches else 0))
+    params = sum(lm_param_counts(config.model).values()) + vision_param_count(config.model)
+    return {"megatron_bridge": float(bridge), "qvl_cost_model": qvl, "six_n": 6.0 * params * float(lengths.sum())}
+
+
+def summarize(raw: dict, config, *, gpu_peak_flops: float | None) -> dict:
+    """tokens/s, TFLOP/s and MFU three ways, data-wait fraction, peak memory of one run."""
+    steps = _step_figures(raw)
+    if not steps:
+        raise RuntimeError("no step after warm-up was measured; pass --steps >= 2")
+    seconds = sum(s["seconds"] for s in steps)
+    tokens = sum(sum(s["lengths"]) for s in steps)
+    flops = [flops_per_step(config, s) for s in steps]
+    result = {
+        "steps_measured": len(steps),
+        "step_seconds": round(seconds / len(steps), 4),
+        "tokens_per_s_per_gpu": round(tokens / seconds, 1),
+        "data_wait_fraction": round(sum(s["wait"] for s in steps) / seconds, 4),
+        "peak_memory_gib": None if raw["peak_memory_bytes"] is None else round(raw["peak_memory_bytes"] / 2**30, 2),
+        "packs_per_s_consumed": round(len(steps) * raw["micro_batches_per_step"] / seconds, 2),
+    }
+    for name in ("megatron_bridge", "qvl_cost_model", "six_n"):
+        rate = sum(f[name] for f in flops) / seconds
+        result[f"tflops_{name}"] = round(rate / 1e12, 3)
+        result[f"mfu_{name}"] = round(rate / gpu_peak_flops, 4) if gpu_peak_flops else None
+    return result
+
+
+def planner_estimate(config, steps: list[dict], gpu: str | None) -> dict | None:
+    """`qvl plan`'s per-GPU memory for the config and the workload measured in the run."""
+    from qvl.recipes.planner import GIB, plan_config
+    from qvl.recipes.split import Workload
+
+    if gpu is None:
+        return None
+    lengths = [n for s in steps for n in s["lengths"]]
+    grids = np.asarray([g for s in steps for g in s["grids"]], np.int64).reshape(-1, 3)
+    merge = config.model.vision_config.spatial_merge_size
+    workload = Workload(
+        seq_length=config.model.seq_length,
+        sample_tokens=max(int(np.mean(lengths)), 1),
+        vision_token_fraction=float(grids.prod(-1).sum() / merge**2 / max(sum(lengths), 1)),
+        patches_per_image=max(int(grids.prod(-1).mean()) if len(grids) else 1, 1),
+    )
+    plan = plan_config(config, gpus=1, gpu=gpu, workload=workload)
+    worst = plan.worst
+    return {
+        "gpu": gpu,
+        "total_gib": round(worst.total / GIB, 2),
+        "params_gib": round(worst.params / GIB, 2),
+        "grads_gib": round(worst.grads / GIB, 2),
+        "optimizer_gib": round(worst.optimizer / GIB, 2),
+        "activations_gib": round(worst.activations / GIB, 2),
+        "overhead_gib": round(worst.overhead / GIB, 2),
+        "mfu_estimate": round(plan.mfu, 4),
+    }
+
+
+def gpu_kind() -> tuple[str | None, float | None]:
+    """The planner's GPU kind for this device and its dense bf16 peak FLOP/s, or (None, None) off the known GPUs."""
+    from qvl.recipes.planner import GPUS
+
+    if not torch.cuda.is_available():
+        return None, None
+    name = torch.cuda.get_device_name().lower()
+    kind = next((k for k in ("h200", "h100", "a100") if k in name), None)
+    return kind, (GPUS[kind].bf16_flops if kind else None)
+
+
+# --- driver --------------------------------------------------------------------------------------------------------
+
+
+def worker(spec_paths: list[pathlib.Path]) -> int:
+    """Train each spec in turn; after a failed run, exit RESTART so the driver starts a fresh process for the rest."""
+    for spec_path in spec_paths:
+        spec = json.loads(spec_path.read_text())
+        try:
+            result = train_once(spec)
+        # One variant failing (say, out of GPU memory at 8k) must not lose the others' figures: the error is the
+        # result, with its traceback in train_log.txt.
+        except Exception as error:  # noqa: BLE001
+            logger.exception("%s run at %s failed", spec["mode"], spec["overrides"]["seq_length"])
+            pathlib.Path(spec["result"]).write_text(json.dumps({"error": f"{type(error).__name__}: {error}"[:2000]}))
+            return RESTART
+        pathlib.Path(spec["result"]).write_text(json.dumps(result))
+    return 0
