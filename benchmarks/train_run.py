@@ -273,7 +273,7 @@ def flops_per_step(config, step: dict) -> dict[str, float]:
     from megatron.bridge.training.utils.flop_utils import num_floating_point_operations
 
     from qvl.data.cost import lm_flops, vision_flops_per_image
-    from qvl.recipes.planner import lm_param_counts, model_shapes, vision_param_count
+    from qvl.recipes.shapes import lm_param_counts, model_shapes, vision_param_count
 
     lengths, grids = np.asarray(step["lengths"]), np.asarray(step["grids"], np.int64).reshape(-1, 3)
     patches = int(grids.prod(-1).sum())

@@ -254,7 +254,7 @@ def _apply_split(model: Any, o: RecipeOptions) -> None:
     if pp == 1:
         return
     if o.pipeline_split == "auto":
-        from qvl.recipes.planner import model_shapes
+        from qvl.recipes.shapes import model_shapes
 
         split = balanced_split(layers, pp, vpp, stage_costs(*model_shapes(model), Workload(seq_length=o.seq_length)))
         first, last = split.first, split.last

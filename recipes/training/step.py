@@ -119,7 +119,7 @@ def _balanced_vision_embeddings(vlm: Any, kwargs: dict) -> torch.Tensor | None:
     """Pop the pixels from `kwargs` and encode images, then videos, in one balanced call (they share the tower)."""
     from megatron.core import parallel_state
 
-    from qvl.recipes.planner import model_shapes
+    from qvl.recipes.shapes import model_shapes
     from qvl.recipes.training.vision_balance import balanced_vision_forward
 
     pixels = [kwargs.pop(name, None) for name in ("pixel_values", "pixel_values_videos")]

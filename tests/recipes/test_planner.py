@@ -8,7 +8,7 @@ import torch
 
 from qvl.data.cost import lm_flops, vision_flops
 from qvl.foundation import distributed
-from qvl.recipes import planner
+from qvl.recipes import planner, shapes
 from qvl.recipes.planner import GIB, plan_config, plan_recipe
 from qvl.recipes.registry import get_recipe
 from qvl.recipes.split import Workload
@@ -31,7 +31,7 @@ def test_parameter_counts_equal_megatron_models_built_on_cpu(cpu_runtime, tiny_h
             cfg.model.finalize()
             chunks = cfg.model.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
             built = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-            counted = sum(planner.lm_param_counts(cfg.model).values()) + planner.vision_param_count(cfg.model)
+            counted = sum(shapes.lm_param_counts(cfg.model).values()) + shapes.vision_param_count(cfg.model)
             assert counted == built, family
     finally:
         distributed.destroy_distributed()
@@ -103,7 +103,7 @@ def test_flops_are_the_cost_models_times_three():
     cfg = get_recipe("qwen25_vl_7b_sft").fn()
     workload = Workload(seq_length=4096, sample_tokens=1024, vision_token_fraction=0.5, patches_per_image=1024)
     plan = plan_config(cfg, gpus=8, workload=workload)
-    lm, vision = planner.model_shapes(cfg.model)
+    lm, vision = shapes.model_shapes(cfg.model)
     per_pack = lm_flops(lm, [1024] * 4) + vision_flops(vision, [1024] * 8)
     assert plan.model_flops_per_step == pytest.approx(3 * per_pack * cfg.train.global_batch_size)
 
@@ -144,7 +144,7 @@ def test_vision_balance_cuts_the_vision_share_and_the_tower_activations_by_tp():
 
 def _vision_and_patches():
     cfg = get_recipe("qwen25_vl_7b_sft").fn(tensor_parallel=4)
-    _, vision = planner.model_shapes(cfg.model)
+    _, vision = shapes.model_shapes(cfg.model)
     workload = Workload(seq_length=cfg.model.seq_length)
     return vision, sum(workload.images(vision.spatial_merge_size)) * cfg.train.micro_batch_size
 
