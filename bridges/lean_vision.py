@@ -1,0 +1,131 @@
+"""A lean replicated HF vision tower (Qwen2-VL, Qwen2.5-VL): fused norm and rotary, inputs precomputed, no host sync.
+
+transformers' towers spend most of a training step's elementwise traffic in two places (issue 21's census: 354 of
+435 GB per pack): the vision RMSNorm, a Python composition in fp32 (8 kernels forward, 18 backward, 2 per block), and
+the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `lean-hf-vision`
+(qvl.foundation.patches) replaces both while it is applied, with transformers' numerics:
+
+- `fused_rms_norm`: `weight * F.rms_norm(x, (d,), None, eps)`, torch's fused kernel (fp32 accumulation inside),
+  then the weight in the input dtype as HF does. Bitwise equal to HF's on CPU (fp32 and bf16, tests); passing the
+  weight into `F.rms_norm` instead is not (a quarter of bf16 elements differ by one ulp).
+- `fused_rotary`: the same fp32 rotate-half math; on CUDA one `torch.compile`d region (Inductor fuses the casts,
+  the halves and the products into one kernel per tensor, fp32 in registers); elsewhere eager, bitwise HF's.
+
+`prepared_tower_inputs(model, pairs)` hands each tower call the inputs the loader computed on the host from that
+call's `grid_thw` (qvl.foundation.tower_inputs): transformers pops them from the tower's kwargs instead of
+computing them with `.tolist()` loops, and the attention function (qvl.bridges.attention.hf_varlen_attention) takes
+the longest block as a Python int, so the tower's forward reads nothing back from the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from qvl.bridges.aligned import hf_vision_towers
+from qvl.foundation.tower_inputs import TowerInputs
+
+logger = logging.getLogger(__name__)
+
+GROUP = "lean-hf-vision"
+# Keyword the tower passes through its blocks to the attention function: ((cu_seqlens, longest block), ...).
+MAX_SEQLENS_KWARG = "packed_max_seqlens"
+
+
+def rms_norm(weight: torch.Tensor, hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen2/2.5-VL RMSNorm through torch's fused kernel: normalised in fp32, cast, then weighted."""
+    return weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), None, eps)
+
+
+def fused_rms_norm(original):
+    """Patch factory for `Qwen2_5_VLRMSNorm.forward`."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(self.weight, hidden_states, self.variance_epsilon)
+
+    return forward
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_fp32(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `apply_rotary_pos_emb_vision` math (fp32 rotate-half, results in the inputs' dtypes)."""
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    qf, kf = q.float(), k.float()
+    q_embed = (qf * cos) + (_rotate_half(qf) * sin)
+    k_embed = (kf * cos) + (_rotate_half(kf) * sin)
+    return q_embed.to(q.dtype), k_embed.to(k.dtype)
+
+
+@functools.cache
+def compiled_rotary():
+    """`rotary_fp32` as one compiled region; dynamic shapes, since every pack has its own patch count."""
+    return torch.compile(rotary_fp32, dynamic=True, fullgraph=True)
+
+
+@functools.cache
+def compile_usable() -> bool:
+    """Whether Inductor can generate CUDA kernels here (it needs Triton)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        logger.warning("triton is not installed: the vision rotary runs eagerly on CUDA")
+        return False
+    return True
+
+
+def fused_rotary(original):
+    """Patch factory for `apply_rotary_pos_emb_vision` (Qwen2-VL and Qwen2.5-VL modeling modules)."""
+
+    def apply_rotary_pos_emb_vision(q, k, cos, sin):
+        if q.is_cuda and compile_usable():
+            return compiled_rotary()(q, k, cos, sin)
+        return rotary_fp32(q, k, cos, sin)
+
+    return apply_rotary_pos_emb_vision
+
+
+def tower_kwargs(inputs: TowerInputs) -> dict[str, Any]:
+    """The forward kwargs transformers' vision helpers pop (transformers/vision_utils.py), plus the block lengths."""
+    kwargs: dict[str, Any] = {"position_ids": inputs.position_ids, "cu_seqlens": inputs.cu_seqlens}
+    if inputs.window_index is not None:
+        kwargs |= {"window_index": inputs.window_index, "cu_window_seqlens": inputs.cu_window_seqlens}
+    kwargs[MAX_SEQLENS_KWARG] = inputs.max_seqlens()
+    return kwargs
+
+
+@contextlib.contextmanager
+def prepared_tower_inputs(model: Any, pairs: Sequence[tuple[torch.Tensor, TowerInputs]]) -> Iterator[int]:
+    """While the block runs, a vision tower called with one of these `grid_thw` tensors (the same object the model
+    was given) takes that grid's precomputed inputs; yields the number of towers prepared.
+
+    A forward pre-hook (torch's extension point) adds the kwargs: Megatron-Bridge's Qwen-VL forward calls the
+    tower with `grid_thw` alone. A call with any other grid (e.g. vision balancing re-split the images) computes its
+    inputs itself, as before."""
+    pairs = [(grid, inputs) for grid, inputs in pairs if grid is not None and inputs is not None]
+    towers = hf_vision_towers(model if isinstance(model, (list, tuple)) else [model]) if pairs else []
+
+    def add_inputs(module, args, kwargs):
+        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+        for known, inputs in pairs:
+            if grid is known:
+                return args, {**kwargs, **tower_kwargs(inputs)}
+        return None
+
+    handles = [tower.register_forward_pre_hook(add_inputs, with_kwargs=True) for tower in towers]
+    try:
+        yield len(handles)
+    finally:
+        for handle in handles:
+            handle.remove()
