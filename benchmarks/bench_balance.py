@@ -3,7 +3,7 @@
 The mix is synthetic but shaped like LLaVA-665k under Qwen2.5-VL's default processor (the mix of
 `bench_data`, here with each image's grid kept): ~8% text-only, ~87% one image at a common resolution, ~5% two to
 four images. Samples are packed best-fit-decreasing into 8192-token sequences and each pack costs its forward
-FLOPs under Qwen2.5-VL-7B's shapes (`qvl.data.cost`). Per (D, packs per rank) the schedules are:
+FLOPs under Qwen2.5-VL-7B's shapes (`qvl.foundation.cost`). Per (D, packs per rank) the schedules are:
 - random: a shuffled round-robin (what a shuffling loader gives);
 - token-balanced: qvl's scheduler fed token counts instead of FLOPs (Megatron-Core's `dp_balanced` idea);
 - qvl: `plan_dp_balanced` on FLOPs.
@@ -22,9 +22,9 @@ import numpy as np
 
 from benchmarks.bench_data import QWEN25_VISION, RESOLUTIONS
 from qvl.data.balance import imbalance, plan_dp_balanced, plan_random
-from qvl.data.cost import lm_flops_per_sequence, sample_flops, vision_flops_per_image
 from qvl.data.pack import pack_best_fit_decreasing
 from qvl.data.vision import image_grid_thw
+from qvl.foundation.cost import lm_flops_per_sequence, sample_flops, vision_flops_per_image
 from qvl.recipes.architectures import cost_shapes
 from qvl.recipes.training.vision_balance import assign_images
 
@@ -67,11 +67,11 @@ def schedule_balance(packs: dict, steps: int) -> list[dict]:
     plan_dp_balanced(packs["cost"][:256], 8, 32)  # warm numpy up, so the first row's time is not import cost
     for data_parallel in DATA_PARALLEL:
         for per_rank in PACKS_PER_RANK:
-            global_batch = data_parallel * per_rank
-            n = min(len(packs["cost"]), steps * global_batch)
+            global_batch_size = data_parallel * per_rank
+            n = min(len(packs["cost"]), steps * global_batch_size)
             cost, tokens = packs["cost"][:n], packs["tokens"][:n]
             start = time.perf_counter()
-            qvl = plan_dp_balanced(cost, data_parallel, global_batch)
+            qvl = plan_dp_balanced(cost, data_parallel, global_batch_size)
             seconds = time.perf_counter() - start
             n_steps = qvl.n_steps
             samples_per_batch = packs["samples"][:n].sum() / max(n_steps, 1)
@@ -79,10 +79,10 @@ def schedule_balance(packs: dict, steps: int) -> list[dict]:
                 {
                     "data_parallel": data_parallel,
                     "packs_per_rank": per_rank,
-                    "global_batch": global_batch,
+                    "global_batch_size": global_batch_size,
                     "steps": n_steps,
-                    "random": imbalance(plan_random(n, data_parallel, global_batch), cost)["time_over_ideal"],
-                    "token_balanced": imbalance(plan_dp_balanced(tokens, data_parallel, global_batch), cost)[
+                    "random": imbalance(plan_random(n, data_parallel, global_batch_size), cost)["time_over_ideal"],
+                    "token_balanced": imbalance(plan_dp_balanced(tokens, data_parallel, global_batch_size), cost)[
                         "time_over_ideal"
                     ],
                     "qvl": imbalance(qvl, cost)["time_over_ideal"],

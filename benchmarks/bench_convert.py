@@ -82,7 +82,7 @@ def synthetic_config(
     text_layers: int, *, text: dict = WIDE_TEXT, vision: dict = WIDE_VISION, vision_depth: int = 4
 ) -> PreTrainedConfig:
     """The tiny Qwen2.5-VL config with `text_layers` decoder layers and the given text and vision widths."""
-    from qvl.bridges.tiny import tiny_hf_config
+    from qvl.bridges.tiny_model import tiny_hf_config
 
     tiny = tiny_hf_config("qwen2_5_vl")
     fields = tiny.to_dict()
@@ -128,8 +128,8 @@ def write_random_hf_checkpoint(
     """
     from safetensors.torch import save_file
 
-    from qvl.bridges.tiny import VOCAB_SIZE
-    from qvl.foundation.tiny import write_tiny_hf_processor_dir
+    from qvl.bridges.tiny_model import VOCAB_SIZE
+    from qvl.foundation.tiny_processor import write_tiny_hf_processor_dir
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -177,14 +177,14 @@ def shard_names(layout: dict[str, torch.Size], max_shard_bytes: int, element_siz
     return shards
 
 
-def convert_command(hf_dir: pathlib.Path, out_dir: pathlib.Path) -> list[str]:
+def convert_command(hf_path: pathlib.Path, out_dir: pathlib.Path) -> list[str]:
     """`qvl convert import` at TP=PP=1 on CPU, as a user runs it."""
     return [
         sys.executable,
         "-m",
         "qvl.launchers.commands.convert",
         "import",
-        str(hf_dir),
+        str(hf_path),
         str(out_dir),
         "--dtype",
         CONVERT_DTYPE,
@@ -246,11 +246,11 @@ def _sample_peaks(pid: int, peaks: dict[str, int], done: threading.Event) -> Non
 
 def baseline(work: pathlib.Path) -> dict:
     """The constant: the same command on the tiny Qwen2.5-VL checkpoint."""
-    from qvl.bridges.tiny import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
 
-    hf_dir = write_tiny_hf_checkpoint(work / "tiny", "qwen2_5_vl")
+    hf_path = write_tiny_hf_checkpoint(work / "tiny", "qwen2_5_vl")
     try:
-        return measure_process(convert_command(hf_dir, work / "tiny-out"))
+        return measure_process(convert_command(hf_path, work / "tiny-out"))
     finally:
         shutil.rmtree(work / "tiny", ignore_errors=True)
         shutil.rmtree(work / "tiny-out", ignore_errors=True)
@@ -258,16 +258,16 @@ def baseline(work: pathlib.Path) -> dict:
 
 def convert_at_depth(work: pathlib.Path, sweep: Sweep, text_layers: int, constant: dict) -> dict:
     """Write a synthetic checkpoint with `text_layers` layers, convert it in a fresh process, delete both."""
-    hf_dir, out_dir = work / f"hf-{text_layers}", work / f"megatron-{text_layers}"
+    hf_path, out_dir = work / f"hf-{text_layers}", work / f"megatron-{text_layers}"
     config = synthetic_config(text_layers, text=sweep.text, vision=sweep.vision, vision_depth=sweep.vision_depth)
     try:
         started = time.perf_counter()
-        sizes = write_random_hf_checkpoint(hf_dir, config, max_shard_bytes=sweep.shard_bytes)
+        sizes = write_random_hf_checkpoint(hf_path, config, max_shard_bytes=sweep.shard_bytes)
         write_seconds = time.perf_counter() - started
-        measured = measure_process(convert_command(hf_dir, out_dir))
+        measured = measure_process(convert_command(hf_path, out_dir))
         out_bytes = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
     finally:
-        shutil.rmtree(hf_dir, ignore_errors=True)
+        shutil.rmtree(hf_path, ignore_errors=True)
         shutil.rmtree(out_dir, ignore_errors=True)
     growth = measured["peak_rss_bytes"] - constant["peak_rss_bytes"]
     anon_growth = measured["peak_anon_rss_bytes"] - constant["peak_anon_rss_bytes"]
@@ -366,7 +366,7 @@ def assess(rows: list[dict], scaling: dict | None) -> dict:
 
 
 def import_growth_in_this_process(jobs: list[tuple[str, str]]) -> list[dict]:
-    """Import each (hf_dir, out_dir) in turn here; per import, peak RSS over the RSS just before it (Linux).
+    """Import each (hf_path, out_dir) in turn here; per import, peak RSS over the RSS just before it (Linux).
 
     Freed heap is handed back (malloc_trim) and the kernel's high-water mark reset (/proc/self/clear_refs)
     before each import, so each peak is its own. Run the tiny checkpoint first: its import pays the
@@ -380,17 +380,17 @@ def import_growth_in_this_process(jobs: list[tuple[str, str]]) -> list[dict]:
 
     libc = ctypes.CDLL("libc.so.6")
     rows = []
-    for hf_dir, out_dir in jobs:
+    for hf_path, out_dir in jobs:
         gc.collect()
         libc.malloc_trim(0)
         before = _proc_status()["VmRSS"]
         pathlib.Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak RSS (VmHWM, ru_maxrss)
         started = time.perf_counter()
-        run_on_ranks(convert.import_on_rank, hf_dir, out_dir, CONVERT_DTYPE, cpu=True)
+        run_on_ranks(convert.import_on_rank, hf_path, out_dir, CONVERT_DTYPE, cpu=True)
         peak = _proc_status()["VmHWM"]
         rows.append(
             {
-                "hf_dir": hf_dir,
+                "hf_path": hf_path,
                 "rss_before_bytes": before,
                 "peak_rss_bytes": peak,
                 "growth_bytes": peak - before,

@@ -94,12 +94,12 @@ def write_llava_like(
 
 
 def run_prepare(
-    input_path: pathlib.Path, media: pathlib.Path, hf_dir: pathlib.Path, output: pathlib.Path, *extra: str
+    input_path: pathlib.Path, media: pathlib.Path, hf_path: pathlib.Path, output: pathlib.Path, *extra: str
 ) -> dict:
     """One `qvl data prepare` in a fresh process: wall time, samples/s and peak RSS (GiB, children included)."""
     shutil.rmtree(output, ignore_errors=True)
     argv = [sys.executable, "-m", "qvl.launchers.cli", "data", "prepare", "--input", str(input_path)]
-    argv += ["--media-root", str(media), "--family", "qwen2_5_vl", "--tokenizer", str(hf_dir)]
+    argv += ["--media-root", str(media), "--family", "qwen2_5_vl", "--hf-path", str(hf_path)]
     argv += ["--seq-length", "8192", "--output", str(output), "--quiet", *extra]
     script = (
         "import resource, subprocess, sys, json, time\n"
@@ -143,13 +143,13 @@ def _check(figure: str, value: float, goal: float, *, at_most: bool = False) -> 
 
 def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     """The prepare benchmark; writes `bench_prepare.json` into out_dir."""
-    from qvl.foundation.tiny import write_tiny_hf_processor_dir
+    from qvl.foundation.tiny_processor import write_tiny_hf_processor_dir
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / "prepare-work"
     shutil.rmtree(work, ignore_errors=True)
-    hf_dir = write_tiny_hf_processor_dir(work / "hf", "qwen2_5_vl")
+    hf_path = write_tiny_hf_processor_dir(work / "hf", "qwen2_5_vl")
     n_rate, n_small, n_large = (600, 2_000, 6_000) if quick else (4_000, 20_000, 200_000)
     distinct = write_llava_like(work / "distinct", n_rate, shared=0.0, seed=1)
     # The same images, a quarter of the samples: the runs at both sizes give the rate at scale (the slope) apart
@@ -158,14 +158,14 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     first.write_text("".join(distinct[0].read_text().splitlines(keepends=True)[: n_rate // 4]))
     rates, at_scale = {}, {}
     for workers in ("1", "2"):
-        small = [run_prepare(first, distinct[1], hf_dir, work / "o", "--workers", workers) for _ in range(REPEATS)]
-        full = [run_prepare(*distinct, hf_dir, work / "o", "--workers", workers) for _ in range(REPEATS)]
+        small = [run_prepare(first, distinct[1], hf_path, work / "o", "--workers", workers) for _ in range(REPEATS)]
+        full = [run_prepare(*distinct, hf_path, work / "o", "--workers", workers) for _ in range(REPEATS)]
         rates[f"workers_{workers}"] = min(full, key=lambda r: r["seconds"])
         at_scale[f"workers_{workers}"] = scale_rate(small, full)
     try:
         import ray  # noqa: F401
 
-        rates["ray_local_2cpu"] = run_prepare(*distinct, hf_dir, work / "or", "--ray", "local:2")
+        rates["ray_local_2cpu"] = run_prepare(*distinct, hf_path, work / "or", "--ray", "local:2")
     except ImportError:
         rates["ray_local_2cpu"] = None
     one = rates["workers_1"]["samples_per_s"]
@@ -174,7 +174,7 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     memory = {}
     for n in (n_small, n_large):
         data = write_llava_like(work / f"m{n}", n, n_images=2_000, shared=0.1, seed=2)
-        memory[f"samples_{n}"] = run_prepare(*data, hf_dir, work / f"om{n}", "--workers", "2")
+        memory[f"samples_{n}"] = run_prepare(*data, hf_path, work / f"om{n}", "--workers", "2")
     rss_ratio = memory[f"samples_{n_large}"]["peak_rss_gib"] / memory[f"samples_{n_small}"]["peak_rss_gib"]
     speedup = rates["workers_2"]["samples_per_s"] / one
     results = {

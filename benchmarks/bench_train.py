@@ -9,7 +9,7 @@ Megatron-Bridge's own `pretrain()`, each run in its own process, twice per lengt
 - padded: the same samples, one per micro-batch, padded to the longest sample (no packing).
 
 It writes `bench_train.json`: tokens/s/GPU, TFLOP/s and MFU by Megatron-Bridge's formula (vision term included), by
-qvl's cost model (qvl.data.cost, what the DP planner balances) and by the 6N rule; peak GPU memory next to `qvl plan`'s
+qvl's cost model (qvl.foundation.cost, what the DP planner balances) and by the 6N rule; peak GPU memory next to `qvl plan`'s
 estimate for the same config and the measured workload; the fraction of step time spent waiting for data; packed
 over padded tokens/s; and the loader's packs/s in one process and with workers against the packs/s a step consumes.
 
@@ -35,7 +35,7 @@ from benchmarks import train_run
 
 logger = logging.getLogger(__name__)
 
-# --model -> (pretrain recipe, family, published size); "tiny" is the tiny random model of qvl.bridges.tiny.
+# --model -> (pretrain recipe, family, published size); "tiny" is the tiny random model of qvl.bridges.tiny_model.
 MODELS = {
     "tiny": ("qwen25_vl_3b_pretrain", "qwen2_5_vl", None),
     "qwen2_vl_2b": ("qwen2_vl_2b_pretrain", "qwen2_vl", "2b"),
@@ -62,7 +62,7 @@ class Setup:
     layers: int | None
     seq_lengths: tuple[int, ...]
     steps: int
-    global_batch: int
+    global_batch_size: int
     samples: int
     num_workers: int
     out: pathlib.Path
@@ -78,9 +78,9 @@ class Setup:
 def write_model_dir(path: pathlib.Path, model: str, layers: int | None) -> pathlib.Path:
     """An HF directory with the model's config.json (real shape, or the tiny model with weights), the tiny tokenizer
     (its special-token ids are written into the config) and a processor with the family's real pixel budget."""
-    from qvl.bridges.tiny import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.foundation.families import TINY_TOKEN_IDS, get_family
-    from qvl.foundation.tiny import write_tiny_hf_processor_dir
+    from qvl.foundation.tiny_processor import write_tiny_hf_processor_dir
     from qvl.recipes.architectures import get_architecture, hf_config
 
     _, family, size = MODELS[model]
@@ -129,8 +129,8 @@ def write_llava_like(root: pathlib.Path, count: int, *, scale: float = 1.0, seed
     return jsonl, media
 
 
-def prepare_dataset(setup: Setup, hf_dir: pathlib.Path, jsonl, media, seq_length: int) -> pathlib.Path:
-    """`qvl data prepare` with a one-GPU DP plan of `global_batch` packs per step."""
+def prepare_dataset(setup: Setup, hf_path: pathlib.Path, jsonl, media, seq_length: int) -> pathlib.Path:
+    """`qvl data prepare` with a one-GPU DP plan of `global_batch_size` packs per step."""
     from qvl.data.prepare import PrepareConfig, prepare
 
     _, family, _ = MODELS[setup.model]
@@ -140,13 +140,13 @@ def prepare_dataset(setup: Setup, hf_dir: pathlib.Path, jsonl, media, seq_length
             input=jsonl,
             media_root=media,
             family=family,
-            tokenizer=hf_dir,
+            hf_path=hf_path,
             seq_length=seq_length,
             output=output,
             truncate=True,
             data_parallel=1,
-            global_batch=setup.global_batch,
-            model_config=hf_dir,
+            global_batch_size=setup.global_batch_size,
+            model_config=hf_path,
         )
     )
     return output
@@ -155,15 +155,22 @@ def prepare_dataset(setup: Setup, hf_dir: pathlib.Path, jsonl, media, seq_length
 # --- the loader's throughput ---------------------------------------------------------------------------------------
 
 
-def loader_packs_per_second(data: pathlib.Path, hf_dir: pathlib.Path, family: str, workers: int, count: int) -> float:
+def loader_packs_per_second(data: pathlib.Path, hf_path: pathlib.Path, family: str, workers: int, count: int) -> float:
     """Packs/s the planned loader delivers with `workers` worker processes (0: in the training process), after the
     first micro-batch (worker start-up is a one-off)."""
-    from qvl.data.load import PlannedPackLoader, QwenVLPackedTaskEncoder
+    from qvl.data.encode import QwenVLPackedTaskEncoder
+    from qvl.data.planned import PlannedPackLoader
 
     plan = json.loads((data / "report.json").read_text())["dp_plan"]
-    encoder = QwenVLPackedTaskEncoder(hf_dir=hf_dir, family=family)
+    encoder = QwenVLPackedTaskEncoder(hf_path=hf_path, family=family)
     loader = PlannedPackLoader(
-        data, encoder, rank=0, data_parallel=1, global_batch=plan["global_batch"], num_workers=workers, prefetch=4
+        data,
+        encoder,
+        rank=0,
+        data_parallel=1,
+        global_batch_size=plan["global_batch_size"],
+        num_workers=workers,
+        prefetch=4,
     )
     next(loader)
     if workers:
@@ -177,14 +184,16 @@ def loader_packs_per_second(data: pathlib.Path, hf_dir: pathlib.Path, family: st
     return count / elapsed
 
 
-def variant_spec(setup: Setup, hf_dir: pathlib.Path, data: pathlib.Path, seq_length: int, mode: str) -> pathlib.Path:
+def variant_spec(setup: Setup, hf_path: pathlib.Path, data: pathlib.Path, seq_length: int, mode: str) -> pathlib.Path:
     """Write the spec of one training run (packed, or padded to the longest sample) and return its path."""
     recipe, _, _ = MODELS[setup.model]
     rows = [json.loads(line) for line in (data / "packs.jsonl").read_text().splitlines()]
     longest = max(max(r["lengths"]) for r in rows)
     samples_per_pack = float(np.mean([len(r["samples"]) for r in rows]))
     # The padded run's step holds about as many samples as a packed step, one per micro-batch.
-    global_batch = setup.global_batch if mode == "packed" else max(round(setup.global_batch * samples_per_pack), 1)
+    global_batch_size = (
+        setup.global_batch_size if mode == "packed" else max(round(setup.global_batch_size * samples_per_pack), 1)
+    )
     run_dir = setup.out / f"run-{seq_length}-{mode}"
     spec = {
         "recipe": recipe,
@@ -197,10 +206,10 @@ def variant_spec(setup: Setup, hf_dir: pathlib.Path, data: pathlib.Path, seq_len
         "result": str(run_dir / "result.json"),
         "overrides": {
             "data": str(data),
-            "hf_path": str(hf_dir),
+            "hf_path": str(hf_path),
             "seq_length": seq_length if mode == "packed" else longest,
             "train_iters": setup.steps + (train_run.PROFILED_STEPS if setup.profile and mode == "packed" else 0),
-            "global_batch_size": global_batch,
+            "global_batch_size": global_batch_size,
             "micro_batch_size": 1,
             "warmup_iters": 1,
             "save_interval": 10**6,
@@ -242,7 +251,7 @@ def benchmark(setup: Setup) -> dict:
             f"--model {setup.model} needs a CUDA GPU to train (real shapes); on CPU use --model tiny, or --loader-only"
         )
     setup.out.mkdir(parents=True, exist_ok=True)
-    hf_dir = write_model_dir(setup.out / "hf", setup.model, setup.layers)
+    hf_path = write_model_dir(setup.out / "hf", setup.model, setup.layers)
     jsonl, media = write_llava_like(setup.out / "samples", setup.samples, scale=1.0 if setup.model != "tiny" else 0.25)
     kind, peak = train_run.gpu_kind()
     results: dict = {
@@ -258,15 +267,15 @@ def benchmark(setup: Setup) -> dict:
         "loader": [],
     }
     modes = ("packed", "padded") if setup.padded else ("packed",)
-    datasets = {n: prepare_dataset(setup, hf_dir, jsonl, media, n) for n in setup.seq_lengths}
+    datasets = {n: prepare_dataset(setup, hf_path, jsonl, media, n) for n in setup.seq_lengths}
     if setup.loader_only:
         for seq_length, data in datasets.items():
-            needed = planned_packs_per_second(setup, hf_dir, data, seq_length)
-            results["loader"].append(loader_row(data, hf_dir, family, setup, needed, what="h100_step_needs_planned"))
+            needed = planned_packs_per_second(setup, hf_path, data, seq_length)
+            results["loader"].append(loader_row(data, hf_path, family, setup, needed, what="h100_step_needs_planned"))
         results["checks"] = checks(results)
         (setup.out / "bench_train.json").write_text(json.dumps(results, indent=2))
         return results
-    specs = [variant_spec(setup, hf_dir, datasets[n], n, mode) for n in setup.seq_lengths for mode in modes]
+    specs = [variant_spec(setup, hf_path, datasets[n], n, mode) for n in setup.seq_lengths for mode in modes]
     measured = iter(train_all(setup, specs))
     for seq_length, data in datasets.items():
         row: dict = {"seq_length": seq_length} | {mode: next(measured) for mode in modes}
@@ -278,13 +287,13 @@ def benchmark(setup: Setup) -> dict:
     (setup.out / "bench_train.json").write_text(json.dumps(results, indent=2))  # the training figures, even if
     for seq_length, data in datasets.items():  # the loader measurement below runs out of time
         consumed = next(r for r in results["runs"] if r["seq_length"] == seq_length)["packed"]
-        results["loader"].append(loader_row(data, hf_dir, family, setup, consumed.get("packs_per_s_consumed")))
+        results["loader"].append(loader_row(data, hf_path, family, setup, consumed.get("packs_per_s_consumed")))
     results["checks"] = checks(results)
     (setup.out / "bench_train.json").write_text(json.dumps(results, indent=2))
     return results
 
 
-def planned_packs_per_second(setup: Setup, hf_dir: pathlib.Path, data: pathlib.Path, seq_length: int) -> float:
+def planned_packs_per_second(setup: Setup, hf_path: pathlib.Path, data: pathlib.Path, seq_length: int) -> float:
     """Packs/s one H100 consumes by `qvl plan`'s step-time estimate for this model, packs and dataset."""
     from qvl.foundation import megatron
     from qvl.recipes.planner import plan_config
@@ -292,7 +301,7 @@ def planned_packs_per_second(setup: Setup, hf_dir: pathlib.Path, data: pathlib.P
     from qvl.recipes.training.train import TrainRequest, prepare_config
 
     megatron.import_megatron_bridge()
-    spec = json.loads(variant_spec(setup, hf_dir, data, seq_length, "packed").read_text())
+    spec = json.loads(variant_spec(setup, hf_path, data, seq_length, "packed").read_text())
     request = TrainRequest(recipe=spec["recipe"], overrides=spec["overrides"], run_dir=pathlib.Path(spec["run_dir"]))
     config = prepare_config(request, cpu=False)[1]
     rows = [json.loads(line) for line in (data / "packs.jsonl").read_text().splitlines()]
@@ -300,15 +309,15 @@ def planned_packs_per_second(setup: Setup, hf_dir: pathlib.Path, data: pathlib.P
     plan = plan_config(
         config, gpus=1, gpu="h100", workload=Workload(seq_length=seq_length, sample_tokens=sample_tokens)
     )
-    return round(setup.global_batch / plan.step_time_s, 2)
+    return round(setup.global_batch_size / plan.step_time_s, 2)
 
 
-def loader_row(data, hf_dir, family, setup: Setup, consumed: float, what: str = "consumed") -> dict:
+def loader_row(data, hf_path, family, setup: Setup, consumed: float, what: str = "consumed") -> dict:
     """Packs/s of the planned loader in one process and with workers, against the packs/s training consumes."""
     count = 8 if setup.model == "tiny" else 24
     row = {"seq_length": int(json.loads((data / "report.json").read_text())["seq_length"]), what: consumed}
     for workers in sorted({0, setup.num_workers or 2}):
-        row[f"workers_{workers}"] = round(loader_packs_per_second(data, hf_dir, family, workers, count), 2)
+        row[f"workers_{workers}"] = round(loader_packs_per_second(data, hf_path, family, workers, count), 2)
     return row
 
 
@@ -397,12 +406,12 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
 def default_setup(model: str, out: pathlib.Path, **overrides) -> Setup:
     """Sizes per model: the tiny CPU run is seconds; real shapes train 8 steps of 8 packs at 4k and 8k."""
     if model == "tiny":
-        base = dict(seq_lengths=(256,), steps=3, global_batch=2, samples=40, num_workers=2, layers=None)
+        base = dict(seq_lengths=(256,), steps=3, global_batch_size=2, samples=40, num_workers=2, layers=None)
     else:
         # 12 of Qwen2.5-VL-3B's 36 LM layers (real widths, whole ViT); the full depth's Adam state alone does not fit
         # one 80 GB GPU. On an H100 (benchmarks/RESULTS.md) the HF vision tower's activations did not fit at 4k
         # without vision recompute, and 8k packed did not fit even with it: its error is recorded as its result.
-        base = dict(seq_lengths=(4096, 8192), steps=8, global_batch=8, samples=1000, num_workers=4, layers=12)
+        base = dict(seq_lengths=(4096, 8192), steps=8, global_batch_size=8, samples=1000, num_workers=4, layers=12)
         base["options"] = {"vision_recompute": True}
     options = overrides.pop("options", None) or {}
     setup = Setup(model=model, out=out, **{**base, **{k: v for k, v in overrides.items() if v is not None}})
@@ -423,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         "--seq-length", type=int, nargs="+", dest="seq_lengths", help="pack lengths (default 4096 8192)"
     )
     parser.add_argument("--steps", type=int, help="training steps per run (the first is warm-up, left out)")
-    parser.add_argument("--global-batch", type=int, help="packs per step")
+    parser.add_argument("--global-batch-size", type=int, help="packs per step")
     parser.add_argument("--samples", type=int, help="synthetic conversations to prepare")
     parser.add_argument("--num-workers", type=int, help="loader worker processes")
     parser.add_argument(
@@ -441,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return train_run.worker(args.worker)
-    options = {k: getattr(args, k) for k in ("layers", "steps", "global_batch", "samples", "num_workers")}
+    options = {k: getattr(args, k) for k in ("layers", "steps", "global_batch_size", "samples", "num_workers")}
     options["seq_lengths"] = tuple(args.seq_lengths) if args.seq_lengths else None
     setup = default_setup(args.model, args.out, **options)
     setup.padded, setup.loader_only, setup.profile = not args.no_padded, args.loader_only, args.profile

@@ -1,6 +1,6 @@
 """Vision-tower time per rank share: the measured side of `vision_balance`'s FLOP figures (`bench_vision_parallel`).
 
-`vision_balance` splits the images of a micro-batch over ranks by qvl's FLOP model (`qvl.data.cost`). Whether that
+`vision_balance` splits the images of a micro-batch over ranks by qvl's FLOP model (`qvl.foundation.cost`). Whether that
 evens out *time* depends on the tower's kernels: small images may cost more than their FLOPs (launch-bound), large
 ones less. This benchmark builds a real-shape HF vision tower (random weights, bf16, the varlen attention training
 uses), draws LLaVA-like images (Qwen2.5-VL processor grids), and times forward + backward of:
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from benchmarks.bench_vision_parallel import pack_images
-from qvl.data.cost import shapes_from_hf_config, vision_flops_per_image
+from qvl.foundation.cost import shapes_from_hf_config, vision_flops_per_image
 from qvl.recipes.training.vision_balance import assign_images, plan_vision_balance
 
 TOWERS = {

@@ -25,8 +25,8 @@ import time
 import numpy as np
 
 from benchmarks.bench_balance import QWEN25_7B_VISION, SEQ_LENGTH, llava_like_samples
-from qvl.data.cost import vision_flops_per_image
 from qvl.data.pack import pack_best_fit_decreasing
+from qvl.foundation.cost import vision_flops_per_image
 from qvl.recipes.training.vision_balance import assign_images, bytes_sent, plan_vision_balance
 
 TENSOR_PARALLEL = (2, 4, 8)

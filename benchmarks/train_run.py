@@ -110,7 +110,7 @@ class PaddedLoader:
 def split_padded(batch, pad_to: int, image_pad_id: int, merge: int) -> list[tuple]:
     """(one-sample batch padded to `pad_to`, real length) for each sub-sequence of a packed image batch."""
     from qvl.data.count import IGNORE_INDEX
-    from qvl.data.load import PackedBatch
+    from qvl.data.encode import PackedBatch
 
     if batch.pixel_values_videos is not None:
         raise ValueError("the padded baseline handles image datasets only")
@@ -152,7 +152,8 @@ def split_padded(batch, pad_to: int, image_pad_id: int, merge: int) -> list[tupl
 def bench_dataset_class():
     """QvlPackedDatasetConfig whose loader is timed and, in "padded" mode, unpacked (built on demand: it imports
     Megatron-Bridge)."""
-    from qvl.data.load import PlannedPackLoader, QwenVLPackedTaskEncoder
+    from qvl.data.encode import QwenVLPackedTaskEncoder
+    from qvl.data.planned import PlannedPackLoader
     from qvl.recipes.base import QvlPackedDatasetConfig
 
     @dataclass(kw_only=True)
@@ -162,14 +163,14 @@ def bench_dataset_class():
 
         def build_datasets(self, context):
             path = pathlib.Path(self.path)
-            encoder = QwenVLPackedTaskEncoder(hf_dir=pathlib.Path(self.hf_path), family=self.family)
+            encoder = QwenVLPackedTaskEncoder(hf_path=pathlib.Path(self.hf_path), family=self.family)
             plan = json.loads((path / "report.json").read_text())["dp_plan"]
             packed = PlannedPackLoader(
                 path,
                 encoder,
                 rank=0,
                 data_parallel=1,
-                global_batch=plan["global_batch"],  # the padded run re-slices the planned packs into samples
+                global_batch_size=plan["global_batch_size"],  # the padded run re-slices the planned packs into samples
                 micro_batch_size=1 if self.mode == "padded" else self.micro_batch_size,
                 num_workers=self.num_workers,
             )
@@ -201,7 +202,7 @@ def train_once(spec: dict) -> dict:
     from megatron.bridge.training.callbacks import CallbackManager
     from megatron.bridge.training.pretrain import pretrain
 
-    import qvl.bridges.registry  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
+    import qvl.bridges.registration  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
     from qvl.recipes.training.step import forward_step
 
     run_dir = pathlib.Path(spec["run_dir"])
@@ -272,7 +273,7 @@ def flops_per_step(config, step: dict) -> dict[str, float]:
     and 6 x parameters x tokens."""
     from megatron.bridge.training.utils.flop_utils import num_floating_point_operations
 
-    from qvl.data.cost import lm_flops, vision_flops_per_image
+    from qvl.foundation.cost import lm_flops, vision_flops_per_image
     from qvl.recipes.shapes import lm_param_counts, model_shapes, vision_param_count
 
     lengths, grids = np.asarray(step["lengths"]), np.asarray(step["grids"], np.int64).reshape(-1, 3)

@@ -35,9 +35,9 @@ class CheckpointFiles:
     processor: bool
 
 
-def read_config(hf_dir: Path) -> dict:
+def read_config(hf_path: Path) -> dict:
     """config.json as a dict, or an error naming the file."""
-    path = Path(hf_dir) / "config.json"
+    path = Path(hf_path) / "config.json"
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -52,25 +52,25 @@ def config_token_id(config: dict, field: str) -> int | None:
     return value if value is not None else (config.get("text_config") or {}).get(field)
 
 
-def check_hf_checkpoint(hf_dir: Path) -> CheckpointFiles:
+def check_hf_checkpoint(hf_path: Path) -> CheckpointFiles:
     """Token ids, processor family and patch sizes agree with config.json; returns which side files exist."""
-    hf_dir = Path(hf_dir)
-    config = read_config(hf_dir)
+    hf_path = Path(hf_path)
+    config = read_config(hf_path)
     files = CheckpointFiles(
-        tokenizer=any((hf_dir / name).is_file() for name in TOKENIZER_FILES),
-        processor=(hf_dir / PROCESSOR_FILE).is_file(),
+        tokenizer=any((hf_path / name).is_file() for name in TOKENIZER_FILES),
+        processor=(hf_path / PROCESSOR_FILE).is_file(),
     )
     if files.tokenizer:
-        _check_token_ids(hf_dir, config)
+        _check_token_ids(hf_path, config)
     if files.processor:
-        _check_processor(hf_dir, config)
+        _check_processor(hf_path, config)
     return files
 
 
-def _check_token_ids(hf_dir: Path, config: dict) -> None:
+def _check_token_ids(hf_path: Path, config: dict) -> None:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_path))
     for field, token in TOKEN_FIELDS.items():
         expected = config_token_id(config, field)
         found = tokenizer.convert_tokens_to_ids(token)
@@ -78,14 +78,14 @@ def _check_token_ids(hf_dir: Path, config: dict) -> None:
             continue
         if found != expected:
             raise ConversionError(
-                f"{hf_dir}: the tokenizer maps {token} to id {found} but config.json has {field}={expected}; the "
+                f"{hf_path}: the tokenizer maps {token} to id {found} but config.json has {field}={expected}; the "
                 f"tokenizer files belong to another model: copy the tokenizer the model was trained with, or set "
                 f"{field}={found} in config.json if the tokenizer is right"
             )
 
 
-def _check_processor(hf_dir: Path, config: dict) -> None:
-    path = hf_dir / PROCESSOR_FILE
+def _check_processor(hf_path: Path, config: dict) -> None:
+    path = hf_path / PROCESSOR_FILE
     try:
         processor = json.loads(path.read_text())
     except json.JSONDecodeError as err:

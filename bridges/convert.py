@@ -54,42 +54,42 @@ def peak_rss_bytes() -> int:
 SUPPORTED_ARCHITECTURES = tuple(f.hf_architecture for f in FAMILIES.values())
 
 
-def require_qwen_vl(hf_dir: Path) -> str:
+def require_qwen_vl(hf_path: Path) -> str:
     """The checkpoint's architecture, or an error listing the ones qvl converts."""
     import json
 
-    check_hf_dir(Path(hf_dir))
+    check_hf_dir(Path(hf_path))
     try:
-        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        config = json.loads((Path(hf_path) / "config.json").read_text())
     except json.JSONDecodeError as err:
-        raise ConversionError(f"{hf_dir}/config.json is not valid JSON ({err}); the checkpoint is corrupt") from err
+        raise ConversionError(f"{hf_path}/config.json is not valid JSON ({err}); the checkpoint is corrupt") from err
     architectures = config.get("architectures") or []
     supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
     if not supported:
         raise ConversionError(
-            f"{hf_dir}: architecture {architectures or 'unknown'} is not supported; "
+            f"{hf_path}: architecture {architectures or 'unknown'} is not supported; "
             f"qvl converts {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return supported[0]
 
 
-def check_before_verify(hf_dir: Path, megatron_dir: Path) -> None:
+def check_before_verify(hf_path: Path, megatron_dir: Path) -> None:
     """Everything `verify` can refuse before starting ranks: both checkpoints' files and their consistency."""
-    require_qwen_vl(Path(hf_dir))
-    check_hf_checkpoint(Path(hf_dir))
+    require_qwen_vl(Path(hf_path))
+    check_hf_checkpoint(Path(hf_path))
     check_megatron_checkpoint(Path(megatron_dir), "MEGATRON_DIR")
 
 
-def check_hf_dir(hf_dir: Path) -> None:
+def check_hf_dir(hf_path: Path) -> None:
     """Fail early, naming the file, when an HF checkpoint directory is incomplete."""
-    if not hf_dir.is_dir():
+    if not hf_path.is_dir():
         raise ConversionError(
-            f"{hf_dir} is not a directory; pass an HF checkpoint directory (config.json + *.safetensors)"
+            f"{hf_path} is not a directory; pass an HF checkpoint directory (config.json + *.safetensors)"
         )
-    if not (hf_dir / "config.json").is_file():
-        raise ConversionError(f"{hf_dir} has no config.json; it is not a Hugging Face checkpoint directory")
-    if not any(hf_dir.glob("*.safetensors")) and not any(hf_dir.glob("*.bin")):
-        raise ConversionError(f"{hf_dir} has no weights (*.safetensors or *.bin)")
+    if not (hf_path / "config.json").is_file():
+        raise ConversionError(f"{hf_path} has no config.json; it is not a Hugging Face checkpoint directory")
+    if not any(hf_path.glob("*.safetensors")) and not any(hf_path.glob("*.bin")):
+        raise ConversionError(f"{hf_path} has no weights (*.safetensors or *.bin)")
 
 
 def copy_hf_side_files(src: Path, dst: Path) -> None:
@@ -101,7 +101,7 @@ def copy_hf_side_files(src: Path, dst: Path) -> None:
 
 
 def import_checkpoint(
-    hf_dir: Path, out_dir: Path, *, dtype: str = "bf16", tensor_parallel: int = 1, pipeline_parallel: int = 1
+    hf_path: Path, out_dir: Path, *, dtype: str = "bf16", tensor_parallel: int = 1, pipeline_parallel: int = 1
 ) -> ConversionResult:
     """HF directory -> Megatron torch_dist checkpoint, streamed one tensor at a time (qvl.bridges.stream).
 
@@ -110,9 +110,9 @@ def import_checkpoint(
     model's heads and layers before anything is written.
     """
     started = time.perf_counter()
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    require_qwen_vl(hf_dir)
-    check_hf_checkpoint(hf_dir)
+    hf_path, out_dir = Path(hf_path), Path(out_dir)
+    require_qwen_vl(hf_path)
+    check_hf_checkpoint(hf_path)
     if dtype not in DTYPES:
         raise ConversionError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if torch.distributed.get_world_size() != 1:
@@ -120,7 +120,7 @@ def import_checkpoint(
             f"import runs in one process (got {torch.distributed.get_world_size()}); the checkpoint "
             "it writes loads at any TP/PP, so start it on one rank"
         )
-    bridge = auto_bridge_with_weights(hf_dir, DTYPES[dtype])
+    bridge = auto_bridge_with_weights(hf_path, DTYPES[dtype])
     provider = bridge.to_megatron_provider(load_weights=False)
     _fix(provider, bridge)
     provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = tensor_parallel, pipeline_parallel
@@ -130,8 +130,8 @@ def import_checkpoint(
     provider.bf16, provider.fp16 = dtype == "bf16", dtype == "fp16"
     provider.perform_initialization = False  # as Megatron-Bridge sets it for a weights-loading provider
     provider.finalize()
-    save_streaming(bridge, provider, out_dir, hf_tokenizer_path=str(hf_dir))
-    copy_hf_side_files(hf_dir, out_dir / HF_FILES_DIR)
+    save_streaming(bridge, provider, out_dir, hf_tokenizer_path=str(hf_path))
+    copy_hf_side_files(hf_path, out_dir / HF_FILES_DIR)
     return ConversionResult(
         output=out_dir,
         seconds=time.perf_counter() - started,
@@ -141,15 +141,15 @@ def import_checkpoint(
     )
 
 
-def auto_bridge_with_weights(hf_dir: Path, dtype: torch.dtype):
+def auto_bridge_with_weights(hf_path: Path, dtype: torch.dtype):
     """An AutoBridge over an HF checkpoint directory whose weights stream from its safetensors files."""
     import_megatron_bridge()
     from megatron.bridge import AutoBridge
 
-    import qvl.bridges.registry  # noqa: F401
+    import qvl.bridges.registration  # noqa: F401
 
-    require_qwen_vl(hf_dir)
-    return AutoBridge.from_hf_pretrained(str(hf_dir), dtype=dtype)
+    require_qwen_vl(hf_path)
+    return AutoBridge.from_hf_pretrained(str(hf_path), dtype=dtype)
 
 
 def _fix(provider, bridge) -> None:
@@ -210,9 +210,11 @@ def load_megatron(bridge, megatron_dir: Path) -> list:
 # --- entry points run on every rank by `qvl convert` (module level, so spawned ranks can import them) ---
 
 
-def import_on_rank(hf_dir: str, out_dir: str, dtype: str, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> dict:
+def import_on_rank(
+    hf_path: str, out_dir: str, dtype: str, tensor_parallel: int = 1, pipeline_parallel: int = 1
+) -> dict:
     result = import_checkpoint(
-        Path(hf_dir), Path(out_dir), dtype=dtype, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel
+        Path(hf_path), Path(out_dir), dtype=dtype, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel
     )
     return {"seconds": result.seconds, "peak_rss_bytes": result.peak_rss_bytes}
 
@@ -222,24 +224,24 @@ def export_on_rank(megatron_dir: str, out_hf_dir: str) -> dict:
     return {"seconds": result.seconds, "peak_rss_bytes": result.peak_rss_bytes}
 
 
-def verify_on_rank(hf_dir: str, megatron_dir: str, tolerance: float | None, video: bool) -> dict | None:
+def verify_on_rank(hf_path: str, megatron_dir: str, tolerance: float | None, video: bool) -> dict | None:
     """Logit parity and per-tensor export equality; the last pipeline stage's rank 0 returns the report."""
     from megatron.core import parallel_state
 
     # A weights-backed bridge: its export names follow the checkpoint's own layout (e.g. fused MoE experts).
-    files = check_hf_checkpoint(Path(hf_dir))
-    bridge = auto_bridge_with_weights(Path(hf_dir), torch.float32)
+    files = check_hf_checkpoint(Path(hf_path))
+    bridge = auto_bridge_with_weights(Path(hf_path), torch.float32)
     model = load_megatron(bridge, Path(megatron_dir))
     # Without tokenizer or processor files (a model saved with save_pretrained alone) the inputs come from config.json.
     if files.tokenizer and files.processor:
-        inputs = verify.reference_inputs(Path(hf_dir), video=video)
+        inputs = verify.reference_inputs(Path(hf_path), video=video)
     else:
-        inputs = verify.config_inputs(Path(hf_dir))
+        inputs = verify.config_inputs(Path(hf_path))
     ours = verify.megatron_logits(model, inputs)
-    compared, different = verify.compare_exported_tensors(bridge, model, Path(hf_dir))
+    compared, different = verify.compare_exported_tensors(bridge, model, Path(hf_path))
     if ours is None or parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
     if tolerance is None:  # fp32 parity is ~3e-7; bf16 weights round every matmul input
         tolerance = verify.DEFAULT_TOLERANCE if model[0].config.params_dtype == torch.float32 else 0.25
-    report = verify.build_report(verify.hf_logits(Path(hf_dir), inputs), ours, compared, different, tolerance)
+    report = verify.build_report(verify.hf_logits(Path(hf_path), inputs), ours, compared, different, tolerance)
     return report.as_dict() | {"peak_rss_bytes": peak_rss_bytes()}

@@ -23,7 +23,7 @@ def auto_bridge(config_or_path: Any):
     import_megatron_bridge()
     from megatron.bridge import AutoBridge
 
-    import qvl.bridges.registry  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
+    import qvl.bridges.registration  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
 
     if isinstance(config_or_path, (str, Path)):
         from transformers import AutoConfig

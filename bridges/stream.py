@@ -63,9 +63,9 @@ class SafetensorsFiles:
     and a copy made from them doubles the tensor's footprint while both exist.
     """
 
-    def __init__(self, hf_dir: Path) -> None:
+    def __init__(self, hf_path: Path) -> None:
         self.entries: dict[str, tuple[Path, str, list[int], int, int]] = {}
-        for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        for path in sorted(Path(hf_path).glob("*.safetensors")):
             with path.open("rb") as f:
                 (length,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(length))
@@ -75,7 +75,7 @@ class SafetensorsFiles:
                     self.entries[name] = (path, entry["dtype"], entry["shape"], 8 + length + start, end - start)
         if not self.entries:
             raise ConversionError(
-                f"{hf_dir} has no *.safetensors weights; qvl imports safetensors only: load the model "
+                f"{hf_path} has no *.safetensors weights; qvl imports safetensors only: load the model "
                 "in transformers and save_pretrained() it again (safetensors is the default)"
             )
 

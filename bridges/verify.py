@@ -44,11 +44,11 @@ def _image(height: int, width: int, seed: int):
     return Image.fromarray(pixels)
 
 
-def reference_inputs(hf_dir: Path, *, video: bool = True) -> dict:
+def reference_inputs(hf_path: Path, *, video: bool = True) -> dict:
     """Deterministic processor outputs: two images of different sizes in a multi-turn chat, plus a video."""
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(str(hf_dir))
+    processor = AutoProcessor.from_pretrained(str(hf_path))
     content = [{"type": "image"}, {"type": "text", "text": "Describe the picture."}]
     messages = [
         {"role": "user", "content": content},
@@ -69,18 +69,18 @@ def reference_inputs(hf_dir: Path, *, video: bool = True) -> dict:
 CONFIG_ONLY_GRIDS = ((1, 4, 6), (1, 8, 4))
 
 
-def config_inputs(hf_dir: Path) -> dict:
+def config_inputs(hf_path: Path) -> dict:
     """Deterministic test inputs from config.json alone, for a checkpoint saved without tokenizer or processor
     files: random text ids around two images whose placeholder tokens and pixel patches follow the vision config.
     The logit comparison needs only that both models see the same ids and pixels, not real text or images."""
-    config = read_config(hf_dir)
+    config = read_config(hf_path)
     vision, text = config["vision_config"], config.get("text_config", config)
     merge, patch = vision["spatial_merge_size"], vision["patch_size"]
     channels, temporal = vision.get("in_channels", 3), vision["temporal_patch_size"]
     ids = {f: config_token_id(config, f) for f in ("image_token_id", "vision_start_token_id", "vision_end_token_id")}
     missing = [f for f, v in ids.items() if v is None]
     if missing:
-        raise ConversionError(f"{hf_dir}/config.json has no {', '.join(missing)}; verify cannot place image tokens")
+        raise ConversionError(f"{hf_path}/config.json has no {', '.join(missing)}; verify cannot place image tokens")
     rng = np.random.default_rng(0)
     low = max(ids.values()) + 1  # ordinary text ids above the special tokens, inside the vocabulary
     words = lambda n: rng.integers(low, min(text["vocab_size"], low + 1000), n).tolist()  # noqa: E731
@@ -99,11 +99,11 @@ def config_inputs(hf_dir: Path) -> dict:
     }
 
 
-def hf_logits(hf_dir: Path, inputs: dict) -> torch.Tensor:
+def hf_logits(hf_path: Path, inputs: dict) -> torch.Tensor:
     """Logits of the HF model in fp32 on CPU."""
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(str(hf_path), dtype=torch.float32).eval()
     with torch.no_grad():
         return model(**inputs).logits.float()
 
@@ -139,11 +139,11 @@ def megatron_logits(model_chunks: list, inputs: dict) -> torch.Tensor | None:
     return output.float()
 
 
-def compare_exported_tensors(bridge, model_chunks: list, hf_dir: Path) -> tuple[int, list[str]]:
+def compare_exported_tensors(bridge, model_chunks: list, hf_path: Path) -> tuple[int, list[str]]:
     """Export every Megatron weight to HF names (gathered over TP/PP) and compare bit-for-bit."""
     from safetensors import safe_open
 
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    files = sorted(Path(hf_path).glob("*.safetensors"))
     where = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:

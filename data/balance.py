@@ -2,7 +2,7 @@
 
 Megatron-Core's `dp_balanced` evens out token counts; the slowest rank still sets the step time when packs of
 equal tokens carry unequal vision and attention work (OrchMLLM, arXiv 2503.23830: "modality composition
-incoherence"). `plan_dp_balanced` takes each pack's cost (`qvl.data.cost`) and
+incoherence"). `plan_dp_balanced` takes each pack's cost (`qvl.foundation.cost`) and
 
 1. deals the packs, costliest first, to the steps in snake order, so every step gets one pack from each cost
    stratum and all steps carry about the same work;
@@ -31,7 +31,7 @@ class DPPlan:
     rank: np.ndarray  # int64 [n_packs]; -1 = not scheduled
     slot: np.ndarray  # int64 [n_packs]; 0 .. G/D - 1; -1 = not scheduled
     data_parallel: int
-    global_batch: int
+    global_batch_size: int
 
     @property
     def n_steps(self) -> int:
@@ -70,90 +70,98 @@ def imbalance(plan: DPPlan, cost: np.ndarray) -> dict:
     }
 
 
-def check_global_batch(n_packs: int, data_parallel: int, global_batch: int) -> int:
+def check_global_batch(n_packs: int, data_parallel: int, global_batch_size: int) -> int:
     """The number of whole global batches in `n_packs`; fails if ranks cannot take equal shares."""
-    if data_parallel < 1 or global_batch < 1 or global_batch % data_parallel:
+    if data_parallel < 1 or global_batch_size < 1 or global_batch_size % data_parallel:
         raise ValueError(
-            f"--global-batch {global_batch} must be a positive multiple of --data-parallel "
-            f"{data_parallel} (each rank takes global_batch / data_parallel packs per step)"
+            f"--global-batch-size {global_batch_size} must be a positive multiple of --data-parallel "
+            f"{data_parallel} (each rank takes global_batch_size / data_parallel packs per step)"
         )
-    return n_packs // global_batch
+    return n_packs // global_batch_size
 
 
-def _unscheduled(n_packs: int, data_parallel: int, global_batch: int) -> DPPlan:
+def _unscheduled(n_packs: int, data_parallel: int, global_batch_size: int) -> DPPlan:
     minus = np.full(n_packs, -1, dtype=np.int64)
     return DPPlan(
-        step=minus, rank=minus.copy(), slot=minus.copy(), data_parallel=data_parallel, global_batch=global_batch
+        step=minus,
+        rank=minus.copy(),
+        slot=minus.copy(),
+        data_parallel=data_parallel,
+        global_batch_size=global_batch_size,
     )
 
 
-def _chosen(n_packs: int, n_steps: int, global_batch: int, seed: int) -> np.ndarray:
+def _chosen(n_packs: int, n_steps: int, global_batch_size: int, seed: int) -> np.ndarray:
     """The packs that fit into whole global batches; a seeded pick of which ones wait, so no cost class is favoured."""
-    keep = n_steps * global_batch
+    keep = n_steps * global_batch_size
     if keep == n_packs:
         return np.arange(n_packs)
     return np.sort(np.random.default_rng(seed).permutation(n_packs)[:keep])
 
 
-def plan_round_robin(n_packs: int, data_parallel: int, global_batch: int) -> DPPlan:
+def plan_round_robin(n_packs: int, data_parallel: int, global_batch_size: int) -> DPPlan:
     """The naive schedule: packs in file order, G per step, dealt round-robin over the ranks."""
-    n_steps = check_global_batch(n_packs, data_parallel, global_batch)
-    plan = _unscheduled(n_packs, data_parallel, global_batch)
-    k = np.arange(n_steps * global_batch)
-    plan.step[k], plan.rank[k], plan.slot[k] = k // global_batch, k % data_parallel, (k % global_batch) // data_parallel
+    n_steps = check_global_batch(n_packs, data_parallel, global_batch_size)
+    plan = _unscheduled(n_packs, data_parallel, global_batch_size)
+    k = np.arange(n_steps * global_batch_size)
+    plan.step[k], plan.rank[k], plan.slot[k] = (
+        k // global_batch_size,
+        k % data_parallel,
+        (k % global_batch_size) // data_parallel,
+    )
     return plan
 
 
-def plan_random(n_packs: int, data_parallel: int, global_batch: int, seed: int = 0) -> DPPlan:
+def plan_random(n_packs: int, data_parallel: int, global_batch_size: int, seed: int = 0) -> DPPlan:
     """A shuffled round-robin schedule (what a shuffling loader gives)."""
-    n_steps = check_global_batch(n_packs, data_parallel, global_batch)
-    plan = _unscheduled(n_packs, data_parallel, global_batch)
-    k = np.arange(n_steps * global_batch)
+    n_steps = check_global_batch(n_packs, data_parallel, global_batch_size)
+    plan = _unscheduled(n_packs, data_parallel, global_batch_size)
+    k = np.arange(n_steps * global_batch_size)
     packs = np.random.default_rng(seed).permutation(n_packs)[: len(k)]
-    plan.step[packs], plan.rank[packs] = k // global_batch, k % data_parallel
-    plan.slot[packs] = (k % global_batch) // data_parallel
+    plan.step[packs], plan.rank[packs] = k // global_batch_size, k % data_parallel
+    plan.slot[packs] = (k % global_batch_size) // data_parallel
     return plan
 
 
 def plan_dp_balanced(
-    cost: np.ndarray, data_parallel: int, global_batch: int, *, seed: int = 0, refine_passes: int = 64
+    cost: np.ndarray, data_parallel: int, global_batch_size: int, *, seed: int = 0, refine_passes: int = 64
 ) -> DPPlan:
-    """Schedule packs into steps of `global_batch` and ranks of `data_parallel` with balanced per-rank cost."""
+    """Schedule packs into steps of `global_batch_size` and ranks of `data_parallel` with balanced per-rank cost."""
     cost = np.asarray(cost, dtype=np.float64)
-    n_steps = check_global_batch(len(cost), data_parallel, global_batch)
-    plan = _unscheduled(len(cost), data_parallel, global_batch)
+    n_steps = check_global_batch(len(cost), data_parallel, global_batch_size)
+    plan = _unscheduled(len(cost), data_parallel, global_batch_size)
     if n_steps == 0:
         return plan
-    chosen = _chosen(len(cost), n_steps, global_batch, seed)
-    step_packs = _deal_to_steps(chosen, cost[chosen], n_steps, global_batch)  # [S, G], costliest first per step
+    chosen = _chosen(len(cost), n_steps, global_batch_size, seed)
+    step_packs = _deal_to_steps(chosen, cost[chosen], n_steps, global_batch_size)  # [S, G], costliest first per step
     rank_of = _assign_ranks(cost[step_packs], data_parallel)  # [S, G]
     rank_of = _refine(cost[step_packs], rank_of, data_parallel, refine_passes)
     time_order = np.random.default_rng(seed).permutation(n_steps)
     steps = np.broadcast_to(time_order[:, None], step_packs.shape)
     # Slot: place among the rank's packs of the step, costliest first.
-    order = np.lexsort((np.broadcast_to(np.arange(global_batch), step_packs.shape), rank_of), axis=1)
+    order = np.lexsort((np.broadcast_to(np.arange(global_batch_size), step_packs.shape), rank_of), axis=1)
     slot = np.empty_like(rank_of)
     np.put_along_axis(
-        slot, order, np.tile(np.arange(global_batch) % (global_batch // data_parallel), (n_steps, 1)), axis=1
+        slot, order, np.tile(np.arange(global_batch_size) % (global_batch_size // data_parallel), (n_steps, 1)), axis=1
     )
     plan.step[step_packs], plan.rank[step_packs], plan.slot[step_packs] = steps, rank_of, slot
     return plan
 
 
-def _deal_to_steps(packs: np.ndarray, cost: np.ndarray, n_steps: int, global_batch: int) -> np.ndarray:
+def _deal_to_steps(packs: np.ndarray, cost: np.ndarray, n_steps: int, global_batch_size: int) -> np.ndarray:
     """[S, G] pack ids: the i-th costliest pack goes to step i mod S, in snake order by stratum."""
-    by_cost = packs[np.lexsort((packs, -cost))].reshape(global_batch, n_steps)  # stratum x step
+    by_cost = packs[np.lexsort((packs, -cost))].reshape(global_batch_size, n_steps)  # stratum x step
     by_cost[1::2] = by_cost[1::2, ::-1]  # snake: odd strata run from the last step back
     return np.ascontiguousarray(by_cost.T)
 
 
 def _assign_ranks(cost: np.ndarray, data_parallel: int) -> np.ndarray:
     """Per step, rounds of D packs (costliest first), each pack of a round to a different rank, lightest first."""
-    n_steps, global_batch = cost.shape
+    n_steps, global_batch_size = cost.shape
     rows = np.arange(n_steps)[:, None]
     loads = np.zeros((n_steps, data_parallel))
-    rank_of = np.empty((n_steps, global_batch), dtype=np.int64)
-    for start in range(0, global_batch, data_parallel):
+    rank_of = np.empty((n_steps, global_batch_size), dtype=np.int64)
+    for start in range(0, global_batch_size, data_parallel):
         lightest_first = np.argsort(loads, axis=1, kind="stable")
         rank_of[:, start : start + data_parallel] = lightest_first
         loads[rows, lightest_first] += cost[:, start : start + data_parallel]
@@ -162,14 +170,14 @@ def _assign_ranks(cost: np.ndarray, data_parallel: int) -> np.ndarray:
 
 def _refine(cost: np.ndarray, rank_of: np.ndarray, data_parallel: int, passes: int) -> np.ndarray:
     """Swap a pack of each step's heaviest rank with a pack of another rank where it lowers that pair's maximum."""
-    n_steps, global_batch = cost.shape
-    per_rank = global_batch // data_parallel
+    n_steps, global_batch_size = cost.shape
+    per_rank = global_batch_size // data_parallel
     if per_rank == 0 or data_parallel == 1:
         return rank_of
     # Positions of each rank's packs within the step: [S, D, m].
     by_rank = np.argsort(rank_of, axis=1, kind="stable").reshape(n_steps, data_parallel, per_rank)
     chunk = max(
-        1, _REFINE_ELEMENTS // (_partners(data_parallel, per_rank) * per_rank * per_rank + global_batch)
+        1, _REFINE_ELEMENTS // (_partners(data_parallel, per_rank) * per_rank * per_rank + global_batch_size)
     )  # bounds the [s, D, m, m] temporaries
     for start in range(0, n_steps, chunk):
         part = slice(start, min(start + chunk, n_steps))
@@ -178,7 +186,7 @@ def _refine(cost: np.ndarray, rank_of: np.ndarray, data_parallel: int, passes: i
     np.put_along_axis(
         out,
         by_rank.reshape(n_steps, -1),
-        np.broadcast_to(np.repeat(np.arange(data_parallel), per_rank), (n_steps, global_batch)),
+        np.broadcast_to(np.repeat(np.arange(data_parallel), per_rank), (n_steps, global_batch_size)),
         axis=1,
     )
     return out
@@ -237,5 +245,5 @@ def reorder(plan: DPPlan, order: np.ndarray) -> DPPlan:
         rank=plan.rank[order],
         slot=plan.slot[order],
         data_parallel=plan.data_parallel,
-        global_batch=plan.global_batch,
+        global_batch_size=plan.global_batch_size,
     )

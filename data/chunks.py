@@ -37,7 +37,7 @@ CHUNK_DIR = "chunks"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class ChunkSettings:
+class ChunkConfig:
     """What a worker needs to process any chunk; small and picklable (it travels with every task)."""
 
     work: pathlib.Path  # the build's working directory (shared storage when the workers are Ray nodes)
@@ -64,13 +64,13 @@ class _Worker:
     ingest: IngestConfig
 
 
-def warm_up(settings: ChunkSettings) -> _Worker:
+def warm_up(settings: ChunkConfig) -> _Worker:
     """Load what every chunk needs (tokenizer, processor settings) in this process, so forked workers start with it."""
     return _worker(settings)
 
 
 @functools.lru_cache(maxsize=2)
-def _worker(settings: ChunkSettings) -> _Worker:
+def _worker(settings: ChunkConfig) -> _Worker:
     vision = load_vision_config(settings.tokenizer, settings.family, **dict(settings.vision_overrides))
     counter = TokenCounter(tokenizer=load_tokenizer(settings.tokenizer, settings.chat_template), vision=vision)
     validate = ValidateConfig(
@@ -93,7 +93,7 @@ def is_done(work: pathlib.Path, chunk: int) -> bool:
     return chunk_path(work, chunk, ".npz").is_file()
 
 
-def process_chunk(settings: ChunkSettings, chunk: int, first_index: int, texts: list[str]) -> dict:
+def process_chunk(settings: ChunkConfig, chunk: int, first_index: int, texts: list[str]) -> dict:
     """Parse, validate, count and fit one chunk; spill its results; return its counters and stage times."""
     worker = _worker(settings)
     times = {"ingest": 0.0, "validate": 0.0, "count": 0.0}
@@ -125,7 +125,7 @@ def process_chunk(settings: ChunkSettings, chunk: int, first_index: int, texts: 
     return {"chunk": chunk, "read": len(texts), "accepted": len(kept), "times": times}
 
 
-def _fit(sample: TokenizedSample, counter: TokenCounter, settings: ChunkSettings, rejections: list):
+def _fit(sample: TokenizedSample, counter: TokenCounter, settings: ChunkConfig, rejections: list):
     if sample.length <= settings.seq_length:
         return sample
     if settings.truncate:

@@ -162,22 +162,24 @@ def _replace_pads(rendered: str, replacements: list[str]) -> str:
         raise ValueError("the chat template produced more vision placeholders than the sample has media") from None
 
 
-def load_tokenizer(hf_dir: pathlib.Path, chat_template: str | None = None):
-    """The HF tokenizer in `hf_dir` (offline), optionally with a replacement chat template."""
+def load_tokenizer(hf_path: pathlib.Path, chat_template: str | None = None):
+    """The HF tokenizer in `hf_path` (offline), optionally with a replacement chat template."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_path))
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     if not tokenizer.chat_template:
-        raise ValueError(f"tokenizer in {hf_dir} has no chat template; pass --chat-template FILE")
+        raise ValueError(f"tokenizer in {hf_path} has no chat template; pass --chat-template FILE")
     missing = [
         t
         for t in (IMAGE_PAD, VIDEO_PAD, "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>")
         if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)
     ]
     if missing:
-        raise ValueError(f"tokenizer in {hf_dir} lacks Qwen-VL special tokens {missing}; use the model's own tokenizer")
+        raise ValueError(
+            f"tokenizer in {hf_path} lacks Qwen-VL special tokens {missing}; use the model's own tokenizer"
+        )
     return tokenizer
 
 

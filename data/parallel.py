@@ -25,7 +25,7 @@ IN_FLIGHT_PER_WORKER = 2
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class RaySettings:
+class RayConfig:
     """How to reach Ray: `address` None starts (or joins, via RAY_ADDRESS) a cluster on this machine."""
 
     address: str | None = None  # "auto", "ray://head:10001", "10.0.0.1:6379"; None: local
@@ -85,7 +85,7 @@ class ProcessExecutor(Executor):
 class RayExecutor(Executor):
     """Ray tasks (one CPU each) on a cluster's nodes; the workers need the same qvl and the same paths."""
 
-    def __init__(self, settings: RaySettings):
+    def __init__(self, settings: RayConfig):
         try:
             import ray
         except ImportError as err:
@@ -124,7 +124,7 @@ class RayExecutor(Executor):
 
 
 @contextlib.contextmanager
-def executor(workers: int | None, ray: RaySettings | None) -> Iterator[Executor]:
+def executor(workers: int | None, ray: RayConfig | None) -> Iterator[Executor]:
     """The executor for `--workers N` (default: every core) or `--ray`; closed on exit."""
     if ray is not None:
         chosen: Executor = RayExecutor(ray)

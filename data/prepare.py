@@ -32,11 +32,11 @@ import numpy as np
 
 from qvl.data import chunks, parallel, write
 from qvl.data.balance import check_global_batch, imbalance, plan_dp_balanced, plan_round_robin, reorder, schedule_order
-from qvl.data.cost import lm_flops_per_sequence, shapes_from_hf_config, vision_flops_per_image
 from qvl.data.ingest import iter_record_texts
 from qvl.data.pack import PackPlan, balance_by_cost, pack_best_fit_decreasing
-from qvl.data.parallel import RaySettings
+from qvl.data.parallel import RayConfig
 from qvl.data.vision import check_family
+from qvl.foundation.cost import lm_flops_per_sequence, shapes_from_hf_config, vision_flops_per_image
 from qvl.foundation.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class PrepareConfig:
     input: pathlib.Path
     media_root: pathlib.Path
     family: str
-    tokenizer: pathlib.Path  # HF dir with the tokenizer, chat template and processor configs
+    hf_path: pathlib.Path  # HF dir with the tokenizer, chat template and processor configs
     seq_length: int
     output: pathlib.Path
     system_prompt: str | None = None
@@ -69,10 +69,10 @@ class PrepareConfig:
     video_min_pixels: int | None = None
     video_max_pixels: int | None = None
     truncate: bool = False
-    balance_cost: bool = False  # even out packs' forward FLOPs (qvl.data.cost) at equal token fill
-    data_parallel: int | None = None  # with global_batch: schedule packs into (step, rank) by compute cost
-    global_batch: int | None = None  # packs per optimizer step over all data-parallel ranks
-    model_config: pathlib.Path | None = None  # HF config.json (or its dir) for the cost model; default: tokenizer dir
+    balance_cost: bool = False  # even out packs' forward FLOPs (qvl.foundation.cost) at equal token fill
+    data_parallel: int | None = None  # with global_batch_size: schedule packs into (step, rank) by compute cost
+    global_batch_size: int | None = None  # packs per optimizer step over all data-parallel ranks
+    model_config: pathlib.Path | None = None  # HF config.json (or its dir) for the cost model; default: hf_path
     seed: int = 0  # the DP schedule's step order
     decode_images: bool = True  # check every image is intact; False reads headers only
     full_decode: bool = False  # decode every pixel instead of the structure / CRC check (qvl.data.integrity)
@@ -80,7 +80,7 @@ class PrepareConfig:
     count_batch_size: int = 256
     chunk_size: int = 1024  # records per unit of parallel work (and of resumption)
     workers: int | None = 1  # local worker processes; None: every core; 1: this process only
-    ray: RaySettings | None = None  # run the chunks and shards as Ray tasks instead
+    ray: RayConfig | None = None  # run the chunks and shards as Ray tasks instead
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,7 +114,7 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
         raise DataError(f"--seq-length {config.seq_length} is too small; use at least 16 (typically 4096-32768)")
     _check_output(pathlib.Path(config.output))
     settings = _chunk_settings(config, write.partial_dir(config.output))
-    # The tokenizer and processor settings, loaded once (a bad --tokenizer fails here, before any work); forked
+    # The tokenizer and processor settings, loaded once (a bad --hf-path fails here, before any work); forked
     # workers start with them, and one process uses them directly.
     counter = chunks.warm_up(settings).counter
     work = write.start_partial(config.output, _fingerprint(config))
@@ -143,18 +143,18 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
     return report
 
 
-def _chunk_settings(config: PrepareConfig, work: pathlib.Path) -> chunks.ChunkSettings:
+def _chunk_settings(config: PrepareConfig, work: pathlib.Path) -> chunks.ChunkConfig:
     overrides = {
         "min_pixels": config.min_pixels,
         "max_pixels": config.max_pixels,
         "video_min_pixels": config.video_min_pixels,
         "video_max_pixels": config.video_max_pixels,
     }
-    return chunks.ChunkSettings(
+    return chunks.ChunkConfig(
         work=pathlib.Path(work).resolve(),
         media_root=pathlib.Path(config.media_root).resolve(),
         family=config.family,
-        tokenizer=pathlib.Path(config.tokenizer).resolve(),
+        tokenizer=pathlib.Path(config.hf_path).resolve(),
         seq_length=config.seq_length,
         chat_template=config.chat_template.read_text() if config.chat_template else None,
         system_prompt=config.system_prompt,
@@ -253,7 +253,7 @@ def _merge(config: PrepareConfig, work: pathlib.Path, n_chunks: int, state: _Sta
 
 
 def _cost_shapes(config: PrepareConfig):
-    return shapes_from_hf_config(pathlib.Path(config.model_config or config.tokenizer))
+    return shapes_from_hf_config(pathlib.Path(config.model_config or config.hf_path))
 
 
 def _vision_flops(vision_shape, summary: dict) -> np.ndarray:
@@ -278,12 +278,12 @@ def _pack(samples: _Samples, config: PrepareConfig) -> PackPlan:
 
 
 def _check_dp(config: PrepareConfig) -> None:
-    if (config.data_parallel is None) != (config.global_batch is None):
-        raise DataError("--data-parallel and --global-batch go together; pass both (or neither)")
+    if (config.data_parallel is None) != (config.global_batch_size is None):
+        raise DataError("--data-parallel and --global-batch-size go together; pass both (or neither)")
     if config.data_parallel is not None:
-        check_global_batch(0, config.data_parallel, config.global_batch)
+        check_global_batch(0, config.data_parallel, config.global_batch_size)
     if config.data_parallel is not None or config.balance_cost:
-        path = pathlib.Path(config.model_config or config.tokenizer)
+        path = pathlib.Path(config.model_config or config.hf_path)
         if not (path / "config.json" if path.is_dir() else path).is_file():
             flag = "--balance-cost" if config.data_parallel is None else "the DP plan"
             raise DataError(
@@ -298,16 +298,16 @@ def _schedule(samples: _Samples, plan: PackPlan, config: PrepareConfig) -> tuple
     pack_cost = np.bincount(
         np.repeat(np.arange(plan.n_packs), np.diff(plan.offsets)), weights=costs[plan.order], minlength=plan.n_packs
     )
-    dp = plan_dp_balanced(pack_cost, config.data_parallel, config.global_batch, seed=config.seed)
-    naive = imbalance(plan_round_robin(plan.n_packs, config.data_parallel, config.global_batch), pack_cost)
+    dp = plan_dp_balanced(pack_cost, config.data_parallel, config.global_batch_size, seed=config.seed)
+    naive = imbalance(plan_round_robin(plan.n_packs, config.data_parallel, config.global_batch_size), pack_cost)
     order = schedule_order(dp)
     dp = reorder(dp, order)
     plan = plan.reordered(order)
     plan.columns.update(cost=pack_cost[order], step=dp.step, rank=dp.rank, slot=dp.slot)
     report = {
         "data_parallel": config.data_parallel,
-        "global_batch": config.global_batch,
-        "packs_per_rank_per_step": config.global_batch // config.data_parallel,
+        "global_batch_size": config.global_batch_size,
+        "packs_per_rank_per_step": config.global_batch_size // config.data_parallel,
         "steps": dp.n_steps,
         "unscheduled_packs": int((dp.step < 0).sum()),
         "cost_unit": "forward FLOPs",
@@ -413,8 +413,8 @@ def _fingerprint(config: PrepareConfig) -> str:
     settings = {k: str(v) for k, v in asdict(config).items() if k not in _NOT_IN_FINGERPRINT}
     digest.update(json.dumps(settings, sort_keys=True).encode())
     digest.update(_file_digest(config.input))
-    for path in sorted(pathlib.Path(config.tokenizer).glob("*.json")) + sorted(
-        pathlib.Path(config.tokenizer).glob("*.jinja")
+    for path in sorted(pathlib.Path(config.hf_path).glob("*.json")) + sorted(
+        pathlib.Path(config.hf_path).glob("*.jinja")
     ):
         digest.update(path.name.encode() + _file_digest(path))
     if config.chat_template:

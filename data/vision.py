@@ -15,10 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qvl.foundation.families import FAMILIES as _FAMILIES
 from qvl.foundation.families import Family, get_family
-
-FAMILIES = tuple(_FAMILIES)
 
 # Class defaults transformers falls back to when the config omits a key. Images use Qwen2VLImageProcessor for
 # every family (Qwen3-VL checkpoints set patch_size=16 in their config); video defaults are the family's.
@@ -65,12 +62,12 @@ def check_family(family: str) -> str:
     return get_family(family).name
 
 
-def load_vision_config(hf_dir: pathlib.Path, family: str, **overrides) -> VisionConfig:
-    """Read the processor configs in `hf_dir` the way transformers does; `overrides` (e.g. max_pixels) win."""
+def load_vision_config(hf_path: pathlib.Path, family: str, **overrides) -> VisionConfig:
+    """Read the processor configs in `hf_path` the way transformers does; `overrides` (e.g. max_pixels) win."""
     check_family(family)
-    hf_dir = pathlib.Path(hf_dir)
-    image_cfg = _read_json(hf_dir, "preprocessor_config.json", "image_processor")
-    video_cfg = _read_json(hf_dir, "video_preprocessor_config.json", "video_processor") or image_cfg
+    hf_path = pathlib.Path(hf_path)
+    image_cfg = _read_json(hf_path, "preprocessor_config.json", "image_processor")
+    video_cfg = _read_json(hf_path, "video_preprocessor_config.json", "video_processor") or image_cfg
     image = _resolve(image_cfg, IMAGE_DEFAULTS)
     video = _resolve(video_cfg, dict(get_family(family).video_defaults))
     config = VisionConfig(
@@ -96,11 +93,11 @@ def load_vision_config(hf_dir: pathlib.Path, family: str, **overrides) -> Vision
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def _read_json(hf_dir: pathlib.Path, name: str, processor_key: str) -> dict:
-    path = hf_dir / name
+def _read_json(hf_path: pathlib.Path, name: str, processor_key: str) -> dict:
+    path = hf_path / name
     if path.is_file():
         return json.loads(path.read_text())
-    combined = hf_dir / "processor_config.json"  # transformers 5 may save every sub-processor in one file
+    combined = hf_path / "processor_config.json"  # transformers 5 may save every sub-processor in one file
     if combined.is_file():
         return json.loads(combined.read_text()).get(processor_key, {})
     return {}

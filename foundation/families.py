@@ -70,7 +70,7 @@ class Family:
     video_positions_in_seconds: bool = False
     # Qwen2.5-VL and Qwen3-VL place frames in time, so a frame folder without fps cannot be used.
     video_needs_fps: bool = True
-    chat_template: str = "qwen2"  # which Qwen chat template the tiny tokenizer carries (qvl.foundation.tiny)
+    chat_template: str = "qwen2"  # which Qwen chat template the tiny tokenizer carries (qvl.foundation.tiny_processor)
     # --- debug flavour: a tiny random model with the family's real block structure
     tiny_text: Mapping[str, Any]
     tiny_vision: Mapping[str, Any]
@@ -87,7 +87,7 @@ class Family:
 
 
 # Tiny text model: Qwen2 / Qwen3 blocks at hidden 64, head_dim 16 (so mRoPE sections sum to 8). Token ids are the
-# tiny tokenizer's (qvl.foundation.tiny), whose special tokens are ids 0-6.
+# tiny tokenizer's (qvl.foundation.tiny_processor), whose special tokens are ids 0-6.
 TINY_VOCAB_SIZE = 512
 TINY_TOKEN_IDS = _frozen(
     {

@@ -70,7 +70,7 @@ def _stages(out: Path, device: list[str], steps: int) -> list[Stage]:
                 str(samples / "images"),
                 "--family",
                 FAMILY,
-                "--tokenizer",
+                "--hf-path",
                 str(hf),
                 "--seq-length",
                 "256",
@@ -119,7 +119,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from qvl.bridges.convert import copy_hf_side_files
-    from qvl.bridges.tiny import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.samples import write_sample_dataset
 
     console, out = Console(), Path(args.output).resolve()

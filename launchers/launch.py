@@ -23,16 +23,8 @@ from typing import Any
 
 import yaml
 
-from qvl.foundation.errors import ConfigError
+from qvl.foundation.errors import ConfigError, LaunchError
 from qvl.foundation.layout import ModelFacts, ParallelLayout
-from qvl.launchers.overrides import (
-    LaunchError,
-    Overrides,
-    load_site_config,
-    missing_required,
-    split_overrides,
-    to_plain,
-)
 from qvl.launchers.preflight import (
     LAYOUT_KEYS,
     check_accepted,
@@ -44,6 +36,8 @@ from qvl.launchers.preflight import (
     layout_from_settings,
     recipe_model_facts,
 )
+from qvl.launchers.site import load_site_config, missing_required, to_plain
+from qvl.recipes.overrides import Overrides, parse_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +66,12 @@ def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = 
 
     `train_flags` are `qvl train` options passed through (`--model tiny`, `--run-dir DIR`)."""
     if recipe == DEMO_JOB:
-        overrides = split_overrides(pairs, DEMO_PARAMS)
+        overrides = parse_overrides(pairs, options=DEMO_PARAMS, executor=True)
         if overrides.config:
             raise LaunchError(
                 f"the {DEMO_JOB} job takes only {', '.join(DEMO_PARAMS)}; got {', '.join(overrides.config)}"
             )
-        argv = [DEMO_JOB] + [arg for key, value in overrides.recipe.items() for arg in (f"--{key}", str(value))]
+        argv = [DEMO_JOB] + [arg for key, value in overrides.options.items() for arg in (f"--{key}", str(value))]
         return Job(recipe=recipe, overrides=overrides, argv=argv, layout=ParallelLayout())
     from qvl.recipes.registry import get_recipe
 
@@ -85,19 +79,19 @@ def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = 
         info = get_recipe(recipe)
     except ConfigError as err:
         raise LaunchError(f"{err} (or `{DEMO_JOB}`, the built-in tiny job)") from err
-    overrides = split_overrides(pairs)
+    overrides = parse_overrides(pairs, executor=True)
     tiny = "--model" in train_flags  # `qvl train --model tiny` runs one process: no parallelism unless asked for
-    missing = missing_required(info.fn, overrides.recipe)
+    missing = missing_required(info.fn, overrides.options)
     if missing:
         raise LaunchError(f"recipe {recipe} needs {', '.join(missing)}; pass " + " ".join(f"{m}=..." for m in missing))
     return Job(
         recipe=recipe,
         overrides=overrides,
-        argv=["train", recipe, *overrides.recipe_args, *train_flags],
-        layout=layout_from_settings({} if tiny else info.layout, overrides.recipe),
+        argv=["train", recipe, *overrides.texts, *train_flags],
+        layout=layout_from_settings({} if tiny else info.layout, overrides.options),
         recipe_fn=info.fn,
         registered_layout=dict(info.layout),
-        model=None if tiny else recipe_model_facts(info, overrides.recipe.get("hf_path")),
+        model=None if tiny else recipe_model_facts(info, overrides.options.get("hf_path")),
         train_flags=list(train_flags),
     )
 
@@ -154,7 +148,7 @@ def validate(job: Job, executor) -> None:
         model=job.model,
     )
     if not cpu:
-        overridden = any(key in job.overrides.recipe for key in LAYOUT_KEYS)
+        overridden = any(key in job.overrides.options for key in LAYOUT_KEYS)
         check_recipe_gpus(
             job.recipe, job.registered_layout.get("gpus"), nodes=nodes, per_node=per_node, layout_overridden=overridden
         )
@@ -245,12 +239,12 @@ def resolved_config(job: Job, executor) -> dict[str, Any]:
         "layout": to_plain(job.layout),
     }
     if job.recipe_fn is None:
-        return summary | {"arguments": job.overrides.recipe}
+        return summary | {"arguments": job.overrides.options}
     try:
         config = build_job_config(job, executor)
     except OSError as err:  # e.g. a stand-in recipe that reads a file only the cluster has
-        return summary | {"arguments": job.overrides.recipe, "config": f"not built here ({type(err).__name__}: {err})"}
-    return summary | {"arguments": job.overrides.recipe, "config": to_plain(config, depth=2)}
+        return summary | {"arguments": job.overrides.options, "config": f"not built here ({type(err).__name__}: {err})"}
+    return summary | {"arguments": job.overrides.options, "config": to_plain(config, depth=2)}
 
 
 def build_job_config(job: Job, executor) -> Any:
@@ -264,7 +258,7 @@ def build_job_config(job: Job, executor) -> Any:
     run_dir = Path(flags.get("--run-dir", "runs/train"))
     request = TrainRequest(
         recipe=job.recipe,
-        overrides=job.overrides.recipe | job.overrides.config,
+        overrides=job.overrides.options | job.overrides.config,
         run_dir=run_dir,
         model=flags.get("--model"),
     )
@@ -272,7 +266,7 @@ def build_job_config(job: Job, executor) -> Any:
         # A tiny model's checkpoint is written where the job runs; here it goes to a scratch folder and the
         # config is given the job's path, so the printed config is the job's.
         _, config = prepare_config(request, cpu=is_cpu(executor), tiny_dir=Path(tiny_dir))
-    if request.model == "tiny" and "hf_path" not in job.overrides.recipe:
+    if request.model == "tiny" and "hf_path" not in job.overrides.options:
         config.dataset.hf_path = str(run_dir / "tiny-hf")
     return config
 

@@ -28,7 +28,7 @@ from typing import Any, Optional
 from qvl.foundation.errors import QvlError
 from qvl.launchers.cli import main, quiet_logging
 from qvl.launchers.info import run_version
-from qvl.launchers.overrides import load_site_config
+from qvl.launchers.site import load_site_config
 from qvl.recipes.options import RecipeOptions, did_you_mean, option_names
 
 # Before the recipe factories below import Megatron-Bridge: its import probes and fallback warnings would

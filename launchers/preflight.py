@@ -10,9 +10,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from qvl.foundation.errors import LaunchError
 from qvl.foundation.families import FAMILIES
 from qvl.foundation.layout import ModelFacts, ParallelLayout, check_model_layout, world_fixes
-from qvl.launchers.overrides import LaunchError, missing_required
+from qvl.launchers.site import missing_required
 from qvl.recipes.architectures import ARCHITECTURES
 
 LAYOUT_KEYS = ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel")

@@ -147,8 +147,8 @@ def hf_config(arch: Architecture, **text_overrides: Any) -> Any:
 
 
 def cost_shapes(family: str, size: str) -> tuple[Any, Any]:
-    """qvl.data.cost's (LMShape, VisionShape) of a published model, from its config in this table."""
-    from qvl.data.cost import shapes_from_hf_config
+    """qvl.foundation.cost's (LMShape, VisionShape) of a published model, from its config in this table."""
+    from qvl.foundation.cost import shapes_from_hf_config
 
     return shapes_from_hf_config(hf_config(get_architecture(family, size)).to_dict())
 

@@ -44,7 +44,7 @@ LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 # Not slots: Megatron-Bridge's DatasetProvider base is a plain dataclass with a __dict__.
 @dataclass(kw_only=True)
 class QvlPackedDatasetConfig(DatasetProvider):
-    """A `qvl data prepare` dataset: offline-packed THD sequences read by qvl.data.load's task encoder."""
+    """A `qvl data prepare` dataset: offline-packed THD sequences read by qvl.data.encode's task encoder."""
 
     path: str | None  # None only while planning; finalize() refuses it
     hf_path: str  # the checkpoint whose image processor and tokenizer the task encoder loads

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from qvl.foundation.errors import ConfigError
-from qvl.recipes.options import check_option_names, did_you_mean, option_names
+from qvl.recipes.options import check_option_names, check_option_values, did_you_mean, option_names
 
 _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
@@ -64,40 +64,60 @@ def split_pair(pair: str) -> tuple[str, str]:
     return key.strip(), value
 
 
+EXECUTOR_PREFIX = "run.executor."
+
+
 @dataclass(kw_only=True, slots=True)
-class RecipeOverrides:
-    """Parsed overrides: recipe options, dotted config fields, and the original `key=value` texts."""
+class Overrides:
+    """Parsed `key=value` overrides sorted by what they change, and the original texts.
+
+    `options` are recipe options (`tensor_parallel=4`), `config` dotted fields of the built ConfigContainer
+    (`train.train_iters=100`), `executor` fields of a launch's executor (`run.executor.nodes=2`)."""
 
     options: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+    executor: dict[str, Any] = field(default_factory=dict)
     texts: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, values: dict[str, Any]) -> Overrides:
+        """An already-parsed mapping (options and dotted fields together) sorted into options and config."""
+        return cls(
+            options={k: v for k, v in values.items() if "." not in k},
+            config={k: v for k, v in values.items() if "." in k},
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """Options and dotted fields in one mapping (what `qvl train` and `plan_recipe` take)."""
         return self.options | self.config
 
 
-def parse_overrides(pairs: Sequence[str], *, options: Sequence[str] | None = None) -> RecipeOverrides:
-    """Sort `key=value` pairs into recipe options and dotted config fields; an unknown option is an error.
+def parse_overrides(pairs: Sequence[str], *, options: Sequence[str] | None = None, executor: bool = False) -> Overrides:
+    """Sort `key=value` pairs into recipe options, dotted config fields and (with `executor`) executor fields.
 
-    `options` are the accepted option names (default: every RecipeOptions field)."""
+    `options` are the accepted option names (default: every RecipeOptions field); an unknown option is an error.
+    `texts` keeps the recipe and config pairs as given, for a job to parse again on its side."""
     known = list(options if options is not None else option_names())
-    out = RecipeOverrides()
+    out = Overrides()
     for pair in pairs:
         key, text = split_pair(pair)
         value = parse_value(text)
+        if executor and key.startswith(EXECUTOR_PREFIX):
+            out.executor[key.removeprefix(EXECUTOR_PREFIX)] = value
+            continue
+        if key.startswith("run."):
+            raise ConfigError(
+                f"override {key!r}: only run.executor.<field> is supported under run. (and only by a launch)"
+            )
         if "." in key:
             out.config[key] = value
         else:
             check_option_names([key], known)
             out.options[key] = value
         out.texts.append(pair)
+    if options is None:
+        out.options = check_option_values(out.options)
     return out
-
-
-def split_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(recipe options, dotted config fields) of an already-parsed mapping."""
-    return {k: v for k, v in values.items() if "." not in k}, {k: v for k, v in values.items() if "." in k}
 
 
 def apply_config_overrides(config: Any, overrides: dict[str, Any]) -> Any:

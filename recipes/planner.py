@@ -14,7 +14,7 @@ Memory per GPU (the most loaded pipeline stage decides):
   recompute keeps each layer's input plus one layer's working set. The vision tower's activations sit on
   stage 0 (replicated over TP for the HF towers of Qwen2-VL / Qwen2.5-VL; with `vision_balance` each rank keeps
   those of its 1/TP share of the images, plus the moved pixels and embeddings, `vision_balance_buffer_bytes`).
-FLOPs: `qvl.data.cost` (forward FLOPs; x3 for training, +1 forward for full recompute). MFU is an estimate
+FLOPs: `qvl.foundation.cost` (forward FLOPs; x3 for training, +1 forward for full recompute). MFU is an estimate
 from a roofline: GEMM efficiency, pipeline bubble, unoverlapped TP/EP/DP communication.
 """
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qvl.data.cost import LMShape, VisionShape
+from qvl.foundation.cost import LMShape, VisionShape
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.layout import ParallelLayout
-from qvl.recipes.overrides import apply_config_overrides, split_options
+from qvl.recipes.overrides import Overrides, apply_config_overrides
 from qvl.recipes.shapes import (
     lm_layer_params,
     lm_param_counts,
@@ -102,7 +102,7 @@ class StageMemory:
 
 
 @dataclass(kw_only=True, slots=True)
-class Plan:
+class MemoryPlan:
     """A recipe's per-GPU memory, split, FLOPs and MFU estimate on `gpus` GPUs of one kind."""
 
     gpus: int
@@ -172,9 +172,8 @@ def layer_activation_bytes(
 # - SwiGLU (Qwen2.5-VL): 30 x width + 8 x MLP width + 712, which is 66.5 KB at the published shape;
 # - GELU (Qwen2-VL): 22 x width + 6 x MLP width + 712, which is 59.6 KB.
 # The 712 bytes are the rotary tables, fp32 cos and sin of head_dim 80. Outside the blocks: 12 (Qwen2.5-VL) or
-# 8 (Qwen2-VL) x width, plus the bf16 pixels. The older count, 16 x width + 6 x MLP width, was 41 KB: it missed
-# the fp32 copies of the RMSNorm and rotary steps. tests/recipes/test_planner.py re-measures the published
-# Qwen2.5-VL shape.
+# 8 (Qwen2-VL) x width, plus the bf16 pixels. Most of it is the fp32 copies the RMSNorm and rotary steps keep.
+# tests/recipes/test_planner.py re-measures the published Qwen2.5-VL shape.
 HF_TOWER_BYTES = {True: (30, 8, 12), False: (22, 6, 8)}  # gated MLP -> bytes per width, per MLP width, outside
 HF_TOWER_ROTARY_BYTES = 712
 
@@ -263,32 +262,50 @@ def _in_flight(model: Any, stage: int, microbatches: int) -> float:
     return n * (1 + (pp - 1) / (pp * vpp)) if vpp else n
 
 
-def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | None = None) -> Plan:
-    """Memory per GPU, pipeline split, FLOPs and an MFU estimate for `cfg` on `gpus` GPUs of kind `gpu`."""
-    if gpu not in GPUS:
-        raise ConfigError(f"gpu={gpu!r} is not known; use one of: {', '.join(GPUS)}")
-    hw, model = GPUS[gpu], cfg.model
+@dataclass(kw_only=True, slots=True)
+class _Layout:
+    """The parallel layout of a config on `gpus` GPUs, and the micro-batches each pipeline runs per step."""
+
+    sizes: dict[str, int]
+    data_parallel: int
+    expert_data_parallel: int
+    layers: list[int]  # LM layers per pipeline stage
+    microbatches: int
+
+
+def _layout(cfg: Any, gpus: int) -> _Layout:
+    model = cfg.model
     tp, pp, cp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size, model.context_parallel_size
     ep = model.expert_model_parallel_size
     etp = getattr(model, "expert_tensor_parallel_size", None) or tp
-    layout = dict(
+    dp = max(gpus // (tp * pp * cp), 1)
+    sizes = dict(
         tensor_parallel=tp,
         pipeline_parallel=pp,
         context_parallel=cp,
         expert_parallel=ep,
         virtual_pipeline=model.virtual_pipeline_model_parallel_size or 1,
+        data_parallel=dp,
     )
-    problems = _divisibility(cfg, gpus, hw)
-    dp = max(gpus // (tp * pp * cp), 1)
-    edp = max(gpus // (etp * ep * pp), 1)
-    layout["data_parallel"] = dp
-    workload = replace(workload or Workload(seq_length=model.seq_length), seq_length=model.seq_length)
-    lm, vision = model_shapes(model)
     layers = counts(
         model.num_layers, pp, model.num_layers_in_first_pipeline_stage, model.num_layers_in_last_pipeline_stage
     )
-    mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
-    microbatches = max(gbs // (mbs * dp), 1)
+    microbatches = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp), 1)
+    return _Layout(
+        sizes=sizes,
+        data_parallel=dp,
+        expert_data_parallel=max(gpus // (etp * ep * pp), 1),
+        layers=layers,
+        microbatches=microbatches,
+    )
+
+
+def _stage_memory(cfg: Any, lay: _Layout, workload: Workload) -> list[StageMemory]:
+    """Per pipeline stage: parameters, gradients, optimizer state and activations on one GPU."""
+    model = cfg.model
+    tp, pp, cp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size, model.context_parallel_size
+    lm, vision = model_shapes(model)
+    mbs = cfg.train.micro_batch_size
     weight_b, grad_b, optim_b = _bytes_per_param(cfg)
     offload = cfg.optimizer.optimizer_offload_fraction if cfg.optimizer.optimizer_cpu_offload else 0.0
     recompute, modules = model.recompute_granularity, list(model.recompute_modules or [])
@@ -297,13 +314,13 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
     balanced = bool(getattr(getattr(cfg, "qvl", None), "vision_balance", False))
     vision_recompute = bool(getattr(getattr(cfg, "qvl", None), "vision_recompute", False))
     stages = []
-    for s, (frozen, train_dense, train_expert, trainable) in enumerate(_stage_params(model, cfg, layers)):
-        mem = StageMemory(layers=layers[s])
+    for s, (frozen, train_dense, train_expert, trainable) in enumerate(_stage_params(model, cfg, lay.layers)):
+        mem = StageMemory(layers=lay.layers[s])
         mem.params = (frozen + trainable) * weight_b
         mem.grads = trainable * grad_b
-        mem.optimizer = (train_dense / dp + train_expert / edp) * optim_b * (1 - offload)
-        per_layer = layer_activation_bytes(model, lm, tokens, recompute=recompute, modules=modules)
-        acts = per_layer * layers[s]
+        mem.optimizer = (train_dense / lay.data_parallel + train_expert / lay.expert_data_parallel) * optim_b
+        mem.optimizer *= 1 - offload
+        acts = layer_activation_bytes(model, lm, tokens, recompute=recompute, modules=modules) * lay.layers[s]
         if s == 0 and balanced:  # this rank keeps the activations of its 1/TP share of the images only
             acts += vision_activation_bytes(model, vision, patches / tp, recompute=vision_recompute)
             acts += tokens * 2 * lm.hidden_size
@@ -313,38 +330,64 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
             acts += tokens * 2 * lm.hidden_size
         if s == pp - 1:
             acts += tokens * 4 * (lm.hidden_size + padded_vocab(model)) / tp  # logits + loss, fp32 (same source)
-        acts *= _in_flight(model, s, microbatches)
+        acts *= _in_flight(model, s, lay.microbatches)
         if recompute == "full":  # one layer rebuilt at a time for backward
             acts += layer_activation_bytes(model, lm, tokens, recompute=None, modules=[])
         mem.activations = acts
         stages.append(mem)
+    return stages
+
+
+def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | None = None) -> MemoryPlan:
+    """Memory per GPU, pipeline split, FLOPs and an MFU estimate for `cfg` on `gpus` GPUs of kind `gpu`."""
+    if gpu not in GPUS:
+        raise ConfigError(f"gpu={gpu!r} is not known; use one of: {', '.join(GPUS)}")
+    hw, model = GPUS[gpu], cfg.model
+    problems = _divisibility(cfg, gpus, hw)
+    lay = _layout(cfg, gpus)
+    workload = replace(workload or Workload(seq_length=model.seq_length), seq_length=model.seq_length)
+    stages = _stage_memory(cfg, lay, workload)
     usable = hw.memory_gib * GIB
-    worst = max(range(pp), key=lambda s: stages[s].total)
+    worst = max(range(len(stages)), key=lambda s: stages[s].total)
     if stages[worst].total > usable:
         problems.append(
             f"does not fit: pipeline stage {worst} needs {stages[worst].total / GIB:.1f} GiB per GPU, "
             f"the {hw.name} has {hw.memory_gib:.1f} GiB"
         )
+    lm, vision = model_shapes(model)
+    mbs = cfg.train.micro_batch_size
     costs = stage_costs(lm, vision, workload)
-    fwd = [c * mbs for c in split_from_counts(layers, costs).costs]
+    fwd = [c * mbs for c in split_from_counts(lay.layers, costs).costs]
     total_params = sum(lm_param_counts(model).values()) + vision_param_count(model)
     trainable_total = _trainable_total(model, cfg, total_params)
-    model_flops = 3 * sum(fwd) * gbs / mbs
-    step, mfu = _step_time(cfg, hw, fwd, microbatches, dp, tokens, lm, model_flops, gpus, trainable_total, layers)
-    return Plan(
+    model_flops = 3 * sum(fwd) * cfg.train.global_batch_size / mbs
+    step = _step_time(
+        StepTimeInputs(
+            cfg=cfg,
+            gpu=hw,
+            gpus=gpus,
+            stage_flops=fwd,
+            layout=lay,
+            tokens=workload.seq_length * mbs / model.context_parallel_size,
+            hidden_size=lm.hidden_size,
+            moe_router_topk=(lm.moe_router_topk or 0) if lm.num_experts else 0,
+            trainable_params=trainable_total,
+        )
+    )
+    return MemoryPlan(
         gpus=gpus,
         gpu=hw,
-        layout=layout,
+        layout=lay.sizes,
         stages=stages,
         stage_flops=fwd,
         params_total=total_params,
         params_trainable=trainable_total,
         model_flops_per_step=model_flops,
         step_time_s=step,
-        mfu=mfu,
+        mfu=model_flops / (step * gpus * _peak_flops(cfg, hw)),
         problems=problems,
-        vision_share=vision_shares(model, costs, layers[0]),
-        vision_balance=balanced,
+        vision_share=vision_shares(model, costs, lay.layers[0]),
+        vision_balance=bool(getattr(getattr(cfg, "qvl", None), "vision_balance", False)),
     )
 
 
@@ -390,30 +433,51 @@ def _divisibility(cfg: Any, gpus: int, hw: GPU) -> list[str]:
     return problems
 
 
-def _step_time(cfg, hw, fwd, microbatches, dp, tokens, lm, model_flops, gpus, trainable, layers):
-    """Roofline step time and MFU: bottleneck stage x (micro-batches + bubble), plus unoverlapped comms."""
-    model = cfg.model
-    tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
+@dataclass(kw_only=True, slots=True)
+class StepTimeInputs:
+    """What the roofline step-time model reads: the config, the GPU, the stages' FLOPs and the layout."""
+
+    cfg: Any
+    gpu: GPU
+    gpus: int
+    stage_flops: list[float]  # forward FLOPs per micro-batch per pipeline stage
+    layout: _Layout
+    tokens: float  # tokens per micro-batch per context-parallel rank
+    hidden_size: int
+    moe_router_topk: int  # 0 for a dense model
+    trainable_params: int
+
+
+def _peak_flops(cfg: Any, hw: GPU) -> float:
     fp8 = cfg.mixed_precision and "fp8" in str(cfg.mixed_precision) and hw.fp8_flops
-    peak = hw.fp8_flops if fp8 else hw.bf16_flops
+    return hw.fp8_flops if fp8 else hw.bf16_flops
+
+
+def _step_time(x: StepTimeInputs) -> float:
+    """Roofline step time: bottleneck stage x (micro-batches + bubble), plus unoverlapped comms."""
+    model, hw = x.cfg.model, x.gpu
+    tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
     recompute_factor = 4 / 3 if model.recompute_granularity == "full" else 1.0
-    per_micro = max(fwd) * 3 * recompute_factor / (tp * model.context_parallel_size) / (peak * GEMM_EFFICIENCY)
+    per_micro = max(x.stage_flops) * 3 * recompute_factor / (tp * model.context_parallel_size)
+    per_micro /= _peak_flops(x.cfg, hw) * GEMM_EFFICIENCY
+    deepest = max(x.layout.layers)
 
     def bw(group: int) -> float:
         return hw.intra_node_bw if group <= hw.gpus_per_node else hw.inter_node_bw
 
     # TP: 2 all-reduces (or all-gather + reduce-scatter) of the activations per layer, forward and backward.
     if tp > 1:
-        per_micro += max(layers) * 4 * 2 * (tp - 1) / tp * tokens * lm.hidden_size * 2 / bw(tp)
-    if lm.num_experts and model.expert_model_parallel_size > 1:
+        per_micro += deepest * 4 * 2 * (tp - 1) / tp * x.tokens * x.hidden_size * 2 / bw(tp)
+    if x.moe_router_topk and model.expert_model_parallel_size > 1:
         ep = model.expert_model_parallel_size
-        local = tokens / (tp if model.sequence_parallel else 1)  # each TP rank dispatches its sequence shard
-        per_micro += max(layers) * 4 * (ep - 1) / ep * local * lm.moe_router_topk * lm.hidden_size * 2 / bw(ep * tp)
+        local = x.tokens / (tp if model.sequence_parallel else 1)  # each TP rank dispatches its sequence shard
+        per_micro += deepest * 4 * (ep - 1) / ep * local * x.moe_router_topk * x.hidden_size * 2 / bw(ep * tp)
     vpp = model.virtual_pipeline_model_parallel_size or 1
-    step = per_micro * (microbatches + (pp - 1) / vpp)
+    step = per_micro * (x.layout.microbatches + (pp - 1) / vpp)
+    dp = x.layout.data_parallel
     if dp > 1:  # reduce-scatter fp32 grads + all-gather bf16 params, not overlapped in VLM recipes
-        step += (dp - 1) / dp * trainable / (tp * pp) * 6 / bw(gpus)
-    return step, model_flops / (step * gpus * peak)
+        step += (dp - 1) / dp * x.trainable_params / (tp * pp) * 6 / bw(x.gpus)
+    return step
 
 
 # --- recipes: plan, and say what would fit --------------------------------------------------------------------
@@ -421,19 +485,20 @@ def _step_time(cfg, hw, fwd, microbatches, dp, tokens, lm, model_flops, gpus, tr
 
 def plan_recipe(
     name: str, overrides: dict, *, gpus: int, gpu: str = "h100", workload: Workload | None = None, suggest: bool = True
-) -> Plan:
+) -> MemoryPlan:
     """Plan the registered recipe `name` with `overrides`; when it does not fit, list overrides that do."""
     from qvl.recipes.registry import get_recipe
 
     info = get_recipe(name)
-    overrides, dotted = split_options(overrides)  # dotted fields (train.global_batch_size=...) set the built config
+    split = Overrides.of(overrides)
+    overrides, dotted = split.options, split.config  # dotted fields (train.global_batch_size=...) set the built config
     plan = plan_config(apply_config_overrides(info.fn(**overrides), dotted), gpus=gpus, gpu=gpu, workload=workload)
     if suggest and plan.problems and all(p.startswith("does not fit") for p in plan.problems):
-        plan.suggestions = _suggestions(info, overrides, plan, gpus=gpus, gpu=gpu, workload=workload)
+        plan.suggestions = _suggestions(info, overrides, dotted, plan, gpus=gpus, gpu=gpu, workload=workload)
     return plan
 
 
-def _candidates(plan: Plan, overrides: dict) -> list[tuple[str, dict]]:
+def _candidates(plan: MemoryPlan, overrides: dict) -> list[tuple[str, dict]]:
     tp, pp = plan.layout["tensor_parallel"], plan.layout["pipeline_parallel"]
     out = [
         # First: the cheapest (the HF vision tower's blocks rerun; a Megatron tower's plan does not change with it)
@@ -451,14 +516,15 @@ def _candidates(plan: Plan, overrides: dict) -> list[tuple[str, dict]]:
     return [(label, change) for label, change in out if any(overrides.get(k) != v for k, v in change.items())]
 
 
-def _suggestions(info, overrides: dict, plan: Plan, **kw) -> list[str]:
+def _suggestions(info, overrides: dict, dotted: dict, plan: MemoryPlan, **kw) -> list[str]:
+    """Changes that make the plan fit, each re-planned with the user's options and dotted fields kept."""
     found: list[str] = []
     offload_found = False
     for label, change in _candidates(plan, overrides):
         if offload_found and "optimizer_offload" in change and "recompute" not in change:
             continue  # the smallest offload that fits is enough
         try:
-            trial = plan_config(info.fn(**{**overrides, **change}), **kw)
+            trial = plan_config(apply_config_overrides(info.fn(**{**overrides, **change}), dotted), **kw)
         except ValueError:  # e.g. a TP that does not divide the heads
             continue
         if trial.fits:

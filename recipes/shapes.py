@@ -1,5 +1,5 @@
 """What a Megatron-Bridge Qwen-VL provider holds, counted without building it: its cost-model shapes
-(`qvl.data.cost`), its family, and its language-model and vision-tower parameters (the planner's and the
+(`qvl.foundation.cost`), its family, and its language-model and vision-tower parameters (the planner's and the
 training benchmark's counts; `tests/recipes/test_planner.py` checks them against built models)."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from qvl.data.cost import LMShape, VisionShape, shapes_from_hf_config
+from qvl.foundation.cost import LMShape, VisionShape, shapes_from_hf_config
 from qvl.foundation.families import FAMILIES, Family, family_of_vision_config
 
 
 def model_shapes(model: Any) -> tuple[LMShape, VisionShape]:
-    """qvl.data.cost shapes of a Megatron-Bridge Qwen-VL provider (its LM fields, its HF vision_config)."""
+    """qvl.foundation.cost shapes of a Megatron-Bridge Qwen-VL provider (its LM fields, its HF vision_config)."""
     vision = model.vision_config
     text = dict(
         hidden_size=model.hidden_size,

@@ -4,14 +4,14 @@ Megatron-Bridge puts the whole vision encoder (and the embedding) on the first p
 output layer on the last. With a uniform split that stage is the bottleneck. `balanced_split` picks
 `num_layers_in_first_pipeline_stage` / `..._last_...` so the slowest stage is as fast as possible, under
 Megatron-Core's constraints (middle stages equal; with VPP every stage's count divisible by it).
-Costs are forward FLOPs from `qvl.data.cost` for an assumed workload (`Workload`).
+Costs are forward FLOPs from `qvl.foundation.cost` for an assumed workload (`Workload`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from qvl.data.cost import LMShape, VisionShape, lm_flops, vision_flops
+from qvl.foundation.cost import LMShape, VisionShape, lm_flops, vision_flops
 from qvl.foundation.errors import ConfigError
 
 

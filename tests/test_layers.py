@@ -54,12 +54,12 @@ def test_an_upward_import_is_caught(tmp_path):
     for package in LAYERS:
         (tmp_path / package).mkdir()
     (tmp_path / "foundation" / "runtime.py").write_text("def f():\n    from qvl.launchers.cli import main\n")
-    (tmp_path / "bridges" / "tiny.py").write_text("from qvl.data.samples import write_sample_dataset\n")
+    (tmp_path / "bridges" / "tiny_model.py").write_text("from qvl.data.samples import write_sample_dataset\n")
     (tmp_path / "recipes" / "base.py").write_text("from qvl.bridges.providers import provider_from_hf\n")
     problems = layer_violations(tmp_path)
     assert len(problems) == 2, problems
     assert problems[0].startswith("foundation/runtime.py:2 (foundation, layer 0) imports qvl.launchers")
-    assert problems[1].startswith("bridges/tiny.py:1 (bridges, layer 1) imports qvl.data")
+    assert problems[1].startswith("bridges/tiny_model.py:1 (bridges, layer 1) imports qvl.data")
 
 
 @pytest.mark.skipif(shutil.which("ruff", path=str(Path(sys.executable).parent)) is None, reason="ruff not installed")

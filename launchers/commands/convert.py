@@ -33,7 +33,7 @@ def run_import(args: argparse.Namespace) -> int:
     # One process streams the checkpoint; it loads at any layout, and --tp/--pp are checked against the model.
     (result,) = run_on_ranks(
         convert.import_on_rank,
-        args.hf_dir,
+        args.hf_path,
         args.out_dir,
         args.dtype,
         args.tp,
@@ -61,11 +61,11 @@ def run_export(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from qvl.bridges import convert
 
-    convert.check_before_verify(Path(args.hf_dir), Path(args.megatron_dir))  # in this process: one clear line
+    convert.check_before_verify(Path(args.hf_path), Path(args.megatron_dir))  # in this process: one clear line
     # Megatron prints progress to stdout; with --json stdout carries the report alone, so it pipes into jq.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         results = _ranks(args)(
-            convert.verify_on_rank, args.hf_dir, args.megatron_dir, args.tolerance, not args.no_video
+            convert.verify_on_rank, args.hf_path, args.megatron_dir, args.tolerance, not args.no_video
         )
     (report,) = [r for r in results if r is not None]
     if args.report:
@@ -96,7 +96,7 @@ def register(subparsers) -> None:
     convert_parser = subparsers.add_parser("convert", help="HF <-> Megatron checkpoint conversion with logit parity")
     commands = convert_parser.add_subparsers(dest="convert_command", metavar="COMMAND", required=True)
     imp = commands.add_parser("import", help="HF directory -> Megatron distributed checkpoint")
-    imp.add_argument("hf_dir")
+    imp.add_argument("hf_path")
     imp.add_argument("out_dir")
     imp.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
     _layout_args(imp)
@@ -107,7 +107,7 @@ def register(subparsers) -> None:
     _layout_args(exp)
     exp.set_defaults(func=run_export)
     ver = commands.add_parser("verify", help="compare logits and exported tensors; non-zero exit above tolerance")
-    ver.add_argument("hf_dir")
+    ver.add_argument("hf_path")
     ver.add_argument("megatron_dir")
     ver.add_argument("--json", action="store_true", help="print the report as JSON")
     ver.add_argument("--report", metavar="FILE", help="also write the JSON report to FILE")

@@ -11,7 +11,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from qvl.data.vision import FAMILIES
+from qvl.foundation.errors import DataError, QvlError
+from qvl.foundation.families import FAMILIES
 
 
 def register(subparsers) -> None:
@@ -27,8 +28,15 @@ def _add_prepare(commands) -> None:
     p = commands.add_parser("prepare", help="ingest, validate, count, pack and write an Energon dataset")
     p.add_argument("--input", type=pathlib.Path, required=True, help="LLaVA/ShareGPT or OpenAI-messages JSON/JSONL")
     p.add_argument("--media-root", type=pathlib.Path, required=True, help="directory the media paths are relative to")
-    p.add_argument("--family", choices=FAMILIES, required=True)
-    p.add_argument("--tokenizer", type=pathlib.Path, required=True, help="HF dir with tokenizer and processor configs")
+    p.add_argument("--family", choices=list(FAMILIES), required=True)
+    p.add_argument(
+        "--hf-path",
+        "--tokenizer",  # the flag's earlier name, still accepted
+        dest="hf_path",
+        type=pathlib.Path,
+        required=True,
+        help="HF checkpoint dir with the tokenizer and processor configs (the recipes' hf_path)",
+    )
     p.add_argument("--seq-length", type=int, required=True, help="tokens per packed sequence")
     p.add_argument("--output", type=pathlib.Path, required=True)
     p.add_argument("--system-prompt", help="system prompt for samples that have none")
@@ -42,11 +50,13 @@ def _add_prepare(commands) -> None:
         help="even out packs' forward FLOPs (LM + vision, same token fill); needs the model's config.json",
     )
     p.add_argument("--data-parallel", type=int, help="schedule packs over D data-parallel ranks by compute cost")
-    p.add_argument("--global-batch", type=int, help="packs per optimizer step over all ranks (with --data-parallel)")
+    p.add_argument(
+        "--global-batch-size", type=int, help="packs per optimizer step over all ranks (with --data-parallel)"
+    )
     p.add_argument(
         "--model-config",
         type=pathlib.Path,
-        help="HF config.json (or its dir) for the DP plan's cost model; default: the --tokenizer dir",
+        help="HF config.json (or its dir) for the DP plan's cost model; default: the --hf-path dir",
     )
     p.add_argument("--no-decode-check", action="store_true", help="read image headers only; skip the integrity check")
     p.add_argument(
@@ -96,14 +106,14 @@ def _positive(text: str) -> int:
 
 
 def _ray_settings(args: argparse.Namespace):
-    from qvl.data.parallel import RaySettings
+    from qvl.data.parallel import RayConfig
 
     if args.ray is None:
         return None
     if args.ray == "local" or args.ray.startswith("local:"):
         cpus = args.ray.partition(":")[2]
-        return RaySettings(num_cpus=int(cpus) if cpus else None, temp_dir=args.ray_temp_dir)
-    return RaySettings(address=args.ray)
+        return RayConfig(num_cpus=int(cpus) if cpus else None, temp_dir=args.ray_temp_dir)
+    return RayConfig(address=args.ray)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
@@ -117,7 +127,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         input=args.input,
         media_root=args.media_root,
         family=args.family,
-        tokenizer=args.tokenizer,
+        hf_path=args.hf_path,
         seq_length=args.seq_length,
         output=args.output,
         system_prompt=args.system_prompt,
@@ -135,19 +145,19 @@ def run_prepare(args: argparse.Namespace) -> int:
         workers=args.workers or len(os.sched_getaffinity(0)),
         ray=_ray_settings(args),
         data_parallel=args.data_parallel,
-        global_batch=args.global_batch,
+        global_batch_size=args.global_batch_size,
         model_config=args.model_config,
     )
-    for path, flag in ((args.input, "--input"), (args.media_root, "--media-root"), (args.tokenizer, "--tokenizer")):
+    for path, flag in ((args.input, "--input"), (args.media_root, "--media-root"), (args.hf_path, "--hf-path")):
         if not path.exists():
-            console.print(f"[red]error:[/] {flag} {path} does not exist")
-            return 2
+            raise DataError(f"{flag} {path} does not exist; pass an existing path")
     progress = _no_progress if args.quiet else _rich_progress(console) if console.is_terminal else _line_progress
     try:
         report = prepare(config, progress=progress)
-    except (ValueError, OSError) as err:
-        console.print(f"[red]error:[/] {err}")
-        return 2
+    except QvlError:
+        raise
+    except (ValueError, OSError) as err:  # e.g. an unreadable input file: one line, the traceback with -v
+        raise DataError(str(err)) from err
     _print_report(report)
     if args.strict and report["quarantined"]:
         console.print(

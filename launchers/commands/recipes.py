@@ -10,6 +10,7 @@ from typing import Any
 
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import FAMILIES
+from qvl.recipes.overrides import parse_overrides
 
 PLAN_EPILOG = "overrides are recipe keyword arguments, e.g. tensor_parallel=4 recompute=full optimizer_offload=0.6"
 
@@ -52,13 +53,6 @@ def register(subparsers: Any) -> None:
         help="save a checkpoint and exit after N steps (resume by running the same command again)",
     )
     train.set_defaults(func=run_train)
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`key=value` strings -> options and dotted config fields, by the one grammar (qvl.recipes.overrides)."""
-    from qvl.recipes.overrides import parse_overrides as parse
-
-    return parse(pairs).as_dict()
 
 
 RECIPE_COLUMNS = ("recipe", "family", "size", "stage", "TP", "PP", "EP", "planned GPUs", "summary")
@@ -121,7 +115,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from qvl.recipes.registry import get_recipe
     from qvl.recipes.split import Workload
 
-    overrides = parse_overrides(args.overrides)
+    overrides = parse_overrides(args.overrides).as_dict()
     info = get_recipe(args.recipe)
     gpus = info.layout.get("gpus", 8) if args.gpus is None else args.gpus
     if gpus < 1:
@@ -245,7 +239,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     request = TrainRequest(
         recipe=args.recipe,
-        overrides=parse_overrides(args.overrides),
+        overrides=parse_overrides(args.overrides).as_dict(),
         run_dir=Path(args.run_dir),
         model=args.model,
         device=args.device,

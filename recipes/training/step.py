@@ -135,7 +135,7 @@ def _balanced_vision_embeddings(vlm: Any, kwargs: dict) -> torch.Tensor | None:
         group=parallel_state.get_tensor_and_data_parallel_group(),
         replica=parallel_state.get_data_parallel_rank(),
         grad_scale=tower_grad_scale(vlm.visual, parallel_state.get_tensor_model_parallel_world_size()),
-        pixel_dtype=torch.float32,  # what qvl.data.load's image processor yields, on every rank
+        pixel_dtype=torch.float32,  # what qvl.data.encode's image processor yields, on every rank
     )
 
 

@@ -43,21 +43,22 @@ def prepare_config(request: TrainRequest, *, cpu: bool | None = None, tiny_dir: 
     `cpu` defaults to this machine (`--device cpu` or no CUDA); `qvl launch --dryrun` passes the executor's.
     `tiny_dir` is where `--model tiny` writes its checkpoint (default RUN_DIR/tiny-hf)."""
     from qvl.recipes.options import check_option_names
-    from qvl.recipes.overrides import apply_config_overrides, split_options
+    from qvl.recipes.overrides import Overrides, apply_config_overrides
     from qvl.recipes.registry import get_recipe
 
     info = get_recipe(request.recipe)
     # `section.field=value` pairs set fields of the built ConfigContainer; the rest are recipe options.
-    overrides, dotted = split_options(request.overrides)
+    split = Overrides.of(request.overrides)
+    overrides, dotted = split.options, split.config
     check_option_names(overrides)
     cpu = (request.device == "cpu" or not torch.cuda.is_available()) if cpu is None else cpu
     if request.model == "tiny" and "hf_path" not in overrides:
-        from qvl.bridges.tiny import write_tiny_hf_checkpoint
+        from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
 
-        hf_dir = tiny_dir or request.run_dir / "tiny-hf"
-        if not (hf_dir / "config.json").is_file():
-            write_tiny_hf_checkpoint(hf_dir, info.family)
-        overrides["hf_path"] = str(hf_dir)
+        hf_path = tiny_dir or request.run_dir / "tiny-hf"
+        if not (hf_path / "config.json").is_file():
+            write_tiny_hf_checkpoint(hf_path, info.family)
+        overrides["hf_path"] = str(hf_path)
     if request.model == "tiny":  # a tiny model on one process: no parallelism unless asked for
         overrides = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1, **overrides}
     if cpu:
@@ -170,7 +171,7 @@ def run_training(request: TrainRequest) -> Path:
     megatron.import_megatron_bridge()
     from megatron.bridge.training.callbacks import CallbackManager
 
-    import qvl.bridges.registry  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
+    import qvl.bridges.registration  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
     from qvl.recipes.training import optimizer_fixes
 
     info, config = prepare_config(request)

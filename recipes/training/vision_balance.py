@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from qvl.data.cost import VisionShape, vision_flops_per_image
+from qvl.foundation.cost import VisionShape, vision_flops_per_image
 
 logger = logging.getLogger(__name__)
 VisionFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -8,37 +8,37 @@ from pathlib import Path
 from qvl.bridges import convert
 
 
-def import_all(hf_dirs: dict[str, str], out_root: str) -> None:
+def import_all(hf_paths: dict[str, str], out_root: str) -> None:
     """In one process: stream every family's HF checkpoint into a Megatron checkpoint (fp32)."""
-    for family, hf_dir in hf_dirs.items():
-        convert.import_checkpoint(Path(hf_dir), Path(out_root) / family, dtype="fp32")
+    for family, hf_path in hf_paths.items():
+        convert.import_checkpoint(Path(hf_path), Path(out_root) / family, dtype="fp32")
 
 
-def verify_all(hf_dirs: dict[str, str], out_root: str) -> dict[str, dict | None]:
+def verify_all(hf_paths: dict[str, str], out_root: str) -> dict[str, dict | None]:
     """On each rank: load every family's checkpoint at the current TP/PP layout and verify it; reports by family."""
     return {
-        family: convert.verify_on_rank(hf_dir, str(Path(out_root) / family), tolerance=None, video=True)
-        for family, hf_dir in hf_dirs.items()
+        family: convert.verify_on_rank(hf_path, str(Path(out_root) / family), tolerance=None, video=True)
+        for family, hf_path in hf_paths.items()
     }
 
 
-def import_materialised(hf_dir: str, out_dir: str, dtype: str) -> None:
+def import_materialised(hf_path: str, out_dir: str, dtype: str) -> None:
     """The reference: Megatron-Bridge's own import (whole model built, loaded, then saved), qvl's provider fixes."""
     import torch
 
-    bridge = convert.auto_bridge_with_weights(Path(hf_dir), convert.DTYPES[dtype])
+    bridge = convert.auto_bridge_with_weights(Path(hf_path), convert.DTYPES[dtype])
     provider = bridge.to_megatron_provider(load_weights=True)
     convert._fix(provider, bridge)
     provider.params_dtype = provider.pipeline_dtype = convert.DTYPES[dtype]
     provider.bf16, provider.fp16 = dtype == "bf16", dtype == "fp16"
     provider.finalize()
     model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
-    bridge.save_megatron_model(model, out_dir, hf_tokenizer_path=hf_dir, low_memory_save=True)
+    bridge.save_megatron_model(model, out_dir, hf_tokenizer_path=hf_path, low_memory_save=True)
     torch.distributed.barrier()
 
 
 def import_both_ways(jobs: list[tuple[str, str, str]]) -> None:
-    """Per (hf_dir, out_dir, dtype): qvl's streamed import into OUT/stream, Megatron-Bridge's into OUT/reference."""
-    for hf_dir, out_dir, dtype in jobs:
-        convert.import_checkpoint(Path(hf_dir), Path(out_dir) / "stream", dtype=dtype)
-        import_materialised(hf_dir, str(Path(out_dir) / "reference"), dtype)
+    """Per (hf_path, out_dir, dtype): qvl's streamed import into OUT/stream, Megatron-Bridge's into OUT/reference."""
+    for hf_path, out_dir, dtype in jobs:
+        convert.import_checkpoint(Path(hf_path), Path(out_dir) / "stream", dtype=dtype)
+        import_materialised(hf_path, str(Path(out_dir) / "reference"), dtype)

@@ -198,7 +198,7 @@ def test_hf_vision_tower_with_qvl_varlen_attention_equals_sdpa(family):
 
     from qvl.bridges.attention import HF_VARLEN_ATTENTION, varlen_vision_towers
     from qvl.bridges.providers import provider_from_hf
-    from qvl.bridges.tiny import tiny_hf_config
+    from qvl.bridges.tiny_model import tiny_hf_config
 
     provider = provider_from_hf(tiny_hf_config(family))
     assert varlen_vision_towers in provider._pre_wrap_hooks
@@ -220,7 +220,7 @@ def test_hf_vision_tower_with_qvl_varlen_attention_equals_sdpa(family):
 def test_megatron_vision_tower_keeps_its_own_attention():
     from qvl.bridges.attention import varlen_vision_towers
     from qvl.bridges.providers import provider_from_hf
-    from qvl.bridges.tiny import tiny_hf_config
+    from qvl.bridges.tiny_model import tiny_hf_config
 
     provider = provider_from_hf(tiny_hf_config("qwen3_vl"))
     assert varlen_vision_towers not in (getattr(provider, "_pre_wrap_hooks", None) or [])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qvl.bridges.consistency import check_hf_checkpoint
-from qvl.bridges.tiny import write_tiny_hf_checkpoint
+from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
 from qvl.launchers.cli import main
 
 

@@ -13,24 +13,25 @@ import pytest
 import torch
 
 from qvl.bridges import convert
-from qvl.bridges.tiny import FAMILIES, write_tiny_hf_checkpoint
+from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
 from qvl.foundation.distributed import run_on_ranks
+from qvl.foundation.families import FAMILIES
 from tests.bridges import conversion_jobs
 
 PARITY = 1e-6
 
 
 @pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory) -> dict[str, str]:
+def hf_paths(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hf")
     return {family: str(write_tiny_hf_checkpoint(root / family, family, seed=1)) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
-def imported(hf_dirs, tmp_path_factory) -> str:
+def imported(hf_paths, tmp_path_factory) -> str:
     """Every family imported once (streamed, one process); the tests load it at different layouts."""
     out = tmp_path_factory.mktemp("megatron")
-    run_on_ranks(conversion_jobs.import_all, hf_dirs, str(out), cpu=True)
+    run_on_ranks(conversion_jobs.import_all, hf_paths, str(out), cpu=True)
     return str(out)
 
 
@@ -41,15 +42,15 @@ def _assert_parity(report: dict) -> None:
     assert report["tokens"] > 60  # two images + video + text really went through
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_import_verify_export_round_trip(family, hf_dirs, imported, tmp_path):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_import_verify_export_round_trip(family, hf_paths, imported, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    hf_dir = hf_dirs[family]
-    (report,) = run_on_ranks(conversion_jobs.verify_all, {family: hf_dir}, imported, cpu=True)
+    hf_path = hf_paths[family]
+    (report,) = run_on_ranks(conversion_jobs.verify_all, {family: hf_path}, imported, cpu=True)
     _assert_parity(report[family])
     run_on_ranks(convert.export_on_rank, f"{imported}/{family}", str(tmp_path / "export"), cpu=True)
-    original = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    original = AutoModelForImageTextToText.from_pretrained(hf_path, dtype=torch.float32).state_dict()
     exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).state_dict()
     assert original.keys() == exported.keys()
     for name, tensor in original.items():
@@ -57,15 +58,15 @@ def test_import_verify_export_round_trip(family, hf_dirs, imported, tmp_path):
 
 
 @pytest.mark.parametrize("layout", [{"tensor_parallel": 2}, {"pipeline_parallel": 2}], ids=["tp2", "pp2"])
-def test_two_process_conversion_matches_hf(layout, hf_dirs, imported):
-    ranks = run_on_ranks(conversion_jobs.verify_all, hf_dirs, imported, cpu=True, **layout)
+def test_two_process_conversion_matches_hf(layout, hf_paths, imported):
+    ranks = run_on_ranks(conversion_jobs.verify_all, hf_paths, imported, cpu=True, **layout)
     for family in FAMILIES:
         reports = [r[family] for r in ranks if r[family] is not None]
         assert len(reports) == 1, f"{family}: exactly one rank reports"
         _assert_parity(reports[0])
 
 
-def test_errors_name_the_problem_and_the_fix(hf_dirs, tmp_path):
+def test_errors_name_the_problem_and_the_fix(hf_paths, tmp_path):
     with pytest.raises(convert.ConversionError, match="no config.json"):
         convert.check_hf_dir(tmp_path)
     with pytest.raises(convert.ConversionError, match="not a directory"):

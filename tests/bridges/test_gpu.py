@@ -101,7 +101,7 @@ def test_hf_vision_tower_varlen_equals_sdpa_on_cuda_bf16():
     from transformers import AutoModel
 
     from qvl.bridges.attention import varlen_vision_towers
-    from qvl.bridges.tiny import tiny_hf_config
+    from qvl.bridges.tiny_model import tiny_hf_config
 
     config = tiny_hf_config("qwen2_5_vl")
     torch.manual_seed(0)

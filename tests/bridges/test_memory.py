@@ -30,7 +30,7 @@ import sys
 import pytest
 
 from benchmarks.bench_convert import MID_TEXT, MID_VISION, synthetic_config, write_random_hf_checkpoint
-from qvl.bridges.tiny import write_tiny_hf_checkpoint
+from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEPTHS = (2, 8)

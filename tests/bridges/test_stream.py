@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qvl.bridges.tiny import FAMILIES, write_tiny_hf_checkpoint
+from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
 from qvl.foundation.distributed import run_on_ranks
+from qvl.foundation.families import FAMILIES
 from tests.bridges import conversion_jobs
 
 
@@ -35,8 +36,8 @@ CASES = [(family, "bf16") for family in FAMILIES] + [("qwen3_vl_moe", "fp32")]
 
 
 def test_streamed_checkpoint_equals_megatron_bridge_import(tmp_path):
-    hf_dirs = {family: str(write_tiny_hf_checkpoint(tmp_path / "hf" / family, family, seed=3)) for family in FAMILIES}
-    jobs = [(hf_dirs[family], str(tmp_path / "out" / f"{family}-{dtype}"), dtype) for family, dtype in CASES]
+    hf_paths = {family: str(write_tiny_hf_checkpoint(tmp_path / "hf" / family, family, seed=3)) for family in FAMILIES}
+    jobs = [(hf_paths[family], str(tmp_path / "out" / f"{family}-{dtype}"), dtype) for family, dtype in CASES]
     run_on_ranks(conversion_jobs.import_both_ways, jobs, cpu=True)
     for (family, dtype), (_, out, _) in zip(CASES, jobs):
         ours_meta, ours = _read(f"{out}/stream/iter_0000000")

@@ -13,23 +13,23 @@ from PIL import Image
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from qvl.foundation.tiny import write_tiny_hf_processor_dir  # noqa: E402
+from qvl.foundation.tiny_processor import write_tiny_hf_processor_dir  # noqa: E402
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @pytest.fixture(scope="session")
-def hf_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
+def hf_paths(tmp_path_factory) -> dict[str, pathlib.Path]:
     """One tiny tokenizer + processor dir per family."""
     root = tmp_path_factory.mktemp("hf")
     return {family: write_tiny_hf_processor_dir(root / family, family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="session")
-def tokenizers(hf_dirs):
+def tokenizers(hf_paths):
     from qvl.data.count import load_tokenizer
 
-    return {family: load_tokenizer(path) for family, path in hf_dirs.items()}
+    return {family: load_tokenizer(path) for family, path in hf_paths.items()}
 
 
 def save_image(path: pathlib.Path, width: int, height: int, seed: int = 0, fmt: str | None = None) -> pathlib.Path:
@@ -53,7 +53,7 @@ def write_jsonl(path: pathlib.Path, records: list) -> pathlib.Path:
     return path
 
 
-def reference_processor(family: str, hf_dir: pathlib.Path, tokenizer, monkeypatch):
+def reference_processor(family: str, hf_path: pathlib.Path, tokenizer, monkeypatch):
     """transformers' real processor for `family` (no video processor: torchvision is absent here)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -65,7 +65,7 @@ def reference_processor(family: str, hf_dir: pathlib.Path, tokenizer, monkeypatc
 
     monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
     cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
-    image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf_dir))
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf_path))
     return cls(
         image_processor=image_processor,
         tokenizer=tokenizer,

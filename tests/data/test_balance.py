@@ -40,10 +40,10 @@ def test_every_rank_gets_its_share_of_every_step_and_the_rest_waits():
     ("data_parallel", "per_rank", "goal"), [(8, 16, 1.02), (32, 16, 1.02), (8, 4, 1.10), (32, 4, 1.10)]
 )
 def test_balance_goals(data_parallel, per_rank, goal):
-    global_batch = data_parallel * per_rank
-    cost = _costs(global_batch * 20)
-    qvl = imbalance(plan_dp_balanced(cost, data_parallel, global_batch), cost)
-    shuffled = imbalance(plan_random(len(cost), data_parallel, global_batch), cost)
+    global_batch_size = data_parallel * per_rank
+    cost = _costs(global_batch_size * 20)
+    qvl = imbalance(plan_dp_balanced(cost, data_parallel, global_batch_size), cost)
+    shuffled = imbalance(plan_random(len(cost), data_parallel, global_batch_size), cost)
     assert qvl["time_over_ideal"] <= goal, qvl
     assert qvl["time_over_ideal"] < 1 + (shuffled["time_over_ideal"] - 1) / 4, (qvl, shuffled)
 
@@ -88,7 +88,7 @@ TINY_CONFIG = {
 
 
 @pytest.fixture(scope="module")
-def planned(synthetic_dataset, hf_dirs, tmp_path_factory):
+def planned(synthetic_dataset, hf_paths, tmp_path_factory):
     from qvl.data.prepare import PrepareConfig, prepare
 
     input_path, media_root, _, good = synthetic_dataset
@@ -98,12 +98,12 @@ def planned(synthetic_dataset, hf_dirs, tmp_path_factory):
         input=input_path,
         media_root=media_root,
         family="qwen2_5_vl",
-        tokenizer=hf_dirs["qwen2_5_vl"],
+        hf_path=hf_paths["qwen2_5_vl"],
         seq_length=256,
         output=root / "ds",
         packs_per_shard=2,
         data_parallel=2,
-        global_batch=4,
+        global_batch_size=4,
         model_config=root / "config.json",
     )
     report = prepare(config)
@@ -129,11 +129,12 @@ def test_packs_carry_cost_step_rank_and_the_report_compares_round_robin(planned)
     assert plan["qvl"]["time_over_ideal"] <= plan["round_robin"]["time_over_ideal"]
 
 
-def test_planned_loader_serves_each_rank_its_packs_in_order_and_resumes(planned, hf_dirs):
-    from qvl.data.load import PlannedPackLoader, QwenVLPackedTaskEncoder
+def test_planned_loader_serves_each_rank_its_packs_in_order_and_resumes(planned, hf_paths):
+    from qvl.data.encode import QwenVLPackedTaskEncoder
+    from qvl.data.planned import PlannedPackLoader
 
     output, report, packs, _ = planned
-    encoder = QwenVLPackedTaskEncoder(hf_dir=hf_dirs["qwen2_5_vl"], family="qwen2_5_vl", tokens_per_second=2)
+    encoder = QwenVLPackedTaskEncoder(hf_path=hf_paths["qwen2_5_vl"], family="qwen2_5_vl", tokens_per_second=2)
     for rank in range(2):
         mine = [
             p["samples"] for p in sorted((p for p in packs if p["rank"] == rank), key=lambda p: (p["step"], p["slot"]))
@@ -143,10 +144,10 @@ def test_planned_loader_serves_each_rank_its_packs_in_order_and_resumes(planned,
         assert served == mine
     loader = PlannedPackLoader(output, encoder, rank=0, data_parallel=2, micro_batch_size=2)
     next(loader)
-    state = loader.state()
+    state = loader.save_state()
     expected = [next(loader).tokens.tolist() for _ in range(2)]  # runs past the end: wraps to step 0
     resumed = PlannedPackLoader(output, encoder, rank=0, data_parallel=2, micro_batch_size=2)
-    resumed.restore(state)
+    resumed.restore_state(state)
     assert [next(resumed).tokens.tolist() for _ in range(2)] == expected
 
 

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
-from qvl.launchers.commands import data as cli
+from qvl.launchers.cli import main
 
 from .conftest import save_image, write_jsonl
 
 
 def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="qvl")
-    cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return main(argv)  # the `qvl` entry point: a QvlError becomes one `error:` line and exit 2
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +30,7 @@ def small_input(tmp_path_factory):
     return write_jsonl(root / "in.jsonl", records), root
 
 
-def _prepare_argv(small_input, hf_dirs, output, *extra) -> list[str]:
+def _prepare_argv(small_input, hf_paths, output, *extra) -> list[str]:
     input_path, root = small_input
     return [
         "data",
@@ -45,8 +41,8 @@ def _prepare_argv(small_input, hf_dirs, output, *extra) -> list[str]:
         str(root),
         "--family",
         "qwen2_vl",
-        "--tokenizer",
-        str(hf_dirs["qwen2_vl"]),
+        "--hf-path",
+        str(hf_paths["qwen2_vl"]),
         "--seq-length",
         "256",
         "--output",
@@ -56,26 +52,29 @@ def _prepare_argv(small_input, hf_dirs, output, *extra) -> list[str]:
     ]
 
 
-def test_prepare_writes_outputs_and_strict_fails_on_quarantine(small_input, hf_dirs, tmp_path):
-    assert _run(_prepare_argv(small_input, hf_dirs, tmp_path / "ok")) == 0
+def test_prepare_writes_outputs_and_strict_fails_on_quarantine(small_input, hf_paths, tmp_path):
+    assert _run(_prepare_argv(small_input, hf_paths, tmp_path / "ok")) == 0
     assert [json.loads(line)["reason"] for line in (tmp_path / "ok" / "quarantine.jsonl").read_text().splitlines()] == [
         "image_missing"
     ]
     assert json.loads((tmp_path / "ok" / "report.json").read_text())["accepted"] == 2
-    assert _run(_prepare_argv(small_input, hf_dirs, tmp_path / "strict", "--strict")) == 1
+    assert _run(_prepare_argv(small_input, hf_paths, tmp_path / "strict", "--strict")) == 1
 
 
-def test_prepare_reports_a_missing_input_with_the_flag(small_input, hf_dirs, tmp_path, capsys):
-    argv = _prepare_argv(small_input, hf_dirs, tmp_path / "x")
+def test_prepare_reports_a_missing_input_with_the_flag(small_input, hf_paths, tmp_path, capsys):
+    argv = _prepare_argv(small_input, hf_paths, tmp_path / "x")
     argv[argv.index("--input") + 1] = str(tmp_path / "nope.jsonl")
     assert _run(argv) == 2
-    assert "--input" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: --input") and "Traceback" not in err
+    assert _run(["-v", *argv]) == 2  # -v: the same line, after the traceback
+    assert "Traceback" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
-def prepared_small(small_input, hf_dirs, tmp_path_factory):
+def prepared_small(small_input, hf_paths, tmp_path_factory):
     output = tmp_path_factory.mktemp("stats") / "ds"
-    assert _run(_prepare_argv(small_input, hf_dirs, output)) == 0
+    assert _run(_prepare_argv(small_input, hf_paths, output)) == 0
     return output
 
 
@@ -92,14 +91,14 @@ def test_stats_plot_writes_a_png(prepared_small, tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_prepare_options_balance_truncate_header_only(small_input, hf_dirs, tmp_path):
+def test_prepare_options_balance_truncate_header_only(small_input, hf_paths, tmp_path):
     from .test_balance import TINY_CONFIG
 
     model_config = tmp_path / "config.json"
     model_config.write_text(json.dumps(TINY_CONFIG))
     argv = _prepare_argv(
         small_input,
-        hf_dirs,
+        hf_paths,
         tmp_path / "opts",
         "--balance-cost",
         "--model-config",
@@ -132,6 +131,6 @@ def test_stats_json_and_plain_columns_into_a_pipe(prepared_small, capsys):
     assert not any(c in "".join(lines) for c in "│┃━─") and any(line.startswith("packing efficiency") for line in lines)
 
 
-def test_balance_cost_without_a_model_config_names_the_flag(small_input, hf_dirs, tmp_path, capsys):
-    assert _run(_prepare_argv(small_input, hf_dirs, tmp_path / "b", "--balance-cost")) == 2
+def test_balance_cost_without_a_model_config_names_the_flag(small_input, hf_paths, tmp_path, capsys):
+    assert _run(_prepare_argv(small_input, hf_paths, tmp_path / "b", "--balance-cost")) == 2
     assert "--model-config" in capsys.readouterr().err

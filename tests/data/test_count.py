@@ -45,25 +45,25 @@ SIZES = [
 ]
 
 
-def _grid_reference(hf_dir: pathlib.Path, sizes: list[tuple[int, int]]) -> list[list[int]]:
+def _grid_reference(hf_path: pathlib.Path, sizes: list[tuple[int, int]]) -> list[list[int]]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf_dir))
+    processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf_path))
     images = [Image.new("RGB", (w, h), (h % 255, w % 255, 7)) for h, w in sizes]
     return processor(images=images)["image_grid_thw"].tolist()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_image_grid_equals_image_processor(family, hf_dirs):
-    config = load_vision_config(hf_dirs[family], family)
+def test_image_grid_equals_image_processor(family, hf_paths):
+    config = load_vision_config(hf_paths[family], family)
     sizes = [s for s in SIZES if max(s) / min(s) <= 200]
-    assert [list(image_grid_thw(h, w, config)) for h, w in sizes] == _grid_reference(hf_dirs[family], sizes)
+    assert [list(image_grid_thw(h, w, config)) for h, w in sizes] == _grid_reference(hf_paths[family], sizes)
 
 
-def test_vision_config_reads_legacy_min_max_pixels_like_transformers(tmp_path, hf_dirs):
+def test_vision_config_reads_legacy_min_max_pixels_like_transformers(tmp_path, hf_paths):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    cfg = json.loads((hf_dirs["qwen2_5_vl"] / "preprocessor_config.json").read_text())
+    cfg = json.loads((hf_paths["qwen2_5_vl"] / "preprocessor_config.json").read_text())
     cfg.update(min_pixels=4 * 28 * 28, max_pixels=20 * 28 * 28)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(cfg))
     ours = load_vision_config(tmp_path, "qwen2_5_vl")
@@ -99,10 +99,10 @@ def _sample_set(root: pathlib.Path) -> list[tuple[list[tuple[str, str]], list[tu
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_token_ids_equal_processor(family, hf_dirs, tokenizers, tmp_path, monkeypatch):
-    vision = load_vision_config(hf_dirs[family], family)
+def test_token_ids_equal_processor(family, hf_paths, tokenizers, tmp_path, monkeypatch):
+    vision = load_vision_config(hf_paths[family], family)
     counter = TokenCounter(tokenizer=tokenizers[family], vision=vision)
-    processor = reference_processor(family, hf_dirs[family], tokenizers[family], monkeypatch)
+    processor = reference_processor(family, hf_paths[family], tokenizers[family], monkeypatch)
     valid, pil_images = [], []
     for index, (turns, sizes) in enumerate(_sample_set(tmp_path)):
         names = [save_image(tmp_path / f"{index}_{k}.png", w, h, seed=k).name for k, (h, w) in enumerate(sizes)]
@@ -121,8 +121,8 @@ def test_token_ids_equal_processor(family, hf_dirs, tokenizers, tmp_path, monkey
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loss_only_on_assistant_content_and_im_end(family, hf_dirs, tokenizers, tmp_path):
-    vision = load_vision_config(hf_dirs[family], family)
+def test_loss_only_on_assistant_content_and_im_end(family, hf_paths, tokenizers, tmp_path):
+    vision = load_vision_config(hf_paths[family], family)
     counter = TokenCounter(tokenizer=tokenizers[family], vision=vision)
     conversation = _conversation(0, [("human", "Q1?"), ("gpt", "A one."), ("human", "Q2?"), ("gpt", "A two.")], [])
     tokenized = counter.count([validate_sample(conversation, ValidateConfig(media_root=tmp_path, vision=vision))])[0]
@@ -147,7 +147,7 @@ def _frame_folder(root: pathlib.Path, frames: int, width: int, height: int) -> s
     ],
 )
 def test_video_frame_folder_tokens_equal_processor_layout(
-    family, frames, size, hf_dirs, tokenizers, tmp_path, monkeypatch
+    family, frames, size, hf_paths, tokenizers, tmp_path, monkeypatch
 ):
     """Video grid from transformers' own smart_resize, placeholder text from the real processor's replace_video_token."""
     import torch
@@ -156,7 +156,7 @@ def test_video_frame_folder_tokens_equal_processor_layout(
     from transformers.video_utils import VideoMetadata
 
     height, width = size
-    vision = load_vision_config(hf_dirs[family], family)
+    vision = load_vision_config(hf_paths[family], family)
     record = {
         "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "Noise."}],
         "video": _frame_folder(tmp_path, frames, width, height),
@@ -175,7 +175,7 @@ def test_video_frame_folder_tokens_equal_processor_layout(
         rh, rw = smart_resize(height, width, factor, vision.video_min_pixels, vision.video_max_pixels)
     grid = [-(-frames // 2), rh // vision.video_patch_size, rw // vision.video_patch_size]
     assert list(tokenized.video_grids[0]) == grid
-    processor = reference_processor(family, hf_dirs[family], tokenizers[family], monkeypatch)
+    processor = reference_processor(family, hf_paths[family], tokenizers[family], monkeypatch)
     video_inputs = {
         "video_grid_thw": torch.tensor([grid]),
         "video_metadata": [VideoMetadata(total_num_frames=frames, fps=2.0, frames_indices=list(range(frames)))],
@@ -202,8 +202,8 @@ def test_qwen3_video_smart_resize_equals_transformers():
         )
 
 
-def test_truncate_keeps_whole_images_and_learnable_tokens(hf_dirs, tokenizers, tmp_path):
-    vision = load_vision_config(hf_dirs["qwen2_5_vl"], "qwen2_5_vl")
+def test_truncate_keeps_whole_images_and_learnable_tokens(hf_paths, tokenizers, tmp_path):
+    vision = load_vision_config(hf_paths["qwen2_5_vl"], "qwen2_5_vl")
     counter = TokenCounter(tokenizer=tokenizers["qwen2_5_vl"], vision=vision)
     names = [save_image(tmp_path / f"{k}.png", 200, 200, seed=k).name for k in range(2)]
     conversation = _conversation(

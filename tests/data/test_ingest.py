@@ -52,7 +52,7 @@ def test_jsonl_indices_skip_blank_lines_and_keep_bad_lines(tmp_path):
     assert isinstance(read[1][1], Rejection) and read[1][1].reason == "bad_json"
 
 
-def test_prepare_refuses_to_replace_a_foreign_output_directory(tmp_path, hf_dirs):
+def test_prepare_refuses_to_replace_a_foreign_output_directory(tmp_path, hf_paths):
     (tmp_path / "in.jsonl").write_text("")
     foreign = tmp_path / "precious"
     foreign.mkdir()
@@ -61,7 +61,7 @@ def test_prepare_refuses_to_replace_a_foreign_output_directory(tmp_path, hf_dirs
         input=tmp_path / "in.jsonl",
         media_root=tmp_path,
         family="qwen2_vl",
-        tokenizer=hf_dirs["qwen2_vl"],
+        hf_path=hf_paths["qwen2_vl"],
         seq_length=128,
         output=foreign,
     )
@@ -70,13 +70,13 @@ def test_prepare_refuses_to_replace_a_foreign_output_directory(tmp_path, hf_dirs
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 
-def test_all_rejected_input_fails_with_the_quarantine_written(tmp_path, hf_dirs):
+def test_all_rejected_input_fails_with_the_quarantine_written(tmp_path, hf_paths):
     (tmp_path / "in.jsonl").write_text('{"conversations": [{"from": "human", "value": "<image>"}]}\n')
     config = PrepareConfig(
         input=tmp_path / "in.jsonl",
         media_root=tmp_path,
         family="qwen2_vl",
-        tokenizer=hf_dirs["qwen2_vl"],
+        hf_path=hf_paths["qwen2_vl"],
         seq_length=128,
         output=tmp_path / "out",
     )

@@ -14,18 +14,20 @@ from tests.data.test_balance import planned  # noqa: F401  (module fixture: a da
 
 
 @pytest.fixture(scope="module")
-def encoder(hf_dirs):
-    from qvl.data.load import QwenVLPackedTaskEncoder
+def encoder(hf_paths):
+    from qvl.data.encode import QwenVLPackedTaskEncoder
 
-    return QwenVLPackedTaskEncoder(hf_dir=hf_dirs["qwen2_5_vl"], family="qwen2_5_vl", tokens_per_second=2)
+    return QwenVLPackedTaskEncoder(hf_path=hf_paths["qwen2_5_vl"], family="qwen2_5_vl", tokens_per_second=2)
 
 
 def _loader(planned, encoder, **kwargs):
-    from qvl.data.load import PlannedPackLoader
+    from qvl.data.planned import PlannedPackLoader
 
     output, report, _, _ = planned
     plan = report["dp_plan"]
-    args = dict(rank=0, data_parallel=plan["data_parallel"], global_batch=plan["global_batch"], micro_batch_size=1)
+    args = dict(
+        rank=0, data_parallel=plan["data_parallel"], global_batch_size=plan["global_batch_size"], micro_batch_size=1
+    )
     return PlannedPackLoader(output, encoder, **{**args, **kwargs})
 
 
@@ -45,9 +47,12 @@ def test_an_epoch_serves_every_scheduled_pack_once_over_the_plans_ranks(planned,
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"data_parallel": 1}, "planned for data_parallel=2, global_batch_size=4.*--data-parallel 1 --global-batch 4"),
+        (
+            {"data_parallel": 1},
+            "planned for data_parallel=2, global_batch_size=4.*--data-parallel 1 --global-batch-size 4",
+        ),
         ({"data_parallel": 4, "rank": 3}, "data_parallel=4.*planned for data_parallel=2"),
-        ({"global_batch": 8}, "global_batch_size=8.*planned for data_parallel=2, global_batch_size=4"),
+        ({"global_batch_size": 8}, "global_batch_size=8.*planned for data_parallel=2, global_batch_size=4"),
     ],
     ids=["fewer-ranks", "more-ranks", "other-global-batch"],
 )
@@ -59,12 +64,12 @@ def test_a_dp_size_or_global_batch_other_than_the_plans_is_refused(planned, enco
 def test_resuming_a_position_saved_at_another_dp_size_is_refused(planned, encoder):
     loader = _loader(planned, encoder)
     next(loader)
-    state = loader.state()
-    assert state == {"position": 1, "micro_batch_size": 1, "data_parallel": 2, "global_batch": 4}
+    state = loader.save_state()
+    assert state == {"position": 1, "micro_batch_size": 1, "data_parallel": 2, "global_batch_size": 4}
     with pytest.raises(DataError, match="checkpoint being resumed was trained at data_parallel=4"):
-        _loader(planned, encoder).restore({**state, "data_parallel": 4})
+        _loader(planned, encoder).restore_state({**state, "data_parallel": 4})
     with pytest.raises(DataError, match="micro-batches of 2 packs.*micro_batch_size=2"):
-        _loader(planned, encoder).restore({**state, "micro_batch_size": 2})
+        _loader(planned, encoder).restore_state({**state, "micro_batch_size": 2})
 
 
 def _same(a, b) -> bool:
@@ -79,10 +84,10 @@ def test_worker_processes_serve_the_same_stream_and_resume_exactly(planned, enco
     expected = [next(one_process) for _ in range(5)]  # past the end of the plan: wraps to step 0
     workers = _loader(planned, encoder, micro_batch_size=2, num_workers=2, prefetch=2)
     first = [next(workers) for _ in range(2)]
-    state = workers.state()
+    state = workers.save_state()
     workers.close()
     resumed = _loader(planned, encoder, micro_batch_size=2, num_workers=2, prefetch=2)
-    resumed.restore(state)
+    resumed.restore_state(state)
     rest = [next(resumed) for _ in range(3)]
     assert all(_same(a, b) for a, b in zip(first + rest, expected, strict=True))
 
@@ -103,4 +108,4 @@ def test_training_at_a_dp_size_the_dataset_was_not_planned_for_is_refused(planne
         last.startswith("error: training at data_parallel=1, global_batch_size=4")
         and "planned for data_parallel=2" in last
     )
-    assert "--data-parallel 1 --global-batch 4" in last
+    assert "--data-parallel 1 --global-batch-size 4" in last

@@ -48,8 +48,8 @@ def _transformers_positions(family, ids, mm_types, image_grids, video_grids, sec
     return positions[:, 0].numpy()
 
 
-def _tokenized(family, hf_dirs, tokenizers, tmp_path, fps):
-    vision = load_vision_config(hf_dirs[family], family)
+def _tokenized(family, hf_paths, tokenizers, tmp_path, fps):
+    vision = load_vision_config(hf_paths[family], family)
     for k in range(5):
         save_image(tmp_path / "clip" / f"{k}.png", 90, 70, seed=k)
     for k, (w, h) in enumerate([(200, 120), (40, 300)]):
@@ -71,8 +71,8 @@ def _tokenized(family, hf_dirs, tokenizers, tmp_path, fps):
 
 
 @pytest.mark.parametrize("family,fps", [("qwen2_vl", 2.0), ("qwen2_5_vl", 0.5), ("qwen2_5_vl", 2.0), ("qwen3_vl", 2.0)])
-def test_positions_equal_transformers_get_rope_index(family, fps, hf_dirs, tokenizers, tmp_path):
-    counter, tokenized = _tokenized(family, hf_dirs, tokenizers, tmp_path, fps)
+def test_positions_equal_transformers_get_rope_index(family, fps, hf_paths, tokenizers, tmp_path):
+    counter, tokenized = _tokenized(family, hf_paths, tokenizers, tmp_path, fps)
     ids, _ = tokenized.expand(counter.pad_ids)
     image_pad, video_pad = counter.pad_ids
     config = RopeConfig(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qvl.data.cost import sample_flops
 from qvl.data.pack import balance_by_cost, pack_best_fit_decreasing, pack_next_fit, pack_padded
+from qvl.foundation.cost import sample_flops
 from qvl.recipes.architectures import cost_shapes
 
 # Qwen2.5-VL-7B's language model and vision tower (the cost model's FLOPs, as --balance-cost uses them).

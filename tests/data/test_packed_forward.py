@@ -31,7 +31,7 @@ def _image_spans(
 def test_packed_forward_equals_per_sample_forward(tmp_path, cpu_runtime):
     from qvl.bridges.convert import auto_bridge_with_weights
     from qvl.bridges.fixes import fix_provider
-    from qvl.bridges.tiny import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.load import build_packed_datasets
     from qvl.data.samples import write_sample_dataset
     from qvl.launchers.cli import main
@@ -50,7 +50,7 @@ def test_packed_forward_equals_per_sample_forward(tmp_path, cpu_runtime):
                 str(media),
                 "--family",
                 "qwen2_5_vl",
-                "--tokenizer",
+                "--hf-path",
                 str(hf),
                 "--seq-length",
                 "512",

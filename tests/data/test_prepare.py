@@ -17,14 +17,14 @@ SEQ_LENGTH = 512
 
 
 @pytest.fixture(scope="module")
-def prepared(synthetic_dataset, hf_dirs, tmp_path_factory):
+def prepared(synthetic_dataset, hf_paths, tmp_path_factory):
     input_path, media_root, expected, good = synthetic_dataset
     output = tmp_path_factory.mktemp("out") / "ds"
     config = PrepareConfig(
         input=input_path,
         media_root=media_root,
         family="qwen2_5_vl",
-        tokenizer=hf_dirs["qwen2_5_vl"],
+        hf_path=hf_paths["qwen2_5_vl"],
         seq_length=SEQ_LENGTH,
         output=output,
         packs_per_shard=2,
@@ -65,10 +65,10 @@ def test_every_good_sample_is_in_exactly_one_pack(prepared):
     assert (output / ".nv-meta" / "dataset.yaml").is_file() and not pathlib.Path(str(output) + ".partial").exists()
 
 
-def _encoder(hf_dir):
-    from qvl.data.load import QwenVLPackedTaskEncoder
+def _encoder(hf_path):
+    from qvl.data.encode import QwenVLPackedTaskEncoder
 
-    return QwenVLPackedTaskEncoder(hf_dir=hf_dir, family="qwen2_5_vl", tokens_per_second=2)
+    return QwenVLPackedTaskEncoder(hf_path=hf_path, family="qwen2_5_vl", tokens_per_second=2)
 
 
 def _dataset(path, encoder, batch_size=1, repeat=True):
@@ -85,13 +85,13 @@ def _dataset(path, encoder, batch_size=1, repeat=True):
     )
 
 
-def test_energon_epoch_yields_every_pack_once_as_thd_batches(prepared, hf_dirs):
+def test_energon_epoch_yields_every_pack_once_as_thd_batches(prepared, hf_paths):
     from megatron.energon import get_loader
 
     output, _, _, good, _ = prepared
     packs = {tuple(p["samples"]): p for p in _jsonl(output / "packs.jsonl")}
     seen = []
-    for batch in get_loader(_dataset(output, _encoder(hf_dirs["qwen2_5_vl"]), repeat=False)):
+    for batch in get_loader(_dataset(output, _encoder(hf_paths["qwen2_5_vl"]), repeat=False)):
         (indices,) = batch.source_indices
         seen.extend(indices)
         lengths = packs[tuple(indices)]["lengths"]
@@ -110,15 +110,15 @@ def test_energon_epoch_yields_every_pack_once_as_thd_batches(prepared, hf_dirs):
         assert (0 if batch.pixel_values is None else batch.pixel_values.shape[0]) == n_image_patches
         n_video_patches = int(batch.video_grid_thw.prod(dim=1).sum())
         assert (0 if batch.pixel_values_videos is None else batch.pixel_values_videos.shape[0]) == n_video_patches
-        image_tokens = int((batch.tokens == _pad_id(hf_dirs)).sum())
+        image_tokens = int((batch.tokens == _pad_id(hf_paths)).sum())
         assert image_tokens == n_image_patches // 4
     assert sorted(seen) == good
 
 
-def _pad_id(hf_dirs) -> int:
+def _pad_id(hf_paths) -> int:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(hf_dirs["qwen2_5_vl"])).convert_tokens_to_ids("<|image_pad|>")
+    return AutoTokenizer.from_pretrained(str(hf_paths["qwen2_5_vl"])).convert_tokens_to_ids("<|image_pad|>")
 
 
 def _summary(batch) -> tuple:
@@ -130,11 +130,11 @@ def _summary(batch) -> tuple:
     )
 
 
-def test_savable_loader_restores_identical_next_batches(prepared, hf_dirs):
+def test_savable_loader_restores_identical_next_batches(prepared, hf_paths):
     from megatron.energon import get_savable_loader
 
     output = prepared[0]
-    encoder = _encoder(hf_dirs["qwen2_5_vl"])
+    encoder = _encoder(hf_paths["qwen2_5_vl"])
     loader = get_savable_loader(_dataset(output, encoder, batch_size=2))
     iterator = iter(loader)
     for _ in range(3):

@@ -42,11 +42,11 @@ def _record(name: str) -> dict:
     }
 
 
-def test_qwen3_video_file_sampling_and_tokens_equal_transformers(mp4, hf_dirs, tokenizers, monkeypatch):
+def test_qwen3_video_file_sampling_and_tokens_equal_transformers(mp4, hf_paths, tokenizers, monkeypatch):
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.video_utils import VideoMetadata
 
-    vision = load_vision_config(hf_dirs["qwen3_vl"], "qwen3_vl")
+    vision = load_vision_config(hf_paths["qwen3_vl"], "qwen3_vl")
     sample = validate_sample(
         to_conversation(0, _record(mp4.name), IngestConfig()), ValidateConfig(media_root=mp4.parent, vision=vision)
     )
@@ -58,7 +58,7 @@ def test_qwen3_video_file_sampling_and_tokens_equal_transformers(mp4, hf_dirs, t
 
     counter = TokenCounter(tokenizer=tokenizers["qwen3_vl"], vision=vision)
     tokenized = counter.count([sample])[0]
-    processor = reference_processor("qwen3_vl", hf_dirs["qwen3_vl"], tokenizers["qwen3_vl"], monkeypatch)
+    processor = reference_processor("qwen3_vl", hf_paths["qwen3_vl"], tokenizers["qwen3_vl"], monkeypatch)
     metadata = VideoMetadata(total_num_frames=FRAMES, fps=FPS, frames_indices=expected.tolist())
     video_inputs = {"video_grid_thw": torch.tensor([list(tokenized.video_grids[0])]), "video_metadata": [metadata]}
     text = tokenizers["qwen3_vl"].apply_chat_template(sample.conversation.messages, tokenize=False)
@@ -67,10 +67,10 @@ def test_qwen3_video_file_sampling_and_tokens_equal_transformers(mp4, hf_dirs, t
     assert ids.tolist() == tokenizers["qwen3_vl"](expanded[0], add_special_tokens=False)["input_ids"]
 
 
-def test_video_file_pack_loads_with_video_patches(mp4, hf_dirs, tmp_path):
+def test_video_file_pack_loads_with_video_patches(mp4, hf_paths, tmp_path):
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 
-    from qvl.data.load import QwenVLPackedTaskEncoder
+    from qvl.data.encode import QwenVLPackedTaskEncoder
 
     input_path = write_jsonl(tmp_path / "in.jsonl", [_record(mp4.name)])
     output = tmp_path / "ds"
@@ -79,12 +79,12 @@ def test_video_file_pack_loads_with_video_patches(mp4, hf_dirs, tmp_path):
             input=input_path,
             media_root=mp4.parent,
             family="qwen3_vl",
-            tokenizer=hf_dirs["qwen3_vl"],
+            hf_path=hf_paths["qwen3_vl"],
             seq_length=1024,
             output=output,
         )
     )
-    encoder = QwenVLPackedTaskEncoder(hf_dir=hf_dirs["qwen3_vl"], family="qwen3_vl")
+    encoder = QwenVLPackedTaskEncoder(hf_path=hf_paths["qwen3_vl"], family="qwen3_vl")
     dataset = get_train_dataset(
         output,
         batch_size=1,

@@ -43,13 +43,13 @@ def corpus(tmp_path_factory):
     return write_jsonl(root / "in.jsonl", records), root
 
 
-def _config(corpus, hf_dirs, output: pathlib.Path) -> PrepareConfig:
+def _config(corpus, hf_paths, output: pathlib.Path) -> PrepareConfig:
     input_path, media_root = corpus
     return PrepareConfig(
         input=input_path,
         media_root=media_root,
         family="qwen2_vl",
-        tokenizer=hf_dirs["qwen2_vl"],
+        hf_path=hf_paths["qwen2_vl"],
         seq_length=SEQ_LENGTH,
         output=output,
         packs_per_shard=1,
@@ -70,8 +70,8 @@ def _argv(config: PrepareConfig) -> list[str]:
         str(config.media_root),
         "--family",
         config.family,
-        "--tokenizer",
-        str(config.tokenizer),
+        "--hf-path",
+        str(config.hf_path),
         "--seq-length",
         str(config.seq_length),
         "--output",
@@ -117,16 +117,16 @@ def _chunks_done(partial: pathlib.Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, hf_dirs, tmp_path_factory):
+def reference(corpus, hf_paths, tmp_path_factory):
     output = tmp_path_factory.mktemp("reference") / "ds"
-    prepare(_config(corpus, hf_dirs, output))
+    prepare(_config(corpus, hf_paths, output))
     files = _files(output)
     assert len(files) > 20  # many shards, so the write kill lands between two of them
     return files
 
 
-def test_killed_while_validating_leaves_no_dataset_and_rerun_reuses_chunks(corpus, hf_dirs, reference, tmp_path):
-    config = _config(corpus, hf_dirs, tmp_path / "ds")
+def test_killed_while_validating_leaves_no_dataset_and_rerun_reuses_chunks(corpus, hf_paths, reference, tmp_path):
+    config = _config(corpus, hf_paths, tmp_path / "ds")
     _kill_when(config, lambda partial: _chunks_done(partial) >= 3)
     assert not config.output.exists()  # nothing Energon could load
     finished = _chunks_done(write.partial_dir(config.output))
@@ -136,8 +136,8 @@ def test_killed_while_validating_leaves_no_dataset_and_rerun_reuses_chunks(corpu
     assert not write.partial_dir(config.output).exists() and not (config.output / "chunks").exists()
 
 
-def test_killed_while_writing_leaves_no_dataset_and_rerun_reuses_shards(corpus, hf_dirs, reference, tmp_path):
-    config = _config(corpus, hf_dirs, tmp_path / "ds")
+def test_killed_while_writing_leaves_no_dataset_and_rerun_reuses_shards(corpus, hf_paths, reference, tmp_path):
+    config = _config(corpus, hf_paths, tmp_path / "ds")
     _kill_when(config, lambda partial: len(list(partial.glob("shard-*.tar"))) >= 2)
     partial = write.partial_dir(config.output)
     assert not config.output.exists() and not (partial / ".nv-meta").exists()
@@ -147,11 +147,11 @@ def test_killed_while_writing_leaves_no_dataset_and_rerun_reuses_shards(corpus, 
     assert (config.output / ".nv-meta" / "dataset.yaml").is_file() and not partial.exists()
 
 
-def test_changed_settings_discard_stale_partial_work(corpus, hf_dirs, tmp_path):
+def test_changed_settings_discard_stale_partial_work(corpus, hf_paths, tmp_path):
     output = tmp_path / "ds"
     stale = write.start_partial(output, "another-fingerprint")
     (stale / "shard-000000.tar").write_bytes(b"stale")
-    prepare(_config(corpus, hf_dirs, output))
+    prepare(_config(corpus, hf_paths, output))
     assert (output / "shard-000000.tar").read_bytes() != b"stale"
 
 

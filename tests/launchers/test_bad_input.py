@@ -74,8 +74,8 @@ def test_one_value_grammar(text, value):
 
 
 def test_dryrun_prints_the_config_the_job_builds(tmp_path):
-    from qvl.launchers.commands.recipes import parse_overrides
-    from qvl.launchers.overrides import to_plain
+    from qvl.launchers.site import to_plain
+    from qvl.recipes.overrides import parse_overrides
     from qvl.recipes.training.train import TrainRequest, prepare_config
 
     pairs = ["lr=1e-4", "freeze=none", "train.train_iters=7"]
@@ -84,8 +84,8 @@ def test_dryrun_prints_the_config_the_job_builds(tmp_path):
     assert printed["optimizer"]["lr"] == 1e-4 and printed["train"]["train_iters"] == 7
     # The execution side runs `qvl train RECIPE <the same texts>`, parsed by the same grammar.
     job = resolve_job(RECIPE, pairs)
-    reparsed = parse_overrides(job.argv[2:])
-    assert reparsed == {"lr": 1e-4, "freeze": None, "train.train_iters": 7}  # freeze=none: nothing frozen
+    reparsed = parse_overrides(job.argv[2:]).as_dict()
+    assert reparsed == {"lr": 1e-4, "freeze": (), "train.train_iters": 7}  # freeze=none: nothing frozen
     request = TrainRequest(recipe=RECIPE, overrides=reparsed, run_dir=Path("runs/train"))
     _, config = prepare_config(request, cpu=False)
     assert to_plain(config, depth=2) == printed

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from qvl.foundation.errors import QvlError
+from qvl.foundation.errors import LaunchError, QvlError
 from qvl.launchers import cli
 from qvl.launchers.launch import launch, resolve_job
-from qvl.launchers.overrides import LaunchError, load_site_config
+from qvl.launchers.site import load_site_config
 from qvl.recipes import registry
 from tests.launchers.test_executors import fake_kubeconfig  # noqa: F401  (fixture)
 
@@ -158,7 +158,7 @@ def test_dryrun_of_a_recipe_needing_a_cluster_checkpoint_prints_its_arguments(fa
 def test_local_run_of_a_tiny_recipe_executes_on_cpu(tmp_path):
     """The real thing: NeMo-Run's LocalExecutor runs `qvl train qwen25_vl_3b_pretrain --model tiny` on a packed
     sample dataset (CPU runtime, Megatron-Bridge's loop) and the experiment succeeds."""
-    from qvl.bridges.tiny import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.samples import write_sample_dataset
     from qvl.launchers.cli import main
     from qvl.recipes.training.train import read_losses
@@ -176,7 +176,7 @@ def test_local_run_of_a_tiny_recipe_executes_on_cpu(tmp_path):
                 str(media),
                 "--family",
                 "qwen2_5_vl",
-                "--tokenizer",
+                "--hf-path",
                 str(hf),
                 "--seq-length",
                 "256",

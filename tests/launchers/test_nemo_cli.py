@@ -15,8 +15,8 @@ import fiddle as fdl
 import nemo_run as run
 import pytest
 
+from qvl.foundation.errors import LaunchError
 from qvl.launchers import executors
-from qvl.launchers.overrides import LaunchError
 from qvl.recipes import registry
 from tests.launchers.test_launch import FAKE_RECIPE, IMAGE, fake_recipe, tiny_sft  # noqa: F401  (fixture)
 

@@ -1,4 +1,4 @@
-"""Fixtures for recipe tests: tiny HF checkpoint dirs (config only) from qvl.bridges.tiny's shrunk configs."""
+"""Fixtures for recipe tests: tiny HF checkpoint dirs (config only) from qvl.bridges.tiny_model's shrunk configs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_hf_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
     """family -> a directory holding only the tiny model's config.json."""
-    from qvl.bridges.tiny import FAMILIES, tiny_hf_config
+    from qvl.bridges.tiny_model import tiny_hf_config
+    from qvl.foundation.families import FAMILIES
 
     root = tmp_path_factory.mktemp("tiny_hf")
     dirs = {}

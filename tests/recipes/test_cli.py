@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qvl.launchers.cli import main
-from qvl.launchers.commands.recipes import parse_overrides
-from qvl.recipes.overrides import parse_value
+from qvl.recipes.overrides import parse_overrides, parse_value
 
 
 @pytest.fixture(autouse=True)
@@ -22,9 +21,12 @@ def test_values_parse_to_python_types():
         None,
         "vision,projector",
     ]
-    assert parse_overrides(["tensor_parallel=4", "freeze=vision"]) == {"tensor_parallel": 4, "freeze": "vision"}
+    assert parse_overrides(["tensor_parallel=4", "freeze=vision"]).as_dict() == {
+        "tensor_parallel": 4,
+        "freeze": "vision",
+    }
     with pytest.raises(ValueError, match="is not key=value"):
-        parse_overrides(["tensor_parallel"])
+        parse_overrides(["tensor_parallel"]).as_dict()
 
 
 def test_qvl_recipes_lists_every_recipe(capsys):

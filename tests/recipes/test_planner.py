@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qvl.data.cost import lm_flops, vision_flops
 from qvl.foundation import distributed
+from qvl.foundation.cost import lm_flops, vision_flops
 from qvl.recipes import planner, shapes
+from qvl.recipes.overrides import apply_config_overrides, parse_overrides
 from qvl.recipes.planner import GIB, plan_config, plan_recipe
 from qvl.recipes.registry import get_recipe
 from qvl.recipes.split import Workload
@@ -88,6 +89,21 @@ def test_a_config_that_does_not_fit_is_refused_with_changes_that_fit():
     assert any("offload" in s for s in plan.suggestions)
     for suggestion in plan.suggestions:  # each suggestion is itself a plan that fits
         assert float(suggestion.rsplit("(", 1)[1].split()[0]) < planner.GPUS["h100"].memory_gib
+
+
+def test_suggestions_keep_the_users_dotted_fields():
+    # A dotted field (here a longer sequence) is part of what must fit: each suggestion is re-planned with it.
+    # Without it, 60% optimizer offload looks enough (74.2 GiB); with it, that needs 82 GiB.
+    dotted = {"model.seq_length": 5120}
+    plan = plan_recipe("qwen25_vl_7b_sft", dotted, gpus=2, gpu="h100")
+    assert not plan.fits and plan.suggestions
+    assert not any(s.startswith("optimizer_offload=0.6") for s in plan.suggestions)
+    info = get_recipe("qwen25_vl_7b_sft")
+    for suggestion in plan.suggestions:
+        label, gib = suggestion.rsplit(" (", 1)
+        change = parse_overrides(label.split(" (")[0].split()).options
+        cfg = apply_config_overrides(info.fn(**change), dict(dotted))
+        assert f"{plan_config(cfg, gpus=2).worst.total / planner.GIB:.1f} GiB)" == gib
 
 
 def test_layouts_that_do_not_divide_are_refused_naming_the_values():
@@ -174,7 +190,7 @@ def test_hf_vision_tower_bytes_match_what_the_published_qwen25_vl_tower_saves():
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     from qvl.bridges.attention import varlen_vision_towers
-    from qvl.data.cost import shapes_from_hf_config
+    from qvl.foundation.cost import shapes_from_hf_config
     from qvl.recipes.architectures import get_architecture, hf_config
 
     config = hf_config(get_architecture("qwen2_5_vl", "3b"))

@@ -130,11 +130,11 @@ def test_recipe_reads_a_local_checkpoint_config(tiny_hf_dirs, family, name):
 
 
 def test_vision_balance_reaches_the_training_config_and_its_yaml(tmp_path):
-    from qvl.launchers.commands.recipes import parse_overrides
     from qvl.recipes.base import QvlConfigContainer
+    from qvl.recipes.overrides import parse_overrides
 
     assert not get_recipe("qwen25_vl_7b_sft").fn().qvl.vision_balance
-    assert get_recipe("qwen2_vl_7b_sft").fn(**parse_overrides(["vision_balance=true"])).qvl.vision_balance
+    assert get_recipe("qwen2_vl_7b_sft").fn(**parse_overrides(["vision_balance=true"]).as_dict()).qvl.vision_balance
     cfg = get_recipe("qwen25_vl_7b_sft").fn(vision_balance=True)
     cfg.to_yaml(str(tmp_path / "run_config.yaml"))  # what Megatron-Bridge writes beside every checkpoint
     loaded = QvlConfigContainer.from_yaml(str(tmp_path / "run_config.yaml"))

@@ -35,7 +35,7 @@ def qvl(*args: str) -> str:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> tuple[Path, Path]:
-    from qvl.bridges.tiny import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.samples import write_sample_dataset
 
     root = tmp_path_factory.mktemp("train")
@@ -50,7 +50,7 @@ def dataset(tmp_path_factory) -> tuple[Path, Path]:
         str(media),
         "--family",
         "qwen2_5_vl",
-        "--tokenizer",
+        "--hf-path",
         str(hf),
         "--seq-length",
         "256",

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from qvl.data.cost import VisionShape
+from qvl.foundation.cost import VisionShape
 from qvl.recipes.training.vision_balance import assign_images, bytes_sent, plan_vision_balance, routes_for
 
 # A tiny Qwen2.5-VL-like tower: SwiGLU blocks, 56-px windows (2 x 2 merged units), block 1 full attention.

@@ -31,7 +31,7 @@ SKEW = (
 def skewed_dataset(tmp_path_factory) -> tuple[Path, Path]:
     """8 samples of three distinct images (two samples per pack) and 8 text-only samples (one per pack),
     planned by SKEW. Distinct images, so an embedding returned to the wrong place would change the loss."""
-    from qvl.bridges.tiny import write_tiny_hf_checkpoint
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.samples import COLOURS, SHAPES, draw_shape
 
     root = tmp_path_factory.mktemp("vision_balance")
@@ -74,7 +74,7 @@ def skewed_dataset(tmp_path_factory) -> tuple[Path, Path]:
         str(root / "media"),
         "--family",
         "qwen2_5_vl",
-        "--tokenizer",
+        "--hf-path",
         str(hf),
         "--seq-length",
         "256",
@@ -82,7 +82,7 @@ def skewed_dataset(tmp_path_factory) -> tuple[Path, Path]:
         str(root / "data"),
         "--data-parallel",
         "2",
-        "--global-batch",
+        "--global-batch-size",
         "4",
     )
     skew_plan(root / "data", image_samples=range(8))

@@ -43,7 +43,7 @@ def _forward_kwargs(batch: dict) -> dict:
     return {**batch, "attention_mask": None, "position_ids": None, "packed_seq_params": params}
 
 
-def train_both_ways(family: str, hf_dir: str, tensor_parallel: int) -> dict:
+def train_both_ways(family: str, hf_path: str, tensor_parallel: int) -> dict:
     """On each rank: 3 SGD steps replicated, then the same 3 steps balanced from the same weights; the tower's
     reduced gradients after step 1, the losses and the images each tower call got, per mode."""
     from megatron.core import parallel_state
@@ -57,7 +57,7 @@ def train_both_ways(family: str, hf_dir: str, tensor_parallel: int) -> dict:
     parallel_state.destroy_model_parallel()
     distributed.init_distributed(tensor_parallel=tensor_parallel)
     cfg = get_recipe(FAMILIES[family]).fn(
-        hf_path=hf_dir, precision="fp32", tensor_parallel=tensor_parallel, pipeline_parallel=1, sequence_parallel=False
+        hf_path=hf_path, precision="fp32", tensor_parallel=tensor_parallel, pipeline_parallel=1, sequence_parallel=False
     )
     cfg.model.finalize()
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
@@ -93,10 +93,10 @@ def train_both_ways(family: str, hf_dir: str, tensor_parallel: int) -> dict:
     return out
 
 
-def train_all(hf_dirs: dict[str, str]) -> dict:
+def train_all(hf_paths: dict[str, str]) -> dict:
     """Every (family, layout) in one pair of processes (one spawn and one Megatron import: ~40 s saved each)."""
     return {
-        (family, layout): train_both_ways(family, hf_dirs[family], tp)
+        (family, layout): train_both_ways(family, hf_paths[family], tp)
         for layout, tp in (("tp2", 2), ("dp2", 1))
         for family in FAMILIES
     }
@@ -104,7 +104,7 @@ def train_all(hf_dirs: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    from qvl.bridges.tiny import tiny_hf_config
+    from qvl.bridges.tiny_model import tiny_hf_config
     from qvl.foundation.distributed import run_on_ranks
 
     root = tmp_path_factory.mktemp("tiny_hf")

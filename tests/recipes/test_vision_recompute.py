@@ -17,7 +17,7 @@ def test_recomputed_tower_gives_the_same_embeddings_and_gradients():
     from transformers import AutoModel
 
     from qvl.bridges.providers import recompute_vision_towers
-    from qvl.bridges.tiny import tiny_hf_config
+    from qvl.bridges.tiny_model import tiny_hf_config
 
     torch.manual_seed(0)
     reference = AutoModel.from_config(tiny_hf_config("qwen2_5_vl")).visual.float()
@@ -74,7 +74,7 @@ def test_qwen3_vl_is_refused_with_the_option_that_recomputes_its_tower(tmp_path,
     assert config.qvl.vision_recompute
     from transformers import AutoModel
 
-    from qvl.bridges.tiny import tiny_hf_config
+    from qvl.bridges.tiny_model import tiny_hf_config
 
     tower = AutoModel.from_config(tiny_hf_config("qwen2_5_vl")).visual
     config.model.pre_wrap_hook([torch.nn.ModuleList([tower])])  # what Megatron-Bridge runs on the built model

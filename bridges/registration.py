@@ -8,12 +8,13 @@
 
 import importlib
 
-from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
-
 from qvl.foundation.families import FAMILIES
 from qvl.foundation.megatron import import_megatron_bridge
 
-import_megatron_bridge()
+import_megatron_bridge()  # before the first megatron.bridge import: TE / nvrx stand-ins where they are absent
+
+from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+
 for _module in dict.fromkeys(f.bridge_module for f in FAMILIES.values() if f.bridge_module):
     importlib.import_module(_module)  # runs the module's @MegatronModelBridge.register_bridge decorators
 register_allowed_target_prefix("qvl.")

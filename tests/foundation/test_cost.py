@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from qvl.data.cost import (
+from qvl.foundation.cost import (
     LMShape,
     VisionShape,
     lm_flops,

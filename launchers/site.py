@@ -1,10 +1,7 @@
-"""`key=value` overrides for a launch, and the site file that holds a team's executor settings.
+"""The site file that holds a team's executor settings, and what a launch prints of a config.
 
-An override names one of three things:
-- a recipe keyword argument: `tensor_parallel=4`
-- a nested field of the recipe's config: `train.train_iters=100`
-- an executor field: `run.executor.nodes=2`
-Values are parsed by qvl.recipes.overrides.parse_value, the grammar `qvl train` uses too.
+Command-line overrides (`tensor_parallel=4`, `train.train_iters=100`, `run.executor.nodes=2`) are parsed by the one
+grammar in qvl.recipes.overrides, the same that `qvl train` uses on the execution side.
 """
 
 from __future__ import annotations
@@ -12,48 +9,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from qvl.foundation.errors import LaunchError
-from qvl.recipes.options import check_option_values
-from qvl.recipes.overrides import apply_config_overrides, parse_overrides, parse_value, split_pair  # noqa: F401
-
-EXECUTOR_PREFIX = "run.executor."
-
-
-@dataclass(kw_only=True, slots=True)
-class Overrides:
-    """Command-line overrides sorted by what they change; `recipe_args` keeps the original text."""
-
-    recipe: dict[str, Any] = field(default_factory=dict)
-    config: dict[str, Any] = field(default_factory=dict)
-    executor: dict[str, Any] = field(default_factory=dict)
-    recipe_args: list[str] = field(default_factory=list)
-
-
-def split_overrides(pairs: Sequence[str], options: Sequence[str] | None = None) -> Overrides:
-    """Sort `pairs` into recipe options, nested config fields and executor fields (`run.executor.<field>`).
-
-    `options` are the accepted option names (default: every recipe option); values are parsed and type-checked
-    by the one grammar in qvl.recipes.overrides, the same that `qvl train` uses on the execution side."""
-    out, rest = Overrides(), []
-    for pair in pairs:
-        key, text = split_pair(pair)
-        if key.startswith(EXECUTOR_PREFIX):
-            out.executor[key.removeprefix(EXECUTOR_PREFIX)] = parse_value(text)
-        elif key.startswith("run."):
-            raise LaunchError(f"override {key!r}: only run.executor.<field> is supported under run.")
-        else:
-            rest.append(pair)
-    parsed = parse_overrides(rest, options=options)
-    out.recipe = check_option_values(parsed.options) if options is None else parsed.options
-    out.config, out.recipe_args = parsed.config, parsed.texts
-    return out
 
 
 def missing_required(fn: Callable[..., Any], given: dict[str, Any]) -> list[str]:

@@ -3,7 +3,7 @@
 The shapes are each family's `tiny_text` / `tiny_vision` (qvl.foundation.families): the real block structure
 (Qwen2-VL's LayerNorm/non-gated vision MLP, Qwen2.5-VL's window attention and full-attention blocks, Qwen3-VL's
 deepstack and learned vision position embedding, Qwen3-VL-MoE's experts) at widths of 32-64. Token ids come
-from the tiny tokenizer of `qvl.foundation.tiny`, whose special tokens are ids 0-6. No hub access.
+from the tiny tokenizer of `qvl.foundation.tiny_processor`, whose special tokens are ids 0-6. No hub access.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ import pathlib
 
 import torch
 
-from qvl.foundation.families import FAMILIES as _FAMILIES
 from qvl.foundation.families import TINY_TOKEN_IDS, TINY_VOCAB_SIZE, get_family
-from qvl.foundation.tiny import write_tiny_hf_processor_dir
+from qvl.foundation.tiny_processor import write_tiny_hf_processor_dir
 
-FAMILIES = tuple(_FAMILIES)
 VOCAB_SIZE = TINY_VOCAB_SIZE
 
 
