@@ -246,10 +246,15 @@ def hf_varlen_attention(
     max_length_q: int | torch.Tensor | None = None,
     max_length_k: int | torch.Tensor | None = None,
     is_causal: bool = False,
+    packed_max_seqlens: tuple[tuple[torch.Tensor, int], ...] = (),
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function ([1, heads, tokens, dim] in, [1, tokens, heads, dim] out) over packed
-    blocks: torch's varlen kernel where usable, else one SDPA call per block (CPU, fp32, dropout)."""
+    blocks: torch's varlen kernel where usable, else one SDPA call per block (CPU, fp32, dropout).
+
+    `packed_max_seqlens`: (cu_seqlens tensor, its longest block) pairs computed on the host
+    (qvl.bridges.lean_vision passes them through the tower): for those tensors the kernel gets a Python int,
+    where transformers' own `max_length_q` is a 0-d device tensor that would be read back in every block."""
     if query.shape[0] != 1 or cu_seq_lens_q is None or attention_mask is not None:
         raise ValueError(
             f"{HF_VARLEN_ATTENTION} attention serves packed vision blocks (batch 1, cu_seqlens, no mask); got batch "
@@ -260,8 +265,8 @@ def hf_varlen_attention(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     dropout_p = dropout if module.training else 0.0
     if varlen_usable(q, dropout_p=dropout_p):
-        max_q = _max_length(cu_seq_lens_q) if max_length_q is None else max_length_q
-        max_k = _max_length(cu_k) if max_length_k is None else max_length_k
+        max_q = _longest_block(cu_seq_lens_q, packed_max_seqlens, max_length_q)
+        max_k = _longest_block(cu_k, packed_max_seqlens, max_length_k)
         out = varlen_attention(q, k, v, cu_seq_lens_q, cu_k, max_q, max_k, causal=is_causal, scale=scaling)
         return out.unsqueeze(0), None
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
@@ -278,6 +283,16 @@ def hf_varlen_attention(
         )
         out[q0:q1] = block.transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _longest_block(
+    cu_seqlens: torch.Tensor, known: tuple[tuple[torch.Tensor, int], ...], given: int | torch.Tensor | None
+) -> int | torch.Tensor:
+    """The longest block of `cu_seqlens`: the int handed in with that very tensor, else `given`, else computed."""
+    for tensor, longest in known:
+        if tensor is cu_seqlens:
+            return longest
+    return _max_length(cu_seqlens) if given is None else given
 
 
 def register_hf_varlen_attention() -> str:

@@ -141,6 +141,31 @@ PATCHES: tuple[Patch, ...] = (
             ("TERowParallelLinear", "local_row_parallel_linear"),
         )
     ),
+    # --- aligned-widths: around qvl's conversions (qvl.bridges.convert); the padding itself is qvl.bridges.aligned
+    Patch(group="aligned-widths",
+          target="megatron.bridge.models.conversion.param_mapping:ReplicatedMapping.hf_to_megatron",
+          replacement="qvl.bridges.aligned:padding_hf_to_megatron", version=MBRIDGE,
+          params=("self", "hf_weights", "megatron_module"),
+          why="the replicated HF vision tower is built with its MLP width padded to a multiple of 64 (aligned GEMMs); "
+              "the narrower HF tensor is zero-padded to its parameter"),
+    Patch(group="aligned-widths",
+          target="megatron.bridge.models.conversion.param_mapping:ReplicatedMapping.megatron_to_hf",
+          replacement="qvl.bridges.aligned:stripping_megatron_to_hf", version=MBRIDGE,
+          params=("self", "megatron_weights", "megatron_module"),
+          why="the padding is cut off again, so an exported or verified tensor is the checkpoint's own"),
+    # --- lean-hf-vision: around every training loop qvl runs, on any device (qvl.bridges.lean_vision)
+    Patch(group="lean-hf-vision",
+          target="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLRMSNorm.forward",
+          replacement="qvl.bridges.lean_vision:fused_rms_norm", version="transformers 5.12.1",
+          params=("self", "hidden_states"),
+          why="a Python composition in fp32 (8 kernels forward, 18 backward); torch's fused kernel, HF's numerics"),
+    *(
+        Patch(group="lean-hf-vision", target=f"transformers.models.{name}.modeling_{name}:apply_rotary_pos_emb_vision",
+              replacement="qvl.bridges.lean_vision:fused_rotary", version="transformers 5.12.1",
+              params=("q", "k", "cos", "sin"),
+              why="fp32 rotate-half in ~10 kernels per tensor; one compiled region on CUDA, the same math")
+        for name in ("qwen2_vl", "qwen2_5_vl")
+    ),
 )  # fmt: skip
 
 STAND_INS: tuple[StandIn, ...] = (
@@ -171,6 +196,9 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
                 used_in="qvl.bridges.attention", version="transformers 5.12.1",
                 why="set on the HF vision tower's own config copy after build: transformers' build-time check would "
                     "treat the registered varlen function's name as a hub kernel to download"),
+    PrivateRead(target="megatron.bridge.models.model_provider:ModelProviderMixin", attribute="_pre_wrap_hooks",
+                used_in="qvl.recipes.base", version=MBRIDGE,
+                why="a config validated twice (qvl train checks it before pretrain() does) registers its hook once"),
     PrivateRead(target="nemo_run.cli.api:RunContext", attribute="_execute_task",
                 used_in="qvl.launchers.nemo_cli", version=NEMO_RUN,
                 why="`nemo qvl` checks the task (layout vs executor, overrides) before NeMo-Run executes it"),
