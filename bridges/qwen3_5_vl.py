@@ -1,0 +1,172 @@
+"""Qwen3.5-VL (dense and MoE) <-> Megatron-Core without requiring Transformer Engine or flash-linear-attention.
+
+Megatron-Bridge 0.6.2 ships `Qwen35VLBridge` / `Qwen35VLMoEBridge` (megatron/bridge/models/qwen_vl/qwen35_vl_bridge.py)
+and their providers: a hybrid language model (three Gated DeltaNet layers per gated full-attention layer, as
+Qwen3-Next) on its Qwen3-VL model class. Their mapping tables and forward pass are right; qvl keeps them and changes
+what cannot run without TE or `fla`:
+- the language block: upstream builds it with Megatron-Core's `get_transformer_block_with_experimental_attention_variant
+  _spec`, which asserts `transformer_impl == "transformer_engine"`. Without TE, `local_hybrid_block_spec` builds the
+  same layer pattern from Megatron-Core's local modules: SDPA core attention with Qwen3-VL's mRoPE attention for the
+  full-attention layers, `GatedDeltaNet` for the others (qvl.bridges.gated_delta: torch kernels where `fla` cannot
+  run), and zero-centred RMSNorm everywhere (Megatron-Core's torch norm refuses `layernorm_zero_centered_gamma`);
+- the vision tower: the TE-only Megatron Qwen3-VL tower, built from local modules by qvl's `Qwen3VLModel`
+  (qvl.bridges.qwen3_vl), with HF's exact-GELU patch merger;
+- the providers' fields: `mrope_section` and the token ids come from the checkpoint's config (upstream falls back to
+  the released models' values, and reads `rope_scaling`, which transformers 5 leaves empty).
+Mapping tables: inherited unchanged from Megatron-Bridge's bridges. Local norms are separate modules named
+`input_layernorm` / `pre_mlp_layernorm`, which Megatron-Bridge's registry maps to the same HF tensors as TE's fused
+`layer_norm_weight` names.
+"""
+
+# ruff: noqa: E402  (Megatron-Bridge must be imported through import_megatron_bridge first, as in qwen3_vl.py)
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from qvl.foundation.megatron import import_megatron_bridge
+
+import_megatron_bridge()  # Megatron-Bridge imports TE / nvrx unconditionally: qvl gives them stand-ins
+
+import torch
+from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+from megatron.bridge.models.qwen_vl import qwen35_vl_bridge as upstream_bridge
+from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention import Qwen3VLSelfAttention
+from megatron.bridge.models.qwen_vl.qwen35_vl_provider import Qwen35VLModelProvider, Qwen35VLMoEModelProvider
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+
+from qvl.bridges.fixes import mrope_section
+from qvl.bridges.gated_delta import GatedDeltaNet
+from qvl.bridges.qwen3_vl import Qwen3VLModel, _as
+from qvl.bridges.specs import local_gpt_layer_spec
+from qvl.foundation.megatron import have_transformer_engine
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm scaled by (1 + weight), the weight initialised to zero: Megatron's `layernorm_zero_centered_gamma`
+    and transformers' Qwen3_5RMSNorm, computed in fp32 in the same order as the latter."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        if getattr(config, "sequence_parallel", False):
+            self.weight.sequence_parallel = True  # its gradient is reduced over the TP group like TE's norms'
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+def _zero_centred_norms(layer: ModuleSpec) -> ModuleSpec:
+    """The layer spec with every norm (input, pre-MLP, q/k) a ZeroCenteredRMSNorm."""
+    layer.submodules.input_layernorm = ZeroCenteredRMSNorm
+    layer.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
+    attention = layer.submodules.self_attention.submodules
+    attention.q_layernorm = attention.k_layernorm = ZeroCenteredRMSNorm
+    return layer
+
+
+def _gated_delta_layer(attention_layer: ModuleSpec) -> ModuleSpec:
+    """The full-attention layer spec with its attention replaced by a Gated DeltaNet (same norms and MLP)."""
+    layer = copy.deepcopy(attention_layer)
+    layer.submodules.self_attention = ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=ZeroCenteredRMSNorm, out_proj=RowParallelLinear
+        ),
+    )
+    return layer
+
+
+def local_hybrid_block_spec(config, vp_stage: int | None = None, pp_rank: int | None = None):
+    """The Qwen3.5 language block from local modules: this pipeline stage's slice of the layer pattern
+    (`linear_attention_freq`) with a zero-centred final norm; mirrors Megatron-Core's TE-only
+    get_transformer_block_with_experimental_attention_variant_spec."""
+    attention_layer = _zero_centred_norms(local_gpt_layer_spec(config, vp_stage=vp_stage))
+    attention_layer.submodules.self_attention.module = Qwen3VLSelfAttention  # mRoPE
+    delta_layer = _gated_delta_layer(attention_layer)
+    pattern = get_linear_attention_pattern(config)  # 1 = Gated DeltaNet, 0 = full attention
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    layers = [delta_layer if pattern[i] else attention_layer for i in range(offset, offset + count)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
+
+
+class _LocalLanguageSpec:
+    """Provider mix-in: the language block from local modules where TE is absent, and qvl's Qwen3VLModel."""
+
+    def build_language_spec(self, vp_stage=None, pp_rank=None):
+        if have_transformer_engine():
+            return super().build_language_spec(vp_stage=vp_stage, pp_rank=pp_rank)
+        return local_hybrid_block_spec(self, vp_stage=vp_stage, pp_rank=pp_rank)
+
+    def provide(self, pre_process=None, post_process=None, vp_stage=None) -> Qwen3VLModel:
+        self.vision_config.torch_dtype = self.params_dtype
+        model = Qwen3VLModel(
+            language_transformer_config=self,
+            language_transformer_layer_spec=self.build_language_spec(vp_stage=vp_stage),
+            vision_transformer_config=self.vision_config,
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=self._pg_collection,
+            mtp_block_spec=self.build_mtp_spec(vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        )
+        if self.freeze_language_model or self.freeze_vision_model or self.freeze_vision_projection:
+            model.freeze(
+                freeze_language_model=self.freeze_language_model,
+                freeze_vision_model=self.freeze_vision_model,
+                freeze_vision_projection=self.freeze_vision_projection,
+            )
+        return model
+
+
+@dataclasses.dataclass
+class QvlQwen35VLModelProvider(_LocalLanguageSpec, Qwen35VLModelProvider):
+    """Qwen3.5-VL dense provider that builds with or without TE and `fla`."""
+
+
+@dataclasses.dataclass
+class QvlQwen35VLMoEModelProvider(_LocalLanguageSpec, Qwen35VLMoEModelProvider):
+    """Qwen3.5-VL MoE provider that builds with or without TE and `fla`."""
+
+
+def _from_checkpoint(provider, hf_config):
+    """The fields upstream reads with fallbacks to the released models' values, read from the checkpoint."""
+    text_config = hf_config.text_config
+    provider.mrope_section = mrope_section(text_config)
+    provider.bos_token_id, provider.eos_token_id = text_config.bos_token_id, text_config.eos_token_id
+    return provider
+
+
+@MegatronModelBridge.register_bridge(
+    source=Qwen3_5ForConditionalGeneration, target=Qwen3VLModel, provider=QvlQwen35VLModelProvider, model_type="qwen3_5"
+)
+class Qwen35VLBridge(upstream_bridge.Qwen35VLBridge):
+    """Megatron-Bridge's Qwen3.5-VL dense bridge, handing out qvl's provider; mappings inherited."""
+
+    def provider_bridge(self, hf_pretrained) -> QvlQwen35VLModelProvider:
+        provider = _as(QvlQwen35VLModelProvider, super().provider_bridge(hf_pretrained))
+        return _from_checkpoint(provider, hf_pretrained.config)
+
+
+@MegatronModelBridge.register_bridge(
+    source=Qwen3_5MoeForConditionalGeneration,
+    target=Qwen3VLModel,
+    provider=QvlQwen35VLMoEModelProvider,
+    model_type="qwen3_5_moe",
+)
+class Qwen35VLMoEBridge(upstream_bridge.Qwen35VLMoEBridge):
+    """Megatron-Bridge's Qwen3.5-VL MoE bridge, handing out qvl's provider; mappings inherited."""
+
+    def provider_bridge(self, hf_pretrained) -> QvlQwen35VLMoEModelProvider:
+        provider = _as(QvlQwen35VLMoEModelProvider, super().provider_bridge(hf_pretrained))
+        return _from_checkpoint(provider, hf_pretrained.config)
