@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 
-from qvl.bridges import verify
+from qvl.bridges import aligned, verify
 from qvl.bridges.checkpoints import check_megatron_checkpoint
 from qvl.bridges.consistency import check_hf_checkpoint
 from qvl.bridges.providers import auto_bridge, layout_facts
 from qvl.bridges.stream import save_streaming
+from qvl.foundation import patches
 from qvl.foundation.errors import ConfigError, ConversionError
 from qvl.foundation.families import FAMILIES
 from qvl.foundation.layout import ParallelLayout, check_layout
@@ -130,7 +131,8 @@ def import_checkpoint(
     provider.bf16, provider.fp16 = dtype == "bf16", dtype == "fp16"
     provider.perform_initialization = False  # as Megatron-Bridge sets it for a weights-loading provider
     provider.finalize()
-    save_streaming(bridge, provider, out_dir, hf_tokenizer_path=str(hf_path))
+    with patches.applied(aligned.GROUP):  # HF tensors zero-padded to the aligned widths the provider builds
+        save_streaming(bridge, provider, out_dir, hf_tokenizer_path=str(hf_path))
     copy_hf_side_files(hf_path, out_dir / HF_FILES_DIR)
     return ConversionResult(
         output=out_dir,
@@ -181,7 +183,8 @@ def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:
         )
     bridge = auto_bridge(hf_files)
     model = load_megatron(bridge, megatron_dir)
-    bridge.save_hf_pretrained(model, out_hf_dir, show_progress=False)
+    with patches.applied(aligned.GROUP):  # padded widths cut back to the checkpoint's
+        bridge.save_hf_pretrained(model, out_hf_dir, show_progress=False)
     if torch.distributed.get_rank() == 0:
         for path in hf_files.iterdir():  # tokenizer + processor files the bridge does not write
             if not (out_hf_dir / path.name).exists():
@@ -204,7 +207,12 @@ def load_megatron(bridge, megatron_dir: Path) -> list:
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
     }
-    return bridge.load_megatron_model(str(megatron_dir), mp_overrides=overrides, wrap_with_ddp=False)
+    model = bridge.load_megatron_model(str(megatron_dir), mp_overrides=overrides, wrap_with_ddp=False)
+    # Built from the checkpoint's run_config.yaml (padded widths, no pre-wrap hooks): the export learns the HF
+    # widths from the HF config.
+    hf_config = bridge.hf_pretrained.config if hasattr(bridge.hf_pretrained, "config") else bridge.hf_pretrained
+    aligned.mark_hf_widths(model, hf_config)
+    return model
 
 
 # --- entry points run on every rank by `qvl convert` (module level, so spawned ranks can import them) ---
@@ -238,7 +246,8 @@ def verify_on_rank(hf_path: str, megatron_dir: str, tolerance: float | None, vid
     else:
         inputs = verify.config_inputs(Path(hf_path))
     ours = verify.megatron_logits(model, inputs)
-    compared, different = verify.compare_exported_tensors(bridge, model, Path(hf_path))
+    with patches.applied(aligned.GROUP):
+        compared, different = verify.compare_exported_tensors(bridge, model, Path(hf_path))
     if ours is None or parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
     if tolerance is None:  # fp32 parity is ~3e-7; bf16 weights round every matmul input

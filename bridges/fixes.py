@@ -6,6 +6,8 @@ Upstream behaviour worked around here (megatron-bridge 0.6.2):
 - `Qwen25VLBridge` and `Qwen3VLBridge` read token ids and `mrope_section` with `getattr(..., default)`
   fallbacks to the released models' values, so a checkpoint missing a field silently gets Qwen's ids.
   qvl reads every such field from the checkpoint's config and fails naming the field if it is absent.
+- A replicated HF vision tower's MLP width that is not a multiple of 64 (Qwen2.5-VL's 3420) is built zero-padded
+  (qvl.bridges.aligned), so its GEMMs run in aligned kernels.
 - The providers' default layer spec is Transformer Engine's; without TE (CPU, or a GPU without TE)
   qvl switches to Megatron-Core's local spec with qvl's SDPA attention, which also handles packed (THD)
   sequences.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from qvl.bridges.aligned import align_vision_widths
 from qvl.bridges.specs import local_gpt_layer_spec
 from qvl.foundation.errors import MissingConfigField
 from qvl.foundation.megatron import NO_TE_SETTINGS, have_transformer_engine
@@ -46,9 +49,12 @@ def mrope_section(text_config: Any) -> list[int]:
     if section is None:
         raise MissingConfigField("text_config.rope_parameters has no 'mrope_section'; add it to config.json")
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    if sum(section) * 2 != head_dim:
+    # Qwen3.5 rotates only partial_rotary_factor (0.25) of each head: its sections cover that part.
+    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    if sum(section) * 2 != rotary_dim:
         raise ValueError(
-            f"mrope_section {section} sums to {sum(section)}, but head_dim {head_dim} needs {head_dim // 2}"
+            f"mrope_section {section} sums to {sum(section)}, but rotary dimension {rotary_dim} "
+            f"(head_dim {head_dim} x partial_rotary_factor) needs {rotary_dim // 2}"
         )
     return list(section)
 
@@ -59,6 +65,7 @@ def fix_provider(provider: Any, hf_config: Any) -> None:
     if getattr(provider, "position_embedding_type", None) == "mrope":
         provider.mrope_section = mrope_section(text_config)
     set_token_ids(provider, hf_config)
+    align_vision_widths(provider)  # aligned GEMMs: Qwen2.5-VL's vision MLP 3420 -> 3456 (qvl.bridges.aligned)
     if not have_transformer_engine():
         use_local_specs(provider)
 

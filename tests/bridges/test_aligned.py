@@ -1,0 +1,177 @@
+"""Aligned widths (qvl.bridges.aligned): Qwen2.5-VL's vision MLP width 3420 is built as 3456 with zero padding, and
+the padded model IS the unpadded one: equal outputs, equal gradients, exactly zero gradients on the padding (so AdamW
+keeps it zero), a bit-exact HF -> Megatron -> HF round trip that passes `verify`, and the planner counting it.
+
+The tiny Qwen2.5-VL tower here is the family record's with a misaligned MLP width (60 -> 64), so the mechanism runs
+at test size."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qvl.bridges import aligned
+from qvl.bridges.tiny_model import tiny_hf_config
+from qvl.recipes.architectures import get_architecture, hf_config
+
+MISALIGNED = 60  # the tiny tower's MLP width here: 64 once padded
+
+
+def misaligned_tiny_config():
+    """The tiny Qwen2.5-VL config (family record) with a vision MLP width that is not a multiple of 64."""
+    config = tiny_hf_config("qwen2_5_vl")
+    config.vision_config.intermediate_size = MISALIGNED
+    return config
+
+
+def test_only_misaligned_hf_tower_widths_are_padded():
+    real = hf_config(get_architecture("qwen2_5_vl", "3b")).vision_config
+    padded, changes = aligned.padded_vision_config(real)
+    assert changes == {"intermediate_size": (3420, 3456)} and padded.intermediate_size == 3456
+    assert real.intermediate_size == 3420  # the checkpoint's config object is never changed
+    assert padded.hidden_size == real.hidden_size and padded.depth == real.depth
+    for family, size in [("qwen2_vl", "2b"), ("qwen3_vl", "4b")]:  # aligned already (1280 x 4; 4096)
+        vision = hf_config(get_architecture(family, size)).vision_config
+        assert aligned.padded_vision_config(vision) == (vision, {}), family
+    # Qwen3-VL-8B's 4304 sits in Megatron's own (TP-split) tower, which this mechanism does not build.
+    large = hf_config(get_architecture("qwen3_vl", "8b")).vision_config
+    assert large.intermediate_size % 64 and aligned.padded_vision_config(large) == (large, {})
+    assert aligned.aligned(3420) == 3456 and aligned.aligned(3456) == 3456 and aligned.aligned(1) == 64
+
+
+def test_pad_and_strip_touch_only_the_mlp_width():
+    up = torch.randn(60, 32)
+    assert aligned.pad_to_parameter("visual.blocks.0.mlp.up_proj.weight", up, (64, 32)).shape == (64, 32)
+    padded_down = aligned.pad_to_parameter("visual.blocks.0.mlp.down_proj.weight", up.T, (32, 64))
+    assert padded_down.shape == (32, 64) and torch.equal(padded_down[:, :60], up.T) and not padded_down[:, 60:].any()
+    bias = aligned.pad_to_parameter("visual.blocks.3.mlp.gate_proj.bias", torch.ones(60), (64,))
+    assert torch.equal(bias, torch.cat([torch.ones(60), torch.zeros(4)]))
+    # Not an MLP width, or not the aligned width: left alone for the shape check to report.
+    assert aligned.pad_to_parameter("visual.blocks.0.attn.qkv.weight", up, (64, 32)) is up
+    assert aligned.pad_to_parameter("visual.blocks.0.mlp.up_proj.weight", up, (128, 32)) is up
+    assert aligned.pad_to_parameter("visual.blocks.0.mlp.down_proj.bias", torch.ones(60), (64,)).shape == (60,)
+    layer = torch.nn.Linear(32, 64)
+    assert aligned.strip_to_hf(layer, "visual.blocks.0.mlp.up_proj.weight", layer.weight) is layer.weight
+    setattr(layer, aligned.HF_WIDTH_ATTRIBUTE, {"weight": (0, 60), "bias": (0, 60)})
+    assert aligned.strip_to_hf(layer, "x.mlp.up_proj.weight", layer.weight).shape == (60, 32)
+    assert aligned.strip_to_hf(layer, "x.mlp.up_proj.bias", layer.bias).shape == (60,)
+
+
+def _towers(dtype: torch.dtype):
+    """The tiny misaligned HF tower and the same weights built padded (hook-zeroed, then loaded)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as Tower
+
+    config = misaligned_tiny_config().vision_config
+    config._attn_implementation = "sdpa"
+    padded_config, changes = aligned.padded_vision_config(config)
+    torch.manual_seed(0)
+    tower = Tower._from_config(config).to(dtype)
+    padded = Tower._from_config(padded_config).to(dtype)
+    assert padded.blocks[0].mlp.gate_proj.weight[MISALIGNED:].abs().sum() > 0  # HF initialised every row
+    aligned.zero_padding([padded], changes=changes)
+    assert not padded.blocks[0].mlp.down_proj.weight[:, MISALIGNED:].any()
+    padded_shapes = {k: v.shape for k, v in padded.state_dict().items()}
+    padded.load_state_dict(
+        {k: aligned.pad_to_parameter(f"visual.{k}", v, padded_shapes[k]) for k, v in tower.state_dict().items()}
+    )
+    return tower, padded
+
+
+def _slices(shape: torch.Size) -> tuple[slice, ...]:
+    return tuple(slice(0, size) for size in shape)
+
+
+def test_padded_tower_is_the_unpadded_tower_through_training_steps():
+    tower, padded = _towers(torch.float64)
+    grid = torch.tensor([[1, 8, 12], [2, 4, 4]])
+    x = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 14 * 14, dtype=torch.float64)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (tower, padded)]
+    reference = dict(tower.named_parameters())
+    for step in range(3):
+        outputs = [m(x, grid_thw=grid).pooler_output for m in (tower, padded)]
+        assert torch.equal(outputs[0], outputs[1]), step  # the padded units add exact zeros
+        for out in outputs:
+            out.square().sum().backward()
+        for name, param in padded.named_parameters():
+            expected = reference[name]
+            inside = _slices(expected.shape)
+            torch.testing.assert_close(param.grad[inside], expected.grad, rtol=1e-12, atol=1e-15)
+            outside = param.grad.clone()
+            outside[inside] = 0
+            assert not outside.any(), (step, name)  # the padding's gradient is exactly zero
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for name, param in padded.named_parameters():
+        expected = reference[name]
+        torch.testing.assert_close(param[_slices(expected.shape)], expected, rtol=1e-12, atol=1e-15)
+    mlp = padded.blocks[0].mlp
+    assert not mlp.gate_proj.weight[MISALIGNED:].any() and not mlp.up_proj.bias[MISALIGNED:].any()
+    assert not mlp.down_proj.weight[:, MISALIGNED:].any()  # AdamW kept the padding at zero
+
+
+@pytest.fixture(scope="module")
+def misaligned_checkpoint(tmp_path_factory):
+    """A tiny Qwen2.5-VL HF checkpoint (weights, tokenizer, processor) whose vision MLP width is misaligned."""
+    from transformers import AutoModelForImageTextToText
+
+    from qvl.bridges.tiny_model import VOCAB_SIZE
+    from qvl.foundation.tiny_processor import write_tiny_hf_processor_dir
+
+    path = tmp_path_factory.mktemp("misaligned") / "hf"
+    torch.manual_seed(2)
+    model = AutoModelForImageTextToText.from_config(misaligned_tiny_config(), dtype=torch.float32)
+    with torch.no_grad():  # biases and norms away from HF's 0 / 1 initialisation, so the comparisons see them
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(path)
+    write_tiny_hf_processor_dir(path, "qwen2_5_vl", vocab_size=VOCAB_SIZE)
+    return path
+
+
+def test_import_pads_export_strips_and_verify_passes(misaligned_checkpoint, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForImageTextToText
+
+    from qvl.bridges import convert
+    from qvl.foundation.distributed import run_on_ranks
+
+    megatron = tmp_path / "megatron"
+    run_on_ranks(convert.import_on_rank, str(misaligned_checkpoint), str(megatron), "fp32", cpu=True)
+    metadata = dcp.FileSystemReader(str(megatron / "iter_0000000")).read_metadata().state_dict_metadata
+    widths = {
+        k: tuple(m.size) for k, m in metadata.items() if k.endswith((".mlp.gate_proj.weight", ".mlp.down_proj.weight"))
+    }
+    assert widths and all(64 in shape and MISALIGNED not in shape for shape in widths.values()), widths
+    (report,) = run_on_ranks(convert.verify_on_rank, str(misaligned_checkpoint), str(megatron), None, True, cpu=True)
+    assert report["ok"] and report["tensors_different"] == [], report
+    assert report["max_abs_diff"] <= 1e-6 and report["tensors_compared"] > 50
+    run_on_ranks(convert.export_on_rank, str(megatron), str(tmp_path / "export"), cpu=True)
+    original = AutoModelForImageTextToText.from_pretrained(str(misaligned_checkpoint), dtype=torch.float32)
+    exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
+    assert exported.config.vision_config.intermediate_size == MISALIGNED
+    original, exported = original.state_dict(), exported.state_dict()
+    assert original.keys() == exported.keys()
+    assert [k for k in original if not torch.equal(original[k], exported[k])] == []
+
+
+def test_planner_counts_the_padded_width():
+    from qvl.bridges.providers import provider_from_hf
+    from qvl.recipes.shapes import model_shapes, vision_param_count
+
+    config = hf_config(get_architecture("qwen2_5_vl", "3b"))
+    provider = provider_from_hf(copy.deepcopy(config))
+    assert provider.vision_config.intermediate_size == 3456
+    assert config.vision_config.intermediate_size == 3420
+    _, vision = model_shapes(provider)
+    assert vision.intermediate_size == 3456  # FLOPs and activation memory read this shape
+    unpadded = copy.copy(provider)
+    unpadded.vision_config = config.vision_config
+    blocks, width, extra = 32, 1280, 3456 - 3420
+    # per block: gate and up gain `extra` rows and biases, down gains `extra` columns
+    assert vision_param_count(provider) - vision_param_count(unpadded) == blocks * (
+        2 * extra * (width + 1) + width * extra
+    )
