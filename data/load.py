@@ -7,6 +7,7 @@ from typing import Any
 
 from qvl.data.encode import QwenVLPackedTaskEncoder
 from qvl.data.planned import PlannedPackLoader, read_dp_plan
+from qvl.data.write import CRUDE_CONFIG
 
 
 def build_packed_datasets(config: Any, context: Any) -> tuple[Any, None, None]:
@@ -18,7 +19,7 @@ def build_packed_datasets(config: Any, context: Any) -> tuple[Any, None, None]:
     """
     from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader
     from megatron.core import parallel_state
-    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+    from megatron.energon import WorkerConfig, get_savable_loader
 
     path = pathlib.Path(config.path)
     encoder = QwenVLPackedTaskEncoder(hf_path=pathlib.Path(config.hf_path), family=config.family)
@@ -35,15 +36,26 @@ def build_packed_datasets(config: Any, context: Any) -> tuple[Any, None, None]:
         )
         return planned, None, None
     worker = WorkerConfig(rank=rank, world_size=world, num_workers=config.num_workers)
-    dataset = get_train_dataset(
+    dataset = energon_train_dataset(path, encoder, micro_batch_size=config.micro_batch_size, worker=worker)
+    return EnergonDataloader(get_savable_loader(dataset, worker_config=worker)), None, None
+
+
+def energon_train_dataset(path: pathlib.Path, encoder: Any, *, micro_batch_size: int, worker: Any) -> Any:
+    """Energon's train dataset of packs in file order (no shuffle buffer, so runs repeat exactly), read through
+    qvl's crude config where the dataset has one (its dataset.yaml is then the typed view for Energon's own tools);
+    a dataset written before that has the crude config as its dataset.yaml."""
+    from megatron.energon import get_train_dataset
+
+    crude = pathlib.Path(path) / ".nv-meta" / CRUDE_CONFIG
+    return get_train_dataset(
         str(path),
-        batch_size=config.micro_batch_size,
+        batch_size=micro_batch_size,
         task_encoder=encoder,
         worker_config=worker,
         shuffle_buffer_size=None,
         max_samples_per_sequence=None,
+        **({"dataset_config": CRUDE_CONFIG} if crude.is_file() else {}),
     )
-    return EnergonDataloader(get_savable_loader(dataset, worker_config=worker)), None, None
 
 
 def _megatron_global_batch() -> int | None:

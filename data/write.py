@@ -33,7 +33,22 @@ from qvl.data.pack import PackPlan
 logger = logging.getLogger(__name__)
 
 FINGERPRINT_FILE = ".qvl-fingerprint"
-DATASET_YAML = "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
+# Energon's own tools (`energon info`, `energon lint`, DefaultTaskEncoder) need a sample type: dataset.yaml names
+# Energon's InterleavedSample and a loader that imports nothing of qvl (data/energon_sample_loader.py, copied
+# next to it). qvl's task encoder cooks the raw tar members instead, through the crude config CRUDE_CONFIG, which
+# qvl's loader names explicitly (https://nvidia.github.io/Megatron-Energon/advanced/crude_datasets.html).
+DATASET_YAML = """\
+sample_type:
+  __module__: megatron.energon
+  __class__: InterleavedSample
+sample_loader: sample_loader.py:sample_loader
+part_filter: sample_loader.py:part_filter
+"""
+CRUDE_CONFIG = "dataset_qvl.yaml"
+CRUDE_YAML = "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
+SAMPLE_LOADER = pathlib.Path(__file__).with_name("energon_sample_loader.py")
+# `energon lint` checks train, val and test and refuses a split.yaml that does not name each; val and test are empty.
+SPLITS = [("train", 1.0), ("val", 0.0), ("test", 0.0)]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -211,16 +226,19 @@ def _npy(array: np.ndarray) -> bytes:
 
 def write_energon_meta(work: pathlib.Path, shard_names: list[str], workers: int = 1) -> None:
     """Index the shards with Energon (`.nv-meta`: index, .info.json, split.yaml), in `workers` processes of its
-    own, and add its dataset.yaml."""
+    own, and add the typed dataset.yaml (with its sample_loader.py) and qvl's crude config."""
     from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
 
     captured = io.StringIO()
     with contextlib.redirect_stdout(captured):  # energon prints progress; keep library output in logging
         BaseWebdatasetFactory.prepare_dataset(
-            work, shard_names, split_parts_ratio=[("train", 1.0)], shuffle_seed=None, workers=workers
+            work, shard_names, split_parts_ratio=SPLITS, shuffle_seed=None, workers=workers
         )
     logger.debug("energon prepare: %s", captured.getvalue().strip())
-    (work / ".nv-meta" / "dataset.yaml").write_text(DATASET_YAML)
+    meta = work / ".nv-meta"
+    (meta / "dataset.yaml").write_text(DATASET_YAML)
+    (meta / "sample_loader.py").write_text(SAMPLE_LOADER.read_text())
+    (meta / CRUDE_CONFIG).write_text(CRUDE_YAML)
 
 
 def commit(work: pathlib.Path, output: pathlib.Path) -> None:

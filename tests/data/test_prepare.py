@@ -12,6 +12,7 @@ import torch
 
 from qvl.data.count import IGNORE_INDEX
 from qvl.data.prepare import PrepareConfig, prepare
+from qvl.data.write import CRUDE_CONFIG
 
 SEQ_LENGTH = 512
 
@@ -82,6 +83,7 @@ def _dataset(path, encoder, batch_size=1, repeat=True):
         worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
         task_encoder=encoder,
         repeat=repeat,
+        dataset_config=CRUDE_CONFIG,  # qvl's view; dataset.yaml is the typed one for Energon's own tools
     )
 
 

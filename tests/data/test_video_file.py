@@ -13,6 +13,7 @@ from qvl.data.ingest import IngestConfig, to_conversation
 from qvl.data.prepare import PrepareConfig, prepare
 from qvl.data.validate import ValidateConfig, validate_sample
 from qvl.data.vision import load_vision_config
+from qvl.data.write import CRUDE_CONFIG
 
 from .conftest import reference_processor, write_jsonl
 
@@ -93,6 +94,7 @@ def test_video_file_pack_loads_with_video_patches(mp4, hf_paths, tmp_path):
         worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
         task_encoder=encoder,
         repeat=False,
+        dataset_config=CRUDE_CONFIG,  # qvl's view; dataset.yaml is the typed one for Energon's own tools
     )
     (batch,) = list(get_loader(dataset))
     t, h, w = batch.video_grid_thw[0].tolist()
