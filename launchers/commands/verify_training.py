@@ -1,0 +1,119 @@
+"""`qvl verify-training HF_PATH --data DIR`: is qvl's training step the one transformers takes? (README "Training
+parity"). Trains a few steps of the recipe on Megatron-Bridge (packed) and with transformers' Trainer (unpacked)
+from the same checkpoint and samples; prints per-step losses and gradient norms of both, the per-token loss,
+gradient and final-weight differences, and the conventions that differ on purpose; exit 1 above tolerance."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def _spec(args: argparse.Namespace, run_dir: Path):
+    from qvl.recipes.overrides import parse_overrides
+    from qvl.recipes.parity.run import ParitySpec
+
+    return ParitySpec(
+        hf_path=Path(args.hf_path),
+        data=Path(args.data),
+        run_dir=run_dir,
+        recipe=args.recipe,
+        steps=args.steps,
+        options=parse_overrides(args.overrides).as_dict(),
+        precision=args.precision,
+        weight_decay_rule=args.weight_decay_rule,
+        loss_average=args.loss_average,
+        device=args.device,
+    )
+
+
+def _table(report) -> str:
+    tol = report.tolerances
+    lines = [
+        f"{report.family} ({report.recipe}), {report.precision}: {report.conversations} conversations per step",
+        f"{'step':>4}  {'loss qvl':>10}  {'loss hf':>10}  {'|diff|':>8}  {'gnorm qvl':>9}  {'gnorm hf':>9}  "
+        f"{'rel diff':>8}  {'lr':>8}",
+    ]
+    for r in report.steps:
+        lines.append(
+            f"{r.step:>4}  {r.loss_qvl:>10.6f}  {r.loss_hf:>10.6f}  {r.loss_diff:>8.1e}  {r.grad_norm_qvl:>9.5f}  "
+            f"{r.grad_norm_hf:>9.5f}  {r.grad_norm_rel_diff:>8.1e}  {r.lr_qvl:>8.2e}"
+        )
+    lines += [
+        f"per-token loss (step 1): max |diff| {report.token_loss_max_diff:.1e} over {report.learned_tokens} learned "
+        f"tokens (tolerance {tol.token_loss:.0e})",
+        f"gradients (step 1, {report.tensors_compared} tensors by HF name): max rel diff "
+        f"{report.grad_max_rel_diff:.1e} at {report.grad_worst} (tolerance {tol.grad:.0e})",
+        f"final weights: max |diff| {report.weight_max_diff:.1e} = {report.weight_max_diff / report.peak_lr:.3f} x "
+        f"peak lr at {report.weight_worst} (tolerance {tol.weight} x lr)",
+        "deliberate differences:",
+        *[f"  - {note}" for note in report.deliberate],
+    ]
+    return "\n".join(lines)
+
+
+def run_verify_training(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from qvl.recipes.parity.report import plot_losses
+    from qvl.recipes.parity.run import run_parity
+
+    with contextlib.ExitStack() as stack:
+        run_dir = Path(args.run_dir) if args.run_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        # Megatron prints its progress to stdout; with --json stdout carries the report alone, so it pipes into jq.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            logger.info("training %d steps in qvl (Megatron-Bridge, packed) and in transformers (unpacked)", args.steps)
+            report = run_parity(_spec(args, run_dir))
+    if args.plot:
+        plot_losses(report, args.plot)
+    if args.report:
+        Path(args.report).write_text(json.dumps(report.as_dict(), indent=2))
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(_table(report))
+        if args.plot:
+            print(f"loss curves: {args.plot}")
+        print("OK" if report.ok else "FAILED:\n" + "\n".join(f"  {f}" for f in report.failures))
+    return 0 if report.ok else 1
+
+
+def register(subparsers) -> None:
+    cmd = subparsers.add_parser(
+        "verify-training",
+        help="train a few steps in qvl and in transformers from one checkpoint and compare the steps",
+        epilog="KEY=VALUE are recipe options or config fields, e.g. lr=1e-4 warmup_iters=1 "
+        "model.cross_entropy_loss_fusion=true",
+    )
+    cmd.add_argument("hf_path", help="HF checkpoint directory (weights, tokenizer, processor)")
+    cmd.add_argument("--data", required=True, help="a `qvl data prepare` output of a handful of samples")
+    cmd.add_argument(
+        "--recipe", help="recipe whose optimizer, schedule and loss settings to use (default: the family's)"
+    )
+    cmd.add_argument("--steps", type=int, default=3, help="optimizer steps in each framework (default 3)")
+    cmd.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16 needs a GPU")
+    cmd.add_argument(
+        "--weight-decay-rule",
+        choices=("megatron", "transformers"),
+        default="megatron",
+        help="the reference's decay groups: the recipe's (Megatron) or transformers' Trainer's own",
+    )
+    cmd.add_argument(
+        "--loss-average",
+        choices=("token", "conversation"),
+        default="token",
+        help="the reference's loss: per learned token of a step (the recipe's) or the Trainer's Qwen-VL default",
+    )
+    cmd.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces the CPU runtime")
+    cmd.add_argument("--run-dir", help="keep both runs' files here (default: a temporary folder)")
+    cmd.add_argument("--plot", default="parity_loss.png", help="PNG of both loss curves (default parity_loss.png)")
+    cmd.add_argument("--json", action="store_true", help="print the report as JSON")
+    cmd.add_argument("--report", metavar="FILE", help="also write the JSON report to FILE")
+    cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe options and config fields")
+    cmd.set_defaults(func=run_verify_training)

@@ -1,0 +1,212 @@
+"""Comparing the two recordings: per-token losses, step-1 gradients, per-step losses and norms, final weights.
+
+Tolerances are stated per precision. fp32 on CPU: what the two frameworks' different summation orders leave
+(measured on the tiny models of every family, README "Training parity"); bf16: the width of bf16 rounding over a
+few steps, for a GPU run (an estimate from bf16's 8-bit mantissa, not measured here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from qvl.recipes.parity.megatron_run import Recording
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Tolerances:
+    """How far qvl's run may be from transformers' and still pass."""
+
+    token_loss: float  # max |difference| of one learned token's loss at step 1
+    step_loss: float  # max |difference| of a step's loss
+    grad_norm: float  # max relative difference of a step's gradient norm (before clipping)
+    grad: float  # max over tensors of |g_qvl - g_hf| / (|g_hf| + 1e-6 |G_hf|), step 1, after clipping
+    weight: float  # max |difference| of a final weight, in units of the peak learning rate
+
+
+TOLERANCES = {
+    "fp32": Tolerances(token_loss=1e-5, step_loss=1e-5, grad_norm=1e-5, grad=1e-4, weight=0.1),
+    "bf16": Tolerances(token_loss=5e-2, step_loss=2e-2, grad_norm=5e-2, grad=1e-1, weight=1.0),
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class StepRow:
+    """One optimizer step in both frameworks."""
+
+    step: int
+    loss_qvl: float
+    loss_hf: float
+    grad_norm_qvl: float
+    grad_norm_hf: float
+    lr_qvl: float
+    lr_hf: float
+
+    @property
+    def loss_diff(self) -> float:
+        return abs(self.loss_qvl - self.loss_hf)
+
+    @property
+    def grad_norm_rel_diff(self) -> float:
+        return abs(self.grad_norm_qvl - self.grad_norm_hf) / max(self.grad_norm_hf, 1e-12)
+
+
+@dataclass(kw_only=True, slots=True)
+class ParityReport:
+    """What `compare` measured, the conventions it found different on purpose, and the verdict."""
+
+    family: str
+    recipe: str
+    precision: str
+    tolerances: Tolerances
+    steps: list[StepRow]
+    conversations: int  # per step
+    learned_tokens: int  # at step 1, by transformers' labels
+    token_loss_max_diff: float
+    mask_mismatches: list[str]
+    grad_max_rel_diff: float
+    grad_worst: str
+    tensors_compared: int
+    weight_max_diff: float  # absolute
+    weight_worst: str
+    peak_lr: float
+    deliberate: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["steps"] = [
+            {**asdict(r), "loss_diff": r.loss_diff, "grad_norm_rel_diff": r.grad_norm_rel_diff} for r in self.steps
+        ]
+        return {**out, "ok": self.ok}
+
+
+def token_loss_diffs(qvl: Recording, hf: Recording) -> tuple[float, list[str]]:
+    """Max per-token loss difference over learned tokens, and the conversations whose learned tokens differ."""
+    if len(qvl.token_losses) != len(hf.token_losses):
+        return float("inf"), [f"{len(qvl.token_losses)} conversations against {len(hf.token_losses)}"]
+    worst, mismatches = 0.0, []
+    for k, ((ours, our_mask), (ref, ref_mask)) in enumerate(zip(qvl.token_losses, hf.token_losses, strict=True)):
+        if ours.shape != ref.shape or not torch.equal(our_mask, ref_mask):
+            extra = (our_mask & ~ref_mask).nonzero().flatten().tolist()
+            missing = (ref_mask & ~our_mask).nonzero().flatten().tolist()
+            mismatches.append(
+                f"conversation {k}: learned only by qvl at {extra[:5]}, only by transformers {missing[:5]}"
+            )
+            continue
+        worst = max(worst, float((ours - ref).abs().max()))
+    return worst, mismatches
+
+
+def grad_diffs(qvl: Recording, hf: Recording) -> tuple[float, str, list[str]]:
+    """Worst relative gradient difference over every HF parameter, its name, and the names one side lacks."""
+    total = torch.sqrt(sum((g.double() ** 2).sum() for g in hf.grads.values()))
+    worst, worst_name = 0.0, ""
+    missing = sorted(set(hf.grads) ^ set(qvl.grads))
+    for name in sorted(set(hf.grads) & set(qvl.grads)):
+        ref, ours = hf.grads[name].double(), qvl.grads[name].double()
+        if ref.shape != ours.shape:
+            missing.append(f"{name} (shape {tuple(ours.shape)} vs {tuple(ref.shape)})")
+            continue
+        rel = float((ours - ref).norm() / (ref.norm() + 1e-6 * total))
+        if rel > worst:
+            worst, worst_name = rel, name
+    return worst, worst_name, missing
+
+
+def weight_diffs(qvl: Recording, hf: Recording) -> tuple[float, str, list[str]]:
+    """Worst absolute difference of the final weights, its name, and the names one side lacks."""
+    worst, worst_name = 0.0, ""
+    missing = sorted(set(hf.weights) - set(qvl.weights))
+    for name in sorted(set(hf.weights) & set(qvl.weights)):
+        diff = float((qvl.weights[name] - hf.weights[name]).abs().max())
+        if diff > worst:
+            worst, worst_name = diff, name
+    return worst, worst_name, missing
+
+
+def compare(qvl: Recording, hf: Recording, *, family: str, recipe: str, precision: str, peak_lr: float) -> ParityReport:
+    """The parity report of qvl's recording against transformers', judged with the precision's tolerances."""
+    tol = TOLERANCES[precision]
+    token_diff, masks = token_loss_diffs(qvl, hf)
+    grad_diff, grad_worst, grads_missing = grad_diffs(qvl, hf)
+    weight_diff, weight_worst, weights_missing = weight_diffs(qvl, hf)
+    rows = [
+        StepRow(
+            step=a.step,
+            loss_qvl=a.loss,
+            loss_hf=b.loss,
+            grad_norm_qvl=a.grad_norm,
+            grad_norm_hf=b.grad_norm,
+            lr_qvl=a.lr,
+            lr_hf=b.lr,
+        )
+        for a, b in zip(qvl.steps, hf.steps, strict=True)
+    ]
+    report = ParityReport(
+        family=family,
+        recipe=recipe,
+        precision=precision,
+        tolerances=tol,
+        steps=rows,
+        conversations=len(hf.token_losses),
+        learned_tokens=int(sum(int(m.sum()) for _, m in hf.token_losses)),
+        token_loss_max_diff=token_diff,
+        mask_mismatches=masks,
+        grad_max_rel_diff=grad_diff,
+        grad_worst=grad_worst,
+        tensors_compared=len(set(hf.grads) & set(qvl.grads)),
+        weight_max_diff=weight_diff,
+        weight_worst=weight_worst,
+        peak_lr=peak_lr,
+    )
+    report.failures = _failures(report, tol, grads_missing + weights_missing)
+    return report
+
+
+def _failures(r: ParityReport, tol: Tolerances, missing: list[str]) -> list[str]:
+    checks = [
+        (not r.mask_mismatches, f"learned tokens differ: {'; '.join(r.mask_mismatches)}"),
+        (r.token_loss_max_diff <= tol.token_loss, f"per-token loss differs by {r.token_loss_max_diff:.3g}"),
+        (not missing, f"tensors only one side has: {', '.join(missing[:5])}"),
+        (r.grad_max_rel_diff <= tol.grad, f"gradient of {r.grad_worst} differs by {r.grad_max_rel_diff:.3g} (rel)"),
+        (
+            r.weight_max_diff <= tol.weight * r.peak_lr,
+            f"final weight {r.weight_worst} differs by {r.weight_max_diff:.3g} ({r.weight_max_diff / r.peak_lr:.3g} lr)",
+        ),
+    ]
+    for row in r.steps:
+        checks.append((row.loss_diff <= tol.step_loss, f"step {row.step} loss differs by {row.loss_diff:.3g}"))
+        checks.append(
+            (
+                row.grad_norm_rel_diff <= tol.grad_norm,
+                f"step {row.step} gradient norm differs by {row.grad_norm_rel_diff:.3g} (rel)",
+            )
+        )
+        checks.append(
+            (abs(row.lr_qvl - row.lr_hf) <= 1e-6 * r.peak_lr, f"step {row.step} lr {row.lr_qvl:.3g} vs {row.lr_hf:.3g}")
+        )
+    return [message for passed, message in checks if not passed]
+
+
+def plot_losses(report: ParityReport, path) -> None:
+    """Both frameworks' loss curves in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r.step for r in report.steps]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r.loss_hf for r in report.steps], "o-", label="transformers Trainer (unpacked)", lw=3, alpha=0.5)
+    ax.plot(steps, [r.loss_qvl for r in report.steps], "x--", label="qvl on Megatron-Bridge (packed)")
+    ax.set(xlabel="optimizer step", ylabel="loss per learned token", title=f"{report.family}: {report.recipe}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,166 @@
+"""One parity run: qvl's loop, then transformers' Trainer on the same conversations, then the comparison."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qvl.foundation.errors import ConfigError, DataError
+from qvl.foundation.families import family_of_architecture
+from qvl.recipes.parity.report import ParityReport, compare
+
+logger = logging.getLogger(__name__)
+MAX_PACKS = 64  # the reference accumulates every pack of the dataset in each step: a handful of samples
+PRECISION_OPTIONS = {"fp32": "fp32", "bf16": "bf16-mixed"}
+# Megatron-Core's native fused cross-entropy casts the logits' gradient to bf16 in every precision
+# (megatron/core/fusions/fused_cross_entropy.py, calculate_gradients): an fp32 check turns it off unless asked.
+EXACT_CROSS_ENTROPY = {"model.cross_entropy_loss_fusion": False}
+
+
+@dataclass(kw_only=True, slots=True)
+class ParitySpec:
+    """A checkpoint, a prepared dataset of a handful of samples, and how long to train both frameworks."""
+
+    hf_path: Path
+    data: Path
+    run_dir: Path
+    recipe: str | None = None  # default: the family's smallest SFT recipe
+    steps: int = 3
+    options: dict[str, Any] = field(default_factory=dict)  # recipe options, e.g. lr=1e-4, warmup_iters=1
+    precision: str = "fp32"  # "fp32" (CPU or GPU) or "bf16" (GPU)
+    weight_decay_rule: str = "megatron"  # the reference's decay groups: "megatron" or "transformers" (Trainer's)
+    loss_average: str = "token"  # the reference's loss: "token" (the recipe's) or "conversation" (Trainer's default)
+    device: str = "auto"
+    batch_hook: Callable[[Any, Any], Any] | None = None  # tests: change each batch on purpose before qvl's step
+
+
+def checkpoint_family(hf_path: Path):
+    """The family record of an HF checkpoint directory, from config.json's architectures."""
+    config = Path(hf_path) / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{hf_path} has no config.json; pass an HF checkpoint directory")
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    family = next((f for a in architectures if (f := family_of_architecture(a))), None)
+    if family is None:
+        raise ConfigError(f"{hf_path}: architecture {architectures} is not a Qwen-VL family qvl trains")
+    return family
+
+
+def default_recipe(family: str) -> str:
+    """The family's smallest SFT recipe (its settings are the family's; the checkpoint sets the shapes)."""
+    from qvl.recipes.registry import all_recipes
+
+    names = [r.name for r in all_recipes() if r.family == family and r.stage == "sft"]
+    if not names:
+        raise ConfigError(f"no SFT recipe is registered for {family}; pass --recipe")
+    return names[0]
+
+
+def dataset_packs(data: Path) -> int:
+    """How many packs a `qvl data prepare` output holds (each parity step trains on all of them)."""
+    report = Path(data) / "report.json"
+    if not report.is_file():
+        raise DataError(f"{data} has no report.json; pass the --output folder of `qvl data prepare`")
+    packs = int(json.loads(report.read_text())["packed_sequences"])
+    if not 0 < packs <= MAX_PACKS:
+        raise DataError(
+            f"{data} holds {packs} packs; verification trains every pack in every step, so prepare a handful of "
+            f"samples (1 to {MAX_PACKS} packs), e.g. `head -n 32 data.jsonl > few.jsonl` and `qvl data prepare`"
+        )
+    return packs
+
+
+def run_parity(spec: ParitySpec) -> ParityReport:
+    """Train `spec.steps` steps in qvl (packed, Megatron-Bridge) and in transformers (unpacked) and compare."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from qvl.recipes.parity.megatron_run import MegatronRun, run_megatron
+    from qvl.recipes.parity.transformers_run import reference_settings, run_transformers, samples_per_step
+
+    if spec.precision not in PRECISION_OPTIONS:
+        raise ConfigError(f"precision={spec.precision!r} is not supported; use fp32 or bf16")
+    family = checkpoint_family(spec.hf_path)
+    recipe = spec.recipe or default_recipe(family.name)
+    device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    run = MegatronRun(
+        recipe=recipe,
+        hf_path=Path(spec.hf_path),
+        data=Path(spec.data),
+        run_dir=Path(spec.run_dir) / "qvl",
+        steps=spec.steps,
+        global_batch_size=dataset_packs(spec.data),
+        options={
+            "precision": PRECISION_OPTIONS[spec.precision],
+            **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" else {}),
+            **spec.options,
+        },
+        device=device,
+        batch_hook=spec.batch_hook,
+    )
+    qvl, config = run_megatron(run)
+    settings = reference_settings(config, weight_decay_rule=spec.weight_decay_rule, loss_average=spec.loss_average)
+    hf_config = AutoConfig.from_pretrained(str(spec.hf_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(spec.hf_path))
+    steps = samples_per_step(qvl, hf_config, tokenizer, seconds_per_grid=family.video_positions_in_seconds)
+    hf = run_transformers(
+        spec.hf_path, steps, settings, Path(spec.run_dir) / "transformers", bf16=spec.precision == "bf16"
+    )
+    report = compare(qvl, hf, family=family.name, recipe=recipe, precision=spec.precision, peak_lr=settings.lr)
+    report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec)
+    return report
+
+
+def cross_entropy_note(config, spec: ParitySpec) -> list[str]:
+    """What the fused cross-entropy does to an fp32 step, and whether this run had it on."""
+    if spec.precision != "fp32":
+        return []
+    fused = bool(config.model.cross_entropy_loss_fusion)
+    state = (
+        "it was on in this run, so every gradient may differ by bf16 rounding (2^-9 relative)"
+        if fused
+        else "this check turned it off (model.cross_entropy_loss_fusion=false) to compare the rest exactly; "
+        "pass model.cross_entropy_loss_fusion=true to see its effect"
+    )
+    return [
+        "cross-entropy: Megatron-Core's native fused cross-entropy (the recipe's default) rounds the logits' "
+        f"gradient to bf16 even in fp32 training; {state}."
+    ]
+
+
+def deliberate_differences(config, hf, settings) -> list[str]:
+    """Conventions where Megatron-Bridge and transformers differ by design, and which one this run used."""
+    notes = []
+    extra = sorted(hf.default_no_weight_decay ^ hf.no_weight_decay)
+    if settings.weight_decay_rule == "transformers":
+        extra = sorted(
+            hf.default_no_weight_decay ^ {n for n in hf.weights if n.endswith(".bias") or hf.weights[n].ndim == 1}
+        )
+    if extra:
+        used = "Megatron's (the recipe's)" if settings.weight_decay_rule == "megatron" else "transformers'"
+        notes.append(
+            f"weight decay: Megatron-Core skips every 1-D tensor and bias; transformers' Trainer skips biases, "
+            f"nn.LayerNorm weights and names with a 'norm' word, so it decays {len(extra)} tensors Megatron does not "
+            f"(e.g. {extra[0]}). This run's reference used {used} rule (--weight-decay-rule)."
+        )
+    ours = (
+        "every learned token of the global batch weighs the same (calculate_per_token_loss=True)"
+        if config.model.calculate_per_token_loss
+        else "each pack is averaged over its own tokens, then the packs (calculate_per_token_loss=False)"
+    )
+    reference = (
+        "the reference was given transformers' ForCausalLMLoss over the step's learned tokens (compute_loss_func)"
+        if settings.loss_average == "token"
+        else "the reference used the Trainer's default"
+    )
+    notes.append(
+        f"loss averaging: qvl's recipe: {ours}. transformers 5.12's Qwen-VL classes set accepts_loss_kwargs=False, "
+        "so a plain Trainer averages each conversation over its own learned tokens and then the conversations of a "
+        f"step (short answers weigh more); {reference} (--loss-average)."
+    )
+    return notes

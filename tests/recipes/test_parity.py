@@ -1,0 +1,165 @@
+"""Training parity with transformers (README "Training parity"): a qvl training step on Megatron-Bridge is the step
+transformers' Trainer takes on the same conversations unpacked, for every family, fp32 on CPU.
+
+One tiny model per family (its family record's debug flavour), the parity sample set (multi-turn with two images,
+text-only, a video, one image) packed offline into two packs, 3 AdamW steps with the recipe's betas, eps, weight
+decay groups, clipping and cosine schedule. qvl's side runs with `model.cross_entropy_loss_fusion=false`: Megatron's
+native fused cross-entropy rounds the logits' gradient to bf16 even in fp32 (a test below shows it and that the
+report names it). Then three deliberate breakages, each of which the check must catch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from qvl.recipes.parity.report import TOLERANCES
+
+# The families the parity check covers; a new family is one more name here (its record supplies everything else).
+PARITY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+STEPS = 3
+SEQ_LENGTH = 200  # the four conversations (287 tokens with the tiny processors) make two packs
+OPTIONS = {"seq_length": SEQ_LENGTH, "lr": 1e-3, "min_lr": 1e-4, "warmup_iters": 1, "weight_decay": 0.1}
+EXACT_CE = {"model.cross_entropy_loss_fusion": False}
+
+
+@pytest.fixture(scope="session")
+def parity_inputs(tmp_path_factory):
+    """family -> (tiny HF checkpoint, the parity dataset prepared with it)."""
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.recipes.parity.samples import prepare_parity_dataset
+
+    root = tmp_path_factory.mktemp("parity")
+    inputs = {}
+    for family in PARITY_FAMILIES:
+        hf = write_tiny_hf_checkpoint(root / family / "hf", family)
+        inputs[family] = (hf, prepare_parity_dataset(hf, family, root / family, seq_length=SEQ_LENGTH))
+    return inputs
+
+
+def run(parity_inputs, tmp_path, family: str, *, steps: int = STEPS, options=EXACT_CE, batch_hook=None):
+    from qvl.recipes.parity.run import ParitySpec, run_parity
+
+    hf, data = parity_inputs[family]
+    spec = ParitySpec(
+        hf_path=hf,
+        data=data,
+        run_dir=tmp_path,
+        steps=steps,
+        options={**OPTIONS, **options},
+        batch_hook=batch_hook,
+    )
+    return run_parity(spec)
+
+
+@pytest.fixture(scope="session")
+def reports(parity_inputs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("parity_runs")
+    return {family: run(parity_inputs, root / family, family) for family in PARITY_FAMILIES}
+
+
+@pytest.mark.parametrize("family", PARITY_FAMILIES)
+def test_gradients_and_trajectory_match_transformers(reports, family):
+    report = reports[family]
+    tol = TOLERANCES["fp32"]
+    assert report.ok, report.failures
+    # The comparison covered what it claims: four conversations, their learned tokens, every tensor, every step.
+    assert report.conversations == 4 and report.learned_tokens > 40
+    assert report.tensors_compared > 50 and not report.mask_mismatches
+    assert [r.step for r in report.steps] == list(range(1, STEPS + 1))
+    assert report.token_loss_max_diff <= tol.token_loss and report.grad_max_rel_diff <= tol.grad
+    assert report.weight_max_diff <= tol.weight * report.peak_lr
+    # The schedule: warm-up from 0 over one step, then cosine decay; both frameworks stepped at the same rates.
+    assert [r.lr_qvl for r in report.steps] == pytest.approx([0.0, 1e-3, 5.5e-4])
+    # The weights moved (lr > 0 from step 2), and the loss on the repeated batch fell.
+    assert report.steps[-1].loss_qvl < report.steps[0].loss_qvl
+
+
+def test_report_names_the_deliberate_differences(reports):
+    notes = " ".join(reports["qwen2_5_vl"].deliberate)
+    # Qwen2.5-VL's vision blocks use RMSNorm modules named norm1/norm2: transformers' Trainer would decay them.
+    assert "weight decay" in notes and "visual.blocks.0.norm1.weight" in notes
+    assert "accepts_loss_kwargs=False" in notes and "calculate_per_token_loss=True" in notes
+
+
+def test_fused_cross_entropy_rounds_the_logit_gradient_to_bf16(parity_inputs, tmp_path):
+    """The recipe's default, Megatron-Core's native fused cross-entropy, casts dL/dlogits to bf16 even in fp32
+    training (megatron/core/fusions/fused_cross_entropy.py, calculate_gradients): the losses stay exact, every
+    gradient is off by bf16 rounding (2^-9 relative), the fp32 check fails on it and the report names it."""
+    report = run(parity_inputs, tmp_path, "qwen2_5_vl", steps=1, options={"model.cross_entropy_loss_fusion": True})
+    assert report.token_loss_max_diff <= TOLERANCES["fp32"].token_loss
+    assert report.steps[0].loss_diff <= TOLERANCES["fp32"].step_loss
+    assert 1e-4 < report.grad_max_rel_diff < 1e-2
+    assert any(f.startswith("gradient of") for f in report.failures)
+    assert any("rounds the logits' gradient to bf16" in note for note in report.deliberate)
+
+
+def _prompt_position(batch) -> int:
+    """A prompt token of the first conversation (not learned) whose next token is not learned either."""
+    learned = batch.loss_mask[0] > 0
+    return int((~learned[:-1] & ~learned[1:]).nonzero()[3])
+
+
+def unmask_a_prompt_token(batch, model):
+    position = _prompt_position(batch)
+    labels, loss_mask = batch.labels.clone(), batch.loss_mask.clone()
+    labels[0, position], loss_mask[0, position] = batch.tokens[0, position + 1], 1.0
+    return dataclasses.replace(batch, labels=labels, loss_mask=loss_mask)
+
+
+def join_the_first_two_conversations(batch, model):
+    cu = batch.cu_seqlens_q
+    joined = torch.cat([cu[:1], cu[2:]])
+    return dataclasses.replace(batch, cu_seqlens_q=joined, cu_seqlens_kv=joined.clone(), max_seqlen=int(cu[2]))
+
+
+class ShiftOneImagesPositions:
+    """The first image's mRoPE positions one higher in every dimension, where the language model turns them into
+    rotary angles (Megatron-Core GPTModel calls `rotary_pos_emb(position_ids, mrope_section, ...)`)."""
+
+    def __init__(self, image_token_id: int):
+        self.image_token_id, self.span, self.hooked = image_token_id, None, False
+
+    def __call__(self, batch, model):
+        from megatron.core.utils import unwrap_model
+
+        image = (batch.tokens[0] == self.image_token_id).nonzero().flatten()
+        if len(image):
+            grid = batch.image_grid_thw[0]
+            self.span = (int(image[0]), int(image[0]) + int(grid.prod()) // 4)
+        else:
+            self.span = None
+        if not self.hooked:
+            unwrap_model(model).language_model.rotary_pos_emb.register_forward_pre_hook(self.shift)
+            self.hooked = True
+        return batch
+
+    def shift(self, module, args):
+        if self.span is None:
+            return args
+        positions = args[0].clone()  # [3, batch, tokens]
+        positions[..., self.span[0] : self.span[1]] += 1
+        return (positions, *args[1:])
+
+
+@pytest.mark.parametrize(
+    "breakage, failure",
+    [
+        ("unmask", "learned tokens differ"),
+        ("positions", "per-token loss differs"),
+        ("crossing", "per-token loss differs"),
+    ],
+)
+def test_a_deliberate_breakage_fails_the_check(parity_inputs, tmp_path, breakage, failure):
+    from qvl.foundation.families import TINY_TOKEN_IDS
+
+    hooks = {
+        "unmask": unmask_a_prompt_token,
+        "positions": ShiftOneImagesPositions(TINY_TOKEN_IDS["image_token_id"]),
+        "crossing": join_the_first_two_conversations,
+    }
+    report = run(parity_inputs, tmp_path, "qwen2_5_vl", steps=1, batch_hook=hooks[breakage])
+    assert not report.ok
+    assert any(failure in f for f in report.failures), report.failures
