@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "qvl.launchers.commands.convert",  # convert import | export | verify
     "qvl.launchers.commands.recipes",  # recipes, plan, train
     "qvl.launchers.commands.launch",  # launch
+    "qvl.launchers.commands.verify_training",  # verify-training
 )
 
 

@@ -21,6 +21,9 @@ PRECISION_OPTIONS = {"fp32": "fp32", "bf16": "bf16-mixed"}
 # Megatron-Core's native fused cross-entropy casts the logits' gradient to bf16 in every precision
 # (megatron/core/fusions/fused_cross_entropy.py, calculate_gradients): an fp32 check turns it off unless asked.
 EXACT_CROSS_ENTROPY = {"model.cross_entropy_loss_fusion": False}
+# Megatron adds its MoE load-balancing loss over each pack; transformers' Qwen3-VL-MoE adds its own only when called
+# with output_router_logits=True, over each conversation: the check compares the language-model loss alone.
+NO_MOE_AUX_LOSS = {"model.moe_aux_loss_coeff": 0.0}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,6 +88,8 @@ def run_parity(spec: ParitySpec) -> ParityReport:
 
     if spec.precision not in PRECISION_OPTIONS:
         raise ConfigError(f"precision={spec.precision!r} is not supported; use fp32 or bf16")
+    if spec.steps < 1:
+        raise ConfigError(f"steps={spec.steps} trains nothing; use at least 1 (3 shows the schedule and Adam)")
     family = checkpoint_family(spec.hf_path)
     recipe = spec.recipe or default_recipe(family.name)
     device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -98,6 +103,7 @@ def run_parity(spec: ParitySpec) -> ParityReport:
         options={
             "precision": PRECISION_OPTIONS[spec.precision],
             **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" else {}),
+            **(NO_MOE_AUX_LOSS if family.moe else {}),
             **spec.options,
         },
         device=device,
@@ -113,6 +119,7 @@ def run_parity(spec: ParitySpec) -> ParityReport:
     )
     report = compare(qvl, hf, family=family.name, recipe=recipe, precision=spec.precision, peak_lr=settings.lr)
     report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec)
+    report.deliberate += moe_note(config) if family.moe else []
     return report
 
 
@@ -130,6 +137,21 @@ def cross_entropy_note(config, spec: ParitySpec) -> list[str]:
     return [
         "cross-entropy: Megatron-Core's native fused cross-entropy (the recipe's default) rounds the logits' "
         f"gradient to bf16 even in fp32 training; {state}."
+    ]
+
+
+def moe_note(config) -> list[str]:
+    """The MoE load-balancing loss each framework adds, and what this run compared."""
+    coefficient = config.model.moe_aux_loss_coeff
+    state = (
+        "this check set model.moe_aux_loss_coeff=0 to compare the language-model loss alone"
+        if not coefficient
+        else f"it was on in this run (moe_aux_loss_coeff={coefficient}), so the router gradients differ"
+    )
+    return [
+        "MoE load balancing: Megatron adds its auxiliary loss (the recipe's moe_aux_loss_coeff) over each pack's "
+        "tokens; transformers' Qwen3-VL-MoE adds router_aux_loss_coef x its own only when called with "
+        f"output_router_logits=True, over each conversation; {state}."
     ]
 
 

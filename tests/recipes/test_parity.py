@@ -11,6 +11,7 @@ report names it). Then three deliberate breakages, each of which the check must 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -56,32 +57,56 @@ def run(parity_inputs, tmp_path, family: str, *, steps: int = STEPS, options=EXA
 
 @pytest.fixture(scope="session")
 def reports(parity_inputs, tmp_path_factory):
+    """family -> (exit status, JSON report, loss plot) of `qvl verify-training` on the family's tiny model."""
+    from qvl.launchers.cli import main
+
     root = tmp_path_factory.mktemp("parity_runs")
-    return {family: run(parity_inputs, root / family, family) for family in PARITY_FAMILIES}
+    out = {}
+    for family in PARITY_FAMILIES:
+        hf, data = parity_inputs[family]
+        report, plot = root / f"{family}.json", root / f"{family}.png"
+        status = main(
+            ["verify-training", str(hf), "--data", str(data), "--steps", str(STEPS), "--run-dir", str(root / family)]
+            + ["--report", str(report), "--plot", str(plot), *[f"{k}={v}" for k, v in OPTIONS.items()]]
+        )
+        out[family] = (status, json.loads(report.read_text()), plot)
+    return out
 
 
 @pytest.mark.parametrize("family", PARITY_FAMILIES)
 def test_gradients_and_trajectory_match_transformers(reports, family):
-    report = reports[family]
+    status, report, plot = reports[family]
     tol = TOLERANCES["fp32"]
-    assert report.ok, report.failures
+    assert status == 0 and report["ok"], report["failures"]
     # The comparison covered what it claims: four conversations, their learned tokens, every tensor, every step.
-    assert report.conversations == 4 and report.learned_tokens > 40
-    assert report.tensors_compared > 50 and not report.mask_mismatches
-    assert [r.step for r in report.steps] == list(range(1, STEPS + 1))
-    assert report.token_loss_max_diff <= tol.token_loss and report.grad_max_rel_diff <= tol.grad
-    assert report.weight_max_diff <= tol.weight * report.peak_lr
+    assert report["conversations"] == 4 and report["learned_tokens"] > 40
+    assert report["tensors_compared"] > 50 and not report["mask_mismatches"]
+    steps = report["steps"]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert report["token_loss_max_diff"] <= tol.token_loss and report["grad_max_rel_diff"] <= tol.grad
+    assert report["weight_max_diff"] <= tol.weight * report["peak_lr"]
     # The schedule: warm-up from 0 over one step, then cosine decay; both frameworks stepped at the same rates.
-    assert [r.lr_qvl for r in report.steps] == pytest.approx([0.0, 1e-3, 5.5e-4])
+    assert [r["lr_qvl"] for r in steps] == pytest.approx([0.0, 1e-3, 5.5e-4])
+    assert [r["lr_hf"] for r in steps] == pytest.approx([0.0, 1e-3, 5.5e-4])
     # The weights moved (lr > 0 from step 2), and the loss on the repeated batch fell.
-    assert report.steps[-1].loss_qvl < report.steps[0].loss_qvl
+    assert steps[-1]["loss_qvl"] < steps[0]["loss_qvl"]
+    assert plot.stat().st_size > 1000
 
 
 def test_report_names_the_deliberate_differences(reports):
-    notes = " ".join(reports["qwen2_5_vl"].deliberate)
+    notes = " ".join(reports["qwen2_5_vl"][1]["deliberate"])
     # Qwen2.5-VL's vision blocks use RMSNorm modules named norm1/norm2: transformers' Trainer would decay them.
     assert "weight decay" in notes and "visual.blocks.0.norm1.weight" in notes
     assert "accepts_loss_kwargs=False" in notes and "calculate_per_token_loss=True" in notes
+    assert "cross_entropy_loss_fusion=false" in notes
+    assert "moe_aux_loss_coeff=0" in " ".join(reports["qwen3_vl_moe"][1]["deliberate"])
+
+
+def test_bad_input_is_one_error_line(tmp_path, capsys):
+    from qvl.launchers.cli import main
+
+    assert main(["verify-training", str(tmp_path / "nowhere"), "--data", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
 
 
 def test_fused_cross_entropy_rounds_the_logit_gradient_to_bf16(parity_inputs, tmp_path):
