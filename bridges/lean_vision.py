@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from qvl.bridges.aligned import hf_vision_towers
+from qvl.foundation import patches
+from qvl.foundation.families import family_of_vision_config
 from qvl.foundation.tower_inputs import TowerInputs
 
 logger = logging.getLogger(__name__)
@@ -129,3 +131,24 @@ def prepared_tower_inputs(model: Any, pairs: Sequence[tuple[torch.Tensor, TowerI
     finally:
         for handle in handles:
             handle.remove()
+
+
+def use_lean_vision(provider: Any) -> bool:
+    """Have a provider's replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) run lean; True if it has one.
+
+    A pre-wrap hook (Megatron-Bridge's extension point) applies the patch group when the model is built, and it stays
+    applied for the rest of the process, as the CPU runtime does: the tower's recomputed blocks (vision_recompute)
+    run in backward, outside any block a forward step could scope. On CPU its numerics are transformers' bit for
+    bit; on CUDA within bf16 rounding (tests/bridges/test_lean_vision.py)."""
+    vision = getattr(provider, "vision_config", None)
+    family = family_of_vision_config(type(vision).__name__) if vision is not None else None
+    if family is None or family.megatron_vision_tower:
+        return False
+    provider.register_pre_wrap_hook(apply_lean_vision)
+    return True
+
+
+def apply_lean_vision(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Pre-wrap hook: the patch group `lean-hf-vision` applied (idempotent)."""
+    patches.apply(GROUP)
+    return model

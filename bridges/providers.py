@@ -44,12 +44,15 @@ def provider_from_hf(config_or_path: Any):
 
 def apply_provider_fixes(provider: Any, hf_config: Any) -> None:
     """Copy into the provider what the upstream bridges do not read from the HF config; give a replicated HF
-    vision tower the packed varlen attention (one kernel call per pack on a GPU, qvl.bridges.attention)."""
+    vision tower the packed varlen attention (one kernel call per pack on a GPU, qvl.bridges.attention) and the
+    lean tower's fused kernels (qvl.bridges.lean_vision)."""
     from qvl.bridges.attention import use_varlen_vision_attention
     from qvl.bridges.fixes import fix_provider
+    from qvl.bridges.lean_vision import use_lean_vision
 
     fix_provider(provider, hf_config)
     use_varlen_vision_attention(provider)
+    use_lean_vision(provider)  # fused norm and rotary, precomputed inputs (qvl.bridges.lean_vision)
 
 
 def recompute_vision_towers(model: list[Any]) -> list[Any]:

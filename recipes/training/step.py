@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from qvl.bridges.lean_vision import prepared_tower_inputs
 from qvl.data.count import IGNORE_INDEX
 
 # Batch fields passed to the model when present (Qwen2-VL / Qwen2.5-VL / Qwen3-VL forward arguments).
@@ -66,10 +67,12 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
     device = next(model.parameters()).device
     model_config = state.cfg.model
     pad_to = model_config.seq_length if model_config.pipeline_model_parallel_size > 1 else None
-    kwargs, loss_mask = model_inputs(next(data_iterator), device, pad_to=pad_to)
+    batch = next(data_iterator)
+    kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to)
     if state.cfg.qvl.vision_balance:
         kwargs = balanced_vision_inputs(model, kwargs)
-    output = model(**kwargs)
+    with prepared_tower_inputs(model, tower_input_pairs(batch, kwargs, device)):
+        output = model(**kwargs)
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
         output, loss_mask = output
     checks = state.cfg.rerun_state_machine
@@ -79,6 +82,17 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
         check_for_nan_in_loss=checks.check_for_nan_in_loss,
         check_for_spiky_loss=checks.check_for_spiky_loss,
     )
+
+
+def tower_input_pairs(batch: Any, kwargs: dict, device: torch.device) -> list[tuple[torch.Tensor, Any]]:
+    """(grid the model is given, its tower inputs on `device`) for the images and videos of a batch whose loader
+    precomputed them (qvl.foundation.tower_inputs); the HF tower then reads nothing back (qvl.bridges.lean_vision)."""
+    pairs = []
+    for grid, field in (("image_grid_thw", "image_tower_inputs"), ("video_grid_thw", "video_tower_inputs")):
+        inputs = getattr(batch, field, None)
+        if inputs is not None and grid in kwargs:
+            pairs.append((kwargs[grid], inputs.to(device, non_blocking=True)))
+    return pairs
 
 
 def balanced_vision_inputs(model: Any, kwargs: dict) -> dict:

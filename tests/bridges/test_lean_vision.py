@@ -232,3 +232,53 @@ def test_lean_tower_matches_transformers_on_cuda_bf16(family):
         expected = reference_grads[name].grad.float()
         scale = expected.abs().max().clamp(min=1e-3)
         assert (param.grad.float() - expected).abs().max() <= 0.05 * scale, name
+
+
+def test_loader_tower_inputs_reach_the_megatron_models_tower(tmp_path, cpu_runtime):
+    """The loader computes each micro-batch's tower inputs in its workers; the training step hands them to the HF
+    tower inside Megatron-Bridge's Qwen2.5-VL, whose output is unchanged (the same model deriving them itself)."""
+    from qvl.bridges.convert import auto_bridge_with_weights
+    from qvl.bridges.providers import apply_provider_fixes
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.data.load import build_packed_datasets
+    from qvl.data.prepare import PrepareConfig, prepare
+    from qvl.data.samples import write_sample_dataset
+    from qvl.foundation import distributed
+    from qvl.recipes.training.step import model_inputs, tower_input_pairs
+
+    jsonl, media = write_sample_dataset(tmp_path / "samples", count=8, with_bad=False)
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen2_5_vl")
+    prepare(
+        PrepareConfig(
+            input=jsonl, media_root=media, family="qwen2_5_vl", hf_path=hf, seq_length=512, output=tmp_path / "data"
+        )
+    )
+    distributed.init_distributed()
+    try:
+        bridge = auto_bridge_with_weights(hf, torch.float32)
+        provider = bridge.to_megatron_provider(load_weights=True)
+        apply_provider_fixes(provider, bridge.hf_pretrained.config)
+        provider.finalize()
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0].eval()
+        assert patches.is_applied(lean_vision.GROUP)  # the build's pre-wrap hook applied the lean tower
+        config = dict(path=str(tmp_path / "data"), hf_path=str(hf), family="qwen2_5_vl", micro_batch_size=1)
+        loader, _, _ = build_packed_datasets(type("DatasetConfig", (), {**config, "num_workers": 0}), None)
+        batch = next(iter(loader))
+        expected = tower_inputs_for_config(batch.image_grid_thw, bridge.hf_pretrained.config.vision_config)
+        assert torch.equal(batch.image_tower_inputs.window_index, expected.window_index)
+        assert batch.image_tower_inputs.max_window_seqlen == expected.max_window_seqlen
+        kwargs, _ = model_inputs(batch, torch.device("cpu"))
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("labels", "loss_mask")}
+        given = []
+        with torch.no_grad():
+            derived = model(**kwargs)
+            with lean_vision.prepared_tower_inputs(model, tower_input_pairs(batch, kwargs, torch.device("cpu"))):
+                model.visual.register_forward_pre_hook(
+                    lambda module, args, kw: given.append(sorted(kw)), with_kwargs=True
+                )  # runs after the prepared-inputs hook: sees what the tower is called with
+                lean = model(**kwargs)
+        assert given and "cu_window_seqlens" in given[0] and lean_vision.MAX_SEQLENS_KWARG in given[0]
+        assert torch.equal(lean, derived)
+    finally:
+        patches.undo(lean_vision.GROUP)
+        distributed.destroy_distributed()
