@@ -128,6 +128,28 @@ PATCHES: tuple[Patch, ...] = (
           replacement="qvl.recipes.training.optimizer_fixes:load_state_dict_with_own_steps", version=MCORE,
           params=("self", "state_dict"),
           why="it gives every parameter ONE shared `step` tensor, then overwrites it with the template's 0"),
+    # --- fast-optimizer: qvl.recipes.training.optimizer (around every training loop, any device)
+    Patch(group="fast-optimizer", target="megatron.core.optimizer.clip_grads:l2_norm_impl",
+          replacement="qvl.recipes.training.optimizer:foreach_l2_norm", version=MCORE,
+          params=("chunk_size", "noop_flag", "tensor_lists", "per_tensor"),
+          why="without TE/Apex the grad norm reads one scalar per parameter tensor to the host; one foreach norm"),
+    Patch(group="fast-optimizer", target="megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
+          replacement="qvl.recipes.training.optimizer:foreach_scale", version=MCORE,
+          params=("chunk_size", "noop_flag", "tensor_lists", "scale"),
+          why="without TE/Apex the clip scale launches one multiply and one copy per parameter tensor"),
+    Patch(group="fast-optimizer", target="megatron.core.optimizer.optimizer:multi_tensor_scale_impl",
+          replacement="qvl.recipes.training.optimizer:foreach_scale", version=MCORE,
+          params=("chunk_size", "noop_flag", "tensor_lists", "scale"),
+          why="the same fallback in the non-distributed optimizer's main/model copies"),
+    Patch(group="fast-optimizer",
+          target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params",
+          replacement="qvl.recipes.training.optimizer:foreach_main_to_model_copy", version=MCORE, params=("self",),
+          why="one copy kernel per parameter tensor and a view made each step; one foreach copy over cached views"),
+    Patch(group="fast-optimizer",
+          target="megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups",
+          replacement="qvl.recipes.training.optimizer:fused_adam", version=MCORE, params=("config", "model_chunks"),
+          why="torch AdamW is built with foreach kernels (their temporaries hold a copy of the optimizer state); "
+              "its fused kernel is one pass, where the device has it"),
     # --- qwen3-vl-local-vision: while qvl.bridges.qwen3_vl.Qwen3VLModel.__init__ runs without TE
     *(
         Patch(group="qwen3-vl-local-vision",
@@ -166,6 +188,28 @@ PATCHES: tuple[Patch, ...] = (
               why="fp32 rotate-half in ~10 kernels per tensor; one compiled region on CUDA, the same math")
         for name in ("qwen2_vl", "qwen2_5_vl")
     ),
+    # --- gated-delta-torch: while qvl.bridges.gated_delta.GatedDeltaNet builds or runs where `fla` cannot run
+    *(
+        Patch(group="gated-delta-torch", target=f"megatron.core.ssm.gated_delta_net.{module}:{name}",
+              replacement=f"qvl.bridges.gated_delta:{factory}", version=MCORE,
+              why="GatedDeltaNet takes its kernels from flash-linear-attention (Triton, GPU only) and raises without "
+                  "it; with it installed but no GPU every kernel fails. qvl's torch kernels restart at every "
+                  "cu_seqlens boundary as fla's do")
+        for module, name, factory in (
+            ("common", "HAVE_FLA", "fla_present"),
+            ("common", "l2norm", "torch_l2norm"),
+            ("gdn", "causal_conv1d", "torch_causal_conv1d"),
+            ("gdn", "chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
+        )
+    ),
+    # --- kubeflow-trainer-v2.2: while qvl.launchers renders or submits a TrainJob
+    Patch(group="kubeflow-trainer-v2.2", target="nemo_run.core.execution.kubeflow:KubeflowExecutor.get_job_body",
+          replacement="qvl.launchers.executors:runtime_patches_job_body", version=NEMO_RUN,
+          params=("self", "name", "command"),
+          why="NeMo-Run renders pod settings (volumes, mounts, pull secrets) only as spec.podTemplateOverrides, "
+              "Kubeflow Trainer v2.1's field; v2.2 replaced it with runtimePatches (kubeflow/trainer#3309) and a "
+              "newer server drops the old field, so pods start without their volumes. Only an executor whose spec "
+              "carries runtimePatches (trainer_api v2.2+) is rewritten"),
 )  # fmt: skip
 
 STAND_INS: tuple[StandIn, ...] = (

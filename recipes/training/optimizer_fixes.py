@@ -15,7 +15,9 @@ distributed optimizer wraps torch's Adam, and resuming from a checkpoint breaks 
    template's `step` (that of a fresh optimizer: 0) over it. Adam's bias correction restarts, and
    losses drift from the uninterrupted run from the second step after a resume. Fix: after loading,
    give each parameter its own `step` tensor holding the checkpoint's step, read from its param groups.
-Both apply on any device: `fixed()` puts them in place for a block, where TE or Apex does not provide the optimizer.
+Both apply on any device: `fixed()` puts them in place for a block, where TE or Apex does not provide the optimizer,
+together with qvl's one-pass optimizer step (group "fast-optimizer", qvl.recipes.training.optimizer), which replaces
+the same no-TE/no-Apex fallbacks.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from qvl.foundation import patches
+from qvl.recipes.training.optimizer import GROUP as FAST_OPTIMIZER
 
 GROUP = "torch-adam-resume"
 
@@ -49,7 +52,8 @@ def _restore_steps(optimizer: torch.optim.Optimizer, step: float | None) -> None
     """Give every parameter state its own `step` tensor, holding the checkpoint's `step`."""
     for state in optimizer.state.values():
         if isinstance(state.get("step"), torch.Tensor):
-            value = state["step"] if step is None else torch.tensor(step)
+            # on the device torch put it (a fused or capturable Adam keeps `step` with its parameter)
+            value = state["step"] if step is None else torch.tensor(step, device=state["step"].device)
             state["step"] = value.detach().clone().to(torch.float32)
 
 
@@ -66,8 +70,9 @@ def needed() -> bool:
 
 
 def fixed() -> contextlib.AbstractContextManager:
-    """The fixes (patch group "torch-adam-resume" of qvl.foundation.patches) in place for a block, where needed."""
-    return patches.applied(GROUP) if needed() else contextlib.nullcontext()
+    """The fixes (patch group "torch-adam-resume" of qvl.foundation.patches) and the one-pass optimizer step
+    ("fast-optimizer") in place for a block, where needed."""
+    return patches.applied(GROUP, FAST_OPTIMIZER) if needed() else contextlib.nullcontext()
 
 
 # Replacement factories named by qvl.foundation.patches.

@@ -1,0 +1,495 @@
+"""The step census: every aten op of one training step, counted on CPU as a CUDA device would run it.
+
+Aten op counts do not depend on the width of a model or on the device it runs on (a CPU census of the H100 run in
+benchmarks/RESULTS.md reproduced its profile's mm, neg, silu and pow counts exactly), so a model with the real layer
+counts and tiny widths, fed packs of the real lengths and image sizes, shows what a GPU step launches. Widths are
+put back analytically: every tiny width maps to one real width (`WidthMap`), so GEMM FLOPs, row pitches and the
+bytes of each elementwise op are those of the real model.
+
+Where CPU and CUDA take different code paths, the census takes the CUDA one:
+- packed attention is torch's varlen kernel on CUDA; here one stand-in call (`FakeFlash`) per attention, recorded
+  as `_flash_attention_forward` / `_flash_attention_backward` with the FLOPs of the real call;
+- `F.rms_norm` is `_fused_rms_norm` on CUDA (CPU's composite runs pow/mean/rsqrt);
+- torch's Adam/AdamW default to foreach kernels on CUDA (CPU runs the per-tensor loop);
+- a `.to(device)` of a host tensor is a host-to-device copy (here the device is the CPU, so it would be free).
+
+A tensor is "host" when it came from the loader or from a factory call without a device; everything computed from a
+device tensor is on the device. Host syncs are reads of device values on the host (`.item()`, `.tolist()`,
+`bool()`, `int()`, ops whose output size depends on values such as `nonzero` or boolean indexing), each with the
+first call site outside torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import pathlib
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+REGIONS = ("lm", "vision", "loss", "optimizer", "other")
+GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm", "convolution", "convolution_backward"})
+ATTENTION_OPS = frozenset({"_flash_attention_forward", "_flash_attention_backward"})
+# Ops that allocate or describe memory without running a kernel.
+NO_KERNEL_OPS = frozenset({
+    "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "set_", "resize_", "lift_fresh",
+    "is_pinned", "_pin_memory", "record_stream", "_has_compatible_shallow_copy_type", "is_same_size", "sym_size",
+    "sym_stride", "sym_numel", "sym_storage_offset", "_nested_tensor_from_mask_left_aligned", "detach_",
+})  # fmt: skip
+# Ops whose output size depends on tensor values: the host waits for the device to know it.
+VALUE_SIZED_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
+                             "unique_dim", "bincount", "histc"})  # fmt: skip
+SYNC_METHODS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"})
+ALIGN_BYTES = 16  # Hopper's TMA needs 16-byte row pitches; else cuBLAS falls back to align2/align4 sm80 kernels
+_SKIP_FRAMES = (f"{pathlib.Path(torch.__file__).parent}", __file__, "contextlib.py", "/functools.py")
+
+
+@dataclass(kw_only=True, slots=True)
+class WidthMap:
+    """Tiny width -> real width (dims), and tiny numel -> real numel for flat views of parameters and buffers."""
+
+    dims: dict[int, int]
+    numels: dict[int, int] = field(default_factory=dict)
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The real shape of a tensor of tiny `shape`."""
+        if len(shape) == 1 and shape[0] not in self.dims and shape[0] in self.numels:
+            return (self.numels[shape[0]],)
+        return tuple(self.dims.get(int(d), int(d)) for d in shape)
+
+    def numel(self, tensor: torch.Tensor) -> int:
+        return math.prod(self.shape(tuple(tensor.shape)))
+
+    def nbytes(self, tensor: torch.Tensor) -> int:
+        return self.numel(tensor) * tensor.element_size()
+
+    def pitch(self, stride: int) -> int:
+        return self.dims.get(int(stride), int(stride))
+
+
+@dataclass(kw_only=True, slots=True)
+class RegionCounts:
+    """What one region of the step ran."""
+
+    launches: collections.Counter = field(default_factory=collections.Counter)  # op name -> kernel-launching calls
+    views: int = 0
+    empty: int = 0  # ops on zero-element tensors (no kernel on CUDA)
+    syncs: collections.Counter = field(default_factory=collections.Counter)  # "kind at site" -> count
+    gemm_flops: float = 0.0
+    gemm_flops_misaligned: float = 0.0
+    gemm_shapes: collections.Counter = field(default_factory=collections.Counter)  # (op, M, K, N, aligned) -> calls
+    attention_flops: float = 0.0
+    nongemm_bytes: float = 0.0
+    h2d_copies: int = 0
+    h2d_pageable: int = 0
+    h2d_bytes: float = 0.0
+    largest_temporary_bytes: int = 0
+
+    def summary(self) -> dict:
+        return {
+            "kernel_launching_ops": sum(self.launches.values()),
+            "view_ops": self.views,
+            "empty_ops": self.empty,
+            "host_syncs": sum(self.syncs.values()),
+            "gemm_tflop": round(self.gemm_flops / 1e12, 4),
+            "gemm_misaligned_tflop": round(self.gemm_flops_misaligned / 1e12, 4),
+            "attention_tflop": round(self.attention_flops / 1e12, 4),
+            "nongemm_gb": round(self.nongemm_bytes / 1e9, 3),
+            "h2d_copies": self.h2d_copies,
+            "h2d_pageable": self.h2d_pageable,
+            "largest_temporary_gib": round(self.largest_temporary_bytes / 2**30, 3),
+            "ops": dict(self.launches.most_common()),
+        }
+
+
+class Census:
+    """The counts of one instrumented window, per region; `record()` is the context that counts."""
+
+    def __init__(self, widths: WidthMap):
+        self.widths = widths
+        self.regions = {name: RegionCounts() for name in REGIONS}
+        self.region = "other"
+        self.counting = False  # placement is tracked from the start; ops are counted only while this is on
+        self.suspended = 0
+        self.host_factory = 0
+        self.host = WeakIdKeyDictionary()
+        self.pinned = WeakIdKeyDictionary()
+        self._in_sync = 0
+
+    # --- tensor placement -------------------------------------------------------------------------------------
+
+    def mark_host(self, tree: Any, pinned: bool = False) -> None:
+        for leaf in pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                self.host[leaf] = True
+                if pinned:
+                    self.pinned[leaf] = True
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return tensor in self.host
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Ops inside are not counted (the stand-ins' own arithmetic)."""
+        self.suspended += 1
+        try:
+            yield
+        finally:
+            self.suspended -= 1
+
+    @contextlib.contextmanager
+    def tracking(self):
+        """Follow every op run inside the block (function- and dispatch-level modes); `counting()` counts them."""
+        with _CensusFunctionMode(self), _CensusDispatchMode(self):
+            yield self
+
+    @contextlib.contextmanager
+    def counted(self):
+        """Count the ops of the block (inside `tracking()`)."""
+        self.counting = True
+        try:
+            yield self
+        finally:
+            self.counting = False
+
+    # --- events -----------------------------------------------------------------------------------------------
+
+    @property
+    def counts(self) -> RegionCounts:
+        return self.regions[self.region]
+
+    def sync(self, kind: str, count: int = 1) -> None:
+        if self.counting:
+            self.counts.syncs[f"{kind} at {call_site()}"] += count
+
+    def h2d(self, tensor: torch.Tensor, *, pinned: bool) -> None:
+        if not self.counting:
+            return
+        counts = self.counts
+        counts.h2d_copies += 1
+        counts.h2d_pageable += 0 if pinned else 1
+        counts.h2d_bytes += self.widths.nbytes(tensor)
+
+    def attention(self, flops: float, tensors: list[torch.Tensor], backward: bool) -> None:
+        if not self.counting:
+            return
+        counts = self.counts
+        counts.launches["_flash_attention_backward" if backward else "_flash_attention_forward"] += 1
+        counts.attention_flops += flops
+
+    def opaque(self, name: str, tensors: list) -> None:
+        """One kernel the CPU run computes another way (a stand-in's): counted with its bytes."""
+        if self.counting:
+            self.counts.launches[name] += 1
+            self.counts.nongemm_bytes += sum(self.widths.nbytes(t) for t in tensors if t is not None)
+
+    def op(self, func, args, kwargs, out) -> None:
+        name = func.overloadpacket.__name__
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if (inputs and all(self.is_host(t) for t in inputs)) or (self.host_factory and not inputs):
+            self.mark_host(outputs)
+            return  # host-side tensor work: not on the device
+        if not self.counting:
+            return
+        counts = self.counts
+        if func.namespace == "c10d":  # collectives: kernels on the device's stream (NCCL), no host wait
+            counts.launches[name] += 1
+            return
+        returns = func._schema.returns
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            counts.views += 1
+            return
+        if name in NO_KERNEL_OPS:
+            return
+        if not returns or not all(str(r.type).startswith("Tensor") for r in returns):
+            if name.startswith("_foreach"):
+                pass  # in-place foreach ops return nothing but launch
+            elif inputs and not self._in_sync:
+                counts.syncs[f"{name} at {call_site()}"] += 1  # a device value returned as a Python number
+                return
+            else:
+                return
+        inplace = bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns)
+        if not inplace and outputs and all(t.numel() == 0 for t in outputs) and not name.startswith("_foreach"):
+            counts.empty += 1
+            return
+        counts.launches[name] += 1
+        if name in VALUE_SIZED_OPS or (name in ("index", "index_put", "index_put_") and _bool_index(args)):
+            counts.syncs[f"{name} at {call_site()}"] += 1
+        if name in GEMM_OPS:
+            self._gemm(name, args, kwargs, out, counts)
+            return
+        tensors = inputs + ([] if inplace else outputs)
+        counts.nongemm_bytes += sum(self.widths.nbytes(t) for t in tensors)
+        if self.region == "optimizer" and not inplace:
+            counts.largest_temporary_bytes = max(
+                counts.largest_temporary_bytes, sum(self.widths.nbytes(t) for t in outputs)
+            )
+
+    def _gemm(self, name: str, args, kwargs, out, counts: RegionCounts) -> None:
+        flops, operands, key = gemm_flops(name, args, out, self.widths)
+        aligned = all(_aligned(t, self.widths) for t in operands)
+        counts.gemm_flops += flops
+        if not aligned:
+            counts.gemm_flops_misaligned += flops
+        counts.gemm_shapes[(name, *key, aligned)] += 1
+
+    # --- results ----------------------------------------------------------------------------------------------
+
+    def summary(self, packs: int) -> dict:
+        """Per-step totals, per-region figures and per-pack non-GEMM bytes, JSON-ready."""
+        total = RegionCounts()
+        for counts in self.regions.values():
+            _add(total, counts)
+        gemm = total.gemm_flops
+        syncs = collections.Counter()
+        for counts in self.regions.values():
+            syncs.update(counts.syncs)
+        return {
+            "packs": packs,
+            "step": total.summary()
+            | {
+                "misaligned_gemm_flop_share": round(total.gemm_flops_misaligned / gemm, 4) if gemm else 0.0,
+                "nongemm_gb_per_pack": round(total.nongemm_bytes / 1e9 / packs, 2),
+                "ops": dict(total.launches.most_common()),
+            },
+            "regions": {name: counts.summary() for name, counts in self.regions.items()},
+            "sync_sites": dict(syncs.most_common()),
+            "gemm_shapes": [
+                {"op": k[0], "m": k[1], "k": k[2], "n": k[3], "batch": k[4], "aligned": k[5], "calls": n}
+                for k, n in sorted(total.gemm_shapes.items(), key=lambda kv: -kv[1])
+            ],
+        }
+
+
+def _add(total: RegionCounts, counts: RegionCounts) -> None:
+    total.launches.update(counts.launches)
+    total.syncs.update(counts.syncs)
+    total.gemm_shapes.update(counts.gemm_shapes)
+    for name in ("views", "empty", "gemm_flops", "gemm_flops_misaligned", "attention_flops", "nongemm_bytes",
+                 "h2d_copies", "h2d_pageable", "h2d_bytes"):  # fmt: skip
+        setattr(total, name, getattr(total, name) + getattr(counts, name))
+    total.largest_temporary_bytes = max(total.largest_temporary_bytes, counts.largest_temporary_bytes)
+
+
+def _bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else None
+    return isinstance(indices, (list, tuple)) and any(
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices
+    )
+
+
+def _aligned(tensor: torch.Tensor, widths: WidthMap) -> bool:
+    """Whether every row pitch of a GEMM operand (the stride of its non-unit-stride matrix dimension) is a multiple
+    of 16 bytes at the real widths."""
+    if tensor.dim() < 2:
+        return True
+    s0, s1 = tensor.stride(-2), tensor.stride(-1)
+    if tensor.shape[-1] == 1 or tensor.shape[-2] == 1:
+        return True
+    pitch = s0 if s1 == 1 else s1 if s0 == 1 else None
+    if pitch is None:
+        return False
+    return widths.pitch(pitch) * tensor.element_size() % ALIGN_BYTES == 0
+
+
+def gemm_flops(name: str, args, out, widths: WidthMap) -> tuple[float, list[torch.Tensor], tuple]:
+    """(real FLOPs, matrix operands, (M, K, N, batch)) of one GEMM-class op."""
+    if name in ("mm", "addmm", "_scaled_mm", "addbmm", "bmm", "baddbmm"):
+        a, b = (args[1], args[2]) if name in ("addmm", "addbmm", "baddbmm") else (args[0], args[1])
+        (m, k), n = widths.shape(tuple(a.shape[-2:])), widths.shape((b.shape[-1],))[0]
+        batch = a.shape[0] if a.dim() == 3 else 1
+        return 2.0 * batch * m * k * n, [a, b, out], (m, k, n, batch)
+    if name == "convolution":
+        weight = args[1]
+        kernel = math.prod(widths.shape(tuple(weight.shape[1:])))
+        return 2.0 * widths.numel(out) * kernel, [], (widths.numel(out), kernel, 1, 1)
+    # convolution_backward: grad input and grad weight, each the forward's FLOPs
+    grad_output, weight, mask = args[0], args[2], args[-1]
+    kernel = math.prod(widths.shape(tuple(weight.shape[1:])))
+    return 2.0 * widths.numel(grad_output) * kernel * sum(bool(m) for m in mask[:2]), [], (0, kernel, 0, 1)
+
+
+def call_site() -> str:
+    """The innermost frame outside torch and this module: "path:line in function"."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if frame.name in ("__torch_function__", "__torch_dispatch__") or frame.filename.startswith(_SKIP_FRAMES):
+            continue
+        if "_python_dispatch" not in frame.filename:
+            return f"{_short(frame.filename)}:{frame.lineno} in {frame.name}"
+    return "torch"
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "/qvl/", "/main/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
+
+
+_FACTORIES = frozenset({"tensor", "arange", "zeros", "ones", "full", "empty", "as_tensor", "from_numpy", "linspace",
+                        "randn", "rand", "randint", "eye"})  # fmt: skip
+
+
+def _host_placed(args, kwargs) -> bool:
+    """Whether a factory call puts its tensor on the host: no device, or the literal "cpu" (a `torch.device` here is
+    the CPU standing in for CUDA, as in `device=x.device`)."""
+    device = kwargs.get("device", next((a for a in args if isinstance(a, torch.device)), None))
+    return device is None or (isinstance(device, str) and device.startswith("cpu"))
+
+
+class _CensusFunctionMode(TorchFunctionMode):
+    """Python-level events: host syncs by method, host-to-device copies, host factories, CUDA's fused RMSNorm."""
+
+    def __init__(self, census: Census):
+        super().__init__()
+        self.census = census
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        census = self.census
+        if census.suspended:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if func is F.rms_norm:  # CUDA runs one fused kernel each way; CPU's composite decomposes (layer_norm.cpp)
+            bound = dict(zip(("input", "normalized_shape", "weight", "eps"), args)) | kwargs
+            shape = tuple(bound["normalized_shape"])
+            return FusedRmsNorm.apply(census, bound["input"], shape, bound.get("weight"), bound.get("eps"))
+        if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor):
+            return self._to(func, args, kwargs)
+        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor):
+            census.mark_host(args[0], pinned=True)
+            return args[0]
+        if name in SYNC_METHODS and args and isinstance(args[0], torch.Tensor) and not census.is_host(args[0]):
+            census.sync(f".{name.strip('_')}()")
+            census._in_sync += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                census._in_sync -= 1
+        if name in _FACTORIES and _host_placed(args, kwargs):
+            # A host tensor; built from device values (torch.tensor([t.norm() ...])) it reads each of them.
+            device_values = [
+                v for v in pytree.tree_leaves(args) if isinstance(v, torch.Tensor) and not census.is_host(v)
+            ]
+            if device_values:
+                census.sync(f"torch.{name}(device values)", len(device_values))
+            census.host_factory += 1
+            try:
+                result = func(*args, **kwargs)
+            finally:
+                census.host_factory -= 1
+            census.mark_host(result)
+            return result
+        return func(*args, **kwargs)
+
+    def _to(self, func, args, kwargs):
+        census, tensor, cuda_call = self.census, args[0], func.__name__ == "cuda"
+        target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device, int))), None))
+        result = func(*args, **kwargs)
+        explicit_cpu = isinstance(target, str) and target.startswith("cpu")
+        if not cuda_call and (target is None or explicit_cpu):
+            if explicit_cpu and not census.is_host(tensor):
+                census.sync(".to('cpu')")
+                census.mark_host(result)
+            return result
+        if census.is_host(tensor):
+            # A host tensor sent to the device (here the CPU, elsewhere CUDA): a copy, pinned or pageable.
+            census.h2d(tensor, pinned=tensor in census.pinned and bool(kwargs.get("non_blocking")))
+            if result is tensor:
+                with census.paused():
+                    result = tensor.clone()
+            census.host.pop(result, None)
+        return result
+
+
+class _CensusDispatchMode(TorchDispatchMode):
+    """Every aten op, after autograd: counted in the current region."""
+
+    def __init__(self, census: Census):
+        super().__init__()
+        self.census = census
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.census.suspended:
+            self.census.op(func, args, kwargs, out)
+        return out
+
+
+# --- stand-in for torch's varlen flash attention (CUDA) -------------------------------------------------------------
+
+
+class FakeFlash(torch.autograd.Function):
+    """One varlen attention call as the census sees it: one kernel forward, one backward, the real FLOPs; the
+    output is a copy of the query (values do not matter to the counts)."""
+
+    @staticmethod
+    def forward(ctx, census, flops, query, key, value):
+        ctx.census, ctx.flops = census, flops
+        ctx.shapes = (key, value)
+        census.attention(flops, [query, key, value], backward=False)
+        with census.paused():
+            return query.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        census = ctx.census
+        census.attention(2.5 * ctx.flops, [], backward=True)  # FlashAttention-2's backward is ~2.5x its forward
+        key, value = ctx.shapes
+        with census.paused():
+            return None, None, grad.clone(), torch.zeros_like(key), torch.zeros_like(value)
+
+
+class FusedRmsNorm(torch.autograd.Function):
+    """`F.rms_norm` as CUDA runs it: `_fused_rms_norm` forward, `_fused_rms_norm_backward`; the values are CPU's."""
+
+    @staticmethod
+    def forward(ctx, census, x, shape, weight, eps):
+        ctx.census, ctx.shape, ctx.eps = census, shape, eps
+        ctx.save_for_backward(x, weight if weight is not None else torch.empty(0))
+        with census.paused():
+            out = F.rms_norm(x, shape, weight, eps)
+        census.opaque("_fused_rms_norm", [x, weight, out])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        census = ctx.census
+        x, weight = ctx.saved_tensors
+        weight = weight if weight.numel() else None
+        with census.paused(), torch.enable_grad():
+            leaves = [x.detach().requires_grad_()] + ([weight.detach().requires_grad_()] if weight is not None else [])
+            out = F.rms_norm(leaves[0], ctx.shape, leaves[1] if weight is not None else None, ctx.eps)
+            grads = torch.autograd.grad(out, leaves, grad)
+        census.opaque("_fused_rms_norm_backward", [grad, x, weight, *grads])
+        return None, grads[0], None, grads[1] if weight is not None else None, None
+
+
+def fake_varlen_kernel(census: Census):
+    """A stand-in for `torch.nn.attention.varlen.varlen_attn` that counts one flash call per attention."""
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), **kwargs):
+        with census.paused():
+            lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+        heads, dim = query.shape[1], census.widths.dims.get(query.shape[2], query.shape[2])
+        causal = tuple(window_size) == (-1, 0)
+        flops = 4.0 * sum(n * n for n in lengths) * heads * dim * (0.5 if causal else 1.0)
+        return FakeFlash.apply(census, flops, query, key, value)
+
+    return varlen_attn
+
+
+VARLEN_NAMES = frozenset({"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "scale", "window_size",
+                          "enable_gqa", "return_aux"})  # fmt: skip
