@@ -65,18 +65,19 @@ def default_recipe(family: str) -> str:
     return names[0]
 
 
-def dataset_packs(data: Path) -> int:
-    """How many packs a `qvl data prepare` output holds (each parity step trains on all of them)."""
+def dataset_report(data: Path) -> dict:
+    """A `qvl data prepare` output's report.json, refusing one of more packs than every step can train."""
     report = Path(data) / "report.json"
     if not report.is_file():
         raise DataError(f"{data} has no report.json; pass the --output folder of `qvl data prepare`")
-    packs = int(json.loads(report.read_text())["packed_sequences"])
+    content = json.loads(report.read_text())
+    packs = int(content["packed_sequences"])
     if not 0 < packs <= MAX_PACKS:
         raise DataError(
             f"{data} holds {packs} packs; verification trains every pack in every step, so prepare a handful of "
             f"samples (1 to {MAX_PACKS} packs), e.g. `head -n 32 data.jsonl > few.jsonl` and `qvl data prepare`"
         )
-    return packs
+    return content
 
 
 def run_parity(spec: ParitySpec) -> ParityReport:
@@ -93,15 +94,20 @@ def run_parity(spec: ParitySpec) -> ParityReport:
     family = checkpoint_family(spec.hf_path)
     recipe = spec.recipe or default_recipe(family.name)
     device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dataset = dataset_report(spec.data)
     run = MegatronRun(
         recipe=recipe,
         hf_path=Path(spec.hf_path),
         data=Path(spec.data),
         run_dir=Path(spec.run_dir) / "qvl",
         steps=spec.steps,
-        global_batch_size=dataset_packs(spec.data),
+        global_batch_size=int(dataset["packed_sequences"]),  # every pack in every step
         options={
             "precision": PRECISION_OPTIONS[spec.precision],
+            "seq_length": int(dataset["seq_length"]),
+            # a recipe's warm-up (50 steps for SFT) outlasts a check of a few steps, and Megatron-Bridge then caps it
+            # to a fraction of a step that transformers' schedulers cannot express
+            "warmup_iters": 1 if spec.steps > 1 else 0,
             **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" else {}),
             **(NO_MOE_AUX_LOSS if family.moe else {}),
             **spec.options,
@@ -120,6 +126,11 @@ def run_parity(spec: ParitySpec) -> ParityReport:
     report = compare(qvl, hf, family=family.name, recipe=recipe, precision=spec.precision, peak_lr=settings.lr)
     report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec)
     report.deliberate += moe_note(config) if family.moe else []
+    if "warmup_iters" not in spec.options:
+        report.deliberate.append(
+            f"schedule: this check warmed up over {settings.warmup_steps} step(s) instead of the recipe's warm-up "
+            "(pass warmup_iters=N, fewer than --steps, to choose); both frameworks followed the same learning rates."
+        )
     return report
 
 

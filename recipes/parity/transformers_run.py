@@ -61,11 +61,17 @@ def reference_settings(
             "the reference schedule warms up from 0 at a constant weight decay; set scheduler.lr_warmup_init=0 "
             "and start_weight_decay=end_weight_decay"
         )
+    warmup = scheduler.lr_warmup_steps / config.train.global_batch_size  # in samples once the config is validated
+    if warmup != int(warmup):
+        raise ConfigError(
+            f"Megatron-Bridge capped the warm-up to {scheduler.lr_warmup_steps} samples ({warmup:.2f} steps), which "
+            "transformers' schedulers cannot express; pass warmup_iters=N with N smaller than the steps verified"
+        )
     return ReferenceSettings(
         steps=config.train.train_iters,
         lr=optimizer.lr,
         min_lr=optimizer.min_lr or 0.0,
-        warmup_steps=scheduler.lr_warmup_iters,
+        warmup_steps=int(warmup),
         schedule=SCHEDULES[scheduler.lr_decay_style],
         weight_decay=optimizer.weight_decay,
         betas=(optimizer.adam_beta1, optimizer.adam_beta2),
