@@ -175,3 +175,78 @@ def test_planner_counts_the_padded_width():
     assert vision_param_count(provider) - vision_param_count(unpadded) == blocks * (
         2 * extra * (width + 1) + width * extra
     )
+
+
+def _qvl(*args: str) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "qvl.launchers.cli", *args], capture_output=True, text=True)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return out.stdout + out.stderr
+
+
+def test_padded_tower_trains_resumes_bit_exactly_and_exports_unpadded(misaligned_checkpoint, tmp_path):
+    """Megatron-Bridge's loop (distributed optimizer, AdamW with weight decay) on the misaligned tiny model: a run
+    stopped and resumed repeats every loss bit for bit, the padding is still exactly zero in the trained checkpoint,
+    and the export is HF-shaped."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForImageTextToText
+
+    from qvl.bridges.convert import copy_hf_side_files
+    from qvl.data.samples import write_sample_dataset
+    from qvl.recipes.training.train import read_losses
+
+    jsonl, media = write_sample_dataset(tmp_path / "samples", count=16, with_bad=False)
+    data = tmp_path / "data"
+    _qvl("data", "prepare", "--input", str(jsonl), "--media-root", str(media), "--family", "qwen2_5_vl",
+         "--hf-path", str(misaligned_checkpoint), "--seq-length", "256", "--output", str(data))  # fmt: skip
+    common = ["qwen25_vl_3b_pretrain", "train_iters=4", "global_batch_size=2", "micro_batch_size=1", "seq_length=256",
+              "warmup_iters=1", "lr=1e-3", "save_interval=100", "log_interval=1", f"data={data}",
+              f"hf_path={misaligned_checkpoint}", "--model", "tiny", "--device", "cpu"]  # fmt: skip
+    _qvl("train", *common, "--run-dir", str(tmp_path / "full"))
+    _qvl("train", *common, "--run-dir", str(tmp_path / "resumed"), "--stop-after", "2")
+    _qvl("train", *common, "--run-dir", str(tmp_path / "resumed"))
+    full, resumed = read_losses(tmp_path / "full"), read_losses(tmp_path / "resumed")
+    assert sorted(full) == [1, 2, 3, 4] and resumed == full  # bit-identical floats
+    checkpoints = tmp_path / "full" / "checkpoints"
+    path = checkpoints / "iter_0000004"
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    names = [k for k in metadata if k.endswith(("mlp.gate_proj.weight", "mlp.up_proj.bias", "mlp.down_proj.weight"))]
+    tensors = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in names}
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    assert len(tensors) == 3 * 4  # three padded parameters in each of the tower's four blocks
+    for name, tensor in tensors.items():
+        inside, padding = tensor.split([MISALIGNED, 64 - MISALIGNED], dim=1 if "down_proj" in name else 0)
+        assert inside.abs().sum() > 0 and not padding.any(), name  # trained, and the padding still exactly zero
+    copy_hf_side_files(misaligned_checkpoint, checkpoints / "hf")
+    _qvl("convert", "export", str(checkpoints), str(tmp_path / "export"), "--device", "cpu")
+    exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
+    assert exported.config.vision_config.intermediate_size == MISALIGNED
+    assert exported.model.visual.blocks[0].mlp.down_proj.weight.shape[1] == MISALIGNED
+
+
+@pytest.mark.gpu
+def test_padded_mlp_matches_the_unpadded_one_on_cuda_bf16():
+    """The real width (3420 -> 3456) in bf16 on the GPU: the padded GEMMs give the unpadded outputs and gradients
+    within bf16 rounding (the padding adds exact zeros, cuBLAS may order the sums differently), zero padding grads."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
+
+    config = hf_config(get_architecture("qwen2_5_vl", "3b")).vision_config
+    padded_config, changes = aligned.padded_vision_config(config)
+    torch.manual_seed(0)
+    mlp = Qwen2_5_VLMLP(config, bias=True).to("cuda", torch.bfloat16)
+    padded = Qwen2_5_VLMLP(padded_config, bias=True).to("cuda", torch.bfloat16)
+    shapes = {k: v.shape for k, v in padded.state_dict().items()}
+    padded.load_state_dict(
+        {k: aligned.pad_to_parameter(f"x.mlp.{k}", v, shapes[k]) for k, v in mlp.state_dict().items()}
+    )
+    x = torch.randn(8192, 1280, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out, out_padded = mlp(x), padded(x)
+    torch.testing.assert_close(out_padded, out, rtol=1.6e-2, atol=1e-2)
+    (grad_x,) = torch.autograd.grad(out.float().square().sum(), x)
+    out_padded.float().square().sum().backward()
+    torch.testing.assert_close(x.grad, grad_x, rtol=1.6e-2, atol=1e-2)
+    assert not padded.gate_proj.weight.grad[3420:].any() and not padded.up_proj.bias.grad[3420:].any()
+    assert not padded.down_proj.weight.grad[:, 3420:].any()
+    assert changes == {"intermediate_size": (3420, 3456)}
