@@ -1,13 +1,13 @@
 """One record per Qwen-VL model family, read by data, bridges, recipes and the planner.
 
-A family is what shares one HF architecture class, one processor and one bridge: Qwen2-VL, Qwen2.5-VL, Qwen3-VL
-and Qwen3-VL-MoE. Its record says which transformers classes it uses, how its processor resizes, normalises and
-times video, which of its behaviours differ from the others (as flags, so no code outside this file compares
-family names), the tiny debug flavour every test and the demo build, and which qvl modules hold its bridge and
-recipes. Sizes (2B, 7B, ...) are not families: they are rows of `qvl.recipes.architectures`.
+A family is what shares one HF architecture class, one processor and one bridge: Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Qwen3-VL-MoE, Qwen3.5-VL and Qwen3.5-VL-MoE. Its record says which transformers classes it uses, how its processor
+resizes, normalises and times video, which of its behaviours differ from the others (as flags, so no code outside
+this file compares family names), the tiny debug flavour every test and the demo build, and which qvl modules hold
+its bridge and recipes. Sizes (2B, 7B, ...) are not families: they are rows of `qvl.recipes.architectures`.
 
-Adding a family (say Qwen3.5-VL) is one `Family(...)` below, plus its bridge module (if Megatron-Bridge has none)
-and its recipe module; see the README's "Adding a model family".
+Adding a family is one `Family(...)` below, plus its bridge module (if Megatron-Bridge has none or it needs fixes)
+and its recipe module; see the README's "Adding a model family" for what Qwen3.5-VL, the last one added, took.
 """
 
 from __future__ import annotations
@@ -169,6 +169,34 @@ _QWEN3_COMMON = dict(
     recipe_module="qvl.recipes.qwen3_vl",
 )
 
+# Qwen3.5-VL: Qwen3-VL's processor and vision tower without DeepStack, and a hybrid LM: three Gated DeltaNet
+# (linear attention) layers per gated full-attention layer, zero-centred RMSNorm, mRoPE over a quarter of head_dim
+# (partial_rotary_factor 0.25: head_dim 32 rotates 8 dims, sections sum to 4). The tiny LM keeps the pattern
+# (layers 0-2 DeltaNet, 3 full attention) and more value than key heads (4 vs 2), as the released models have.
+_QWEN3_5_TINY_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 1e7,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [2, 1, 1],
+    "mrope_interleaved": True,
+}
+_QWEN3_5_TINY_TEXT = dict(
+    _TINY_TEXT,
+    head_dim=32,
+    rope_parameters=_QWEN3_5_TINY_ROPE,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+_QWEN3_5_COMMON = dict(
+    _QWEN3_COMMON,
+    tiny_vision=_frozen({k: v for k, v in _QWEN3_TINY_VISION.items() if k != "deepstack_visual_indexes"}),
+    bridge_module="qvl.bridges.qwen3_5_vl",  # Megatron-Bridge's Qwen35VL bridges without TE or fla
+    recipe_module="qvl.recipes.qwen3_5_vl",
+)
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -265,6 +293,35 @@ FAMILIES: dict[str, Family] = {
                 )
             ),
             **{**_QWEN3_COMMON, "hf_module": "qwen3_vl_moe", "vision_tower_class": "Qwen3VLMoeVisionModel"},
+        ),
+        Family(
+            name="qwen3_5_vl",
+            title="Qwen3.5-VL",
+            hf_architecture="Qwen3_5ForConditionalGeneration",
+            config_class="Qwen3_5Config",
+            vision_config_class="Qwen3_5VisionConfig",
+            tiny_text=_frozen(_QWEN3_5_TINY_TEXT),
+            **{**_QWEN3_5_COMMON, "hf_module": "qwen3_5", "vision_tower_class": "Qwen3_5VisionModel"},
+        ),
+        Family(
+            name="qwen3_5_vl_moe",
+            title="Qwen3.5-VL-MoE",
+            hf_architecture="Qwen3_5MoeForConditionalGeneration",
+            config_class="Qwen3_5MoeConfig",
+            vision_config_class="Qwen3_5MoeVisionConfig",
+            moe=True,
+            # Routed experts 24 wide (fused gate_up [E, 48, 64], not square, see Qwen3-VL-MoE) plus a gated shared
+            # expert of another width, 40.
+            tiny_text=_frozen(
+                dict(
+                    _QWEN3_5_TINY_TEXT,
+                    num_experts=4,
+                    num_experts_per_tok=2,
+                    moe_intermediate_size=24,
+                    shared_expert_intermediate_size=40,
+                )
+            ),
+            **{**_QWEN3_5_COMMON, "hf_module": "qwen3_5_moe", "vision_tower_class": "Qwen3_5MoeVisionModel"},
         ),
     )
 }

@@ -76,6 +76,26 @@ _Q3_VISION_LARGE = dict(_Q3_VISION_SMALL, depth=27, hidden_size=1152, intermedia
 
 
 def _text(hidden: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, tie: bool, rope: dict, **extra: Any):
+# --- Qwen3.5-VL: the hybrid LM (3 Gated DeltaNet : 1 gated attention; 248,320-token vocabulary, head_dim 256 of which
+# a quarter rotates, theta 1e7, interleaved mRoPE 11/11/10) and a 27-block ViT without DeepStack. Figures:
+# - 9B and 35B-A3B: transformers 5.12.1's Qwen3_5Config / Qwen3_5MoeConfig defaults, documented there as the
+#   Qwen/Qwen3.5-9B and Qwen/Qwen3.5-35B-A3B configurations (models/qwen3_5*/configuration_qwen3_5*.py);
+# - 27B and 397B-A17B: Megatron-Bridge 0.6.2's Qwen35VLModelProvider / Qwen35VLMoEModelProvider docstrings
+#   (megatron/bridge/models/qwen_vl/qwen35_vl_provider.py); the 397B's shared expert width (1,024, "1 shared" of
+#   "expert dim 1024") and both models' vision tower (transformers' Qwen3_5VisionConfig defaults) are read the same way.
+_Q35_ROPE = _rope(10_000_000.0, [11, 11, 10], partial_rotary_factor=0.25, mrope_interleaved=True)
+_Q35_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                   hidden_act="gelu_pytorch_tanh")  # fmt: skip
+
+
+def _q35_text(hidden: int, layers: int, heads: int, kv: int, linear_v_heads: int, **ffn: Any) -> dict[str, Any]:
+    return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                head_dim=256, linear_num_key_heads=16, linear_num_value_heads=linear_v_heads, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248_320, tie_word_embeddings=False,
+                rope_parameters=_Q35_ROPE, max_position_embeddings=262_144, rms_norm_eps=1e-6, **ffn)  # fmt: skip
+
+
     return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                 intermediate_size=ffn, vocab_size=vocab, tie_word_embeddings=tie, rope_parameters=rope,
                 max_position_embeddings=128_000, rms_norm_eps=1e-6, **extra)  # fmt: skip
@@ -124,6 +144,18 @@ ARCHITECTURES: dict[tuple[str, str], Architecture] = {
                     num_experts_per_tok=8, moe_intermediate_size=1536, decoder_sparse_step=1),
               dict(_Q3_VISION_LARGE, out_hidden_size=4096)),
     ]
+        _arch("qwen3_5_vl", "9b", "Qwen/Qwen3.5-9B",
+              _q35_text(4096, 32, 16, 4, 32, intermediate_size=12288), dict(_Q35_VISION, out_hidden_size=4096)),
+        _arch("qwen3_5_vl", "27b", "Qwen/Qwen3.5-27B",
+              _q35_text(5120, 64, 24, 4, 48, intermediate_size=17408), dict(_Q35_VISION, out_hidden_size=5120)),
+        _arch("qwen3_5_vl_moe", "35b-a3b", "Qwen/Qwen3.5-35B-A3B",
+              _q35_text(2048, 40, 16, 2, 32, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                        shared_expert_intermediate_size=512),
+              dict(_Q35_VISION, out_hidden_size=2048)),
+        _arch("qwen3_5_vl_moe", "397b-a17b", "Qwen/Qwen3.5-397B-A17B",
+              _q35_text(4096, 60, 32, 2, 64, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=1024,
+                        shared_expert_intermediate_size=1024),
+              dict(_Q35_VISION, out_hidden_size=4096)),
 }  # fmt: skip
 
 

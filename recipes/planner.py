@@ -28,6 +28,7 @@ from qvl.foundation.errors import ConfigError
 from qvl.foundation.layout import ParallelLayout
 from qvl.recipes.overrides import Overrides, apply_config_overrides
 from qvl.recipes.shapes import (
+    gated_delta_layers,
     lm_layer_params,
     lm_param_counts,
     lora_params_per_layer,
@@ -152,8 +153,11 @@ def layer_activation_bytes(
         return tokens * 2 * h / sp  # the layer's input; the rest is rebuilt in backward
     norms = 0 if "layernorm" in modules else 4 * h  # normalized outputs (= linear inputs) of both norms
     per_token = (4 * h + norms) / sp  # + both norms' inputs
-    per_token += (2 * (heads * d + 2 * lm.num_query_groups * d) + 2 * heads * d) / tp  # Q, K, V; attention out
-    per_token += 0 if "core_attn" in modules else 4 * heads / tp  # softmax statistics (fp32)
+    attention = (2 * (heads * d + 2 * lm.num_query_groups * d) + 2 * heads * d) / tp  # Q, K, V; attention out
+    attention += 2 * heads * d / tp if getattr(model, "attention_output_gate", False) else 0  # the output gate
+    attention += 0 if "core_attn" in modules else 4 * heads / tp  # softmax statistics (fp32)
+    delta = gated_delta_layers(model) / model.num_layers  # Qwen3.5: the share of Gated DeltaNet layers
+    per_token += (1 - delta) * attention + delta * gated_delta_bytes_per_token(model) / tp
     if "mlp" not in modules:
         if lm.num_experts:
             # routed copies of the token: expert input, fc1 out, activation out; balanced over EP ranks
@@ -162,6 +166,21 @@ def layer_activation_bytes(
         else:
             per_token += 6 * lm.ffn_hidden_size / tp  # fc1 out (gate + up), activation out
     return tokens * per_token
+
+
+def gated_delta_bytes_per_token(model: Any) -> float:
+    """Bytes one Gated DeltaNet layer keeps per token for backward, before TP (bf16 activations: the in_proj output,
+    the conv output, q and k repeated to the value heads, v, the fp32 decay and beta, the core, norm and gated
+    outputs; plus the fp32 recurrent state [value heads, key dim, value dim] that fla's chunked kernel keeps at every
+    64-token chunk boundary, spread over the chunk's tokens)."""
+    heads_v, dk, dv = model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim
+    qk, v = model.linear_num_key_heads * dk, heads_v * dv
+    in_proj = 2 * (2 * qk + 2 * v + 2 * heads_v)
+    conv = 2 * (2 * qk + v)
+    kernel_inputs = 2 * (2 * heads_v * dk + v) + 4 * 2 * heads_v
+    outputs = 3 * 2 * v
+    state = 4 * heads_v * dk * dv / 64
+    return in_proj + conv + kernel_inputs + outputs + state
 
 
 # What the replicated HF vision towers (Qwen2-VL, Qwen2.5-VL) keep for backward, in bytes per patch, as measured:

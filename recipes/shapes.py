@@ -68,32 +68,72 @@ def padded_vocab(model: Any) -> int:
     return math.ceil(model.vocab_size / step) * step
 
 
-def lm_layer_params(model: Any) -> tuple[int, int]:
-    """(dense, expert) parameters of one LM decoder layer, as Megatron-Core builds it."""
+def gated_delta_layers(model: Any) -> int:
+    """How many LM layers are Gated DeltaNet (linear attention) layers: Qwen3.5's hybrid pattern, else 0."""
+    if getattr(model, "experimental_attention_variant", None) != "gated_delta_net":
+        return 0
+    freq = model.linear_attention_freq
+    if isinstance(freq, int):  # one full-attention layer every `freq` (Megatron-Core's get_linear_attention_pattern)
+        return sum(1 for i in range(model.num_layers) if (i + 1) % freq)
+    return sum(freq)
+
+
+def _attention_params(model: Any) -> int:
+    """One full-attention block with its input norm (an output gate doubles the query projection)."""
     h, heads, groups = model.hidden_size, model.num_attention_heads, model.num_query_groups
     d = model.kv_channels or h // heads
     q, kv = heads * d, groups * d
-    attention = h * (q + 2 * kv) + q * h + (q + 2 * kv if model.add_qkv_bias else 0) + 2 * h  # + 2 norms
-    attention += 2 * d if getattr(model, "qk_layernorm", False) else 0
-    gate = 2 if model.gated_linear_unit else 1
+    gated_q = 2 * q if getattr(model, "attention_output_gate", False) else q
+    params = h * (gated_q + 2 * kv) + q * h + (q + 2 * kv if model.add_qkv_bias else 0) + h
+    return params + (2 * d if getattr(model, "qk_layernorm", False) else 0)
+
+
+def gated_delta_params(model: Any) -> int:
+    """One Gated DeltaNet block with its input norm, as Megatron-Core's GatedDeltaNet holds it: in_proj (q, k, v,
+    gate z, beta, alpha), the depthwise conv over q/k/v, A_log and dt_bias per value head, out_norm, out_proj."""
+    h, heads_v = model.hidden_size, model.linear_num_value_heads
+    qk = model.linear_num_key_heads * model.linear_key_head_dim
+    v = heads_v * model.linear_value_head_dim
+    conv = (2 * qk + v) * model.linear_conv_kernel_dim
+    return h * (2 * qk + 2 * v + 2 * heads_v) + conv + 2 * heads_v + model.linear_value_head_dim + v * h + h
+
+
+def _mlp_params(model: Any) -> tuple[int, int]:
+    """(dense, expert) parameters of one layer's MLP with its pre-MLP norm (router and shared expert are dense)."""
+    h, gate = model.hidden_size, 2 if model.gated_linear_unit else 1
     experts = getattr(model, "num_moe_experts", None)
-    if experts:
-        f = model.moe_ffn_hidden_size
-        return attention + h * experts, experts * (h * f * gate + f * h)  # router; experts
-    f = model.ffn_hidden_size
-    return attention + h * f * gate + f * h, 0
+    if not experts:
+        f = model.ffn_hidden_size
+        return h * f * gate + f * h + h, 0
+    f = model.moe_ffn_hidden_size
+    shared = getattr(model, "moe_shared_expert_intermediate_size", None) or 0
+    shared_params = shared * h * (gate + 1) + (h if shared and getattr(model, "moe_shared_expert_gate", False) else 0)
+    return h * experts + shared_params + h, experts * (h * f * gate + f * h)  # router, shared expert; experts
+
+
+def lm_layer_params(model: Any) -> tuple[int, int]:
+    """(dense, expert) parameters of one LM decoder layer, as Megatron-Core builds it; for a hybrid LM (Qwen3.5)
+    the mean over its Gated DeltaNet and full-attention layers."""
+    dense, expert = _mlp_params(model)
+    delta = gated_delta_layers(model)
+    if not delta:
+        return _attention_params(model) + dense, expert
+    mixers = delta * gated_delta_params(model) + (model.num_layers - delta) * _attention_params(model)
+    return mixers / model.num_layers + dense, expert
 
 
 def lm_param_counts(model: Any) -> dict[str, int]:
     """LM parameters by part: embedding, output layer (0 when tied), final norm, decoder dense, experts."""
     vocab = padded_vocab(model)
-    dense, expert = lm_layer_params(model)
+    mlp_dense, expert = _mlp_params(model)
+    delta = gated_delta_layers(model)
+    mixers = delta * gated_delta_params(model) + (model.num_layers - delta) * _attention_params(model)
     tied = model.share_embeddings_and_output_weights
     return dict(
         embedding=vocab * model.hidden_size,
         output=0 if tied else vocab * model.hidden_size,
         final_norm=model.hidden_size,
-        dense=dense * model.num_layers,
+        dense=mixers + mlp_dense * model.num_layers,
         experts=expert * model.num_layers,
     )
 

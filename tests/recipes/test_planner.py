@@ -25,6 +25,8 @@ def test_parameter_counts_equal_megatron_models_built_on_cpu(cpu_runtime, tiny_h
             ("qwen2_5_vl", "qwen25_vl_3b_sft"),
             ("qwen3_vl", "qwen3_vl_2b_sft"),
             ("qwen3_vl_moe", "qwen3_vl_30b_a3b_sft"),
+            ("qwen3_5_vl", "qwen35_vl_9b_sft"),  # hybrid: Gated DeltaNet + gated attention layers
+            ("qwen3_5_vl_moe", "qwen35_vl_35b_a3b_sft"),  # + a gated shared expert
         ]:
             cfg = get_recipe(name).fn(
                 hf_path=str(tiny_hf_dirs[family]), precision="fp32", tensor_parallel=1, expert_parallel=1

@@ -1,0 +1,121 @@
+"""Qwen3.5-VL recipes, dense (9B, 27B) and MoE (35B-A3B, 397B-A17B) x (pretrain, sft, peft).
+
+Default layouts start from Megatron-Bridge 0.6.2's H100 recipes for the same sizes
+(megatron/bridge/recipes/qwen_vl/h100/qwen35_vl.py: 9B SFT at TP=4 on 4 GPUs, 27B SFT at TP=4 x PP=4 on 16, 27B LoRA
+at TP=2 on 2) and are changed where qvl's layout check or `qvl plan` refuses them: the MoE models have 2 KV heads
+(TP <= 2), and qvl counts expert parallelism inside TP x DP (so 397B-A17B full training takes 512 GPUs, as
+Megatron-Bridge's 397B pretraining recipe does). Every default is planned to fit H100 80 GB at 4096-token packs
+(tests/recipes/test_planner.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qvl.recipes.architectures import get_architecture
+from qvl.recipes.base import ConfigContainer, family_recipe  # base imports Megatron-Bridge safely
+from qvl.recipes.registry import recipe
+
+FAMILY = "qwen3_5_vl"
+MOE_FAMILY = "qwen3_5_vl_moe"  # same base recipe; its checkpoints are a family of their own (HF class, bridge)
+MOE_SIZES = ("35b-a3b", "397b-a17b")
+# Default layout per (size, stage): fits H100 80 GB at 4096-token packs on `gpus` GPUs (tests/recipes plan them).
+LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
+    ("9b", "pretrain"): dict(tensor_parallel=4, gpus=4),
+    ("9b", "sft"): dict(tensor_parallel=4, gpus=4),
+    ("9b", "peft"): dict(tensor_parallel=1, gpus=1),
+    ("27b", "pretrain"): dict(tensor_parallel=4, pipeline_parallel=4, gpus=16),
+    ("27b", "sft"): dict(tensor_parallel=4, pipeline_parallel=4, gpus=16),
+    ("27b", "peft"): dict(tensor_parallel=2, gpus=2),
+    # 2 KV heads: TP <= 2 (Megatron-Bridge's TP=4 MoE recipes split KV heads qvl's layout check refuses).
+    ("35b-a3b", "pretrain"): dict(tensor_parallel=2, expert_parallel=8, gpus=16),
+    ("35b-a3b", "sft"): dict(tensor_parallel=2, expert_parallel=8, gpus=16),
+    ("35b-a3b", "peft"): dict(tensor_parallel=2, expert_parallel=4, gpus=8),
+    ("397b-a17b", "pretrain"): dict(tensor_parallel=2, pipeline_parallel=8, expert_parallel=32, gpus=512),
+    ("397b-a17b", "sft"): dict(tensor_parallel=2, pipeline_parallel=8, expert_parallel=32, gpus=512),
+    ("397b-a17b", "peft"): dict(tensor_parallel=2, pipeline_parallel=4, expert_parallel=16, gpus=128),
+}
+SETTINGS: dict[tuple[str, str], dict] = {}  # non-layout defaults per (size, stage); none needed yet
+
+
+def qwen3_5_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
+    """Base recipe: Qwen3.5-VL at `size` trained at `stage`, with the size's default layout under `overrides`."""
+    return family_recipe(
+        arch=get_architecture(MOE_FAMILY if size in MOE_SIZES else FAMILY, size),
+        stage=stage,
+        layout=LAYOUTS[size, stage],
+        settings=SETTINGS.get((size, stage), {}),
+        overrides=overrides,
+    )
+
+
+@recipe(family=FAMILY, size="9b", stage="pretrain", **LAYOUTS["9b", "pretrain"])
+def qwen35_vl_9b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-9B continued pretraining."""
+    return qwen3_5_vl(size="9b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="9b", stage="sft", **LAYOUTS["9b", "sft"])
+def qwen35_vl_9b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-9B full fine-tuning."""
+    return qwen3_5_vl(size="9b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="9b", stage="peft", **LAYOUTS["9b", "peft"])
+def qwen35_vl_9b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-9B LoRA fine-tuning."""
+    return qwen3_5_vl(size="9b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="27b", stage="pretrain", **LAYOUTS["27b", "pretrain"])
+def qwen35_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-27B continued pretraining."""
+    return qwen3_5_vl(size="27b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="27b", stage="sft", **LAYOUTS["27b", "sft"])
+def qwen35_vl_27b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-27B full fine-tuning."""
+    return qwen3_5_vl(size="27b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="27b", stage="peft", **LAYOUTS["27b", "peft"])
+def qwen35_vl_27b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-27B LoRA fine-tuning."""
+    return qwen3_5_vl(size="27b", stage="peft", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="35b-a3b", stage="pretrain", **LAYOUTS["35b-a3b", "pretrain"])
+def qwen35_vl_35b_a3b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-35B-A3B (MoE) continued pretraining."""
+    return qwen3_5_vl(size="35b-a3b", stage="pretrain", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="35b-a3b", stage="sft", **LAYOUTS["35b-a3b", "sft"])
+def qwen35_vl_35b_a3b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-35B-A3B (MoE) full fine-tuning."""
+    return qwen3_5_vl(size="35b-a3b", stage="sft", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="35b-a3b", stage="peft", **LAYOUTS["35b-a3b", "peft"])
+def qwen35_vl_35b_a3b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-35B-A3B (MoE) LoRA fine-tuning."""
+    return qwen3_5_vl(size="35b-a3b", stage="peft", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="397b-a17b", stage="pretrain", **LAYOUTS["397b-a17b", "pretrain"])
+def qwen35_vl_397b_a17b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-397B-A17B (MoE) continued pretraining."""
+    return qwen3_5_vl(size="397b-a17b", stage="pretrain", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="397b-a17b", stage="sft", **LAYOUTS["397b-a17b", "sft"])
+def qwen35_vl_397b_a17b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-397B-A17B (MoE) full fine-tuning."""
+    return qwen3_5_vl(size="397b-a17b", stage="sft", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="397b-a17b", stage="peft", **LAYOUTS["397b-a17b", "peft"])
+def qwen35_vl_397b_a17b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-397B-A17B (MoE) LoRA fine-tuning."""
+    return qwen3_5_vl(size="397b-a17b", stage="peft", **overrides)
