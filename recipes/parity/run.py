@@ -91,6 +91,11 @@ def run_parity(spec: ParitySpec) -> ParityReport:
         raise ConfigError(f"precision={spec.precision!r} is not supported; use fp32 or bf16")
     if spec.steps < 1:
         raise ConfigError(f"steps={spec.steps} trains nothing; use at least 1 (3 shows the schedule and Adam)")
+    if 0 < int(spec.options.get("warmup_iters", 0)) >= spec.steps:
+        raise ConfigError(
+            f"warmup_iters={spec.options['warmup_iters']} does not fit {spec.steps} steps (Megatron-Bridge would cap it "
+            "to a fraction of a step that transformers' schedulers cannot express); pass warmup_iters < --steps"
+        )
     family = checkpoint_family(spec.hf_path)
     recipe = spec.recipe or default_recipe(family.name)
     device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -49,7 +49,7 @@ def run(parity_inputs, tmp_path, family: str, *, steps: int = STEPS, options=EXA
         data=data,
         run_dir=tmp_path,
         steps=steps,
-        options={**OPTIONS, **options},
+        options={**OPTIONS, "warmup_iters": min(1, steps - 1), **options},
         batch_hook=batch_hook,
     )
     return run_parity(spec)
