@@ -13,9 +13,10 @@ from PIL import Image
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from qvl.foundation.families import get_family  # noqa: E402
 from qvl.foundation.tiny_processor import write_tiny_hf_processor_dir  # noqa: E402
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5_vl")  # Qwen3.5-VL: Qwen3-VL's processor, its own ids
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +65,9 @@ def reference_processor(family: str, hf_path: pathlib.Path, tokenizer, monkeypat
         merge_size = 2
 
     monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
-    cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
+    cls = {"Qwen2VLProcessor": Qwen2VLProcessor, "Qwen2_5_VLProcessor": Qwen2_5_VLProcessor}.get(
+        get_family(family).processor_class, Qwen3VLProcessor
+    )
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf_path))
     return cls(
         image_processor=image_processor,

@@ -13,6 +13,7 @@ from qvl.data.count import TokenCounter, truncate
 from qvl.data.ingest import Conversation, IngestConfig, to_conversation
 from qvl.data.validate import ValidateConfig, validate_sample
 from qvl.data.vision import image_grid_thw, load_vision_config, smart_resize_video_qwen3
+from qvl.foundation.families import get_family
 
 from .conftest import FAMILIES, reference_processor, save_image
 
@@ -142,6 +143,7 @@ def _frame_folder(root: pathlib.Path, frames: int, width: int, height: int) -> s
     [
         ("qwen3_vl", 5, (70, 90)),
         ("qwen3_vl", 4, (200, 40)),
+        ("qwen3_5_vl", 5, (70, 90)),
         ("qwen2_5_vl", 3, (60, 90)),
         ("qwen2_vl", 6, (120, 50)),
     ],
@@ -169,7 +171,7 @@ def test_video_frame_folder_tokens_equal_processor_layout(
     tokenized = counter.count([sample])[0]
 
     factor = vision.video_patch_size * vision.merge_size
-    if family == "qwen3_vl":
+    if get_family(family).video_frames_timestamped:  # Qwen3VLVideoProcessor: one budget per clip
         rh, rw = smart_resize_qwen3(frames, height, width, 2, factor, vision.video_min_pixels, vision.video_max_pixels)
     else:
         rh, rw = smart_resize(height, width, factor, vision.video_min_pixels, vision.video_max_pixels)
