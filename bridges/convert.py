@@ -8,6 +8,7 @@ the small HF files (config, tokenizer, processor) under `hf/`, so export needs n
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
 import shutil
@@ -57,7 +58,6 @@ SUPPORTED_ARCHITECTURES = tuple(f.hf_architecture for f in FAMILIES.values())
 
 def require_qwen_vl(hf_path: Path) -> str:
     """The checkpoint's architecture, or an error listing the ones qvl converts."""
-    import json
 
     check_hf_dir(Path(hf_path))
     try:

@@ -344,6 +344,15 @@ def check_cpu_config(config: Any) -> None:
         raise UnsupportedOnCPU("the CPU runtime cannot run this configuration:\n  - " + "\n  - ".join(problems))
 
 
+def cpu_training_config(config: Any) -> None:
+    """Set what a Megatron-Bridge ConfigContainer needs to train on CPU (gloo, loaders in-process, no pinned
+    memory), then refuse, naming each field, what the CPU runtime cannot run (e.g. bf16: pass precision=fp32)."""
+    config.dist.distributed_backend = "gloo"
+    config.dataset.num_workers = 0
+    config.dataset.pin_memory = False
+    check_cpu_config(config.model)
+
+
 def cpu_safe_config_overrides() -> dict[str, Any]:
     """TransformerConfig fields to set for a CPU run (fusions that only exist as CUDA kernels)."""
     return dict(_CPU_FUSION_OVERRIDES)

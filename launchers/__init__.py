@@ -1,1 +1,1 @@
-"""Launchers: the qvl CLI, NeMo-Run executors and entrypoints, and the CPU runtime for Megatron."""
+"""Launchers: the `qvl` command line, `nemo qvl` entrypoints, NeMo-Run executors, launch and the demo."""

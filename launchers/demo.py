@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qvl.data.samples import write_sample_dataset
+
 FAMILY = "qwen2_5_vl"
 RECIPE = "qwen25_vl_3b_sft"
 PLAN_RECIPE = "qwen25_vl_7b_sft"
@@ -120,9 +122,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from qvl.bridges.convert import copy_hf_side_files
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
-    from qvl.data.samples import write_sample_dataset
 
-    console, out = Console(), Path(args.output).resolve()
+    # --json: the summary alone on stdout, progress and the table on stderr
+    console, out = Console(stderr=args.json), Path(args.output).resolve()
     out.mkdir(parents=True, exist_ok=True)
     device = ["--device", "cpu"] if args.device == "cpu" else []
     write_sample_dataset(out / "samples")
@@ -140,6 +142,8 @@ def run_demo(args: argparse.Namespace) -> int:
         if stage.name.startswith("verify"):
             results[stage.name]["report"] = json.loads(Path(stage.args[stage.args.index("--report") + 1]).read_text())
     _summarise(results, out, console, Table)
+    if args.json:
+        print(json.dumps(results, indent=2, default=str))
     return 0 if all(r["report"]["ok"] for k, r in results.items() if k.startswith("verify")) else 1
 
 
@@ -154,23 +158,34 @@ def _summarise(results: dict, out: Path, console, table_cls) -> None:
     }
     (out / "demo_summary.json").write_text(json.dumps(results, indent=2, default=str))
     _plot_losses(losses, out / "loss.png")
-    table = table_cls(title="qvl demo")
-    for column in ("stage", "seconds", "result", "artifact"):
-        table.add_column(column, overflow="fold")
+    console.print(summary_table(results, out, data, losses, table_cls))
+    console.print(f"summary: {out / 'demo_summary.json'}   loss curve: {out / 'loss.png'}")
+
+
+def summary_table(results: dict, out: Path, data: dict, losses: dict[int, float], table_cls):
+    """The stages as a table that reads at 80 columns: artifacts relative to the output folder, short results."""
+    from rich import box
+
+    table = table_cls(title=f"qvl demo ({out})", box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left")
+    table.add_column("stage", no_wrap=True)
+    table.add_column("s", justify="right", no_wrap=True)
+    table.add_column("result")
+    table.add_column("output", no_wrap=True)
     for name, result in results.items():
         if not isinstance(result, dict) or "seconds" not in result:
             continue
         detail = ""
         if "report" in result:
             r = result["report"]
-            detail = f"max |logit diff| {r['max_abs_diff']:.2g}, {r['tensors_compared']} tensors equal: {r['ok']}"
+            detail = f"max diff {r['max_abs_diff']:.2g}; {r['tensors_compared']} tensors; ok={r['ok']}"
         elif name.startswith("train") and losses:
-            detail = f"loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f} in {len(losses)} steps"
+            detail = f"loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f}, {len(losses)} steps"
         elif name.startswith("prepare"):
             detail = f"{data.get('accepted')} accepted, {data.get('quarantined')} quarantined"
-        table.add_row(name, f"{result['seconds']:.0f}", detail, result["artifact"])
-    console.print(table)
-    console.print(f"summary: {out / 'demo_summary.json'}   loss curve: {out / 'loss.png'}")
+        artifact = Path(result["artifact"]) if result["artifact"] else None
+        shown = f"{artifact.relative_to(out)}/" if artifact and artifact.is_relative_to(out) else str(artifact or "")
+        table.add_row(name, f"{result['seconds']:.0f}", detail, shown)
+    return table
 
 
 def _plot_losses(losses: dict[int, float], path: Path) -> None:

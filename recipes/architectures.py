@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qvl.foundation.cost import shapes_from_hf_config
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import FAMILIES, Family, get_family
 
@@ -75,7 +76,6 @@ _Q3_VISION_LARGE = dict(_Q3_VISION_SMALL, depth=27, hidden_size=1152, intermedia
                         deepstack_visual_indexes=[8, 16, 24])  # fmt: skip
 
 
-def _text(hidden: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, tie: bool, rope: dict, **extra: Any):
 # --- Qwen3.5-VL: the hybrid LM (3 Gated DeltaNet : 1 gated attention; 248,320-token vocabulary, head_dim 256 of which
 # a quarter rotates, theta 1e7, interleaved mRoPE 11/11/10) and a 27-block ViT without DeepStack. Figures:
 # - 9B and 35B-A3B: transformers 5.12.1's Qwen3_5Config / Qwen3_5MoeConfig defaults, documented there as the
@@ -96,6 +96,7 @@ def _q35_text(hidden: int, layers: int, heads: int, kv: int, linear_v_heads: int
                 rope_parameters=_Q35_ROPE, max_position_embeddings=262_144, rms_norm_eps=1e-6, **ffn)  # fmt: skip
 
 
+def _text(hidden: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, tie: bool, rope: dict, **extra: Any):
     return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                 intermediate_size=ffn, vocab_size=vocab, tie_word_embeddings=tie, rope_parameters=rope,
                 max_position_embeddings=128_000, rms_norm_eps=1e-6, **extra)  # fmt: skip
@@ -143,7 +144,6 @@ ARCHITECTURES: dict[tuple[str, str], Architecture] = {
               _text(4096, 94, 64, 4, 12288, 151936, False, _Q3_ROPE, head_dim=128, num_experts=128,
                     num_experts_per_tok=8, moe_intermediate_size=1536, decoder_sparse_step=1),
               dict(_Q3_VISION_LARGE, out_hidden_size=4096)),
-    ]
         _arch("qwen3_5_vl", "9b", "Qwen/Qwen3.5-9B",
               _q35_text(4096, 32, 16, 4, 32, intermediate_size=12288), dict(_Q35_VISION, out_hidden_size=4096)),
         _arch("qwen3_5_vl", "27b", "Qwen/Qwen3.5-27B",
@@ -156,6 +156,7 @@ ARCHITECTURES: dict[tuple[str, str], Architecture] = {
               _q35_text(4096, 60, 32, 2, 64, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=1024,
                         shared_expert_intermediate_size=1024),
               dict(_Q35_VISION, out_hidden_size=4096)),
+    ]
 }  # fmt: skip
 
 
@@ -180,7 +181,6 @@ def hf_config(arch: Architecture, **text_overrides: Any) -> Any:
 
 def cost_shapes(family: str, size: str) -> tuple[Any, Any]:
     """qvl.foundation.cost's (LMShape, VisionShape) of a published model, from its config in this table."""
-    from qvl.foundation.cost import shapes_from_hf_config
 
     return shapes_from_hf_config(hf_config(get_architecture(family, size)).to_dict())
 

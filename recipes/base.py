@@ -6,12 +6,15 @@ Family modules (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`) own their sizes' default l
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qvl.data.planned import check_plan, read_dp_plan
 from qvl.foundation.errors import ConfigError, DataError
+from qvl.foundation.families import get_family
 from qvl.foundation.layout import ParallelLayout, check_layout
 from qvl.foundation.megatron import import_megatron_bridge
 from qvl.recipes.architectures import Architecture, load_hf_config
@@ -86,6 +89,15 @@ class QvlConfigContainer(ConfigContainer):
 
     qvl: QvlTrainingConfig = field(default_factory=QvlTrainingConfig)
 
+    def validate(self) -> None:
+        """Megatron-Bridge's checks, then where the dataset meets the recipe, then qvl's own behaviours attached.
+
+        Megatron-Bridge's `pretrain()`/`finetune()` call this before any model exists (runtime_config_update), so
+        `qvl train`, `nemo qvl` and a notebook calling those loops with qvl's forward step behave the same."""
+        super().validate()
+        check_dataset_matches_recipe(self)
+        attach_qvl_behaviours(self)
+
 
 def check_dataset(dataset: Any) -> None:
     """Refuse a missing dataset, or a folder that `qvl data prepare` did not write, naming the option to fix."""
@@ -99,6 +111,55 @@ def check_dataset(dataset: Any) -> None:
         raise DataError(
             f"data={dataset.path} is not a qvl packed dataset (no .nv-meta/); write one with `qvl data prepare`"
         )
+
+
+def check_dataset_matches_recipe(config: Any) -> None:
+    """Refuse a dataset prepared for another family, with longer packs than the recipe's `seq_length`, or with a
+    DP plan for another data-parallel size or global batch (report.json), naming the fix."""
+    dataset = config.dataset
+    if not isinstance(dataset, QvlPackedDatasetConfig) or dataset.path is None:
+        return
+    path = Path(dataset.path)
+    report = json.loads((path / "report.json").read_text()) if (path / "report.json").is_file() else {}
+    family = report.get("family")
+    if family and family != dataset.family:
+        raise DataError(
+            f"data={path} was prepared for {family}, but this recipe trains {dataset.family}; prepare it again "
+            f"with `qvl data prepare --family {dataset.family} ...` or train a {family} recipe"
+        )
+    packed, recipe_length = report.get("seq_length"), config.model.seq_length
+    if packed and packed > recipe_length:
+        raise DataError(
+            f"data={path} holds packs of up to {packed} tokens, longer than the recipe's seq_length={recipe_length}; "
+            f"train with seq_length={packed} or prepare the data again with --seq-length {recipe_length}"
+        )
+    plan = read_dp_plan(path)
+    if plan and config.data_parallel_size is not None:
+        check_plan(
+            path,
+            plan,
+            data_parallel=config.data_parallel_size,
+            global_batch_size=config.train.global_batch_size,
+            what="this run trains",
+        )
+
+
+def attach_qvl_behaviours(config: Any) -> None:
+    """Make the `qvl` section act wherever the config runs: `vision_recompute` registers its pre-wrap hook (once)."""
+    settings = getattr(config, "qvl", None)
+    if settings is None or not settings.vision_recompute:
+        return
+    family = getattr(config.dataset, "family", None)
+    if family is None or get_family(family).megatron_vision_tower:
+        raise ConfigError(
+            f"vision_recompute=True is for the replicated HF vision towers of Qwen2-VL / Qwen2.5-VL; {family}'s "
+            "tower is Megatron's and recomputes with the language model (recompute=full); drop vision_recompute"
+        )
+    from qvl.bridges.providers import recompute_vision_towers  # Megatron-Bridge's model side, loaded on use
+
+    hooks = getattr(config.model, "_pre_wrap_hooks", [])
+    if recompute_vision_towers not in hooks:
+        config.model.register_pre_wrap_hook(recompute_vision_towers)
 
 
 def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> ConfigContainer:
@@ -190,7 +251,7 @@ def build_model(arch: Architecture, o: RecipeOptions) -> Any:
 
     model = provider_from_hf(load_hf_config(o.hf_path, arch))
     _check_divisible(model, o, f"{arch.family} {arch.size}")
-    _check_vision_balance(model, arch, o)
+    _check_vision_balance(arch, o)
     model.seq_length = o.seq_length
     model.tensor_model_parallel_size = o.tensor_parallel
     model.pipeline_model_parallel_size = o.pipeline_parallel
@@ -226,12 +287,10 @@ def _check_divisible(model: Any, o: RecipeOptions, name: str) -> None:
         raise ConfigError("sequence_parallel=True needs tensor_parallel >= 2; set sequence_parallel=False")
 
 
-def _check_vision_balance(model: Any, arch: Architecture, o: RecipeOptions) -> None:
-    from megatron.bridge.models.qwen_vl.qwen25_vl_provider import Qwen25VLModelProvider
-
+def _check_vision_balance(arch: Architecture, o: RecipeOptions) -> None:
     # The balanced step runs the replicated HF tower and hands inputs_embeds to Qwen25VLModel.forward (Qwen2-VL's
     # too). Qwen3-VL's tower is Megatron's, sharded over TP, and feeds deepstack features into the decoder.
-    if o.vision_balance and not isinstance(model, Qwen25VLModelProvider):
+    if o.vision_balance and get_family(arch.family).megatron_vision_tower:
         raise ConfigError(
             f"vision_balance=True is not supported for {arch.family} yet: its vision tower is Megatron's, "
             "tensor-parallel itself (each rank holds 1/TP of its weights), so no rank can encode an image alone, "

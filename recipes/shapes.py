@@ -4,6 +4,7 @@ training benchmark's counts; `tests/recipes/test_planner.py` checks them against
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any
 
@@ -50,7 +51,6 @@ def vision_is_megatron(model: Any) -> bool:
 
 def vision_param_count(model: Any) -> int:
     """Parameters of the vision tower incl. mergers, counted on the HF module built on the meta device."""
-    import importlib
 
     import torch
 

@@ -42,3 +42,31 @@ def free_port() -> int:
     from qvl.foundation.distributed import free_port
 
     return free_port()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen25_checkpoint(tmp_path_factory):
+    """A tiny random Qwen2.5-VL HF checkpoint (the family record's debug flavour), written once per session."""
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+
+    return write_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny-qwen25") / "hf", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tiny_qwen25_checkpoint, tmp_path_factory):
+    """The shipped sample conversations prepared for the tiny Qwen2.5-VL at seq_length 256 (once per session)."""
+    from qvl.data.prepare import PrepareConfig, prepare
+    from qvl.data.samples import write_sample_dataset
+
+    root = tmp_path_factory.mktemp("tiny-data")
+    jsonl, media = write_sample_dataset(root / "samples")
+    config = PrepareConfig(
+        input=jsonl,
+        media_root=media,
+        family="qwen2_5_vl",
+        hf_path=tiny_qwen25_checkpoint,
+        seq_length=256,
+        output=root / "data",
+    )
+    prepare(config)
+    return root / "data"

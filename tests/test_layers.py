@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from qvl.foundation import LAYERS
+
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"foundation": 0, "bridges": 1, "data": 1, "recipes": 2, "launchers": 3}
 
 
 def qvl_imports(path: Path) -> list[tuple[int, str]]:

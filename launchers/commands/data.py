@@ -11,6 +11,9 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+from qvl.data.parallel import RayConfig
+from qvl.data.prepare import PrepareConfig, prepare
+from qvl.data.stats import load_report, plot_lengths_and_fill, report_rows
 from qvl.foundation.errors import DataError, QvlError
 from qvl.foundation.families import FAMILIES
 
@@ -106,7 +109,6 @@ def _positive(text: str) -> int:
 
 
 def _ray_settings(args: argparse.Namespace):
-    from qvl.data.parallel import RayConfig
 
     if args.ray is None:
         return None
@@ -119,8 +121,6 @@ def _ray_settings(args: argparse.Namespace):
 def run_prepare(args: argparse.Namespace) -> int:
     """`qvl data prepare`."""
     from rich.console import Console
-
-    from qvl.data.prepare import PrepareConfig, prepare
 
     console = Console(stderr=True)
     config = PrepareConfig(
@@ -169,7 +169,6 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 def run_stats(args: argparse.Namespace) -> int:
     """`qvl data stats`."""
-    from qvl.data.stats import load_report, plot_lengths_and_fill
 
     try:
         report = load_report(args.output)
@@ -188,8 +187,6 @@ def run_stats(args: argparse.Namespace) -> int:
 def _print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from qvl.data.stats import report_rows
 
     if not sys.stdout.isatty():  # a pipe or a file: plain aligned columns, never wrapped or cut
         rows = report_rows(report)

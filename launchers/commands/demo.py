@@ -11,4 +11,5 @@ def register(subparsers) -> None:
     demo.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces the CPU runtime")
     demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     demo.add_argument("--output", default=".demo", help="where artifacts go (default .demo/)")
+    demo.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (progress on stderr)")
     demo.set_defaults(func=run_demo)

@@ -6,11 +6,15 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import FAMILIES
 from qvl.recipes.overrides import parse_overrides
+from qvl.recipes.planner import GEMM_EFFICIENCY, GIB, plan_recipe
+from qvl.recipes.registry import all_recipes, get_recipe
+from qvl.recipes.split import Workload
 
 PLAN_EPILOG = "overrides are recipe keyword arguments, e.g. tensor_parallel=4 recompute=full optimizer_offload=0.6"
 
@@ -60,7 +64,6 @@ RECIPE_COLUMNS = ("recipe", "family", "size", "stage", "TP", "PP", "EP", "planne
 
 def recipe_rows(family: str | None = None) -> list[dict[str, Any]]:
     """One row per registered recipe (natural size order), as `qvl recipes --json` prints them."""
-    from qvl.recipes.registry import all_recipes
 
     rows = []
     for info in all_recipes():
@@ -111,9 +114,6 @@ def run_recipes(args: argparse.Namespace) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Plan a recipe; exit 1 when it does not fit or does not divide (the reasons and fixes are printed)."""
-    from qvl.recipes.planner import plan_recipe
-    from qvl.recipes.registry import get_recipe
-    from qvl.recipes.split import Workload
 
     overrides = parse_overrides(args.overrides).as_dict()
     info = get_recipe(args.recipe)
@@ -137,7 +137,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def plan_dict(name: str, plan: Any) -> dict[str, Any]:
     """The plan as plain data (`qvl plan --json`): memory in GiB per stage, FLOPs, MFU, problems, suggestions."""
-    from qvl.recipes.planner import GIB
 
     return {
         "recipe": name,
@@ -172,8 +171,6 @@ def print_plan(name: str, plan: Any) -> None:
     """The plan as rich tables: memory per stage, then FLOPs and MFU, then problems and fixes."""
     from rich.console import Console
     from rich.table import Table
-
-    from qvl.recipes.planner import GEMM_EFFICIENCY, GIB
 
     console = Console()
     lay = plan.layout
@@ -233,9 +230,7 @@ def print_plan(name: str, plan: Any) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from qvl.recipes.training.train import TrainRequest, read_losses, run_training
+    from qvl.recipes.training.train import TrainRequest, read_losses, run_training  # torch
 
     request = TrainRequest(
         recipe=args.recipe,

@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 
+from qvl.bridges.checkpoints import check_megatron_checkpoint, has_checkpoint
+from qvl.foundation import distributed, megatron, patches, runtime
 from qvl.foundation.errors import ConfigError
+from qvl.recipes.options import check_option_names
+from qvl.recipes.overrides import Overrides, apply_config_overrides
+from qvl.recipes.registry import get_recipe
 
 logger = logging.getLogger(__name__)
 LOSSES_FILE = "losses.jsonl"
@@ -42,9 +47,7 @@ def prepare_config(request: TrainRequest, *, cpu: bool | None = None, tiny_dir: 
 
     `cpu` defaults to this machine (`--device cpu` or no CUDA); `qvl launch --dryrun` passes the executor's.
     `tiny_dir` is where `--model tiny` writes its checkpoint (default RUN_DIR/tiny-hf)."""
-    from qvl.recipes.options import check_option_names
-    from qvl.recipes.overrides import Overrides, apply_config_overrides
-    from qvl.recipes.registry import get_recipe
+    from qvl.recipes.base import attach_qvl_behaviours  # imports Megatron-Bridge
 
     info = get_recipe(request.recipe)
     # `section.field=value` pairs set fields of the built ConfigContainer; the rest are recipe options.
@@ -53,7 +56,7 @@ def prepare_config(request: TrainRequest, *, cpu: bool | None = None, tiny_dir: 
     check_option_names(overrides)
     cpu = (request.device == "cpu" or not torch.cuda.is_available()) if cpu is None else cpu
     if request.model == "tiny" and "hf_path" not in overrides:
-        from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+        from qvl.bridges.tiny_model import write_tiny_hf_checkpoint  # transformers
 
         hf_path = tiny_dir or request.run_dir / "tiny-hf"
         if not (hf_path / "config.json").is_file():
@@ -68,40 +71,18 @@ def prepare_config(request: TrainRequest, *, cpu: bool | None = None, tiny_dir: 
     config = info.fn(**overrides)
     if dotted:
         apply_config_overrides(config, dotted)
-    apply_vision_recompute(config, info.family)
+    attach_qvl_behaviours(config)  # validate() does it again (once) under Megatron-Bridge's loop
     if cpu:
-        from qvl.foundation import runtime
-
-        config.dist.distributed_backend = "gloo"
-        config.dataset.num_workers = 0
-        config.dataset.pin_memory = False
-        runtime.check_cpu_config(config.model)
+        runtime.cpu_training_config(config)
     if request.stop_after:
         config.train.exit_interval = request.stop_after  # Megatron-Bridge saves a checkpoint and exits
     return info, config
 
 
-def apply_vision_recompute(config, family: str) -> None:
-    """`vision_recompute` (option, or qvl.vision_recompute=true): the HF vision tower recomputes its blocks."""
-    from qvl.foundation.families import get_family
-
-    if not getattr(getattr(config, "qvl", None), "vision_recompute", False):
-        return
-    if get_family(family).megatron_vision_tower:
-        raise ConfigError(
-            f"vision_recompute=True is for the replicated HF vision towers of Qwen2-VL / Qwen2.5-VL; {family}'s "
-            "tower is Megatron's and recomputes with the language model (recompute=full); drop vision_recompute"
-        )
-    from qvl.bridges.providers import recompute_vision_towers
-
-    config.model.register_pre_wrap_hook(recompute_vision_towers)
-
-
 def check_inputs(info, config, run_dir: Path) -> None:
     """Refuse, before any model is built, what Megatron-Bridge would only find after: no pretrained checkpoint
     for a fine-tune, a missing or truncated checkpoint, a missing dataset, an unwritable run directory."""
-    from qvl.bridges.checkpoints import check_megatron_checkpoint, has_checkpoint
-    from qvl.recipes.base import check_dataset
+    from qvl.recipes.base import check_dataset, check_dataset_matches_recipe  # imports Megatron-Bridge
 
     check_writable("--run-dir", run_dir)
     if config.checkpoint.save:  # checkpoint.save=none trains without saving
@@ -116,6 +97,8 @@ def check_inputs(info, config, run_dir: Path) -> None:
     if pretrained and not resuming:
         check_megatron_checkpoint(Path(pretrained), "pretrained_checkpoint")
     check_dataset(config.dataset)
+    config.set_data_parallel_size()  # from WORLD_SIZE, as Megatron-Bridge's runtime_config_update does
+    check_dataset_matches_recipe(config)
 
 
 def check_writable(what: str, path: Path) -> None:
@@ -158,46 +141,85 @@ class _LossRecorder:
 
 
 def run_training(request: TrainRequest) -> Path:
-    """Train; returns the run directory (checkpoints/, losses.jsonl, tensorboard/)."""
-    from qvl.foundation import distributed, megatron, patches, runtime
-
+    """`qvl train`: the recipe's config with the request's settings, trained by `train`."""
     check_writable("--run-dir", request.run_dir)
-    request.run_dir.mkdir(parents=True, exist_ok=True)
-    if "MASTER_PORT" not in os.environ:  # not under torchrun: a free port, not the fixed default 29500
-        os.environ["MASTER_PORT"] = str(distributed.free_port())
-    if request.device == "cpu" or not torch.cuda.is_available():
+    cpu = request.device == "cpu" or not torch.cuda.is_available()
+    if cpu:  # switched on before any of Megatron is built, as train() would
         runtime.activate(force=True)
         runtime.enable_bridge_training()
-    megatron.import_megatron_bridge()
-    from megatron.bridge.training.callbacks import CallbackManager
-
-    import qvl.bridges.registration  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
-    from qvl.recipes.training import optimizer_fixes
-
     info, config = prepare_config(request)
     check_inputs(info, config, request.run_dir)
-    callbacks = CallbackManager()
-    callbacks.register("on_train_step_end", _LossRecorder(request.run_dir / LOSSES_FILE))
-    from qvl.recipes.training.step import forward_step
+    return train(
+        config,
+        run_dir=request.run_dir,
+        loop="pretrain" if info.stage == "pretrain" else "finetune",
+        device="cpu" if cpu else "auto",
+        stop_after=request.stop_after,
+    )
 
-    if info.stage == "pretrain":
-        from megatron.bridge.training.pretrain import pretrain as loop
+
+def train(
+    config: Any,
+    *,
+    run_dir: Path | str,
+    loop: str | None = None,
+    device: str = "auto",
+    stop_after: int | None = None,
+) -> Path:
+    """Train a recipe's ConfigContainer with Megatron-Bridge's `pretrain()` / `finetune()` and qvl's forward step.
+
+    The same path `qvl train` takes, for notebooks and scripts:
+
+        >>> from qvl.recipes.qwen2_5_vl import qwen25_vl_3b_sft
+        >>> config = qwen25_vl_3b_sft(hf_path=..., data=..., pretrained_checkpoint=...)
+        >>> config.train.train_iters = 50
+        >>> train(config, run_dir="runs/sft")      # losses in runs/sft/losses.jsonl (read_losses)
+
+    `loop`: "pretrain" or "finetune" (default: finetune when the config names a pretrained checkpoint).
+    `device="cpu"` (or no CUDA) runs through qvl's CPU runtime; `stop_after` saves and exits after that many
+    steps, as a preempted job would, and the same call again resumes. Returns the run directory."""
+    run_dir = Path(run_dir)
+    check_writable("--run-dir", run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if loop is None:
+        loop = "finetune" if config.checkpoint.pretrained_checkpoint else "pretrain"
+    if loop not in ("pretrain", "finetune"):
+        raise ConfigError(f"loop={loop!r} is not one of pretrain, finetune")
+    if "MASTER_PORT" not in os.environ:  # not under torchrun: a free port, not the fixed default 29500
+        os.environ["MASTER_PORT"] = str(distributed.free_port())
+    if device == "cpu" or not torch.cuda.is_available():
+        runtime.activate(force=True)
+        runtime.enable_bridge_training()
+        runtime.cpu_training_config(config)
+    megatron.import_megatron_bridge()
+    from megatron.bridge.training.callbacks import CallbackManager  # Megatron-Bridge: heavy, loaded on use
+
+    import qvl.bridges.registration  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
+    from qvl.recipes.training import optimizer_fixes  # Megatron-Core's optimizer
+    from qvl.recipes.training.step import forward_step  # Megatron-Core
+
+    if stop_after:
+        config.train.exit_interval = stop_after  # Megatron-Bridge saves a checkpoint and exits
+    callbacks = CallbackManager()
+    callbacks.register("on_train_step_end", _LossRecorder(run_dir / LOSSES_FILE))
+    if loop == "pretrain":
+        from megatron.bridge.training.pretrain import pretrain as run_loop
     else:
-        from megatron.bridge.training.finetune import finetune as loop
+        from megatron.bridge.training.finetune import finetune as run_loop
     clean_exit = _CleanExitFilter()
     pretrain_logger = logging.getLogger("megatron.bridge.training.pretrain")
     pretrain_logger.addFilter(clean_exit)
     try:
         # exact resume with torch Adam (no TE/Apex), on any device; the wheel's prebuilt dataset helpers
         with optimizer_fixes.fixed(), patches.applied("megatron-wheel"):
-            loop(config, forward_step, callbacks=callbacks)
+            run_loop(config, forward_step, callbacks=callbacks)
     except SystemExit as stop:
         if stop.code not in (0, None):
             raise
-        logger.info("stopped after %s steps as asked; the same command resumes", request.stop_after)
+        logger.info("stopped after %s steps as asked; the same call resumes", stop_after)
     finally:
         pretrain_logger.removeFilter(clean_exit)
-    return request.run_dir
+    return run_dir
 
 
 def read_losses(run_dir: Path) -> dict[int, float]:

@@ -1,4 +1,4 @@
-"""`qvl convert` checks a checkpoint's consistency first (issue 16, defect 5), and verifies one without
+"""`qvl convert` checks a checkpoint's consistency first, and verifies one without
 tokenizer or processor files from its config alone."""
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def test_worker_processes_serve_the_same_stream_and_resume_exactly(planned, enco
 
 def test_training_at_a_dp_size_the_dataset_was_not_planned_for_is_refused(planned, tmp_path):
     """Through `qvl train` (Megatron-Bridge's loop, one process = DP 1) on a dataset planned for DP 2: the packs
-    planned for rank 1 would never be served, so the loader refuses before the first step, naming the re-plan."""
+    planned for rank 1 would never be served, so the config check refuses before any model is built, naming the re-plan."""
     import subprocess
     import sys
 
@@ -103,9 +103,10 @@ def test_training_at_a_dp_size_the_dataset_was_not_planned_for_is_refused(planne
     args = ["train_iters=1", "global_batch_size=4", "seq_length=256", "--model", "tiny", "--device", "cpu"]
     done = subprocess.run([*command, *args, "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr  # refused where the config is checked, before any model is built
     last = done.stderr.strip().splitlines()[-1]
     assert (
-        last.startswith("error: training at data_parallel=1, global_batch_size=4")
+        last.startswith("error: this run trains at data_parallel=1, global_batch_size=4")
         and "planned for data_parallel=2" in last
     )
     assert "--data-parallel 1 --global-batch-size 4" in last

@@ -70,7 +70,8 @@ def test_importing_every_qvl_module_switches_nothing_on():
     code = """
 import importlib, pathlib, sys, torch
 originals = {"current_device": torch.cuda.current_device, "manual_seed": torch.cuda.manual_seed}
-for folder in ("foundation", "bridges", "data", "recipes", "launchers"):
+from qvl.foundation import FOLDERS
+for folder in FOLDERS:
     for path in sorted(pathlib.Path(folder).rglob("*.py")):
         parts = path.with_suffix("").parts
         importlib.import_module(".".join(("qvl", *parts[:-1], *([] if parts[-1] == "__init__" else parts[-1:]))))

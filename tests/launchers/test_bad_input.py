@@ -1,4 +1,4 @@
-"""Bad input at the seams (issue 16): every wrong value ends in one `error:` line naming the value and the fix,
+"""Bad input at the seams: every wrong value ends in one `error:` line naming the value and the fix,
 exit status 2, no traceback; nothing is dropped silently. Real recipes throughout (no stand-ins)."""
 
 from __future__ import annotations

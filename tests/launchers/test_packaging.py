@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from qvl.foundation import FOLDERS
+
 REPO = Path(__file__).resolve().parents[2]
-SUBPACKAGES = ("recipes", "bridges", "data", "launchers")
+SUBPACKAGES = FOLDERS  # every folder, the floor included: a wheel without qvl.foundation cannot import
 # What a NeMo container provides and qvl must never pull in, upgrade or downgrade.
 CONTAINER_STACK = {
     "torch",
@@ -52,6 +54,12 @@ def test_wheel_maps_each_folder_to_a_qvl_subpackage(wheel):
     assert "[nemo_run.cli]" in entry_points and "qvl = qvl.launchers.nemo_cli" in entry_points
 
 
+def test_pyproject_installs_exactly_the_folders_of_the_layer_list():
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {f"qvl.{folder}": folder for folder in FOLDERS}
+    assert {p for p in setuptools["packages"] if p.count(".") == 1} == {f"qvl.{folder}" for folder in FOLDERS}
+
+
 def test_regular_install_imports_from_site_packages(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run(
@@ -61,8 +69,8 @@ def test_regular_install_imports_from_site_packages(wheel, tmp_path):
     )
     # -S skips site-packages (and so the editable install's finder): only the wheel's files are visible.
     code = (
-        "import importlib.resources, qvl.recipes, qvl.bridges, qvl.data, qvl.launchers; "
-        "print(qvl.recipes.__file__, qvl.bridges.__file__, qvl.data.__file__, qvl.launchers.__file__); "
+        "import importlib, importlib.resources; "
+        f"print(*(importlib.import_module('qvl.' + sub).__file__ for sub in {SUBPACKAGES!r})); "
         "print(len(importlib.resources.files('qvl.launchers').joinpath('requirements-stack.txt').read_text()))"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}

@@ -69,7 +69,7 @@ def runs(dataset, tmp_path_factory) -> dict[str, Path]:
     # The stopped and resumed run also recomputes the HF vision tower: that must not change a single loss either.
     resumed = [*common, "vision_recompute=true"]
     stopped = qvl("train", *resumed, "--run-dir", str(root / "resumed"), "--stop-after", "3")
-    # A planned stop reads as one: no "Pretrain failed ... SystemExit: 0" and no traceback (issue 16, defect 10).
+    # A planned stop reads as one: no "Pretrain failed ... SystemExit: 0" and no traceback.
     assert "Pretrain failed" not in stopped and "Traceback" not in stopped, stopped[-4000:]
     assert "trained 3 steps" in stopped
     qvl("train", *resumed, "--run-dir", str(root / "resumed"))  # same command again: resumes from step 3

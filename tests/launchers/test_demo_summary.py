@@ -1,0 +1,34 @@
+"""`qvl demo`'s summary reads at 80 columns: one line per stage, nothing folded into a column of fragments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from qvl.launchers.demo import summary_table
+
+
+def test_the_summary_fits_80_columns_one_line_per_stage(tmp_path):
+    out = tmp_path / "a-fairly-long-output-folder-name" / ".demo"
+    verify = {"max_abs_diff": 0.0, "tensors_compared": 105, "ok": True}
+    results = {
+        "output": str(out),
+        "prepare data": {"seconds": 12.3, "artifact": str(out / "data")},
+        "convert HF -> Megatron": {"seconds": 20, "artifact": str(out / "megatron")},
+        "verify conversion": {"seconds": 30, "artifact": "", "report": verify},
+        "plan (7B SFT, 8 x H100)": {"seconds": 9, "artifact": ""},
+        "train (SFT, tiny)": {"seconds": 160, "artifact": str(out / "train")},
+        "export Megatron -> HF": {"seconds": 20, "artifact": str(out / "export")},
+        "verify export": {"seconds": 25, "artifact": "", "report": verify},
+    }
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console.print(summary_table(results, out, {"accepted": 48, "quarantined": 3}, {1: 6.349, 20: 4.905}, Table))
+    lines = console.export_text().splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    for stage in (k for k in results if k != "output"):
+        (row,) = [line for line in lines if line.strip().startswith(stage)]  # the whole name on one line
+        assert row
+    assert any("loss 6.349 -> 4.905, 2 steps" in line and "train/" in line for line in lines)
+    assert not any(str(Path(out)) in line for line in lines[1:])  # artifacts relative to the output folder
