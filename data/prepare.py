@@ -104,6 +104,8 @@ class _State:
     truncated: int = 0
     executor: str = ""
     reused: dict[str, int] = field(default_factory=lambda: {"chunks": 0, "shards": 0})  # finished by an earlier run
+    media: int = 0  # images and videos in accepted samples
+    vision_patches: int = 0  # their patches (t x h x w of every grid): what the planner's workload reads
 
 
 def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
@@ -237,6 +239,8 @@ def _merge(config: PrepareConfig, work: pathlib.Path, n_chunks: int, state: _Sta
                 quarantine.write(json.dumps(row, ensure_ascii=False) + "\n")
             for key in ("index", "length", "offset", "size"):
                 columns[key].append(summary[key])
+            state.media += len(summary["grid_thw"])
+            state.vision_patches += int(summary["grid_thw"].prod(axis=1).sum()) if len(summary["grid_thw"]) else 0
             columns["chunk"].append(np.full(len(summary["index"]), chunk, dtype=np.int64))
             if shapes is not None:
                 columns["vision_flops"].append(_vision_flops(shapes[1], summary))
@@ -332,6 +336,8 @@ def _report(config: PrepareConfig, state: _State, lengths: np.ndarray, plan: Pac
         "quarantined_by_reason": dict(sorted(state.reasons.items())),
         "truncated": state.truncated,
         "total_tokens": int(lengths.sum()),
+        "media": state.media,
+        "vision_patches": state.vision_patches,
         "packed_sequences": plan.n_packs,
         "packing_efficiency": round(plan.efficiency(lengths), 6),
         "packs_per_shard": config.packs_per_shard,

@@ -20,7 +20,9 @@ from a roofline: GEMM efficiency, pipeline bubble, unoverlapped TP/EP/DP communi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from qvl.foundation.cost import LMShape, VisionShape
@@ -37,7 +39,7 @@ from qvl.recipes.shapes import (
     vision_is_megatron,
     vision_param_count,
 )
-from qvl.recipes.split import StageCosts, Workload, counts, split_from_counts, stage_costs
+from qvl.recipes.split import StageCosts, Workload, counts, split_from_counts, stage_costs, workload_of_dataset
 
 GIB = 1024**3
 
@@ -281,6 +283,17 @@ def _in_flight(model: Any, stage: int, microbatches: int) -> float:
     return n * (1 + (pp - 1) / (pp * vpp)) if vpp else n
 
 
+def dataset_workload(cfg: Any) -> Workload | None:
+    """The workload of the prepared dataset the config trains on (its report.json), if it names one."""
+    path = getattr(cfg.dataset, "path", None)
+    report = Path(path) / "report.json" if path else None
+    if report is None or not report.is_file():
+        return None
+    _, vision = model_shapes(cfg.model)
+    merge = vision.spatial_merge_size if vision is not None else 2
+    return workload_of_dataset(json.loads(report.read_text()), seq_length=cfg.model.seq_length, merge=merge)
+
+
 @dataclass(kw_only=True, slots=True)
 class _Layout:
     """The parallel layout of a config on `gpus` GPUs, and the micro-batches each pipeline runs per step."""
@@ -364,7 +377,7 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
     hw, model = GPUS[gpu], cfg.model
     problems = _divisibility(cfg, gpus, hw)
     lay = _layout(cfg, gpus)
-    workload = replace(workload or Workload(seq_length=model.seq_length), seq_length=model.seq_length)
+    workload = replace(workload or dataset_workload(cfg) or Workload(seq_length=1), seq_length=model.seq_length)
     stages = _stage_memory(cfg, lay, workload)
     usable = hw.memory_gib * GIB
     worst = max(range(len(stages)), key=lambda s: stages[s].total)

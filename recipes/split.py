@@ -36,6 +36,22 @@ class Workload:
         return [self.patches_per_image] * n
 
 
+def workload_of_dataset(report: dict, *, seq_length: int, merge: int) -> Workload | None:
+    """The workload a `qvl data prepare` report.json describes (mean sample length, vision token share, patches
+    per image or video), for a model whose LM image token is merge**2 patches; None for a report without the
+    vision counts (written before they were kept) or without samples."""
+    samples, tokens = report.get("accepted", 0), report.get("total_tokens", 0)
+    if not samples or not tokens or "vision_patches" not in report:
+        return None
+    media, patches = report.get("media", 0), report["vision_patches"]
+    return Workload(
+        seq_length=seq_length,
+        sample_tokens=max(round(tokens / samples), 1),
+        vision_token_fraction=patches / merge**2 / tokens,
+        patches_per_image=max(round(patches / media), 1) if media else 1,
+    )
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class StageCosts:
     """Forward FLOPs per pack: one LM layer, the vision tower (stage 0) and the LM head (last stage)."""

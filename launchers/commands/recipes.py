@@ -32,9 +32,10 @@ def register(subparsers: Any) -> None:
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe keyword arguments")
     plan.add_argument("--gpus", type=int, help="number of GPUs (default: the recipe's planned count)")
     plan.add_argument("--gpu", default="h100", help="h100, h200 or a100 (default h100)")
-    plan.add_argument("--sample-tokens", type=int, default=1024, help="mean conversation length in a pack")
-    plan.add_argument("--vision-fraction", type=float, default=0.5, help="share of tokens that are image tokens")
-    plan.add_argument("--patches-per-image", type=int, default=1024, help="ViT patches per image (1024 = 448 px)")
+    # The workload: the prepared dataset's own (data=DIR, its report.json), else these (defaults: an image SFT mix).
+    plan.add_argument("--sample-tokens", type=int, help="mean conversation length in a pack (default 1024)")
+    plan.add_argument("--vision-fraction", type=float, help="share of tokens that are image tokens (default 0.5)")
+    plan.add_argument("--patches-per-image", type=int, help="ViT patches per image (default 1024 = 448 px)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=run_plan)
     train = subparsers.add_parser("train", help="train a recipe through Megatron-Bridge (also tiny models on CPU)")
@@ -120,12 +121,14 @@ def run_plan(args: argparse.Namespace) -> int:
     gpus = info.layout.get("gpus", 8) if args.gpus is None else args.gpus
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus} must be at least 1, e.g. --gpus 8")
-    workload = Workload(
-        seq_length=1,
-        sample_tokens=args.sample_tokens,
-        vision_token_fraction=args.vision_fraction,
-        patches_per_image=args.patches_per_image,
-    )  # seq_length: the recipe's
+    given = {
+        "sample_tokens": args.sample_tokens,
+        "vision_token_fraction": args.vision_fraction,
+        "patches_per_image": args.patches_per_image,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    # seq_length is the recipe's; without flags the planner reads the dataset's workload (data=DIR) if there is one
+    workload = Workload(seq_length=1, **given) if given else None
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         plan = plan_recipe(args.recipe, overrides, gpus=gpus, gpu=args.gpu, workload=workload)
     if args.json:

@@ -3,6 +3,8 @@ published configurations."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -207,3 +209,17 @@ def test_hf_vision_tower_bytes_match_what_the_published_qwen25_vl_tower_saves():
     per_block, outside = planner.hf_tower_bytes_per_patch(shapes_from_hf_config(config.to_dict())[1])
     assert (three - two) / patches == pytest.approx(per_block, rel=0.02)
     assert (two - 2 * (three - two)) / patches == pytest.approx(outside, rel=0.02)
+
+
+def test_the_plan_starts_from_the_prepared_datasets_workload(tiny_dataset):
+    from qvl.recipes.split import workload_of_dataset
+
+    report = json.loads((tiny_dataset / "report.json").read_text())
+    assert report["media"] > 0 and report["vision_patches"] > 0  # counted while preparing
+    cfg = get_recipe("qwen25_vl_7b_sft").fn(data=str(tiny_dataset))
+    expected = workload_of_dataset(report, seq_length=cfg.model.seq_length, merge=2)
+    assert expected.sample_tokens == round(report["total_tokens"] / report["accepted"])
+    from_data = plan_config(cfg, gpus=8)
+    assert from_data.worst.activations == plan_config(cfg, gpus=8, workload=expected).worst.activations
+    # the sample set's small images are not the default mix (0.5 of tokens from 1024-patch images)
+    assert from_data.worst.activations != plan_config(cfg, gpus=8, workload=Workload(seq_length=1)).worst.activations
