@@ -158,45 +158,15 @@ def test_vision_flops_equal_torch_flop_counter_on_tiny_hf_towers(family):
 
 
 def _tiny_tower(family: str):
-    if family == "qwen2_vl":
-        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+    """The family record's tiny vision tower: its transformers config and tower class (qvl.bridges.tiny_model)."""
+    import importlib
 
-        config = Qwen2VLVisionConfig(
-            depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
-        )
-        return config, Qwen2VisionTransformerPretrainedModel
-    if family == "qwen2_5_vl":
-        from transformers import Qwen2_5_VLVisionConfig
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    from qvl.bridges.tiny_model import tiny_hf_config
+    from qvl.foundation.families import get_family
 
-        config = Qwen2_5_VLVisionConfig(
-            depth=2,
-            hidden_size=32,
-            num_heads=2,
-            intermediate_size=64,
-            out_hidden_size=48,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=56,
-            fullatt_block_indexes=[1],
-        )
-        return config, Qwen2_5_VisionTransformerPretrainedModel
-    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
-    config = Qwen3VLVisionConfig(
-        depth=2,
-        hidden_size=32,
-        num_heads=2,
-        intermediate_size=64,
-        out_hidden_size=48,
-        patch_size=16,
-        deepstack_visual_indexes=[1],
-        num_position_embeddings=16,
-    )
-    return config, Qwen3VLVisionModel
+    record = get_family(family)
+    modeling = importlib.import_module(f"transformers.models.{record.hf_module}.modeling_{record.hf_module}")
+    return tiny_hf_config(family).vision_config, getattr(modeling, record.vision_tower_class)
 
 
 def test_shapes_from_hf_config_reads_qwen3_moe_text_fields():
