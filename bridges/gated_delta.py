@@ -78,18 +78,17 @@ def causal_conv1d(
 ) -> tuple[torch.Tensor, None]:
     """Depthwise causal conv over x [b, s, d] with weight [d, w], restarted at every `cu_seqlens` boundary."""
     _no_cache(initial_state, output_final_state, "causal_conv1d")
+    if activation not in (None, "silu", "swish"):
+        raise GatedDeltaError(f"causal_conv1d: activation {activation!r} is not supported; use 'silu' or None")
     width = weight.shape[-1]
     kernel = weight.unsqueeze(1)  # [d, 1, w]: one filter per channel
     pieces = []
     for start, end in sequence_bounds(cu_seqlens, x.shape[1]):
-        piece = x[:, start:end].transpose(1, 2)  # [b, d, s]
+        # Each piece on its own, activation included: a sample's output is then the same numbers packed or alone.
+        piece = x[:, start:end].transpose(1, 2).contiguous()  # [b, d, s]
         out = F.conv1d(piece, kernel, bias, padding=width - 1, groups=piece.shape[1])[..., : end - start]
-        pieces.append(out.transpose(1, 2))
+        pieces.append((F.silu(out) if activation else out).transpose(1, 2))
     y = torch.cat(pieces, dim=1)
-    if activation in ("silu", "swish"):
-        y = F.silu(y)
-    elif activation is not None:
-        raise GatedDeltaError(f"causal_conv1d: activation {activation!r} is not supported; use 'silu' or None")
     return y, None
 
 

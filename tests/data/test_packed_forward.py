@@ -1,13 +1,15 @@
-"""The loader's packed THD batch through the tiny Megatron Qwen2.5-VL equals each sample run on its own.
+"""The loader's packed THD batch through a tiny Megatron Qwen-VL equals each sample run on its own.
 
 A packed sequence holds several conversations with their images; attention, mRoPE positions and the
-vision tower must keep them independent. fp32 on CPU; 1e-5 covers summation-order noise.
+vision tower must keep them independent, and in Qwen3.5-VL's hybrid LM the Gated DeltaNet layers' conv window and
+recurrent state too (dense and MoE). fp32 on CPU; 1e-5 covers summation-order noise.
 """
 
 from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from qvl.foundation import distributed
@@ -28,7 +30,8 @@ def _image_spans(
     return spans
 
 
-def test_packed_forward_equals_per_sample_forward(tmp_path, cpu_runtime):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5_vl", "qwen3_5_vl_moe"])
+def test_packed_forward_equals_per_sample_forward(family, tmp_path, cpu_runtime):
     from qvl.bridges.convert import auto_bridge_with_weights
     from qvl.bridges.fixes import fix_provider
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
@@ -38,7 +41,7 @@ def test_packed_forward_equals_per_sample_forward(tmp_path, cpu_runtime):
     from qvl.recipes.training.step import model_inputs
 
     jsonl, media = write_sample_dataset(tmp_path / "samples", count=12, with_bad=False)
-    hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen2_5_vl")
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
     assert (
         main(
             [
@@ -49,7 +52,7 @@ def test_packed_forward_equals_per_sample_forward(tmp_path, cpu_runtime):
                 "--media-root",
                 str(media),
                 "--family",
-                "qwen2_5_vl",
+                family,
                 "--hf-path",
                 str(hf),
                 "--seq-length",
@@ -68,7 +71,7 @@ def test_packed_forward_equals_per_sample_forward(tmp_path, cpu_runtime):
         provider.finalize()
         model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0].eval()
         config = types.SimpleNamespace(
-            path=str(tmp_path / "data"), hf_path=str(hf), family="qwen2_5_vl", micro_batch_size=1, num_workers=0
+            path=str(tmp_path / "data"), hf_path=str(hf), family=family, micro_batch_size=1, num_workers=0
         )
         loader, _, _ = build_packed_datasets(config, None)
         batch = next(iter(loader))
