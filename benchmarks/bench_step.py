@@ -81,7 +81,10 @@ CONFIGS = {
         StepConfig(name="qwen2_vl_2b", family="qwen2_vl", size="2b", recipe="qwen2_vl_2b_pretrain"),
         StepConfig(name="qwen3_vl_4b", family="qwen3_vl", size="4b", recipe="qwen3_vl_4b_pretrain",
                    vision_recompute=False),
-        # tests: the RESULTS.md structure at 2 LM layers, 4 ViT blocks, 2 short packs
+        # tests: the RESULTS.md configuration with one pack per step (counts per pack), and the same structure at
+        # 2 LM layers, 4 ViT blocks, 2 short packs
+        StepConfig(name="results_one_pack", family="qwen2_5_vl", size="3b", recipe="qwen25_vl_3b_pretrain",
+                   layers=12, packs=1),
         StepConfig(name="tiny", family="qwen2_5_vl", size="3b", recipe="qwen25_vl_3b_pretrain", layers=2,
                    vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
                    text_tokens=60),
@@ -353,7 +356,15 @@ def cuda_code_path(census):
     import torch.optim.optimizer as optimizer_module
 
     devices = optimizer_module._get_foreach_kernels_supported_devices
+    rng_state = torch.get_rng_state
+
+    def host_rng_state():  # a host tensor on every device (Megatron's RNG tracker compares it after each fork)
+        state = rng_state()
+        census.mark_host(state)
+        return state
+
     with (
+        mock.patch.object(torch, "get_rng_state", host_rng_state),
         mock.patch.object(attention, "varlen_usable", usable),
         mock.patch.object(attention, "_varlen_kernel", lambda: (fake_varlen_kernel(census), VARLEN_NAMES)),
         mock.patch.object(optimizer_module, "_get_foreach_kernels_supported_devices",
@@ -362,8 +373,8 @@ def cuda_code_path(census):
         yield
 
 
-# qvl's patch groups for a fast step, as its training entry points apply them (those present in this tree).
-STEP_GROUPS = ("lean-hf-vision", "fast-lm")
+# qvl's patch groups for a fast step besides optimizer_fixes.fixed()'s (those present in this tree).
+STEP_GROUPS = ("lean-hf-vision",)
 
 
 @contextlib.contextmanager
@@ -378,8 +389,10 @@ def step_code(*, baseline: bool):
             with patches.applied(optimizer_fixes.GROUP):
                 yield
         return
-    with optimizer_fixes.fixed(), patches.applied(*(g for g in STEP_GROUPS if g in patches.GROUPS)):
-        yield
+    # the copies a CUDA device gets: pinned, non-blocking (qvl.recipes.training.step.to_device)
+    with mock.patch("qvl.recipes.training.step.pinned_copies", lambda device: True):
+        with optimizer_fixes.fixed(), patches.applied(*(g for g in STEP_GROUPS if g in patches.GROUPS)):
+            yield
 
 
 def census_worker(spec_path: pathlib.Path) -> int:
@@ -407,6 +420,8 @@ def census_worker(spec_path: pathlib.Path) -> int:
     overrides = {"hf_path": str(hf_dir), "seq_length": config.seq_length, "global_batch_size": config.packs,
                  "micro_batch_size": 1, "train_iters": 2, "warmup_iters": 1, "save_interval": 10**6,
                  "log_interval": 10**6, "precision": "bf16-mixed", "vision_recompute": config.vision_recompute}  # fmt: skip
+    code = contextlib.ExitStack()  # the step's code, before or after: from the provider (aligned widths) on
+    code.enter_context(step_code(baseline=spec["baseline"]))
     _, cfg = prepare_config(TrainRequest(recipe=config.recipe, overrides=overrides, run_dir=out / "run"))
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.logger.tensorboard_dir = None
@@ -442,7 +457,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
     callbacks = CallbackManager()
     callbacks.register("on_train_step_start", step_start)
     callbacks.register("on_train_step_end", step_end)
-    with cuda_code_path(census), step_code(baseline=spec["baseline"]), patches.applied("megatron-wheel"):
+    with code, cuda_code_path(census), patches.applied("megatron-wheel"):
         pretrain(cfg, census_forward_step(census, regions), callbacks=callbacks)
     result = {"config": asdict(config), "baseline": spec["baseline"], "losses": losses}
     result |= census.summary(config.packs)

@@ -211,20 +211,18 @@ class Census:
             return
         if name in NO_KERNEL_OPS:
             return
-        if not returns or not all(str(r.type).startswith("Tensor") for r in returns):
-            if name.startswith("_foreach"):
-                pass  # in-place foreach ops return nothing but launch
-            elif inputs and not self._in_sync:
+        if returns and not all(str(r.type).startswith("Tensor") for r in returns):
+            if inputs and not self._in_sync:
                 counts.syncs[f"{name} at {call_site()}"] += 1  # a device value returned as a Python number
-                return
-            else:
-                return
+            return
         inplace = bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns)
         if not inplace and outputs and all(t.numel() == 0 for t in outputs) and not name.startswith("_foreach"):
             counts.empty += 1
             return
         counts.launches[name] += 1
-        if name in VALUE_SIZED_OPS or (name in ("index", "index_put", "index_put_") and _bool_index(args)):
+        if name in VALUE_SIZED_OPS or (
+            name in ("index", "index_put", "index_put_") and _bool_index(args) and not _scalar_value(name, args)
+        ):
             counts.syncs[f"{name} at {call_site()}"] += 1
         if name in GEMM_OPS:
             self._gemm(name, args, kwargs, out, counts)
@@ -280,6 +278,11 @@ def _add(total: RegionCounts, counts: RegionCounts) -> None:
                  "h2d_copies", "h2d_pageable", "h2d_bytes"):  # fmt: skip
         setattr(total, name, getattr(total, name) + getattr(counts, name))
     total.largest_temporary_bytes = max(total.largest_temporary_bytes, counts.largest_temporary_bytes)
+
+
+def _scalar_value(name: str, args) -> bool:
+    """`x[mask] = scalar`: index_put_ runs it as masked_fill_, with no host read (TensorAdvancedIndexing.cpp)."""
+    return name.startswith("index_put") and len(args) > 2 and args[2].numel() == 1
 
 
 def _bool_index(args) -> bool:

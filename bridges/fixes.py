@@ -21,7 +21,7 @@ from typing import Any
 from qvl.bridges.aligned import align_vision_widths
 from qvl.bridges.specs import local_gpt_layer_spec
 from qvl.foundation.errors import MissingConfigField
-from qvl.foundation.megatron import NO_TE_SETTINGS, have_transformer_engine
+from qvl.foundation.megatron import have_transformer_engine, no_te_settings
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def fix_provider(provider: Any, hf_config: Any) -> None:
 def use_local_specs(provider: Any) -> None:
     """Build the language model from Megatron-Core's local spec with SDPA attention (no TE needed)."""
     provider.transformer_layer_spec = local_gpt_layer_spec
-    for name, value in NO_TE_SETTINGS.items():
+    for name, value in no_te_settings().items():
         setattr(provider, name, value)
 
 

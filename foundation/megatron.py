@@ -106,8 +106,10 @@ def _is_installed(package: str) -> bool:
 
 
 # TransformerConfig fields for Megatron-Core's local (non-TE) modules, on any device without Transformer Engine:
-# these fusions need kernels that only TE, Apex or the grouped_gemm package provide. (The jit-scripted fusions,
-# bias-dropout-add and cross-entropy, stay on: they run on a plain CUDA torch.)
+# gradient-accumulation fusion needs Apex's `fused_weight_gradient_mlp_cuda`; the others need kernels that only TE,
+# Apex or the grouped_gemm package provide. SwiGLU's bias-activation fusion needs neither: `no_te_settings()` turns
+# it on where CUDA and Triton are. (Megatron-Bridge's GPT provider leaves bias_dropout_fusion at Megatron-Core's
+# default, off, and turns cross_entropy_loss_fusion on, a torch.jit fusion that needs no TE.)
 NO_TE_SETTINGS: dict[str, Any] = {
     "transformer_impl": "local",
     "gradient_accumulation_fusion": False,
@@ -118,6 +120,20 @@ NO_TE_SETTINGS: dict[str, Any] = {
     "moe_grouped_gemm": False,
     "moe_permute_fusion": False,
 }
+
+
+def swiglu_fusion_usable() -> bool:
+    """Whether Megatron-Core's SwiGLU fusion can run here: it is `jit_fuser` = `torch.compile` (megatron/core/jit.py),
+    which needs CUDA and Triton, not TE or Apex."""
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def no_te_settings() -> dict[str, Any]:
+    """NO_TE_SETTINGS for this machine: with SwiGLU's bias-activation fusion where it can run."""
+    return {**NO_TE_SETTINGS, "bias_activation_fusion": swiglu_fusion_usable()}
+
 
 _STAND_INS: dict[str, StandIn] = {s.module: s for s in STAND_INS}
 _FINDER = _StandInFinder()

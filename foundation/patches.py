@@ -150,6 +150,12 @@ PATCHES: tuple[Patch, ...] = (
           replacement="qvl.recipes.training.optimizer:fused_adam", version=MCORE, params=("config", "model_chunks"),
           why="torch AdamW is built with foreach kernels (their temporaries hold a copy of the optimizer state); "
               "its fused kernel is one pass, where the device has it"),
+    # --- fast-lm: qvl.recipes.training.fast_lm (around every training loop, any device)
+    Patch(group="fast-lm", target="megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_thd",
+          replacement="qvl.recipes.training.fast_lm:packed_rotary", version=MCORE,
+          params=("t", "cu_seqlens", "freqs", "rotary_interleaved", "mla_rotary_interleaved", "mscale", "cp_group"),
+          why="packed rotary reads every sub-sequence's length and start to the host in every attention layer; with "
+              "one CP rank and per-token frequencies the whole-pack rotary is bitwise the same"),
     # --- qwen3-vl-local-vision: while qvl.bridges.qwen3_vl.Qwen3VLModel.__init__ runs without TE
     *(
         Patch(group="qwen3-vl-local-vision",

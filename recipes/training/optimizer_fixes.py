@@ -16,8 +16,9 @@ distributed optimizer wraps torch's Adam, and resuming from a checkpoint breaks 
    losses drift from the uninterrupted run from the second step after a resume. Fix: after loading,
    give each parameter its own `step` tensor holding the checkpoint's step, read from its param groups.
 Both apply on any device: `fixed()` puts them in place for a block, where TE or Apex does not provide the optimizer,
-together with qvl's one-pass optimizer step (group "fast-optimizer", qvl.recipes.training.optimizer), which replaces
-the same no-TE/no-Apex fallbacks.
+together with the other groups qvl's training loop needs there: the one-pass optimizer step ("fast-optimizer",
+qvl.recipes.training.optimizer), which replaces the same no-TE/no-Apex fallbacks, and the packed rotary without host
+reads ("fast-lm", qvl.recipes.training.fast_lm), which stands in for TE's fused THD rotary.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Iterator
 import torch
 
 from qvl.foundation import patches
+from qvl.recipes.training.fast_lm import GROUP as FAST_LM
 from qvl.recipes.training.optimizer import GROUP as FAST_OPTIMIZER
 
 GROUP = "torch-adam-resume"
@@ -70,9 +72,9 @@ def needed() -> bool:
 
 
 def fixed() -> contextlib.AbstractContextManager:
-    """The fixes (patch group "torch-adam-resume" of qvl.foundation.patches) and the one-pass optimizer step
-    ("fast-optimizer") in place for a block, where needed."""
-    return patches.applied(GROUP, FAST_OPTIMIZER) if needed() else contextlib.nullcontext()
+    """The fixes (patch group "torch-adam-resume" of qvl.foundation.patches), the one-pass optimizer step
+    ("fast-optimizer") and the packed rotary without host reads ("fast-lm") in place for a block, where needed."""
+    return patches.applied(GROUP, FAST_OPTIMIZER, FAST_LM) if needed() else contextlib.nullcontext()
 
 
 # Replacement factories named by qvl.foundation.patches.

@@ -10,6 +10,7 @@ import torch
 
 from qvl.bridges.lean_vision import prepared_tower_inputs
 from qvl.data.count import IGNORE_INDEX
+from qvl.recipes.training.fast_lm import mark_whole_pack
 
 # Batch fields passed to the model when present (Qwen2-VL / Qwen2.5-VL / Qwen3-VL forward arguments).
 _VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -24,10 +25,10 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    tokens, labels = batch.tokens.to(device), batch.labels.to(device)
+    tokens, labels = to_device(batch.tokens, device), to_device(batch.labels, device)
     # Megatron's cross-entropy has no ignore index: learn nothing where labels are IGNORE_INDEX.
-    loss_mask = (batch.loss_mask.to(device) > 0) & (labels != IGNORE_INDEX)
-    cu = batch.cu_seqlens_q.to(device=device, dtype=torch.int32)
+    loss_mask = (to_device(batch.loss_mask, device) > 0) & (labels != IGNORE_INDEX)
+    cu = to_device(batch.cu_seqlens_q.to(torch.int32), device)
     padding = 0 if pad_to is None else pad_to - tokens.shape[1]
     if padding < 0:
         raise ValueError(
@@ -39,6 +40,7 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
         labels = torch.nn.functional.pad(labels, (0, padding), value=0)
         loss_mask = torch.nn.functional.pad(loss_mask, (0, padding), value=False)
         cu = torch.cat([cu, cu.new_tensor([pad_to])])
+    mark_whole_pack(cu)  # it ends at the pack's last token: no host read in the rotary (recipes/training/fast_lm.py)
     kwargs = {
         "input_ids": tokens,
         "labels": labels.clamp(min=0),
@@ -56,8 +58,21 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
     for name in _VISUAL_FIELDS:
         value = getattr(batch, name, None)
         if value is not None and value.numel():
-            kwargs[name] = value.to(device)
+            kwargs[name] = to_device(value, device)
     return kwargs, loss_mask.float()
+
+
+def pinned_copies(device: torch.device) -> bool:
+    """Whether host-to-device copies to `device` go through pinned memory, asynchronously (CUDA)."""
+    return device.type == "cuda"
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; to a GPU from pinned memory without blocking the host (a pageable copy waits for the
+    GPU: the H100 profile of benchmarks/RESULTS.md shows 116 of them per step)."""
+    if pinned_copies(device) and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedule_plan: bool = False):

@@ -87,3 +87,41 @@ def test_the_group_replaces_megatron_cores_fallbacks_and_restores_them():
         assert clip_grads.l2_norm_impl is not before
         assert clip_grads.l2_norm_impl.__wrapped__ is before  # the foreach norm, wrapping the fallback
     assert clip_grads.l2_norm_impl is before
+
+
+class _OneRank:
+    """A context-parallel group of one rank, as Megatron-Core's rotary asks it."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rotary_equals_the_per_subsequence_loop_bitwise_without_host_reads(dtype):
+    megatron.import_megatron_bridge()
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from qvl.recipes.training.fast_lm import mark_whole_pack, packed_rotary
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = [5, 17, 1, 9]
+    t = torch.randn(sum(lengths), 4, 16, generator=generator).to(dtype)
+    freqs = torch.randn(sum(lengths), 1, 1, 16, generator=generator)  # per-token (mRoPE) frequencies
+    cu = torch.tensor([0, 5, 22, 23, 32], dtype=torch.int32)
+    upstream = rope_utils._apply_rotary_pos_emb_thd
+    expected = upstream(t, cu, freqs, cp_group=_OneRank())
+    fast = packed_rotary(upstream)
+    assert torch.equal(fast(t, mark_whole_pack(cu.clone()), freqs, cp_group=_OneRank()), expected)
+
+    reads = []
+    original_tolist = torch.Tensor.tolist
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self) or original_tolist(self))
+        marked = mark_whole_pack(cu.clone())
+        fast(t, marked, freqs, cp_group=_OneRank())
+        assert reads == []  # the whole pack in one pass: nothing read back
+        fast(t, cu.clone(), freqs, cp_group=_OneRank())  # not marked as a whole pack: upstream's loop
+        assert len(reads) == 1

@@ -1,0 +1,57 @@
+"""A language-model step without host syncs in its attention layers (patch group "fast-lm" of qvl.foundation.patches).
+
+Megatron-Core 0.19.2's packed (THD) rotary, `_apply_rotary_pos_emb_thd`
+(megatron/core/models/common/embeddings/rope_utils.py), reads the sub-sequence lengths and every sub-sequence's
+start back to the host (`.tolist()`, one `.item()` each) in every attention layer, for the query and the key, then
+cuts the frequencies per sub-sequence and concatenates them again. With one context-parallel rank and frequencies
+for every position of the pack (Qwen-VL's mRoPE positions are per token), those slices put together are the whole
+frequency tensor, so the result is bitwise that of the plain (BSHD) rotary over the whole pack, which is what
+`packed_rotary` runs. That equality needs the sub-sequences to cover the pack: qvl's forward step marks the
+`cu_seqlens` it builds (`mark_whole_pack`), and any other tensor takes upstream's path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+GROUP = "fast-lm"
+_WHOLE_PACK = WeakIdKeyDictionary()  # cu_seqlens tensors whose last entry is the pack's length
+
+
+def mark_whole_pack(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Note that `cu_seqlens` ends at its pack's last token (qvl.recipes.training.step builds them so); returns it."""
+    _WHOLE_PACK[cu_seqlens] = True
+    return cu_seqlens
+
+
+def packed_rotary(original):
+    """`_apply_rotary_pos_emb_thd` that, for a marked whole pack on one CP rank with per-token frequencies, rotates
+    the pack in one pass (no host read); everything else goes to upstream's loop."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    @functools.wraps(original)
+    def apply(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
+              cp_group=None, multi_latent_attention=None):  # fmt: skip
+        whole = (
+            cp_group is not None
+            and cp_group.size() == 1
+            and multi_latent_attention is None
+            and cu_seqlens in _WHOLE_PACK
+            and freqs.dim() >= 1
+            and freqs.size(0) == t.size(0)
+        )
+        if not whole:
+            return original(t, cu_seqlens, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, cp_group,
+                            multi_latent_attention)  # fmt: skip
+        return _apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1),
+            freqs,
+            rotary_interleaved=rotary_interleaved,
+            mla_rotary_interleaved=mla_rotary_interleaved,
+            mscale=mscale,
+        ).squeeze(1)
+
+    return apply
