@@ -41,7 +41,7 @@ MAX_SEQLENS_KWARG = "packed_max_seqlens"
 
 
 def rms_norm(weight: torch.Tensor, hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen2/2.5-VL RMSNorm through torch's fused kernel: normalised in fp32, cast, then weighted."""
+    """transformers' Qwen2.5-VL RMSNorm through torch's fused kernel: normalised in fp32, cast, then weighted."""
     return weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), None, eps)
 
 

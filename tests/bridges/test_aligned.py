@@ -132,30 +132,55 @@ def misaligned_checkpoint(tmp_path_factory):
     return path
 
 
-def test_import_pads_export_strips_and_verify_passes(misaligned_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def imported(misaligned_checkpoint, tmp_path_factory):
+    """The misaligned checkpoint through `qvl convert import` (streamed, fp32)."""
+    from qvl.bridges import convert
+    from qvl.foundation.distributed import run_on_ranks
+
+    megatron = tmp_path_factory.mktemp("imported") / "megatron"
+    run_on_ranks(convert.import_on_rank, str(misaligned_checkpoint), str(megatron), "fp32", cpu=True)
+    return megatron
+
+
+def _assert_verified(report: dict) -> None:
+    assert report["ok"] and report["tensors_different"] == [], report
+    assert report["max_abs_diff"] <= 1e-6 and report["tensors_compared"] > 50
+
+
+def test_import_pads_export_strips_and_verify_passes(misaligned_checkpoint, imported, tmp_path):
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForImageTextToText
 
     from qvl.bridges import convert
     from qvl.foundation.distributed import run_on_ranks
 
-    megatron = tmp_path / "megatron"
-    run_on_ranks(convert.import_on_rank, str(misaligned_checkpoint), str(megatron), "fp32", cpu=True)
-    metadata = dcp.FileSystemReader(str(megatron / "iter_0000000")).read_metadata().state_dict_metadata
+    metadata = dcp.FileSystemReader(str(imported / "iter_0000000")).read_metadata().state_dict_metadata
     widths = {
         k: tuple(m.size) for k, m in metadata.items() if k.endswith((".mlp.gate_proj.weight", ".mlp.down_proj.weight"))
     }
     assert widths and all(64 in shape and MISALIGNED not in shape for shape in widths.values()), widths
-    (report,) = run_on_ranks(convert.verify_on_rank, str(misaligned_checkpoint), str(megatron), None, True, cpu=True)
-    assert report["ok"] and report["tensors_different"] == [], report
-    assert report["max_abs_diff"] <= 1e-6 and report["tensors_compared"] > 50
-    run_on_ranks(convert.export_on_rank, str(megatron), str(tmp_path / "export"), cpu=True)
+    (report,) = run_on_ranks(convert.verify_on_rank, str(misaligned_checkpoint), str(imported), None, True, cpu=True)
+    _assert_verified(report)
+    run_on_ranks(convert.export_on_rank, str(imported), str(tmp_path / "export"), cpu=True)
     original = AutoModelForImageTextToText.from_pretrained(str(misaligned_checkpoint), dtype=torch.float32)
     exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
     assert exported.config.vision_config.intermediate_size == MISALIGNED
     original, exported = original.state_dict(), exported.state_dict()
     assert original.keys() == exported.keys()
     assert [k for k in original if not torch.equal(original[k], exported[k])] == []
+
+
+def test_verify_strips_across_two_pipeline_stages(misaligned_checkpoint, imported):
+    """PP=2: the tower lives on the first stage; the last stage receives its stripped tensors by broadcast."""
+    from qvl.bridges import convert
+    from qvl.foundation.distributed import run_on_ranks
+
+    reports = run_on_ranks(
+        convert.verify_on_rank, str(misaligned_checkpoint), str(imported), None, True, pipeline_parallel=2, cpu=True
+    )
+    (report,) = [r for r in reports if r is not None]
+    _assert_verified(report)
 
 
 def test_planner_counts_the_padded_width():
