@@ -53,6 +53,8 @@ class Recording:
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
     no_weight_decay: set[str] = field(default_factory=set)  # HF names the optimizer does not decay
     default_no_weight_decay: set[str] = field(default_factory=set)  # the same by transformers' own rule
+    # which rank recorded this: data-parallel rank, tensor-parallel rank, last pipeline stage (losses live there)
+    rank: tuple[int, int, bool] = (0, 0, True)
     # step 1, per conversation of L tokens: (loss of the prediction made at each position [L], learned or not [L])
     token_losses: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -101,7 +103,7 @@ class RecordingForwardStep:
         if self.batch_hook is not None:
             iterator = _Hooked(iterator, lambda batch: self.batch_hook(batch, model))
         output, loss_func = forward_step(state, iterator, model, return_schedule_plan)
-        if step == 1:
+        if step == 1 and self.recording.rank[2]:  # earlier pipeline stages return activations, not losses
             record = self.recording.micro_batches[-1]
             record.token_losses = output.detach().reshape(-1).clone()
             record.loss_mask = loss_func.args[0].detach().reshape(-1).clone()
@@ -149,13 +151,25 @@ class ParityCallback:
         self.bridge, self.recording = bridge, recording
         self._lr = 0.0
 
+    def on_train_start(self, context) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.recording.rank = (
+            ps.get_data_parallel_rank(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.is_pipeline_last_stage(ignore_virtual=True),
+        )
+
     def on_train_step_start(self, context) -> None:
         self._lr = float(context.optimizer.param_groups[0]["lr"])
 
     def on_train_step_end(self, context) -> None:
         step = context.state.train_state.step + 1  # train_state.step still counts the steps before this one
         loss = context.loss_dict.get("lm loss") if context.loss_dict else None
-        value = float(loss[0] / loss[1]) if isinstance(loss, (tuple, list)) else float(loss)
+        if loss is None:  # only the last pipeline stage holds the reduced loss
+            value = float("nan")
+        else:
+            value = float(loss[0] / loss[1]) if isinstance(loss, (tuple, list)) else float(loss)
         self.recording.steps.append(StepRecord(step=step, loss=value, grad_norm=float(context.grad_norm), lr=self._lr))
         if step == 1:
             self.recording.grads = export_hf(self.bridge, context.model, grads=True)
@@ -214,12 +228,37 @@ def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
     recording = Recording()
     callback = ParityCallback(bridge, recording)
     callbacks = CallbackManager()
-    for event in ("on_train_step_start", "on_train_step_end", "on_train_end"):
+    for event in ("on_train_start", "on_train_step_start", "on_train_step_end", "on_train_end"):
         callbacks.register(event, getattr(callback, event))
     with optimizer_fixes.fixed(), patches.applied("megatron-wheel"):
         pretrain(config, RecordingForwardStep(recording, run.batch_hook), callbacks=callbacks)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        recording = merge_ranks(recording)
     recording.token_losses = conversation_token_losses(recording.micro_batches)
     return recording, config
+
+
+def merge_ranks(recording: Recording) -> Recording:
+    """Every rank's recording merged (collective): the micro-batches and losses of each data-parallel replica, in
+    step order, from its first tensor-parallel rank of the last pipeline stage; grads and weights are gathered
+    already (the export is collective)."""
+    for record in recording.micro_batches:  # tensors travel; the loader's other fields stay home
+        record.batch = _portable(record.batch)
+    ranks: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, (recording.rank, recording.micro_batches, recording.steps))
+    holders = sorted((rank, batches, steps) for rank, batches, steps in ranks if rank[1] == 0 and rank[2])
+    merged = [(r.step, dp, k, r) for (dp, _, _), batches, _ in holders for k, r in enumerate(batches)]
+    recording.micro_batches = [r for *_, r in sorted(merged, key=lambda m: m[:3])]
+    recording.steps = holders[0][2]
+    return recording
+
+
+def _portable(batch):
+    """A PackedBatch reduced to the fields the reference reads (picklable across processes)."""
+    from types import SimpleNamespace
+
+    fields = ("tokens", "cu_seqlens_q", "image_grid_thw", "pixel_values", "video_grid_thw", "pixel_values_videos")
+    return SimpleNamespace(**{f: getattr(batch, f) for f in (*fields, "second_per_grid_ts")})
 
 
 def conversation_token_losses(micro_batches: list[MicroBatchRecord]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -24,6 +24,9 @@ EXACT_CROSS_ENTROPY = {"model.cross_entropy_loss_fusion": False}
 # Megatron adds its MoE load-balancing loss over each pack; transformers' Qwen3-VL-MoE adds its own only when called
 # with output_router_logits=True, over each conversation: the check compares the language-model loss alone.
 NO_MOE_AUX_LOSS = {"model.moe_aux_loss_coeff": 0.0}
+# The distributed optimizer leaves each data-parallel rank only its shard of the reduced gradients; plain DDP
+# all-reduces them whole, so step 1's gradients can be exported and compared (the update is the same Adam).
+WHOLE_GRADIENTS = {"optimizer.use_distributed_optimizer": False, "ddp.use_distributed_optimizer": False}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,8 +83,11 @@ def dataset_report(data: Path) -> dict:
     return content
 
 
-def run_parity(spec: ParitySpec) -> ParityReport:
-    """Train `spec.steps` steps in qvl (packed, Megatron-Bridge) and in transformers (unpacked) and compare."""
+def run_parity(spec: ParitySpec) -> ParityReport | None:
+    """Train `spec.steps` steps in qvl (packed, Megatron-Bridge) and in transformers (unpacked) and compare.
+
+    Under several processes (torchrun, or `run_on_ranks`) every rank trains qvl's side at the layout the options
+    ask for (tensor_parallel=2, ...); rank 0 then trains the single-process reference and returns the report."""
     from transformers import AutoConfig, AutoTokenizer
 
     from qvl.recipes.parity.megatron_run import MegatronRun, run_megatron
@@ -99,7 +105,12 @@ def run_parity(spec: ParitySpec) -> ParityReport:
     family = checkpoint_family(spec.hf_path)
     recipe = spec.recipe or default_recipe(family.name)
     device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.precision == "bf16" and device == "cpu":
+        raise ConfigError(
+            "--precision bf16 runs on a GPU (qvl's CPU runtime trains in fp32); use --precision fp32 here"
+        )
     dataset = dataset_report(spec.data)
+    replicas = _data_parallel(spec.options)
     run = MegatronRun(
         recipe=recipe,
         hf_path=Path(spec.hf_path),
@@ -113,6 +124,7 @@ def run_parity(spec: ParitySpec) -> ParityReport:
             # a recipe's warm-up (50 steps for SFT) outlasts a check of a few steps, and Megatron-Bridge then caps it
             # to a fraction of a step that transformers' schedulers cannot express
             "warmup_iters": 1 if spec.steps > 1 else 0,
+            **(WHOLE_GRADIENTS if replicas > 1 else {}),
             **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" else {}),
             **(NO_MOE_AUX_LOSS if family.moe else {}),
             **spec.options,
@@ -121,6 +133,8 @@ def run_parity(spec: ParitySpec) -> ParityReport:
         batch_hook=spec.batch_hook,
     )
     qvl, config = run_megatron(run)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() > 0:
+        return None  # rank 0 trains the reference and compares; the others only trained qvl's side
     settings = reference_settings(config, weight_decay_rule=spec.weight_decay_rule, loss_average=spec.loss_average)
     hf_config = AutoConfig.from_pretrained(str(spec.hf_path))
     tokenizer = AutoTokenizer.from_pretrained(str(spec.hf_path))
@@ -131,12 +145,26 @@ def run_parity(spec: ParitySpec) -> ParityReport:
     report = compare(qvl, hf, family=family.name, recipe=recipe, precision=spec.precision, peak_lr=settings.lr)
     report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec)
     report.deliberate += moe_note(config) if family.moe else []
+    if replicas > 1:
+        report.deliberate.append(
+            f"data parallel: {replicas} replicas trained with plain DDP (use_distributed_optimizer=false), so that "
+            "every rank holds step 1's whole reduced gradient to compare; the Adam update is the same."
+        )
     if "warmup_iters" not in spec.options:
         report.deliberate.append(
             f"schedule: this check warmed up over {settings.warmup_steps} step(s) instead of the recipe's warm-up "
             "(pass warmup_iters=N, fewer than --steps, to choose); both frameworks followed the same learning rates."
         )
     return report
+
+
+def _data_parallel(options: dict) -> int:
+    """Data-parallel replicas of this run: the processes over tensor x pipeline x context parallel sizes."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    model_parallel = 1
+    for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+        model_parallel *= int(options.get(key, 1))
+    return max(1, world // model_parallel)
 
 
 def cross_entropy_note(config, spec: ParitySpec) -> list[str]:

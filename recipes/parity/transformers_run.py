@@ -11,7 +11,9 @@ the recipe's, set through TrainingArguments (`reference_settings`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -267,14 +269,33 @@ def run_transformers(
     hf_path: Path, steps: list[list[dict]], settings: ReferenceSettings, output_dir: Path, *, bf16: bool = False
 ) -> Recording:
     """Train the HF model on `steps` (each a list of conversations) with transformers' Trainer; what it did."""
-    from transformers import AutoModelForImageTextToText
-
     counts = {len(s) for s in steps}
     if len(counts) != 1:
         raise ConfigError(
             f"the steps of the qvl run held {sorted(counts)} conversations; transformers accumulates a fixed number "
             "per step, so verify on a dataset whose global batch is all of it (a handful of samples)"
         )
+    with _single_process():
+        return _train_reference(hf_path, steps, settings, output_dir, bf16=bf16, accumulation=counts.pop())
+
+
+@contextlib.contextmanager
+def _single_process():
+    """The reference is one process even inside qvl's multi-rank run: accelerate (under the Trainer) reads the
+    launcher's environment to decide on DDP, so the rank variables are hidden while it trains."""
+    saved = {k: os.environ.pop(k) for k in _LAUNCHER_VARIABLES if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
+
+
+def _train_reference(hf_path, steps, settings, output_dir, *, bf16: bool, accumulation: int) -> Recording:
+    from transformers import AutoModelForImageTextToText
+
     cpu = not torch.cuda.is_available()
     # fp32 weights in both precisions: bf16 is autocast, as Megatron's bf16-mixed keeps fp32 main weights
     model = AutoModelForImageTextToText.from_pretrained(str(hf_path), dtype=torch.float32)
@@ -283,7 +304,7 @@ def run_transformers(
     trainer = _trainer_class()(
         model=model,
         compute_loss_func=_per_token_loss(model.config) if settings.loss_average == "token" else None,
-        args=training_arguments(settings, counts.pop(), output_dir, cpu=cpu, bf16=bf16),
+        args=training_arguments(settings, accumulation, output_dir, cpu=cpu, bf16=bf16),
         train_dataset=[sample for step in steps for sample in step],
         data_collator=lambda features: features[0],
         record=record,
