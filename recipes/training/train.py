@@ -185,7 +185,10 @@ def train(
         loop = "finetune" if config.checkpoint.pretrained_checkpoint else "pretrain"
     if loop not in ("pretrain", "finetune"):
         raise ConfigError(f"loop={loop!r} is not one of pretrain, finetune")
-    if "MASTER_PORT" not in os.environ:  # not under torchrun: a free port, not the fixed default 29500
+    # Not under torchrun: a free port, not the fixed default 29500; set for this loop only, so that a job this
+    # process starts afterwards (NeMo-Run's local executor inherits the environment) picks its own.
+    own_port = "MASTER_PORT" not in os.environ
+    if own_port:
         os.environ["MASTER_PORT"] = str(distributed.free_port())
     if device == "cpu" or not torch.cuda.is_available():
         runtime.activate(force=True)
@@ -219,6 +222,8 @@ def train(
         logger.info("stopped after %s steps as asked; the same call resumes", stop_after)
     finally:
         pretrain_logger.removeFilter(clean_exit)
+        if own_port:
+            os.environ.pop("MASTER_PORT", None)
     return run_dir
 
 
