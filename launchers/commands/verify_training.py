@@ -8,11 +8,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import sys
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 
 def _spec(args: argparse.Namespace, run_dir: Path):
@@ -68,7 +65,6 @@ def run_verify_training(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir) if args.run_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         # Megatron prints its progress to stdout; with --json stdout carries the report alone, so it pipes into jq.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            logger.info("training %d steps in qvl (Megatron-Bridge, packed) and in transformers (unpacked)", args.steps)
             report = run_parity(_spec(args, run_dir))
     if args.plot:
         plot_losses(report, args.plot)

@@ -132,6 +132,7 @@ def run_parity(spec: ParitySpec) -> ParityReport | None:
         device=device,
         batch_hook=spec.batch_hook,
     )
+    logger.info("qvl: %d steps of %s on Megatron-Bridge, %d packs per step", spec.steps, recipe, run.global_batch_size)
     qvl, config = run_megatron(run)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() > 0:
         return None  # rank 0 trains the reference and compares; the others only trained qvl's side
@@ -139,6 +140,9 @@ def run_parity(spec: ParitySpec) -> ParityReport | None:
     hf_config = AutoConfig.from_pretrained(str(spec.hf_path))
     tokenizer = AutoTokenizer.from_pretrained(str(spec.hf_path))
     steps = samples_per_step(qvl, hf_config, tokenizer, seconds_per_grid=family.video_positions_in_seconds)
+    logger.info(
+        "transformers: the same %d steps with its Trainer, %d conversations per step", spec.steps, len(steps[0])
+    )
     hf = run_transformers(
         spec.hf_path, steps, settings, Path(spec.run_dir) / "transformers", bf16=spec.precision == "bf16"
     )

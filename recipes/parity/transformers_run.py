@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from qvl.foundation.errors import ConfigError
+from qvl.foundation.errors import ConfigError, DataError
 from qvl.recipes.parity.megatron_run import Recording, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,10 @@ class _Media:
             placeholders -= int(self.grids[self.taken].prod()) // self.merge**2
             self.taken += 1
         if placeholders:
-            raise ValueError("a conversation's placeholders do not line up with the pack's grids")
+            raise DataError(
+                f"a conversation's {self.token_id} placeholders end inside grid {self.taken - 1} "
+                f"({self.grids[self.taken - 1].tolist()}); the pack's grids and tokens disagree: re-prepare the data"
+            )
         rows = int(self.grids[first : self.taken].prod(-1).sum())
         pixels = None if rows == 0 else self.pixels[self.row : self.row + rows]
         self.row += rows
