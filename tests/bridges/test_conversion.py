@@ -1,10 +1,12 @@
-"""HF <-> Megatron conversion for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: logit parity, per-tensor
-export equality, the one streamed checkpoint loaded at TP=1, TP=2 and PP=2 (two gloo processes), and the
+"""HF <-> Megatron conversion for every family record (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5-VL,
+Qwen3.5-VL-MoE): logit parity, per-tensor export equality, the one streamed checkpoint loaded at TP=1, TP=2 and PP=2
+(two gloo processes; Qwen3.5's DeltaNet heads split over TP, its DeltaNet and attention layers over PP), and the
 errors users hit.
 
 Tolerance: fp32 logits on CPU must agree to 1e-6. Measured: Qwen2-VL and Qwen2.5-VL 0 (bit-identical),
-Qwen3-VL 2.7e-7, Qwen3-VL-MoE 4.2e-7 - summation-order noise of fp32 (the text-only path alone shows
-2e-7). Two images of different sizes, multi-turn text and a 4-frame video go through every model.
+Qwen3-VL 2.7e-7, Qwen3-VL-MoE 4.2e-7, Qwen3.5-VL 1.8e-7 (2.4e-7 at TP=2), Qwen3.5-VL-MoE 2.1e-7 - summation-order
+noise of fp32 (the text-only path alone shows 2e-7). Two images of different sizes, multi-turn text and a 4-frame
+video go through every model.
 """
 
 from __future__ import annotations
