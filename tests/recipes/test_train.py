@@ -34,30 +34,9 @@ def qvl(*args: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> tuple[Path, Path]:
-    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
-    from qvl.data.samples import write_sample_dataset
-
-    root = tmp_path_factory.mktemp("train")
-    jsonl, media = write_sample_dataset(root / "samples")
-    hf = write_tiny_hf_checkpoint(root / "hf", "qwen2_5_vl")
-    qvl(
-        "data",
-        "prepare",
-        "--input",
-        str(jsonl),
-        "--media-root",
-        str(media),
-        "--family",
-        "qwen2_5_vl",
-        "--hf-path",
-        str(hf),
-        "--seq-length",
-        "256",
-        "--output",
-        str(root / "data"),
-    )
-    return root / "data", hf
+def dataset(tiny_dataset, tiny_qwen25_checkpoint) -> tuple[Path, Path]:
+    """The session's prepared sample set (seq_length 256) and the tiny Qwen2.5-VL it was prepared for."""
+    return tiny_dataset, tiny_qwen25_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +55,7 @@ def runs(dataset, tmp_path_factory) -> dict[str, Path]:
     return {"full": root / "full", "resumed": root / "resumed"}
 
 
+@pytest.mark.slow
 def test_loss_falls_and_a_checkpoint_is_saved(runs):
     losses = read_losses(runs["full"])
     assert sorted(losses) == list(range(1, STEPS + 1))
@@ -83,6 +63,7 @@ def test_loss_falls_and_a_checkpoint_is_saved(runs):
     assert (runs["full"] / "checkpoints" / f"iter_{STEPS:07d}").is_dir()
 
 
+@pytest.mark.slow
 def test_stopped_and_resumed_run_reproduces_the_loss_curve_exactly(runs):
     full, resumed = read_losses(runs["full"]), read_losses(runs["resumed"])
     assert (runs["resumed"] / "checkpoints" / "iter_0000003").is_dir()
@@ -91,6 +72,7 @@ def test_stopped_and_resumed_run_reproduces_the_loss_curve_exactly(runs):
     assert resumed == full  # bit-identical floats: data position, weights and Adam state all restored
 
 
+@pytest.mark.slow
 def test_trained_checkpoint_exports_to_hf_that_transformers_loads(runs, dataset, tmp_path):
     from transformers import AutoModelForImageTextToText
 
@@ -126,6 +108,7 @@ def test_dotted_overrides_set_config_fields_and_unknown_ones_are_named(tmp_path,
         prepare_config(request)
 
 
+@pytest.mark.slow
 def test_pipeline_parallel_2_trains_the_packed_dataset_like_one_stage(dataset, tmp_path):
     """PP=2 (two gloo processes under torchrun) from the same converted checkpoint gives PP=1's losses:
     packed batches are padded to seq_length for the fixed-shape stage-to-stage buffers."""
