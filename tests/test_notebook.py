@@ -38,6 +38,7 @@ def this_interpreters_kernel(tmp_path, monkeypatch) -> str:
     return "python3"
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs(tmp_path, monkeypatch, this_interpreters_kernel):
     work = tmp_path / "work"
     monkeypatch.setenv("QVL_NOTEBOOK_DIR", str(work))

@@ -59,6 +59,7 @@ def test_import_verify_export_round_trip(family, hf_paths, imported, tmp_path):
         assert torch.equal(tensor, exported[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"tensor_parallel": 2}, {"pipeline_parallel": 2}], ids=["tp2", "pp2"])
 def test_two_process_conversion_matches_hf(layout, hf_paths, imported):
     ranks = run_on_ranks(conversion_jobs.verify_all, hf_paths, imported, cpu=True, **layout)

@@ -92,6 +92,7 @@ def test_worker_processes_serve_the_same_stream_and_resume_exactly(planned, enco
     assert all(_same(a, b) for a, b in zip(first + rest, expected, strict=True))
 
 
+@pytest.mark.slow
 def test_training_at_a_dp_size_the_dataset_was_not_planned_for_is_refused(planned, tmp_path):
     """Through `qvl train` (Megatron-Bridge's loop, one process = DP 1) on a dataset planned for DP 2: the packs
     planned for rank 1 would never be served, so the config check refuses before any model is built, naming the re-plan."""

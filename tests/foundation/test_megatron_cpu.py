@@ -62,18 +62,21 @@ def parallel_results(tmp_path_factory):
     return reference, ranks
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_matches_one_process(parallel_results):
     reference, ranks = parallel_results
     for rank in ranks:
         torch.testing.assert_close(rank["tp2_forward_loss"], reference["forward_loss"], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_pipeline_parallel_2_matches_one_process(parallel_results):
     reference, ranks = parallel_results
     for rank in ranks:
         torch.testing.assert_close(rank["pp2_forward_loss"], reference["forward_loss"], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_data_parallel_2_with_distributed_optimizer_follows_one_process(parallel_results):
     reference, ranks = parallel_results
     assert len(reference["trajectory"]) == scenarios.STEPS
@@ -83,6 +86,7 @@ def test_data_parallel_2_with_distributed_optimizer_follows_one_process(parallel
         torch.testing.assert_close(rank["dp2_trajectory"], reference["trajectory"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_distributed_checkpoint_round_trip_is_bit_exact(parallel_results):
     _, ranks = parallel_results
     for rank in ranks:

@@ -17,6 +17,8 @@ import pytest
 from qvl.recipes.training.train import read_losses
 from tests.recipes.test_train import ARGS, qvl
 
+pytestmark = pytest.mark.slow  # torchrun runs of two gloo processes
+
 IMAGES_PER_SAMPLE = 3
 # Per step, (rank 0's packs, rank 1's packs) in micro-batch order: step 1 gives rank 0 both image packs,
 # step 2 one image pack per rank but in opposite micro-batches, step 3 no images at all.

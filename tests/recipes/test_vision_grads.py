@@ -114,6 +114,7 @@ def results(tmp_path_factory) -> dict:
     return {key: [rank[key] for rank in ranks] for key in ranks[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tower_gradients_losses_and_encodings_match_the_replicated_tower(results, family, layout):
