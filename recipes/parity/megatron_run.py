@@ -51,8 +51,8 @@ class Recording:
     micro_batches: list[MicroBatchRecord] = field(default_factory=list)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # step 1, after clipping
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
-    no_weight_decay: set[str] = field(default_factory=set)  # HF names the optimizer does not decay
-    default_no_weight_decay: set[str] = field(default_factory=set)  # the same by transformers' own rule
+    # parameters (HF module names) that Megatron's rule and transformers' Trainer rule treat differently
+    decay_rules_differ: list[str] = field(default_factory=list)
     # which rank recorded this: data-parallel rank, tensor-parallel rank, last pipeline stage (losses live there)
     rank: tuple[int, int, bool] = (0, 0, True)
     # step 1, per conversation of L tokens: (loss of the prediction made at each position [L], learned or not [L])

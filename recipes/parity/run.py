@@ -88,11 +88,25 @@ def run_parity(spec: ParitySpec) -> ParityReport | None:
 
     Under several processes (torchrun, or `run_on_ranks`) every rank trains qvl's side at the layout the options
     ask for (tensor_parallel=2, ...); rank 0 then trains the single-process reference and returns the report."""
-    from transformers import AutoConfig, AutoTokenizer
+    from qvl.recipes.parity.megatron_run import run_megatron
 
-    from qvl.recipes.parity.megatron_run import MegatronRun, run_megatron
-    from qvl.recipes.parity.transformers_run import reference_settings, run_transformers, samples_per_step
+    family, device = check_spec(spec)
+    run = qvl_run(spec, family, device)
+    logger.info(
+        "qvl: %d steps of %s on Megatron-Bridge, %d packs per step", spec.steps, run.recipe, run.global_batch_size
+    )
+    qvl, config = run_megatron(run)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() > 0:
+        return None  # rank 0 trains the reference and compares; the others only trained qvl's side
+    hf, settings = reference_run(spec, family, qvl, config)
+    report = compare(qvl, hf, family=family.name, recipe=run.recipe, precision=spec.precision, peak_lr=settings.lr)
+    report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec)
+    report.deliberate += (moe_note(config) if family.moe else []) + run_notes(spec, settings)
+    return report
 
+
+def check_spec(spec: ParitySpec):
+    """Refuse, before anything trains, what cannot be verified; the checkpoint's family record and the device."""
     if spec.precision not in PRECISION_OPTIONS:
         raise ConfigError(f"precision={spec.precision!r} is not supported; use fp32 or bf16")
     if spec.steps < 1:
@@ -103,39 +117,49 @@ def run_parity(spec: ParitySpec) -> ParityReport | None:
             "to a fraction of a step that transformers' schedulers cannot express); pass warmup_iters < --steps"
         )
     family = checkpoint_family(spec.hf_path)
-    recipe = spec.recipe or default_recipe(family.name)
     device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if spec.precision == "bf16" and device == "cpu":
         raise ConfigError(
             "--precision bf16 runs on a GPU (qvl's CPU runtime trains in fp32); use --precision fp32 here"
         )
+    dataset_report(spec.data)
+    return family, device
+
+
+def qvl_run(spec: ParitySpec, family, device: str):
+    """qvl's side: the recipe on every pack of the dataset per step, with the check's defaults under the user's."""
+    from qvl.recipes.parity.megatron_run import MegatronRun
+
     dataset = dataset_report(spec.data)
-    replicas = _data_parallel(spec.options)
-    run = MegatronRun(
-        recipe=recipe,
+    defaults = {
+        "precision": PRECISION_OPTIONS[spec.precision],
+        "seq_length": int(dataset["seq_length"]),
+        # a recipe's warm-up (50 steps for SFT) outlasts a check of a few steps, and Megatron-Bridge then caps it
+        # to a fraction of a step that transformers' schedulers cannot express
+        "warmup_iters": 1 if spec.steps > 1 else 0,
+        **(WHOLE_GRADIENTS if _data_parallel(spec.options) > 1 else {}),
+        **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" else {}),
+        **(NO_MOE_AUX_LOSS if family.moe else {}),
+    }
+    return MegatronRun(
+        recipe=spec.recipe or default_recipe(family.name),
         hf_path=Path(spec.hf_path),
         data=Path(spec.data),
         run_dir=Path(spec.run_dir) / "qvl",
         steps=spec.steps,
         global_batch_size=int(dataset["packed_sequences"]),  # every pack in every step
-        options={
-            "precision": PRECISION_OPTIONS[spec.precision],
-            "seq_length": int(dataset["seq_length"]),
-            # a recipe's warm-up (50 steps for SFT) outlasts a check of a few steps, and Megatron-Bridge then caps it
-            # to a fraction of a step that transformers' schedulers cannot express
-            "warmup_iters": 1 if spec.steps > 1 else 0,
-            **(WHOLE_GRADIENTS if replicas > 1 else {}),
-            **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" else {}),
-            **(NO_MOE_AUX_LOSS if family.moe else {}),
-            **spec.options,
-        },
+        options={**defaults, **spec.options},
         device=device,
         batch_hook=spec.batch_hook,
     )
-    logger.info("qvl: %d steps of %s on Megatron-Bridge, %d packs per step", spec.steps, recipe, run.global_batch_size)
-    qvl, config = run_megatron(run)
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() > 0:
-        return None  # rank 0 trains the reference and compares; the others only trained qvl's side
+
+
+def reference_run(spec: ParitySpec, family, qvl, config):
+    """transformers' side: the conversations qvl's loop consumed, unpacked, through the Trainer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from qvl.recipes.parity.transformers_run import reference_settings, run_transformers, samples_per_step
+
     settings = reference_settings(config, weight_decay_rule=spec.weight_decay_rule, loss_average=spec.loss_average)
     hf_config = AutoConfig.from_pretrained(str(spec.hf_path))
     tokenizer = AutoTokenizer.from_pretrained(str(spec.hf_path))
@@ -143,23 +167,25 @@ def run_parity(spec: ParitySpec) -> ParityReport | None:
     logger.info(
         "transformers: the same %d steps with its Trainer, %d conversations per step", spec.steps, len(steps[0])
     )
-    hf = run_transformers(
-        spec.hf_path, steps, settings, Path(spec.run_dir) / "transformers", bf16=spec.precision == "bf16"
-    )
-    report = compare(qvl, hf, family=family.name, recipe=recipe, precision=spec.precision, peak_lr=settings.lr)
-    report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec)
-    report.deliberate += moe_note(config) if family.moe else []
+    output = Path(spec.run_dir) / "transformers"
+    return run_transformers(spec.hf_path, steps, settings, output, bf16=spec.precision == "bf16"), settings
+
+
+def run_notes(spec: ParitySpec, settings) -> list[str]:
+    """What the check changed from the recipe to run both frameworks alike."""
+    notes = []
+    replicas = _data_parallel(spec.options)
     if replicas > 1:
-        report.deliberate.append(
+        notes.append(
             f"data parallel: {replicas} replicas trained with plain DDP (use_distributed_optimizer=false), so that "
             "every rank holds step 1's whole reduced gradient to compare; the Adam update is the same."
         )
     if "warmup_iters" not in spec.options:
-        report.deliberate.append(
+        notes.append(
             f"schedule: this check warmed up over {settings.warmup_steps} step(s) instead of the recipe's warm-up "
             "(pass warmup_iters=N, fewer than --steps, to choose); both frameworks followed the same learning rates."
         )
-    return report
+    return notes
 
 
 def _data_parallel(options: dict) -> int:
@@ -206,16 +232,12 @@ def moe_note(config) -> list[str]:
 def deliberate_differences(config, hf, settings) -> list[str]:
     """Conventions where Megatron-Bridge and transformers differ by design, and which one this run used."""
     notes = []
-    extra = sorted(hf.default_no_weight_decay ^ hf.no_weight_decay)
-    if settings.weight_decay_rule == "transformers":
-        extra = sorted(
-            hf.default_no_weight_decay ^ {n for n in hf.weights if n.endswith(".bias") or hf.weights[n].ndim == 1}
-        )
+    extra = hf.decay_rules_differ
     if extra:
         used = "Megatron's (the recipe's)" if settings.weight_decay_rule == "megatron" else "transformers'"
         notes.append(
             f"weight decay: Megatron-Core skips every 1-D tensor and bias; transformers' Trainer skips biases, "
-            f"nn.LayerNorm weights and names with a 'norm' word, so it decays {len(extra)} tensors Megatron does not "
+            f"nn.LayerNorm weights and names with a 'norm' word; the rules differ on {len(extra)} tensors "
             f"(e.g. {extra[0]}). This run's reference used {used} rule (--weight-decay-rule)."
         )
     ours = (

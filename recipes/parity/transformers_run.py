@@ -322,19 +322,17 @@ def _train_reference(hf_path, steps, settings, output_dir, *, bf16: bool, accumu
         StepRecord(step=s, loss=record.losses[s], grad_norm=norm, lr=lr)
         for s, norm, lr in zip(sorted(record.losses), record.grad_norms, record.lrs)
     ]
-    decayed = set(trainer.get_decay_parameter_names(trainer.model))
-    recording.no_weight_decay = {n for n, _ in trainer.model.named_parameters() if n not in decayed}
-    recording.default_no_weight_decay = _transformers_no_decay(trainer)
+    recording.decay_rules_differ = decay_rules_differ(trainer)
     recording.token_losses = record.token_losses
     return recording
 
 
-def _transformers_no_decay(trainer) -> set[str]:
-    """The parameters transformers' own Trainer rule would not decay."""
+def decay_rules_differ(trainer) -> list[str]:
+    """The parameters transformers' own Trainer rule decays and Megatron's does not, or the other way round."""
     from transformers import Trainer
 
     decayed = set(Trainer.get_decay_parameter_names(trainer, trainer.model))
-    return {n for n, _ in trainer.model.named_parameters() if n not in decayed}
+    return sorted(n for n, p in trainer.model.named_parameters() if (n in decayed) == megatron_no_decay(n, p))
 
 
 def _per_token_loss(config):
