@@ -131,14 +131,24 @@ def _gradient(param: torch.Tensor) -> torch.Tensor:
 def export_hf(bridge, model: list, *, grads: bool) -> dict[str, torch.Tensor]:
     """The model's weights, or its gradients, under HF names through the bridge's mapping (gathered over TP/PP).
 
-    The mappings are linear rearrangements (split, concatenate, interleave) for these families, so a gradient
-    maps exactly like its weight."""
-    tasks = None
-    if grads:
-        tasks = [
-            task if task.param_weight is None else dataclasses.replace(task, param_weight=_gradient(task.param_weight))
-            for task in bridge.get_conversion_tasks(model)
-        ]
+    The mappings rearrange tensors (split, concatenate, interleave), some also add a constant (Qwen3.5-VL's
+    zero-centred norms are stored as w - 1 on one side): a gradient maps through the linear part alone, so it is
+    exported as export(g) - export(0)."""
+    if not grads:
+        return _export(bridge, model, None)
+    tasks = bridge.get_conversion_tasks(model)
+    exported = _export(bridge, model, _with_weights(tasks, _gradient))
+    offsets = _export(bridge, model, _with_weights(tasks, lambda p: torch.zeros_like(p)))
+    return {name: tensor - offsets[name] for name, tensor in exported.items()}
+
+
+def _with_weights(tasks: list, weight_of: Callable[[torch.Tensor], torch.Tensor]) -> list:
+    return [
+        t if t.param_weight is None else dataclasses.replace(t, param_weight=weight_of(t.param_weight)) for t in tasks
+    ]
+
+
+def _export(bridge, model: list, tasks: list | None) -> dict[str, torch.Tensor]:
     exported = bridge.export_hf_weights(model, cpu=True, show_progress=False, conversion_tasks=tasks)
     # identity mappings hand back the live tensor itself: copy it before the next step changes it
     return {name: tensor.detach().clone().float() for name, tensor in exported}
