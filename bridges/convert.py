@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from qvl.bridges import aligned, verify
+from qvl.bridges import aligned, unconverted, verify
 from qvl.bridges.checkpoints import check_megatron_checkpoint
 from qvl.bridges.consistency import check_hf_checkpoint
 from qvl.bridges.providers import auto_bridge, layout_facts
@@ -97,7 +97,8 @@ def copy_hf_side_files(src: Path, dst: Path) -> None:
     """Copy config, tokenizer and processor files (not weights) from one HF-style directory to another."""
     dst.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():
-        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and not path.name.endswith(".index.json"):
+        weights = path.name.endswith(_WEIGHT_SUFFIXES) and path.name != unconverted.UNCONVERTED_FILE
+        if path.is_file() and not weights and not path.name.endswith(".index.json"):
             shutil.copy2(path, dst / path.name)
 
 
@@ -134,6 +135,7 @@ def import_checkpoint(
     with patches.applied(aligned.GROUP):  # HF tensors zero-padded to the aligned widths the provider builds
         save_streaming(bridge, provider, out_dir, hf_tokenizer_path=str(hf_path))
     copy_hf_side_files(hf_path, out_dir / HF_FILES_DIR)
+    unconverted.save_unconverted(hf_path, out_dir / HF_FILES_DIR)  # e.g. Qwen3.5's mtp.*: kept, not dropped
     return ConversionResult(
         output=out_dir,
         seconds=time.perf_counter() - started,
@@ -186,6 +188,7 @@ def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:
     with patches.applied(aligned.GROUP):  # padded widths cut back to the checkpoint's
         bridge.save_hf_pretrained(model, out_hf_dir, show_progress=False)
     if torch.distributed.get_rank() == 0:
+        unconverted.restore_unconverted(hf_files, out_hf_dir)
         for path in hf_files.iterdir():  # tokenizer + processor files the bridge does not write
             if not (out_hf_dir / path.name).exists():
                 shutil.copy2(path, out_hf_dir / path.name)
@@ -248,9 +251,10 @@ def verify_on_rank(hf_path: str, megatron_dir: str, tolerance: float | None, vid
     ours = verify.megatron_logits(model, inputs)
     with patches.applied(aligned.GROUP):
         compared, different = verify.compare_exported_tensors(bridge, model, Path(hf_path))
+    kept, different = unconverted.sort_out_kept(different, Path(hf_path), Path(megatron_dir) / HF_FILES_DIR)
     if ours is None or parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
     if tolerance is None:  # fp32 parity is ~3e-7; bf16 weights round every matmul input
         tolerance = verify.DEFAULT_TOLERANCE if model[0].config.params_dtype == torch.float32 else 0.25
     report = verify.build_report(verify.hf_logits(Path(hf_path), inputs), ours, compared, different, tolerance)
-    return report.as_dict() | {"peak_rss_bytes": peak_rss_bytes()}
+    return report.as_dict() | {"tensors_kept_aside": kept, "peak_rss_bytes": peak_rss_bytes()}

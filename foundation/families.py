@@ -78,6 +78,8 @@ class Family:
     # --- where the code lives
     bridge_module: str | None  # qvl module whose import registers the bridge; None: Megatron-Bridge's own
     recipe_module: str  # qvl module that registers the family's recipes
+    # Checkpoint tensors qvl carries through conversion untouched instead of converting (qvl.bridges.unconverted).
+    unconverted_prefixes: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
 
     @property
@@ -194,6 +196,8 @@ _QWEN3_5_COMMON = dict(
     _QWEN3_COMMON,
     tiny_vision=_frozen({k: v for k, v in _QWEN3_TINY_VISION.items() if k != "deepstack_visual_indexes"}),
     bridge_module="qvl.bridges.qwen3_5_vl",  # Megatron-Bridge's Qwen35VL bridges without TE or fla
+    # Released checkpoints carry multi-token-prediction weights, which qvl's local specs do not build.
+    unconverted_prefixes=("mtp.",),
     recipe_module="qvl.recipes.qwen3_5_vl",
 )
 
