@@ -76,3 +76,28 @@ def test_fla_is_used_only_where_it_can_run(monkeypatch):
     assert gated_delta.fla_usable()
     monkeypatch.setattr(common, "HAVE_FLA", False)
     assert not gated_delta.fla_usable()
+
+
+def test_gradients_equal_transformers_chunked_fallback_and_the_fp64_recurrence():
+    """Backward through one sample: the same numbers as transformers' chunked torch fallback (bit for bit), and
+    within fp32 rounding of the exact token-by-token recurrence run in fp64."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    inputs, weight = _inputs(150, heads=4, dk=16, dv=16, seed=3), torch.randn(1, 150, 4, 16)
+
+    def grads(rule, dtype):
+        leaves = [t.to(dtype).clone().requires_grad_(True) for t in inputs]
+        (rule(*leaves).double() * weight.double()).sum().backward()
+        return [t.grad.double() for t in leaves]
+
+    ours = grads(lambda *x: gated_delta.chunk_gated_delta_rule(*x, use_qk_l2norm_in_kernel=True)[0], torch.float32)
+    theirs = grads(lambda *x: torch_chunk_gated_delta_rule(*x, use_qk_l2norm_in_kernel=True)[0], torch.float32)
+    exact = grads(
+        lambda *x: torch_recurrent_gated_delta_rule(*x, None, False, use_qk_l2norm_in_kernel=True)[0], torch.float64
+    )
+    for mine, hf, truth in zip(ours, theirs, exact, strict=True):
+        assert torch.equal(mine, hf)
+        assert (mine - truth).norm() <= 2e-6 * truth.norm()
