@@ -188,3 +188,24 @@ def test_a_deliberate_breakage_fails_the_check(parity_inputs, tmp_path, breakage
     report = run(parity_inputs, tmp_path, "qwen2_5_vl", steps=1, batch_hook=hooks[breakage])
     assert not report.ok
     assert any(failure in f for f in report.failures), report.failures
+
+
+def test_json_goes_alone_to_stdout(parity_inputs, tmp_path, capsys):
+    """`--json` prints the report and nothing else on stdout (Megatron's and the Trainer's output go to stderr)."""
+    from qvl.launchers.cli import main
+
+    hf, data = parity_inputs["qwen2_5_vl"]
+    args = [
+        "verify-training",
+        str(hf),
+        "--data",
+        str(data),
+        "--steps",
+        "1",
+        "--json",
+        "--plot",
+        str(tmp_path / "p.png"),
+    ]
+    assert main([*args, "warmup_iters=0", "lr=1e-3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and len(report["steps"]) == 1 and (tmp_path / "p.png").is_file()
