@@ -18,6 +18,7 @@ import shutil
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,6 +26,7 @@ import nemo_run as run
 from nemo_run.core.execution.kubeflow import KubeflowExecutor
 from nemo_run.core.execution.launcher import Torchrun
 
+from qvl.foundation import FOLDERS
 from qvl.foundation.errors import LaunchError
 
 # Set on a LocalExecutor that runs on the CPU runtime; the task then gets `--device cpu`.
@@ -48,6 +50,9 @@ MEGATRON_ENV: dict[str, str] = {
 
 # Fields no site file may hold: tokens come from the environment or the kubeconfig, never from YAML.
 SECRET_WORDS = ("token", "password", "secret", "api_key", "apikey", "credential")
+# Settings that name Kubernetes Secrets rather than hold one: `image_pull_secrets: [ngc-secret]` lists Secret
+# names, which every pod pulling from nvcr.io needs.
+SECRET_NAMES = ("image_pull_secrets",)
 
 
 def visible_gpus() -> int:
@@ -74,16 +79,18 @@ def local(
     )
 
 
-def _interpreter_on_path() -> dict[str, str]:
-    """PATH with this interpreter's bin/ first, where it is missing (a venv used without activating it):
-    NeMo-Run starts local jobs as `python ...` / `torchrun ...` looked up on PATH."""
+def _interpreter_on_path(always: bool = False) -> dict[str, str]:
+    """PATH with this interpreter's bin/ first, where it is missing (a venv used without activating it), or
+    `always` (a Slurm job: the compute node's PATH is not this shell's): NeMo-Run starts jobs as `python ...` /
+    `torchrun ...` looked up on PATH."""
     bindir = os.path.dirname(sys.executable)
     path = os.environ.get("PATH", "")
-    return {} if bindir in path.split(os.pathsep) else {"PATH": os.pathsep.join([bindir, path])}
+    if not always and bindir in path.split(os.pathsep):
+        return {}
+    return {"PATH": os.pathsep.join([bindir, "$PATH" if always else path])}
 
 
 # The folders that make up the `qvl` package (pyproject's package-dir: each is `qvl.<folder>`).
-QVL_FOLDERS = ("foundation", "bridges", "data", "recipes", "launchers")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -108,9 +115,10 @@ def slurm(
     *,
     account: str,
     partition: str,
-    container_image: str,
+    container_image: Optional[str] = None,
     nodes: int = 1,
     gpus_per_node: int = 8,
+    processes_per_node: int = 1,
     time: str = "04:00:00",
     mounts: Optional[list[str]] = None,
     job_dir: str = "",
@@ -123,40 +131,63 @@ def slurm(
     package_qvl: bool = True,
     **sbatch: Any,
 ) -> run.SlurmExecutor:
-    """A Slurm cluster with pyxis/enroot: one torchrun per node in `container_image`, requeued on failure.
+    """A Slurm cluster: one torchrun per node, in `container_image` (pyxis/enroot) or without one, requeued on failure.
 
-    `host` submits over SSH (NeMo-Run's SSHTunnel; keys from your ssh-agent or `identity`); without it
-    sbatch runs on this machine (a login node). `job_dir` is where experiments live on the cluster's shared
-    filesystem. `mounts` are pyxis `src:dst` pairs. Other keywords are SlurmExecutor fields (qos, mem, ...).
-    `package_qvl` (default) sends the qvl source this process runs with the job (QvlSourcePackager); turn it
-    off for an image that already has the qvl you want.
+    Without `container_image` the job runs this Python environment's interpreter (its path must exist on the
+    compute nodes: a shared filesystem) in the job's code folder. `gpus_per_node: 0` is a CPU partition: no GPU
+    request, `processes_per_node` processes per node (torchrun when more than one) on qvl's CPU runtime.
+    `host` submits over SSH (NeMo-Run's SSHTunnel; keys from your ssh-agent or `identity`), and `job_dir` is then
+    the experiments folder on the cluster's shared filesystem; without `host`, sbatch runs on this machine and
+    `job_dir`, if set, is the experiments folder here (the same as `qvl launch --experiments-dir`). `mounts` are
+    pyxis `src:dst` pairs. Other keywords are SlurmExecutor fields (qos, mem, ...). `package_qvl` (default)
+    sends the qvl source this process runs with the job (QvlSourcePackager); turn it off for an image that
+    already has the qvl you want.
+
+    Example (a CPU partition without containers)::
+
+        executor = slurm(account="ml", partition="cpu", gpus_per_node=0, exclusive=False)
     """
-    if host:
-        tunnel = run.SSHTunnel(
-            host=host, user=user or os.environ.get("USER", ""), job_dir=job_dir, identity=identity or None
+    image = container_image or None  # "" and null (YAML) both mean "no container"
+    if mounts and not image:
+        raise LaunchError(
+            f"mounts={list(mounts)} are pyxis container mounts, but no container_image is set: without a "
+            "container the job sees the compute node's filesystem as it is; drop mounts or set container_image"
         )
-    else:
-        tunnel = run.LocalTunnel(job_dir=job_dir)
+    if gpus_per_node < 0 or processes_per_node < 1:
+        raise LaunchError(
+            f"gpus_per_node={gpus_per_node}, processes_per_node={processes_per_node}: use gpus_per_node >= 0 "
+            "(0 for a CPU partition) and processes_per_node >= 1"
+        )
+    cpu = gpus_per_node == 0
+    env = {CPU_DEVICE_ENV: "cpu", "TOKENIZERS_PARALLELISM": "false"} if cpu else dict(MEGATRON_ENV)
+    if not image:  # this environment's `python` and `torchrun` first on PATH in the job
+        env |= _interpreter_on_path(always=True)
+    per_node = processes_per_node if cpu else gpus_per_node
     return run.SlurmExecutor(
         account=account,
         partition=partition,
         nodes=nodes,
-        # torchrun starts the per-GPU workers, so Slurm starts one task per node.
-        ntasks_per_node=gpus_per_node,
-        gpus_per_node=gpus_per_node,
+        # torchrun starts the per-node workers, so Slurm starts one task per node.
+        ntasks_per_node=per_node,
+        gpus_per_node=None if cpu else gpus_per_node,
         time=time,
-        container_image=container_image,
+        container_image=image,
         container_mounts=list(mounts or []),
         # Whole nodes: NVLink topology and NCCL rings assume no other job shares the GPUs.
         exclusive=exclusive or None,
         job_name_prefix="qvl-",
-        tunnel=tunnel,
+        tunnel=run.SSHTunnel(
+            host=host, user=user or os.environ.get("USER", ""), job_dir=job_dir, identity=identity or None
+        )
+        if host
+        else run.LocalTunnel(job_dir=job_dir),
         packager=QvlSourcePackager() if package_qvl else run.Packager(),
-        launcher=Torchrun(),
+        # One CPU process needs no torchrun: the CPU runtime makes a world of one.
+        launcher=None if per_node == 1 and cpu else Torchrun(),
         # On failure the sbatch script requeues the job (`scontrol requeue`) up to this many times;
         # training resumes from its last checkpoint.
         retries=retries,
-        env_vars=MEGATRON_ENV | dict(env_vars or {}),
+        env_vars=env | dict(env_vars or {}),
         **sbatch,
     )
 
@@ -171,54 +202,64 @@ def _pvc_volumes(claims) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def kubernetes(
-    *,
-    image: str,
-    nodes: int = 1,
-    gpus_per_node: int = 8,
-    namespace: str = "default",
-    data_pvc: str = "",
-    data_path: str = "/data",
-    checkpoints_pvc: str = "",
-    checkpoints_path: str = "/checkpoints",
-    shm_size: str = "64Gi",
-    runtime: str = "torch-distributed",
-    env_vars: Optional[dict[str, str]] = None,
-    package_qvl: bool = True,
-    workdir_pvc: str = "",
-    **fields: Any,
-) -> run.Executor:
+@dataclasses.dataclass(kw_only=True)
+class KubernetesSite:
+    """A Kubernetes site's settings for a Kubeflow Trainer TrainJob (the site file's `kubernetes:` section).
+
+    `trainer_api` is the Kubeflow Trainer release the cluster runs: "v2.2+" (v2.2.0, March 2026, and later) takes
+    pod settings (volumes, mounts, tolerations, image pull secrets) as `spec.runtimePatches`; "v2.1" as
+    `spec.podTemplateOverrides`. A server drops the field it does not know, so the wrong one starts pods without
+    their volumes."""
+
+    image: str
+    nodes: int = 1
+    gpus_per_node: int = 8
+    namespace: str = "default"
+    data_pvc: str = ""
+    data_path: str = "/data"
+    checkpoints_pvc: str = ""
+    checkpoints_path: str = "/checkpoints"
+    shm_size: str = "64Gi"
+    runtime: str = "torch-distributed"
+    trainer_api: str = "v2.2+"
+    env_vars: Optional[dict[str, str]] = None
+    package_qvl: bool = True
+    workdir_pvc: str = ""
+
+
+TRAINER_APIS = ("v2.1", "v2.2+")
+
+
+def kubernetes(**settings: Any) -> run.Executor:
     """A Kubeflow Trainer v2 TrainJob: `nodes` pods of `gpus_per_node` GPUs, data and checkpoints on PVCs.
 
-    Needs a kubeconfig (or an in-cluster service account) when built; no token belongs here. Other
-    keywords are KubeflowExecutor fields (tolerations, affinity, labels, ...). `package_qvl` (default) brings the
-    qvl source this process runs with the job through NeMo-Run's workdir PVC (`workdir_pvc`, a ReadWriteMany
-    claim); turn it off for an image that already has the qvl you want.
+    Takes KubernetesSite's settings; other keywords are KubeflowExecutor fields (tolerations, affinity, labels,
+    image_pull_secrets, ...). Needs a kubeconfig (or an in-cluster service account) when built; no token belongs
+    here. `package_qvl` (default) brings the qvl source this process runs with the job through NeMo-Run's workdir
+    PVC (`workdir_pvc`, a ReadWriteMany claim); turn it off for an image that already has the qvl you want.
+
+    Example::
+
+        executor = kubernetes(image="nvcr.io/nvidia/nemo:25.09", nodes=2, workdir_pvc="qvl-work",
+                              image_pull_secrets=["ngc-secret"])
     """
-    return _kubeflow(
-        KubeflowExecutor,
-        image=image,
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        namespace=namespace,
-        data_pvc=data_pvc,
-        data_path=data_path,
-        checkpoints_pvc=checkpoints_pvc,
-        checkpoints_path=checkpoints_path,
-        shm_size=shm_size,
-        runtime=runtime,
-        env_vars=env_vars,
-        package_qvl=package_qvl,
-        workdir_pvc=workdir_pvc,
-        **fields,
-    )
+    return _kubeflow(KubeflowExecutor, **settings)
+
+
+# `kubernetes(image=..., nodes=..., ...)`: its keywords are KubernetesSite's, for `--executor-config` checks,
+# NeMo-Run's `run.executor.<field>=` parsing and help.
+kubernetes.__signature__ = inspect.Signature(
+    [
+        *inspect.signature(KubernetesSite).parameters.values(),
+        inspect.Parameter("fields", inspect.Parameter.VAR_KEYWORD),
+    ],
+    return_annotation=run.Executor,
+)
 
 
 def kubernetes_manifest_only(**settings: Any) -> run.Executor:
     """The `kubernetes` executor for a dry run: it renders the same TrainJob without loading a kubeconfig."""
-    params = inspect.signature(kubernetes).parameters.values()
-    defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
-    return _kubeflow(_manifest_only, **(defaults | settings))
+    return _kubeflow(_manifest_only, **settings)
 
 
 def _manifest_only(**fields: Any) -> KubeflowExecutor:
@@ -237,39 +278,35 @@ def _init_fields(executor: KubeflowExecutor) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(executor) if f.init]
 
 
-def _kubeflow(
-    cls: Any,
-    *,
-    image: str,
-    nodes: int,
-    gpus_per_node: int,
-    namespace: str,
-    data_pvc: str,
-    data_path: str,
-    checkpoints_pvc: str,
-    checkpoints_path: str,
-    shm_size: str,
-    runtime: str,
-    env_vars: Optional[dict[str, str]],
-    package_qvl: bool,
-    workdir_pvc: str,
-    **fields: Any,
-) -> run.Executor:
-    volumes, mounts = _pvc_volumes((("data", data_pvc, data_path), ("checkpoints", checkpoints_pvc, checkpoints_path)))
+def _kubeflow(cls: Any, **settings: Any) -> run.Executor:
+    own = {f.name for f in dataclasses.fields(KubernetesSite)}
+    site = KubernetesSite(**{k: v for k, v in settings.items() if k in own})
+    fields = {k: v for k, v in settings.items() if k not in own}
+    if site.trainer_api not in TRAINER_APIS:
+        raise LaunchError(
+            f"trainer_api={site.trainer_api!r} is not one of {', '.join(TRAINER_APIS)}: use the Kubeflow Trainer "
+            "release your cluster runs (`kubectl get crd trainjobs.trainer.kubeflow.org -o yaml` shows "
+            "runtimePatches from v2.2 on)"
+        )
+    volumes, mounts = _pvc_volumes(
+        (("data", site.data_pvc, site.data_path), ("checkpoints", site.checkpoints_pvc, site.checkpoints_path))
+    )
     # NCCL and the dataloader workers exchange tensors through /dev/shm; a pod's default is 64 MiB.
-    volumes.insert(0, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}})
+    volumes.insert(0, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": site.shm_size}})
     mounts.insert(0, {"name": "dshm", "mountPath": "/dev/shm"})
-    env = dict(env_vars or {})
-    if package_qvl:
-        fields |= _workdir_with_qvl(workdir_pvc, volumes, mounts, env)
-    elif workdir_pvc:
-        fields["workdir_pvc"] = workdir_pvc
+    env = dict(site.env_vars or {})
+    if site.package_qvl:
+        fields |= _workdir_with_qvl(site.workdir_pvc, volumes, mounts, env)
+    elif site.workdir_pvc:
+        fields["workdir_pvc"] = site.workdir_pvc
+    if site.trainer_api == "v2.2+":
+        fields["spec_kwargs"] = {RUNTIME_PATCHES: [], **fields.get("spec_kwargs", {})}
     return cls(
-        image=image,
-        num_nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        namespace=namespace,
-        runtime_ref=runtime,
+        image=site.image,
+        num_nodes=site.nodes,
+        gpus_per_node=site.gpus_per_node,
+        namespace=site.namespace,
+        runtime_ref=site.runtime,
         volumes=volumes,
         volume_mounts=mounts,
         packager=run.Packager(),
@@ -279,6 +316,44 @@ def _kubeflow(
         env_vars=MEGATRON_ENV | env,
         **fields,
     )
+
+
+# Kubeflow Trainer v2.2+ takes pod settings as runtimePatches; NeMo-Run 0.11.1 renders only podTemplateOverrides
+# (v2.1). A v2.2+ executor carries an empty `spec.runtimePatches` in spec_kwargs, and the "kubeflow-trainer-v2.2"
+# patch (qvl.foundation.patches) moves the rendered overrides there; see kubeflow/trainer#3309.
+RUNTIME_PATCHES = "runtimePatches"
+RUNTIME_PATCH_MANAGER = "qvl.launchers"
+
+
+def runtime_patches_job_body(original: Callable[..., dict]) -> Callable[..., dict]:
+    """KubeflowExecutor.get_job_body that renders podTemplateOverrides as runtimePatches where the spec asks."""
+
+    @functools.wraps(original)
+    def get_job_body(self, name: str, command: list[str]) -> dict:
+        body = original(self, name, command)
+        if RUNTIME_PATCHES in body["spec"]:
+            move_overrides_to_runtime_patches(body["spec"])
+        return body
+
+    return get_job_body
+
+
+def move_overrides_to_runtime_patches(spec: dict) -> None:
+    """Rewrite a TrainJob spec's v2.1 `podTemplateOverrides` as one v2.2+ `runtimePatches` entry (same pod fields,
+    under trainingRuntimeSpec.template.spec.replicatedJobs[].template.spec.template)."""
+    jobs = [
+        {"name": target["name"], "template": {"spec": {"template": {k: o[k] for k in ("metadata", "spec") if k in o}}}}
+        for o in spec.pop("podTemplateOverrides", [])
+        for target in o["targetJobs"]
+    ]
+    patches = [p for p in spec[RUNTIME_PATCHES] if p.get("manager") != RUNTIME_PATCH_MANAGER]
+    if jobs:
+        patch = {"template": {"spec": {"replicatedJobs": jobs}}}
+        patches.append({"manager": RUNTIME_PATCH_MANAGER, "trainingRuntimeSpec": patch})
+    if patches:
+        spec[RUNTIME_PATCHES] = patches
+    else:
+        del spec[RUNTIME_PATCHES]
 
 
 # Where the job's code folder appears in the pod. NeMo-Run's launch script links `/nemo_run` to the job's code
@@ -313,7 +388,7 @@ def stage_qvl_source() -> str:
     root = Path(importlib.import_module("qvl.launchers").__file__).parent.parent
     stage = Path(tempfile.mkdtemp(prefix="qvl-source-"))
     atexit.register(shutil.rmtree, stage, ignore_errors=True)  # NeMo-Run copies it at submission, in this process
-    for folder in QVL_FOLDERS:
+    for folder in FOLDERS:
         shutil.copytree(root / folder, stage / "qvl" / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return str(stage)
 
@@ -350,12 +425,23 @@ def factory_settings(kind: str) -> list[str]:
 
 
 def is_cpu(executor: run.Executor) -> bool:
-    """Whether `executor` runs the job on the CPU runtime."""
-    return isinstance(executor, run.LocalExecutor) and executor.env_vars.get(CPU_DEVICE_ENV) == "cpu"
+    """Whether `executor` runs the job on the CPU runtime (a local executor without GPUs, a CPU partition)."""
+    return executor.env_vars.get(CPU_DEVICE_ENV) == "cpu"
 
 
 def world_shape(executor: run.Executor) -> tuple[int, int]:
     """(nodes, processes per node) the executor will start."""
     if isinstance(executor, run.SlurmExecutor):
-        return executor.nodes, executor.torchrun_nproc_per_node or executor.gpus_per_node or executor.ntasks_per_node
+        return executor.nodes, executor.nproc_per_node()
     return executor.nnodes(), executor.nproc_per_node()
+
+
+def per_node_setting(executor: run.Executor) -> str:
+    """The site-file setting that gave the processes per node, for messages (what the user set, not a synonym)."""
+    if isinstance(executor, run.SlurmExecutor):
+        if executor.torchrun_nproc_per_node:
+            return "torchrun_nproc_per_node"
+        return "processes_per_node" if is_cpu(executor) else "gpus_per_node"
+    if isinstance(executor, run.LocalExecutor):
+        return "cpu_processes" if is_cpu(executor) else "gpus"
+    return "gpus_per_node"

@@ -3,8 +3,8 @@
 The submitting side (a laptop, Jupyter, a login node) resolves the recipe and its overrides, checks the
 layout against the executor, and hands NeMo-Run an experiment with one task: the `qvl` command line
 (`python -m qvl.launchers.cli train RECIPE key=value ...`) under torchrun. The execution side, a NeMo
-container with qvl installed, builds the recipe's config from the same overrides. Until a tiny recipe
-lands in the registry, the built-in job `demo` (`qvl demo`, a tiny Megatron GPT) is the runnable recipe.
+container with qvl installed, builds the recipe's config from the same overrides (`--model tiny` trains the
+recipe's family at a tiny size). The built-in job `demo` runs `qvl demo`, the whole pipeline on a tiny model.
 """
 
 from __future__ import annotations
@@ -23,16 +23,19 @@ from typing import Any
 
 import yaml
 
+from qvl.foundation import patches
 from qvl.foundation.errors import ConfigError, LaunchError
 from qvl.foundation.layout import ModelFacts, ParallelLayout
 from qvl.launchers.preflight import (
     LAYOUT_KEYS,
     check_accepted,
+    check_container_runtime,
     check_mounts,
     check_recipe_gpus,
     check_required,
     check_ssh_job_dir,
     check_world_size,
+    experiments_home,
     layout_from_settings,
     recipe_model_facts,
 )
@@ -45,6 +48,7 @@ CLI_MODULE = "qvl.launchers.cli"  # what `python -m` runs on the execution side:
 DEMO_JOB = "demo"  # built-in tiny job: `qvl demo --steps N --output DIR`
 DEMO_PARAMS = ("steps", "output")
 EXECUTORS = ("local", "slurm", "kubernetes")
+TRAINJOB_PATCHES = "kubeflow-trainer-v2.2"  # qvl.foundation.patches group: runtimePatches for Trainer v2.2+
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,6 +63,11 @@ class Job:
     registered_layout: dict[str, int] = field(default_factory=dict)
     model: ModelFacts | None = None  # what the layout must divide (None for the demo job)
     train_flags: list[str] = field(default_factory=list)
+
+    @property
+    def tiny(self) -> bool:
+        """`--model tiny`: a tiny random model on one process, whatever the recipe was sized for."""
+        return "--model" in self.train_flags
 
 
 def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = ()) -> Job:
@@ -135,22 +144,23 @@ def validate(job: Job, executor) -> None:
     """Every check that needs no cluster: layout vs world size, mounts on a local tunnel."""
     import nemo_run as run
 
-    from qvl.launchers.executors import is_cpu, world_shape
+    from qvl.launchers.executors import is_cpu, per_node_setting, world_shape
 
     nodes, per_node = world_shape(executor)
     cpu = is_cpu(executor)
+    per_node_name = per_node_setting(executor)
     check_world_size(
-        job.layout,
-        nodes=nodes,
-        per_node=per_node,
-        gpu=not cpu,
-        per_node_name="cpu_processes" if cpu else "gpus_per_node",
-        model=job.model,
+        job.layout, nodes=nodes, per_node=per_node, gpu=not cpu, per_node_name=per_node_name, model=job.model
     )
-    if not cpu:
+    if not cpu and not job.tiny:  # a tiny model drops the recipe's layout, and with it the GPU count it was sized for
         overridden = any(key in job.overrides.options for key in LAYOUT_KEYS)
         check_recipe_gpus(
-            job.recipe, job.registered_layout.get("gpus"), nodes=nodes, per_node=per_node, layout_overridden=overridden
+            job.recipe,
+            job.registered_layout.get("gpus"),
+            nodes=nodes,
+            per_node=per_node,
+            per_node_name=per_node_name,
+            layout_overridden=overridden,
         )
     if isinstance(executor, run.SlurmExecutor) and isinstance(executor.tunnel, run.LocalTunnel):
         check_mounts(executor.container_mounts)
@@ -171,9 +181,13 @@ def task_for(job: Job, executor):
     if isinstance(executor, run.LocalExecutor):
         # This interpreter, so the run uses the same environment (and qvl) as the submitting process.
         return run.Script(path=CLI_MODULE, m=True, entrypoint=sys.executable, args=argv)
-    if executor.launcher is None:  # Kubeflow: torchrun reads its topology from the TrainJob's PET_* variables
-        return run.Script(path="-m", entrypoint="torchrun", args=[CLI_MODULE, *argv])
-    return run.Script(path=CLI_MODULE, m=True, entrypoint="python", args=argv)
+    if isinstance(executor, run.SlurmExecutor):
+        # One process per node needs no torchrun: without a container it is this interpreter (the environment on a
+        # shared filesystem), in one the image's python; NeMo-Run's Torchrun launcher replaces `python` itself.
+        bare = executor.launcher is None and executor.container_image is None
+        return run.Script(path=CLI_MODULE, m=True, entrypoint=sys.executable if bare else "python", args=argv)
+    # Kubeflow: torchrun reads its topology from the TrainJob's PET_* variables
+    return run.Script(path="-m", entrypoint="torchrun", args=[CLI_MODULE, *argv])
 
 
 def new_experiment(
@@ -284,22 +298,63 @@ def launch(
     exp_id: str | None = None,
     wait: bool | None = None,
 ) -> dict[str, Any]:
-    """Resolve, validate and run (or dry-run) `recipe`; returns what happened for the CLI to print."""
+    """Resolve, validate and run (or dry-run) `recipe`; returns what happened for the CLI to print.
+
+    With `wait` (the default on this machine) a job that does not succeed raises LaunchError naming its state and
+    log; any refusal by the scheduler (sbatch, the Kubernetes API) does too."""
     job = resolve_job(recipe, pairs, train_flags)
     settings = executor_settings(kind, site_file=site_file, overrides=job.overrides.executor)
     executor = build_executor(kind, settings, dryrun=dryrun)
+    experiments_dir = experiments_home(executor, experiments_dir)
     validate(job, executor)
-    if job.recipe_fn is not None and not dryrun:
-        build_job_config(job, executor)  # every key checked here, before the job waits in a queue
+    if not dryrun:
+        check_container_runtime(executor)
+        if job.recipe_fn is not None:
+            build_job_config(job, executor)  # every key checked here, before the job waits in a queue
     name = name or f"qvl-{recipe}".replace("_", "-")
     exp = new_experiment(executor, name=name, experiments_dir=experiments_dir, exp_id=exp_id, quiet=dryrun)
     result = {"experiment": exp._id, "title": name, "folder": exp._exp_dir, "executor": kind}
     wait = kind == "local" if wait is None else wait
-    with exp:
+    with exp, patches.applied(TRAINJOB_PATCHES):  # a Kubeflow Trainer v2.2+ TrainJob gets runtimePatches
         exp.add(task_for(job, executor), name=job.recipe)
         if dryrun:
             return result | {"request": render_dryrun(exp), "config": resolved_config(job, executor)}
         logger.info("submitting experiment %s to %s: qvl %s", exp._id, kind, shlex.join(task_argv(job, executor)))
+        submit(exp, wait=wait)
+    result |= {"states": [str(j.state).split(".")[-1] for j in exp.jobs], "job_ids": [job_id(j) for j in exp.jobs]}
+    if wait:
+        check_succeeded(exp, result)
+    return result
+
+
+def submit(exp, *, wait: bool) -> None:
+    """Run the experiment; a scheduler's refusal (sbatch's error, a failed command) becomes one LaunchError line."""
+    from invoke.exceptions import UnexpectedExit
+
+    try:
         exp.run(detach=not wait, tail_logs=False)
-    states = [str(j.state).split(".")[-1] for j in exp.jobs]
-    return result | {"states": states}
+    except UnexpectedExit as err:
+        command = err.result.command.split()[0] if err.result.command else "the scheduler"
+        raise LaunchError(f"{command} refused the job: {_first_error(err.result.stderr or err.result.stdout)}") from err
+
+
+def _first_error(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()] or lines or ["no output"]
+    return errors[0]
+
+
+def job_id(job) -> str:
+    """The scheduler's id of a NeMo-Run job (its Slurm job id, TrainJob name or local process id)."""
+    return job.handle.rstrip("/").rsplit("/", 1)[-1] if job.handle else ""
+
+
+def check_succeeded(exp, result: dict[str, Any]) -> None:
+    """Fail (one line: state, id, log) when a job that was waited for did not succeed."""
+    for job, state, ident in zip(exp.jobs, result["states"], result["job_ids"], strict=True):
+        if state != "SUCCEEDED":
+            logs = sorted(Path(job.executor.job_dir).glob(f"log*{ident}*")) or [Path(job.executor.job_dir)]
+            raise LaunchError(
+                f"{result['executor']} job {ident or job.id} ({job.id}) ended {state}; its log: {logs[-1]} "
+                f"(or NEMORUN_HOME={Path(result['folder']).parents[2]} nemo experiment logs {result['experiment']} 0)"
+            )

@@ -25,7 +25,8 @@ import typing
 from collections.abc import Callable
 from typing import Any, Optional
 
-from qvl.foundation.errors import QvlError
+from qvl.foundation import patches
+from qvl.foundation.errors import LaunchError, QvlError
 from qvl.launchers.cli import main, quiet_logging
 from qvl.launchers.info import run_version
 from qvl.launchers.site import load_site_config
@@ -41,9 +42,11 @@ if not _VERBOSE:  # NeMo-Run logs each argument error before raising it; the err
 import fiddle as fdl  # noqa: E402
 import nemo_run as run  # noqa: E402
 from nemo_run.cli.cli_parser import CLIException  # noqa: E402
+from nemo_run.config import get_nemorun_home  # noqa: E402
 
 from qvl.launchers import executors  # noqa: E402
-from qvl.launchers.launch import DEMO_JOB, resolve_job, validate  # noqa: E402
+from qvl.launchers.launch import DEMO_JOB, TRAINJOB_PATCHES, resolve_job, validate  # noqa: E402
+from qvl.launchers.preflight import experiments_home  # noqa: E402
 
 SITE_CONFIG_ENV = "QVL_EXECUTOR_CONFIG"
 
@@ -64,13 +67,17 @@ class CheckedRunContext(run.cli.RunContext):
 
     def _execute_task(self, fn: Callable, task_args: list[str]) -> None:
         try:
-            check_task(self.parse_fn(fn, task_args), getattr(self, "executor", None))
+            executor = getattr(self, "executor", None)
+            check_task(self.parse_fn(fn, task_args), executor)
+            if executor is not None:  # NeMo-Run's experiments live in $NEMORUN_HOME; a local tunnel must agree
+                experiments_home(executor, get_nemorun_home(), flag="NEMORUN_HOME")
         except (QvlError, CLIException) as err:
             # As `qvl` does: one line naming the value and the fix, exit status 2 (NeMo-Run would print its
             # own context dump and exit 1).
             print(f"error: {_one_line(err)}", file=sys.stderr)
             raise SystemExit(2) from None
-        super()._execute_task(fn, task_args)
+        with patches.applied(TRAINJOB_PATCHES):  # a Kubeflow Trainer v2.2+ TrainJob gets runtimePatches
+            super()._execute_task(fn, task_args)
 
 
 def _one_line(err: Exception) -> str:
@@ -87,7 +94,9 @@ def _one_line(err: Exception) -> str:
 def check_task(task: run.Partial, executor: Optional[run.Executor]) -> None:
     """Resolve the task's recipe and overrides and check them against the executor (LaunchError if wrong)."""
     recipe = fdl.build(task.recipe)
-    job = resolve_job(_recipe_name(recipe.func), _pairs(recipe, task.overrides))
+    job = resolve_job(
+        _recipe_name(recipe.func), _pairs(recipe, task.overrides), _train_flags(task.model, task.output_dir)
+    )
     if executor is not None:
         validate(job, executor)
 
@@ -97,9 +106,12 @@ def check_task(task: run.Partial, executor: Optional[run.Executor]) -> None:
     run_ctx_cls=CheckedRunContext,
     help="Pretrain a recipe (`--factory RECIPE`) on the chosen executor.",
 )
-def pretrain(recipe: Any, overrides: Optional[list[str]] = None) -> None:
-    """Run `qvl train` for the configured recipe (a Partial of the recipe function) where this executes."""
-    _run_recipe(recipe, overrides)
+def pretrain(
+    recipe: Any, overrides: Optional[list[str]] = None, model: Optional[str] = None, output_dir: Optional[str] = None
+) -> None:
+    """Run `qvl train` for the configured recipe (a Partial of the recipe function) where this executes;
+    `model=tiny` and `output_dir=DIR` are `qvl train`'s `--model` and `--run-dir` (NeMo-Run reserves `run*` names)."""
+    _run_recipe(recipe, overrides, _train_flags(model, output_dir))
 
 
 @run.cli.entrypoint(
@@ -107,14 +119,19 @@ def pretrain(recipe: Any, overrides: Optional[list[str]] = None) -> None:
     run_ctx_cls=CheckedRunContext,
     help="Fine-tune (SFT or PEFT) a recipe (`--factory RECIPE`) on the chosen executor.",
 )
-def finetune(recipe: Any, overrides: Optional[list[str]] = None) -> None:
-    """Run `qvl train` for the configured recipe (a Partial of the recipe function) where this executes."""
-    _run_recipe(recipe, overrides)
+def finetune(
+    recipe: Any, overrides: Optional[list[str]] = None, model: Optional[str] = None, output_dir: Optional[str] = None
+) -> None:
+    """Run `qvl train` for the configured recipe (a Partial of the recipe function) where this executes;
+    `model=tiny` and `output_dir=DIR` are `qvl train`'s `--model` and `--run-dir` (NeMo-Run reserves `run*` names)."""
+    _run_recipe(recipe, overrides, _train_flags(model, output_dir))
 
 
-def recipe_command(recipe: functools.partial, overrides: Optional[list[str]] = None) -> list[str]:
+def recipe_command(
+    recipe: functools.partial, overrides: Optional[list[str]] = None, train_flags: list[str] = ()
+) -> list[str]:
     """The qvl arguments for a built recipe Partial: `train NAME key=value ...` or `demo --steps N ...`."""
-    argv = resolve_job(_recipe_name(recipe.func), _pairs(recipe, overrides)).argv
+    argv = resolve_job(_recipe_name(recipe.func), _pairs(recipe, overrides), train_flags).argv
     # The local executor marks CPU-only runs; the job then uses qvl's CPU runtime.
     return argv + (["--device", "cpu"] if os.environ.get(executors.CPU_DEVICE_ENV) == "cpu" else [])
 
@@ -123,8 +140,16 @@ def _pairs(recipe: functools.partial, overrides: Optional[list[str]]) -> list[st
     return [f"{key}={value}" for key, value in recipe.keywords.items()] + list(overrides or [])
 
 
-def _run_recipe(recipe: functools.partial, overrides: Optional[list[str]]) -> None:
-    argv = recipe_command(recipe, overrides)
+def _train_flags(model: Optional[str], run_dir: Optional[str]) -> list[str]:
+    if model not in (None, "tiny"):
+        raise LaunchError(
+            f"model={model!r}: the only model choice is tiny (a tiny random model of the recipe's family)"
+        )
+    return (["--model", model] if model else []) + (["--run-dir", run_dir] if run_dir else [])
+
+
+def _run_recipe(recipe: functools.partial, overrides: Optional[list[str]], train_flags: list[str]) -> None:
+    argv = recipe_command(recipe, overrides, train_flags)
     code = main(argv)
     if code:
         raise RuntimeError(f"`qvl {' '.join(argv)}` exited with status {code}")
@@ -215,7 +240,7 @@ def local_executor() -> run.Config:
 
 @run.cli.factory(target=run.Executor, name="slurm")
 def slurm_executor() -> run.Config:
-    """A Slurm cluster with pyxis; account, partition and container_image from $QVL_EXECUTOR_CONFIG or run.executor.*."""
+    """A Slurm cluster (with or without containers); account, partition, ... from $QVL_EXECUTOR_CONFIG or run.executor.*."""
     return run.Config(executors.slurm, **_site_settings("slurm"))
 
 

@@ -62,7 +62,13 @@ def check_world_size(
 
 
 def check_recipe_gpus(
-    recipe: str, sized_for: int | None, *, nodes: int, per_node: int, layout_overridden: bool
+    recipe: str,
+    sized_for: int | None,
+    *,
+    nodes: int,
+    per_node: int,
+    layout_overridden: bool,
+    per_node_name: str = "gpus_per_node",
 ) -> None:
     """Fail when a GPU world is smaller than the recipe was sized for (its registered `gpus`), unless the
     user changed the layout (then memory per GPU is theirs to judge)."""
@@ -72,7 +78,7 @@ def check_recipe_gpus(
     fix = -(-sized_for // per_node)
     raise LaunchError(
         f"recipe {recipe} is sized for {sized_for} GPUs but the executor has {world} "
-        f"(nodes={nodes} x gpus_per_node={per_node}); use nodes={fix}, or override the layout "
+        f"(nodes={nodes} x {per_node_name}={per_node}); use nodes={fix}, or override the layout "
         "(tensor_parallel=..., pipeline_parallel=...) if a smaller run fits in memory"
     )
 
@@ -156,3 +162,46 @@ def recipe_model_facts(info: Any, hf_path: Any = None) -> ModelFacts | None:
         vision_heads=vision.get("num_heads") if family.megatron_vision_tower else None,
         name=name,
     )
+
+
+def experiments_home(executor: Any, experiments_dir: str | None, flag: str = "--experiments-dir") -> str | None:
+    """The experiments folder of a launch, agreed between `--experiments-dir` and a local Slurm tunnel's `job_dir`.
+
+    NeMo-Run writes the sbatch script under the experiment's folder (`--experiments-dir`, default $NEMORUN_HOME)
+    but submits it from `<tunnel job_dir>/<title>/<id>/`; only an SSH tunnel copies one to the other. So on a
+    local tunnel `job_dir` is the experiments folder too, and the tunnel is pointed at the same place."""
+    import nemo_run as run
+    from nemo_run.config import get_nemorun_home
+
+    if not (isinstance(executor, run.SlurmExecutor) and isinstance(executor.tunnel, run.LocalTunnel)):
+        return experiments_dir
+    job_dir = executor.tunnel.job_dir
+    if job_dir and experiments_dir and os.path.abspath(job_dir) != os.path.abspath(experiments_dir):
+        raise LaunchError(
+            f"job_dir={job_dir} and {flag}={experiments_dir} disagree: submitting on this machine both name the "
+            "experiments folder; set one of them (or the same folder in both)"
+        )
+    home = os.path.abspath(experiments_dir or job_dir or get_nemorun_home())
+    executor.tunnel.job_dir = os.path.join(home, "experiments")
+    return home
+
+
+def check_container_runtime(executor: Any) -> None:
+    """Fail when a Slurm job asks for a container on a cluster whose srun (here) has no pyxis: the job would be
+    refused in the queue (`srun: unrecognized option '--container-image'`) after sbatch accepted it."""
+    import shutil
+    import subprocess
+
+    import nemo_run as run
+
+    if not (isinstance(executor, run.SlurmExecutor) and isinstance(executor.tunnel, run.LocalTunnel)):
+        return
+    if not executor.container_image or not shutil.which("srun"):
+        return
+    usage = subprocess.run(["srun", "--help"], capture_output=True, text=True, timeout=30)
+    if "--container-image" not in usage.stdout + usage.stderr:
+        raise LaunchError(
+            f"container_image={executor.container_image} needs pyxis (`srun --container-image`), which this "
+            "cluster's srun does not have: remove container_image to run the job in this Python environment "
+            "(on a filesystem the compute nodes share), or ask the admins for pyxis/enroot"
+        )

@@ -56,10 +56,10 @@ def load_site_config(path: str | Path, kind: str) -> dict[str, Any]:
 
 
 def _reject_secrets(section: dict[str, Any], where: str) -> None:
-    from qvl.launchers.executors import SECRET_WORDS
+    from qvl.launchers.executors import SECRET_NAMES, SECRET_WORDS
 
     for key, value in section.items():
-        if any(word in key.lower() for word in SECRET_WORDS):
+        if key not in SECRET_NAMES and any(word in key.lower() for word in SECRET_WORDS):
             raise LaunchError(
                 f"{where}: {key!r} looks like a secret; keep tokens out of the site file (use the "
                 "environment, your ssh-agent or the kubeconfig)"

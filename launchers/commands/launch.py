@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import sys
 
 import yaml
@@ -15,16 +17,22 @@ def run_launch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
-    result = launch(
-        args.recipe,
-        args.overrides,
-        train_flags=_train_flags(args),
-        kind=args.executor,
-        site_file=args.executor_config,
-        dryrun=args.dryrun,
-        name=args.name,
-        experiments_dir=args.experiments_dir,
-    )
+    # NeMo-Run prints its progress and experiment summary on stdout; with --json stdout is the result alone.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        result = launch(
+            args.recipe,
+            args.overrides,
+            train_flags=_train_flags(args),
+            kind=args.executor,
+            site_file=args.executor_config,
+            dryrun=args.dryrun,
+            name=args.name,
+            experiments_dir=args.experiments_dir,
+            wait=args.wait or None,
+        )
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=1, default=str) + "\n")
+        return 0
     if args.dryrun:  # written raw: the script must survive copy-paste, so no wrapping or markup
         console.rule(f"{result['executor']} request (dry run, nothing submitted)")
         sys.stdout.write(result["request"].rstrip("\n") + "\n")
@@ -33,14 +41,15 @@ def run_launch(args: argparse.Namespace) -> int:
         return 0
     home = f"NEMORUN_HOME={args.experiments_dir} " if args.experiments_dir else ""
     console.print(
-        f"experiment [bold]{result['experiment']}[/] ({', '.join(result['states'])})\n"
+        f"experiment [bold]{result['experiment']}[/] ({', '.join(result['states'])}; "
+        f"{result['executor']} job {', '.join(result['job_ids'])})\n"
         f"  folder: {result['folder']}\n"
         f"  status: {home}nemo experiment status {result['experiment']}\n"
         f"  logs:   {home}nemo experiment logs {result['experiment']} 0\n"
         f"  cancel: {home}nemo experiment cancel {result['experiment']} 0",
         highlight=False,
     )
-    return 0 if all(s in ("SUCCEEDED", "SUBMITTED", "PENDING", "RUNNING") for s in result["states"]) else 1
+    return 0  # a job that was waited for and failed raised LaunchError: one `error:` line, exit 2
 
 
 def _train_flags(args: argparse.Namespace) -> list[str]:
@@ -76,6 +85,13 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--run-dir", help="passed to `qvl train`: checkpoints, losses, tensorboard on the execution side"
     )
+    parser.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait until the job ends; a job that fails (in the queue or running) is an error, exit status 2 "
+        "(the default for --executor local)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the result (or the dry run) as JSON")
     parser.add_argument("--name", help="experiment title (default qvl-RECIPE)")
     parser.add_argument("--experiments-dir", help="where NeMo-Run keeps experiments (default $NEMORUN_HOME)")
     parser.set_defaults(func=run_launch)

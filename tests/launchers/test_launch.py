@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from qvl.foundation.errors import LaunchError, QvlError
 from qvl.launchers import cli
 from qvl.launchers.launch import launch, resolve_job
 from qvl.launchers.site import load_site_config
 from qvl.recipes import registry
+from tests.launchers.crd_schema import TRAINER_RELEASES, trainjob_errors
 from tests.launchers.test_executors import fake_kubeconfig  # noqa: F401  (fixture)
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -108,7 +110,24 @@ def test_slurm_sbatch_matches_golden(fake_recipe, tmp_path):
     assert not (tmp_path / "experiments" / "qvl-golden" / "qvl-golden_1").exists()  # the dry run leaves nothing
 
 
-def test_kubernetes_manifest_matches_golden(fake_recipe, fake_kubeconfig, tmp_path):  # noqa: F811
+@pytest.mark.parametrize(
+    ("trainer_api", "golden", "release", "other"),
+    [
+        ("v2.1", "kubernetes_trainjob.yaml", "v2.1.0", "v2.3.0"),
+        ("v2.2+", "kubernetes_trainjob_v2.2.yaml", "v2.3.0", "v2.1.0"),
+    ],
+)
+def test_kubernetes_manifest_matches_golden_and_the_trainer_crd(
+    fake_recipe,
+    fake_kubeconfig,
+    tmp_path,
+    trainer_api,
+    golden,
+    release,
+    other,  # noqa: F811
+):
+    """Both Kubeflow Trainer APIs render a TrainJob that the release's real CRD schema accepts (and the other
+    release's refuses: podTemplateOverrides before v2.2, runtimePatches from v2.2 on)."""
     result = launch(
         fake_recipe,
         [
@@ -119,6 +138,8 @@ def test_kubernetes_manifest_matches_golden(fake_recipe, fake_kubeconfig, tmp_pa
             "run.executor.checkpoints_pvc=qvl-ckpt",
             "run.executor.workdir_pvc=qvl-work",
             "run.executor.namespace=ml",
+            "run.executor.image_pull_secrets=[ngc-secret]",
+            f"run.executor.trainer_api={trainer_api}",
         ],
         kind="kubernetes",
         dryrun=True,
@@ -128,7 +149,26 @@ def test_kubernetes_manifest_matches_golden(fake_recipe, fake_kubeconfig, tmp_pa
     # The TrainJob name ends in a per-launch uuid so relaunches never collide; fix it for the comparison.
     manifest = re.sub(r"(name: qvl-test-tiny-sft)-[0-9a-f]{6}\n", r"\1-XXXXXX\n", result["request"])
     manifest = re.sub(r"/qvl-workdir/[^/]+/", "/qvl-workdir/USER/", manifest)  # the submitting user's name
-    check_golden("kubernetes_trainjob.yaml", manifest)
+    check_golden(golden, manifest)
+    trainjob = yaml.safe_load(manifest.split("\n---\n")[0])
+    assert trainjob_errors(trainjob, release) == []
+    assert trainjob_errors(trainjob, other)  # the field the other release does not have
+    assert "ngc-secret" in manifest
+
+
+def test_crd_validation_refuses_a_field_the_schema_does_not_have():
+    trainjob = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": {"name": "x"}}
+    trainjob["spec"] = {"runtimeRef": {"name": "torch-distributed"}, "trainer": {"numNodes": 1, "image": "i"}}
+    for release in TRAINER_RELEASES:
+        assert trainjob_errors(trainjob, release) == []
+        trainjob["spec"]["trainer"]["numNodez"] = 2
+        assert trainjob_errors(trainjob, release) == [
+            ".spec.trainer.numNodez: unknown field (the API server drops or refuses it)"
+        ]
+        trainjob["spec"]["trainer"]["numNodes"] = "two"
+        del trainjob["spec"]["trainer"]["numNodez"]
+        assert trainjob_errors(trainjob, release) == [".spec.trainer.numNodes: expected integer, got str 'two'"]
+        trainjob["spec"]["trainer"]["numNodes"] = 1
 
 
 def test_local_dryrun_prints_the_command(tmp_path):
@@ -259,8 +299,8 @@ def test_fewer_gpus_than_the_recipe_is_sized_for_is_refused(fake_recipe, tmp_pat
     )
 
 
-@pytest.mark.parametrize("missing", ["account", "partition", "container_image"])
-def test_slurm_without_account_partition_or_image_is_refused(fake_recipe, missing):
+@pytest.mark.parametrize("missing", ["account", "partition"])  # container_image is optional (issue 22)
+def test_slurm_without_account_or_partition_is_refused(fake_recipe, missing):
     settings = [s for s in SLURM if f".{missing}=" not in s]
     with pytest.raises(LaunchError, match=rf"the slurm executor needs {missing}: .*run.executor.{missing}=\.\.\."):
         launch(fake_recipe, settings, kind="slurm", dryrun=True)
@@ -272,7 +312,8 @@ def test_kubernetes_without_image_is_refused(fake_recipe):
 
 
 def test_unreadable_mount_is_refused_in_a_dry_run(fake_recipe, tmp_path):
-    local_tunnel = [s for s in SLURM if ".host=" not in s]  # sbatch on this host: mounts must be readable here
+    # sbatch on this host: mounts must be readable here (and the experiments folder is --experiments-dir)
+    local_tunnel = [s for s in SLURM if ".host=" not in s and ".job_dir=" not in s]
     with pytest.raises(LaunchError, match=r"mount '/nonexistent/qvl-data:/data': /nonexistent/qvl-data does not exist"):
         launch(
             fake_recipe,
@@ -339,6 +380,9 @@ def test_site_file_refuses_secrets(tmp_path):
     site.write_text("kubernetes:\n  image: img\n  env_vars:\n    HF_TOKEN: hf_abc\n")
     with pytest.raises(LaunchError, match=r"'HF_TOKEN' looks like a secret"):
         load_site_config(site, "kubernetes")
+    # Secret *names* are not secrets: every nvcr.io image needs an image pull secret's name.
+    site.write_text("kubernetes:\n  image: img\n  image_pull_secrets: [ngc-secret]\n")
+    assert load_site_config(site, "kubernetes")["image_pull_secrets"] == ["ngc-secret"]
 
 
 def test_qvl_launch_cli_dryrun_and_error(capsys, tmp_path):

@@ -1,0 +1,114 @@
+"""Slurm site files as a new user writes them (issue 22): no container, a CPU partition, a tiny model, and
+`job_dir` / `--experiments-dir` on a local tunnel. Dry runs only; tests/launchers/test_slurm_real.py submits."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import sys
+
+import pytest
+
+from qvl.foundation.errors import LaunchError
+from qvl.launchers import executors
+from qvl.launchers.launch import launch, resolve_job, validate
+from tests.launchers.test_launch import FAKE_RECIPE, IMAGE, fake_recipe  # noqa: F401  (fixture)
+
+BARE = ["run.executor.account=qvl", "run.executor.partition=cpu"]
+# The other defects with an image set, so that each test fails for its own defect where the fix is missing.
+IMAGED = [*BARE, f"run.executor.container_image={IMAGE}"]
+
+
+@pytest.fixture(autouse=True)
+def empty_stdin(monkeypatch):
+    """NeMo-Run's Slurm packaging runs `mkdir` through invoke, which reads stdin; pytest's stdin refuses reads."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO())
+
+
+def _srun_line(script: str) -> str:
+    (line,) = [line for line in script.splitlines() if line.startswith("srun --output")]
+    return line
+
+
+def test_slurm_without_a_container_runs_this_interpreter_in_the_job_code_folder(tmp_path):
+    """Defect 1: `container_image` is optional; the job runs the submitting environment's Python."""
+    result = launch("demo", ["steps=2", *BARE], kind="slurm", dryrun=True, experiments_dir=str(tmp_path))
+    script, srun = result["request"], _srun_line(result["request"])
+    assert "--container-image" not in srun and srun.split("--chdir ")[1].startswith(str(tmp_path))
+    # torchrun per GPU node, found first on PATH in this environment's bin/
+    assert f"export PATH={os.path.dirname(sys.executable)}:$PATH\n" in script and " torchrun " in srun
+    cpu = launch(
+        "demo", ["steps=2", "run.executor.gpus_per_node=0", *BARE], kind="slurm", dryrun=True,
+        experiments_dir=str(tmp_path),
+    )  # fmt: skip
+    assert _srun_line(cpu["request"]).endswith(f" {sys.executable} -m qvl.launchers.cli demo --steps 2 --device cpu")
+    executor = executors.slurm(account="qvl", partition="cpu", container_image="")
+    assert executor.container_image is None  # "" and null both mean no container
+
+
+def test_slurm_cpu_partition_is_a_cpu_job(tmp_path):
+    """Defect 2: `gpus_per_node: 0` asks for no GPU, starts `processes_per_node` processes and adds --device cpu."""
+    result = launch(
+        "demo", ["steps=2", "run.executor.gpus_per_node=0", *IMAGED], kind="slurm", dryrun=True,
+        experiments_dir=str(tmp_path),
+    )  # fmt: skip
+    script = result["request"]
+    assert "--gpus-per-node" not in script and "#SBATCH --ntasks-per-node=1" in script
+    assert _srun_line(script).endswith("demo --steps 2 --device cpu")
+    assert "torchrun" not in _srun_line(script)  # one process needs no torchrun; the CPU runtime makes a world of one
+    two = executors.slurm(account="qvl", partition="cpu", container_image=IMAGE, gpus_per_node=0, processes_per_node=2)
+    assert executors.world_shape(two) == (1, 2) and executors.is_cpu(two) and two.launcher is not None
+
+
+def test_slurm_cpu_layout_errors_name_processes_per_node(fake_recipe, tmp_path):  # noqa: F811
+    with pytest.raises(LaunchError, match=r"world size 3 \(nodes=1 x processes_per_node=3\) is not divisible"):
+        launch(
+            FAKE_RECIPE, ["run.executor.gpus_per_node=0", "run.executor.processes_per_node=3", *IMAGED], kind="slurm",
+            dryrun=True, experiments_dir=str(tmp_path),
+        )  # fmt: skip
+
+
+def test_tiny_model_needs_no_gpu_count(fake_recipe):  # noqa: F811
+    """Defect 3: the recipe is registered for 8 GPUs, but `--model tiny` drops that layout (and its GPU count)."""
+    tiny = resolve_job(FAKE_RECIPE, [], ["--model", "tiny"])
+    for gpus in (1, 0):
+        validate(tiny, executors.slurm(account="qvl", partition="cpu", container_image=IMAGE, gpus_per_node=gpus))
+    with pytest.raises(LaunchError, match=r"sized for 8 GPUs but the executor has 2 \(nodes=1 x gpus_per_node=2\)"):
+        validate(
+            resolve_job(FAKE_RECIPE, []),
+            executors.slurm(account="qvl", partition="cpu", container_image=IMAGE, gpus_per_node=2),
+        )
+    with pytest.raises(
+        LaunchError, match=r"sized for 8 GPUs .*\(nodes=1 x torchrun_nproc_per_node=2\)"
+    ):  # the setting the user wrote
+        validate(
+            resolve_job(FAKE_RECIPE, []),
+            executors.slurm(
+                account="qvl", partition="cpu", container_image=IMAGE, gpus_per_node=8, torchrun_nproc_per_node=2
+            ),
+        )
+
+
+def test_local_job_dir_is_where_the_experiment_and_its_sbatch_script_live(tmp_path):
+    """Defect 4: on a local tunnel `job_dir` is the experiments folder; NeMo-Run writes the sbatch script under
+    the experiment and submits it from the tunnel's job dir, so both must be the same folder."""
+    result = launch("demo", ["steps=2", f"run.executor.job_dir={tmp_path}", *IMAGED], kind="slurm", dryrun=True)
+    (output,) = re.findall(r"#SBATCH --output=(\S+)", result["request"])
+    assert result["folder"].startswith(str(tmp_path)) and output.startswith(result["folder"] + "/")
+    same = launch(
+        "demo", ["steps=2", f"run.executor.job_dir={tmp_path}", *IMAGED], kind="slurm", dryrun=True,
+        experiments_dir=str(tmp_path),
+    )  # fmt: skip
+    assert same["folder"].startswith(str(tmp_path))
+    with pytest.raises(LaunchError, match=r"job_dir=.* and --experiments-dir=.* disagree"):
+        launch(
+            "demo", ["steps=2", f"run.executor.job_dir={tmp_path / 'a'}", *IMAGED], kind="slurm", dryrun=True,
+            experiments_dir=str(tmp_path / "b"),
+        )  # fmt: skip
+
+
+def test_experiments_dir_alone_moves_the_sbatch_script_too(tmp_path):
+    result = launch("demo", ["steps=2", *IMAGED], kind="slurm", dryrun=True, experiments_dir=str(tmp_path))
+    (output,) = re.findall(r"#SBATCH --output=(\S+)", result["request"])
+    assert output.startswith(result["folder"] + "/") and result["folder"].startswith(str(tmp_path))
