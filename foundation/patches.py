@@ -181,7 +181,7 @@ PATCHES: tuple[Patch, ...] = (
           replacement="qvl.bridges.aligned:stripping_megatron_to_hf", version=MBRIDGE,
           params=("self", "megatron_weights", "megatron_module"),
           why="the padding is cut off again, so an exported or verified tensor is the checkpoint's own"),
-    # --- lean-hf-vision: around every training loop qvl runs, on any device (qvl.bridges.lean_vision)
+    # --- lean-hf-vision: from building a model with an HF vision tower on, any device (lean_vision.use_lean_vision)
     Patch(group="lean-hf-vision",
           target="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLRMSNorm.forward",
           replacement="qvl.bridges.lean_vision:fused_rms_norm", version="transformers 5.12.1",
