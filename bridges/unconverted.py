@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from qvl.bridges.consistency import read_config
 from qvl.foundation.families import family_of_architecture
@@ -36,9 +38,6 @@ def _weight_files(hf_path: Path) -> list[Path]:
 
 def save_unconverted(hf_path: Path, side_dir: Path) -> list[str]:
     """Copy the checkpoint's kept-aside tensors into `side_dir`/UNCONVERTED_FILE; returns their names."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     prefixes = unconverted_prefixes(hf_path)
     tensors: dict[str, torch.Tensor] = {}
     for path in _weight_files(hf_path) if prefixes else []:
@@ -52,8 +51,6 @@ def save_unconverted(hf_path: Path, side_dir: Path) -> list[str]:
 
 def restore_unconverted(side_dir: Path, out_hf_path: Path) -> list[str]:
     """Write the kept-aside tensors next to an exported checkpoint's weights and list them in its index."""
-    from safetensors import safe_open
-
     source = Path(side_dir) / UNCONVERTED_FILE
     if not source.is_file():
         return []
@@ -76,8 +73,6 @@ def restore_unconverted(side_dir: Path, out_hf_path: Path) -> list[str]:
 
 def sort_out_kept(different: list[str], hf_path: Path, side_dir: Path) -> tuple[list[str], list[str]]:
     """Split verify's differences into (kept aside and bit-identical to the HF checkpoint's, still different)."""
-    from safetensors import safe_open
-
     source = Path(side_dir) / UNCONVERTED_FILE
     suffix = " (never exported)"
     missing = [d[: -len(suffix)] for d in different if d.endswith(suffix)]
