@@ -138,11 +138,15 @@ def lm_param_counts(model: Any) -> dict[str, int]:
     )
 
 
-def lora_params_per_layer(model: Any, rank: int) -> int:
-    """LoRA adapter parameters one LM layer gets with Megatron-Bridge's default targets (qkv, proj, fc1, fc2)."""
+def lora_params_per_layer(model: Any, rank: int) -> float:
+    """LoRA adapter parameters one LM layer gets with Megatron-Bridge's default targets (qkv, proj, fc1, fc2); for
+    a hybrid LM the mean over its layers (Gated DeltaNet layers have no linear_qkv / linear_proj to adapt)."""
     h, d = model.hidden_size, model.kv_channels or model.hidden_size // model.num_attention_heads
     q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    gated_q = 2 * q if getattr(model, "attention_output_gate", False) else q
     experts = getattr(model, "num_moe_experts", None) or 1
     f = model.moe_ffn_hidden_size if getattr(model, "num_moe_experts", None) else model.ffn_hidden_size
     gate = 2 if model.gated_linear_unit else 1
-    return rank * ((h + q + 2 * kv) + (q + h) + experts * ((h + gate * f) + (f + h)))
+    attention_share = 1 - gated_delta_layers(model) / model.num_layers
+    attention = rank * ((h + gated_q + 2 * kv) + (q + h))
+    return attention * attention_share + rank * experts * ((h + gate * f) + (f + h))
