@@ -163,6 +163,8 @@ def slurm(
     if not image:  # this environment's `python` and `torchrun` first on PATH in the job
         env |= _interpreter_on_path(always=True)
     per_node = processes_per_node if cpu else gpus_per_node
+    if cpu and processes_per_node > 1:  # torchrun's processes share one Slurm task: give it a core each
+        sbatch.setdefault("cpus_per_task", processes_per_node)
     return run.SlurmExecutor(
         account=account,
         partition=partition,

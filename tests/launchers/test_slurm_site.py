@@ -59,6 +59,7 @@ def test_slurm_cpu_partition_is_a_cpu_job(tmp_path):
     assert "torchrun" not in _srun_line(script)  # one process needs no torchrun; the CPU runtime makes a world of one
     two = executors.slurm(account="qvl", partition="cpu", container_image=IMAGE, gpus_per_node=0, processes_per_node=2)
     assert executors.world_shape(two) == (1, 2) and executors.is_cpu(two) and two.launcher is not None
+    assert two.cpus_per_task == 2  # torchrun's two processes run in one Slurm task
 
 
 def test_slurm_cpu_layout_errors_name_processes_per_node(fake_recipe, tmp_path):  # noqa: F811
