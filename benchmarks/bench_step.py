@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -169,12 +171,15 @@ def write_model_dir(path: pathlib.Path, config: StepConfig) -> tuple[pathlib.Pat
 # --- synthetic packs ----------------------------------------------------------------------------------------------
 
 
-def synthetic_batches(config: StepConfig, hf_config, *, seed: int = 0):
+def synthetic_batches(config: StepConfig, hf_config, *, seed: int = 0, tower_inputs: bool = True):
     """Endless LLaVA-like packed micro-batches (qvl.data.encode.PackedBatch) of `config`'s composition: each sample
-    text, one image, text; positions from qvl.data.mrope as the loader computes them."""
+    text, one image, text; positions from qvl.data.mrope and (`tower_inputs`, HF towers) the tower's inputs from
+    qvl.foundation.tower_inputs, as the loader computes them."""
     from qvl.data.count import IGNORE_INDEX
     from qvl.data.encode import PackedBatch
     from qvl.data.mrope import RopeConfig, packed_position_ids
+    from qvl.foundation.families import get_family
+    from qvl.foundation.tower_inputs import tower_inputs_for_config
 
     rng = np.random.default_rng(seed)
     vision = hf_config.vision_config
@@ -202,6 +207,8 @@ def synthetic_batches(config: StepConfig, hf_config, *, seed: int = 0):
             learned[end - len(tail) : end - 1] = True  # the answer: the sample's closing text
         labels[~learned] = IGNORE_INDEX
         patches = config.samples_per_pack * math.prod(grid)
+        grids = torch.tensor([list(grid)] * config.samples_per_pack, dtype=torch.long)
+        hf_tower = tower_inputs and not get_family(config.family).megatron_vision_tower
         yield PackedBatch(
             __key__=["synthetic"],
             __restore_key__=("synthetic",),
@@ -213,7 +220,8 @@ def synthetic_batches(config: StepConfig, hf_config, *, seed: int = 0):
             cu_seqlens_kv=torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32),
             max_seqlen=max(lengths),
             pixel_values=torch.randn(patches, patch_width),
-            image_grid_thw=torch.tensor([list(grid)] * config.samples_per_pack, dtype=torch.long),
+            image_grid_thw=grids,
+            image_tower_inputs=tower_inputs_for_config(grids, vision) if hf_tower else None,
             pixel_values_videos=None,
             video_grid_thw=torch.zeros(0, 3, dtype=torch.long),
             second_per_grid_ts=torch.zeros(0),
@@ -318,9 +326,12 @@ def census_forward_step(census, regions: _Regions):
 
 
 def _marked(batches, census):
-    """The loader: each micro-batch's tensors are host tensors."""
+    """The loader: each micro-batch's tensors (and those of its tower inputs) are host tensors."""
     for batch in batches:
-        census.mark_host([v for v in vars(batch).values() if isinstance(v, torch.Tensor)])
+        for value in (getattr(batch, f.name) for f in dataclasses.fields(batch)):
+            if dataclasses.is_dataclass(value):  # TowerInputs
+                value = [getattr(value, f.name) for f in dataclasses.fields(value)]
+            census.mark_host(value)
         yield batch
 
 
@@ -379,15 +390,18 @@ STEP_GROUPS = ("lean-hf-vision",)
 
 @contextlib.contextmanager
 def step_code(*, baseline: bool):
-    """qvl's step as training runs it, or (`baseline`) the code before issue 21: no aligned widths, no step groups,
-    only the torch-Adam resume fixes."""
+    """qvl's step as training runs it, or (`baseline`) the code before issue 21: no aligned widths, no lean vision
+    tower (nor the loader's tower inputs), no step groups, only the torch-Adam resume fixes."""
     from qvl.foundation import patches
     from qvl.recipes.training import optimizer_fixes
 
     if baseline:
-        with mock.patch("qvl.bridges.fixes.align_vision_widths", lambda provider: {}):
-            with patches.applied(optimizer_fixes.GROUP):
-                yield
+        with (
+            mock.patch("qvl.bridges.fixes.align_vision_widths", lambda provider: {}),
+            mock.patch("qvl.bridges.lean_vision.use_lean_vision", lambda provider: False),
+            patches.applied(optimizer_fixes.GROUP),
+        ):
+            yield
         return
     # the copies a CUDA device gets: pinned, non-blocking (qvl.recipes.training.step.to_device)
     with mock.patch("qvl.recipes.training.step.pinned_copies", lambda device: True):
@@ -426,7 +440,8 @@ def census_worker(spec_path: pathlib.Path) -> int:
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.logger.tensorboard_dir = None
     dataset = cfg.dataset
-    batches = synthetic_batches(config, hf)
+    # made before training, as a loader's workers would: none of it is the step's work
+    batches = list(itertools.islice(synthetic_batches(config, hf, tower_inputs=not spec["baseline"]), 2 * config.packs))
     cfg.dataset = census_dataset_class()(
         **{f: getattr(dataset, f) for f in ("hf_path", "family", "seq_length", "micro_batch_size")},
         path=None,

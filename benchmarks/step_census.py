@@ -211,7 +211,7 @@ class Census:
             return
         if name in NO_KERNEL_OPS:
             return
-        if returns and not all(str(r.type).startswith("Tensor") for r in returns):
+        if returns and not all("Tensor" in str(r.type) for r in returns):  # "Tensor", "List[Tensor]", ...
             if inputs and not self._in_sync:
                 counts.syncs[f"{name} at {call_site()}"] += 1  # a device value returned as a Python number
             return
