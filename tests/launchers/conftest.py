@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from tests.launchers.slurm_cluster import SlurmCluster, Unavailable, start_cluster
@@ -15,7 +17,10 @@ def slurm_cluster() -> SlurmCluster:
         cluster = start_cluster()
     except Unavailable as why:
         pytest.skip(f"no real Slurm here: {why}")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SLURM_CONF", str(cluster.conf))  # sbatch/sacct run by NeMo-Run in this process find it
-        yield cluster
-    cluster.stop()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SLURM_CONF", str(cluster.conf))  # sbatch/sacct run by NeMo-Run in this process find it
+            yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(cluster.root, ignore_errors=True)

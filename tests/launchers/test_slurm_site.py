@@ -113,3 +113,18 @@ def test_experiments_dir_alone_moves_the_sbatch_script_too(tmp_path):
     result = launch("demo", ["steps=2", *IMAGED], kind="slurm", dryrun=True, experiments_dir=str(tmp_path))
     (output,) = re.findall(r"#SBATCH --output=(\S+)", result["request"])
     assert output.startswith(result["folder"] + "/") and result["folder"].startswith(str(tmp_path))
+
+
+def test_the_real_slurm_fixture_skips_with_the_reason_where_it_cannot_install(monkeypatch):
+    """Where Slurm is missing, the `slurm_cluster` fixture installs it as root with apt-get, else skips saying why."""
+    from tests.launchers import slurm_cluster
+
+    monkeypatch.setattr(slurm_cluster.shutil, "which", lambda name: None)  # no Slurm, no apt-get
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(slurm_cluster.Unavailable, match=r"not installed and the tests do not run as root to apt-get"):
+        slurm_cluster.install_packages()
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 0)
+    with pytest.raises(
+        slurm_cluster.Unavailable, match=r"no apt-get to install slurm-wlm munge slurmdbd mariadb-server"
+    ):
+        slurm_cluster.install_packages()
