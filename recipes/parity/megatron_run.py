@@ -133,13 +133,14 @@ def export_hf(bridge, model: list, *, grads: bool) -> dict[str, torch.Tensor]:
 
     The mappings rearrange tensors (split, concatenate, interleave), some also add a constant (Qwen3.5-VL's
     zero-centred norms are stored as w - 1 on one side): a gradient maps through the linear part alone, so it is
-    exported as export(g) - export(0)."""
+    exported as export(g) - export(0), in float64: in fp32, (g + 1) - 1 keeps only 2^-24 of g's scale (a norm
+    gradient of 1e-4 came back 2e-4 off relative, which looked like a training difference)."""
     if not grads:
         return _export(bridge, model, None)
     tasks = bridge.get_conversion_tasks(model)
-    exported = _export(bridge, model, _with_weights(tasks, _gradient))
-    offsets = _export(bridge, model, _with_weights(tasks, lambda p: torch.zeros_like(p)))
-    return {name: tensor - offsets[name] for name, tensor in exported.items()}
+    exported = _export(bridge, model, _with_weights(tasks, lambda p: _gradient(p).double()), torch.float64)
+    offsets = _export(bridge, model, _with_weights(tasks, lambda p: torch.zeros_like(p, dtype=torch.float64)), None)
+    return {name: (tensor - offsets[name].double()).float() for name, tensor in exported.items()}
 
 
 def _with_weights(tasks: list, weight_of: Callable[[torch.Tensor], torch.Tensor]) -> list:
@@ -148,10 +149,10 @@ def _with_weights(tasks: list, weight_of: Callable[[torch.Tensor], torch.Tensor]
     ]
 
 
-def _export(bridge, model: list, tasks: list | None) -> dict[str, torch.Tensor]:
+def _export(bridge, model: list, tasks: list | None, dtype=torch.float32) -> dict[str, torch.Tensor]:
     exported = bridge.export_hf_weights(model, cpu=True, show_progress=False, conversion_tasks=tasks)
     # identity mappings hand back the live tensor itself: copy it before the next step changes it
-    return {name: tensor.detach().clone().float() for name, tensor in exported}
+    return {name: tensor.detach().clone().to(dtype or tensor.dtype) for name, tensor in exported}
 
 
 class ParityCallback:

@@ -13,7 +13,7 @@ import torch
 
 from qvl.foundation.errors import ConfigError, DataError
 from qvl.foundation.families import family_of_architecture
-from qvl.recipes.parity.report import ParityReport, compare
+from qvl.recipes.parity.report import ParityReport, compare, gate_note
 
 logger = logging.getLogger(__name__)
 MAX_PACKS = 64  # the reference accumulates every pack of the dataset in each step: a handful of samples
@@ -101,7 +101,7 @@ def run_parity(spec: ParitySpec) -> ParityReport | None:
     hf, settings = reference_run(spec, family, qvl, config)
     report = compare(qvl, hf, family=family.name, recipe=run.recipe, precision=spec.precision, peak_lr=settings.lr)
     report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec)
-    report.deliberate += (moe_note(config) if family.moe else []) + run_notes(spec, settings)
+    report.deliberate += (moe_note(config) if family.moe else []) + run_notes(spec, settings) + gate_note(report)
     return report
 
 

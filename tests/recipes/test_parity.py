@@ -6,6 +6,10 @@ text-only, a video, one image) packed offline into two packs, 3 AdamW steps with
 decay groups, clipping and cosine schedule. qvl's side runs with `model.cross_entropy_loss_fusion=false`: Megatron's
 native fused cross-entropy rounds the logits' gradient to bf16 even in fp32 (a test below shows it and that the
 report names it). Then three deliberate breakages, each of which the check must catch.
+
+Qwen3.5-VL (dense and MoE): every tensor keeps the fp32 tolerances but the Gated DeltaNet decay-gate parameters,
+judged with the named `gate_grad` / `gate_weight` tolerances (qvl.recipes.parity.report); the slow test at the
+end shows on an fp64 run of the same step why: both frameworks' fp32 gradients of those are that far from exact.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 from qvl.recipes.parity.report import TOLERANCES
 
 # The families the parity check covers; a new family is one more name here (its record supplies everything else).
-PARITY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+PARITY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_vl_moe")
+GATED_DELTA_FAMILIES = ("qwen3_5_vl", "qwen3_5_vl_moe")
 STEPS = 3
 SEQ_LENGTH = 200  # the four conversations (287 tokens with the tiny processors) make two packs
 OPTIONS = {"seq_length": SEQ_LENGTH, "lr": 1e-3, "min_lr": 1e-4, "warmup_iters": 1, "weight_decay": 0.1}
@@ -85,6 +90,12 @@ def test_gradients_and_trajectory_match_transformers(reports, family):
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert report["token_loss_max_diff"] <= tol.token_loss and report["grad_max_rel_diff"] <= tol.grad
     assert report["weight_max_diff"] <= tol.weight * report["peak_lr"]
+    # Only the Gated DeltaNet decay gates (3 tensors per linear-attention layer) get the gate tolerance.
+    gated = family in GATED_DELTA_FAMILIES
+    assert (report["gate_tensors"] >= 6) if gated else (report["gate_tensors"] == 0)
+    assert report["gate_grad_max_rel_diff"] <= tol.gate_grad
+    assert report["gate_weight_max_diff"] <= tol.gate_weight * report["peak_lr"]
+    assert any(note.startswith("gate parameters:") for note in report["deliberate"]) == gated
     # The schedule: warm-up from 0 over one step, then cosine decay; both frameworks stepped at the same rates.
     assert [r["lr_qvl"] for r in steps] == pytest.approx([0.0, 1e-3, 5.5e-4])
     assert [r["lr_hf"] for r in steps] == pytest.approx([0.0, 1e-3, 5.5e-4])
@@ -170,14 +181,16 @@ class ShiftOneImagesPositions:
 
 
 @pytest.mark.parametrize(
-    "breakage, failure",
+    "family, breakage, failure",
     [
-        ("unmask", "learned tokens differ"),
-        ("positions", "per-token loss differs"),
-        ("crossing", "per-token loss differs"),
+        ("qwen2_5_vl", "unmask", "learned tokens differ"),
+        ("qwen2_5_vl", "positions", "per-token loss differs"),
+        ("qwen2_5_vl", "crossing", "per-token loss differs"),
+        # Gated DeltaNet: a conversation's recurrent state and conv window flowing into the next one
+        ("qwen3_5_vl", "crossing", "per-token loss differs"),
     ],
 )
-def test_a_deliberate_breakage_fails_the_check(parity_inputs, tmp_path, breakage, failure):
+def test_a_deliberate_breakage_fails_the_check(parity_inputs, tmp_path, family, breakage, failure):
     from qvl.foundation.families import TINY_TOKEN_IDS
 
     hooks = {
@@ -185,7 +198,7 @@ def test_a_deliberate_breakage_fails_the_check(parity_inputs, tmp_path, breakage
         "positions": ShiftOneImagesPositions(TINY_TOKEN_IDS["image_token_id"]),
         "crossing": join_the_first_two_conversations,
     }
-    report = run(parity_inputs, tmp_path, "qwen2_5_vl", steps=1, batch_hook=hooks[breakage])
+    report = run(parity_inputs, tmp_path, family, steps=1, batch_hook=hooks[breakage])
     assert not report.ok
     assert any(failure in f for f in report.failures), report.failures
 
@@ -209,3 +222,43 @@ def test_json_goes_alone_to_stdout(parity_inputs, tmp_path, capsys):
     assert main([*args, "warmup_iters=0", "lr=1e-3"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and len(report["steps"]) == 1 and (tmp_path / "p.png").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", GATED_DELTA_FAMILIES)
+def test_gate_gradients_differ_by_fp32_error_alone(parity_inputs, tmp_path, family):
+    """Step 1 once more in fp64 (transformers' model, its fp32 casts made fp64, the exact delta-rule recurrence):
+    on the decay-gate parameters transformers' own fp32 gradients are 1e-4..1e-3 off, and qvl's are no further
+    (measured: at most 1.1x transformers' error on any tensor, usually less); every other tensor is within 2e-6
+    of fp64 on both sides, so the gate tolerance covers fp32 error and nothing else."""
+    from qvl.recipes.parity import exact
+    from qvl.recipes.parity.megatron_run import run_megatron
+    from qvl.recipes.parity.report import is_gate_parameter
+    from qvl.recipes.parity.run import ParitySpec, check_spec, qvl_run, reference_run
+
+    hf_path, data = parity_inputs[family]
+    options = {**OPTIONS, "warmup_iters": 0, **EXACT_CE}
+    spec = ParitySpec(hf_path=hf_path, data=data, run_dir=tmp_path, steps=1, options=options)
+    record, device = check_spec(spec)
+    qvl, config = run_megatron(qvl_run(spec, record, device))
+    hf, settings = reference_run(spec, record, qvl, config)
+    steps = _conversations(qvl, hf_path, record)
+    truth = exact.step_gradients(exact.fp64_model(hf_path), steps[0], clip=settings.clip)
+    ours, theirs = exact.relative_errors(qvl.grads, truth), exact.relative_errors(hf.grads, truth)
+    assert set(ours) == set(theirs) == set(truth)
+    gates = [n for n in truth if is_gate_parameter(n)]
+    assert len(gates) >= 6
+    assert max(theirs[n] for n in gates) > 2e-5  # transformers' fp32 error on them is real, not zero
+    assert all(ours[n] <= 2 * theirs[n] + 1e-6 for n in gates), {n: (ours[n], theirs[n]) for n in gates}
+    assert max(ours[n] for n in gates) <= TOLERANCES["fp32"].gate_grad / 2
+    others = [n for n in truth if not is_gate_parameter(n)]
+    assert max(ours[n] for n in others) < 5e-6 and max(theirs[n] for n in others) < 5e-6
+
+
+def _conversations(qvl, hf_path, record):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from qvl.recipes.parity.transformers_run import samples_per_step
+
+    config, tokenizer = AutoConfig.from_pretrained(str(hf_path)), AutoTokenizer.from_pretrained(str(hf_path))
+    return samples_per_step(qvl, config, tokenizer, seconds_per_grid=record.video_positions_in_seconds)
