@@ -169,7 +169,7 @@ def slurm(
         account=account,
         partition=partition,
         nodes=nodes,
-        # torchrun starts the per-node workers, so Slurm starts one task per node.
+        # Processes per node; with torchrun NeMo-Run turns this into one Slurm task running that many workers.
         ntasks_per_node=per_node,
         gpus_per_node=None if cpu else gpus_per_node,
         time=time,
@@ -178,11 +178,7 @@ def slurm(
         # Whole nodes: NVLink topology and NCCL rings assume no other job shares the GPUs.
         exclusive=exclusive or None,
         job_name_prefix="qvl-",
-        tunnel=run.SSHTunnel(
-            host=host, user=user or os.environ.get("USER", ""), job_dir=job_dir, identity=identity or None
-        )
-        if host
-        else run.LocalTunnel(job_dir=job_dir),
+        tunnel=_tunnel(host=host, user=user, job_dir=job_dir, identity=identity),
         packager=QvlSourcePackager() if package_qvl else run.Packager(),
         # One CPU process needs no torchrun: the CPU runtime makes a world of one.
         launcher=None if per_node == 1 and cpu else Torchrun(),
@@ -192,6 +188,15 @@ def slurm(
         env_vars=env | dict(env_vars or {}),
         **sbatch,
     )
+
+
+def _tunnel(*, host: str, user: str, job_dir: str, identity: str) -> run.SSHTunnel | run.LocalTunnel:
+    """SSH to `host` when given (keys from the ssh-agent or `identity`), else sbatch on this machine."""
+    if host:
+        return run.SSHTunnel(
+            host=host, user=user or os.environ.get("USER", ""), job_dir=job_dir, identity=identity or None
+        )
+    return run.LocalTunnel(job_dir=job_dir)
 
 
 def _pvc_volumes(claims) -> tuple[list[dict], list[dict]]:
