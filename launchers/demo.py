@@ -1,4 +1,4 @@
-"""`qvl demo`: the whole pipeline end to end with a tiny Qwen2.5-VL, on CPU (or the GPU where there is one).
+"""`qvl demo [--family F]`: the whole pipeline end to end with a tiny model (Qwen2.5-VL by default), on CPU or a GPU.
 
 prepare data -> convert HF to Megatron (+ verify) -> plan -> train (SFT from the converted checkpoint)
 -> export to HF -> verify the export against the trained checkpoint. Every stage is the `qvl` command a
@@ -16,10 +16,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qvl.data.samples import write_sample_dataset
+from qvl.foundation.errors import ConfigError
+from qvl.foundation.families import get_family
 
-FAMILY = "qwen2_5_vl"
-RECIPE = "qwen25_vl_3b_sft"
-PLAN_RECIPE = "qwen25_vl_7b_sft"
+FAMILY = "qwen2_5_vl"  # the default; `qvl demo --family F` runs any family record's tiny model
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DemoRecipes:
+    """What the demo trains (the family's smallest SFT recipe, tiny) and plans (its next size, real shape)."""
+
+    family: str
+    train: str
+    plan: str
+    plan_size: str
+    plan_gpus: int
+
+
+def demo_recipes(family: str) -> DemoRecipes:
+    """The family's SFT recipes in size order: the first trains at the tiny size, the second is planned."""
+    from qvl.recipes.registry import all_recipes
+
+    sft = [info for info in all_recipes() if info.family == family and info.stage == "sft"]
+    if not sft:
+        raise ConfigError(f"--family {family}: no SFT recipe is registered for it; see `qvl recipes`")
+    planned = sft[1] if len(sft) > 1 else sft[0]
+    return DemoRecipes(
+        family=family,
+        train=sft[0].name,
+        plan=planned.name,
+        plan_size=planned.size.upper(),
+        plan_gpus=int(planned.layout.get("gpus", 8)),
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,11 +71,11 @@ def _qvl(args: list[str], log: Path) -> str:
     return process.stdout
 
 
-def _stages(out: Path, device: list[str], steps: int) -> list[Stage]:
+def _stages(out: Path, device: list[str], steps: int, recipes: DemoRecipes) -> list[Stage]:
     hf, data, mega, run, export = out / "hf", out / "data", out / "megatron", out / "train", out / "export"
     samples = out / "samples"
     train = [
-        RECIPE,
+        recipes.train,
         f"data={data}",
         f"hf_path={hf}",
         f"pretrained_checkpoint={mega}",
@@ -71,7 +99,7 @@ def _stages(out: Path, device: list[str], steps: int) -> list[Stage]:
                 "--media-root",
                 str(samples / "images"),
                 "--family",
-                FAMILY,
+                recipes.family,
                 "--hf-path",
                 str(hf),
                 "--seq-length",
@@ -90,7 +118,10 @@ def _stages(out: Path, device: list[str], steps: int) -> list[Stage]:
             name="verify conversion",
             args=["convert", "verify", str(hf), str(mega), "--report", str(out / "verify-conversion.json"), *device],
         ),
-        Stage(name="plan (7B SFT, 8 x H100)", args=["plan", PLAN_RECIPE, "--gpus", "8", "--gpu", "h100"]),
+        Stage(
+            name=f"plan ({recipes.plan_size} SFT, {recipes.plan_gpus} x H100)",
+            args=["plan", recipes.plan, "--gpus", str(recipes.plan_gpus), "--gpu", "h100"],
+        ),
         Stage(
             name="train (SFT, tiny)",
             args=["train", *train, "--model", "tiny", "--run-dir", str(run), *device],
@@ -128,10 +159,11 @@ def run_demo(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = ["--device", "cpu"] if args.device == "cpu" else []
     write_sample_dataset(out / "samples")
-    write_tiny_hf_checkpoint(out / "hf", FAMILY)
-    console.print(f"[bold]qvl demo[/]: tiny {FAMILY} end to end in {out}")
+    recipes = demo_recipes(args.family)
+    write_tiny_hf_checkpoint(out / "hf", recipes.family)
+    console.print(f"[bold]qvl demo[/]: tiny {recipes.family} end to end in {out}")
     results: dict = {"output": str(out)}
-    for stage in _stages(out, device, args.steps):
+    for stage in _stages(out, device, args.steps, recipes):
         if stage.name == "export Megatron -> HF":  # the training checkpoint carries no HF config: add it
             copy_hf_side_files(out / "hf", out / "train" / "checkpoints" / "hf")
         console.print(f"[cyan]>[/] {stage.name}: qvl {' '.join(stage.args[:2])} ...")
@@ -157,7 +189,7 @@ def _summarise(results: dict, out: Path, console, table_cls) -> None:
         k: data[k] for k in ("accepted", "quarantined", "packed_sequences", "packing_efficiency") if k in data
     }
     (out / "demo_summary.json").write_text(json.dumps(results, indent=2, default=str))
-    _plot_losses(losses, out / "loss.png")
+    _plot_losses(losses, out / "loss.png", get_family(data["family"]).title)
     console.print(summary_table(results, out, data, losses, table_cls))
     console.print(f"summary: {out / 'demo_summary.json'}   loss curve: {out / 'loss.png'}")
 
@@ -177,7 +209,9 @@ def summary_table(results: dict, out: Path, data: dict, losses: dict[int, float]
         detail = ""
         if "report" in result:
             r = result["report"]
-            detail = f"max diff {r['max_abs_diff']:.2g}; {r['tensors_compared']} tensors; ok={r['ok']}"
+            detail = f"max diff {r['max_abs_diff']:.1g}, {r['tensors_compared']} tensors " + (
+                "ok" if r["ok"] else "DIFFER"
+            )
         elif name.startswith("train") and losses:
             detail = f"loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f}, {len(losses)} steps"
         elif name.startswith("prepare"):
@@ -188,7 +222,7 @@ def summary_table(results: dict, out: Path, data: dict, losses: dict[int, float]
     return table
 
 
-def _plot_losses(losses: dict[int, float], path: Path) -> None:
+def _plot_losses(losses: dict[int, float], path: Path, title: str) -> None:
     try:
         import matplotlib
 
@@ -199,7 +233,7 @@ def _plot_losses(losses: dict[int, float], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 3))
     steps = sorted(losses)
     ax.plot(steps, [losses[s] for s in steps], marker="o")
-    ax.set(xlabel="step", ylabel="LM loss", title="qvl demo: tiny Qwen2.5-VL SFT on CPU")
+    ax.set(xlabel="step", ylabel="LM loss", title=f"qvl demo: tiny {title} SFT")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -12,7 +12,7 @@ from qvl.launchers.demo import summary_table
 
 def test_the_summary_fits_80_columns_one_line_per_stage(tmp_path):
     out = tmp_path / "a-fairly-long-output-folder-name" / ".demo"
-    verify = {"max_abs_diff": 0.0, "tensors_compared": 105, "ok": True}
+    verify = {"max_abs_diff": 1.5e-07, "tensors_compared": 105, "ok": True}
     results = {
         "output": str(out),
         "prepare data": {"seconds": 12.3, "artifact": str(out / "data")},
@@ -31,4 +31,19 @@ def test_the_summary_fits_80_columns_one_line_per_stage(tmp_path):
         (row,) = [line for line in lines if line.strip().startswith(stage)]  # the whole name on one line
         assert row
     assert any("loss 6.349 -> 4.905, 2 steps" in line and "train/" in line for line in lines)
+    assert sum("max diff 1e-07, 105 tensors ok" in line for line in lines) == 2  # each verification on its line
     assert not any(str(Path(out)) in line for line in lines[1:])  # artifacts relative to the output folder
+
+
+def test_every_family_has_a_demo_its_tiny_sft_and_a_planned_size():
+    from qvl.foundation.families import FAMILIES
+    from qvl.launchers.demo import demo_recipes
+    from qvl.recipes.registry import get_recipe
+
+    assert demo_recipes("qwen2_5_vl") == demo_recipes("qwen2_5_vl").__class__(
+        family="qwen2_5_vl", train="qwen25_vl_3b_sft", plan="qwen25_vl_7b_sft", plan_size="7B", plan_gpus=8
+    )
+    for family in FAMILIES:
+        recipes = demo_recipes(family)
+        assert get_recipe(recipes.train).family == get_recipe(recipes.plan).family == family
+        assert get_recipe(recipes.train).stage == "sft" and recipes.plan_gpus >= 1
