@@ -5,7 +5,8 @@ parameters of Qwen3.5-VL, README "Training parity"), the question is which side 
 gradients once more with every fp32 cast of transformers' modelling code turned into an fp64 one (its RMSNorms,
 gate, rotary and softmax upcast to `torch.float32` explicitly, which a plain `.double()` model would keep) and
 its delta rule as the exact token-by-token recurrence, with the step's per-token loss normalisation and the
-recipe's clipping. Each fp32 side's distance to it is that side's own error.
+recipe's clipping (`step_gradients`), and the whole run's steps with AdamW in float64 (`trajectory`). Each fp32
+side's distance to it is that side's own error.
 """
 
 from __future__ import annotations
@@ -84,8 +85,7 @@ def step_gradients(model, conversations: list[dict], *, clip: float) -> dict[str
             ce = torch.nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
             ((ce * (labels != IGNORE)).sum() / learned).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
-    scale = min(1.0, clip / (norm + 1e-6)) if clip else 1.0
+    scale = _clip_scale(model, clip)
     return {n: g * scale for n, g in revert_weight_conversion(model, grads).items()}
 
 
@@ -100,3 +100,37 @@ def relative_errors(grads: dict[str, torch.Tensor], exact: dict[str, torch.Tenso
         for name, ref in exact.items()
         if name in grads and grads[name].shape == ref.shape
     }
+
+
+def trajectory(model, steps: list[list[dict]], settings, lrs: list[float]) -> tuple[dict, dict]:
+    """The reference's steps in float64: AdamW with the recipe's betas, eps, clipping and Megatron's decay groups at
+    the learning rates both frameworks used (`lrs`); (step 1's clipped gradients, the final weights), both under
+    checkpoint names."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from qvl.recipes.parity.transformers_run import megatron_no_decay
+
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if not megatron_no_decay(n, p)], "weight_decay": settings.weight_decay},
+        {"params": [p for n, p in named if megatron_no_decay(n, p)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
+    first = {}
+    for k, (conversations, lr) in enumerate(zip(steps, lrs, strict=True)):
+        grads = step_gradients(model, conversations, clip=settings.clip)
+        first = grads if k == 0 else first
+        scale = _clip_scale(model, settings.clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        optimizer.step()
+    weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    return first, revert_weight_conversion(model, weights)
+
+
+def _clip_scale(model, clip: float) -> float:
+    norm = math.sqrt(sum(float((p.grad * p.grad).sum()) for p in model.parameters() if p.grad is not None))
+    return min(1.0, clip / (norm + 1e-6)) if clip else 1.0
