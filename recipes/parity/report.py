@@ -243,7 +243,7 @@ def gate_note(report: ParityReport) -> list[str]:
         return []
     tol = report.tolerances
     return [
-        f"gate parameters: the Gated DeltaNet's decay gate ({', '.join(GATE_PARAMETERS)}; {report.gate_tensors} "
+        f"gate parameters: the Gated DeltaNet's decay gate ({', '.join(f.rstrip('.') for f in GATE_PARAMETERS)}; {report.gate_tensors} "
         f"tensors) was judged with its own tolerance, gradients {tol.gate_grad:.0e} relative and final weights "
         f"{tol.gate_weight:g} x lr (every other tensor {tol.grad:.0e} and {tol.weight:g} x lr): their fp32 gradients "
         "are ill-conditioned in both frameworks (measured against fp64: README, Training parity). This run: "
