@@ -106,7 +106,8 @@ def tower_input_pairs(batch: Any, kwargs: dict, device: torch.device) -> list[tu
     for grid, field in (("image_grid_thw", "image_tower_inputs"), ("video_grid_thw", "video_tower_inputs")):
         inputs = getattr(batch, field, None)
         if inputs is not None and grid in kwargs:
-            pairs.append((kwargs[grid], inputs.to(device, non_blocking=True)))
+            pinned = inputs.pin_memory() if pinned_copies(device) else inputs
+            pairs.append((kwargs[grid], pinned.to(device, non_blocking=True)))
     return pairs
 
 
