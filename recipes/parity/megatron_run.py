@@ -219,7 +219,7 @@ def training_config(run: MegatronRun):
 def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
     """Train `run.steps` steps with Megatron-Bridge's loop; what it did, and the ConfigContainer it ran."""
     from qvl.bridges.convert import auto_bridge_with_weights
-    from qvl.foundation import distributed, megatron, patches, runtime
+    from qvl.foundation import distributed, megatron, runtime
 
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed.free_port())
@@ -229,9 +229,8 @@ def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
         runtime.enable_bridge_training()
     megatron.import_megatron_bridge()
     from megatron.bridge.training.callbacks import CallbackManager
-    from megatron.bridge.training.pretrain import pretrain
 
-    from qvl.recipes.training import optimizer_fixes
+    from qvl.recipes.training.train import run_megatron_loop
 
     _, config = training_config(run)
     bridge = auto_bridge_with_weights(run.hf_path, config.model.params_dtype)
@@ -241,8 +240,7 @@ def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
     callbacks = CallbackManager()
     for event in ("on_train_start", "on_train_step_start", "on_train_step_end", "on_train_end"):
         callbacks.register(event, getattr(callback, event))
-    with optimizer_fixes.fixed(), patches.applied("megatron-wheel"):
-        pretrain(config, RecordingForwardStep(recording, run.batch_hook), callbacks=callbacks)
+    run_megatron_loop(config, RecordingForwardStep(recording, run.batch_hook), callbacks)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         recording = merge_ranks(recording)
     recording.token_losses = conversation_token_losses(recording.micro_batches)

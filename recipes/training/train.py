@@ -198,24 +198,17 @@ def train(
     from megatron.bridge.training.callbacks import CallbackManager  # Megatron-Bridge: heavy, loaded on use
 
     import qvl.bridges.registration  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
-    from qvl.recipes.training import optimizer_fixes  # Megatron-Core's optimizer
     from qvl.recipes.training.step import forward_step  # Megatron-Core
 
     if stop_after:
         config.train.exit_interval = stop_after  # Megatron-Bridge saves a checkpoint and exits
     callbacks = CallbackManager()
     callbacks.register("on_train_step_end", _LossRecorder(run_dir / LOSSES_FILE))
-    if loop == "pretrain":
-        from megatron.bridge.training.pretrain import pretrain as run_loop
-    else:
-        from megatron.bridge.training.finetune import finetune as run_loop
     clean_exit = _CleanExitFilter()
     pretrain_logger = logging.getLogger("megatron.bridge.training.pretrain")
     pretrain_logger.addFilter(clean_exit)
     try:
-        # exact resume with torch Adam (no TE/Apex), on any device; the wheel's prebuilt dataset helpers
-        with optimizer_fixes.fixed(), patches.applied("megatron-wheel"):
-            run_loop(config, forward_step, callbacks=callbacks)
+        run_megatron_loop(config, forward_step, callbacks, loop=loop)
     except SystemExit as stop:
         if stop.code not in (0, None):
             raise
@@ -225,6 +218,23 @@ def train(
         if own_port:
             os.environ.pop("MASTER_PORT", None)
     return run_dir
+
+
+def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: str = "pretrain") -> None:
+    """Megatron-Bridge's `pretrain()` / `finetune()` with what every qvl run needs around it: exact resume with
+    torch Adam (no TE/Apex), the wheel's prebuilt dataset helpers, and no rerun-state singleton left behind by a
+    forward step that ran earlier in this process (a test, a notebook): `pretrain()` asserts there is none."""
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
+    from qvl.recipes.training import optimizer_fixes  # Megatron-Core's optimizer
+
+    if loop == "pretrain":
+        from megatron.bridge.training.pretrain import pretrain as run_loop
+    else:
+        from megatron.bridge.training.finetune import finetune as run_loop
+    destroy_rerun_state_machine()
+    with optimizer_fixes.fixed(), patches.applied("megatron-wheel"):
+        run_loop(config, forward_step, callbacks=callbacks)
 
 
 def read_losses(run_dir: Path) -> dict[int, float]:
