@@ -45,7 +45,7 @@ PROFILE_ALIGN2_SHARE = 0.30  # share of all kernel time in cutlass_80 ... align2
 PROFILE_ATTENTION_S = (0.279844 + 0.156065) / 2  # flash forward + backward per step
 PROFILE_HOST_S = 8.827 / 2  # self CPU time per step: the host is busy the whole step
 PROFILE_PAGEABLE_S = 0.134075 / 2  # Memcpy HtoD (Pageable -> Device) per step
-# The issue's goals for an 8-pack step of the RESULTS.md configuration.
+# The step-speed goals for an 8-pack step of the RESULTS.md configuration (benchmarks/RESULTS.md, "Step census").
 GOALS = {
     "kernel_launching_ops": 20_000,
     "host_syncs": 10,
@@ -390,7 +390,7 @@ STEP_GROUPS = ("lean-hf-vision",)
 
 @contextlib.contextmanager
 def step_code(*, baseline: bool):
-    """qvl's step as training runs it, or (`baseline`) the code before issue 21: no aligned widths, no lean vision
+    """qvl's step as training runs it, or (`baseline`) the code as measured on the H100 (RESULTS.md): no aligned widths, no lean vision
     tower (nor the loader's tower inputs), no step groups, only the torch-Adam resume fixes."""
     from qvl.foundation import patches
     from qvl.recipes.training import optimizer_fixes
@@ -544,7 +544,7 @@ class StepTimeModel:
 
 
 def goal_checks(result: dict, estimate: dict) -> list[dict]:
-    """The issue's goals for the RESULTS.md configuration, met or missed."""
+    """The step-speed goals for the RESULTS.md configuration, met or missed."""
     step, optimizer = result["step"], result["regions"]["optimizer"]
     figures = [
         ("kernel-launching ops per step", step["kernel_launching_ops"], GOALS["kernel_launching_ops"]),

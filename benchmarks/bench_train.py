@@ -50,7 +50,7 @@ WORDS = (
     "left right next to on under holding sitting standing what is how many where why color number of in picture "
     "describe detail answer question two three people there are this that with near background foreground"
 ).split()
-# The GPU-path issue's targets on one H100, bf16, no TE.
+# The GPU-path targets on one H100, bf16, no TE (benchmarks/RESULTS.md).
 GOALS = {"mfu": 0.40, "packed_over_padded": 1.5, "data_wait": 0.02, "plan_error": 0.15}
 
 

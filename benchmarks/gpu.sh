@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The GPU figures in one command on a lent GPU machine (no network, no Megatron, no TE there; see benchmarks/README.md).
+# The GPU figures in one command on a GPU machine without network, Megatron or TE (see benchmarks/README.md).
 #
-#   bash benchmarks/gpu.sh wheels   # HERE, on a machine with pip and a registry: the wheelhouse .whl/ (~52 MB)
-#   bash benchmarks/gpu.sh run [STAGE ...]  # THERE, with .whl carried: install, then the stages (default all):
+#   bash benchmarks/gpu.sh wheels   # on a machine with pip and a package index: the wheelhouse .whl/ (~52 MB)
+#   bash benchmarks/gpu.sh run [STAGE ...]  # on the GPU machine, .whl beside the code: install, then the stages:
 #                                           # tests attention vision train
 #
-# `run` writes into $OUT (the device tool brings it back; default .bench/gpu): log.txt (environment and every
+# `run` writes into $OUT (default .bench/gpu): log.txt (environment and every
 # stage's output), bench_attention.json, bench_vision_gpu.json, bench_train.json, train_log.txt and, with
-# BENCH_TRAIN_ARGS=--profile, profile.txt. Each stage has its own time limit so that the whole run ends
-# inside one 10-minute command and a failing stage still leaves the others' results.
+# BENCH_TRAIN_ARGS=--profile, profile.txt. Each stage has its own time limit, so a failing stage still
+# leaves the others' results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -2,7 +2,7 @@
 
 Why: Qwen2.5-VL's vision MLP is 3420 wide, a 6,840-byte bf16 row pitch. Hopper's TMA needs 16-byte multiples, so
 cuBLAS runs every gate/up/down GEMM of the tower (forward, dgrad, wgrad) in Ampere `align2` kernels, ~3x slower per
-FLOP than the rest of the step (issue 21's H100 profile). Padded to 3456 (the next multiple of 64) the extra gate/up
+FLOP than the rest of the step (the H100 profile in benchmarks/results/h100-2026-11-23/profile.txt). Padded to 3456 (the next multiple of 64) the extra gate/up
 rows, their biases and the extra down columns are zero, so each padded unit computes silu(0) * 0 = 0 and adds nothing
 to the output; its gradients are exactly zero (the down column is zero, and the unit's activation is zero), so AdamW
 (decoupled weight decay of a zero stays zero) keeps the padding zero through training. nanoGPT pads its vocabulary

@@ -1,6 +1,6 @@
 """A lean replicated HF vision tower (Qwen2-VL, Qwen2.5-VL): fused norm and rotary, inputs precomputed, no host sync.
 
-transformers' towers spend most of a training step's elementwise traffic in two places (issue 21's census: 354 of
+transformers' towers spend most of a training step's elementwise traffic in two places (the step census, benchmarks/bench_step.py: 354 of
 435 GB per pack): the vision RMSNorm, a Python composition in fp32 (8 kernels forward, 18 backward, 2 per block), and
 the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `lean-hf-vision`
 (qvl.foundation.patches) replaces both while it is applied, with transformers' numerics:

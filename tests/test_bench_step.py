@@ -1,7 +1,7 @@
 """`benchmarks/bench_step.py`, the step census: one training step counted op by op on CPU as a CUDA device runs it.
 
 The tiny config runs the RESULTS.md structure (Qwen2.5-VL-3B widths mapped back, vision recompute) at 2 LM layers and
-4 ViT blocks, before (the code of issue 21's measurement) and after qvl's step fixes; the RESULTS.md configuration at
+4 ViT blocks, before (the code the H100 profile measured) and after qvl's step fixes; the RESULTS.md configuration at
 one pack per step reproduces the H100 profile's GEMM counts per pack."""
 
 from __future__ import annotations

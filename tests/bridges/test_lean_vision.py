@@ -77,7 +77,7 @@ def test_fused_rms_norm_is_transformers_bit_for_bit(dtype):
         fused_grads = torch.autograd.grad(fused.float().square().sum(), (x, norm.weight))
     assert torch.equal(fused, reference)
     assert all(torch.equal(a, b) for a, b in zip(fused_grads, grads))
-    # The formulation matters: the weight inside torch's kernel rounds differently in bf16 (issue 21).
+    # The formulation matters: the weight inside torch's kernel rounds differently in bf16.
     inside = torch.nn.functional.rms_norm(x, (1280,), norm.weight, norm.variance_epsilon)
     assert dtype == torch.float32 or not torch.equal(inside, reference)
 

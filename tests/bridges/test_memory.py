@@ -2,7 +2,7 @@
 
 Growth is an import's peak RSS over the RSS of its process just before it; the imports run one after
 another in one subprocess, after a tiny warm-up import that pays the one-off lazy imports and set-up,
-with freed heap returned and the kernel's high-water mark reset between them. Bounds (the issue's goal):
+with freed heap returned and the kernel's high-water mark reset between them. Bounds (the streamed import's memory goal):
 
     growth            <= 1.5 x the largest shard + 16 MiB   (the read buffer: qvl.bridges.stream)
     growth per layer  <= 0.25 x the bytes of one layer      (flat as depth grows)

@@ -299,7 +299,7 @@ def test_fewer_gpus_than_the_recipe_is_sized_for_is_refused(fake_recipe, tmp_pat
     )
 
 
-@pytest.mark.parametrize("missing", ["account", "partition"])  # container_image is optional (issue 22)
+@pytest.mark.parametrize("missing", ["account", "partition"])  # container_image is optional (a bare Slurm)
 def test_slurm_without_account_or_partition_is_refused(fake_recipe, missing):
     settings = [s for s in SLURM if f".{missing}=" not in s]
     with pytest.raises(LaunchError, match=rf"the slurm executor needs {missing}: .*run.executor.{missing}=\.\.\."):

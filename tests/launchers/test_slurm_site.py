@@ -1,4 +1,4 @@
-"""Slurm site files as a new user writes them (issue 22): no container, a CPU partition, a tiny model, and
+"""Slurm site files as a new user writes them: no container, a CPU partition, a tiny model, and
 `job_dir` / `--experiments-dir` on a local tunnel. Dry runs only; tests/launchers/test_slurm_real.py submits."""
 
 from __future__ import annotations
