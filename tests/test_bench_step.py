@@ -28,6 +28,7 @@ def tiny(tmp_path_factory) -> dict:
     return {mode: bench_step.census("tiny", out / mode, baseline=mode == "before") for mode in ("before", "after")}
 
 
+@pytest.mark.slow
 def test_the_census_counts_every_region_of_one_step(tiny):
     for result in tiny.values():
         step, regions = result["step"], result["regions"]
@@ -41,6 +42,7 @@ def test_the_census_counts_every_region_of_one_step(tiny):
     assert tiny["after"]["losses"][1] == pytest.approx(tiny["before"]["losses"][1], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_the_step_fixes_remove_the_host_reads_and_the_per_tensor_optimizer(tiny):
     before, after = tiny["before"], tiny["after"]
     sites = lambda result: " ".join(result["sync_sites"])  # noqa: E731
@@ -54,6 +56,7 @@ def test_the_step_fixes_remove_the_host_reads_and_the_per_tensor_optimizer(tiny)
     assert before["step"]["misaligned_gemm_flop_share"] > 0.05 and after["step"]["misaligned_gemm_flop_share"] == 0
 
 
+@pytest.mark.slow
 def test_the_results_configuration_reproduces_the_h100_profile_gemm_counts_per_pack(tmp_path):
     result = bench_step.census("results_one_pack", tmp_path, baseline=True)
     ops, packs = result["step"]["ops"], 8  # the profile's step had 8 packs; every GEMM here runs once per pack

@@ -171,6 +171,7 @@ def test_import_pads_export_strips_and_verify_passes(misaligned_checkpoint, impo
     assert [k for k in original if not torch.equal(original[k], exported[k])] == []
 
 
+@pytest.mark.slow
 def test_verify_strips_across_two_pipeline_stages(misaligned_checkpoint, imported):
     """PP=2: the tower lives on the first stage; the last stage receives its stripped tensors by broadcast."""
     from qvl.bridges import convert
@@ -211,6 +212,7 @@ def _qvl(*args: str) -> str:
     return out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_padded_tower_trains_resumes_bit_exactly_and_exports_unpadded(misaligned_checkpoint, tmp_path):
     """Megatron-Bridge's loop (distributed optimizer, AdamW with weight decay) on the misaligned tiny model: a run
     stopped and resumed repeats every loss bit for bit, the padding is still exactly zero in the trained checkpoint,

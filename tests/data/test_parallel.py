@@ -54,6 +54,7 @@ def test_two_workers_build_the_same_bytes(synthetic_dataset, hf_paths, one_proce
     assert _files(output) == one_process[0]
 
 
+@pytest.mark.slow
 def test_a_local_ray_cluster_builds_the_same_bytes(synthetic_dataset, hf_paths, one_process, tmp_path_factory):
     ray = pytest.importorskip("ray")
     if ray.is_initialized():

@@ -195,6 +195,7 @@ def test_dryrun_of_a_recipe_needing_a_cluster_checkpoint_prints_its_arguments(fa
     assert "not built here (FileNotFoundError" in result["config"]["config"]
 
 
+@pytest.mark.slow
 def test_local_run_of_a_tiny_recipe_executes_on_cpu(tmp_path):
     """The real thing: NeMo-Run's LocalExecutor runs `qvl train qwen25_vl_3b_pretrain --model tiny` on a packed
     sample dataset (CPU runtime, Megatron-Bridge's loop) and the experiment succeeds."""

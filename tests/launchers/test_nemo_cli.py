@@ -81,6 +81,7 @@ def nemo_runs(tmp_path_factory) -> dict[str, tuple[int, str]]:
     return {name: (procs[name].returncode, out) for name, out in outputs.items()}
 
 
+@pytest.mark.slow
 def test_nemo_qvl_finetune_help_lists_factories_and_executors(nemo_runs):
     code, out = nemo_runs["help"]
     assert code == 0, out
@@ -92,12 +93,14 @@ def test_nemo_qvl_finetune_help_lists_factories_and_executors(nemo_runs):
         assert noise not in out, noise
 
 
+@pytest.mark.slow
 def test_nemo_qvl_takes_recipe_options_of_a_real_recipe(nemo_runs):
     code, out = nemo_runs["real"]
     assert code == 0, out
     assert "tensor_parallel=4" in out and "lr=0.0001" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_nemo_qvl_refuses_a_misspelt_recipe_option_in_one_line(nemo_runs):
     code, out = nemo_runs["misspelt"]
     assert code == 2, out
@@ -109,6 +112,7 @@ def test_nemo_qvl_refuses_a_misspelt_recipe_option_in_one_line(nemo_runs):
     assert "Traceback" not in out and "Context:" not in out
 
 
+@pytest.mark.slow
 def test_nemo_qvl_dryrun_of_a_factory(nemo_runs):
     code, out = nemo_runs["dryrun"]
     assert code == 0, out

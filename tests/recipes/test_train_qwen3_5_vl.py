@@ -44,12 +44,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return {"full": root / "full", "resumed": root / "resumed"}
 
 
+@pytest.mark.slow
 def test_loss_falls(runs):
     losses = read_losses(runs["full"])
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1] - 0.3, losses
 
 
+@pytest.mark.slow
 def test_stopped_and_resumed_run_reproduces_the_losses_exactly(runs):
     full, resumed = read_losses(runs["full"]), read_losses(runs["resumed"])
     assert resumed == full  # every step, bit for bit (floats compared exactly)
