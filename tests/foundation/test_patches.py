@@ -104,3 +104,12 @@ def test_dataset_helpers_are_built_only_where_the_wheel_did_not_ship_them(monkey
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)  # as in a fresh source checkout
     compile_helpers()
     assert builds == ["make"]
+
+
+def test_the_bridge_registration_imports_first_in_a_fresh_process():
+    # It must give Megatron-Bridge its Transformer Engine stand-ins itself, not rely on a caller having done so.
+    from tests.test_layers import ROOT
+
+    code = "import qvl.bridges.registration"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
