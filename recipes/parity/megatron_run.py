@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,10 +218,8 @@ def training_config(run: MegatronRun):
 def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
     """Train `run.steps` steps with Megatron-Bridge's loop; what it did, and the ConfigContainer it ran."""
     from qvl.bridges.convert import auto_bridge_with_weights
-    from qvl.foundation import distributed, megatron, runtime
+    from qvl.foundation import megatron, runtime
 
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(distributed.free_port())
     cpu = run.device == "cpu" or not torch.cuda.is_available()
     if cpu:
         runtime.activate(force=True)

@@ -185,11 +185,6 @@ def train(
         loop = "finetune" if config.checkpoint.pretrained_checkpoint else "pretrain"
     if loop not in ("pretrain", "finetune"):
         raise ConfigError(f"loop={loop!r} is not one of pretrain, finetune")
-    # Not under torchrun: a free port, not the fixed default 29500; set for this loop only, so that a job this
-    # process starts afterwards (NeMo-Run's local executor inherits the environment) picks its own.
-    own_port = "MASTER_PORT" not in os.environ
-    if own_port:
-        os.environ["MASTER_PORT"] = str(distributed.free_port())
     if device == "cpu" or not torch.cuda.is_available():
         runtime.activate(force=True)
         runtime.enable_bridge_training()
@@ -215,15 +210,14 @@ def train(
         logger.info("stopped after %s steps as asked; the same call resumes", stop_after)
     finally:
         pretrain_logger.removeFilter(clean_exit)
-        if own_port:
-            os.environ.pop("MASTER_PORT", None)
     return run_dir
 
 
 def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: str = "pretrain") -> None:
     """Megatron-Bridge's `pretrain()` / `finetune()` with what every qvl run needs around it: exact resume with
-    torch Adam (no TE/Apex), the wheel's prebuilt dataset helpers, and no rerun-state singleton left behind by a
-    forward step that ran earlier in this process (a test, a notebook): `pretrain()` asserts there is none."""
+    torch Adam (no TE/Apex), the wheel's prebuilt dataset helpers, a rendezvous port of its own, and no
+    rerun-state singleton left behind by a forward step that ran earlier in this process (a test, a notebook):
+    `pretrain()` asserts there is none."""
     from megatron.core.rerun_state_machine import destroy_rerun_state_machine
 
     from qvl.recipes.training import optimizer_fixes  # Megatron-Core's optimizer
@@ -233,8 +227,18 @@ def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: s
     else:
         from megatron.bridge.training.finetune import finetune as run_loop
     destroy_rerun_state_machine()
-    with optimizer_fixes.fixed(), patches.applied("megatron-wheel"):
-        run_loop(config, forward_step, callbacks=callbacks)
+    # Not under torchrun: a free port, not the fixed default 29500, and set for this loop only: the process group
+    # outlives the loop and holds the port, so a process started afterwards from here (a test's `qvl train`, a
+    # notebook's NeMo-Run job) must not inherit it.
+    own_port = "MASTER_PORT" not in os.environ
+    if own_port:
+        os.environ["MASTER_PORT"] = str(distributed.free_port())
+    try:
+        with optimizer_fixes.fixed(), patches.applied("megatron-wheel"):
+            run_loop(config, forward_step, callbacks=callbacks)
+    finally:
+        if own_port:
+            os.environ.pop("MASTER_PORT", None)
 
 
 def read_losses(run_dir: Path) -> dict[int, float]:
