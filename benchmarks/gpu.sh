@@ -54,7 +54,8 @@ wheels() {
 run() {
   # Stages, in the order given (default: all): tests attention vision train. Each has its own time limit, so a
   # failing or slow stage still leaves the others' results; pick stages so that one call ends inside 10 minutes.
-  local out=${OUT:-.bench/gpu} site=/tmp/qvl-site src=/tmp/qvl-src stage
+  local out=${OUT:-.bench/gpu} scratch=${SCRATCH:-$(mktemp -d)} stage  # scratch: the installed stack, qvl, runs
+  local site=$scratch/site src=$scratch/src train=$scratch/bench_train
   local stages=("$@")
   (( ${#stages[@]} )) || stages=(tests attention vision train)
   mkdir -p "$out"
@@ -90,13 +91,13 @@ EOF2
         timeout "${BENCH_VISION_SECONDS:-120}" python3 -m benchmarks.bench_vision_gpu --out "$out" ${BENCH_VISION_ARGS:-} \
           2>&1 | tail -n 20 | tee -a "$log" ;;
       train)
-        timeout "${BENCH_TRAIN_SECONDS:-330}" python3 -m benchmarks.bench_train --out /tmp/bench_train ${BENCH_TRAIN_ARGS:-} \
+        timeout "${BENCH_TRAIN_SECONDS:-330}" python3 -m benchmarks.bench_train --out "$train" ${BENCH_TRAIN_ARGS:-} \
           2>&1 | tail -n 40 | tee -a "$log"
         pkill -f "benchmarks.bench_train" 2>/dev/null  # a training child left by the time limit would hold the GPU
-        cp /tmp/bench_train/bench_train.json "$out/" 2>/dev/null
-        for f in /tmp/bench_train/run-*/result.json; do echo "$f: $(cat "$f")"; done 2>/dev/null >>"$log"  # each run, as done
-        for f in /tmp/bench_train/run-*-packed/profile.txt; do [ -f "$f" ] && cat "$f"; done >"$out/profile.txt" 2>/dev/null
-        tail -c 1000000 /tmp/bench_train/train_log.txt >"$out/train_log.txt" 2>/dev/null ;;
+        cp "$train"/bench_train.json "$out/" 2>/dev/null
+        for f in "$train"/run-*/result.json; do echo "$f: $(cat "$f")"; done 2>/dev/null >>"$log"  # each run, as done
+        for f in "$train"/run-*-packed/profile.txt; do [ -f "$f" ] && cat "$f"; done >"$out/profile.txt" 2>/dev/null
+        tail -c 1000000 "$train"/train_log.txt >"$out/train_log.txt" 2>/dev/null ;;
       py:*)  # a diagnostic script, in the same environment
         timeout "${PY_SECONDS:-90}" python3 "${stage#py:}" 2>&1 | grep -v "warn" | tail -n 60 | tee -a "$log" ;;
       *) echo "error: unknown stage '$stage'; stages: tests attention vision train py:SCRIPT" >&2; exit 2 ;;
