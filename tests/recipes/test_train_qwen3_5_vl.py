@@ -9,21 +9,11 @@ from pathlib import Path
 import pytest
 
 from qvl.recipes.training.train import read_losses
-from tests.recipes.test_train import qvl
+from tests.recipes.test_train import ARGS as TRAIN_ARGS
+from tests.recipes.test_train import STEPS, qvl
 
-STEPS = 6
 FAMILY = "qwen3_5_vl"
-ARGS = [
-    "qwen35_vl_9b_pretrain",
-    f"train_iters={STEPS}",
-    "global_batch_size=2",
-    "micro_batch_size=1",
-    "seq_length=256",
-    "warmup_iters=1",
-    "lr=1e-3",
-    "save_interval=100",
-    "log_interval=1",
-]
+ARGS = ["qwen35_vl_9b_pretrain", *TRAIN_ARGS[1:]]  # test_train's settings, on this family's recipe
 
 
 @pytest.fixture(scope="module")
