@@ -352,7 +352,7 @@ __all__ = ["ConfigContainer", "QvlPackedDatasetConfig", "build_config", "build_m
 
 # Non-layout defaults per (size, stage) for the large dense models (Qwen2-VL, Qwen2.5-VL). Their stage 0 holds
 # several packs in flight, each with its images' replicated HF vision activations: about 2.8 MB per patch
-# (planner.HF_TOWER_BYTES, measured), so the tower recomputes its blocks; at 72B the LM recomputes too.
+# (activations.HF_TOWER_BYTES, measured), so the tower recomputes its blocks; at 72B the LM recomputes too.
 DENSE_LARGE_SETTINGS: dict[tuple[str, str], dict] = {
     ("32b", "pretrain"): dict(vision_recompute=True),
     ("32b", "sft"): dict(vision_recompute=True),

@@ -10,7 +10,7 @@ import torch
 
 from qvl.foundation import distributed
 from qvl.foundation.cost import lm_flops, vision_flops
-from qvl.recipes import planner, shapes
+from qvl.recipes import activations, planner, shapes
 from qvl.recipes.overrides import apply_config_overrides, parse_overrides
 from qvl.recipes.planner import GIB, plan_config, plan_recipe
 from qvl.recipes.registry import get_recipe
@@ -160,7 +160,7 @@ def test_vision_balance_cuts_the_vision_share_and_the_tower_activations_by_tp():
     assert odds[0] == pytest.approx(4 * odds[1])
     # The tower's activations shrink to a quarter; the moved pixels and embeddings cost less than that saves.
     saved = replicated.stages[0].activations - balanced.stages[0].activations
-    tower = planner.vision_activation_bytes(get_recipe("qwen25_vl_7b_sft").fn().model, *_vision_and_patches())
+    tower = activations.vision_activation_bytes(get_recipe("qwen25_vl_7b_sft").fn().model, *_vision_and_patches())
     assert 0 < saved < 0.75 * tower
     assert "vision_balance" not in plan_config(get_recipe("qwen3_vl_8b_sft").fn(), gpus=8).vision_share
 
@@ -209,7 +209,7 @@ def test_hf_vision_tower_bytes_match_what_the_published_qwen25_vl_tower_saves():
         varlen_vision_towers([tower])  # the attention training uses
         measured.append(_saved_bytes(tower, [[1, 16, 24], [1, 20, 20]]))
     (two, patches), (three, _) = measured
-    per_block, outside = planner.hf_tower_bytes_per_patch(shapes_from_hf_config(config.to_dict())[1])
+    per_block, outside = activations.hf_tower_bytes_per_patch(shapes_from_hf_config(config.to_dict())[1])
     assert (three - two) / patches == pytest.approx(per_block, rel=0.02)
     assert (two - 2 * (three - two)) / patches == pytest.approx(outside, rel=0.02)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from qvl.foundation.errors import ConfigError
-from qvl.recipes import planner, shapes
+from qvl.recipes import activations, shapes
 from qvl.recipes.planner import GIB, plan_config
 from qvl.recipes.registry import all_recipes, get_recipe
 
@@ -25,7 +25,7 @@ def test_planner_counts_deltanet_state_and_the_vocabulary_logits():
     model = cfg.model
     # fla's chunked kernel keeps a fp32 [value heads, key dim, value dim] state every 64 tokens: 2 MiB per chunk at 9B
     state_per_token = 4 * model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim / 64
-    assert planner.gated_delta_bytes_per_token(model) > state_per_token == 32_768
+    assert activations.gated_delta_bytes_per_token(model) > state_per_token == 32_768
     plan = plan_config(cfg, gpus=4)
     logits = 4096 * 4 * (model.hidden_size + shapes.padded_vocab(model)) / model.tensor_model_parallel_size
     assert logits / GIB > 0.9 and plan.stages[-1].activations > logits  # the 248k-vocabulary loss buffer is in there
