@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import bench_step
+from benchmarks import bench_step, step_model
 from benchmarks.step_census import WidthMap, _aligned, gemm_flops
 
 
@@ -60,7 +60,7 @@ def test_the_step_fixes_remove_the_host_reads_and_the_per_tensor_optimizer(tiny)
 def test_the_results_configuration_reproduces_the_h100_profile_gemm_counts_per_pack(tmp_path):
     result = bench_step.census("results_one_pack", tmp_path, baseline=True)
     ops, packs = result["step"]["ops"], 8  # the profile's step had 8 packs; every GEMM here runs once per pack
-    assert ops["mm"] * packs == bench_step.PROFILE_PER_STEP["mm"]  # 3,768
+    assert ops["mm"] * packs == step_model.PROFILE_PER_STEP["mm"]  # 3,768
     # addmm: one fewer per ViT block per pack than the profile: torch's non-reentrant checkpoint stops recomputing a
     # block after its last saved tensor, so the CPU run skips the block's last linear (the H100 profile ran it)
-    assert ops["addmm"] * packs == bench_step.PROFILE_PER_STEP["addmm"] - 32 * packs
+    assert ops["addmm"] * packs == step_model.PROFILE_PER_STEP["addmm"] - 32 * packs

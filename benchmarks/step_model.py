@@ -1,0 +1,157 @@
+"""The step-time model of the step census: counts -> an ESTIMATED step time, the goals, and the report table.
+
+The model is calibrated on one measured run (the H100 run of benchmarks/RESULTS.md) and the census of that same
+configuration before any change (`results/census-before.json`), so it reproduces the measured 4.55 s there by
+construction; every other figure it prints is an estimate, not a measurement.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import asdict, dataclass
+
+# shapes, 12 LM layers, vision recompute, 8 packs of 4k per step, bf16, no TE.
+MEASURED_STEP_S = 4.552
+PROFILE_PER_STEP = {"mm": 7536 // 2, "addmm": 5152 // 2}  # the profile covers two steps
+PROFILE_KERNEL_S = 7.253 / 2  # GPU kernel time per step
+PROFILE_GEMM_S = (2.059 + 1.174) / 2  # aten::mm + aten::addmm device time per step
+PROFILE_ALIGN2_SHARE = 0.30  # share of all kernel time in cutlass_80 ... align2 kernels
+PROFILE_ATTENTION_S = (0.279844 + 0.156065) / 2  # flash forward + backward per step
+PROFILE_HOST_S = 8.827 / 2  # self CPU time per step: the host is busy the whole step
+PROFILE_PAGEABLE_S = 0.134075 / 2  # Memcpy HtoD (Pageable -> Device) per step
+# The step-speed goals for an 8-pack step of the RESULTS.md configuration (benchmarks/RESULTS.md, "Step census").
+GOALS = {
+    "kernel_launching_ops": 20_000,
+    "host_syncs": 10,
+    "misaligned_gemm_flop_share": 0.0,
+    "nongemm_gb_per_pack": 120.0,
+    "optimizer_ops": 50,
+    "optimizer_largest_temporary_gib": 1.0,
+    "estimated_step_s": 2.3,
+}
+
+
+BEFORE_CENSUS = pathlib.Path(__file__).resolve().parent / "results" / "census-before.json"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StepTimeModel:
+    """Seconds per step from census counts: GEMMs at an aligned and a misaligned rate, attention at its rate,
+    elementwise bytes at an effective bandwidth, pageable copies at their measured cost (the GPU's time); a cost per
+    launching or view op (the host's time; the profile shows it busy the whole step); the step is the longer of the
+    two plus a stall per host sync. Every rate is fitted to the H100 profile of benchmarks/RESULTS.md and the census
+    of that same configuration before any change, so the model reproduces 4.55 s there by construction."""
+
+    aligned_flops_per_s: float
+    misaligned_flops_per_s: float
+    attention_flops_per_s: float
+    bytes_per_s: float
+    pageable_copy_s: float
+    host_s_per_op: float
+    sync_s: float
+
+    @classmethod
+    def calibrated(cls, before: dict) -> StepTimeModel:
+        """Fit to the census of the RESULTS.md configuration on the pre-change code (`before`'s "step")."""
+        step = before["step"]
+        misaligned_s = PROFILE_ALIGN2_SHARE * PROFILE_KERNEL_S
+        pageable_s = PROFILE_PAGEABLE_S / max(step["h2d_pageable"], 1)
+        elementwise_s = PROFILE_KERNEL_S - PROFILE_GEMM_S - PROFILE_ATTENTION_S - PROFILE_PAGEABLE_S
+        host_s = PROFILE_HOST_S / (step["kernel_launching_ops"] + step["view_ops"])
+        model = cls(
+            aligned_flops_per_s=(step["gemm_tflop"] - step["gemm_misaligned_tflop"])
+            * 1e12
+            / (PROFILE_GEMM_S - misaligned_s),
+            misaligned_flops_per_s=step["gemm_misaligned_tflop"] * 1e12 / misaligned_s,
+            attention_flops_per_s=step["attention_tflop"] * 1e12 / PROFILE_ATTENTION_S,
+            bytes_per_s=step["nongemm_gb"] * 1e9 / elementwise_s,
+            pageable_copy_s=pageable_s,
+            host_s_per_op=host_s,
+            sync_s=0.0,
+        )
+        stall = (MEASURED_STEP_S - max(model.parts(step)["gpu_s"], model.parts(step)["host_s"])) / step["host_syncs"]
+        return cls(**{**asdict(model), "sync_s": max(stall, 0.0)})
+
+    def parts(self, step: dict) -> dict[str, float]:
+        """The model's terms for one census step (seconds)."""
+        aligned = (step["gemm_tflop"] - step["gemm_misaligned_tflop"]) * 1e12
+        gpu = {
+            "gemm_aligned_s": aligned / self.aligned_flops_per_s,
+            "gemm_misaligned_s": step["gemm_misaligned_tflop"] * 1e12 / self.misaligned_flops_per_s,
+            "attention_s": step["attention_tflop"] * 1e12 / self.attention_flops_per_s,
+            "elementwise_s": step["nongemm_gb"] * 1e9 / self.bytes_per_s,
+            "pageable_copies_s": step["h2d_pageable"] * self.pageable_copy_s,
+        }
+        host = (step["kernel_launching_ops"] + step["view_ops"]) * self.host_s_per_op
+        return gpu | {"gpu_s": sum(gpu.values()), "host_s": host, "syncs_s": step["host_syncs"] * self.sync_s}
+
+    def estimate(self, step: dict) -> dict[str, float]:
+        """ESTIMATED seconds per step, with its terms."""
+        parts = self.parts(step)
+        total = max(parts["gpu_s"], parts["host_s"]) + parts["syncs_s"]
+        return {k: round(v, 3) for k, v in (parts | {"estimated_step_s": total}).items()}
+
+
+def goal_checks(result: dict, estimate: dict) -> list[dict]:
+    """The step-speed goals for the RESULTS.md configuration, met or missed."""
+    step, optimizer = result["step"], result["regions"]["optimizer"]
+    figures = [
+        ("kernel-launching ops per step", step["kernel_launching_ops"], GOALS["kernel_launching_ops"]),
+        ("host syncs on device tensors per step", step["host_syncs"], GOALS["host_syncs"]),
+        ("misaligned-GEMM FLOP share", step["misaligned_gemm_flop_share"], GOALS["misaligned_gemm_flop_share"]),
+        ("non-GEMM GB per pack", step["nongemm_gb_per_pack"], GOALS["nongemm_gb_per_pack"]),
+        ("optimizer-phase launching ops", optimizer["kernel_launching_ops"], GOALS["optimizer_ops"]),
+        ("optimizer largest temporary GiB", optimizer["largest_temporary_gib"],
+         GOALS["optimizer_largest_temporary_gib"]),
+        (f"ESTIMATED step s (model; measured before: {MEASURED_STEP_S})", estimate["estimated_step_s"],
+         GOALS["estimated_step_s"]),
+    ]  # fmt: skip
+    return [{"figure": f, "value": v, "goal": f"<= {g}", "met": v <= g} for f, v, g in figures]
+
+
+def profile_match(result: dict) -> dict:
+    """The census's mm / addmm counts next to the H100 profile's (same configuration, pre-change code)."""
+    ops = result["step"]["ops"]
+    return {name: {"census": ops.get(name, 0), "profile": count} for name, count in PROFILE_PER_STEP.items()}
+
+
+TABLE_ROWS = (
+    ("kernel-launching ops", "kernel_launching_ops"),
+    ("view ops", "view_ops"),
+    ("host syncs", "host_syncs"),
+    ("GEMM TFLOP", "gemm_tflop"),
+    ("misaligned GEMM share", "misaligned_gemm_flop_share"),
+    ("non-GEMM GB per pack", "nongemm_gb_per_pack"),
+    ("pageable H2D copies", "h2d_pageable"),
+)
+
+
+def table(results: dict) -> str:
+    """A short text table: each config's step figures (and the RESULTS.md config's before), then the goals."""
+    names = list(results["configs"])
+    columns = (["before"] if "before" in results else []) + names
+    steps = ([results["before"]["step"]] if "before" in results else []) + [
+        results["configs"][n]["step"] for n in names
+    ]
+    estimates = ([results["before"]["estimate"]] if "before" in results else []) + [
+        results["configs"][n].get("estimate") for n in names
+    ]
+    optimizer = ([None] if "before" in results else []) + [results["configs"][n]["regions"]["optimizer"] for n in names]
+    lines = [f"{'per step':32}" + "".join(f"{c:>18}" for c in columns)]
+    for label, key in TABLE_ROWS:
+        lines.append(f"{label:32}" + "".join(f"{s[key]:>18}" for s in steps))
+    lines.append(
+        f"{'optimizer ops (launching)':32}"
+        + "".join(f"{o['kernel_launching_ops'] if o else '':>18}" for o in optimizer)
+    )
+    lines.append(
+        f"{'ESTIMATED step s (model)':32}" + "".join(f"{e['estimated_step_s'] if e else '-':>18}" for e in estimates)
+    )
+    lines.append(f"measured before on an H100: {MEASURED_STEP_S} s per step (benchmarks/RESULTS.md)")
+    for name, counts in results.get("profile_match", {}).items():
+        lines.append(f"{name}: census {counts['census']}, H100 profile {counts['profile']} (pre-change code)")
+    for check in results.get("checks", []):
+        lines.append(
+            f"{'met' if check['met'] else 'MISSED':7} {check['figure']}: {check['value']} (goal {check['goal']})"
+        )
+    return "\n".join(lines)

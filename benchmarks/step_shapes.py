@@ -1,0 +1,186 @@
+"""The shapes of the step census: the configs it counts, their tiny-width HF models, and synthetic LLaVA-like packs.
+
+Tiny widths keep the run cheap on CPU; each maps back to one real width (benchmarks.step_census.WidthMap), so GEMM
+FLOPs, row pitches and elementwise bytes are those of the real model. Packs have the real lengths and image sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StepConfig:
+    """One census: a published architecture at `layers` LM layers, `packs` packs of `seq_length` per step."""
+
+    name: str
+    family: str
+    size: str
+    recipe: str
+    layers: int | None = None  # None: the published depth
+    vision_depth: int | None = None  # None: the published depth (tests shrink it)
+    packs: int = 8
+    seq_length: int = 4096
+    samples_per_pack: int = 5
+    image_grid: tuple[int, int, int] = (1, 44, 44)  # 1,936 patches: LLaVA-like images at Qwen's pixel budget
+    text_tokens: int = 296  # per sample, besides its image's tokens (780 in all at a 44 x 44 grid)
+    vision_recompute: bool = True
+
+
+CONFIGS = {
+    c.name: c
+    for c in (
+        StepConfig(name="qwen25_vl_3b_12l", family="qwen2_5_vl", size="3b", recipe="qwen25_vl_3b_pretrain", layers=12),
+        StepConfig(name="qwen25_vl_3b", family="qwen2_5_vl", size="3b", recipe="qwen25_vl_3b_pretrain"),
+        StepConfig(name="qwen2_vl_2b", family="qwen2_vl", size="2b", recipe="qwen2_vl_2b_pretrain"),
+        StepConfig(name="qwen3_vl_4b", family="qwen3_vl", size="4b", recipe="qwen3_vl_4b_pretrain",
+                   vision_recompute=False),
+        # tests: the RESULTS.md configuration with one pack per step (counts per pack), and the same structure at
+        # 2 LM layers, 4 ViT blocks, 2 short packs
+        StepConfig(name="results_one_pack", family="qwen2_5_vl", size="3b", recipe="qwen25_vl_3b_pretrain",
+                   layers=12, packs=1),
+        StepConfig(name="tiny", family="qwen2_5_vl", size="3b", recipe="qwen25_vl_3b_pretrain", layers=2,
+                   vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
+                   text_tokens=60),
+    )
+}  # fmt: skip
+RESULTS_CONFIG = "qwen25_vl_3b_12l"
+DEFAULT_CONFIGS = ("qwen25_vl_3b_12l", "qwen25_vl_3b", "qwen2_vl_2b", "qwen3_vl_4b")
+
+# Tiny widths: every one maps to one real width and none equals a dimension the model keeps (heads, KV heads, patch
+# sizes, merge units), so shapes map back unambiguously. Head dims stay even (rotary), mRoPE sections sum to half.
+TINY_LM_HEAD_DIM = 10
+TINY_VOCAB = 608
+TINY_FFN = 44
+TINY_VISION_HEAD_DIM = {"qwen2_vl": 8, "qwen2_5_vl": 8, "qwen3_vl": 12}
+TINY_VISION_FFN = 36
+TINY_QWEN3_HIDDEN = 144
+
+
+def scaled_hf_config(config: StepConfig):
+    """(HF config with tiny widths and the real depths, WidthMap tiny -> real) for `config`."""
+    import transformers
+
+    from benchmarks.step_census import WidthMap
+    from qvl.bridges.aligned import aligned
+    from qvl.foundation.families import TINY_TOKEN_IDS, get_family
+    from qvl.recipes.architectures import get_architecture
+
+    arch = get_architecture(config.family, config.size)
+    text, vision = dict(arch.text), dict(arch.vision)
+    heads, kv = text["num_attention_heads"], text["num_key_value_heads"]
+    real_head_dim = text.get("head_dim", text["hidden_size"] // heads)
+    hd = TINY_LM_HEAD_DIM
+    hidden = TINY_QWEN3_HIDDEN if "head_dim" in text else heads * hd
+    rope = dict(text["rope_parameters"], mrope_section=[1, 2, 2])  # sums to hd / 2
+    dims = {hidden: text["hidden_size"], heads * hd: heads * real_head_dim, kv * hd: kv * real_head_dim,
+            (heads + 2 * kv) * hd: (heads + 2 * kv) * real_head_dim, hd: real_head_dim,
+            TINY_FFN: text["intermediate_size"], 2 * TINY_FFN: 2 * text["intermediate_size"],
+            TINY_VOCAB: text["vocab_size"]}  # fmt: skip
+    text.update(hidden_size=hidden, intermediate_size=TINY_FFN, vocab_size=TINY_VOCAB, rope_parameters=rope)
+    if "head_dim" in text:
+        text["head_dim"] = hd
+    if config.layers:
+        text["num_hidden_layers"] = config.layers
+    vhd = TINY_VISION_HEAD_DIM[config.family]
+    width_key = "embed_dim" if "embed_dim" in vision else "hidden_size"
+    real_width, vheads = vision[width_key], vision["num_heads"]
+    vwidth = vheads * vhd
+    dims |= {vwidth: real_width, 3 * vwidth: 3 * real_width, vhd: real_width // vheads, 4 * vwidth: 4 * real_width}
+    vision[width_key] = vwidth
+    if "intermediate_size" in vision:
+        dims[TINY_VISION_FFN] = vision["intermediate_size"]
+        if not get_family(config.family).megatron_vision_tower:  # qvl.bridges.aligned pads the HF tower's width
+            dims.setdefault(aligned(TINY_VISION_FFN), aligned(vision["intermediate_size"]))
+        vision["intermediate_size"] = TINY_VISION_FFN
+    if width_key == "embed_dim":  # Qwen2-VL: hidden_size is the merger's output, the LM width
+        vision["hidden_size"] = hidden
+    else:
+        vision["out_hidden_size"] = hidden
+    if config.vision_depth:
+        vision["depth"] = config.vision_depth
+        if "fullatt_block_indexes" in vision:
+            vision["fullatt_block_indexes"] = [config.vision_depth // 2 - 1, config.vision_depth - 1]
+        if "deepstack_visual_indexes" in vision:
+            vision["deepstack_visual_indexes"] = [0, config.vision_depth // 2]
+    config_class = getattr(transformers, arch.config_class)
+    hf = config_class(text_config=text, vision_config=vision, architectures=[arch.hf_architecture], **arch.top)
+    for name, value in TINY_TOKEN_IDS.items():
+        setattr(hf, name, value)
+    return hf, WidthMap(dims=dims)
+
+
+def write_model_dir(path: pathlib.Path, config: StepConfig) -> tuple[pathlib.Path, dict[int, int]]:
+    """An HF directory (config, tiny tokenizer, processor) of the scaled model; returns it and the width map."""
+    from qvl.foundation.tiny_processor import write_tiny_hf_processor_dir
+
+    hf, widths = scaled_hf_config(config)
+    hf.save_pretrained(path)
+    write_tiny_hf_processor_dir(path, config.family)
+    return path, widths.dims
+
+
+# --- synthetic packs ----------------------------------------------------------------------------------------------
+
+
+def synthetic_batches(config: StepConfig, hf_config, *, seed: int = 0, tower_inputs: bool = True):
+    """Endless LLaVA-like packed micro-batches (qvl.data.encode.PackedBatch) of `config`'s composition: each sample
+    text, one image, text; positions from qvl.data.mrope and (`tower_inputs`, HF towers) the tower's inputs from
+    qvl.foundation.tower_inputs, as the loader computes them."""
+    from qvl.data.count import IGNORE_INDEX
+    from qvl.data.encode import PackedBatch
+    from qvl.data.mrope import RopeConfig, packed_position_ids
+    from qvl.foundation.families import get_family
+    from qvl.foundation.tower_inputs import tower_inputs_for_config
+
+    rng = np.random.default_rng(seed)
+    vision = hf_config.vision_config
+    merge = vision.spatial_merge_size
+    patch_width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    rope = RopeConfig(family=config.family, spatial_merge_size=merge, image_pad_id=hf_config.image_token_id,
+                      video_pad_id=hf_config.video_token_id, tokens_per_second=getattr(vision, "tokens_per_second", 2))  # fmt: skip
+    grid = config.image_grid
+    image_tokens = math.prod(grid) // merge**2
+    first = TINY_VOCAB // 8  # ordinary text ids: past the tiny tokenizer's special tokens
+    while True:
+        subs, media = [], []
+        for _ in range(config.samples_per_pack):
+            head = rng.integers(first, TINY_VOCAB, config.text_tokens // 3)
+            tail = rng.integers(first, TINY_VOCAB, config.text_tokens - len(head) - 2)
+            ids = np.r_[head, hf_config.vision_start_token_id, np.full(image_tokens, hf_config.image_token_id),
+                        hf_config.vision_end_token_id, tail]  # fmt: skip
+            subs.append(ids.astype(np.int64))
+            media.append({"image_grid_thw": [list(grid)], "video_grid_thw": []})
+        ids = np.concatenate(subs)
+        lengths = [len(s) for s in subs]
+        labels = np.r_[ids[1:], IGNORE_INDEX]
+        learned = np.zeros(len(ids), dtype=bool)
+        for end in np.cumsum(lengths):
+            learned[end - len(tail) : end - 1] = True  # the answer: the sample's closing text
+        labels[~learned] = IGNORE_INDEX
+        patches = config.samples_per_pack * math.prod(grid)
+        grids = torch.tensor([list(grid)] * config.samples_per_pack, dtype=torch.long)
+        hf_tower = tower_inputs and not get_family(config.family).megatron_vision_tower
+        yield PackedBatch(
+            __key__=["synthetic"],
+            __restore_key__=("synthetic",),
+            tokens=torch.from_numpy(ids)[None],
+            labels=torch.from_numpy(labels)[None],
+            loss_mask=torch.from_numpy(learned.astype(np.float32))[None],
+            position_ids=torch.from_numpy(np.ascontiguousarray(packed_position_ids(subs, media, rope)))[:, None],
+            cu_seqlens_q=torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32),
+            cu_seqlens_kv=torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32),
+            max_seqlen=max(lengths),
+            pixel_values=torch.randn(patches, patch_width),
+            image_grid_thw=grids,
+            image_tower_inputs=tower_inputs_for_config(grids, vision) if hf_tower else None,
+            pixel_values_videos=None,
+            video_grid_thw=torch.zeros(0, 3, dtype=torch.long),
+            second_per_grid_ts=torch.zeros(0),
+            source_indices=[[]],
+        )
