@@ -3,10 +3,10 @@
 #
 #   bash benchmarks/gpu.sh wheels   # on a machine with pip and a package index: the wheelhouse .whl/ (~52 MB)
 #   bash benchmarks/gpu.sh run [STAGE ...]  # on the GPU machine, .whl beside the code: install, then the stages:
-#                                           # tests attention vision train
+#                                           # tests attention vision train idle
 #
 # `run` writes into $OUT (default .bench/gpu): log.txt (environment and every
-# stage's output), bench_attention.json, bench_vision_gpu.json, bench_train.json, train_log.txt and, with
+# stage's output), bench_attention.json, bench_vision_gpu.json, bench_train.json, bench_idle.json, train_log.txt and, with
 # BENCH_TRAIN_ARGS=--profile, profile.txt. Each stage has its own time limit, so a failing stage still
 # leaves the others' results.
 set -uo pipefail
@@ -98,9 +98,14 @@ EOF2
         for f in "$train"/run-*/result.json; do echo "$f: $(cat "$f")"; done 2>/dev/null >>"$log"  # each run, as done
         for f in "$train"/run-*-packed/profile.txt; do [ -f "$f" ] && cat "$f"; done >"$out/profile.txt" 2>/dev/null
         tail -c 1000000 "$train"/train_log.txt >"$out/train_log.txt" 2>/dev/null ;;
+      idle)  # one run at 2, 4, 6, 8 packs per step: timers, allocator counters, GPU busy and idle per step
+        timeout "${BENCH_IDLE_SECONDS:-420}" python3 -m benchmarks.bench_idle --out "$scratch/idle" ${BENCH_IDLE_ARGS:-} \
+          2>&1 | tail -n 20 | tee -a "$log"
+        pkill -f "benchmarks.bench_train" 2>/dev/null
+        cp "$scratch"/idle/bench_idle.json "$out/" 2>/dev/null ;;
       py:*)  # a diagnostic script, in the same environment
         timeout "${PY_SECONDS:-90}" python3 "${stage#py:}" 2>&1 | grep -v "warn" | tail -n 60 | tee -a "$log" ;;
-      *) echo "error: unknown stage '$stage'; stages: tests attention vision train py:SCRIPT" >&2; exit 2 ;;
+      *) echo "error: unknown stage '$stage'; stages: tests attention vision train idle py:SCRIPT" >&2; exit 2 ;;
     esac
   done
   ls -la "$out"

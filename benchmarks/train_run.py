@@ -223,6 +223,7 @@ def train_once(spec: dict) -> dict:
     RECORDER.__init__()  # one process trains every variant in turn; pretrain() tears its global state down
     callbacks = CallbackManager()
     callbacks.register("on_train_step_end", RECORDER.step_end)
+    anatomy = _attach_anatomy(spec, config, callbacks)
     profiled = PROFILED_STEPS if spec.get("profile") and spec["mode"] == "packed" else 0
     if profiled:
         profiler = _Profiler(run_dir / "profile.txt", first=spec["overrides"]["train_iters"] - profiled + 1)
@@ -232,6 +233,8 @@ def train_once(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     with patches.applied("megatron-wheel"):  # the pip-installed megatron-core ships its dataset helpers built
         pretrain(config, forward_step, callbacks=callbacks)
+    if anatomy is not None:
+        return {"schedule": spec["schedule"], "steps": anatomy.steps}
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     raw = {
         "step_ends": RECORDER.step_ends,
@@ -245,6 +248,36 @@ def train_once(spec: dict) -> dict:
     if spec["mode"] == "packed":
         result["plan"] = planner_estimate(config, _step_figures(raw), kind)
     return result
+
+
+def _attach_anatomy(spec: dict, config, callbacks):
+    """For bench_idle: the global batch follows `spec["schedule"]` (packs per step) in this one run, through
+    Megatron-Core's step batch-size schedule (its `rampup_batch_size` is ignored since 0.19, and Megatron-Bridge
+    0.6.2 passes no schedule, so it is set when training starts); Megatron-Bridge's timers at level 2; a StepAnatomy
+    recording every step."""
+    if not spec.get("anatomy"):
+        return None
+    from megatron.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
+
+    from benchmarks.step_anatomy import StepAnatomy, batch_size_schedule
+
+    config.train.global_batch_size = max(spec["schedule"])
+    config.logger.timing_log_level = 2
+
+    def start(context) -> None:
+        reconfigure_num_microbatches_calculator(
+            rank=torch.distributed.get_rank(),
+            global_batch_size=config.train.global_batch_size,
+            micro_batch_size=config.train.micro_batch_size,
+            data_parallel_size=config.data_parallel_size,
+            step_batch_size_schedule=batch_size_schedule(spec["schedule"]),
+        )
+
+    anatomy = StepAnatomy(batches=RECORDER.batches, profiled=set(spec["profiled_steps"]))
+    callbacks.register("on_train_start", start)
+    callbacks.register("on_train_step_start", anatomy.step_start)
+    callbacks.register("on_train_step_end", anatomy.step_end)
+    return anatomy
 
 
 # --- figures -------------------------------------------------------------------------------------------------------

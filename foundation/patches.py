@@ -261,6 +261,10 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="nemo_run.core.execution.kubeflow:KubeflowExecutor", attribute="_trainjob_name",
                 used_in="qvl.launchers.launch", version=NEMO_RUN, why="the TrainJob name launch() will use"),
 )  # fmt: skip
+    PrivateRead(target="megatron.core.timers:Timers", attribute="_timers", used_in="benchmarks.step_anatomy",
+                version=MCORE, why="bench_idle reads every timer of a step (Megatron keeps no public list of them)"),
+    PrivateRead(target="megatron.core.timers:Timer", attribute="_started", used_in="benchmarks.step_anatomy",
+                version=MCORE, why="a running timer (interval-time spans steps) is left alone when a step's are read"),
 
 GROUPS: tuple[str, ...] = tuple(dict.fromkeys(p.group for p in PATCHES))
 
