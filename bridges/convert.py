@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from qvl.bridges import aligned, unconverted, verify
+from qvl.bridges import aligned, grad_accum, unconverted, verify
 from qvl.bridges.checkpoints import check_megatron_checkpoint
 from qvl.bridges.consistency import check_hf_checkpoint
 from qvl.bridges.providers import auto_bridge, layout_facts
@@ -206,6 +206,7 @@ def load_megatron(bridge, megatron_dir: Path) -> list:
     """The Megatron model from a checkpoint directory, built with qvl's provider fixes."""
     from megatron.core import parallel_state
 
+    grad_accum.provide_kernels()  # a trained checkpoint's run_config.yaml has gradient_accumulation_fusion on
     overrides = {
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),

@@ -106,8 +106,9 @@ def _is_installed(package: str) -> bool:
 
 
 # TransformerConfig fields for Megatron-Core's local (non-TE) modules, on any device without Transformer Engine:
-# gradient-accumulation fusion needs Apex's `fused_weight_gradient_mlp_cuda`; the others need kernels that only TE,
-# Apex or the grouped_gemm package provide. SwiGLU's bias-activation fusion needs neither: `no_te_settings()` turns
+# gradient-accumulation fusion needs Apex's `fused_weight_gradient_mlp_cuda` (off here for models built directly;
+# the providers qvl fixes turn it on with torch's GEMM in its place, qvl.bridges.grad_accum); the others need kernels
+# that only TE, Apex or the grouped_gemm package provide. SwiGLU's bias-activation fusion needs neither: `no_te_settings()` turns
 # it on where CUDA and Triton are. (Megatron-Bridge's GPT provider leaves bias_dropout_fusion at Megatron-Core's
 # default, off, and turns cross_entropy_loss_fusion on, a torch.jit fusion that needs no TE.)
 NO_TE_SETTINGS: dict[str, Any] = {

@@ -40,6 +40,9 @@ class Patch:
     why: str
     version: str
     params: tuple[str, ...] | None = None  # leading parameter names of the original, checked by the tests
+    # The attribute exists only where an optional package imported (e.g. Apex's kernels): absent, it is added (the
+    # factory gets None) and removed again on undo; the tests check that the module still refers to the name.
+    absent_ok: bool = False
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -156,6 +159,14 @@ PATCHES: tuple[Patch, ...] = (
           params=("t", "cu_seqlens", "freqs", "rotary_interleaved", "mla_rotary_interleaved", "mscale", "cp_group"),
           why="packed rotary reads every sub-sequence's length and start to the host in every attention layer; with "
               "one CP rank and per-token frequencies the whole-pack rotary is bitwise the same"),
+    # --- torch-wgrad-accum: from building a model whose provider qvl fixed, any device without Apex (process-wide)
+    Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:_grad_accum_fusion_available",
+          replacement="qvl.bridges.grad_accum:available", version=MCORE,
+          why="gradient_accumulation_fusion is refused unless Apex's fused_weight_gradient_mlp_cuda imports; torch's "
+              "addmm (addmm.dtype_out for bf16 into fp32) does the same GEMM into main_grad"),
+    Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:fused_weight_gradient_mlp_cuda",
+          replacement="qvl.bridges.grad_accum:torch_kernels", version=MCORE, absent_ok=True,
+          why="the linears' backward calls its wgrad_gemm_accum_fp32/_fp16; torch stand-ins with the same arguments"),
     # --- qwen3-vl-local-vision: while qvl.bridges.qwen3_vl.Qwen3VLModel.__init__ runs without TE
     *(
         Patch(group="qwen3-vl-local-vision",
@@ -249,6 +260,8 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="megatron.bridge.models.model_provider:ModelProviderMixin", attribute="_pre_wrap_hooks",
                 used_in="qvl.recipes.base", version=MBRIDGE,
                 why="a config validated twice (qvl train checks it before pretrain() does) registers its hook once"),
+    PrivateRead(target="torch.library:Library", attribute="_destroy", used_in="qvl.bridges.grad_accum",
+                version=TORCH, why="a CPU kernel registered for the step census is removed again (no public undo)"),
     PrivateRead(target="nemo_run.cli.api:RunContext", attribute="_execute_task",
                 used_in="qvl.launchers.nemo_cli", version=NEMO_RUN,
                 why="`nemo qvl` checks the task (layout vs executor, overrides) before NeMo-Run executes it"),
@@ -268,6 +281,7 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
 
 GROUPS: tuple[str, ...] = tuple(dict.fromkeys(p.group for p in PATCHES))
 
+_ABSENT = object()  # the original of an `absent_ok` attribute that was not there
 # group -> [(owner, attribute, original)] for the groups applied now
 _APPLIED: dict[str, list[tuple[Any, str, Any]]] = {}
 
@@ -309,8 +323,8 @@ def apply(group: str) -> None:
     try:
         for patch in patches:
             owner, name = owner_and_name(patch.target)
-            original = getattr(owner, name)
-            setattr(owner, name, load(patch.replacement)(original))
+            original = getattr(owner, name, _ABSENT) if patch.absent_ok else getattr(owner, name)
+            setattr(owner, name, load(patch.replacement)(None if original is _ABSENT else original))
             saved.append((owner, name, original))
     except Exception:
         _restore(saved)
@@ -326,7 +340,10 @@ def undo(group: str) -> None:
 
 def _restore(saved: list[tuple[Any, str, Any]]) -> None:
     for owner, name, original in reversed(saved):
-        setattr(owner, name, original)
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager
