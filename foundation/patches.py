@@ -153,12 +153,24 @@ PATCHES: tuple[Patch, ...] = (
           replacement="qvl.recipes.training.optimizer:fused_adam", version=MCORE, params=("config", "model_chunks"),
           why="torch AdamW is built with foreach kernels (their temporaries hold a copy of the optimizer state); "
               "its fused kernel is one pass, where the device has it"),
-    # --- fast-lm: qvl.recipes.training.fast_lm (around every training loop, any device)
+    # --- fast-lm: qvl.recipes.training.fast_lm and .sync_free (around every training loop, any device)
     Patch(group="fast-lm", target="megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_thd",
           replacement="qvl.recipes.training.fast_lm:packed_rotary", version=MCORE,
           params=("t", "cu_seqlens", "freqs", "rotary_interleaved", "mla_rotary_interleaved", "mscale", "cp_group"),
           why="packed rotary reads every sub-sequence's length and start to the host in every attention layer; with "
               "one CP rank and per-token frequencies the whole-pack rotary is bitwise the same"),
+    Patch(group="fast-lm", target="megatron.bridge.models.qwen_vl.modeling_qwen25_vl:Qwen25VLModel.forward",
+          replacement="qvl.recipes.training.sync_free:loader_positions_forward", version=MBRIDGE,
+          params=("self", "input_ids", "attention_mask", "position_ids", "inputs_embeds", "pixel_values",
+                  "pixel_values_videos", "image_grid_thw", "video_grid_thw"),
+          why="it ignores the position_ids it is given and recomputes the mRoPE positions qvl's loader has with "
+              "transformers' get_rope_index, and reads split sizes and placeholder counts back: ~47 host reads per "
+              "pack; with the loader's positions and host-side batch none"),
+    Patch(group="fast-lm", target="megatron.bridge.training.train:train_step",
+          replacement="qvl.recipes.training.sync_free:train_step_with_loss_check", version=MBRIDGE,
+          params=("forward_step_func", "data_iterator", "model", "optimizer", "scheduler", "global_state"),
+          why="the loss's NaN/Inf check reads every micro-batch's loss to the host (2 reads each); qvl's step keeps "
+              "them and this reads them once, after the step"),
     # --- torch-wgrad-accum: from building a model whose provider qvl fixed, any device without Apex (process-wide)
     Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:_grad_accum_fusion_available",
           replacement="qvl.bridges.grad_accum:available", version=MCORE,

@@ -1,4 +1,6 @@
-"""A language-model step without host syncs in its attention layers (patch group "fast-lm" of qvl.foundation.patches).
+"""A language-model step without host syncs (patch group "fast-lm" of qvl.foundation.patches): the packed rotary here,
+and the model's forward with the loader's mRoPE positions and the loss check once per step in
+qvl.recipes.training.sync_free.
 
 Megatron-Core 0.19.2's packed (THD) rotary, `_apply_rotary_pos_emb_thd`
 (megatron/core/models/common/embeddings/rope_utils.py), reads the sub-sequence lengths and every sub-sequence's

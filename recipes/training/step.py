@@ -12,6 +12,7 @@ from qvl.bridges.lean_vision import prepared_tower_inputs
 from qvl.data.count import IGNORE_INDEX
 from qvl.recipes.training.fast_lm import mark_whole_pack
 
+from qvl.recipes.training.sync_free import HostBatch, masked_loss, note_host_batch
 # Batch fields passed to the model when present (Qwen2-VL / Qwen2.5-VL / Qwen3-VL forward arguments).
 _VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -46,7 +47,7 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
         "labels": labels.clamp(min=0),
         "loss_mask": loss_mask.float(),
         "attention_mask": None,
-        "position_ids": None,  # the model derives 3-D mRoPE positions per sub-sequence itself
+        "position_ids": loader_positions(batch, device, padding),
         "packed_seq_params": PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu,
@@ -63,6 +64,24 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
 
 
 def pinned_copies(device: torch.device) -> bool:
+def loader_positions(batch: Any, device: torch.device, padding: int) -> torch.Tensor | None:
+    """The loader's 3-D mRoPE positions [3, 1, T] on `device` (a pad sub-sequence counts from 0, as transformers'
+    `get_rope_index` numbers text), noted with the host batch so the model's forward reads nothing back
+    (qvl.recipes.training.sync_free); None for a batch without them."""
+    positions = getattr(batch, "position_ids", None)
+    if positions is None:
+        return None
+    if padding > 0:
+        pad = torch.arange(padding, dtype=positions.dtype).expand(positions.shape[0], 1, padding)
+        positions = torch.cat([positions, pad], dim=-1)
+    host = HostBatch(
+        tokens=batch.tokens,
+        image_grid_thw=getattr(batch, "image_grid_thw", None),
+        video_grid_thw=getattr(batch, "video_grid_thw", None),
+    )
+    return note_host_batch(to_device(positions, device), host)
+
+
     """Whether host-to-device copies to `device` go through pinned memory, asynchronously (CUDA)."""
     return device.type == "cuda"
 
@@ -77,8 +96,6 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedule_plan: bool = False):
     """Megatron-Bridge forward step: next packed batch through the model, masked per-token loss."""
-    from megatron.bridge.training.losses import masked_next_token_loss
-
     device = next(model.parameters()).device
     model_config = state.cfg.model
     pad_to = model_config.seq_length if model_config.pipeline_model_parallel_size > 1 else None
@@ -92,7 +109,7 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
         output, loss_mask = output
     checks = state.cfg.rerun_state_machine
     return output, partial(
-        masked_next_token_loss,
+        masked_loss,
         loss_mask,
         check_for_nan_in_loss=checks.check_for_nan_in_loss,
         check_for_spiky_loss=checks.check_for_spiky_loss,
