@@ -11,8 +11,8 @@ import torch
 from qvl.bridges.lean_vision import prepared_tower_inputs
 from qvl.data.count import IGNORE_INDEX
 from qvl.recipes.training.fast_lm import mark_whole_pack
-
 from qvl.recipes.training.sync_free import HostBatch, masked_loss, note_host_batch
+
 # Batch fields passed to the model when present (Qwen2-VL / Qwen2.5-VL / Qwen3-VL forward arguments).
 _VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -63,7 +63,6 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
     return kwargs, loss_mask.float()
 
 
-def pinned_copies(device: torch.device) -> bool:
 def loader_positions(batch: Any, device: torch.device, padding: int) -> torch.Tensor | None:
     """The loader's 3-D mRoPE positions [3, 1, T] on `device` (a pad sub-sequence counts from 0, as transformers'
     `get_rope_index` numbers text), noted with the host batch so the model's forward reads nothing back
@@ -82,6 +81,7 @@ def loader_positions(batch: Any, device: torch.device, padding: int) -> torch.Te
     return note_host_batch(to_device(positions, device), host)
 
 
+def pinned_copies(device: torch.device) -> bool:
     """Whether host-to-device copies to `device` go through pinned memory, asynchronously (CUDA)."""
     return device.type == "cuda"
 
