@@ -70,3 +70,15 @@ def tiny_dataset(tiny_qwen25_checkpoint, tmp_path_factory):
     )
     prepare(config)
     return root / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen25_megatron(tiny_qwen25_checkpoint, tmp_path_factory):
+    """The tiny Qwen2.5-VL imported to a Megatron torch_dist checkpoint in fp32 (`qvl convert import`, in this
+    process), once per session: where fine-tunes at different layouts must start from the same weights."""
+    from qvl.launchers.cli import main
+
+    out = tmp_path_factory.mktemp("tiny-qwen25-megatron") / "megatron"
+    command = ["convert", "import", str(tiny_qwen25_checkpoint), str(out), "--dtype", "fp32", "--device", "cpu"]
+    assert main(command) == 0, "qvl convert import of the tiny checkpoint failed (error line in captured stderr)"
+    return out

@@ -28,9 +28,18 @@ ARGS = [
 
 
 def qvl(*args: str) -> str:
+    """`qvl ARGS` in a new interpreter, for tests about the command's process: its output, exit and environment."""
     out = subprocess.run([sys.executable, "-m", "qvl.launchers.cli", *args], capture_output=True, text=True)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     return out.stdout + out.stderr
+
+
+def qvl_in_process(*args: str) -> None:
+    """`qvl ARGS` through the same `main()` in this process: no new interpreter importing torch, Megatron and
+    transformers again (most of a tiny run's time on 2 cores), for runs whose process is not what a test checks."""
+    from qvl.launchers.cli import main
+
+    assert main(list(args)) == 0, f"qvl {' '.join(args)} failed (its error line is in the captured stderr)"
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +53,14 @@ def runs(dataset, tmp_path_factory) -> dict[str, Path]:
     data, hf = dataset
     root = tmp_path_factory.mktemp("runs")
     common = [*ARGS, f"data={data}", f"hf_path={hf}", "--model", "tiny", "--device", "cpu"]
-    qvl("train", *common, "--run-dir", str(root / "full"))
+    qvl_in_process("train", *common, "--run-dir", str(root / "full"))
     # The stopped and resumed run also recomputes the HF vision tower: that must not change a single loss either.
     resumed = [*common, "vision_recompute=true"]
     stopped = qvl("train", *resumed, "--run-dir", str(root / "resumed"), "--stop-after", "3")
     # A planned stop reads as one: no "Pretrain failed ... SystemExit: 0" and no traceback.
     assert "Pretrain failed" not in stopped and "Traceback" not in stopped, stopped[-4000:]
     assert "trained 3 steps" in stopped
-    qvl("train", *resumed, "--run-dir", str(root / "resumed"))  # same command again: resumes from step 3
+    qvl_in_process("train", *resumed, "--run-dir", str(root / "resumed"))  # same command again: resumes from step 3
     return {"full": root / "full", "resumed": root / "resumed"}
 
 
@@ -81,7 +90,7 @@ def test_trained_checkpoint_exports_to_hf_that_transformers_loads(runs, dataset,
     _, hf = dataset
     checkpoints = runs["full"] / "checkpoints"
     copy_hf_side_files(hf, checkpoints / "hf")
-    qvl("convert", "export", str(checkpoints), str(tmp_path / "export"), "--device", "cpu")
+    qvl_in_process("convert", "export", str(checkpoints), str(tmp_path / "export"), "--device", "cpu")
     trained = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).state_dict()
     initial = AutoModelForImageTextToText.from_pretrained(str(hf), dtype=torch.float32).state_dict()
     assert trained.keys() == initial.keys()
@@ -109,18 +118,17 @@ def test_dotted_overrides_set_config_fields_and_unknown_ones_are_named(tmp_path,
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_2_trains_the_packed_dataset_like_one_stage(dataset, tmp_path):
+def test_pipeline_parallel_2_trains_the_packed_dataset_like_one_stage(dataset, tiny_qwen25_megatron, tmp_path):
     """PP=2 (two gloo processes under torchrun) from the same converted checkpoint gives PP=1's losses:
     packed batches are padded to seq_length for the fixed-shape stage-to-stage buffers."""
     from qvl.foundation.distributed import free_port
 
     data, hf = dataset
-    qvl("convert", "import", str(hf), str(tmp_path / "megatron"), "--dtype", "fp32", "--device", "cpu")
     common = [
         "qwen25_vl_3b_sft",
         f"data={data}",
         f"hf_path={hf}",
-        f"pretrained_checkpoint={tmp_path / 'megatron'}",
+        f"pretrained_checkpoint={tiny_qwen25_megatron}",
         *ARGS[1:],
         "train_iters=2",
         "--model",
@@ -128,7 +136,7 @@ def test_pipeline_parallel_2_trains_the_packed_dataset_like_one_stage(dataset, t
         "--device",
         "cpu",
     ]
-    qvl("train", *common, "--run-dir", str(tmp_path / "pp1"))
+    qvl_in_process("train", *common, "--run-dir", str(tmp_path / "pp1"))
     torchrun = [
         sys.executable,
         "-m",

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from qvl.recipes.training.train import read_losses
-from tests.recipes.test_train import ARGS, qvl
+from tests.recipes.test_train import ARGS, qvl_in_process
 
 pytestmark = pytest.mark.slow  # torchrun runs of two gloo processes
 
@@ -30,10 +30,10 @@ SKEW = (
 
 
 @pytest.fixture(scope="module")
-def skewed_dataset(tmp_path_factory) -> tuple[Path, Path]:
+def skewed_dataset(tiny_qwen25_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
     """8 samples of three distinct images (two samples per pack) and 8 text-only samples (one per pack),
-    planned by SKEW. Distinct images, so an embedding returned to the wrong place would change the loss."""
-    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    planned by SKEW, for the session's tiny Qwen2.5-VL. Distinct images, so an embedding returned to the wrong
+    place would change the loss."""
     from qvl.data.samples import COLOURS, SHAPES, draw_shape
 
     root = tmp_path_factory.mktemp("vision_balance")
@@ -66,8 +66,8 @@ def skewed_dataset(tmp_path_factory) -> tuple[Path, Path]:
             }
         )
     (root / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    hf = write_tiny_hf_checkpoint(root / "hf", "qwen2_5_vl")
-    qvl(
+    hf = tiny_qwen25_checkpoint
+    qvl_in_process(
         "data",
         "prepare",
         "--input",
@@ -264,15 +264,16 @@ def test_tensor_parallel_grid_reproduces_the_replicated_losses(tp_runs):
         assert on[step] == pytest.approx(off[step], abs=5e-6)
 
 
-def test_pipeline_parallel_2_with_vision_balance_trains_like_one_stage(one_replica_dataset, tmp_path):
+def test_pipeline_parallel_2_with_vision_balance_trains_like_one_stage(
+    one_replica_dataset, tiny_qwen25_megatron, tmp_path
+):
     """PP=2: the tower and the balancer live on stage 0 (its grid is the one rank there: nothing moves, and the
     last stage must not join its collectives); the losses equal a one-process PP=1 run's, as in test_train.py:
     from one converted checkpoint (a pretrain recipe's random init differs between PP=1 and PP=2)."""
     data, hf = one_replica_dataset
-    qvl("convert", "import", str(hf), str(tmp_path / "megatron"), "--dtype", "fp32", "--device", "cpu")
-    common = ["qwen25_vl_3b_sft", f"pretrained_checkpoint={tmp_path / 'megatron'}", *common_args(data, hf)[1:]]
+    common = ["qwen25_vl_3b_sft", f"pretrained_checkpoint={tiny_qwen25_megatron}", *common_args(data, hf)[1:]]
     torchrun_train(*common, "pipeline_parallel=2", "vision_balance=true", "--run-dir", str(tmp_path / "pp2"))
-    qvl("train", *common, "vision_balance=true", "--run-dir", str(tmp_path / "pp1"))
+    qvl_in_process("train", *common, "vision_balance=true", "--run-dir", str(tmp_path / "pp1"))
     one, two = read_losses(tmp_path / "pp1"), read_losses(tmp_path / "pp2")
     assert sorted(two) == sorted(one) == list(range(1, len(SKEW) + 1))
     for step in one:
