@@ -200,6 +200,14 @@ PATCHES: tuple[Patch, ...] = (
           why="the replicated HF vision tower is built with its MLP width padded to a multiple of 64 (aligned GEMMs); "
               "the narrower HF tensor is zero-padded to its parameter"),
     Patch(group="aligned-widths",
+    # --- qwen3-vl-tower-inputs: while qvl.bridges.qwen3_vl_tower.prepared_megatron_tower_inputs is entered (the step)
+    Patch(group="qwen3-vl-tower-inputs",
+          target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model:Qwen3VLVisionModel.forward",
+          replacement="qvl.bridges.qwen3_vl_tower:prepared_forward", version=MBRIDGE,
+          params=("self", "hidden_states", "grid_thw", "inference_params", "extra_block_kwargs"),
+          why="it reads its device grid to the host on every call (position-table corners and weights per image, "
+              "rotary maxima, split sizes) and hands its attention a 0-d device tensor as the longest block; it "
+              "takes the loader's host-computed inputs instead"),
           target="megatron.bridge.models.conversion.param_mapping:ReplicatedMapping.megatron_to_hf",
           replacement="qvl.bridges.aligned:stripping_megatron_to_hf", version=MBRIDGE,
           params=("self", "megatron_weights", "megatron_module"),
@@ -264,6 +272,9 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
                 why="builds a vision tower from its sub-config (on meta in the planner) as transformers does itself"),
     PrivateRead(target="transformers:PreTrainedModel", attribute="_supports_flash_attn",
                 used_in="qvl.bridges.attention", version="transformers 5.12.1",
+    PrivateRead(target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model:Qwen3VLVisionModel",
+                attribute="_uses_vision_cuda_graph", used_in="qvl.bridges.qwen3_vl_tower", version=MBRIDGE,
+                why="a tower padded for vision CUDA graphs has no packed blocks: it keeps upstream's forward"),
                 why="only towers whose attention hands cu_seqlens to a flash-type function get the varlen kernel"),
     PrivateRead(target="transformers:PretrainedConfig", attribute="_attn_implementation",
                 used_in="qvl.bridges.attention", version="transformers 5.12.1",
