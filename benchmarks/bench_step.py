@@ -175,7 +175,7 @@ def _numels(model: list, widths) -> None:
 def cuda_code_path(census):
     """What the CPU run swaps so that it takes a CUDA device's code path (see benchmarks.step_census)."""
     from benchmarks.step_census import VARLEN_NAMES, fake_varlen_kernel
-    from qvl.bridges import attention
+    from qvl.bridges import attention, grad_accum
 
     def usable(query, *, dropout_p: float = 0.0, padded_layout: bool = False) -> bool:
         return attention.varlen_supported(device_type="cuda", dtype=query.dtype, head_dim=query.shape[-1],
@@ -197,6 +197,7 @@ def cuda_code_path(census):
         mock.patch.object(attention, "_varlen_kernel", lambda: (fake_varlen_kernel(census), VARLEN_NAMES)),
         mock.patch.object(optimizer_module, "_get_foreach_kernels_supported_devices",
                           lambda: [*devices(), "cpu"]),
+        grad_accum.cpu_mixed_precision_addmm(),  # bf16 wgrad into fp32 main_grad: one GEMM (CUDA kernel only)
     ):  # fmt: skip
         yield
 
@@ -216,6 +217,7 @@ def step_code(*, baseline: bool):
         with (
             mock.patch("qvl.bridges.fixes.align_vision_widths", lambda provider: {}),
             mock.patch("qvl.bridges.lean_vision.use_lean_vision", lambda provider: False),
+            mock.patch("qvl.bridges.grad_accum.use_fused_wgrad_accumulation", lambda provider: None),
             patches.applied(optimizer_fixes.GROUP),
         ):
             yield
@@ -228,6 +230,7 @@ def step_code(*, baseline: bool):
 
 def census_worker(spec_path: pathlib.Path) -> int:
     """Train two steps of the spec's config and write the census of the second (the training child)."""
+    from benchmarks.compiled_regions import cuda_compiled_regions
     from benchmarks.step_census import Census, WidthMap
     from qvl.foundation import distributed, megatron, patches, runtime
     from qvl.recipes.training.train import TrainRequest, prepare_config
@@ -251,8 +254,12 @@ def census_worker(spec_path: pathlib.Path) -> int:
     overrides = {"hf_path": str(hf_dir), "seq_length": config.seq_length, "global_batch_size": config.packs,
                  "micro_batch_size": 1, "train_iters": 2, "warmup_iters": 1, "save_interval": 10**6,
                  "log_interval": 10**6, "precision": "bf16-mixed", "vision_recompute": config.vision_recompute}  # fmt: skip
+    if spec.get("compile"):
+        overrides["compile"] = True
     code = contextlib.ExitStack()  # the step's code, before or after: from the provider (aligned widths) on
     code.enter_context(step_code(baseline=spec["baseline"]))
+    if not spec["baseline"] and not spec.get("eager_regions"):  # what CUDA runs compiled (benchmarks.compiled_regions)
+        code.enter_context(cuda_compiled_regions(census))
     _, cfg = prepare_config(TrainRequest(recipe=config.recipe, overrides=overrides, run_dir=out / "run"))
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.logger.tensorboard_dir = None
@@ -291,7 +298,8 @@ def census_worker(spec_path: pathlib.Path) -> int:
     callbacks.register("on_train_step_end", step_end)
     with code, cuda_code_path(census), patches.applied("megatron-wheel"):
         pretrain(cfg, census_forward_step(census, regions), callbacks=callbacks)
-    result = {"config": asdict(config), "baseline": spec["baseline"], "losses": losses}
+    result = {"config": asdict(config), "baseline": spec["baseline"], "compile": bool(spec.get("compile")),
+              "losses": losses}  # fmt: skip
     result |= census.summary(config.packs)
     pathlib.Path(spec["result"]).write_text(json.dumps(result, indent=1))
     return 0
@@ -300,12 +308,14 @@ def census_worker(spec_path: pathlib.Path) -> int:
 # --- the driver -----------------------------------------------------------------------------------------------------
 
 
-def census(config_name: str, out: pathlib.Path, *, baseline: bool = False) -> dict:
-    """The census of one config, trained in a child process; raises with the child's log if it fails."""
+def census(config_name: str, out: pathlib.Path, *, baseline: bool = False, compile: bool = False,
+           eager_regions: bool = False) -> dict:  # fmt: skip
+    """The census of one config (`compile`: the recipe's `compile=True`; `eager_regions`: compiled regions counted
+    as their eager ops, as the CPU runs them), trained in a child process; raises with the child's log if it fails."""
     run_dir = out / f"step-{config_name}"
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"config": asdict(CONFIGS[config_name]), "out": str(run_dir), "result": str(run_dir / "census.json"),
-            "baseline": baseline}  # fmt: skip
+            "baseline": baseline, "compile": compile, "eager_regions": eager_regions}  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec))
     (run_dir / "census.json").unlink(missing_ok=True)
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -317,12 +327,14 @@ def census(config_name: str, out: pathlib.Path, *, baseline: bool = False) -> di
     return json.loads((run_dir / "census.json").read_text())
 
 
-def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False) -> dict:
-    """Censuses of `names` (the pre-change code path with `baseline`), the step-time estimates and the goals."""
-    results: dict = {"baseline": baseline, "configs": {}}
+def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, compile: bool = False,
+              eager_regions: bool = False) -> dict:  # fmt: skip
+    """Censuses of `names` (the pre-change code path with `baseline`; `compile=True` with `compile`), the step-time
+    estimates and the goals."""
+    results: dict = {"baseline": baseline, "compile": compile, "eager_regions": eager_regions, "configs": {}}
     for name in names:
         logger.warning("census of %s ...", name)
-        results["configs"][name] = census(name, out, baseline=baseline)
+        results["configs"][name] = census(name, out, baseline=baseline, compile=compile, eager_regions=eager_regions)
     before = json.loads(BEFORE_CENSUS.read_text()) if BEFORE_CENSUS.is_file() else None
     if before is None and baseline and RESULTS_CONFIG in results["configs"]:
         before = results["configs"][RESULTS_CONFIG]
@@ -357,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench"))
     parser.add_argument("--quick", action="store_true", help="the tiny config only")
     parser.add_argument("--baseline", action="store_true", help="the pre-change code path (qvl's step fixes off)")
+    parser.add_argument("--compile", action="store_true", help="the recipe's compile=True (vision blocks compiled)")
+    parser.add_argument("--eager-regions", action="store_true", help="count compiled regions as their eager ops")
     parser.add_argument("--write-before", action="store_true", help=f"save the {RESULTS_CONFIG} census as the before")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     parser.add_argument("--worker", type=pathlib.Path, help=argparse.SUPPRESS)
@@ -368,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --write-before needs --baseline and --config {RESULTS_CONFIG}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    results = benchmark(names, args.out, baseline=args.baseline)
+    if args.compile and args.baseline:
+        print("error: --compile is an option of qvl's step; drop --baseline or --compile", file=sys.stderr)
+        return 2
+    results = benchmark(names, args.out, baseline=args.baseline, compile=args.compile, eager_regions=args.eager_regions)
     if args.write_before:
         BEFORE_CENSUS.write_text(json.dumps(results["configs"][RESULTS_CONFIG], indent=1) + "\n")
     print(json.dumps(results, indent=1) if args.json else table(results))

@@ -36,6 +36,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from benchmarks.compiled_regions import LABEL, bisect_range
+
 REGIONS = ("lm", "vision", "loss", "optimizer", "other")
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm", "convolution", "convolution_backward"})
 ATTENTION_OPS = frozenset({"_flash_attention_forward", "_flash_attention_backward"})
@@ -124,6 +126,11 @@ class Census:
         self.host = WeakIdKeyDictionary()
         self.pinned = WeakIdKeyDictionary()
         self._in_sync = 0
+        # compiled regions (benchmarks.compiled_regions): forward depth, backward ranges of autograd sequence numbers
+        self.compiled_depth = 0
+        self.compiled_ranges: list[tuple[int, int, list]] = []
+        self.compiled_regions: dict[str, dict] = {}
+        self._probe_leaf = torch.zeros((), requires_grad=True)
 
     # --- tensor placement -------------------------------------------------------------------------------------
 
@@ -187,10 +194,61 @@ class Census:
         counts.attention_flops += flops
 
     def opaque(self, name: str, tensors: list) -> None:
-        """One kernel the CPU run computes another way (a stand-in's): counted with its bytes."""
-        if self.counting:
+        """One kernel the CPU run computes another way (a stand-in's): counted with its bytes (inside a compiled
+        region, Inductor's kernels stand for it)."""
+        if self.counting and not (self.compiled_depth or self._in_compiled_backward()):
             self.counts.launches[name] += 1
             self.counts.nongemm_bytes += sum(self.widths.nbytes(t) for t in tensors if t is not None)
+
+    def sequence_probe(self) -> int:
+        """The sequence number the next autograd node gets (a probe node takes this one)."""
+        with self.paused(), torch.enable_grad():
+            return (self._probe_leaf * 1).grad_fn._sequence_nr()
+
+    def _compiled_stats(self, name: str) -> dict:
+        return self.compiled_regions.setdefault(
+            name, {"count": LABEL, "forward_kernels": 0, "backward_kernels": 0, "forward_runs": 0, "backward_runs": 0}
+        )
+
+    def compiled_forward(self, name: str, kernels, nbytes: tuple[float, float]) -> None:
+        """One forward run of a compiled region (benchmarks.compiled_regions): its kernels and bytes."""
+        if not self.counting:
+            return
+        self.counts.launches[f"compiled-region:{name}"] += kernels.forward
+        self.counts.nongemm_bytes += nbytes[0]
+        stats = self._compiled_stats(name)
+        stats["forward_kernels"], stats["backward_kernels"] = kernels.forward, kernels.backward
+        stats["graphs"] = kernels.graphs
+        stats["forward_runs"] += 1
+        stats["_backward_bytes"] = nbytes[1]
+
+    def compiled_backward_range(self, start: int, end: int, name: str, kernels) -> None:
+        """The autograd nodes of one region call: sequence numbers strictly between `start` and `end`."""
+        self.compiled_ranges.append((start, end, [name, kernels, False]))
+
+    def _in_compiled_backward(self) -> bool:
+        node = torch._C._current_autograd_node()
+        if node is None or not self.compiled_ranges:
+            return False
+        payload = bisect_range(self.compiled_ranges, node._sequence_nr())
+        if payload is None:
+            return False
+        name, kernels, charged = payload
+        if not charged and self.counting:
+            payload[2] = True
+            stats = self._compiled_stats(name)
+            self.counts.launches[f"compiled-region:{name}"] += kernels.backward
+            self.counts.nongemm_bytes += stats.get("_backward_bytes", 0.0)
+            stats["backward_runs"] += 1
+        return True
+
+    def _compiled_gemm_bytes(self, name: str, args, out) -> float:
+        """A GEMM inside a compiled region: a fused kernel reads its result and wrote its activation operand."""
+        operand = args[1] if name in ("addmm", "addbmm", "baddbmm") else args[0]
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if isinstance(operand, torch.Tensor):
+            tensors.append(operand)
+        return sum(self.widths.nbytes(t) for t in tensors)
 
     def op(self, func, args, kwargs, out) -> None:
         name = func.overloadpacket.__name__
@@ -204,6 +262,12 @@ class Census:
         counts = self.counts
         if func.namespace == "c10d":  # collectives: kernels on the device's stream (NCCL), no host wait
             counts.launches[name] += 1
+            return
+        if self.compiled_depth or self._in_compiled_backward():  # Inductor's kernels stand for all but GEMMs
+            if name in GEMM_OPS:
+                counts.launches[name] += 1
+                self._gemm(name, args, kwargs, out, counts)
+                counts.nongemm_bytes += self._compiled_gemm_bytes(name, args, out)
             return
         returns = func._schema.returns
         if any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
@@ -253,8 +317,11 @@ class Census:
         syncs = collections.Counter()
         for counts in self.regions.values():
             syncs.update(counts.syncs)
+        regions = {name: {k: v for k, v in stats.items() if not k.startswith("_")}
+                   for name, stats in self.compiled_regions.items()}  # fmt: skip
         return {
             "packs": packs,
+            "compiled_regions": regions,
             "step": total.summary()
             | {
                 "misaligned_gemm_flop_share": round(total.gemm_flops_misaligned / gemm, 4) if gemm else 0.0,

@@ -62,12 +62,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rotary_fp32(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' `apply_rotary_pos_emb_vision` math (fp32 rotate-half, results in the inputs' dtypes)."""
+    """transformers' `apply_rotary_pos_emb_vision` math (fp32 rotate-half, results in the inputs' dtypes), q and k
+    stacked so that each step is one kernel for both (the same elementwise math: bitwise transformers' on CPU)."""
     cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
-    qf, kf = q.float(), k.float()
-    q_embed = (qf * cos) + (_rotate_half(qf) * sin)
-    k_embed = (kf * cos) + (_rotate_half(kf) * sin)
-    return q_embed.to(q.dtype), k_embed.to(k.dtype)
+    if q.dtype != k.dtype or q.shape != k.shape:
+        return _rotary_one(q, cos, sin), _rotary_one(k, cos, sin)
+    qk = _rotary_one(torch.stack((q, k)), cos, sin)
+    return qk[0], qk[1]
+
+
+def _rotary_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return ((xf * cos) + (_rotate_half(xf) * sin)).to(x.dtype)
 
 
 @functools.cache
@@ -87,11 +93,17 @@ def compile_usable() -> bool:
     return True
 
 
+def runs_compiled(tensor: torch.Tensor) -> bool:
+    """Whether qvl's compiled regions run for a tensor: on CUDA where Triton is, outside an enclosing compile (a
+    compiled vision block traces the region's eager math into its own graph)."""
+    return tensor.is_cuda and compile_usable() and not torch.compiler.is_compiling()
+
+
 def fused_rotary(original):
     """Patch factory for `apply_rotary_pos_emb_vision` (Qwen2-VL and Qwen2.5-VL modeling modules)."""
 
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
-        if q.is_cuda and compile_usable():
+        if runs_compiled(q):
             return compiled_rotary()(q, k, cos, sin)
         return rotary_fp32(q, k, cos, sin)
 
@@ -152,3 +164,36 @@ def apply_lean_vision(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Pre-wrap hook: the patch group `lean-hf-vision` applied (idempotent)."""
     patches.apply(GROUP)
     return model
+
+
+def compile_vision_blocks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Pre-wrap hook (`compile=True`): each block of every replicated HF vision tower compiled as one region on CUDA
+    where Triton is (torchtitan compiles per block too); elsewhere the blocks run eagerly, as without it.
+
+    The whole block compiles as one graph: its norms, rotary, residual adds and MLP activation fuse around the GEMMs,
+    and the varlen attention stays one opaque op (torch's `varlen_attn` is a custom op); vision recompute wraps the
+    compiled block, so a recomputed forward reruns the compiled graph. The blocks share one compiled graph (same
+    code, parameters as inputs); shapes are dynamic, since every pack has its own patch count."""
+    if not cuda_compile_usable():
+        logger.warning("compile=True: no CUDA device with Triton here, the vision blocks run eagerly")
+        return model
+    blocks = [block for tower in hf_vision_towers(model) for block in tower.blocks]
+    for block in blocks:
+        compile_block(block)
+    logger.info("compile: %d vision blocks compiled", len(blocks))
+    return model
+
+
+def cuda_compile_usable() -> bool:
+    """Whether this machine compiles for CUDA: a CUDA device and Triton."""
+    return torch.cuda.is_available() and compile_usable()
+
+
+def compile_block(block: torch.nn.Module) -> None:
+    """One vision block compiled in place (`nn.Module.compile`: its call runs the compiled forward).
+
+    Not `fullgraph`: with weight-gradient accumulation on, the block's linears are qvl.bridges.grad_accum's
+    `MainGradLinear`, whose autograd Function sets `grad_added_to_main_grad` on its weight in backward; Dynamo
+    refuses that side effect under `fullgraph=True` ("HOP: Non-nullified side effect") and, without it, still
+    captures the block as one graph (tests/bridges/test_vision_compile.py counts the graphs)."""
+    block.compile(dynamic=True)

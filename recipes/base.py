@@ -79,6 +79,10 @@ class QvlTrainingConfig:
     # recomputes the rest (qvl.bridges.providers.recompute_vision_towers); at 4k packs of LLaVA-like images its
     # activations are most of a step's (an H100 ran out of memory without it, Qwen2.5-VL-3B shapes, 12 layers).
     vision_recompute: bool = False
+    # Each block of the replicated HF vision tower torch.compiled as one region where CUDA and Triton are
+    # (qvl.bridges.lean_vision.compile_vision_blocks); eager elsewhere. Off until its bf16 parity tests have run on
+    # a GPU (tests/bridges/test_vision_compile.py).
+    compile: bool = False
 
 
 # Not slots: Megatron-Bridge's ConfigContainer is a plain dataclass.
@@ -145,21 +149,32 @@ def check_dataset_matches_recipe(config: Any) -> None:
 
 
 def attach_qvl_behaviours(config: Any) -> None:
-    """Make the `qvl` section act wherever the config runs: `vision_recompute` registers its pre-wrap hook (once)."""
+    """Make the `qvl` section act wherever the config runs: `vision_recompute` and `compile` register their pre-wrap
+    hooks (once)."""
     settings = getattr(config, "qvl", None)
-    if settings is None or not settings.vision_recompute:
+    if settings is None:
         return
+    if settings.vision_recompute:
+        from qvl.bridges.providers import recompute_vision_towers  # Megatron-Bridge's model side, loaded on use
+
+        _hf_tower_hook(config, "vision_recompute", recompute_vision_towers, "recomputes with the language model "
+                       "(recompute=full)")  # fmt: skip
+    if settings.compile:
+        from qvl.bridges.lean_vision import compile_vision_blocks
+
+        _hf_tower_hook(config, "compile", compile_vision_blocks, "has no HF blocks to compile")
+
+
+def _hf_tower_hook(config: Any, option: str, hook: Any, instead: str) -> None:
+    """Register `hook` once for `option`, which only a replicated HF vision tower (Qwen2-VL / Qwen2.5-VL) takes."""
     family = getattr(config.dataset, "family", None)
     if family is None or get_family(family).megatron_vision_tower:
         raise ConfigError(
-            f"vision_recompute=True is for the replicated HF vision towers of Qwen2-VL / Qwen2.5-VL; {family}'s "
-            "tower is Megatron's and recomputes with the language model (recompute=full); drop vision_recompute"
+            f"{option}=True is for the replicated HF vision towers of Qwen2-VL / Qwen2.5-VL; {family}'s "
+            f"tower is Megatron's and {instead}; drop {option}"
         )
-    from qvl.bridges.providers import recompute_vision_towers  # Megatron-Bridge's model side, loaded on use
-
-    hooks = getattr(config.model, "_pre_wrap_hooks", [])
-    if recompute_vision_towers not in hooks:
-        config.model.register_pre_wrap_hook(recompute_vision_towers)
+    if hook not in getattr(config.model, "_pre_wrap_hooks", []):
+        config.model.register_pre_wrap_hook(hook)
 
 
 def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> ConfigContainer:
@@ -168,7 +183,7 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
     optimizer, scheduler = build_optimizer(o)
     model = build_model(arch, o)
     return QvlConfigContainer(
-        qvl=QvlTrainingConfig(vision_balance=o.vision_balance, vision_recompute=o.vision_recompute),
+        qvl=QvlTrainingConfig(vision_balance=o.vision_balance, vision_recompute=o.vision_recompute, compile=o.compile),
         model=model,
         train=TrainingConfig(
             train_iters=o.train_iters,

@@ -51,6 +51,7 @@ class RecipeOptions:
     recompute_layers: int | None = None  # full: recompute the first N layers of each stage (None = all)
     recompute_modules: tuple[str, ...] = ("core_attn",)  # selective: Megatron-Core recompute_modules
     vision_recompute: bool = False  # HF vision tower (Qwen2/2.5-VL): keep block inputs only, recompute the rest
+    compile: bool = False  # HF vision tower (Qwen2/2.5-VL): each block torch.compiled on CUDA (Triton)
     optimizer_offload: float = 0.0  # fraction of optimizer state on CPU (Megatron-Core hybrid-device optimizer)
     freeze: tuple[str, ...] = ()  # any of vision, projector, language
     lr: float = 1e-5

@@ -1,0 +1,330 @@
+"""Compiled regions in the step census: code that runs `torch.compile`d on a CUDA device, counted as Inductor builds it.
+
+On CUDA, qvl compiles some regions (the vision rotary; with `compile=True` each HF vision block) and Megatron-Core
+compiles its `jit_fuser` functions (SwiGLU's `bias_activation_fusion`); the CPU run of the census executes them
+eagerly. `CompiledRegions.region(name, fn)` stands in for such a region: the first call of each signature (the
+region, grad mode, and each tensor's dtype, rank and requires_grad) compiles `fn` with Inductor on the CPU (gcc) at
+the census's tiny widths, in a thread of its own (no census mode, no checkpoint hook there), and counts the kernel
+launches of the generated forward and backward code: every call of a generated kernel and every aten fallback in
+each graph's `call()`. GEMMs (`extern_kernels.mm` ...) and attention are extern calls there, and the census keeps
+counting them as it does outside a region (FLOPs, alignment). The region's bytes are its inputs read once and its
+outputs written once (backward: the output gradients and saved inputs read, the input gradients written), plus, for a
+GEMM inside it, its result and its activation operand once each (a fused kernel reads the one and writes the other).
+
+Every call of a region then counts those kernels, once per forward run (a recomputed block runs its forward again)
+and once per backward: the autograd nodes a region creates in forward get consecutive sequence numbers, and the
+backward ops of those nodes (`torch._C._current_autograd_node()`) belong to it. The JSON lists each region under
+"compiled_regions", marked "compiled-region (Inductor's CPU kernel count)". Triton's CUDA kernels can be fused
+differently from gcc's loops; the counts are Inductor's plan for the graph on the CPU, not a CUDA measurement.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+
+LABEL = "compiled-region (Inductor's CPU kernel count)"
+_VIEW_FALLBACKS = frozenset({"view", "reshape", "as_strided", "permute", "transpose", "expand", "select", "slice"})
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RegionKernels:
+    """Kernel launches of one region's generated code: forward graph(s), backward graph(s), graphs compiled."""
+
+    forward: int
+    backward: int
+    graphs: int
+
+
+def kernel_calls(code: str) -> int:
+    """Kernel launches in one Inductor output module: calls of its generated kernels and aten fallbacks (not views,
+    not GEMMs or attention: extern calls the census counts itself) in its `call()`."""
+    kernels = set(re.findall(r"^(\w+) = async_compile\.", code, re.MULTILINE))
+    body = code[code.index("def call(") :] if "def call(" in code else ""
+    calls = 0
+    for line in body.splitlines():
+        match = re.match(r"\s+(\w+)(?:\.run)?\(", line)
+        if match and match.group(1) in kernels:
+            calls += 1
+        fallback = re.search(r"torch\.ops\.aten\.(\w+)\.", line)
+        if fallback and fallback.group(1) not in _VIEW_FALLBACKS and "extern_kernels" not in line:
+            calls += 1
+    return calls
+
+
+def _clone_inputs(tree: Any) -> Any:
+    """Detached copies with the same requires_grad; a tensor appearing twice stays one object (identity matters:
+    qvl's attention finds a block length by the `cu_seqlens` tensor it was computed for)."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def clone(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in memo:
+            copy = value.detach().clone()
+            memo[id(value)] = copy.requires_grad_(value.requires_grad and copy.is_floating_point())
+        return memo[id(value)]
+
+    return pytree.tree_map(clone, tree)
+
+
+def _grad_targets(fn: Callable, inputs: Any) -> list[torch.Tensor]:
+    tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        tensors += [p for p in owner.parameters() if p.requires_grad]
+    return list({id(t): t for t in tensors}.values())
+
+
+def inductor_kernels(
+    fn: Callable, args: tuple, kwargs: dict, *, grad: bool = True, fullgraph: bool = True
+) -> RegionKernels:
+    """Compile `fn` with Inductor (this machine's backend) as one graph and count the kernel launches of its forward
+    and (with `grad` and outputs that need one) backward code. Raises if the region does not compile whole."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    args, kwargs = _clone_inputs((args, kwargs))
+    with (
+        mock.patch.object(GraphLowering, "save_output_code", codes.append),
+        inductor_config.patch(fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+        torch.set_grad_enabled(grad),
+    ):
+        torch._dynamo.reset()  # a graph cached from an earlier call would generate no code to count
+        out = torch.compile(fn, fullgraph=fullgraph, dynamic=True)(*args, **kwargs)
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        targets = _grad_targets(fn, (args, kwargs))
+        if grad and outputs and targets:
+            torch.autograd.grad(outputs, targets, [torch.ones_like(t) for t in outputs], allow_unused=True)
+        torch._dynamo.reset()
+    backward = [c for c in codes if _is_backward(c)]
+    return RegionKernels(
+        forward=sum(kernel_calls(c) for c in codes if c not in backward),
+        backward=sum(kernel_calls(c) for c in backward),
+        graphs=len(codes),
+    )
+
+
+def _is_backward(code: str) -> bool:
+    """A backward graph's `call()` takes the output gradients (AOTAutograd names them tangents_N); Inductor may
+    compile it with the forward, before any backward runs."""
+    head = code[code.index("def call(") :].split("args.clear()")[0] if "def call(" in code else ""
+    return "tangents_" in head
+
+
+def inductor_kernels_apart(
+    fn: Callable, args: tuple, kwargs: dict, *, grad: bool, fullgraph: bool = True, opaque=None
+) -> RegionKernels:
+    """`inductor_kernels` in a thread of its own: outside the caller's torch modes, saved-tensor hooks (a
+    checkpointed block's) and grad mode, which are all per thread; `opaque` is a context entered there."""
+    result: dict[str, Any] = {}
+
+    def measure():
+        try:
+            with opaque() if opaque is not None else contextlib.nullcontext():
+                result["kernels"] = inductor_kernels(fn, args, kwargs, grad=grad, fullgraph=fullgraph)
+        except BaseException as error:  # re-raised in the caller's thread, with its cause
+            result["error"] = error
+
+    thread = threading.Thread(target=measure, name="census-inductor")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise RuntimeError(f"Inductor could not compile the region {fn!r}") from result["error"]
+    return result["kernels"]
+
+
+class CompiledRegions:
+    """Stand-ins for compiled regions in one census (see the module docstring)."""
+
+    def __init__(self, census, *, opaque=None):
+        self.census = census
+        self.opaque = opaque  # a context that makes attention an opaque op for Inductor while measuring
+        self.kernels: dict[tuple, RegionKernels] = {}
+
+    def region(self, name: str, fn: Callable, *, fullgraph: bool = True) -> Callable:
+        """`fn` as the census counts it: one compiled region called `name` (compiled as qvl compiles it: `fullgraph`
+        or not; the graphs Inductor made are in the JSON)."""
+
+        def compiled_region(*args, **kwargs):
+            census = self.census
+            if torch.compiler.is_compiling() or census.suspended or census.compiled_depth:
+                return fn(*args, **kwargs)  # traced or measured, or inside another region: part of that one
+            kernels = self.measured(name, fn, args, kwargs, fullgraph)
+            grad = torch.is_grad_enabled()
+            start = census.sequence_probe() if grad else None
+            census.compiled_depth += 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                census.compiled_depth -= 1
+            census.compiled_forward(name, kernels, self.bytes(fn, (args, kwargs), out))
+            if grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out)):
+                census.compiled_backward_range(start, census.sequence_probe(), name, kernels)
+            return out
+
+        return compiled_region
+
+    def measured(self, name: str, fn: Callable, args: tuple, kwargs: dict, fullgraph: bool) -> RegionKernels:
+        grad = torch.is_grad_enabled()
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        key = (name, grad, tuple((t.dtype, t.dim(), t.requires_grad) for t in leaves))
+        if key not in self.kernels:
+            self.kernels[key] = inductor_kernels_apart(
+                fn, args, kwargs, grad=grad, fullgraph=fullgraph, opaque=self.opaque
+            )
+        return self.kernels[key]
+
+    def bytes(self, fn: Callable, inputs: Any, out: Any) -> tuple[float, float]:
+        """(forward, backward) bytes: inputs read and outputs written once; backward reads the output gradients and
+        the saved inputs and writes the input gradients."""
+        nbytes = self.census.widths.nbytes
+        tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        owner = getattr(fn, "__self__", None)
+        params = list(owner.parameters()) if isinstance(owner, torch.nn.Module) else []
+        read = sum(nbytes(t) for t in tensors + params)
+        written = sum(nbytes(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        grads = sum(nbytes(t) for t in tensors + params if t.requires_grad)
+        return read + written, written + read + grads
+
+
+# --- a CPU stand-in for torch's varlen attention kernel, opaque to Inductor -----------------------------------------
+
+
+def _attend(query, key, value, cu_seqlens, causal: bool, scale: float) -> torch.Tensor:
+    out = torch.empty_like(query)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
+        gqa = k.shape[0] != q.shape[0]
+        out[start:end] = F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa
+        ).transpose(0, 1)
+    return out
+
+
+@torch.library.custom_op("qvl_census::varlen_attention", mutates_args=())
+def _varlen_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, scale: float
+) -> torch.Tensor:
+    return _attend(query, key, value, cu_seqlens, causal, scale)
+
+
+@_varlen_attention.register_fake
+def _(query, key, value, cu_seqlens, causal, scale):
+    return torch.empty_like(query)
+
+
+@torch.library.custom_op("qvl_census::varlen_attention_backward", mutates_args=())
+def _varlen_attention_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, vjp = torch.func.vjp(lambda q, k, v: _attend(q, k, v, cu_seqlens, causal, scale), query, key, value)
+    return vjp(grad)
+
+
+@_varlen_attention_backward.register_fake
+def _(grad, query, key, value, cu_seqlens, causal, scale):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup(ctx, inputs, output):
+    query, key, value, cu_seqlens, causal, scale = inputs
+    ctx.save_for_backward(query, key, value, cu_seqlens)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _backward(ctx, grad):
+    query, key, value, cu_seqlens = ctx.saved_tensors
+    grads = _varlen_attention_backward(grad, query, key, value, cu_seqlens, ctx.causal, ctx.scale)
+    return *grads, None, None, None
+
+
+_varlen_attention.register_autograd(_backward, setup_context=_setup)
+
+
+def cpu_varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), scale=None, **_):
+    """torch's `varlen_attn` signature over a CPU custom op: one opaque call Inductor keeps as an extern kernel, as
+    it keeps torch's own varlen op on CUDA (self-attention: the key blocks are the query blocks)."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return _varlen_attention(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale)
+
+
+VARLEN_NAMES = frozenset({"window_size", "scale"})
+
+
+@contextlib.contextmanager
+def opaque_varlen_attention():
+    """qvl's attention takes the varlen path (as on CUDA) through `cpu_varlen_kernel`, for Inductor on the CPU."""
+    from qvl.bridges import attention
+
+    with (
+        mock.patch.object(attention, "varlen_usable", lambda *args, **kwargs: True),
+        mock.patch.object(attention, "_varlen_kernel", lambda: (cpu_varlen_kernel, VARLEN_NAMES)),
+    ):
+        yield
+
+
+def bisect_range(ranges: list[tuple[int, int, Any]], sequence_nr: int) -> Any | None:
+    """The payload of the (start, end, payload) range, sorted by start and disjoint, that holds `sequence_nr`."""
+    index = bisect.bisect_right(ranges, sequence_nr, key=lambda r: r[0]) - 1
+    if index >= 0 and ranges[index][0] < sequence_nr < ranges[index][1]:
+        return ranges[index][2]
+    return None
+
+
+# Megatron-Core's SwiGLU fusion (megatron/core/fusions/fused_bias_swiglu.py): `jit_fuser` (torch.compile) functions,
+# called inside its autograd Functions (forward and backward each one region).
+SWIGLU_FUNCTIONS = ("swiglu", "bias_swiglu", "swiglu_back", "bias_swiglu_back")
+
+
+@contextlib.contextmanager
+def cuda_compiled_regions(census):
+    """The regions a CUDA device with Triton runs compiled, as census stand-ins: qvl's vision rotary, each vision
+    block with `compile=True` (qvl.bridges.lean_vision), and Megatron-Core's SwiGLU fusion, which qvl turns on there
+    (qvl.foundation.megatron.no_te_settings). Bias-dropout-add stays unfused on CUDA too (Megatron-Bridge's default;
+    Qwen's linears have no bias and its dropout is 0, so the unfused path is already one add)."""
+    from megatron.core.fusions import fused_bias_swiglu
+
+    from qvl.bridges import lean_vision
+    from qvl.foundation import megatron
+
+    regions = CompiledRegions(census, opaque=opaque_varlen_attention)
+    rotary = regions.region("vision rotary", lean_vision.rotary_fp32)
+
+    def compile_block(block: torch.nn.Module) -> None:
+        block.forward = regions.region("vision block", block.forward, fullgraph=False)  # as compile_block does
+
+    with contextlib.ExitStack() as stack:
+        for target, name, value in (
+            (lean_vision, "runs_compiled", lambda tensor: not torch.compiler.is_compiling()),
+            (lean_vision, "compiled_rotary", lambda: rotary),
+            (lean_vision, "cuda_compile_usable", lambda: True),
+            (lean_vision, "compile_block", compile_block),
+            (megatron, "swiglu_fusion_usable", lambda: True),
+        ):
+            stack.enter_context(mock.patch.object(target, name, value))
+        for name in SWIGLU_FUNCTIONS:
+            original = getattr(fused_bias_swiglu, name)
+            eager = getattr(original, "_torchdynamo_orig_callable", original)
+            stack.enter_context(mock.patch.object(fused_bias_swiglu, name, regions.region(f"SwiGLU {name}", eager)))
+        yield regions

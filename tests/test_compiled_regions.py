@@ -1,0 +1,67 @@
+"""`benchmarks/compiled_regions.py`: the step census counts a region that runs compiled on CUDA as the kernels
+Inductor generates for it (compiled on the CPU), forward and backward, instead of its eager ops."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.compiled_regions import LABEL, CompiledRegions, inductor_kernels, kernel_calls
+from benchmarks.step_census import Census, WidthMap
+from qvl.bridges.lean_vision import rotary_fp32
+
+
+def test_a_pointwise_region_is_one_kernel_each_way():
+    x, y = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
+    kernels = inductor_kernels(lambda a, b: (a * b + 1.0).sin() * 2.0, (x, y), {})
+    assert kernels.forward == 1
+    assert kernels.backward == 1  # cos, the products and both input gradients in one loop
+    assert kernels.graphs == 2
+
+
+def test_kernel_calls_count_generated_kernels_and_fallbacks_not_gemms():
+    code = """
+cpp_fused_add_0 = async_compile.cpp_pybinding(['float*'], r'''...''')
+triton_poi_fused_mul_1 = async_compile.triton('triton_poi_fused_mul_1', '''...''')
+def call(self, args):
+        primals_1, = args
+        cpp_fused_add_0(primals_1, buf0)
+        extern_kernels.mm(buf0, primals_1, out=buf1)
+        triton_poi_fused_mul_1.run(buf1, buf2, 64, stream=stream0)
+        buf3 = torch.ops.aten.nonzero.default(buf2)
+        buf4 = torch.ops.aten.view.default(buf3, [-1])
+        cpp_fused_add_0(buf4, buf5)
+"""
+    assert kernel_calls(code) == 4  # two calls of one kernel, the Triton kernel, the nonzero fallback
+
+
+def _census_of_one_call(fn, q, k, cos, sin, regions=None) -> Census:
+    census = Census(WidthMap(dims={}))
+    region = regions(census).region("vision rotary", fn) if regions else fn
+    grads = [torch.ones_like(q), torch.ones_like(k)]
+    q.grad = k.grad = None  # a gradient accumulated into (`add_`) would be an op outside the region
+    with census.tracking(), census.counted():
+        out = region(q, k, cos, sin)
+        torch.autograd.backward(out, grads)
+    return census
+
+
+def test_the_rotary_region_counts_inductors_kernels_fewer_than_its_eager_ops():
+    q, k = (torch.randn(128, 4, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    angles = torch.randn(128, 8).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    eager = _census_of_one_call(rotary_fp32, q, k, cos, sin).summary(1)
+    census = _census_of_one_call(rotary_fp32, q, k, cos, sin, regions=CompiledRegions)
+    compiled = census.summary(1)
+    stats = compiled["compiled_regions"]["vision rotary"]
+    assert stats["count"] == LABEL
+    assert (stats["forward_runs"], stats["backward_runs"]) == (1, 1)
+    # every op of the call and of its backward is inside the region: the census counts Inductor's kernels alone
+    kernels = stats["forward_kernels"] + stats["backward_kernels"]
+    assert compiled["step"]["ops"] == {"compiled-region:vision rotary": kernels}
+    assert compiled["step"]["view_ops"] == 2  # the two leaves' AccumulateGrad (a detach each), outside the region
+    assert kernels < eager["step"]["kernel_launching_ops"]
+    assert stats["forward_kernels"] < 8 <= eager["step"]["kernel_launching_ops"] // 2  # 8 eager ops forward in bf16
+    # bytes: q, k, cos, sin read and q', k' written once forward; backward reads the output gradients and the saved
+    # inputs and writes the input gradients
+    read, written = sum(t.nbytes for t in (q, k, cos, sin)), 2 * q.nbytes
+    assert census.regions["other"].nongemm_bytes == 2 * (read + written) + 2 * q.nbytes
