@@ -12,7 +12,8 @@ inherits it) reads the device to the host on every micro-batch:
 - `get_placeholder_mask` checks the placeholder count against the features on the device (`torch_compilable_check`
   and its message's f-string read it). The same check runs here on the host tokens and grids the loader has.
 `loader_positions_forward` runs that forward with those three changes for a micro-batch whose positions came from
-qvl's loader (`note_host_batch`); any other call takes upstream's forward.
+qvl's loader (`note_host_batch`); any other call takes upstream's forward. Megatron-Bridge's Qwen3-VL forward
+(modelling_qwen3_vl/model.py) uses explicit [3, b, s] positions as given, so there the loader's need no patch.
 
 Megatron-Bridge's `masked_next_token_loss` checks every micro-batch's loss for NaN and Inf through the rerun state
 machine (megatron/core/rerun_state_machine.py `validate_result`), two host reads per micro-batch. qvl's step keeps

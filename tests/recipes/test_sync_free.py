@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from qvl.foundation import distributed, megatron, patches
-from qvl.foundation.families import TINY_TOKEN_IDS, get_family
+from qvl.foundation.families import FAMILIES, TINY_TOKEN_IDS, get_family
 
 IMAGE_GRIDS = [(1, 4, 6), (1, 6, 4)]
 VIDEO_GRID = (2, 4, 4)
@@ -94,7 +94,7 @@ def _upstream_positions(hf_config, input_ids, packed, image_grid, video_grid) ->
         from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.rope import get_rope_index
 
         positions, _ = get_rope_index(
-            MERGE,
+            hf_config.vision_config.spatial_merge_size,
             TINY_TOKEN_IDS["image_token_id"],
             TINY_TOKEN_IDS["video_token_id"],
             TINY_TOKEN_IDS["vision_start_token_id"],
@@ -134,12 +134,10 @@ def _upstream_positions(hf_config, input_ids, packed, image_grid, video_grid) ->
 
 
 def _family_of(hf_config):
-    from qvl.foundation.families import FAMILIES
-
     return next(r for r in FAMILIES.values() if r.config_class == type(hf_config).__name__)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_loader_positions_equal_the_models_rope_index_bitwise(family):
     megatron.import_megatron_bridge()
     from qvl.bridges.tiny_model import tiny_hf_config
@@ -284,3 +282,16 @@ def test_a_nan_loss_stops_training_after_one_read_per_step(cpu_runtime):
             masked_loss(torch.ones(4), with_nan[1], check_for_nan_in_loss=True, check_for_spiky_loss=False)
     finally:
         destroy_rerun_state_machine()
+
+
+@pytest.mark.slow
+def test_the_step_census_finds_no_host_read_inside_a_micro_batch(tmp_path):
+    """One training step of the tiny census config (Megatron-Bridge's loop, qvl's step, the code path a CUDA device
+    takes): no host read in the language model, the vision tower or the loss; at most 10 in the whole step."""
+    from benchmarks import bench_step
+
+    result = bench_step.census("tiny", tmp_path)
+    regions, sites = result["regions"], result["sync_sites"]
+    assert [regions[r]["host_syncs"] for r in ("lm", "vision", "loss")] == [0, 0, 0], sites
+    assert result["step"]["host_syncs"] <= 10, sites
+    assert not any("get_rope_index" in site or "validate_result" in site for site in sites), sites
