@@ -26,7 +26,7 @@ from qvl.data.count import IGNORE_INDEX, IMAGE_PAD, VIDEO_PAD
 from qvl.data.mrope import RopeConfig, packed_position_ids
 from qvl.data.vision import VisionConfig, check_family, load_vision_config
 from qvl.foundation.families import get_family
-from qvl.foundation.tower_inputs import TowerInputs, tower_inputs_for_config
+from qvl.foundation.tower_inputs import MegatronTowerInputs, TowerInputs, tower_inputs_for_config
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +75,11 @@ class PackedBatch(Batch):
     video_grid_thw: torch.Tensor
     second_per_grid_ts: torch.Tensor
     source_indices: list[list[int]]
-    # What a replicated HF vision tower derives from each grid, computed here in the worker processes
-    # (qvl.foundation.tower_inputs); None for Megatron's tower (Qwen3-VL) or a micro-batch without that modality.
-    image_tower_inputs: TowerInputs | None = None
-    video_tower_inputs: TowerInputs | None = None
+    # What the vision tower derives from each grid (HF towers: TowerInputs; Megatron-Bridge's Qwen3-VL tower:
+    # MegatronTowerInputs), computed here in the worker processes (qvl.foundation.tower_inputs); None for a
+    # micro-batch without that modality.
+    image_tower_inputs: TowerInputs | MegatronTowerInputs | None = None
+    video_tower_inputs: TowerInputs | MegatronTowerInputs | None = None
 
 
 @stateless
@@ -135,7 +136,7 @@ class QwenVLPackedTaskEncoder(DefaultTaskEncoder[PackRecord, PackedSample, Packe
             tokens_per_second=tokens_per_second or _tokens_per_second(hf_path),
         )
         self.video_mean, self.video_std = _video_normalization(hf_path, family)
-        self.tower_config = _hf_tower_config(hf_path, family)
+        self.tower_config = _vision_config(hf_path)
 
     @stateless
     def encode_sample(self, sample: PackRecord) -> PackedSample:
@@ -235,8 +236,8 @@ class QwenVLPackedTaskEncoder(DefaultTaskEncoder[PackRecord, PackedSample, Packe
             video_tower_inputs=self._tower_inputs([s.video_grid_thw for s in samples]),
         )
 
-    def _tower_inputs(self, grids: list[torch.Tensor]) -> TowerInputs | None:
-        """The HF vision tower's inputs for one micro-batch's grids, once, on the host (None: nothing to compute)."""
+    def _tower_inputs(self, grids: list[torch.Tensor]) -> TowerInputs | MegatronTowerInputs | None:
+        """The vision tower's inputs for one micro-batch's grids, once, on the host (None: nothing to compute)."""
         grid = torch.cat(grids)
         if self.tower_config is None or not grid.numel():
             return None
@@ -252,10 +253,10 @@ def _cat_or_none(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.cat(present) if present else None
 
 
-def _hf_tower_config(hf_path: pathlib.Path, family: str) -> Any | None:
-    """The checkpoint's vision config where the family's tower is transformers' (Qwen2-VL, Qwen2.5-VL), whose inputs
-    the loader computes; None for Megatron's tower (Qwen3-VL) or a directory without config.json."""
-    if get_family(family).megatron_vision_tower or not (pathlib.Path(hf_path) / "config.json").is_file():
+def _vision_config(hf_path: pathlib.Path) -> Any | None:
+    """The checkpoint's vision config, from which the loader computes the tower's inputs; None for a directory
+    without config.json."""
+    if not (pathlib.Path(hf_path) / "config.json").is_file():
         return None
     from transformers import AutoConfig
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from qvl.bridges.lean_vision import prepared_tower_inputs
+from qvl.bridges.qwen3_vl_tower import prepared_megatron_tower_inputs
 from qvl.data.count import IGNORE_INDEX
 from qvl.recipes.training.fast_lm import mark_whole_pack
 from qvl.recipes.training.sync_free import HostBatch, masked_loss, note_host_batch
@@ -103,7 +104,8 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
     kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to)
     if state.cfg.qvl.vision_balance:
         kwargs = balanced_vision_inputs(model, kwargs)
-    with prepared_tower_inputs(model, tower_input_pairs(batch, kwargs, device)):
+    pairs = tower_input_pairs(batch, kwargs, device)
+    with prepared_tower_inputs(model, pairs), prepared_megatron_tower_inputs(model, pairs, whole_pack=mark_whole_pack):
         output = model(**kwargs)
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
         output, loss_mask = output
@@ -118,7 +120,8 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
 
 def tower_input_pairs(batch: Any, kwargs: dict, device: torch.device) -> list[tuple[torch.Tensor, Any]]:
     """(grid the model is given, its tower inputs on `device`) for the images and videos of a batch whose loader
-    precomputed them (qvl.foundation.tower_inputs); the HF tower then reads nothing back (qvl.bridges.lean_vision)."""
+    precomputed them (qvl.foundation.tower_inputs); the tower then reads nothing back (qvl.bridges.lean_vision,
+    qvl.bridges.qwen3_vl_tower)."""
     pairs = []
     for grid, field in (("image_grid_thw", "image_tower_inputs"), ("video_grid_thw", "video_tower_inputs")):
         inputs = getattr(batch, field, None)
