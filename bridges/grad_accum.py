@@ -86,6 +86,26 @@ def available(original: bool) -> bool:
     return True
 
 
+def te_dummy_wgrad(original: Any):
+    """Patch factory for `layers.get_dummy_wgrad` (TE's, absent without TE): the gradient Megatron-Core hands autograd
+    for a weight whose gradient is already in main_grad, allocated as its non-TE branch does, on this process's
+    device. Megatron-Core's own branch passes `device=torch.cuda.current_device()`, which the CPU runtime cannot map in
+    a backward pass (the backward runs inside the runtime's TorchFunctionMode handler, with the mode popped)."""
+
+    def get_dummy_wgrad(shape: list[int], dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+
+    return get_dummy_wgrad
+
+
+def take_dummy_from_stand_in(original: bool) -> bool:
+    """Patch factory for `layers.HAVE_TE`: True, so the backward takes its dummy gradient from `te_dummy_wgrad`. In
+    layers.py the flag selects only that and, under CPU offloading (which needs TE and qvl never turns on), whether
+    an input is marked for offloading instead of refusing."""
+    return True
+
+
 def apex_installed() -> bool:
     """Whether Apex's fused weight-gradient kernels are importable (then Megatron-Core uses them itself)."""
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
@@ -139,6 +159,9 @@ class LinearIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
+        # The parameter itself, for its main_grad: under activation checkpointing the saved `weight` comes back as
+        # a detached alias made in the recomputed forward (torch/utils/checkpoint.py), without the attribute.
+        ctx.param = weight
         ctx.has_bias = bias is not None
         return F.linear(input, weight, bias)
 
@@ -148,7 +171,9 @@ class LinearIntoMainGrad(torch.autograd.Function):
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_weight = (
-            _weight_gradient(weight, grad_2d, input.reshape(-1, input.shape[-1])) if ctx.needs_input_grad[1] else None
+            _weight_gradient(ctx.param, grad_2d, input.reshape(-1, input.shape[-1]))
+            if ctx.needs_input_grad[1]
+            else None
         )
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias

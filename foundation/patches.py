@@ -179,6 +179,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:fused_weight_gradient_mlp_cuda",
           replacement="qvl.bridges.grad_accum:torch_kernels", version=MCORE, absent_ok=True,
           why="the linears' backward calls its wgrad_gemm_accum_fp32/_fp16; torch stand-ins with the same arguments"),
+    Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:get_dummy_wgrad",
+          replacement="qvl.bridges.grad_accum:te_dummy_wgrad", version=MCORE, absent_ok=True,
+          why="without TE the backward allocates its dummy weight gradient with device=torch.cuda.current_device(), "
+              "which the CPU runtime cannot redirect inside a backward pass; TE's helper name, allocated as upstream "
+              "does on this process's device"),
+    Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:HAVE_TE",
+          replacement="qvl.bridges.grad_accum:take_dummy_from_stand_in", version=MCORE,
+          why="selects get_dummy_wgrad in the backward (and, under CPU offloading, which needs TE, marks inputs)"),
     # --- qwen3-vl-local-vision: while qvl.bridges.qwen3_vl.Qwen3VLModel.__init__ runs without TE
     *(
         Patch(group="qwen3-vl-local-vision",

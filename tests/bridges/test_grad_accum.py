@@ -53,6 +53,19 @@ def test_main_grad_linear_equals_nn_linear_and_accumulates_into_main_grad():
     torch.testing.assert_close(fused.weight.main_grad, unfused_main_grad, rtol=0, atol=1e-6 * scale)
 
 
+def test_recomputed_linear_still_finds_main_grad():
+    """Under non-reentrant activation checkpointing (vision_recompute) the saved weight comes back as a detached alias
+    without `main_grad`: the gradient must still go into the parameter's main_grad, not into `.grad`."""
+    from torch.utils.checkpoint import checkpoint
+
+    plain, fused = _linears(seed=3)
+    x = torch.randn(64, 64, requires_grad=True)
+    checkpoint(fused, x, use_reentrant=False).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert fused.weight.grad_added_to_main_grad
+    assert torch.equal(fused.weight.main_grad, plain.weight.grad)
+
+
 def test_without_main_grad_it_is_nn_linear():
     plain, fused = _linears(seed=1)
     del fused.weight.main_grad, fused.weight.grad_added_to_main_grad
@@ -150,10 +163,13 @@ def train_with_and_without_fusion(hf_path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_hf_dirs) -> dict:
+def trained(tmp_path_factory) -> dict:
+    from qvl.bridges.tiny_model import tiny_hf_config
     from qvl.foundation.distributed import run_on_ranks
 
-    (result,) = run_on_ranks(train_with_and_without_fusion, str(tiny_hf_dirs["qwen2_5_vl"]), world_size=1, cpu=True)
+    hf_dir = tmp_path_factory.mktemp("tiny_qwen2_5_vl")
+    tiny_hf_config("qwen2_5_vl").save_pretrained(hf_dir)
+    (result,) = run_on_ranks(train_with_and_without_fusion, str(hf_dir), world_size=1, cpu=True)
     return result
 
 
