@@ -4,6 +4,9 @@ uninterrupted loss curve exactly, and the trained checkpoint exports to HF that 
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -34,12 +37,22 @@ def qvl(*args: str) -> str:
     return out.stdout + out.stderr
 
 
-def qvl_in_process(*args: str) -> None:
-    """`qvl ARGS` through the same `main()` in this process: no new interpreter importing torch, Megatron and
-    transformers again (most of a tiny run's time on 2 cores), for runs whose process is not what a test checks."""
+def qvl_in_process(*args: str) -> str:
+    """`qvl ARGS` through the same `main()` in this process, for runs whose process is not what a test checks:
+    no new interpreter importing torch, Megatron and transformers again (most of a tiny run's time on 2 cores).
+    Returns what it printed and logged (records with their tracebacks), as `qvl` would show it."""
     from qvl.launchers.cli import main
 
-    assert main(list(args)) == 0, f"qvl {' '.join(args)} failed (its error line is in the captured stderr)"
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    logging.getLogger().addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = main(list(args))
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert code == 0, out.getvalue()[-4000:]
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

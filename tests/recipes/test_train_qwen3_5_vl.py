@@ -10,7 +10,7 @@ import pytest
 
 from qvl.recipes.training.train import read_losses
 from tests.recipes.test_train import ARGS as TRAIN_ARGS
-from tests.recipes.test_train import STEPS, qvl
+from tests.recipes.test_train import STEPS, qvl_in_process
 
 FAMILY = "qwen3_5_vl"
 ARGS = ["qwen35_vl_9b_pretrain", *TRAIN_ARGS[1:]]  # test_train's settings, on this family's recipe
@@ -25,12 +25,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     jsonl, media = write_sample_dataset(root / "samples")
     hf = write_tiny_hf_checkpoint(root / "hf", FAMILY)
     prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", FAMILY, "--hf-path", str(hf)]
-    qvl("data", "prepare", *prepare, "--seq-length", "256", "--output", str(root / "data"))
+    qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(root / "data"))
     common = [*ARGS, f"data={root / 'data'}", f"hf_path={hf}", "--model", "tiny", "--device", "cpu"]
-    qvl("train", *common, "--run-dir", str(root / "full"))
-    stopped = qvl("train", *common, "--run-dir", str(root / "resumed"), "--stop-after", "3")
+    qvl_in_process("train", *common, "--run-dir", str(root / "full"))
+    stopped = qvl_in_process("train", *common, "--run-dir", str(root / "resumed"), "--stop-after", "3")
     assert "trained 3 steps" in stopped and "Traceback" not in stopped, stopped[-4000:]
-    qvl("train", *common, "--run-dir", str(root / "resumed"))  # the same command again resumes from step 3
+    qvl_in_process("train", *common, "--run-dir", str(root / "resumed"))  # the same command again resumes from 3
     return {"full": root / "full", "resumed": root / "resumed"}
 
 
