@@ -13,7 +13,9 @@ GEMM inside it, its result and its activation operand once each (a fused kernel 
 
 Every call of a region then counts those kernels, once per forward run (a recomputed block runs its forward again)
 and once per backward: the autograd nodes a region creates in forward get consecutive sequence numbers, and the
-backward ops of those nodes (`torch._C._current_autograd_node()`) belong to it. The JSON lists each region under
+backward ops of those nodes (`torch._C._current_autograd_node()`) belong to it. Where Dynamo breaks a region into
+several graphs (its graph-break reasons are in the JSON), the kernels of all of them count, and the autograd
+Functions it broke at run eagerly, so their backward ops are counted one by one. The JSON lists each region under
 "compiled_regions", marked "compiled-region (Inductor's CPU kernel count)". Triton's CUDA kernels can be fused
 differently from gcc's loops; the counts are Inductor's plan for the graph on the CPU, not a CUDA measurement.
 """
@@ -44,6 +46,7 @@ class RegionKernels:
     forward: int
     backward: int
     graphs: int
+    breaks: tuple[str, ...] = ()  # Dynamo's graph-break reasons (none when the region is one graph)
 
 
 def kernel_calls(code: str) -> int:
@@ -104,17 +107,20 @@ def inductor_kernels(
         torch.set_grad_enabled(grad),
     ):
         torch._dynamo.reset()  # a graph cached from an earlier call would generate no code to count
+        torch._dynamo.utils.counters.clear()
         out = torch.compile(fn, fullgraph=fullgraph, dynamic=True)(*args, **kwargs)
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         targets = _grad_targets(fn, (args, kwargs))
         if grad and outputs and targets:
             torch.autograd.grad(outputs, targets, [torch.ones_like(t) for t in outputs], allow_unused=True)
+        breaks = tuple(sorted(torch._dynamo.utils.counters["graph_break"]))
         torch._dynamo.reset()
     backward = [c for c in codes if _is_backward(c)]
     return RegionKernels(
         forward=sum(kernel_calls(c) for c in codes if c not in backward),
         backward=sum(kernel_calls(c) for c in backward),
         graphs=len(codes),
+        breaks=breaks,
     )
 
 
@@ -166,12 +172,13 @@ class CompiledRegions:
             kernels = self.measured(name, fn, args, kwargs, fullgraph)
             grad = torch.is_grad_enabled()
             start = census.sequence_probe() if grad else None
+            census.compiled_forward(name, kernels)
             census.compiled_depth += 1
             try:
                 out = fn(*args, **kwargs)
             finally:
                 census.compiled_depth -= 1
-            census.compiled_forward(name, kernels, self.bytes(fn, (args, kwargs), out))
+            census.compiled_bytes(name, self.bytes(fn, (args, kwargs), out))
             if grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out)):
                 census.compiled_backward_range(start, census.sequence_probe(), name, kernels)
             return out

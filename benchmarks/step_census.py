@@ -210,17 +210,22 @@ class Census:
             name, {"count": LABEL, "forward_kernels": 0, "backward_kernels": 0, "forward_runs": 0, "backward_runs": 0}
         )
 
-    def compiled_forward(self, name: str, kernels, nbytes: tuple[float, float]) -> None:
-        """One forward run of a compiled region (benchmarks.compiled_regions): its kernels and bytes."""
+    def compiled_forward(self, name: str, kernels) -> None:
+        """One forward run of a compiled region (benchmarks.compiled_regions), counted where it starts: a compiled
+        graph runs whole, also when non-reentrant checkpointing stops its eager recompute early."""
         if not self.counting:
             return
         self.counts.launches[f"compiled-region:{name}"] += kernels.forward
-        self.counts.nongemm_bytes += nbytes[0]
         stats = self._compiled_stats(name)
         stats["forward_kernels"], stats["backward_kernels"] = kernels.forward, kernels.backward
-        stats["graphs"] = kernels.graphs
+        stats["graphs"], stats["graph_breaks"] = kernels.graphs, list(kernels.breaks)
         stats["forward_runs"] += 1
-        stats["_backward_bytes"] = nbytes[1]
+
+    def compiled_bytes(self, name: str, nbytes: tuple[float, float]) -> None:
+        """A compiled region's forward bytes, and those its backward will move."""
+        if self.counting:
+            self.counts.nongemm_bytes += nbytes[0]
+            self._compiled_stats(name)["_backward_bytes"] = nbytes[1]
 
     def compiled_backward_range(self, start: int, end: int, name: str, kernels) -> None:
         """The autograd nodes of one region call: sequence numbers strictly between `start` and `end`."""
@@ -231,8 +236,8 @@ class Census:
         if node is None or not self.compiled_ranges:
             return False
         payload = bisect_range(self.compiled_ranges, node._sequence_nr())
-        if payload is None:
-            return False
+        if payload is None or (payload[1].breaks and _eager_function_node(node)):
+            return False  # outside, or an autograd Function Dynamo broke the region's graph at: it runs eagerly
         name, kernels, charged = payload
         if not charged and self.counting:
             payload[2] = True
@@ -345,6 +350,12 @@ def _add(total: RegionCounts, counts: RegionCounts) -> None:
                  "h2d_copies", "h2d_pageable", "h2d_bytes"):  # fmt: skip
         setattr(total, name, getattr(total, name) + getattr(counts, name))
     total.largest_temporary_bytes = max(total.largest_temporary_bytes, counts.largest_temporary_bytes)
+
+
+def _eager_function_node(node) -> bool:
+    """A custom autograd Function's backward node (not one of the census's own stand-ins for CUDA kernels)."""
+    forward_class = getattr(node, "_forward_cls", None)
+    return forward_class is not None and forward_class not in (FakeFlash, FusedRmsNorm)
 
 
 def _scalar_value(name: str, args) -> bool:

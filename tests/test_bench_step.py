@@ -57,6 +57,23 @@ def test_the_step_fixes_remove_the_host_reads_and_the_per_tensor_optimizer(tiny)
 
 
 @pytest.mark.slow
+def test_regions_compiled_on_cuda_are_counted_as_inductors_kernels(tiny):
+    from benchmarks.compiled_regions import LABEL
+
+    before, after = tiny["before"], tiny["after"]
+    assert not before["compiled_regions"]  # the pre-change code compiles nothing the census sees
+    regions = after["compiled_regions"]
+    assert {"vision rotary", "SwiGLU swiglu", "SwiGLU swiglu_back"} <= set(regions)
+    assert all(r["count"] == LABEL for r in regions.values())
+    rotary = regions["vision rotary"]
+    assert (rotary["forward_kernels"], rotary["backward_kernels"]) == (1, 1)  # one fused kernel each way
+    assert rotary["forward_runs"] == 2 * rotary["backward_runs"] > 0  # vision recompute reruns the forward
+    ops = after["regions"]["vision"]["ops"]
+    assert "neg" not in ops  # rotate-half (its only negation) no longer counted as eager ops
+    assert "silu" not in after["regions"]["lm"]["ops"]  # SwiGLU: Megatron-Core's compiled fusion
+
+
+@pytest.mark.slow
 def test_the_results_configuration_reproduces_the_h100_profile_gemm_counts_per_pack(tmp_path):
     result = bench_step.census("results_one_pack", tmp_path, baseline=True)
     ops, packs = result["step"]["ops"], 8  # the profile's step had 8 packs; every GEMM here runs once per pack
