@@ -203,15 +203,6 @@ def test_planner_counts_the_padded_width():
     )
 
 
-def _qvl(*args: str) -> str:
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "qvl.launchers.cli", *args], capture_output=True, text=True)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    return out.stdout + out.stderr
-
-
 @pytest.mark.slow
 def test_padded_tower_trains_resumes_bit_exactly_and_exports_unpadded(misaligned_checkpoint, tmp_path):
     """Megatron-Bridge's loop (distributed optimizer, AdamW with weight decay) on the misaligned tiny model: a run
@@ -223,17 +214,18 @@ def test_padded_tower_trains_resumes_bit_exactly_and_exports_unpadded(misaligned
     from qvl.bridges.convert import copy_hf_side_files
     from qvl.data.samples import write_sample_dataset
     from qvl.recipes.training.train import read_losses
+    from tests.run_qvl import qvl_in_process as qvl
 
     jsonl, media = write_sample_dataset(tmp_path / "samples", count=16, with_bad=False)
     data = tmp_path / "data"
-    _qvl("data", "prepare", "--input", str(jsonl), "--media-root", str(media), "--family", "qwen2_5_vl",
+    qvl("data", "prepare", "--input", str(jsonl), "--media-root", str(media), "--family", "qwen2_5_vl",
          "--hf-path", str(misaligned_checkpoint), "--seq-length", "256", "--output", str(data))  # fmt: skip
     common = ["qwen25_vl_3b_pretrain", "train_iters=4", "global_batch_size=2", "micro_batch_size=1", "seq_length=256",
               "warmup_iters=1", "lr=1e-3", "save_interval=100", "log_interval=1", f"data={data}",
               f"hf_path={misaligned_checkpoint}", "--model", "tiny", "--device", "cpu"]  # fmt: skip
-    _qvl("train", *common, "--run-dir", str(tmp_path / "full"))
-    _qvl("train", *common, "--run-dir", str(tmp_path / "resumed"), "--stop-after", "2")
-    _qvl("train", *common, "--run-dir", str(tmp_path / "resumed"))
+    qvl("train", *common, "--run-dir", str(tmp_path / "full"))
+    qvl("train", *common, "--run-dir", str(tmp_path / "resumed"), "--stop-after", "2")
+    qvl("train", *common, "--run-dir", str(tmp_path / "resumed"))
     full, resumed = read_losses(tmp_path / "full"), read_losses(tmp_path / "resumed")
     assert sorted(full) == [1, 2, 3, 4] and resumed == full  # bit-identical floats
     checkpoints = tmp_path / "full" / "checkpoints"
@@ -247,7 +239,7 @@ def test_padded_tower_trains_resumes_bit_exactly_and_exports_unpadded(misaligned
         inside, padding = tensor.split([MISALIGNED, 64 - MISALIGNED], dim=1 if "down_proj" in name else 0)
         assert inside.abs().sum() > 0 and not padding.any(), name  # trained, and the padding still exactly zero
     copy_hf_side_files(misaligned_checkpoint, checkpoints / "hf")
-    _qvl("convert", "export", str(checkpoints), str(tmp_path / "export"), "--device", "cpu")
+    qvl("convert", "export", str(checkpoints), str(tmp_path / "export"), "--device", "cpu")
     exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
     assert exported.config.vision_config.intermediate_size == MISALIGNED
     assert exported.model.visual.blocks[0].mlp.down_proj.weight.shape[1] == MISALIGNED

@@ -4,9 +4,6 @@ uninterrupted loss curve exactly, and the trained checkpoint exports to HF that 
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +12,7 @@ import pytest
 import torch
 
 from qvl.recipes.training.train import read_losses
+from tests.run_qvl import qvl, qvl_in_process
 
 STEPS = 6
 ARGS = [
@@ -28,31 +26,6 @@ ARGS = [
     "save_interval=100",
     "log_interval=1",
 ]
-
-
-def qvl(*args: str) -> str:
-    """`qvl ARGS` in a new interpreter, for tests about the command's process: its output, exit and environment."""
-    out = subprocess.run([sys.executable, "-m", "qvl.launchers.cli", *args], capture_output=True, text=True)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    return out.stdout + out.stderr
-
-
-def qvl_in_process(*args: str) -> str:
-    """`qvl ARGS` through the same `main()` in this process, for runs whose process is not what a test checks:
-    no new interpreter importing torch, Megatron and transformers again (most of a tiny run's time on 2 cores).
-    Returns what it printed and logged (records with their tracebacks), as `qvl` would show it."""
-    from qvl.launchers.cli import main
-
-    out = io.StringIO()
-    handler = logging.StreamHandler(out)
-    logging.getLogger().addHandler(handler)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            code = main(list(args))
-    finally:
-        logging.getLogger().removeHandler(handler)
-    assert code == 0, out.getvalue()[-4000:]
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

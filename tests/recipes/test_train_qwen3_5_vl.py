@@ -10,7 +10,8 @@ import pytest
 
 from qvl.recipes.training.train import read_losses
 from tests.recipes.test_train import ARGS as TRAIN_ARGS
-from tests.recipes.test_train import STEPS, qvl_in_process
+from tests.recipes.test_train import STEPS
+from tests.run_qvl import qvl_in_process
 
 FAMILY = "qwen3_5_vl"
 ARGS = ["qwen35_vl_9b_pretrain", *TRAIN_ARGS[1:]]  # test_train's settings, on this family's recipe

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from qvl.recipes.training.train import read_losses
-from tests.recipes.test_train import ARGS, qvl_in_process
+from tests.recipes.test_train import ARGS
+from tests.run_qvl import qvl_in_process
 
 pytestmark = pytest.mark.slow  # torchrun runs of two gloo processes
 
