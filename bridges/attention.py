@@ -190,8 +190,8 @@ class SDPAttention(DotProductAttention):
                 value,
                 params.cu_seqlens_q,
                 params.cu_seqlens_kv,
-                params.max_seqlen_q or _max_length(params.cu_seqlens_q),
-                params.max_seqlen_kv or _max_length(params.cu_seqlens_kv),
+                _given_or_longest(params.max_seqlen_q, params.cu_seqlens_q),
+                _given_or_longest(params.max_seqlen_kv, params.cu_seqlens_kv),
                 causal=causal,
                 scale=self.softmax_scale,
             )
@@ -216,6 +216,12 @@ class SDPAttention(DotProductAttention):
 
 def _max_length(cu_seqlens: torch.Tensor) -> int:
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def _given_or_longest(given: int | torch.Tensor | None, cu_seqlens: torch.Tensor) -> int | torch.Tensor:
+    """The longest block as given (a Python int reads nothing back; a 0-d device tensor is read once, by the
+    kernel call), else computed from `cu_seqlens`. Not `given or ...`: that reads a tensor's truth value too."""
+    return _max_length(cu_seqlens) if given is None else given
 
 
 def _segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> tuple[list[int], list[int]]:

@@ -224,3 +224,27 @@ def test_megatron_vision_tower_keeps_its_own_attention():
 
     provider = provider_from_hf(tiny_hf_config("qwen3_vl"))
     assert varlen_vision_towers not in (getattr(provider, "_pre_wrap_hooks", None) or [])
+
+
+def test_thd_hands_the_given_longest_length_to_the_kernel_unread(attention_factory, monkeypatch):
+    """A longest length the caller gives goes to the varlen call as it is: a Python int (nothing to read back), or a
+    0-d tensor that only the kernel call turns into an int; `given or computed` would read its truth value first."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from qvl.bridges import attention as module
+    from tests.bridges.test_lean_vision import HostReads
+
+    given = []
+    monkeypatch.setattr(module, "varlen_usable", lambda query, **kw: True)
+    monkeypatch.setattr(module, "varlen_attention", lambda q, k, v, cu_q, cu_kv, max_q, max_kv, **kw: given.append(
+        (max_q, max_kv)) or torch.zeros_like(q))  # fmt: skip
+    attention = attention_factory(False)
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    q, k, v = (torch.randn(15, h, 8) for h in (4, 2, 2))
+    longest = torch.tensor(9)
+    for max_seqlen in (9, longest):
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen,
+                                 max_seqlen_kv=max_seqlen)  # fmt: skip
+        with HostReads() as reads:
+            attention(q, k, v, attention_mask=None, packed_seq_params=params)
+        assert reads.reads == [] and given[-1][0] is max_seqlen and given[-1][1] is max_seqlen
