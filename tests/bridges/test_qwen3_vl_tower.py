@@ -175,3 +175,56 @@ class DeviceReads(HostReads):
 def test_megatron_tower_inputs_refuse_a_device_grid():
     with pytest.raises(ValueError, match="on the CPU"):
         tower_inputs_for_config(GRIDS.to("meta"), tiny_hf_config("qwen3_vl").vision_config)
+
+
+@pytest.mark.slow
+def test_loader_tower_inputs_reach_the_qwen3_vl_models_tower(tmp_path, cpu_runtime):
+    """The loader computes each micro-batch's Megatron tower inputs in its workers; the training step's context hands
+    them to the tower inside Megatron-Bridge's Qwen3-VL model, whose loss is bitwise the model's own."""
+    from qvl.bridges.convert import auto_bridge_with_weights
+    from qvl.bridges.providers import apply_provider_fixes
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.data.load import build_packed_datasets
+    from qvl.data.prepare import PrepareConfig, prepare
+    from qvl.data.samples import write_sample_dataset
+    from qvl.foundation import distributed
+    from qvl.recipes.training.step import model_inputs, tower_input_pairs
+
+    jsonl, media = write_sample_dataset(tmp_path / "samples", count=8, with_bad=False)
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen3_vl")
+    prepare(
+        PrepareConfig(
+            input=jsonl, media_root=media, family="qwen3_vl", hf_path=hf, seq_length=512, output=tmp_path / "data"
+        )
+    )
+    distributed.init_distributed()
+    try:
+        bridge = auto_bridge_with_weights(hf, torch.float32)
+        provider = bridge.to_megatron_provider(load_weights=True)
+        apply_provider_fixes(provider, bridge.hf_pretrained.config)
+        provider.gradient_accumulation_fusion = False  # no DDP wrapper here, so no main_grad to accumulate into
+        provider.finalize()
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
+        config = dict(path=str(tmp_path / "data"), hf_path=str(hf), family="qwen3_vl", micro_batch_size=1)
+        loader, _, _ = build_packed_datasets(type("DatasetConfig", (), {**config, "num_workers": 0}), None)
+        batch = next(iter(loader))
+        assert isinstance(batch.image_tower_inputs, MegatronTowerInputs)
+        expected = tower_inputs_for_config(batch.image_grid_thw, bridge.hf_pretrained.config.vision_config)
+        assert torch.equal(batch.image_tower_inputs.pos_embed_weight, expected.pos_embed_weight)
+        kwargs, _ = model_inputs(batch, torch.device("cpu"))
+        (vision,) = qwen3_vl_tower.megatron_vision_towers(model)
+        given = []
+        derived = model(**kwargs)
+        derived.sum().backward()
+        derived_grads = [p.grad.clone() for p in vision.parameters()]  # every one is used: none is None
+        model.zero_grad()
+        pairs = tower_input_pairs(batch, kwargs, torch.device("cpu"))
+        with qwen3_vl_tower.prepared_megatron_tower_inputs(model, pairs):
+            vision.register_forward_pre_hook(lambda m, a, kw: given.append(kw.get("tower_inputs")), with_kwargs=True)
+            prepared = model(**kwargs)
+        prepared.sum().backward()
+        assert len(given) == 1 and given[0] is pairs[0][1]
+        assert torch.equal(prepared, derived)
+        assert all(torch.equal(p.grad, g) for p, g in zip(vision.parameters(), derived_grads))
+    finally:
+        distributed.destroy_distributed()
