@@ -16,8 +16,10 @@ takes that GEMM from Apex's `fused_weight_gradient_mlp_cuda` and refuses the opt
   the add, unless `cpu_mixed_precision_addmm()` gives the op a CPU kernel, as the census does to count the CUDA path.
 
 The patch group `torch-wgrad-accum` (qvl.foundation.patches) puts these in Megatron-Core's place of Apex's kernels
-(`wgrad_gemm_accum_fp32` / `_fp16`) and its import check; `use_fused_wgrad_accumulation(provider)` applies it and turns
-the option on where the model is built without Transformer Engine. The replicated HF vision tower (Qwen2-VL,
+(`wgrad_gemm_accum_fp32` / `_fp16`) and its import check, and allocates the placeholder gradient the backward hands
+autograd on this process's device; `use_fused_wgrad_accumulation(provider)` applies it and turns the option on
+wherever the model is built without Transformer Engine (every device has a path above). Not covered: Megatron-Core's
+deferred embedding wgrad (`defer_embedding_wgrad_compute`, pipeline-parallel only) imports Apex itself. The replicated HF vision tower (Qwen2-VL,
 Qwen2.5-VL: most of the model's parameter tensors) is transformers' `nn.Linear`s, which Megatron's option does not
 reach: a pre-wrap hook gives each of them `MainGradLinear`'s backward, the same accumulation and flag.
 
