@@ -8,8 +8,11 @@ the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `le
 - `fused_rms_norm`: `weight * F.rms_norm(x, (d,), None, eps)`, torch's fused kernel (fp32 accumulation inside),
   then the weight in the input dtype as HF does. Bitwise equal to HF's on CPU (fp32 and bf16, tests); passing the
   weight into `F.rms_norm` instead is not (a quarter of bf16 elements differ by one ulp).
-- `fused_rotary`: the same fp32 rotate-half math; on CUDA one `torch.compile`d region (Inductor fuses the casts,
-  the halves and the products into one kernel per tensor, fp32 in registers); elsewhere eager, bitwise HF's.
+- `fused_rotary`: the same fp32 rotate-half math, q and k stacked so each step is one kernel for both; on CUDA one
+  `torch.compile`d region (Inductor fuses the stack, casts, halves and products into one kernel each way, fp32 in
+  registers; the step census counts it so, benchmarks/compiled_regions.py); elsewhere eager, bitwise HF's.
+
+`compile_vision_blocks` (the recipe option `compile=True`) compiles each whole block on CUDA.
 
 `prepared_tower_inputs(model, pairs)` hands each tower call the inputs the loader computed on the host from that
 call's `grid_thw` (qvl.foundation.tower_inputs): transformers pops them from the tower's kwargs instead of
@@ -170,10 +173,11 @@ def compile_vision_blocks(model: list[torch.nn.Module]) -> list[torch.nn.Module]
     """Pre-wrap hook (`compile=True`): each block of every replicated HF vision tower compiled as one region on CUDA
     where Triton is (torchtitan compiles per block too); elsewhere the blocks run eagerly, as without it.
 
-    The whole block compiles as one graph: its norms, rotary, residual adds and MLP activation fuse around the GEMMs,
-    and the varlen attention stays one opaque op (torch's `varlen_attn` is a custom op); vision recompute wraps the
-    compiled block, so a recomputed forward reruns the compiled graph. The blocks share one compiled graph (same
-    code, parameters as inputs); shapes are dynamic, since every pack has its own patch count."""
+    A plain block compiles as one graph (with `MainGradLinear`s, the pieces between them: `compile_block`): its
+    norms, rotary, residual adds and MLP activation fuse around the GEMMs, and the varlen attention stays one opaque
+    op (torch's `varlen_attn` is a custom op); vision recompute wraps the compiled block, so a recomputed forward
+    reruns the compiled graph. The blocks share their compiled graphs (same code, parameters as inputs); shapes are
+    dynamic, since every pack has its own patch count."""
     if not cuda_compile_usable():
         logger.warning("compile=True: no CUDA device with Triton here, the vision blocks run eagerly")
         return model
@@ -194,6 +198,6 @@ def compile_block(block: torch.nn.Module) -> None:
 
     Not `fullgraph`: with weight-gradient accumulation on, the block's linears are qvl.bridges.grad_accum's
     `MainGradLinear`, whose autograd Function sets `grad_added_to_main_grad` on its weight in backward; Dynamo
-    refuses that side effect under `fullgraph=True` ("HOP: Non-nullified side effect") and, without it, still
-    captures the block as one graph (tests/bridges/test_vision_compile.py counts the graphs)."""
+    refuses that side effect under `fullgraph=True` ("HOP: Non-nullified side effect") and, without it, breaks the
+    block at each linear and compiles the pieces between them (tests/bridges/test_vision_compile.py)."""
     block.compile(dynamic=True)

@@ -64,8 +64,8 @@ def test_the_compiled_block_is_one_graph_and_matches_the_eager_block_on_cpu():
 @pytest.mark.slow
 def test_with_main_grad_linears_the_block_breaks_at_each_linear_and_still_matches():
     """As in training with weight-gradient accumulation (qvl.bridges.grad_accum): each linear sets
-    `grad_added_to_main_grad` on its weight in backward, which DDP's hook resets after every micro-batch. Dynamo
-    breaks the block's graph at each linear for it; the results and the accumulated `main_grad`s stay the eager ones."""
+    `grad_added_to_main_grad` on its weight in backward, which Megatron-Core's DDP clears as each step starts. Traced
+    with the flag clear, Dynamo breaks the block's graph at each linear; results and `main_grad`s stay the eager ones."""
     from qvl.bridges.grad_accum import MainGradLinear
 
     tower = tiny_tower("qwen2_5_vl", attention=register_hf_varlen_attention())
