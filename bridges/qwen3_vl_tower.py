@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -120,27 +120,16 @@ def megatron_vision_towers(model: Any) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def prepared_megatron_tower_inputs(
-    model: Any,
-    pairs: Sequence[tuple[torch.Tensor, Any]],
-    *,
-    whole_pack: Callable[[torch.Tensor], Any] | None = None,
-) -> Iterator[int]:
+def prepared_megatron_tower_inputs(model: Any, pairs: Sequence[tuple[torch.Tensor, Any]]) -> Iterator[int]:
     """While the block runs, a Megatron Qwen3-VL tower called with one of these `grid_thw` tensors (the very object
     the model was given) takes that grid's precomputed inputs; yields the number of towers prepared. Pairs of other
-    kinds (an HF tower's inputs) are left to qvl.bridges.lean_vision.
-
-    `whole_pack` is called with each `cu_seqlens` handed in: the blocks cover the tower's whole sequence and its
-    rotary frequencies are per patch, which is what a packed rotary without host reads needs to know
-    (qvl.recipes.training.fast_lm.mark_whole_pack)."""
+    kinds (an HF tower's inputs) are left to qvl.bridges.lean_vision. (The tower's blocks apply their rotary with
+    Megatron-Bridge's `apply_rotary_pos_emb_thd_absolute`, one pass over the pack: nothing to read there.)"""
     pairs = [(grid, inputs) for grid, inputs in pairs if grid is not None and isinstance(inputs, MegatronTowerInputs)]
     towers = megatron_vision_towers(model) if pairs else []
     if not towers:
         yield 0
         return
-    if whole_pack is not None:
-        for _, inputs in pairs:
-            whole_pack(inputs.cu_seqlens)
 
     def add_inputs(module, args, kwargs):
         grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)

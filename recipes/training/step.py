@@ -105,7 +105,7 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
     if state.cfg.qvl.vision_balance:
         kwargs = balanced_vision_inputs(model, kwargs)
     pairs = tower_input_pairs(batch, kwargs, device)
-    with prepared_tower_inputs(model, pairs), prepared_megatron_tower_inputs(model, pairs, whole_pack=mark_whole_pack):
+    with prepared_tower_inputs(model, pairs), prepared_megatron_tower_inputs(model, pairs):
         output = model(**kwargs)
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
         output, loss_mask = output

@@ -113,28 +113,24 @@ def test_another_grid_takes_upstreams_path(tower):
 
 
 def test_prepared_tower_reads_nothing_back_on_the_cuda_path(tower, monkeypatch):
-    """On the code path a CUDA device takes (torch's varlen kernel; Megatron's packed rotary with qvl's whole-pack
-    rotary), the prepared tower's forward and backward read no tensor value back; upstream's reads dozens."""
+    """On the code path a CUDA device takes (torch's varlen kernel), the prepared tower's forward and backward read
+    no tensor value back; upstream's reads dozens."""
     from qvl.bridges import attention
-    from qvl.recipes.training import fast_lm
 
     lengths = []
     monkeypatch.setattr(attention, "varlen_usable", lambda *args, **kwargs: True)
     monkeypatch.setattr(attention, "varlen_attention", stand_in_varlen(lengths))
     x = pixels(tower)
-    with patches.applied(fast_lm.GROUP):
-        with HostReads() as reads:
-            expected = run(tower, x, GRIDS)
-        upstream_reads = len(reads.reads)
-        lengths.clear()
-        inputs = tower_inputs_for_config(GRIDS, tower.config)
-        with DeviceReads() as reads:
-            tower.zero_grad(set_to_none=True)
-            with qwen3_vl_tower.prepared_megatron_tower_inputs(
-                [tower], [(GRIDS, inputs)], whole_pack=fast_lm.mark_whole_pack
-            ):
-                out, deepstack = tower(hidden_states=x, grid_thw=GRIDS)
-            (out.sum() + sum(d.sum() for d in deepstack)).backward()
+    with HostReads() as reads:
+        expected = run(tower, x, GRIDS)
+    upstream_reads = len(reads.reads)
+    lengths.clear()
+    inputs = tower_inputs_for_config(GRIDS, tower.config)
+    with DeviceReads() as reads:
+        tower.zero_grad(set_to_none=True)
+        with qwen3_vl_tower.prepared_megatron_tower_inputs([tower], [(GRIDS, inputs)]):
+            out, deepstack = tower(hidden_states=x, grid_thw=GRIDS)
+        (out.sum() + sum(d.sum() for d in deepstack)).backward()
     assert upstream_reads > tower.config.num_layers
     assert reads.reads == []
     assert lengths == [(int, int)] * tower.config.num_layers  # every block's longest length a Python int
