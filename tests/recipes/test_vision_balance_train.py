@@ -1,4 +1,4 @@
-"""`vision_balance=true` in the real training loop (torchrun, two gloo ranks, tiny Qwen2.5-VL, fp32): at DP=2 on a
+"""`vision_balance=true` in the real training loop (`qvl train` on two gloo ranks, tiny Qwen2.5-VL, fp32): at DP=2 on a
 dataset whose plan gives one rank every image, and at TP=2 (one replica, both ranks hold every image), the
 balanced run encodes each image once, evens out the vision FLOPs and reproduces the replicated run's losses;
 at PP=2 it trains like PP=1."""
@@ -18,7 +18,7 @@ from qvl.recipes.training.train import read_losses
 from tests.recipes.test_train import ARGS
 from tests.run_qvl import qvl_in_process
 
-pytestmark = pytest.mark.slow  # torchrun runs of two gloo processes
+pytestmark = pytest.mark.slow  # training runs on two gloo processes (spawned, and under torchrun for PP=2)
 
 IMAGES_PER_SAMPLE = 3
 # Per step, (rank 0's packs, rank 1's packs) in micro-batch order: step 1 gives rank 0 both image packs,
@@ -163,16 +163,38 @@ def common_args(data: Path, hf: Path) -> list[str]:
     ]
 
 
+def train_on_ranks(runs: dict[str, list[str]]) -> dict[str, str]:
+    """On each of two spawned gloo ranks: `qvl -v train ARGS` for every run in turn (one Megatron import per rank
+    for all of them, where a torchrun per run would start three interpreters); returns each run's log on this rank."""
+    from megatron.core import parallel_state
+
+    logs = {}
+    for name, args in runs.items():
+        parallel_state.destroy_model_parallel()  # Megatron-Bridge sets each run's layout up itself
+        logs[name] = qvl_in_process("-v", "train", *args)
+    return logs
+
+
 @pytest.fixture(scope="module")
-def runs(skewed_dataset, tmp_path_factory) -> dict[str, tuple[dict[int, float], str]]:
-    data, hf = skewed_dataset
+def two_rank_runs(skewed_dataset, one_replica_dataset, tmp_path_factory) -> dict[str, tuple[dict[int, float], str]]:
+    """Replicated and balanced runs at DP=2 (the skewed plan) and TP=2 (one replica): losses, and both ranks' logs
+    (debug included) as torchrun would have interleaved them."""
+    from qvl.foundation.distributed import run_on_ranks
+
     root = tmp_path_factory.mktemp("runs")
-    common = common_args(data, hf)
-    out = {}
-    for name, flag in (("off", "false"), ("on", "true")):
-        log = torchrun_train(*common, f"vision_balance={flag}", "--run-dir", str(root / name))
-        out[name] = read_losses(root / name), log
-    return out
+    layouts = {"dp": common_args(*skewed_dataset), "tp": [*common_args(*one_replica_dataset), "tensor_parallel=2"]}
+    args = {
+        f"{layout}_{name}": [*common, f"vision_balance={flag}", "--run-dir", str(root / f"{layout}_{name}")]
+        for layout, common in layouts.items()
+        for name, flag in (("off", "false"), ("on", "true"))
+    }
+    ranks = run_on_ranks(train_on_ranks, args, world_size=2, cpu=True)
+    return {name: (read_losses(root / name), "".join(rank[name] for rank in ranks)) for name in args}
+
+
+@pytest.fixture(scope="module")
+def runs(two_rank_runs) -> dict[str, tuple[dict[int, float], str]]:
+    return {name: two_rank_runs[f"dp_{name}"] for name in ("off", "on")}
 
 
 PLAN_LINE = re.compile(
@@ -228,15 +250,9 @@ def one_replica_dataset(skewed_dataset, tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def tp_runs(one_replica_dataset, tmp_path_factory) -> dict[str, tuple[dict[int, float], str]]:
+def tp_runs(two_rank_runs) -> dict[str, tuple[dict[int, float], str]]:
     """TP=2 on one replica: the replicated tower (both TP ranks encode all 6 images) and the grid (each once)."""
-    root = tmp_path_factory.mktemp("tp_runs")
-    common = common_args(*one_replica_dataset)
-    out = {}
-    for name, flag in (("off", "false"), ("on", "true")):
-        log = torchrun_train(*common, "tensor_parallel=2", f"vision_balance={flag}", "--run-dir", str(root / name))
-        out[name] = read_losses(root / name), log
-    return out
+    return {name: two_rank_runs[f"tp_{name}"] for name in ("off", "on")}
 
 
 def test_tensor_parallel_ranks_split_the_images_and_encode_each_once(tp_runs):
