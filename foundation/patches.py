@@ -200,14 +200,6 @@ PATCHES: tuple[Patch, ...] = (
             ("TERowParallelLinear", "local_row_parallel_linear"),
         )
     ),
-    # --- aligned-widths: around qvl's conversions (qvl.bridges.convert); the padding itself is qvl.bridges.aligned
-    Patch(group="aligned-widths",
-          target="megatron.bridge.models.conversion.param_mapping:ReplicatedMapping.hf_to_megatron",
-          replacement="qvl.bridges.aligned:padding_hf_to_megatron", version=MBRIDGE,
-          params=("self", "hf_weights", "megatron_module"),
-          why="the replicated HF vision tower is built with its MLP width padded to a multiple of 64 (aligned GEMMs); "
-              "the narrower HF tensor is zero-padded to its parameter"),
-    Patch(group="aligned-widths",
     # --- qwen3-vl-tower-inputs: while qvl.bridges.qwen3_vl_tower.prepared_megatron_tower_inputs is entered (the step)
     Patch(group="qwen3-vl-tower-inputs",
           target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model:Qwen3VLVisionModel.forward",
@@ -216,6 +208,14 @@ PATCHES: tuple[Patch, ...] = (
           why="it reads its device grid to the host on every call (position-table corners and weights per image, "
               "rotary maxima, split sizes) and hands its attention a 0-d device tensor as the longest block; it "
               "takes the loader's host-computed inputs instead"),
+    # --- aligned-widths: around qvl's conversions (qvl.bridges.convert); the padding itself is qvl.bridges.aligned
+    Patch(group="aligned-widths",
+          target="megatron.bridge.models.conversion.param_mapping:ReplicatedMapping.hf_to_megatron",
+          replacement="qvl.bridges.aligned:padding_hf_to_megatron", version=MBRIDGE,
+          params=("self", "hf_weights", "megatron_module"),
+          why="the replicated HF vision tower is built with its MLP width padded to a multiple of 64 (aligned GEMMs); "
+              "the narrower HF tensor is zero-padded to its parameter"),
+    Patch(group="aligned-widths",
           target="megatron.bridge.models.conversion.param_mapping:ReplicatedMapping.megatron_to_hf",
           replacement="qvl.bridges.aligned:stripping_megatron_to_hf", version=MBRIDGE,
           params=("self", "megatron_weights", "megatron_module"),
@@ -272,6 +272,9 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="megatron.bridge.models.conversion.auto_bridge:AutoBridge", attribute="_model_bridge",
                 used_in="qvl.bridges.stream", version=MBRIDGE,
                 why="the streamed import needs the model bridge's conversion tasks without materialising the model"),
+    PrivateRead(target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model:Qwen3VLVisionModel",
+                attribute="_uses_vision_cuda_graph", used_in="qvl.bridges.qwen3_vl_tower", version=MBRIDGE,
+                why="a tower padded for vision CUDA graphs has no packed blocks: it keeps upstream's forward"),
     PrivateRead(target="megatron.bridge.models.qwen_vl.qwen3_vl_provider:Qwen3VLModelProvider",
                 attribute="_pg_collection", used_in="qvl.bridges.qwen3_vl", version=MBRIDGE,
                 why="the provider's process groups, passed to the model as upstream's provide() does"),
@@ -280,9 +283,6 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
                 why="builds a vision tower from its sub-config (on meta in the planner) as transformers does itself"),
     PrivateRead(target="transformers:PreTrainedModel", attribute="_supports_flash_attn",
                 used_in="qvl.bridges.attention", version="transformers 5.12.1",
-    PrivateRead(target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model:Qwen3VLVisionModel",
-                attribute="_uses_vision_cuda_graph", used_in="qvl.bridges.qwen3_vl_tower", version=MBRIDGE,
-                why="a tower padded for vision CUDA graphs has no packed blocks: it keeps upstream's forward"),
                 why="only towers whose attention hands cu_seqlens to a flash-type function get the varlen kernel"),
     PrivateRead(target="transformers:PretrainedConfig", attribute="_attn_implementation",
                 used_in="qvl.bridges.attention", version="transformers 5.12.1",
@@ -291,6 +291,10 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="megatron.bridge.models.model_provider:ModelProviderMixin", attribute="_pre_wrap_hooks",
                 used_in="qvl.recipes.base", version=MBRIDGE,
                 why="a config validated twice (qvl train checks it before pretrain() does) registers its hook once"),
+    PrivateRead(target="megatron.core.timers:Timers", attribute="_timers", used_in="benchmarks.step_anatomy",
+                version=MCORE, why="bench_idle reads every timer of a step (Megatron keeps no public list of them)"),
+    PrivateRead(target="megatron.core.timers:Timer", attribute="_started", used_in="benchmarks.step_anatomy",
+                version=MCORE, why="a running timer (interval-time spans steps) is left alone when a step's are read"),
     PrivateRead(target="torch.library:Library", attribute="_destroy", used_in="qvl.bridges.grad_accum",
                 version=TORCH, why="a CPU kernel registered for the step census is removed again (no public undo)"),
     PrivateRead(target="nemo_run.cli.api:RunContext", attribute="_execute_task",
@@ -305,10 +309,6 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="nemo_run.core.execution.kubeflow:KubeflowExecutor", attribute="_trainjob_name",
                 used_in="qvl.launchers.launch", version=NEMO_RUN, why="the TrainJob name launch() will use"),
 )  # fmt: skip
-    PrivateRead(target="megatron.core.timers:Timers", attribute="_timers", used_in="benchmarks.step_anatomy",
-                version=MCORE, why="bench_idle reads every timer of a step (Megatron keeps no public list of them)"),
-    PrivateRead(target="megatron.core.timers:Timer", attribute="_started", used_in="benchmarks.step_anatomy",
-                version=MCORE, why="a running timer (interval-time spans steps) is left alone when a step's are read"),
 
 GROUPS: tuple[str, ...] = tuple(dict.fromkeys(p.group for p in PATCHES))
 
