@@ -20,9 +20,14 @@ def qvl(*args: str) -> str:
 def qvl_in_process(*args: str) -> str:
     """`qvl ARGS` through the same `main()` in this process, for runs whose process is not what a test checks:
     no new interpreter importing torch, Megatron and transformers again (most of a tiny run's time on 2 cores).
-    Returns what it printed and logged (records with their tracebacks), as `qvl` would show it."""
+    Returns what it printed and logged (records with their tracebacks), as `qvl` would show it. The process is
+    left as found: a CPU runtime or process group the command started is ended (later tests may expect neither)."""
+    import torch
+
+    from qvl.foundation import distributed, runtime
     from qvl.launchers.cli import main
 
+    was_active, was_initialized = runtime.is_active(), torch.distributed.is_initialized()
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     logging.getLogger().addHandler(handler)
@@ -31,5 +36,9 @@ def qvl_in_process(*args: str) -> str:
             code = main(list(args))
     finally:
         logging.getLogger().removeHandler(handler)
+        if torch.distributed.is_initialized() and not was_initialized:
+            distributed.destroy_distributed()
+        if not was_active:
+            runtime.deactivate()
     assert code == 0, out.getvalue()[-4000:]
     return out.getvalue()
