@@ -21,13 +21,15 @@ def qvl_in_process(*args: str) -> str:
     """`qvl ARGS` through the same `main()` in this process, for runs whose process is not what a test checks:
     no new interpreter importing torch, Megatron and transformers again (most of a tiny run's time on 2 cores).
     Returns what it printed and logged (records with their tracebacks), as `qvl` would show it. The process is
-    left as found: a CPU runtime or process group the command started is ended (later tests may expect neither)."""
+    left as found: a CPU runtime, process group or upstream patch group the command started is ended (later tests
+    may expect none of them)."""
     import torch
 
-    from qvl.foundation import distributed, runtime
+    from qvl.foundation import distributed, patches, runtime
     from qvl.launchers.cli import main
 
     was_active, was_initialized = runtime.is_active(), torch.distributed.is_initialized()
+    applied_before = {group for group in patches.GROUPS if patches.is_applied(group)}
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     logging.getLogger().addHandler(handler)
@@ -40,5 +42,8 @@ def qvl_in_process(*args: str) -> str:
             distributed.destroy_distributed()
         if not was_active:
             runtime.deactivate()
+        for group in reversed(patches.GROUPS):
+            if group not in applied_before:
+                patches.undo(group)
     assert code == 0, out.getvalue()[-4000:]
     return out.getvalue()
