@@ -135,7 +135,6 @@ def synthetic_batches(config: StepConfig, hf_config, *, seed: int = 0, tower_inp
     from qvl.data.count import IGNORE_INDEX
     from qvl.data.encode import PackedBatch
     from qvl.data.mrope import RopeConfig, packed_position_ids
-    from qvl.foundation.families import get_family
     from qvl.foundation.tower_inputs import tower_inputs_for_config
 
     rng = np.random.default_rng(seed)
@@ -165,7 +164,6 @@ def synthetic_batches(config: StepConfig, hf_config, *, seed: int = 0, tower_inp
         labels[~learned] = IGNORE_INDEX
         patches = config.samples_per_pack * math.prod(grid)
         grids = torch.tensor([list(grid)] * config.samples_per_pack, dtype=torch.long)
-        hf_tower = tower_inputs and not get_family(config.family).megatron_vision_tower
         yield PackedBatch(
             __key__=["synthetic"],
             __restore_key__=("synthetic",),
@@ -178,7 +176,9 @@ def synthetic_batches(config: StepConfig, hf_config, *, seed: int = 0, tower_inp
             max_seqlen=max(lengths),
             pixel_values=torch.randn(patches, patch_width),
             image_grid_thw=grids,
-            image_tower_inputs=tower_inputs_for_config(grids, vision) if hf_tower else None,
+            # every family's tower takes the loader's inputs (HF towers: qvl.bridges.lean_vision; Megatron-Bridge's
+            # Qwen3-VL tower: qvl.bridges.qwen3_vl_tower), as qvl.data.encode computes them
+            image_tower_inputs=tower_inputs_for_config(grids, vision) if tower_inputs else None,
             pixel_values_videos=None,
             video_grid_thw=torch.zeros(0, 3, dtype=torch.long),
             second_per_grid_ts=torch.zeros(0),
