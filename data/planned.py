@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import pathlib
+import tarfile
 
 import torch
 
@@ -67,8 +68,6 @@ class _PlannedMicroBatches(torch.utils.data.Dataset):
 
     def _members(self, shard: str) -> dict[str, tuple[int, int]]:
         if shard not in self._offsets:
-            import tarfile
-
             with tarfile.open(self.path / shard) as tar:
                 self._offsets[shard] = {m.name: (m.offset_data, m.size) for m in tar.getmembers()}
         return self._offsets[shard]

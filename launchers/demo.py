@@ -18,6 +18,7 @@ from pathlib import Path
 from qvl.data.samples import write_sample_dataset
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import get_family
+from qvl.recipes.registry import all_recipes
 
 FAMILY = "qwen2_5_vl"  # the default; `qvl demo --family F` runs any family record's tiny model
 
@@ -35,8 +36,6 @@ class DemoRecipes:
 
 def demo_recipes(family: str) -> DemoRecipes:
     """The family's SFT recipes in size order: the first trains at the tiny size, the second is planned."""
-    from qvl.recipes.registry import all_recipes
-
     sft = [info for info in all_recipes() if info.family == family and info.stage == "sft"]
     if not sft:
         raise ConfigError(f"--family {family}: no SFT recipe is registered for it; see `qvl recipes`")

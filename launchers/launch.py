@@ -14,6 +14,7 @@ import os
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from qvl.launchers.preflight import (
 )
 from qvl.launchers.site import load_site_config, missing_required, to_plain
 from qvl.recipes.overrides import Overrides, parse_overrides
+from qvl.recipes.registry import get_recipe
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +84,6 @@ def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = 
             )
         argv = [DEMO_JOB] + [arg for key, value in overrides.options.items() for arg in (f"--{key}", str(value))]
         return Job(recipe=recipe, overrides=overrides, argv=argv, layout=ParallelLayout())
-    from qvl.recipes.registry import get_recipe
-
     try:
         info = get_recipe(recipe)
     except ConfigError as err:
@@ -263,8 +263,6 @@ def resolved_config(job: Job, executor) -> dict[str, Any]:
 
 def build_job_config(job: Job, executor) -> Any:
     """Build the job's ConfigContainer here exactly as `qvl train` will there, which checks every dotted key."""
-    import tempfile
-
     from qvl.launchers.executors import is_cpu
     from qvl.recipes.training.train import TrainRequest, prepare_config
 

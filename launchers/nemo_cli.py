@@ -47,6 +47,7 @@ from nemo_run.config import get_nemorun_home  # noqa: E402
 from qvl.launchers import executors  # noqa: E402
 from qvl.launchers.launch import DEMO_JOB, TRAINJOB_PATCHES, resolve_job, validate  # noqa: E402
 from qvl.launchers.preflight import experiments_home  # noqa: E402
+from qvl.recipes.registry import all_recipes  # noqa: E402
 
 SITE_CONFIG_ENV = "QVL_EXECUTOR_CONFIG"
 
@@ -160,8 +161,6 @@ def _recipe_name(fn: Any) -> str:
         return DEMO_JOB
     if fn in _TYPED_RECIPES:
         return _TYPED_RECIPES[fn]
-    from qvl.recipes.registry import all_recipes
-
     for info in all_recipes():
         if info.fn is fn:
             return info.name
@@ -170,8 +169,6 @@ def _recipe_name(fn: Any) -> str:
 
 def _register_recipe_factories() -> None:
     """One `--factory` per registered recipe, under `finetune` (sft, peft) or `pretrain`."""
-    from qvl.recipes.registry import all_recipes
-
     for target in (pretrain, finetune):
         run.cli.factory(_factory(target, demo), target=target, name=DEMO_JOB)
     for info in all_recipes():

@@ -6,8 +6,12 @@ launch fails on the laptop in a second instead of in the queue an hour later.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from qvl.foundation.errors import LaunchError
@@ -139,9 +143,6 @@ def recipe_model_facts(info: Any, hf_path: Any = None) -> ModelFacts | None:
     """What a recipe's layout must divide, without building it: a local checkpoint's config.json where
     `hf_path` is one, else the published architecture of the recipe's family and size (None for a recipe of
     no known family, whose layout is then checked against the world size only)."""
-    import json
-    from pathlib import Path
-
     family = FAMILIES.get(info.family)
     if family is None or (info.family, info.size) not in ARCHITECTURES:
         return None
@@ -189,9 +190,6 @@ def experiments_home(executor: Any, experiments_dir: str | None, flag: str = "--
 def check_container_runtime(executor: Any) -> None:
     """Fail when a Slurm job asks for a container on a cluster whose srun (here) has no pyxis: the job would be
     refused in the queue (`srun: unrecognized option '--container-image'`) after sbatch accepted it."""
-    import shutil
-    import subprocess
-
     import nemo_run as run
 
     if not (isinstance(executor, run.SlurmExecutor) and isinstance(executor.tunnel, run.LocalTunnel)):

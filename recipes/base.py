@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qvl.bridges.providers import layout_facts, provider_from_hf, recompute_vision_towers
 from qvl.data.planned import check_plan, read_dp_plan
 from qvl.foundation.errors import ConfigError, DataError
 from qvl.foundation.families import get_family
@@ -155,8 +156,6 @@ def attach_qvl_behaviours(config: Any) -> None:
     if settings is None:
         return
     if settings.vision_recompute:
-        from qvl.bridges.providers import recompute_vision_towers  # Megatron-Bridge's model side, loaded on use
-
         _hf_tower_hook(config, "vision_recompute", recompute_vision_towers, "recomputes with the language model "
                        "(recompute=full)")  # fmt: skip
     if settings.compile:
@@ -262,8 +261,6 @@ def build_optimizer(o: RecipeOptions) -> tuple[OptimizerConfig, SchedulerConfig]
 
 def build_model(arch: Architecture, o: RecipeOptions) -> Any:
     """The Megatron-Bridge provider with layout, pipeline split, recompute, freezing and dtype set."""
-    from qvl.bridges.providers import provider_from_hf
-
     model = provider_from_hf(load_hf_config(o.hf_path, arch))
     _check_divisible(model, o, f"{arch.family} {arch.size}")
     _check_vision_balance(arch, o)
@@ -288,8 +285,6 @@ def build_model(arch: Architecture, o: RecipeOptions) -> Any:
 
 
 def _check_divisible(model: Any, o: RecipeOptions, name: str) -> None:
-    from qvl.bridges.providers import layout_facts
-
     layout = ParallelLayout(
         tensor_parallel=o.tensor_parallel,
         pipeline_parallel=o.pipeline_parallel,

@@ -34,6 +34,7 @@ from qvl.recipes.activations import (
     vision_shares,
 )
 from qvl.recipes.overrides import Overrides, apply_config_overrides
+from qvl.recipes.registry import get_recipe
 from qvl.recipes.shapes import (
     lm_layer_params,
     lm_param_counts,
@@ -417,8 +418,6 @@ def plan_recipe(
     name: str, overrides: dict, *, gpus: int, gpu: str = "h100", workload: Workload | None = None, suggest: bool = True
 ) -> MemoryPlan:
     """Plan the registered recipe `name` with `overrides`; when it does not fit, list overrides that do."""
-    from qvl.recipes.registry import get_recipe
-
     info = get_recipe(name)
     split = Overrides.of(overrides)
     overrides, dotted = split.options, split.config  # dotted fields (train.global_batch_size=...) set the built config

@@ -9,11 +9,13 @@ import argparse
 import contextlib
 import json
 import sys
+import tempfile
 from pathlib import Path
+
+from qvl.recipes.overrides import parse_overrides
 
 
 def _spec(args: argparse.Namespace, run_dir: Path):
-    from qvl.recipes.overrides import parse_overrides
     from qvl.recipes.parity.run import ParitySpec
 
     return ParitySpec(
@@ -56,8 +58,6 @@ def _table(report) -> str:
 
 
 def run_verify_training(args: argparse.Namespace) -> int:
-    import tempfile
-
     from qvl.recipes.parity.report import plot_losses
     from qvl.recipes.parity.run import run_parity
 

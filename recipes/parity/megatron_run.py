@@ -15,9 +15,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from qvl.foundation import megatron, runtime
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +221,6 @@ def training_config(run: MegatronRun):
 def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
     """Train `run.steps` steps with Megatron-Bridge's loop; what it did, and the ConfigContainer it ran."""
     from qvl.bridges.convert import auto_bridge_with_weights
-    from qvl.foundation import megatron, runtime
 
     cpu = run.device == "cpu" or not torch.cuda.is_available()
     if cpu:
@@ -261,8 +263,6 @@ def merge_ranks(recording: Recording) -> Recording:
 
 def _portable(batch):
     """A PackedBatch reduced to the fields the reference reads (picklable across processes)."""
-    from types import SimpleNamespace
-
     fields = ("tokens", "cu_seqlens_q", "image_grid_thw", "pixel_values", "video_grid_thw", "pixel_values_videos")
     return SimpleNamespace(**{f: getattr(batch, f) for f in (*fields, "second_per_grid_ts")})
 

@@ -14,6 +14,7 @@ import torch
 from qvl.foundation.errors import ConfigError, DataError
 from qvl.foundation.families import family_of_architecture
 from qvl.recipes.parity.report import ParityReport, compare, gate_note
+from qvl.recipes.registry import all_recipes
 
 logger = logging.getLogger(__name__)
 MAX_PACKS = 64  # the reference accumulates every pack of the dataset in each step: a handful of samples
@@ -60,8 +61,6 @@ def checkpoint_family(hf_path: Path):
 
 def default_recipe(family: str) -> str:
     """The family's smallest SFT recipe (its settings are the family's; the checkpoint sets the shapes)."""
-    from qvl.recipes.registry import all_recipes
-
     names = [r.name for r in all_recipes() if r.family == family and r.stage == "sft"]
     if not names:
         raise ConfigError(f"no SFT recipe is registered for {family}; pass --recipe")
