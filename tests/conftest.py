@@ -27,6 +27,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def process_left_as_found():
+    """Each test leaves the process as it found it: upstream patch groups it applied are undone (model builds apply
+    some for the rest of the process, as a training run does), a Megatron parallel state it initialised is
+    destroyed, and loggers it disabled or cut off are restored, so a later test does not depend on the order."""
+    import logging
+    import sys
+
+    patches = sys.modules.get("qvl.foundation.patches")
+    applied = {g for g in patches.GROUPS if patches.is_applied(g)} if patches else set()
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    initialized = bool(parallel_state and parallel_state.model_parallel_is_initialized())
+    loggers = {name: (log.disabled, log.propagate) for name, log in logging.Logger.manager.loggerDict.items()
+               if isinstance(log, logging.Logger) and name.startswith("qvl")}  # fmt: skip
+    disabled_below = logging.root.manager.disable
+    yield
+    logging.disable(disabled_below)
+    patches = sys.modules.get("qvl.foundation.patches")
+    for group in reversed(patches.GROUPS if patches else ()):
+        if group not in applied and patches.is_applied(group):
+            patches.undo(group)
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state and not initialized and parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    for name, log in logging.Logger.manager.loggerDict.items():
+        if isinstance(log, logging.Logger) and name.startswith("qvl"):
+            log.disabled, log.propagate = loggers.get(name, (False, True))
+
+
 @pytest.fixture
 def cpu_runtime():
     """The CPU runtime switched on for one test and off afterwards (forced on, so it runs on GPU hosts too)."""

@@ -107,12 +107,16 @@ class _AtenOps(TorchDispatchMode):
 def test_megatron_kernels_stand_in_for_apex():
     from megatron.core.tensor_parallel import layers
 
+    was_applied = patches.is_applied(grad_accum.GROUP)  # a session fixture's model build applies it for the process
+    patches.undo(grad_accum.GROUP)
     with patches.applied(grad_accum.GROUP):
         assert layers._grad_accum_fusion_available
         main_grad, grad, x = torch.zeros(8, 4), torch.randn(16, 8), torch.randn(16, 4)
         layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x, grad, main_grad)  # Apex's argument order
         assert torch.equal(main_grad, grad.t().mm(x))
     assert not hasattr(layers, "fused_weight_gradient_mlp_cuda") and not layers._grad_accum_fusion_available
+    if was_applied:
+        patches.apply(grad_accum.GROUP)
 
 
 def train_with_and_without_fusion(hf_path: str) -> dict:

@@ -193,6 +193,9 @@ def test_loader_tower_inputs_reach_the_qwen3_vl_models_tower(tmp_path, cpu_runti
             input=jsonl, media_root=media, family="qwen3_vl", hf_path=hf, seq_length=512, output=tmp_path / "data"
         )
     )
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()  # whatever an earlier test of this process left
     distributed.init_distributed()
     try:
         bridge = auto_bridge_with_weights(hf, torch.float32)
