@@ -27,11 +27,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# The CPU runtime's groups stay as it set them: qvl.foundation.runtime tracks them (activate / deactivate).
+RUNTIME_GROUPS = frozenset({"cpu-runtime", "cpu-bridge-training"})
+
+
+def _logger_states() -> dict:
+    import logging
+
+    loggers = {"": logging.getLogger()} | {name: log for name, log in logging.Logger.manager.loggerDict.items()
+                                            if isinstance(log, logging.Logger) and name.startswith("qvl")}  # fmt: skip
+    return {name: (log, log.disabled, log.propagate, list(log.filters)) for name, log in loggers.items()}
+
+
 @pytest.fixture(autouse=True)
 def process_left_as_found():
     """Each test leaves the process as it found it: upstream patch groups it applied are undone (model builds apply
-    some for the rest of the process, as a training run does), a Megatron parallel state it initialised is
-    destroyed, and loggers it disabled or cut off are restored, so a later test does not depend on the order."""
+    some for the rest of the process, as a training run does), a Megatron parallel state it started is destroyed,
+    and the root and qvl loggers are restored (Megatron's setup_logging, run by every training loop, adds a filter
+    that drops WARNING records to every existing logger), so no test depends on the order."""
     import logging
     import sys
 
@@ -39,21 +52,18 @@ def process_left_as_found():
     applied = {g for g in patches.GROUPS if patches.is_applied(g)} if patches else set()
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     initialized = bool(parallel_state and parallel_state.model_parallel_is_initialized())
-    loggers = {name: (log.disabled, log.propagate) for name, log in logging.Logger.manager.loggerDict.items()
-               if isinstance(log, logging.Logger) and name.startswith("qvl")}  # fmt: skip
-    disabled_below = logging.root.manager.disable
+    loggers, disabled_below = _logger_states(), logging.root.manager.disable
     yield
     logging.disable(disabled_below)
+    for name, (log, disabled, propagate, filters) in _logger_states().items():
+        log.disabled, log.propagate, log.filters = (*loggers[name][1:],) if name in loggers else (False, True, [])
     patches = sys.modules.get("qvl.foundation.patches")
     for group in reversed(patches.GROUPS if patches else ()):
-        if group not in applied and patches.is_applied(group):
+        if group not in applied and group not in RUNTIME_GROUPS and patches.is_applied(group):
             patches.undo(group)
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state and not initialized and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    for name, log in logging.Logger.manager.loggerDict.items():
-        if isinstance(log, logging.Logger) and name.startswith("qvl"):
-            log.disabled, log.propagate = loggers.get(name, (False, True))
 
 
 @pytest.fixture
