@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from qvl.bridges.aligned import hf_vision_towers
 from qvl.foundation import patches
 from qvl.foundation.families import family_of_vision_config
-from qvl.foundation.tower_inputs import TowerInputs
+from qvl.foundation.tower_inputs import TowerInputs, inputs_by_grid
 
 logger = logging.getLogger(__name__)
 
@@ -127,25 +127,13 @@ def prepared_tower_inputs(model: Any, pairs: Sequence[tuple[torch.Tensor, TowerI
     """While the block runs, a vision tower called with one of these `grid_thw` tensors (the same object the model
     was given) takes that grid's precomputed inputs; yields the number of towers prepared.
 
-    A forward pre-hook (torch's extension point) adds the kwargs: Megatron-Bridge's Qwen-VL forward calls the
-    tower with `grid_thw` alone. A call with any other grid (e.g. vision balancing re-split the images) computes its
-    inputs itself, as before."""
+    A call with any other grid (e.g. vision balancing re-split the images) computes its inputs itself, as before
+    (qvl.foundation.tower_inputs.inputs_by_grid)."""
     pairs = [(grid, inputs) for grid, inputs in pairs if grid is not None and inputs is not None]
     towers = hf_vision_towers(model if isinstance(model, (list, tuple)) else [model]) if pairs else []
 
-    def add_inputs(module, args, kwargs):
-        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
-        for known, inputs in pairs:
-            if grid is known:
-                return args, {**kwargs, **tower_kwargs(inputs)}
-        return None
-
-    handles = [tower.register_forward_pre_hook(add_inputs, with_kwargs=True) for tower in towers]
-    try:
-        yield len(handles)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with inputs_by_grid(towers, pairs, tower_kwargs) as hooked:
+        yield hooked
 
 
 def use_lean_vision(provider: Any) -> bool:

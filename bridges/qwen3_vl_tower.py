@@ -24,7 +24,7 @@ import torch
 
 from qvl.foundation import patches
 from qvl.foundation.errors import QvlError
-from qvl.foundation.tower_inputs import MegatronTowerInputs
+from qvl.foundation.tower_inputs import MegatronTowerInputs, inputs_by_grid
 
 GROUP = "qwen3-vl-tower-inputs"
 INPUTS_KWARG = "tower_inputs"
@@ -131,17 +131,5 @@ def prepared_megatron_tower_inputs(model: Any, pairs: Sequence[tuple[torch.Tenso
         yield 0
         return
 
-    def add_inputs(module, args, kwargs):
-        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
-        for known, inputs in pairs:
-            if grid is known:
-                return args, {**kwargs, INPUTS_KWARG: inputs}
-        return None
-
-    with patches.applied(GROUP):
-        handles = [tower.register_forward_pre_hook(add_inputs, with_kwargs=True) for tower in towers]
-        try:
-            yield len(handles)
-        finally:
-            for handle in handles:
-                handle.remove()
+    with patches.applied(GROUP), inputs_by_grid(towers, pairs, lambda inputs: {INPUTS_KWARG: inputs}) as hooked:
+        yield hooked

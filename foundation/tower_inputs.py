@@ -19,6 +19,8 @@ bitwise upstream's; `qvl.bridges.qwen3_vl_tower` hands them to the tower.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -190,3 +192,28 @@ def tower_inputs_for_config(grid_thw: torch.Tensor, vision_config: Any) -> Tower
         patch_size=int(get("patch_size")),
         window_size=None if window_size is None else int(window_size),
     )
+
+
+@contextlib.contextmanager
+def inputs_by_grid(
+    towers: Sequence[torch.nn.Module], pairs: Sequence[tuple[torch.Tensor, Any]], kwargs_of: Callable[[Any], dict]
+) -> Iterator[int]:
+    """While the block runs, a tower called with one of `pairs`' `grid_thw` tensors (the very object the model was
+    given) gets `kwargs_of(inputs)` added to its forward's keyword arguments; yields the number of towers hooked.
+
+    A forward pre-hook (torch's extension point): Megatron-Bridge's Qwen-VL forwards call the tower with `grid_thw`
+    alone. A call with any other grid (e.g. vision balancing re-split the images) computes its inputs itself."""
+
+    def add_inputs(module, args, kwargs):
+        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+        for known, inputs in pairs:
+            if grid is known:
+                return args, {**kwargs, **kwargs_of(inputs)}
+        return None
+
+    handles = [tower.register_forward_pre_hook(add_inputs, with_kwargs=True) for tower in towers]
+    try:
+        yield len(handles)
+    finally:
+        for handle in handles:
+            handle.remove()
