@@ -6,7 +6,8 @@ counts and tiny widths, fed packs of the real lengths and image sizes, shows wha
 put back analytically: every tiny width maps to one real width (`WidthMap`), so GEMM FLOPs, row pitches and the
 bytes of each elementwise op are those of the real model.
 
-Where CPU and CUDA take different code paths, the census takes the CUDA one:
+Where CPU and CUDA take different code paths, the census takes the CUDA one (the stand-ins for CUDA's
+kernels, and the torch modes that watch the step, are in benchmarks.step_kernels):
 - packed attention is torch's varlen kernel on CUDA; here one stand-in call (`FakeFlash`) per attention, recorded
   as `_flash_attention_forward` / `_flash_attention_backward` with the FLOPs of the real call;
 - `F.rms_norm` is `_fused_rms_norm` on CUDA (CPU's composite runs pow/mean/rsqrt);
@@ -17,6 +18,9 @@ A tensor is "host" when it came from the loader or from a factory call without a
 device tensor is on the device. Host syncs are reads of device values on the host (`.item()`, `.tolist()`,
 `bool()`, `int()`, ops whose output size depends on values such as `nonzero` or boolean indexing), each with the
 first call site outside torch.
+
+This module holds the recorder: `Census`, its per-region `RegionCounts`, the `WidthMap` back to real widths, and the
+arithmetic of GEMM FLOPs, row-pitch alignment and call sites.
 """
 
 from __future__ import annotations
@@ -30,12 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from benchmarks import step_kernels
 from benchmarks.compiled_regions import LABEL, bisect_range
 
 REGIONS = ("lm", "vision", "loss", "optimizer", "other")
@@ -50,9 +52,14 @@ NO_KERNEL_OPS = frozenset({
 # Ops whose output size depends on tensor values: the host waits for the device to know it.
 VALUE_SIZED_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
                              "unique_dim", "bincount", "histc"})  # fmt: skip
-SYNC_METHODS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"})
 ALIGN_BYTES = 16  # Hopper's TMA needs 16-byte row pitches; else cuBLAS falls back to align2/align4 sm80 kernels
-_SKIP_FRAMES = (f"{pathlib.Path(torch.__file__).parent}", __file__, "contextlib.py", "/functools.py")
+_SKIP_FRAMES = (  # frames of torch and of the census itself: never the call site of a sync
+    f"{pathlib.Path(torch.__file__).parent}",
+    __file__,
+    step_kernels.__file__,
+    "contextlib.py",
+    "/functools.py",
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,7 +132,7 @@ class Census:
         self.host_factory = 0
         self.host = WeakIdKeyDictionary()
         self.pinned = WeakIdKeyDictionary()
-        self._in_sync = 0
+        self.in_sync = 0  # inside a sync method (`.item()` ...): its aten op is that sync, not another one
         # compiled regions (benchmarks.compiled_regions): forward depth, backward ranges of autograd sequence numbers
         self.compiled_depth = 0
         self.compiled_ranges: list[tuple[int, int, list]] = []
@@ -156,7 +163,7 @@ class Census:
     @contextlib.contextmanager
     def tracking(self):
         """Follow every op run inside the block (function- and dispatch-level modes); `counting()` counts them."""
-        with _CensusFunctionMode(self), _CensusDispatchMode(self):
+        with step_kernels.CensusFunctionMode(self), step_kernels.CensusDispatchMode(self):
             yield self
 
     @contextlib.contextmanager
@@ -281,7 +288,7 @@ class Census:
         if name in NO_KERNEL_OPS:
             return
         if returns and not all("Tensor" in str(r.type) for r in returns):  # "Tensor", "List[Tensor]", ...
-            if inputs and not self._in_sync:
+            if inputs and not self.in_sync:
                 counts.syncs[f"{name} at {call_site()}"] += 1  # a device value returned as a Python number
             return
         inplace = bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns)
@@ -355,7 +362,7 @@ def _add(total: RegionCounts, counts: RegionCounts) -> None:
 def _eager_function_node(node) -> bool:
     """A custom autograd Function's backward node (not one of the census's own stand-ins for CUDA kernels)."""
     forward_class = getattr(node, "_forward_cls", None)
-    return forward_class is not None and forward_class not in (FakeFlash, FusedRmsNorm)
+    return forward_class is not None and forward_class not in (step_kernels.FakeFlash, step_kernels.FusedRmsNorm)
 
 
 def _scalar_value(name: str, args) -> bool:
@@ -402,7 +409,8 @@ def gemm_flops(name: str, args, out, widths: WidthMap) -> tuple[float, list[torc
 
 
 def call_site() -> str:
-    """The innermost frame outside torch and this module: "path:line in function"."""
+    """The innermost frame outside torch and the census (this module, benchmarks.step_kernels): "path:line in
+    function"."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         if frame.name in ("__torch_function__", "__torch_dispatch__") or frame.filename.startswith(_SKIP_FRAMES):
             continue
@@ -416,161 +424,3 @@ def _short(path: str) -> str:
         if marker in path:
             return path.split(marker, 1)[1]
     return path
-
-
-_FACTORIES = frozenset({"tensor", "arange", "zeros", "ones", "full", "empty", "as_tensor", "from_numpy", "linspace",
-                        "randn", "rand", "randint", "eye"})  # fmt: skip
-
-
-def _host_placed(args, kwargs) -> bool:
-    """Whether a factory call puts its tensor on the host: no device, or the literal "cpu" (a `torch.device` here is
-    the CPU standing in for CUDA, as in `device=x.device`)."""
-    device = kwargs.get("device", next((a for a in args if isinstance(a, torch.device)), None))
-    return device is None or (isinstance(device, str) and device.startswith("cpu"))
-
-
-class _CensusFunctionMode(TorchFunctionMode):
-    """Python-level events: host syncs by method, host-to-device copies, host factories, CUDA's fused RMSNorm."""
-
-    def __init__(self, census: Census):
-        super().__init__()
-        self.census = census
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        census = self.census
-        if census.suspended:
-            return func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        if func is F.rms_norm:  # CUDA runs one fused kernel each way; CPU's composite decomposes (layer_norm.cpp)
-            bound = dict(zip(("input", "normalized_shape", "weight", "eps"), args)) | kwargs
-            shape = tuple(bound["normalized_shape"])
-            return FusedRmsNorm.apply(census, bound["input"], shape, bound.get("weight"), bound.get("eps"))
-        if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor):
-            return self._to(func, args, kwargs)
-        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor):
-            census.mark_host(args[0], pinned=True)
-            return args[0]
-        if name in SYNC_METHODS and args and isinstance(args[0], torch.Tensor) and not census.is_host(args[0]):
-            census.sync(f".{name.strip('_')}()")
-            census._in_sync += 1
-            try:
-                return func(*args, **kwargs)
-            finally:
-                census._in_sync -= 1
-        if name in _FACTORIES and _host_placed(args, kwargs):
-            # A host tensor; built from device values (torch.tensor([t.norm() ...])) it reads each of them.
-            device_values = [
-                v for v in pytree.tree_leaves(args) if isinstance(v, torch.Tensor) and not census.is_host(v)
-            ]
-            if device_values:
-                census.sync(f"torch.{name}(device values)", len(device_values))
-            census.host_factory += 1
-            try:
-                result = func(*args, **kwargs)
-            finally:
-                census.host_factory -= 1
-            census.mark_host(result)
-            return result
-        return func(*args, **kwargs)
-
-    def _to(self, func, args, kwargs):
-        census, tensor, cuda_call = self.census, args[0], func.__name__ == "cuda"
-        target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device, int))), None))
-        result = func(*args, **kwargs)
-        explicit_cpu = isinstance(target, str) and target.startswith("cpu")
-        if not cuda_call and (target is None or explicit_cpu):
-            if explicit_cpu and not census.is_host(tensor):
-                census.sync(".to('cpu')")
-                census.mark_host(result)
-            return result
-        if census.is_host(tensor):
-            # A host tensor sent to the device (here the CPU, elsewhere CUDA): a copy, pinned or pageable.
-            census.h2d(tensor, pinned=tensor in census.pinned and bool(kwargs.get("non_blocking")))
-            if result is tensor:
-                with census.paused():
-                    result = tensor.clone()
-            census.host.pop(result, None)
-        return result
-
-
-class _CensusDispatchMode(TorchDispatchMode):
-    """Every aten op, after autograd: counted in the current region."""
-
-    def __init__(self, census: Census):
-        super().__init__()
-        self.census = census
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self.census.suspended:
-            self.census.op(func, args, kwargs, out)
-        return out
-
-
-# --- stand-in for torch's varlen flash attention (CUDA) -------------------------------------------------------------
-
-
-class FakeFlash(torch.autograd.Function):
-    """One varlen attention call as the census sees it: one kernel forward, one backward, the real FLOPs; the
-    output is a copy of the query (values do not matter to the counts)."""
-
-    @staticmethod
-    def forward(ctx, census, flops, query, key, value):
-        ctx.census, ctx.flops = census, flops
-        ctx.shapes = (key, value)
-        census.attention(flops, [query, key, value], backward=False)
-        with census.paused():
-            return query.detach().clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        census = ctx.census
-        census.attention(2.5 * ctx.flops, [], backward=True)  # FlashAttention-2's backward is ~2.5x its forward
-        key, value = ctx.shapes
-        with census.paused():
-            return None, None, grad.clone(), torch.zeros_like(key), torch.zeros_like(value)
-
-
-class FusedRmsNorm(torch.autograd.Function):
-    """`F.rms_norm` as CUDA runs it: `_fused_rms_norm` forward, `_fused_rms_norm_backward`; the values are CPU's."""
-
-    @staticmethod
-    def forward(ctx, census, x, shape, weight, eps):
-        ctx.census, ctx.shape, ctx.eps = census, shape, eps
-        ctx.save_for_backward(x, weight if weight is not None else torch.empty(0))
-        with census.paused():
-            out = F.rms_norm(x, shape, weight, eps)
-        census.opaque("_fused_rms_norm", [x, weight, out])
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        census = ctx.census
-        x, weight = ctx.saved_tensors
-        weight = weight if weight.numel() else None
-        with census.paused(), torch.enable_grad():
-            leaves = [x.detach().requires_grad_()] + ([weight.detach().requires_grad_()] if weight is not None else [])
-            out = F.rms_norm(leaves[0], ctx.shape, leaves[1] if weight is not None else None, ctx.eps)
-            grads = torch.autograd.grad(out, leaves, grad)
-        census.opaque("_fused_rms_norm_backward", [grad, x, weight, *grads])
-        return None, grads[0], None, grads[1] if weight is not None else None, None
-
-
-def fake_varlen_kernel(census: Census):
-    """A stand-in for `torch.nn.attention.varlen.varlen_attn` that counts one flash call per attention."""
-
-    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), **kwargs):
-        with census.paused():
-            lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
-        heads, dim = query.shape[1], census.widths.dims.get(query.shape[2], query.shape[2])
-        causal = tuple(window_size) == (-1, 0)
-        flops = 4.0 * sum(n * n for n in lengths) * heads * dim * (0.5 if causal else 1.0)
-        return FakeFlash.apply(census, flops, query, key, value)
-
-    return varlen_attn
-
-
-VARLEN_NAMES = frozenset({"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "scale", "window_size",
-                          "enable_gqa", "return_aux"})  # fmt: skip

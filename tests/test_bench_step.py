@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks import bench_step, step_model
-from benchmarks.step_census import WidthMap, _aligned, gemm_flops
+from benchmarks.step_census import Census, WidthMap, _aligned, gemm_flops
 
 
 def test_alignment_and_flops_are_those_of_the_real_widths():
@@ -20,6 +20,18 @@ def test_alignment_and_flops_are_those_of_the_real_widths():
     assert _aligned(torch.zeros(100, 64, dtype=torch.bfloat16), widths)  # padded to 3456: 6,912-byte rows
     flops, _, (m, k, n, batch) = gemm_flops("mm", (x, w.t()), None, widths)
     assert (m, k, n, batch) == (100, 1280, 3420, 1) and flops == 2 * 100 * 1280 * 3420
+
+
+def test_a_host_sync_names_its_caller_not_the_census():
+    census = Census(WidthMap(dims={}))
+    with census.tracking(), census.counted():
+        values = torch.ones(4, device=torch.device("cpu"))  # a device tensor (the CPU stands in for CUDA)
+        values.sum().item()
+        values.to("cpu")
+    sites = sorted(census.summary(1)["sync_sites"])
+    assert [site.split(" at ")[0] for site in sites] == [".item()", ".to('cpu')"]
+    caller = " in test_a_host_sync_names_its_caller_not_the_census"
+    assert all("test_bench_step.py:" in site and site.endswith(caller) for site in sites), sites
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,182 @@
+"""The census's hooks into torch, and its stand-ins for the CUDA kernels a CPU run computes another way.
+
+`CensusFunctionMode` sees Python-level calls (host syncs by method, host-to-device copies, host factories, `F.rms_norm`)
+and `CensusDispatchMode` every aten op after autograd; both report to a `benchmarks.step_census.Census`, which enters
+them in `Census.tracking()`. The stand-ins count as CUDA runs them and compute what the CPU can:
+- `FusedRmsNorm`: `F.rms_norm` as `_fused_rms_norm` forward and `_fused_rms_norm_backward` (CPU's composite runs
+  pow/mean/rsqrt);
+- `fake_varlen_kernel` and `VARLEN_NAMES`: torch's varlen attention kernel and the keywords it takes, one `FakeFlash`
+  call per attention with the FLOPs of the real call.
+
+Each takes the census as an argument and imports nothing of it, so `benchmarks.step_census` imports this module, not
+the reverse.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Tensor methods that read a device value on the host.
+SYNC_METHODS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"})
+# Factories whose tensor is on the host unless a device is given.
+_FACTORIES = frozenset({"tensor", "arange", "zeros", "ones", "full", "empty", "as_tensor", "from_numpy", "linspace",
+                        "randn", "rand", "randint", "eye"})  # fmt: skip
+
+
+def _host_placed(args, kwargs) -> bool:
+    """Whether a factory call puts its tensor on the host: no device, or the literal "cpu" (a `torch.device` here is
+    the CPU standing in for CUDA, as in `device=x.device`)."""
+    device = kwargs.get("device", next((a for a in args if isinstance(a, torch.device)), None))
+    return device is None or (isinstance(device, str) and device.startswith("cpu"))
+
+
+class CensusFunctionMode(TorchFunctionMode):
+    """Python-level events: host syncs by method, host-to-device copies, host factories, CUDA's fused RMSNorm."""
+
+    def __init__(self, census):
+        super().__init__()
+        self.census = census
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        census = self.census
+        if census.suspended:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if func is F.rms_norm:  # CUDA runs one fused kernel each way; CPU's composite decomposes (layer_norm.cpp)
+            bound = dict(zip(("input", "normalized_shape", "weight", "eps"), args)) | kwargs
+            shape = tuple(bound["normalized_shape"])
+            return FusedRmsNorm.apply(census, bound["input"], shape, bound.get("weight"), bound.get("eps"))
+        if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor):
+            return self._to(func, args, kwargs)
+        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor):
+            census.mark_host(args[0], pinned=True)
+            return args[0]
+        if name in SYNC_METHODS and args and isinstance(args[0], torch.Tensor) and not census.is_host(args[0]):
+            census.sync(f".{name.strip('_')}()")
+            census.in_sync += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                census.in_sync -= 1
+        if name in _FACTORIES and _host_placed(args, kwargs):
+            # A host tensor; built from device values (torch.tensor([t.norm() ...])) it reads each of them.
+            device_values = [
+                v for v in pytree.tree_leaves(args) if isinstance(v, torch.Tensor) and not census.is_host(v)
+            ]
+            if device_values:
+                census.sync(f"torch.{name}(device values)", len(device_values))
+            census.host_factory += 1
+            try:
+                result = func(*args, **kwargs)
+            finally:
+                census.host_factory -= 1
+            census.mark_host(result)
+            return result
+        return func(*args, **kwargs)
+
+    def _to(self, func, args, kwargs):
+        census, tensor, cuda_call = self.census, args[0], func.__name__ == "cuda"
+        target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device, int))), None))
+        result = func(*args, **kwargs)
+        explicit_cpu = isinstance(target, str) and target.startswith("cpu")
+        if not cuda_call and (target is None or explicit_cpu):
+            if explicit_cpu and not census.is_host(tensor):
+                census.sync(".to('cpu')")
+                census.mark_host(result)
+            return result
+        if census.is_host(tensor):
+            # A host tensor sent to the device (here the CPU, elsewhere CUDA): a copy, pinned or pageable.
+            census.h2d(tensor, pinned=tensor in census.pinned and bool(kwargs.get("non_blocking")))
+            if result is tensor:
+                with census.paused():
+                    result = tensor.clone()
+            census.host.pop(result, None)
+        return result
+
+
+class CensusDispatchMode(TorchDispatchMode):
+    """Every aten op, after autograd: counted in the current region."""
+
+    def __init__(self, census):
+        super().__init__()
+        self.census = census
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.census.suspended:
+            self.census.op(func, args, kwargs, out)
+        return out
+
+
+# --- stand-in for torch's varlen flash attention (CUDA) -------------------------------------------------------------
+
+
+class FakeFlash(torch.autograd.Function):
+    """One varlen attention call as the census sees it: one kernel forward, one backward, the real FLOPs; the
+    output is a copy of the query (values do not matter to the counts)."""
+
+    @staticmethod
+    def forward(ctx, census, flops, query, key, value):
+        ctx.census, ctx.flops = census, flops
+        ctx.shapes = (key, value)
+        census.attention(flops, [query, key, value], backward=False)
+        with census.paused():
+            return query.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        census = ctx.census
+        census.attention(2.5 * ctx.flops, [], backward=True)  # FlashAttention-2's backward is ~2.5x its forward
+        key, value = ctx.shapes
+        with census.paused():
+            return None, None, grad.clone(), torch.zeros_like(key), torch.zeros_like(value)
+
+
+class FusedRmsNorm(torch.autograd.Function):
+    """`F.rms_norm` as CUDA runs it: `_fused_rms_norm` forward, `_fused_rms_norm_backward`; the values are CPU's."""
+
+    @staticmethod
+    def forward(ctx, census, x, shape, weight, eps):
+        ctx.census, ctx.shape, ctx.eps = census, shape, eps
+        ctx.save_for_backward(x, weight if weight is not None else torch.empty(0))
+        with census.paused():
+            out = F.rms_norm(x, shape, weight, eps)
+        census.opaque("_fused_rms_norm", [x, weight, out])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        census = ctx.census
+        x, weight = ctx.saved_tensors
+        weight = weight if weight.numel() else None
+        with census.paused(), torch.enable_grad():
+            leaves = [x.detach().requires_grad_()] + ([weight.detach().requires_grad_()] if weight is not None else [])
+            out = F.rms_norm(leaves[0], ctx.shape, leaves[1] if weight is not None else None, ctx.eps)
+            grads = torch.autograd.grad(out, leaves, grad)
+        census.opaque("_fused_rms_norm_backward", [grad, x, weight, *grads])
+        return None, grads[0], None, grads[1] if weight is not None else None, None
+
+
+def fake_varlen_kernel(census):
+    """A stand-in for `torch.nn.attention.varlen.varlen_attn` that counts one flash call per attention in `census`
+    (a `benchmarks.step_census.Census`)."""
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), **kwargs):
+        with census.paused():
+            lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+        heads, dim = query.shape[1], census.widths.dims.get(query.shape[2], query.shape[2])
+        causal = tuple(window_size) == (-1, 0)
+        flops = 4.0 * sum(n * n for n in lengths) * heads * dim * (0.5 if causal else 1.0)
+        return FakeFlash.apply(census, flops, query, key, value)
+
+    return varlen_attn
+
+
+VARLEN_NAMES = frozenset({"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "scale", "window_size",
+                          "enable_gqa", "return_aux"})  # fmt: skip
