@@ -174,7 +174,7 @@ def _numels(model: list, widths) -> None:
 @contextlib.contextmanager
 def cuda_code_path(census):
     """What the CPU run swaps so that it takes a CUDA device's code path (see benchmarks.step_census)."""
-    from benchmarks.step_census import VARLEN_NAMES, fake_varlen_kernel
+    from benchmarks.step_kernels import VARLEN_NAMES, fake_varlen_kernel
     from qvl.bridges import attention, grad_accum
 
     def usable(query, *, dropout_p: float = 0.0, padded_layout: bool = False) -> bool:

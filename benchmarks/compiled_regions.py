@@ -1,7 +1,8 @@
 """Compiled regions in the step census: code that runs `torch.compile`d on a CUDA device, counted as Inductor builds it.
 
-On CUDA, qvl compiles some regions (the vision rotary; with `compile=True` each HF vision block) and Megatron-Core
-compiles its `jit_fuser` functions (SwiGLU's `bias_activation_fusion`); the CPU run of the census executes them
+On CUDA, qvl compiles some regions (the vision and LM rotaries, the cross-entropy; with `compile=True` each HF vision
+block) and Megatron-Core compiles its `jit_fuser` functions (SwiGLU's `bias_activation_fusion`, the native fused
+cross-entropy); the CPU run of the census executes them
 eagerly. `CompiledRegions.region(name, fn)` stands in for such a region: the first call of each signature (the
 region, grad mode, and each tensor's dtype, rank and requires_grad) compiles `fn` with Inductor on the CPU (gcc) at
 the census's tiny widths, in a thread of its own (no census mode, no checkpoint hook there), and counts the kernel
@@ -299,24 +300,41 @@ def bisect_range(ranges: list[tuple[int, int, Any]], sequence_nr: int) -> Any | 
     return None
 
 
-# Megatron-Core's SwiGLU fusion (megatron/core/fusions/fused_bias_swiglu.py): `jit_fuser` (torch.compile) functions,
-# called inside its autograd Functions (forward and backward each one region).
-SWIGLU_FUNCTIONS = ("swiglu", "bias_swiglu", "swiglu_back", "bias_swiglu_back")
+# Megatron-Core's `jit_fuser` (torch.compile) functions that run on CUDA with the recipes' settings, by module: SwiGLU's
+# fusion (`bias_activation_fusion`, called inside its autograd Functions: forward and backward each one region) and the
+# native fused cross-entropy (`cross_entropy_loss_fusion`, Megatron-Bridge's default; qvl's patch group
+# "lean-cross-entropy" calls its own regions instead).
+MEGATRON_JIT_FUNCTIONS = {
+    "megatron.core.fusions.fused_bias_swiglu": ("SwiGLU", ("swiglu", "bias_swiglu", "swiglu_back", "bias_swiglu_back")),
+    "megatron.core.fusions.fused_cross_entropy": (
+        "Megatron cross-entropy",
+        ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss", "calculate_gradients"),
+    ),
+}
+# qvl.bridges.cross_entropy's regions (each compiled through its `compiled(fn)` where compiled regions run).
+QVL_CROSS_ENTROPY_REGIONS = ("logits_max", "target_statistics", "logits_gradient")
 
 
 @contextlib.contextmanager
 def cuda_compiled_regions(census):
-    """The regions a CUDA device with Triton runs compiled, as census stand-ins: qvl's vision rotary, each vision
-    block with `compile=True` (qvl.bridges.lean_vision), and Megatron-Core's SwiGLU fusion, which qvl turns on there
-    (qvl.foundation.megatron.no_te_settings). Bias-dropout-add stays unfused on CUDA too (Megatron-Bridge's default;
-    Qwen's linears have no bias and its dropout is 0, so the unfused path is already one add)."""
-    from megatron.core.fusions import fused_bias_swiglu
+    """The regions a CUDA device with Triton runs compiled, as census stand-ins: qvl's vision and LM rotaries and
+    cross-entropy, each vision block with `compile=True` (qvl.bridges.lean_vision), and Megatron-Core's `jit_fuser`
+    functions (SwiGLU's, which qvl turns on there, qvl.foundation.megatron.no_te_settings, and the native fused
+    cross-entropy where qvl's is not patched in). Bias-dropout-add stays unfused on CUDA too (Megatron-Bridge's
+    default; Qwen's linears have no bias and its dropout is 0, so the unfused path is already one add)."""
+    import importlib
 
-    from qvl.bridges import lean_vision
+    from qvl.bridges import cross_entropy, lean_vision
     from qvl.foundation import megatron
+    from qvl.recipes.training import fast_lm
 
     regions = CompiledRegions(census, opaque=opaque_varlen_attention)
     rotary = regions.region("vision rotary", lean_vision.rotary_fp32)
+    lm_rotary = regions.region("LM rotary", fast_lm.rotary_whole_pack)
+    loss = {
+        name: regions.region(f"cross-entropy {name}", getattr(cross_entropy, name))
+        for name in QVL_CROSS_ENTROPY_REGIONS
+    }
 
     def compile_block(block: torch.nn.Module) -> None:
         block.forward = regions.region("vision block", block.forward, fullgraph=False)  # as compile_block does
@@ -327,11 +345,15 @@ def cuda_compiled_regions(census):
             (lean_vision, "compiled_rotary", lambda: rotary),
             (lean_vision, "cuda_compile_usable", lambda: True),
             (lean_vision, "compile_block", compile_block),
+            (fast_lm, "compiled_rotary", lambda: lm_rotary),
+            (cross_entropy, "compiled", lambda fn: loss[fn.__name__]),
             (megatron, "swiglu_fusion_usable", lambda: True),
         ):
             stack.enter_context(mock.patch.object(target, name, value))
-        for name in SWIGLU_FUNCTIONS:
-            original = getattr(fused_bias_swiglu, name)
-            eager = getattr(original, "_torchdynamo_orig_callable", original)
-            stack.enter_context(mock.patch.object(fused_bias_swiglu, name, regions.region(f"SwiGLU {name}", eager)))
+        for module_name, (label, names) in MEGATRON_JIT_FUNCTIONS.items():
+            module = importlib.import_module(module_name)
+            for name in names:
+                original = getattr(module, name)
+                eager = getattr(original, "_torchdynamo_orig_callable", original)
+                stack.enter_context(mock.patch.object(module, name, regions.region(f"{label} {name}", eager)))
         yield regions

@@ -91,7 +91,7 @@ def compile_usable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
-        logger.warning("triton is not installed: the vision rotary runs eagerly on CUDA")
+        logger.warning("triton is not installed: qvl's compiled regions run eagerly on CUDA")
         return False
     return True
 

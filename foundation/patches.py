@@ -171,6 +171,14 @@ PATCHES: tuple[Patch, ...] = (
           params=("forward_step_func", "data_iterator", "model", "optimizer", "scheduler", "global_state"),
           why="the loss's NaN/Inf check reads every micro-batch's loss to the host (2 reads each); qvl's step keeps "
               "them and this reads them once, after the step"),
+    # --- lean-cross-entropy: qvl.bridges.cross_entropy (around every training loop, any device without TE/Apex)
+    Patch(group="lean-cross-entropy",
+          target="megatron.core.models.common.language_module.language_module:fused_vocab_parallel_cross_entropy",
+          replacement="qvl.bridges.cross_entropy:lean_fused_cross_entropy", version=MCORE,
+          params=("vocab_parallel_logits", "target", "tp_group"),
+          why="the native fused cross-entropy keeps an fp32 softmax of the logits for backward (twice the bf16 "
+              "logits), moves ~17 GB per 4k pack over Qwen's vocabulary and rounds the logits' gradient to bf16 in "
+              "fp32 training; qvl's keeps the logits, recomputes the softmax (~4.7 GB) and keeps their dtype"),
     # --- torch-wgrad-accum: from building a model whose provider qvl fixed, any device without Apex (process-wide)
     Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:_grad_accum_fusion_available",
           replacement="qvl.bridges.grad_accum:available", version=MCORE,

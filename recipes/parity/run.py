@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 MAX_PACKS = 64  # the reference accumulates every pack of the dataset in each step: a handful of samples
 PRECISION_OPTIONS = {"fp32": "fp32", "bf16": "bf16-mixed"}
 # Megatron-Core's native fused cross-entropy casts the logits' gradient to bf16 in every precision
-# (megatron/core/fusions/fused_cross_entropy.py, calculate_gradients): an fp32 check turns it off unless asked.
+# (megatron/core/fusions/fused_cross_entropy.py, calculate_gradients). Where qvl's training loop puts its own in its
+# place (qvl.bridges.cross_entropy: no Transformer Engine or Apex) the recipe's default is exact; elsewhere an fp32
+# check turns the fusion off unless asked.
 EXACT_CROSS_ENTROPY = {"model.cross_entropy_loss_fusion": False}
 # Megatron adds its MoE load-balancing loss over each pack; transformers' Qwen3-VL-MoE adds its own only when called
 # with output_router_logits=True, over each conversation: the check compares the language-model loss alone.
@@ -137,7 +139,7 @@ def qvl_run(spec: ParitySpec, family, device: str):
         # to a fraction of a step that transformers' schedulers cannot express
         "warmup_iters": 1 if spec.steps > 1 else 0,
         **(WHOLE_GRADIENTS if _data_parallel(spec.options) > 1 else {}),
-        **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" else {}),
+        **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" and not lean_cross_entropy() else {}),
         **(NO_MOE_AUX_LOSS if family.moe else {}),
     }
     return MegatronRun(
@@ -196,10 +198,18 @@ def _data_parallel(options: dict) -> int:
     return max(1, world // model_parallel)
 
 
+def lean_cross_entropy() -> bool:
+    """Whether qvl's training loop replaces Megatron-Core's native fused cross-entropy (patch group
+    "lean-cross-entropy", with the other fixes of a run without Transformer Engine or Apex)."""
+    from qvl.recipes.training import optimizer_fixes
+
+    return optimizer_fixes.needed()
+
+
 def cross_entropy_note(config, spec: ParitySpec) -> list[str]:
-    """What the fused cross-entropy does to an fp32 step, and whether this run had it on."""
-    if spec.precision != "fp32":
-        return []
+    """What Megatron-Core's native fused cross-entropy does to an fp32 step, where it runs, and whether it was on."""
+    if spec.precision != "fp32" or lean_cross_entropy():
+        return []  # qvl's fused cross-entropy keeps the logits' dtype: nothing deliberate
     fused = bool(config.model.cross_entropy_loss_fusion)
     state = (
         "it was on in this run, so every gradient may differ by bf16 rounding (2^-9 relative)"
@@ -208,8 +218,8 @@ def cross_entropy_note(config, spec: ParitySpec) -> list[str]:
         "pass model.cross_entropy_loss_fusion=true to see its effect"
     )
     return [
-        "cross-entropy: Megatron-Core's native fused cross-entropy (the recipe's default) rounds the logits' "
-        f"gradient to bf16 even in fp32 training; {state}."
+        "cross-entropy: Megatron-Core's native fused cross-entropy (the recipe's default where Transformer Engine or "
+        f"Apex is installed) rounds the logits' gradient to bf16 even in fp32 training; {state}."
     ]
 
 

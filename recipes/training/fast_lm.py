@@ -10,6 +10,12 @@ for every position of the pack (Qwen-VL's mRoPE positions are per token), those 
 frequency tensor, so the result is bitwise that of the plain (BSHD) rotary over the whole pack, which is what
 `packed_rotary` runs. That equality needs the sub-sequences to cover the pack: qvl's forward step marks the
 `cu_seqlens` it builds (`mark_whole_pack`), and any other tensor takes upstream's path.
+
+Where qvl's compiled regions run (CUDA with Triton, qvl.bridges.lean_vision.runs_compiled), that whole-pack rotary is
+one compiled region: Megatron-Core's eager rotary is about ten kernels each way per query or key (cos, sin, their
+casts, rotate-half's neg and cat, the products and the sum), Inductor's one each way, computing the cos and sin from the
+frequencies inside the kernel and rounding to bf16 once instead of after each product (the eager path stays on CPU
+and is what the CPU tests compare bitwise).
 """
 
 from __future__ import annotations
@@ -29,10 +35,31 @@ def mark_whole_pack(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens
 
 
+def rotary_whole_pack(
+    t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool, mla_rotary_interleaved: bool, mscale: float
+) -> torch.Tensor:
+    """Megatron-Core's plain (BSHD) rotary over a whole pack `[tokens, heads, dim]` with per-token frequencies."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    return _apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1),
+        freqs,
+        rotary_interleaved=rotary_interleaved,
+        mla_rotary_interleaved=mla_rotary_interleaved,
+        mscale=mscale,
+    ).squeeze(1)
+
+
+@functools.cache
+def compiled_rotary():
+    """`rotary_whole_pack` as one compiled region; dynamic shapes, since packs differ in length."""
+    return torch.compile(rotary_whole_pack, dynamic=True, fullgraph=True)
+
+
 def packed_rotary(original):
     """`_apply_rotary_pos_emb_thd` that, for a marked whole pack on one CP rank with per-token frequencies, rotates
     the pack in one pass (no host read); everything else goes to upstream's loop."""
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from qvl.bridges import lean_vision
 
     @functools.wraps(original)
     def apply(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
@@ -48,12 +75,7 @@ def packed_rotary(original):
         if not whole:
             return original(t, cu_seqlens, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, cp_group,
                             multi_latent_attention)  # fmt: skip
-        return _apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1),
-            freqs,
-            rotary_interleaved=rotary_interleaved,
-            mla_rotary_interleaved=mla_rotary_interleaved,
-            mscale=mscale,
-        ).squeeze(1)
+        rotate = compiled_rotary() if lean_vision.runs_compiled(t) else rotary_whole_pack
+        return rotate(t, freqs, rotary_interleaved, mla_rotary_interleaved, mscale)
 
     return apply

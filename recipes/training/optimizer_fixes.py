@@ -18,7 +18,8 @@ distributed optimizer wraps torch's Adam, and resuming from a checkpoint breaks 
 Both apply on any device: `fixed()` puts them in place for a block, where TE or Apex does not provide the optimizer,
 together with the other groups qvl's training loop needs there: the one-pass optimizer step ("fast-optimizer",
 qvl.recipes.training.optimizer), which replaces the same no-TE/no-Apex fallbacks, and the packed rotary without host
-reads ("fast-lm", qvl.recipes.training.fast_lm), which stands in for TE's fused THD rotary.
+reads ("fast-lm", qvl.recipes.training.fast_lm), which stands in for TE's fused THD rotary, and the cross-entropy
+without an fp32 copy of the logits ("lean-cross-entropy", qvl.bridges.cross_entropy).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
+from qvl.bridges.cross_entropy import GROUP as LEAN_CROSS_ENTROPY
 from qvl.foundation import patches
 from qvl.recipes.training.fast_lm import GROUP as FAST_LM
 from qvl.recipes.training.optimizer import GROUP as FAST_OPTIMIZER
@@ -73,8 +75,10 @@ def needed() -> bool:
 
 def fixed() -> contextlib.AbstractContextManager:
     """The fixes (patch group "torch-adam-resume" of qvl.foundation.patches), the one-pass optimizer step
-    ("fast-optimizer") and the packed rotary without host reads ("fast-lm") in place for a block, where needed."""
-    return patches.applied(GROUP, FAST_OPTIMIZER, FAST_LM) if needed() else contextlib.nullcontext()
+    ("fast-optimizer"), the packed rotary without host reads ("fast-lm") and the cross-entropy without an fp32 copy
+    of the logits ("lean-cross-entropy") in place for a block, where needed."""
+    groups = (GROUP, FAST_OPTIMIZER, FAST_LM, LEAN_CROSS_ENTROPY)
+    return patches.applied(*groups) if needed() else contextlib.nullcontext()
 
 
 # Replacement factories named by qvl.foundation.patches.

@@ -125,3 +125,61 @@ def test_packed_rotary_equals_the_per_subsequence_loop_bitwise_without_host_read
         assert reads == []  # the whole pack in one pass: nothing read back
         fast(t, cu.clone(), freqs, cp_group=_OneRank())  # not marked as a whole pack: upstream's loop
         assert len(reads) == 1
+
+
+def _rotary_inputs(device: str = "cpu", tokens: int = 32):
+    generator = torch.Generator().manual_seed(1)
+    t = torch.randn(tokens, 4, 16, generator=generator).to(device, torch.bfloat16)
+    freqs = torch.randn(tokens, 1, 1, 16, generator=generator).to(device)
+    cu = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32, device=device)
+    return t, freqs, cu
+
+
+def test_packed_rotary_takes_the_compiled_region_where_compiled_regions_run():
+    megatron.import_megatron_bridge()
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from qvl.bridges import lean_vision
+    from qvl.recipes.training import fast_lm
+
+    t, freqs, cu = _rotary_inputs()
+    calls = []
+
+    def region(*args):
+        calls.append(args)
+        return fast_lm.rotary_whole_pack(*args)
+
+    fast = fast_lm.packed_rotary(rope_utils._apply_rotary_pos_emb_thd)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lean_vision, "runs_compiled", lambda tensor: True)
+        patch.setattr(fast_lm, "compiled_rotary", lambda: region)
+        out = fast(t, fast_lm.mark_whole_pack(cu.clone()), freqs, mscale=0.5, cp_group=_OneRank())
+    assert len(calls) == 1 and calls[0][0] is t and calls[0][1:] == (freqs, False, False, 0.5)
+    assert torch.equal(out, fast(t, fast_lm.mark_whole_pack(cu.clone()), freqs, mscale=0.5, cp_group=_OneRank()))
+
+
+@pytest.mark.gpu
+def test_compiled_lm_rotary_matches_the_eager_rotary_on_cuda_bf16():
+    """One compiled region each way on CUDA (cos and sin in the kernel, one bf16 rounding): forward and gradient
+    within bf16 rounding of Megatron-Core's eager rotary."""
+    megatron.import_megatron_bridge()
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from qvl.bridges import lean_vision
+    from qvl.recipes.training import fast_lm
+
+    if not lean_vision.cuda_compile_usable():
+        pytest.skip("needs Triton")
+    t, freqs, cu = _rotary_inputs("cuda", tokens=4096)
+    fast = fast_lm.packed_rotary(rope_utils._apply_rotary_pos_emb_thd)
+    results = []
+    for compiled in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(lean_vision, "runs_compiled", lambda tensor, compiled=compiled: compiled)
+            x = t.detach().clone().requires_grad_()
+            out = fast(x, fast_lm.mark_whole_pack(cu.clone()), freqs, cp_group=_OneRank())
+            out.float().square().sum().backward()
+            results.append((out.float(), x.grad.float()))
+    (out, grad), (eager_out, eager_grad) = results
+    torch.testing.assert_close(out, eager_out, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(grad, eager_grad, rtol=1.6e-2, atol=2e-2)

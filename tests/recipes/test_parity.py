@@ -3,9 +3,10 @@ transformers' Trainer takes on the same conversations unpacked, for every family
 
 One tiny model per family (its family record's debug flavour), the parity sample set (multi-turn with two images,
 text-only, a video, one image) packed offline into two packs, 3 AdamW steps with the recipe's betas, eps, weight
-decay groups, clipping and cosine schedule. qvl's side runs with `model.cross_entropy_loss_fusion=false`: Megatron's
-native fused cross-entropy rounds the logits' gradient to bf16 even in fp32 (a test below shows it and that the
-report names it). Then three deliberate breakages, each of which the check must catch.
+decay groups, clipping and cosine schedule. qvl's side runs the recipe's fused cross-entropy, which qvl's training
+loop makes its own (qvl.bridges.cross_entropy); Megatron-Core's native one rounds the logits' gradient to bf16 even in
+fp32 (a test below shows it and that the report names it). Then three deliberate breakages, each of which the check
+must catch.
 
 Qwen3.5-VL (dense and MoE): every tensor keeps the fp32 tolerances but the Gated DeltaNet decay-gate parameters,
 judged with the named `gate_grad` / `gate_weight` tolerances (qvl.recipes.parity.report); the slow test at the
@@ -28,7 +29,6 @@ GATED_DELTA_FAMILIES = ("qwen3_5_vl", "qwen3_5_vl_moe")
 STEPS = 3
 SEQ_LENGTH = 200  # the four conversations (287 tokens with the tiny processors) make two packs
 OPTIONS = {"seq_length": SEQ_LENGTH, "lr": 1e-3, "min_lr": 1e-4, "warmup_iters": 1, "weight_decay": 0.1}
-EXACT_CE = {"model.cross_entropy_loss_fusion": False}
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +45,7 @@ def parity_inputs(tmp_path_factory):
     return inputs
 
 
-def run(parity_inputs, tmp_path, family: str, *, steps: int = STEPS, options=EXACT_CE, batch_hook=None):
+def run(parity_inputs, tmp_path, family: str, *, steps: int = STEPS, options=None, batch_hook=None):
     from qvl.recipes.parity.run import ParitySpec, run_parity
 
     hf, data = parity_inputs[family]
@@ -54,7 +54,7 @@ def run(parity_inputs, tmp_path, family: str, *, steps: int = STEPS, options=EXA
         data=data,
         run_dir=tmp_path,
         steps=steps,
-        options={**OPTIONS, "warmup_iters": min(1, steps - 1), **options},
+        options={**OPTIONS, "warmup_iters": min(1, steps - 1), **(options or {})},
         batch_hook=batch_hook,
     )
     return run_parity(spec)
@@ -109,7 +109,7 @@ def test_report_names_the_deliberate_differences(reports):
     # Qwen2.5-VL's vision blocks use RMSNorm modules named norm1/norm2: transformers' Trainer would decay them.
     assert "weight decay" in notes and "visual.blocks.0.norm1.weight" in notes
     assert "accepts_loss_kwargs=False" in notes and "calculate_per_token_loss=True" in notes
-    assert "cross_entropy_loss_fusion=false" in notes
+    assert "cross-entropy" not in notes  # the recipe's fused cross-entropy (qvl's) is exact in fp32
     assert "moe_aux_loss_coeff=0" in " ".join(reports["qwen3_vl_moe"][1]["deliberate"])
 
 
@@ -120,10 +120,17 @@ def test_bad_input_is_one_error_line(tmp_path, capsys):
     assert "has no config.json" in capsys.readouterr().err
 
 
-def test_fused_cross_entropy_rounds_the_logit_gradient_to_bf16(parity_inputs, tmp_path):
-    """The recipe's default, Megatron-Core's native fused cross-entropy, casts dL/dlogits to bf16 even in fp32
-    training (megatron/core/fusions/fused_cross_entropy.py, calculate_gradients): the losses stay exact, every
-    gradient is off by bf16 rounding (2^-9 relative), the fp32 check fails on it and the report names it."""
+def test_native_fused_cross_entropy_rounds_the_logit_gradient_to_bf16(parity_inputs, tmp_path, monkeypatch):
+    """Where qvl's cross-entropy does not replace it (Transformer Engine or Apex installed; here by hand),
+    Megatron-Core's native fused cross-entropy casts dL/dlogits to bf16 even in fp32 training
+    (megatron/core/fusions/fused_cross_entropy.py, calculate_gradients): the losses stay exact, every gradient is off
+    by bf16 rounding (2^-9 relative), the fp32 check fails on it and the report names it. (Every other test here runs
+    the recipe's fused cross-entropy as qvl trains it, and passes the fp32 tolerances.)"""
+    from qvl.bridges import cross_entropy
+    from qvl.recipes.parity import run as parity_run
+
+    monkeypatch.setattr(cross_entropy, "lean_fused_cross_entropy", lambda original: original)
+    monkeypatch.setattr(parity_run, "lean_cross_entropy", lambda: False)
     report = run(parity_inputs, tmp_path, "qwen2_5_vl", steps=1, options={"model.cross_entropy_loss_fusion": True})
     assert report.token_loss_max_diff <= TOLERANCES["fp32"].token_loss
     assert report.steps[0].loss_diff <= TOLERANCES["fp32"].step_loss
@@ -238,7 +245,7 @@ def test_gate_differences_are_fp32_error_alone(parity_inputs, tmp_path, family):
     from qvl.recipes.parity.run import ParitySpec, check_spec, qvl_run, reference_run
 
     hf_path, data = parity_inputs[family]
-    spec = ParitySpec(hf_path=hf_path, data=data, run_dir=tmp_path, steps=STEPS, options={**OPTIONS, **EXACT_CE})
+    spec = ParitySpec(hf_path=hf_path, data=data, run_dir=tmp_path, steps=STEPS, options=OPTIONS)
     record, device = check_spec(spec)
     qvl, config = run_megatron(qvl_run(spec, record, device))
     hf, settings = reference_run(spec, record, qvl, config)
