@@ -17,6 +17,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import logging
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -162,6 +163,23 @@ def import_megatron_bridge() -> types.ModuleType:
 def have_transformer_engine() -> bool:
     """True when the real Transformer Engine is importable."""
     return _is_installed("transformer_engine")
+
+
+def filter_except_qvl(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """`add_filter_to_all_loggers` that leaves qvl's loggers alone.
+
+    Megatron-Bridge's setup (`setup_logging`, `logger.filter_warnings=True` by default) gives the root logger and every
+    logger that exists a filter that drops WARNING records, for the rest of the process: after a training loop in a
+    notebook or `qvl.recipes.train()`, qvl's own warnings (an option that falls back, a check that found something)
+    were silently gone. Other libraries' loggers still get the filter, as upstream intends."""
+
+    def add_filter_to_all_loggers(filter: Any) -> None:
+        logging.getLogger().addFilter(filter)
+        for name in list(logging.root.manager.loggerDict):
+            if name != "qvl" and not name.startswith("qvl."):
+                logging.getLogger(name).addFilter(filter)
+
+    return add_filter_to_all_loggers
 
 
 def prebuilt_dataset_helpers(original: Callable[[], None]) -> Callable[[], None]:

@@ -120,6 +120,10 @@ PATCHES: tuple[Patch, ...] = (
           replacement="qvl.foundation.megatron:prebuilt_dataset_helpers", version=MBRIDGE,
           why="it runs `make` in megatron/core/datasets, which the megatron-core wheel ships prebuilt and without a "
               "Makefile: every pip-installed training run exits there (seen on an H100); from source it still builds"),
+    Patch(group="megatron-wheel", target="megatron.training.utils.log_utils:add_filter_to_all_loggers",
+          replacement="qvl.foundation.megatron:filter_except_qvl", version=MCORE, params=("filter",),
+          why="Megatron-Bridge's setup_logging adds a WARNING-dropping filter to every existing logger for the rest "
+              "of the process: after an in-process training loop qvl's own warnings were silently dropped"),
     # --- torch-adam-resume: qvl.recipes.training.optimizer_fixes (any device without TE/Apex)
     Patch(group="torch-adam-resume",
           target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict",

@@ -117,6 +117,27 @@ def test_dataset_helpers_are_built_only_where_the_wheel_did_not_ship_them(monkey
     assert builds == ["make"]
 
 
+def test_megatron_logging_setup_leaves_qvl_warnings_alone(caplog):
+    """megatron-wheel: Megatron-Bridge's `setup_logging` (every training loop) filters WARNING records out of every
+    logger that exists, for the rest of the process; qvl's loggers keep theirs, the others are filtered as before.
+    (The suite's autouse fixture removes the filters again afterwards.)"""
+    import logging
+
+    from qvl.foundation import megatron, patches
+
+    megatron.import_megatron_bridge()
+    from megatron.bridge.training.utils.log_utils import setup_logging
+
+    ours, theirs = logging.getLogger("qvl.recipes.some_module"), logging.getLogger("some_library.module")
+    with patches.applied("megatron-wheel"):
+        setup_logging(logging_level=logging.INFO, filter_warning=True)
+    with caplog.at_level(logging.INFO):
+        ours.warning("kept")
+        theirs.warning("dropped")
+        theirs.error("errors pass")
+    assert [r.getMessage() for r in caplog.records] == ["kept", "errors pass"]
+
+
 def test_the_bridge_registration_imports_first_in_a_fresh_process():
     # It must give Megatron-Bridge its Transformer Engine stand-ins itself, not rely on a caller having done so.
     from tests.test_layers import ROOT
