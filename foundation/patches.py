@@ -220,6 +220,23 @@ PATCHES: tuple[Patch, ...] = (
           why="it reads its device grid to the host on every call (position-table corners and weights per image, "
               "rotary maxima, split sizes) and hands its attention a 0-d device tensor as the longest block; it "
               "takes the loader's host-computed inputs instead"),
+    # --- qwen3-vl-sync-free: qvl.recipes.training.qwen3_vl_sync_free (around every training loop, with "fast-lm")
+    Patch(group="qwen3-vl-sync-free",
+          target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model:Qwen3VLModel.forward",
+          replacement="qvl.recipes.training.qwen3_vl_sync_free:indexed_forward", version=MBRIDGE,
+          params=("self", "input_ids", "position_ids", "attention_mask", "labels", "loss_mask", "inference_params",
+                  "packed_seq_params", "extra_block_kwargs", "pixel_values", "pixel_values_videos", "image_grid_thw",
+                  "video_grid_thw", "image_input_mask", "video_input_mask"),
+          why="it puts the vision embeddings into the tokens with a boolean mask (`combined_embeddings[vision_mask]`), "
+              "which reads the mask's count to the host, forward and backward; the step's host-computed indices "
+              "instead"),
+    Patch(group="qwen3-vl-sync-free",
+          target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_block:"
+                 "Qwen3VLTransformerBlock._deepstack_process",
+          replacement="qvl.recipes.training.qwen3_vl_sync_free:indexed_deepstack", version=MBRIDGE,
+          params=("self", "hidden_states", "visual_pos_masks", "visual_embeds"),
+          why="it reads and writes the deepstack rows through a boolean mask: 2 host reads per deepstack layer "
+              "forward, 3 backward; it takes the forward's int64 indices as well"),
     # --- aligned-widths: around qvl's conversions (qvl.bridges.convert); the padding itself is qvl.bridges.aligned
     Patch(group="aligned-widths",
           target="megatron.bridge.models.conversion.param_mapping:ReplicatedMapping.hf_to_megatron",

@@ -34,6 +34,7 @@ from qvl.bridges.cross_entropy import GROUP as LEAN_CROSS_ENTROPY
 from qvl.foundation import patches
 from qvl.recipes.training.fast_lm import GROUP as FAST_LM
 from qvl.recipes.training.optimizer import GROUP as FAST_OPTIMIZER
+from qvl.recipes.training.qwen3_vl_sync_free import GROUP as QWEN3_VL_SYNC_FREE
 
 GROUP = "torch-adam-resume"
 
@@ -76,8 +77,9 @@ def needed() -> bool:
 def fixed() -> contextlib.AbstractContextManager:
     """The fixes (patch group "torch-adam-resume" of qvl.foundation.patches), the one-pass optimizer step
     ("fast-optimizer"), the packed rotary without host reads ("fast-lm") and the cross-entropy without an fp32 copy
-    of the logits ("lean-cross-entropy") in place for a block, where needed."""
-    groups = (GROUP, FAST_OPTIMIZER, FAST_LM, LEAN_CROSS_ENTROPY)
+    of the logits ("lean-cross-entropy") in place for a block, where needed; with "fast-lm", Qwen3-VL's vision
+    rows addressed by host-computed indices ("qwen3-vl-sync-free", qvl.recipes.training.qwen3_vl_sync_free)."""
+    groups = (GROUP, FAST_OPTIMIZER, FAST_LM, QWEN3_VL_SYNC_FREE, LEAN_CROSS_ENTROPY)
     return patches.applied(*groups) if needed() else contextlib.nullcontext()
 
 
