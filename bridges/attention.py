@@ -270,13 +270,32 @@ def hf_varlen_attention(
     cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     dropout_p = dropout if module.training else 0.0
+    max_q = longest_block(cu_seq_lens_q, packed_max_seqlens, max_length_q)
+    max_k = longest_block(cu_k, packed_max_seqlens, max_length_k)
+    out = packed_attention(q, k, v, cu_seq_lens_q, cu_k, max_q, max_k, scaling, dropout_p, is_causal)
+    return out.unsqueeze(0), None
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int | torch.Tensor | None,
+    max_k: int | torch.Tensor | None,
+    scaling: float | None,
+    dropout_p: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """Attention over packed blocks, `[tokens, heads, dim]` in and out: torch's varlen kernel where usable (with the
+    longest blocks given, or computed), else one SDPA call per block (CPU, fp32, dropout)."""
     if varlen_usable(q, dropout_p=dropout_p):
-        max_q = _longest_block(cu_seq_lens_q, packed_max_seqlens, max_length_q)
-        max_k = _longest_block(cu_k, packed_max_seqlens, max_length_k)
-        out = varlen_attention(q, k, v, cu_seq_lens_q, cu_k, max_q, max_k, causal=is_causal, scale=scaling)
-        return out.unsqueeze(0), None
+        max_q = _max_length(cu_q) if max_q is None else max_q
+        max_k = _max_length(cu_k) if max_k is None else max_k
+        return varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=is_causal, scale=scaling)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    bounds_q, bounds_k = cu_seq_lens_q.tolist(), cu_k.tolist()
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:]), strict=True):
         block = F.scaled_dot_product_attention(
             q[q0:q1].transpose(0, 1),
@@ -288,17 +307,17 @@ def hf_varlen_attention(
             enable_gqa=k.shape[1] != q.shape[1],
         )
         out[q0:q1] = block.transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out
 
 
-def _longest_block(
+def longest_block(
     cu_seqlens: torch.Tensor, known: tuple[tuple[torch.Tensor, int], ...], given: int | torch.Tensor | None
-) -> int | torch.Tensor:
-    """The longest block of `cu_seqlens`: the int handed in with that very tensor, else `given`, else computed."""
+) -> int | torch.Tensor | None:
+    """The longest block of `cu_seqlens`: the int handed in with that very tensor, else `given` (None: to compute)."""
     for tensor, longest in known:
         if tensor is cu_seqlens:
             return longest
-    return _max_length(cu_seqlens) if given is None else given
+    return given
 
 
 def register_hf_varlen_attention() -> str:

@@ -113,6 +113,34 @@ def fused_rotary(original):
     return apply_rotary_pos_emb_vision
 
 
+def lean_attention(original):
+    """Patch factory for the HF vision attention's forward (Qwen2-VL `VisionAttention`, Qwen2.5-VL
+    `Qwen2_5_VLVisionAttention`) where qvl's varlen attention serves it with the loader's block lengths.
+
+    transformers' forward permutes q, k and v to `[1, heads, tokens, dim]` for the attention function, which
+    permutes them back, and computes `(cu_seqlens[1:] - cu_seqlens[:-1]).max()` on the device in every call although
+    the lengths came from the host: two kernels and about fourteen views each way per block. This one hands the
+    `[tokens, heads, dim]` views of the fused qkv projection straight to `packed_attention`: the same kernels on the
+    same tensors, bitwise the same outputs and gradients. Any other call (another attention function, no host lengths,
+    the deprecated `rotary_pos_emb`) runs transformers' forward."""
+    from qvl.bridges.attention import HF_VARLEN_ATTENTION, longest_block, packed_attention
+
+    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
+        known = kwargs.get(MAX_SEQLENS_KWARG)
+        if not known or position_embeddings is None or self.config._attn_implementation != HF_VARLEN_ATTENTION:
+            return original(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs)
+        tokens = hidden_states.shape[0]
+        q, k, v = self.qkv(hidden_states).view(tokens, 3, self.num_heads, -1).unbind(1)
+        cos, sin = position_embeddings
+        q, k = compiled_rotary()(q, k, cos, sin) if runs_compiled(q) else rotary_fp32(q, k, cos, sin)
+        longest = longest_block(cu_seqlens, known, None)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        out = packed_attention(q, k, v, cu_seqlens, cu_seqlens, longest, longest, self.scaling, dropout_p, False)
+        return self.proj(out.reshape(tokens, -1))
+
+    return forward
+
+
 def tower_kwargs(inputs: TowerInputs) -> dict[str, Any]:
     """The forward kwargs transformers' vision helpers pop (transformers/vision_utils.py), plus the block lengths."""
     kwargs: dict[str, Any] = {"position_ids": inputs.position_ids, "cu_seqlens": inputs.cu_seqlens}

@@ -262,6 +262,14 @@ PATCHES: tuple[Patch, ...] = (
               why="fp32 rotate-half in ~10 kernels per tensor; one compiled region on CUDA, the same math")
         for name in ("qwen2_vl", "qwen2_5_vl")
     ),
+    *(
+        Patch(group="lean-hf-vision", target=f"transformers.models.{name}.modeling_{name}:{attention}.forward",
+              replacement="qvl.bridges.lean_vision:lean_attention", version="transformers 5.12.1",
+              params=("self", "hidden_states", "cu_seqlens", "position_embeddings"),
+              why="it permutes q, k, v for the attention function and back, and computes the longest block on the "
+                  "device in every call although qvl passes it from the host: ~14 views and 2 kernels each way")
+        for name, attention in (("qwen2_vl", "VisionAttention"), ("qwen2_5_vl", "Qwen2_5_VLVisionAttention"))
+    ),
     # --- gated-delta-torch: while qvl.bridges.gated_delta.GatedDeltaNet builds or runs where `fla` cannot run
     *(
         Patch(group="gated-delta-torch", target=f"megatron.core.ssm.gated_delta_net.{module}:{name}",

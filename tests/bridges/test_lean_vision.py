@@ -169,6 +169,36 @@ def test_lean_tower_reads_nothing_back_on_the_cuda_path(family, varlen_as_on_cud
     torch.testing.assert_close(derived, reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cuda_path", [True, False], ids=["varlen", "sdpa-loop"])
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_lean_attention_is_transformers_attention_bit_for_bit(family, cuda_path, request):
+    """The lean attention forward (no permutes, no device max of the block lengths) against transformers' forward
+    with the same attention function and inputs: outputs and every gradient bitwise equal, in bf16."""
+    from qvl.bridges.attention import register_hf_varlen_attention
+
+    if cuda_path:
+        request.getfixturevalue("varlen_as_on_cuda")
+    tower = tiny_tower(family, torch.bfloat16, attention=register_hf_varlen_attention())
+    x = pixels(tower, torch.bfloat16)
+    inputs = tower_inputs_for_config(GRIDS, tower.config)
+    results = []
+    for lean in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            if not lean:
+                patch.setattr(lean_vision, "lean_attention", lambda original: original)
+            calls = []
+            patch.setattr(torch.Tensor, "max", lambda self, *a, **k: calls.append(1) or torch.max(self, *a, **k))
+            tower.zero_grad()
+            with patches.applied(lean_vision.GROUP), lean_vision.prepared_tower_inputs([tower], [(GRIDS, inputs)]):
+                out = tower(x, grid_thw=GRIDS).pooler_output
+                out.float().square().sum().backward()
+        results.append((out, [p.grad.clone() for p in tower.parameters()], len(calls)))
+    (lean_out, lean_grads, lean_maxes), (hf_out, hf_grads, hf_maxes) = results
+    assert torch.equal(lean_out, hf_out)
+    assert all(torch.equal(a, b) for a, b in zip(lean_grads, hf_grads, strict=True))
+    assert lean_maxes == 0 and hf_maxes == tower.config.depth  # transformers' device max in every block
+
+
 def test_tower_inputs_refuse_a_device_grid():
     grid = GRIDS.to("meta")
     with pytest.raises(ValueError, match="on the CPU"):
