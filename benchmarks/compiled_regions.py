@@ -317,10 +317,10 @@ QVL_CROSS_ENTROPY_REGIONS = ("logits_max", "target_statistics", "logits_gradient
 
 @contextlib.contextmanager
 def cuda_compiled_regions(census):
-    """The regions a CUDA device with Triton runs compiled, as census stand-ins: qvl's vision and LM rotaries and
-    cross-entropy, each vision block with `compile=True` (qvl.bridges.lean_vision), and Megatron-Core's `jit_fuser`
-    functions (SwiGLU's, which qvl turns on there, qvl.foundation.megatron.no_te_settings, and the native fused
-    cross-entropy where qvl's is not patched in). Bias-dropout-add stays unfused on CUDA too (Megatron-Bridge's
+    """The regions a CUDA device with Triton runs compiled, as census stand-ins: qvl's vision and LM rotaries (and
+    Qwen3-VL's), vision MLP activations and cross-entropy, each vision block with `compile=True` (qvl.bridges.lean_vision), and
+    Megatron-Core's `jit_fuser` functions (SwiGLU's, which qvl turns on there, qvl.foundation.megatron.no_te_settings,
+    and the native fused cross-entropy where qvl's is not patched in). Bias-dropout-add stays unfused on CUDA too (Megatron-Bridge's
     default; Qwen's linears have no bias and its dropout is 0, so the unfused path is already one add)."""
     import importlib
 
@@ -331,6 +331,9 @@ def cuda_compiled_regions(census):
     regions = CompiledRegions(census, opaque=opaque_varlen_attention)
     rotary = regions.region("vision rotary", lean_vision.rotary_fp32)
     lm_rotary = regions.region("LM rotary", fast_lm.rotary_whole_pack)
+    absolute_rotary = regions.region("Qwen3-VL rotary", fast_lm.rotary_absolute)
+    mlp = (lean_vision.silu_gate, lean_vision.quick_gelu)  # through lean_vision.compiled_activation(fn)
+    activation = {fn.__name__: regions.region(f"vision MLP {fn.__name__}", fn) for fn in mlp}
     loss = {
         name: regions.region(f"cross-entropy {name}", getattr(cross_entropy, name))
         for name in QVL_CROSS_ENTROPY_REGIONS
@@ -345,7 +348,9 @@ def cuda_compiled_regions(census):
             (lean_vision, "compiled_rotary", lambda: rotary),
             (lean_vision, "cuda_compile_usable", lambda: True),
             (lean_vision, "compile_block", compile_block),
+            (lean_vision, "compiled_activation", lambda fn: activation[fn.__name__]),
             (fast_lm, "compiled_rotary", lambda: lm_rotary),
+            (fast_lm, "compiled_rotary_absolute", lambda: absolute_rotary),
             (cross_entropy, "compiled", lambda fn: loss[fn.__name__]),
             (megatron, "swiglu_fusion_usable", lambda: True),
         ):

@@ -12,6 +12,11 @@ the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `le
   `torch.compile`d region (Inductor fuses the stack, casts, halves and products into one kernel each way, fp32 in
   registers; the step census counts it so, benchmarks/compiled_regions.py); elsewhere eager, bitwise HF's.
 
+- `lean_attention`: the attention's forward without transformers' permutes to `[1, heads, tokens, dim]` and back
+  and without its device max of the block lengths (qvl passes them from the host); bitwise transformers'.
+- `lean_gated_mlp` / `lean_mlp`: the MLP's activation (Qwen2.5-VL's `silu(gate) * up`, Qwen2-VL's QuickGELU) one
+  compiled region each way on CUDA, eager elsewhere (bitwise transformers').
+
 `compile_vision_blocks` (the recipe option `compile=True`) compiles each whole block on CUDA.
 
 `prepared_tower_inputs(model, pairs)` hands each tower call the inputs the loader computed on the host from that
@@ -137,6 +142,55 @@ def lean_attention(original):
         dropout_p = self.attention_dropout if self.training else 0.0
         out = packed_attention(q, k, v, cu_seqlens, cu_seqlens, longest, longest, self.scaling, dropout_p, False)
         return self.proj(out.reshape(tokens, -1))
+
+    return forward
+
+
+def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Qwen2.5-VL's vision MLP activation: `silu(gate) * up` (transformers' `SiLUActivation` is `F.silu`)."""
+    return F.silu(gate) * up
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Qwen2-VL's vision MLP activation, transformers' `QuickGELUActivation`: `x * sigmoid(1.702 x)`."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+@functools.cache
+def compiled_activation(fn):
+    """A vision MLP activation as one compiled region; dynamic shapes, since every pack has its own patch count."""
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _activation(fn, tensor: torch.Tensor):
+    return compiled_activation(fn) if runs_compiled(tensor) else fn
+
+
+def lean_gated_mlp(original):
+    """Patch factory for `Qwen2_5_VLMLP.forward`: the gate's SiLU and the product one compiled region each way on
+    CUDA with Triton (eagerly: two kernels forward, three backward, and the activation written and read back), the
+    same math eagerly elsewhere (bitwise transformers'). Another activation runs transformers' forward."""
+    from transformers.activations import SiLUActivation
+
+    def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        if type(self.act_fn) is not SiLUActivation:
+            return original(self, hidden_state)
+        gate, up = self.gate_proj(hidden_state), self.up_proj(hidden_state)
+        return self.down_proj(_activation(silu_gate, gate)(gate, up))
+
+    return forward
+
+
+def lean_mlp(original):
+    """Patch factory for Qwen2-VL's `VisionMlp.forward`: QuickGELU one compiled region each way on CUDA with Triton
+    (eagerly three kernels forward), eager elsewhere (bitwise transformers'). Another activation runs transformers'."""
+    from transformers.activations import QuickGELUActivation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.act) is not QuickGELUActivation:
+            return original(self, x)
+        hidden = self.fc1(x)
+        return self.fc2(_activation(quick_gelu, hidden)(hidden))
 
     return forward
 

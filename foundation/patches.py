@@ -163,6 +163,12 @@ PATCHES: tuple[Patch, ...] = (
           params=("t", "cu_seqlens", "freqs", "rotary_interleaved", "mla_rotary_interleaved", "mscale", "cp_group"),
           why="packed rotary reads every sub-sequence's length and start to the host in every attention layer; with "
               "one CP rank and per-token frequencies the whole-pack rotary is bitwise the same"),
+    Patch(group="fast-lm",
+          target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention:apply_rotary_pos_emb_absolute",
+          replacement="qvl.recipes.training.fast_lm:absolute_rotary", version=MBRIDGE,
+          params=("t", "freqs", "config", "cu_seqlens"),
+          why="Qwen3-VL's rotary (language model and vision tower) is about ten eager kernels each way per query or "
+              "key; one compiled region where CUDA and Triton are"),
     Patch(group="fast-lm", target="megatron.bridge.models.qwen_vl.modeling_qwen25_vl:Qwen25VLModel.forward",
           replacement="qvl.recipes.training.sync_free:loader_positions_forward", version=MBRIDGE,
           params=("self", "input_ids", "attention_mask", "position_ids", "inputs_embeds", "pixel_values",
@@ -270,6 +276,14 @@ PATCHES: tuple[Patch, ...] = (
                   "device in every call although qvl passes it from the host: ~14 views and 2 kernels each way")
         for name, attention in (("qwen2_vl", "VisionAttention"), ("qwen2_5_vl", "Qwen2_5_VLVisionAttention"))
     ),
+    Patch(group="lean-hf-vision", target="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLMLP.forward",
+          replacement="qvl.bridges.lean_vision:lean_gated_mlp", version="transformers 5.12.1",
+          params=("self", "hidden_state"),
+          why="the gate's SiLU and the product are 2 kernels forward and 3 backward with the activation written and "
+              "read back; one compiled region each way on CUDA, the same math"),
+    Patch(group="lean-hf-vision", target="transformers.models.qwen2_vl.modeling_qwen2_vl:VisionMlp.forward",
+          replacement="qvl.bridges.lean_vision:lean_mlp", version="transformers 5.12.1", params=("self", "x"),
+          why="QuickGELU is 3 kernels forward and more backward; one compiled region each way on CUDA, the same math"),
     # --- gated-delta-torch: while qvl.bridges.gated_delta.GatedDeltaNet builds or runs where `fla` cannot run
     *(
         Patch(group="gated-delta-torch", target=f"megatron.core.ssm.gated_delta_net.{module}:{name}",

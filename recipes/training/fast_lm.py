@@ -15,7 +15,8 @@ Where qvl's compiled regions run (CUDA with Triton, qvl.bridges.lean_vision.runs
 one compiled region: Megatron-Core's eager rotary is about ten kernels each way per query or key (cos, sin, their
 casts, rotate-half's neg and cat, the products and the sum), Inductor's one each way, computing the cos and sin from the
 frequencies inside the kernel and rounding to bf16 once instead of after each product (the eager path stays on CPU
-and is what the CPU tests compare bitwise).
+and is what the CPU tests compare bitwise). So is the rotary of Megatron-Bridge's Qwen3-VL attention (language model
+and vision tower), which has no host read but the same eager kernels.
 """
 
 from __future__ import annotations
@@ -54,6 +55,42 @@ def rotary_whole_pack(
 def compiled_rotary():
     """`rotary_whole_pack` as one compiled region; dynamic shapes, since packs differ in length."""
     return torch.compile(rotary_whole_pack, dynamic=True, fullgraph=True)
+
+
+def rotary_absolute(
+    t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool, in_fp32: bool, packed: bool
+) -> torch.Tensor:
+    """Megatron-Bridge's Qwen3-VL rotary (`apply_rotary_pos_emb_absolute`, modelling_qwen3_vl/rope.py, used by its
+    language model and its vision tower) with the config's two fields as arguments: per-token frequencies, packed
+    `[tokens, heads, dim]` or `[s, b, heads, dim]`, optionally in fp32."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    x = t.float() if in_fp32 else t
+    out = _apply_rotary_pos_emb_bshd(x[:, None] if packed else x, freqs, rotary_interleaved=rotary_interleaved)
+    out = out.squeeze(1) if packed else out
+    return out.to(t.dtype) if in_fp32 else out
+
+
+@functools.cache
+def compiled_rotary_absolute():
+    """`rotary_absolute` as one compiled region; dynamic shapes."""
+    return torch.compile(rotary_absolute, dynamic=True, fullgraph=True)
+
+
+def absolute_rotary(original):
+    """Patch factory for `apply_rotary_pos_emb_absolute` as Megatron-Bridge's Qwen3-VL attention calls it: one
+    compiled region each way where qvl's compiled regions run (its eager form is about ten kernels each way per query
+    or key, as Megatron-Core's), upstream's function elsewhere."""
+    from qvl.bridges import lean_vision
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb_absolute(t, freqs, config, cu_seqlens=None):
+        if config.apply_rope_fusion or not lean_vision.runs_compiled(t):
+            return original(t, freqs, config, cu_seqlens)
+        rotate = compiled_rotary_absolute()
+        return rotate(t, freqs, config.rotary_interleaved, config.apply_rotary_pos_emb_in_fp32, cu_seqlens is not None)
+
+    return apply_rotary_pos_emb_absolute
 
 
 def packed_rotary(original):

@@ -3,6 +3,8 @@ inputs equal to the ones the tower derives, and a tower forward that reads nothi
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -171,9 +173,10 @@ def test_lean_tower_reads_nothing_back_on_the_cuda_path(family, varlen_as_on_cud
 
 @pytest.mark.parametrize("cuda_path", [True, False], ids=["varlen", "sdpa-loop"])
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
-def test_lean_attention_is_transformers_attention_bit_for_bit(family, cuda_path, request):
-    """The lean attention forward (no permutes, no device max of the block lengths) against transformers' forward
-    with the same attention function and inputs: outputs and every gradient bitwise equal, in bf16."""
+def test_lean_attention_and_mlp_are_transformers_bit_for_bit(family, cuda_path, request):
+    """The lean attention forward (no permutes, no device max of the block lengths) and MLP forward (the activation
+    as one region) against transformers' forwards with the same attention function and inputs: outputs and every
+    gradient bitwise equal, in bf16."""
     from qvl.bridges.attention import register_hf_varlen_attention
 
     if cuda_path:
@@ -185,7 +188,8 @@ def test_lean_attention_is_transformers_attention_bit_for_bit(family, cuda_path,
     for lean in (True, False):
         with pytest.MonkeyPatch.context() as patch:
             if not lean:
-                patch.setattr(lean_vision, "lean_attention", lambda original: original)
+                for factory in ("lean_attention", "lean_gated_mlp", "lean_mlp"):
+                    patch.setattr(lean_vision, factory, lambda original: original)
             calls = []
             patch.setattr(torch.Tensor, "max", lambda self, *a, **k: calls.append(1) or torch.max(self, *a, **k))
             tower.zero_grad()
@@ -197,6 +201,43 @@ def test_lean_attention_is_transformers_attention_bit_for_bit(family, cuda_path,
     assert torch.equal(lean_out, hf_out)
     assert all(torch.equal(a, b) for a, b in zip(lean_grads, hf_grads, strict=True))
     assert lean_maxes == 0 and hf_maxes == tower.config.depth  # transformers' device max in every block
+
+
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_mlp_activation_takes_its_compiled_region_where_compiled_regions_run(family, monkeypatch):
+    tower = tiny_tower(family)
+    mlp = tower.blocks[0].mlp
+    regions = []
+    monkeypatch.setattr(lean_vision, "runs_compiled", lambda tensor: True)
+    monkeypatch.setattr(lean_vision, "compiled_activation", lambda fn: regions.append(fn.__name__) or fn)
+    x = torch.randn(7, tower.config.hidden_size if family == "qwen2_5_vl" else tower.config.embed_dim)
+    with patches.applied(lean_vision.GROUP):
+        lean = mlp(x)
+    assert regions == ["silu_gate" if family == "qwen2_5_vl" else "quick_gelu"]
+    assert torch.equal(lean, mlp(x))  # transformers' forward, the group undone
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_compiled_mlp_activation_matches_transformers_on_cuda_bf16(family):
+    if not lean_vision.cuda_compile_usable():
+        pytest.skip("needs Triton")
+    mlp = tiny_tower(family, torch.bfloat16).blocks[0].mlp.cuda()
+    width = mlp.down_proj.out_features if family == "qwen2_5_vl" else mlp.fc2.out_features
+    x = torch.randn(4096, width, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for lean in (True, False):
+        mlp.zero_grad()
+        inputs = x.clone().requires_grad_()
+        with patches.applied(lean_vision.GROUP) if lean else contextlib.nullcontext():
+            out = mlp(inputs)
+        out.float().square().sum().backward()
+        results.append((out.float(), inputs.grad.float(), [p.grad.float() for p in mlp.parameters()]))
+    (out, grad, weights), (reference, reference_grad, reference_weights) = results
+    torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(grad, reference_grad, rtol=1.6e-2, atol=2e-2)
+    for a, b in zip(weights, reference_weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=5e-2)
 
 
 def test_tower_inputs_refuse_a_device_grid():

@@ -183,3 +183,64 @@ def test_compiled_lm_rotary_matches_the_eager_rotary_on_cuda_bf16():
     (out, grad), (eager_out, eager_grad) = results
     torch.testing.assert_close(out, eager_out, rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(grad, eager_grad, rtol=1.6e-2, atol=2e-2)
+
+
+class _RotaryConfig:
+    apply_rope_fusion = False
+    rotary_interleaved = False
+
+    def __init__(self, in_fp32: bool):
+        self.apply_rotary_pos_emb_in_fp32 = in_fp32
+
+
+@pytest.mark.parametrize("in_fp32", [False, True], ids=["bf16", "fp32-math"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "bshd"])
+def test_qwen3_vl_rotary_region_is_upstreams_rotary_bitwise(in_fp32, packed):
+    """The region qvl compiles on CUDA, run eagerly, against Megatron-Bridge's Qwen3-VL rotary; and where compiled
+    regions run, the attention's rotary goes through it."""
+    megatron.import_megatron_bridge()
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import rope
+
+    from qvl.bridges import lean_vision
+    from qvl.recipes.training import fast_lm
+
+    t, freqs, cu = _rotary_inputs()
+    if not packed:
+        t = t.unsqueeze(1)  # [s, b=1, heads, dim]
+    config = _RotaryConfig(in_fp32)
+    cu_seqlens = cu if packed else None
+    expected = rope.apply_rotary_pos_emb_absolute(t, freqs, config, cu_seqlens)
+    assert torch.equal(fast_lm.rotary_absolute(t, freqs, False, in_fp32, packed), expected)
+    calls = []
+    fast = fast_lm.absolute_rotary(rope.apply_rotary_pos_emb_absolute)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lean_vision, "runs_compiled", lambda tensor: True)
+        patch.setattr(fast_lm, "compiled_rotary_absolute", lambda: lambda *a: calls.append(a) or expected)
+        fast(t, freqs, config, cu_seqlens)
+    assert len(calls) == 1 and calls[0][2:] == (False, in_fp32, packed)
+    assert torch.equal(fast(t, freqs, config, cu_seqlens), expected)  # on CPU: upstream's function
+
+
+@pytest.mark.gpu
+def test_compiled_qwen3_vl_rotary_matches_upstream_on_cuda_bf16():
+    megatron.import_megatron_bridge()
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import rope
+
+    from qvl.bridges import lean_vision
+    from qvl.recipes.training import fast_lm
+
+    if not lean_vision.cuda_compile_usable():
+        pytest.skip("needs Triton")
+    t, freqs, cu = _rotary_inputs("cuda", tokens=4096)
+    results = []
+    for compiled in (True, False):
+        x = t.detach().clone().requires_grad_()
+        if compiled:
+            out = fast_lm.compiled_rotary_absolute()(x, freqs, False, False, True)
+        else:
+            out = rope.apply_rotary_pos_emb_absolute(x, freqs, _RotaryConfig(False), cu)
+        out.float().square().sum().backward()
+        results.append((out.float(), x.grad.float()))
+    (out, grad), (eager_out, eager_grad) = results
+    torch.testing.assert_close(out, eager_out, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(grad, eager_grad, rtol=1.6e-2, atol=2e-2)
