@@ -318,7 +318,7 @@ QVL_CROSS_ENTROPY_REGIONS = ("logits_max", "target_statistics", "logits_gradient
 @contextlib.contextmanager
 def cuda_compiled_regions(census):
     """The regions a CUDA device with Triton runs compiled, as census stand-ins: qvl's vision and LM rotaries (and
-    Qwen3-VL's), vision MLP activations and cross-entropy, each vision block with `compile=True` (qvl.bridges.lean_vision), and
+    Qwen3-VL's), vision RMSNorm and MLP activations and cross-entropy, each vision block with `compile=True` (qvl.bridges.lean_vision), and
     Megatron-Core's `jit_fuser` functions (SwiGLU's, which qvl turns on there, qvl.foundation.megatron.no_te_settings,
     and the native fused cross-entropy where qvl's is not patched in). Bias-dropout-add stays unfused on CUDA too (Megatron-Bridge's
     default; Qwen's linears have no bias and its dropout is 0, so the unfused path is already one add)."""
@@ -330,6 +330,7 @@ def cuda_compiled_regions(census):
 
     regions = CompiledRegions(census, opaque=opaque_varlen_attention)
     rotary = regions.region("vision rotary", lean_vision.rotary_fp32)
+    norm = regions.region("vision RMSNorm", lean_vision.rms_norm)
     lm_rotary = regions.region("LM rotary", fast_lm.rotary_whole_pack)
     absolute_rotary = regions.region("Qwen3-VL rotary", fast_lm.rotary_absolute)
     mlp = (lean_vision.silu_gate, lean_vision.quick_gelu)  # through lean_vision.compiled_activation(fn)
@@ -346,6 +347,7 @@ def cuda_compiled_regions(census):
         for target, name, value in (
             (lean_vision, "runs_compiled", lambda tensor: not torch.compiler.is_compiling()),
             (lean_vision, "compiled_rotary", lambda: rotary),
+            (lean_vision, "compiled_rms_norm", lambda: norm),
             (lean_vision, "cuda_compile_usable", lambda: True),
             (lean_vision, "compile_block", compile_block),
             (lean_vision, "compiled_activation", lambda fn: activation[fn.__name__]),

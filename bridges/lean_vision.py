@@ -7,7 +7,8 @@ the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `le
 
 - `fused_rms_norm`: `weight * F.rms_norm(x, (d,), None, eps)`, torch's fused kernel (fp32 accumulation inside),
   then the weight in the input dtype as HF does. Bitwise equal to HF's on CPU (fp32 and bf16, tests); passing the
-  weight into `F.rms_norm` instead is not (a quarter of bf16 elements differ by one ulp).
+  weight into `F.rms_norm` instead is not (a quarter of bf16 elements differ by one ulp). On CUDA with Triton the
+  same function is one compiled region (one rounding to bf16 instead of two: within bf16 rounding, a `gpu` test).
 - `fused_rotary`: the same fp32 rotate-half math, q and k stacked so each step is one kernel for both; on CUDA one
   `torch.compile`d region (Inductor fuses the stack, casts, halves and products into one kernel each way, fp32 in
   registers; the step census counts it so, benchmarks/compiled_regions.py); elsewhere eager, bitwise HF's.
@@ -53,11 +54,19 @@ def rms_norm(weight: torch.Tensor, hidden_states: torch.Tensor, eps: float) -> t
     return weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), None, eps)
 
 
+@functools.cache
+def compiled_rms_norm():
+    """`rms_norm` as one compiled region (the normalisation and the weight in one kernel each way); dynamic shapes."""
+    return torch.compile(rms_norm, dynamic=True, fullgraph=True)
+
+
 def fused_rms_norm(original):
-    """Patch factory for `Qwen2_5_VLRMSNorm.forward`."""
+    """Patch factory for `Qwen2_5_VLRMSNorm.forward`: one compiled region where qvl's compiled regions run (torch's
+    fused kernel then the weight is two kernels forward and four backward), else `rms_norm` eagerly."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(self.weight, hidden_states, self.variance_epsilon)
+        norm = compiled_rms_norm() if runs_compiled(hidden_states) else rms_norm
+        return norm(self.weight, hidden_states, self.variance_epsilon)
 
     return forward
 

@@ -217,6 +217,18 @@ def test_mlp_activation_takes_its_compiled_region_where_compiled_regions_run(fam
     assert torch.equal(lean, mlp(x))  # transformers' forward, the group undone
 
 
+def test_rms_norm_takes_its_compiled_region_where_compiled_regions_run(monkeypatch):
+    norm = tiny_tower("qwen2_5_vl").blocks[0].norm1
+    regions = []
+    monkeypatch.setattr(lean_vision, "runs_compiled", lambda tensor: True)
+    monkeypatch.setattr(lean_vision, "compiled_rms_norm", lambda: regions.append(1) or lean_vision.rms_norm)
+    x = torch.randn(7, norm.weight.shape[0])
+    with patches.applied(lean_vision.GROUP):
+        lean = norm(x)
+    assert regions == [1]
+    assert torch.equal(lean, norm(x))  # transformers' forward, the group undone
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
 def test_compiled_mlp_activation_matches_transformers_on_cuda_bf16(family):
