@@ -12,7 +12,7 @@ from qvl.bridges.lean_vision import prepared_tower_inputs
 from qvl.bridges.qwen3_vl_tower import prepared_megatron_tower_inputs
 from qvl.data.count import IGNORE_INDEX
 from qvl.recipes.training.fast_lm import mark_whole_pack
-from qvl.recipes.training.qwen3_vl_sync_free import host_vision_positions, note_vision_positions
+from qvl.recipes.training.qwen3_vl_sync_free import host_vision_layout, note_vision_layout
 from qvl.recipes.training.sync_free import HostBatch, masked_loss, note_host_batch
 
 # Batch fields passed to the model when present (Qwen2-VL / Qwen2.5-VL / Qwen3-VL forward arguments).
@@ -105,11 +105,14 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
     kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to)
     if state.cfg.qvl.vision_balance:
         kwargs = balanced_vision_inputs(model, kwargs)
-    pairs = tower_input_pairs(batch, kwargs, device)
-    # Qwen3-VL: the vision rows as indices computed on the host (qvl.recipes.training.qwen3_vl_sync_free)
-    positions = host_vision_positions(model, batch.tokens, kwargs)
-    if positions is not None:
-        note_vision_positions(kwargs["input_ids"], to_device(positions, device))
+    # Qwen3-VL: the vision rows as indices, and a pack's images and videos in token order with the tower's inputs
+    # for that order, computed on the host (qvl.recipes.training.qwen3_vl_sync_free)
+    layout = host_vision_layout(model, batch, kwargs)
+    if layout is not None:
+        layout = (layout.pin_memory() if pinned_copies(device) else layout).to(device, non_blocking=True)
+        note_vision_layout(kwargs["input_ids"], layout)
+    # with images and videos the tower is given the token-order grid: its inputs, not each kind's, are the ones used
+    pairs = (layout.tower_input_pairs() if layout is not None else []) or tower_input_pairs(batch, kwargs, device)
     with prepared_tower_inputs(model, pairs), prepared_megatron_tower_inputs(model, pairs):
         output = model(**kwargs)
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
