@@ -231,6 +231,15 @@ def _layout(cfg: Any, gpus: int) -> _Layout:
     )
 
 
+def _loss_bytes_per_logit(model: Any, weight_bytes: int) -> int:
+    """Bytes per logit the loss keeps for backward: Megatron-Core's cross-entropies keep an fp32 softmax; qvl's fused
+    one (qvl.bridges.cross_entropy, in its place where Transformer Engine and Apex are absent) keeps the logits."""
+    from qvl.recipes.training import optimizer_fixes
+
+    lean = getattr(model, "cross_entropy_loss_fusion", False) and optimizer_fixes.needed()
+    return weight_bytes if lean else 4
+
+
 def _stage_memory(cfg: Any, lay: _Layout, workload: Workload) -> list[StageMemory]:
     """Per pipeline stage: parameters, gradients, optimizer state and activations on one GPU."""
     model = cfg.model
@@ -259,8 +268,8 @@ def _stage_memory(cfg: Any, lay: _Layout, workload: Workload) -> list[StageMemor
         elif s == 0:
             acts += vision_activation_bytes(model, vision, patches, recompute=vision_recompute)
             acts += tokens * 2 * lm.hidden_size
-        if s == pp - 1:
-            acts += tokens * 4 * (lm.hidden_size + padded_vocab(model)) / tp  # logits + loss, fp32 (same source)
+        if s == pp - 1:  # the final norm's output, fp32 (same source), and what the loss keeps per logit
+            acts += tokens * (4 * lm.hidden_size + _loss_bytes_per_logit(model, weight_b) * padded_vocab(model)) / tp
         acts *= _in_flight(model, s, lay.microbatches)
         if recompute == "full":  # one layer rebuilt at a time for backward
             acts += layer_activation_bytes(model, lm, tokens, recompute=None, modules=[])

@@ -226,3 +226,18 @@ def test_the_plan_starts_from_the_prepared_datasets_workload(tiny_dataset):
     assert from_data.worst.activations == plan_config(cfg, gpus=8, workload=expected).worst.activations
     # the sample set's small images are not the default mix (0.5 of tokens from 1024-patch images)
     assert from_data.worst.activations != plan_config(cfg, gpus=8, workload=Workload(seq_length=1)).worst.activations
+
+
+def test_the_loss_keeps_what_the_cross_entropy_in_use_keeps(monkeypatch):
+    """qvl's fused cross-entropy (no TE/Apex) keeps the logits in the weights' dtype for backward; Megatron-Core's
+    (unfused, or fused where TE or Apex is installed) an fp32 softmax."""
+    from types import SimpleNamespace
+
+    from qvl.recipes import planner
+    from qvl.recipes.training import optimizer_fixes
+
+    fused, unfused = SimpleNamespace(cross_entropy_loss_fusion=True), SimpleNamespace(cross_entropy_loss_fusion=False)
+    monkeypatch.setattr(optimizer_fixes, "needed", lambda: True)
+    assert planner._loss_bytes_per_logit(fused, 2) == 2 and planner._loss_bytes_per_logit(unfused, 2) == 4
+    monkeypatch.setattr(optimizer_fixes, "needed", lambda: False)  # TE or Apex installed
+    assert planner._loss_bytes_per_logit(fused, 2) == 4
