@@ -9,8 +9,10 @@ loader computes all of it on the host per micro-batch (qvl.foundation.tower_inpu
 `prepared_megatron_tower_inputs` hands those inputs to the tower through a forward pre-hook, and while it is
 entered the patch group `qwen3-vl-tower-inputs` (qvl.foundation.patches) lets the tower's forward take them: the
 same ops on the same values in the same order, so outputs and gradients are bitwise upstream's
-(tests/bridges/test_qwen3_vl_tower.py). A call with any other grid (a pack with images and videos, which
-Megatron-Bridge's model re-orders into a new grid; a re-split for balancing) runs upstream's forward as before.
+(tests/bridges/test_qwen3_vl_tower.py). A pack with images and videos, which Megatron-Bridge's model re-orders
+into one grid in token order, gets inputs for that grid from qvl's step (qvl.recipes.training.qwen3_vl_sync_free
+puts the loader's per-kind inputs in that order); a call with any other grid (a re-split for balancing, a mixed pack
+outside qvl's step) runs upstream's forward as before.
 """
 
 from __future__ import annotations
