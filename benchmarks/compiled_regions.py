@@ -1,9 +1,8 @@
 """Compiled regions in the step census: code that runs `torch.compile`d on a CUDA device, counted as Inductor builds it.
 
-On CUDA, qvl compiles some regions (the vision and LM rotaries, the cross-entropy; with `compile=True` each HF vision
-block) and Megatron-Core compiles its `jit_fuser` functions (SwiGLU's `bias_activation_fusion`, the native fused
-cross-entropy); the CPU run of the census executes them
-eagerly. `CompiledRegions.region(name, fn)` stands in for such a region: the first call of each signature (the
+On CUDA, qvl compiles some regions (qvl.foundation.compiled; with `compile=True` each HF vision block) and
+Megatron-Core compiles its `jit_fuser` functions (SwiGLU's `bias_activation_fusion`, the native fused cross-entropy);
+the CPU run of the census executes them eagerly. `CompiledRegions.region(name, fn)` stands in for such a region: the first call of each signature (the
 region, grad mode, and each tensor's dtype, rank and requires_grad) compiles `fn` with Inductor on the CPU (gcc) at
 the census's tiny widths, in a thread of its own (no census mode, no checkpoint hook there), and counts the kernel
 launches of the generated forward and backward code: every call of a generated kernel and every aten fallback in
@@ -311,49 +310,50 @@ MEGATRON_JIT_FUNCTIONS = {
         ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss", "calculate_gradients"),
     ),
 }
-# qvl.bridges.cross_entropy's regions (each compiled through its `compiled(fn)` where compiled regions run).
+# qvl.bridges.cross_entropy's regions.
 QVL_CROSS_ENTROPY_REGIONS = ("logits_max", "target_statistics", "logits_gradient")
 
 
 @contextlib.contextmanager
 def cuda_compiled_regions(census):
-    """The regions a CUDA device with Triton runs compiled, as census stand-ins: qvl's vision and LM rotaries (and
-    Qwen3-VL's), vision RMSNorm and MLP activations and cross-entropy, each vision block with `compile=True` (qvl.bridges.lean_vision), and
-    Megatron-Core's `jit_fuser` functions (SwiGLU's, which qvl turns on there, qvl.foundation.megatron.no_te_settings,
-    and the native fused cross-entropy where qvl's is not patched in). Bias-dropout-add stays unfused on CUDA too (Megatron-Bridge's
-    default; Qwen's linears have no bias and its dropout is 0, so the unfused path is already one add)."""
+    """The regions a CUDA device with Triton runs compiled, as census stand-ins: qvl's compiled regions
+    (qvl.foundation.compiled: the vision, LM and Qwen3-VL rotaries, the vision RMSNorm and MLP activations, the
+    cross-entropy), each vision block with `compile=True` (qvl.bridges.lean_vision), and Megatron-Core's `jit_fuser`
+    functions (SwiGLU's, which qvl turns on there, qvl.foundation.megatron.no_te_settings, and the native fused
+    cross-entropy where qvl's is not patched in). Bias-dropout-add stays unfused on CUDA too (Megatron-Bridge's
+    default; its dropout is 0, so the unfused path is already one add)."""
     import importlib
 
     from qvl.bridges import cross_entropy, lean_vision
-    from qvl.foundation import megatron
+    from qvl.foundation import compiled, megatron
     from qvl.recipes.training import fast_lm
 
     regions = CompiledRegions(census, opaque=opaque_varlen_attention)
-    rotary = regions.region("vision rotary", lean_vision.rotary_fp32)
-    norm = regions.region("vision RMSNorm", lean_vision.rms_norm)
-    lm_rotary = regions.region("LM rotary", fast_lm.rotary_whole_pack)
-    absolute_rotary = regions.region("Qwen3-VL rotary", fast_lm.rotary_absolute)
-    mlp = (lean_vision.silu_gate, lean_vision.quick_gelu)  # through lean_vision.compiled_activation(fn)
-    activation = {fn.__name__: regions.region(f"vision MLP {fn.__name__}", fn) for fn in mlp}
-    loss = {
-        name: regions.region(f"cross-entropy {name}", getattr(cross_entropy, name))
-        for name in QVL_CROSS_ENTROPY_REGIONS
+    names = {
+        lean_vision.rotary_fp32: "vision rotary",
+        lean_vision.rms_norm: "vision RMSNorm",
+        lean_vision.silu_gate: "vision MLP silu_gate",
+        lean_vision.quick_gelu: "vision MLP quick_gelu",
+        fast_lm.rotary_whole_pack: "LM rotary",
+        fast_lm.rotary_absolute: "Qwen3-VL rotary",
+        **{getattr(cross_entropy, name): f"cross-entropy {name}" for name in QVL_CROSS_ENTROPY_REGIONS},
     }
+    stand_ins: dict = {}
+
+    def region(fn):  # every region qvl compiles, named (a new one is counted under its function's name)
+        if fn not in stand_ins:
+            stand_ins[fn] = regions.region(names.get(fn, fn.__qualname__), fn)
+        return stand_ins[fn]
 
     def compile_block(block: torch.nn.Module) -> None:
         block.forward = regions.region("vision block", block.forward, fullgraph=False)  # as compile_block does
 
     with contextlib.ExitStack() as stack:
         for target, name, value in (
-            (lean_vision, "runs_compiled", lambda tensor: not torch.compiler.is_compiling()),
-            (lean_vision, "compiled_rotary", lambda: rotary),
-            (lean_vision, "compiled_rms_norm", lambda: norm),
-            (lean_vision, "cuda_compile_usable", lambda: True),
+            (compiled, "runs_compiled", lambda tensor: not torch.compiler.is_compiling()),
+            (compiled, "compiled", region),
+            (compiled, "cuda_compile_usable", lambda: True),
             (lean_vision, "compile_block", compile_block),
-            (lean_vision, "compiled_activation", lambda fn: activation[fn.__name__]),
-            (fast_lm, "compiled_rotary", lambda: lm_rotary),
-            (fast_lm, "compiled_rotary_absolute", lambda: absolute_rotary),
-            (cross_entropy, "compiled", lambda fn: loss[fn.__name__]),
             (megatron, "swiglu_fusion_usable", lambda: True),
         ):
             stack.enter_context(mock.patch.object(target, name, value))

@@ -18,11 +18,9 @@ parallelism it makes upstream's two all-reduces: the max, then the predicted log
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from qvl.bridges import lean_vision
+from qvl.foundation import compiled
 
 GROUP = "lean-cross-entropy"
 
@@ -62,28 +60,18 @@ def logits_gradient(
     return (grad * grad_output.unsqueeze(-1)).to(logits.dtype)
 
 
-@functools.cache
-def compiled(fn):
-    """A region compiled as one graph; dynamic shapes, since packs differ in length."""
-    return torch.compile(fn, dynamic=True, fullgraph=True)
-
-
-def _region(fn, tensor: torch.Tensor):
-    return compiled(fn) if lean_vision.runs_compiled(tensor) else fn
-
-
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, tp_group) -> torch.Tensor:
         from megatron.core.tensor_parallel.utils import VocabUtility
 
         parallel = tp_group is not None and tp_group.size() > 1
-        max_ = _region(logits_max, logits)(logits)
+        max_ = compiled.region(logits_max, logits)(logits)
         if parallel:
             torch.distributed.all_reduce(max_, op=torch.distributed.ReduceOp.MAX, group=tp_group)
         rank, size = (tp_group.rank(), tp_group.size()) if parallel else (0, 1)
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(logits.shape[-1], rank, size)
-        statistics, outside, local_target = _region(target_statistics, logits)(logits, target, max_, start, end)
+        statistics, outside, local_target = compiled.region(target_statistics, logits)(logits, target, max_, start, end)
         if parallel:
             torch.distributed.all_reduce(statistics, op=torch.distributed.ReduceOp.SUM, group=tp_group)
         predicted, sum_exp = torch.split(statistics, statistics.shape[0] // 2)
@@ -93,7 +81,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         logits, max_, sum_exp, outside, local_target = ctx.saved_tensors
-        grad = _region(logits_gradient, logits)(logits, max_, sum_exp, outside, local_target, grad_output)
+        grad = compiled.region(logits_gradient, logits)(logits, max_, sum_exp, outside, local_target, grad_output)
         return grad, None, None
 
 

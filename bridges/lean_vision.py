@@ -29,7 +29,6 @@ the longest block as a Python int, so the tower's forward reads nothing back fro
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -38,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from qvl.bridges.aligned import hf_vision_towers
-from qvl.foundation import patches
+from qvl.foundation import compiled, patches
 from qvl.foundation.families import family_of_vision_config
 from qvl.foundation.tower_inputs import TowerInputs, inputs_by_grid
 
@@ -54,19 +53,12 @@ def rms_norm(weight: torch.Tensor, hidden_states: torch.Tensor, eps: float) -> t
     return weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), None, eps)
 
 
-@functools.cache
-def compiled_rms_norm():
-    """`rms_norm` as one compiled region (the normalisation and the weight in one kernel each way); dynamic shapes."""
-    return torch.compile(rms_norm, dynamic=True, fullgraph=True)
-
-
 def fused_rms_norm(original):
     """Patch factory for `Qwen2_5_VLRMSNorm.forward`: one compiled region where qvl's compiled regions run (torch's
     fused kernel then the weight is two kernels forward and four backward), else `rms_norm` eagerly."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        norm = compiled_rms_norm() if runs_compiled(hidden_states) else rms_norm
-        return norm(self.weight, hidden_states, self.variance_epsilon)
+        return compiled.region(rms_norm, hidden_states)(self.weight, hidden_states, self.variance_epsilon)
 
     return forward
 
@@ -93,36 +85,11 @@ def _rotary_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return ((xf * cos) + (_rotate_half(xf) * sin)).to(x.dtype)
 
 
-@functools.cache
-def compiled_rotary():
-    """`rotary_fp32` as one compiled region; dynamic shapes, since every pack has its own patch count."""
-    return torch.compile(rotary_fp32, dynamic=True, fullgraph=True)
-
-
-@functools.cache
-def compile_usable() -> bool:
-    """Whether Inductor can generate CUDA kernels here (it needs Triton)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        logger.warning("triton is not installed: qvl's compiled regions run eagerly on CUDA")
-        return False
-    return True
-
-
-def runs_compiled(tensor: torch.Tensor) -> bool:
-    """Whether qvl's compiled regions run for a tensor: on CUDA where Triton is, outside an enclosing compile (a
-    compiled vision block traces the region's eager math into its own graph)."""
-    return tensor.is_cuda and compile_usable() and not torch.compiler.is_compiling()
-
-
 def fused_rotary(original):
     """Patch factory for `apply_rotary_pos_emb_vision` (Qwen2-VL and Qwen2.5-VL modeling modules)."""
 
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
-        if runs_compiled(q):
-            return compiled_rotary()(q, k, cos, sin)
-        return rotary_fp32(q, k, cos, sin)
+        return compiled.region(rotary_fp32, q)(q, k, cos, sin)
 
     return apply_rotary_pos_emb_vision
 
@@ -146,7 +113,7 @@ def lean_attention(original):
         tokens = hidden_states.shape[0]
         q, k, v = self.qkv(hidden_states).view(tokens, 3, self.num_heads, -1).unbind(1)
         cos, sin = position_embeddings
-        q, k = compiled_rotary()(q, k, cos, sin) if runs_compiled(q) else rotary_fp32(q, k, cos, sin)
+        q, k = compiled.region(rotary_fp32, q)(q, k, cos, sin)
         longest = longest_block(cu_seqlens, known, None)
         dropout_p = self.attention_dropout if self.training else 0.0
         out = packed_attention(q, k, v, cu_seqlens, cu_seqlens, longest, longest, self.scaling, dropout_p, False)
@@ -165,16 +132,6 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-@functools.cache
-def compiled_activation(fn):
-    """A vision MLP activation as one compiled region; dynamic shapes, since every pack has its own patch count."""
-    return torch.compile(fn, dynamic=True, fullgraph=True)
-
-
-def _activation(fn, tensor: torch.Tensor):
-    return compiled_activation(fn) if runs_compiled(tensor) else fn
-
-
 def lean_gated_mlp(original):
     """Patch factory for `Qwen2_5_VLMLP.forward`: the gate's SiLU and the product one compiled region each way on
     CUDA with Triton (eagerly: two kernels forward, three backward, and the activation written and read back), the
@@ -185,7 +142,7 @@ def lean_gated_mlp(original):
         if type(self.act_fn) is not SiLUActivation:
             return original(self, hidden_state)
         gate, up = self.gate_proj(hidden_state), self.up_proj(hidden_state)
-        return self.down_proj(_activation(silu_gate, gate)(gate, up))
+        return self.down_proj(compiled.region(silu_gate, gate)(gate, up))
 
     return forward
 
@@ -199,7 +156,7 @@ def lean_mlp(original):
         if type(self.act) is not QuickGELUActivation:
             return original(self, x)
         hidden = self.fc1(x)
-        return self.fc2(_activation(quick_gelu, hidden)(hidden))
+        return self.fc2(compiled.region(quick_gelu, hidden)(hidden))
 
     return forward
 
@@ -257,7 +214,7 @@ def compile_vision_blocks(model: list[torch.nn.Module]) -> list[torch.nn.Module]
     op (torch's `varlen_attn` is a custom op); vision recompute wraps the compiled block, so a recomputed forward
     reruns the compiled graph. The blocks share their compiled graphs (same code, parameters as inputs); shapes are
     dynamic, since every pack has its own patch count."""
-    if not cuda_compile_usable():
+    if not compiled.cuda_compile_usable():
         logger.warning("compile=True: no CUDA device with Triton here, the vision blocks run eagerly")
         return model
     blocks = [block for tower in hf_vision_towers(model) for block in tower.blocks]
@@ -265,11 +222,6 @@ def compile_vision_blocks(model: list[torch.nn.Module]) -> list[torch.nn.Module]
         compile_block(block)
     logger.info("compile: %d vision blocks compiled", len(blocks))
     return model
-
-
-def cuda_compile_usable() -> bool:
-    """Whether this machine compiles for CUDA: a CUDA device and Triton."""
-    return torch.cuda.is_available() and compile_usable()
 
 
 def compile_block(block: torch.nn.Module) -> None:

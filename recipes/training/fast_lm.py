@@ -11,7 +11,7 @@ frequency tensor, so the result is bitwise that of the plain (BSHD) rotary over 
 `packed_rotary` runs. That equality needs the sub-sequences to cover the pack: qvl's forward step marks the
 `cu_seqlens` it builds (`mark_whole_pack`), and any other tensor takes upstream's path.
 
-Where qvl's compiled regions run (CUDA with Triton, qvl.bridges.lean_vision.runs_compiled), that whole-pack rotary is
+Where qvl's compiled regions run (CUDA with Triton, qvl.foundation.compiled), that whole-pack rotary is
 one compiled region: Megatron-Core's eager rotary is about ten kernels each way per query or key (cos, sin, their
 casts, rotate-half's neg and cat, the products and the sum), Inductor's one each way, computing the cos and sin from the
 frequencies inside the kernel and rounding to bf16 once instead of after each product (the eager path stays on CPU
@@ -25,6 +25,8 @@ import functools
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from qvl.foundation import compiled
 
 GROUP = "fast-lm"
 _WHOLE_PACK = WeakIdKeyDictionary()  # cu_seqlens tensors whose last entry is the pack's length
@@ -51,12 +53,6 @@ def rotary_whole_pack(
     ).squeeze(1)
 
 
-@functools.cache
-def compiled_rotary():
-    """`rotary_whole_pack` as one compiled region; dynamic shapes, since packs differ in length."""
-    return torch.compile(rotary_whole_pack, dynamic=True, fullgraph=True)
-
-
 def rotary_absolute(
     t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool, in_fp32: bool, packed: bool
 ) -> torch.Tensor:
@@ -71,23 +67,16 @@ def rotary_absolute(
     return out.to(t.dtype) if in_fp32 else out
 
 
-@functools.cache
-def compiled_rotary_absolute():
-    """`rotary_absolute` as one compiled region; dynamic shapes."""
-    return torch.compile(rotary_absolute, dynamic=True, fullgraph=True)
-
-
 def absolute_rotary(original):
     """Patch factory for `apply_rotary_pos_emb_absolute` as Megatron-Bridge's Qwen3-VL attention calls it: one
     compiled region each way where qvl's compiled regions run (its eager form is about ten kernels each way per query
     or key, as Megatron-Core's), upstream's function elsewhere."""
-    from qvl.bridges import lean_vision
 
     @functools.wraps(original)
     def apply_rotary_pos_emb_absolute(t, freqs, config, cu_seqlens=None):
-        if config.apply_rope_fusion or not lean_vision.runs_compiled(t):
+        if config.apply_rope_fusion or not compiled.runs_compiled(t):
             return original(t, freqs, config, cu_seqlens)
-        rotate = compiled_rotary_absolute()
+        rotate = compiled.compiled(rotary_absolute)
         return rotate(t, freqs, config.rotary_interleaved, config.apply_rotary_pos_emb_in_fp32, cu_seqlens is not None)
 
     return apply_rotary_pos_emb_absolute
@@ -96,7 +85,6 @@ def absolute_rotary(original):
 def packed_rotary(original):
     """`_apply_rotary_pos_emb_thd` that, for a marked whole pack on one CP rank with per-token frequencies, rotates
     the pack in one pass (no host read); everything else goes to upstream's loop."""
-    from qvl.bridges import lean_vision
 
     @functools.wraps(original)
     def apply(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
@@ -112,7 +100,6 @@ def packed_rotary(original):
         if not whole:
             return original(t, cu_seqlens, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, cp_group,
                             multi_latent_attention)  # fmt: skip
-        rotate = compiled_rotary() if lean_vision.runs_compiled(t) else rotary_whole_pack
-        return rotate(t, freqs, rotary_interleaved, mla_rotary_interleaved, mscale)
+        return compiled.region(rotary_whole_pack, t)(t, freqs, rotary_interleaved, mla_rotary_interleaved, mscale)
 
     return apply

@@ -131,9 +131,9 @@ def test_two_tensor_parallel_ranks_equal_upstream_bitwise_and_the_whole_vocabula
 def test_compiled_regions_on_cuda_bf16_match_the_eager_math():
     """On CUDA with Triton each region is compiled (fp32 arithmetic in one kernel): loss within fp32 rounding of the
     eager path, gradient within bf16 rounding; the group of one rank needs no process group."""
-    from qvl.bridges import lean_vision
+    from qvl.foundation import compiled
 
-    if not lean_vision.cuda_compile_usable():
+    if not compiled.cuda_compile_usable():
         pytest.skip("needs Triton")
     megatron.import_megatron_bridge()
 
@@ -149,7 +149,7 @@ def test_compiled_regions_on_cuda_bf16_match_the_eager_math():
     target = torch.randint(0, 151_936, (2048, 1), generator=generator).cuda()
     loss, grad = _loss_and_grad(_lean, logits, target, tp_group=_OneRank())
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(lean_vision, "runs_compiled", lambda tensor: False)
+        patch.setattr(compiled, "runs_compiled", lambda tensor: False)
         eager_loss, eager_grad = _loss_and_grad(_lean, logits, target, tp_group=_OneRank())
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad.float(), eager_grad.float(), rtol=1.6e-2, atol=1e-6)

@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from qvl.bridges import lean_vision
 from qvl.bridges.tiny_model import tiny_hf_config
-from qvl.foundation import patches
+from qvl.foundation import compiled, patches
 from qvl.foundation.tower_inputs import tower_inputs_for_config
 
 HF_TOWER_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
@@ -208,8 +208,8 @@ def test_mlp_activation_takes_its_compiled_region_where_compiled_regions_run(fam
     tower = tiny_tower(family)
     mlp = tower.blocks[0].mlp
     regions = []
-    monkeypatch.setattr(lean_vision, "runs_compiled", lambda tensor: True)
-    monkeypatch.setattr(lean_vision, "compiled_activation", lambda fn: regions.append(fn.__name__) or fn)
+    monkeypatch.setattr(compiled, "runs_compiled", lambda tensor: True)
+    monkeypatch.setattr(compiled, "compiled", lambda fn: regions.append(fn.__name__) or fn)
     x = torch.randn(7, tower.config.hidden_size if family == "qwen2_5_vl" else tower.config.embed_dim)
     with patches.applied(lean_vision.GROUP):
         lean = mlp(x)
@@ -220,19 +220,19 @@ def test_mlp_activation_takes_its_compiled_region_where_compiled_regions_run(fam
 def test_rms_norm_takes_its_compiled_region_where_compiled_regions_run(monkeypatch):
     norm = tiny_tower("qwen2_5_vl").blocks[0].norm1
     regions = []
-    monkeypatch.setattr(lean_vision, "runs_compiled", lambda tensor: True)
-    monkeypatch.setattr(lean_vision, "compiled_rms_norm", lambda: regions.append(1) or lean_vision.rms_norm)
+    monkeypatch.setattr(compiled, "runs_compiled", lambda tensor: True)
+    monkeypatch.setattr(compiled, "compiled", lambda fn: regions.append(fn.__name__) or fn)
     x = torch.randn(7, norm.weight.shape[0])
     with patches.applied(lean_vision.GROUP):
         lean = norm(x)
-    assert regions == [1]
+    assert regions == ["rms_norm"]
     assert torch.equal(lean, norm(x))  # transformers' forward, the group undone
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
 def test_compiled_mlp_activation_matches_transformers_on_cuda_bf16(family):
-    if not lean_vision.cuda_compile_usable():
+    if not compiled.cuda_compile_usable():
         pytest.skip("needs Triton")
     mlp = tiny_tower(family, torch.bfloat16).blocks[0].mlp.cuda()
     width = mlp.down_proj.out_features if family == "qwen2_5_vl" else mlp.fc2.out_features

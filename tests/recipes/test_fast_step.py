@@ -139,7 +139,7 @@ def test_packed_rotary_takes_the_compiled_region_where_compiled_regions_run():
     megatron.import_megatron_bridge()
     from megatron.core.models.common.embeddings import rope_utils
 
-    from qvl.bridges import lean_vision
+    from qvl.foundation import compiled
     from qvl.recipes.training import fast_lm
 
     t, freqs, cu = _rotary_inputs()
@@ -151,8 +151,8 @@ def test_packed_rotary_takes_the_compiled_region_where_compiled_regions_run():
 
     fast = fast_lm.packed_rotary(rope_utils._apply_rotary_pos_emb_thd)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(lean_vision, "runs_compiled", lambda tensor: True)
-        patch.setattr(fast_lm, "compiled_rotary", lambda: region)
+        patch.setattr(compiled, "runs_compiled", lambda tensor: True)
+        patch.setattr(compiled, "compiled", lambda fn: region)
         out = fast(t, fast_lm.mark_whole_pack(cu.clone()), freqs, mscale=0.5, cp_group=_OneRank())
     assert len(calls) == 1 and calls[0][0] is t and calls[0][1:] == (freqs, False, False, 0.5)
     assert torch.equal(out, fast(t, fast_lm.mark_whole_pack(cu.clone()), freqs, mscale=0.5, cp_group=_OneRank()))
@@ -165,17 +165,17 @@ def test_compiled_lm_rotary_matches_the_eager_rotary_on_cuda_bf16():
     megatron.import_megatron_bridge()
     from megatron.core.models.common.embeddings import rope_utils
 
-    from qvl.bridges import lean_vision
+    from qvl.foundation import compiled
     from qvl.recipes.training import fast_lm
 
-    if not lean_vision.cuda_compile_usable():
+    if not compiled.cuda_compile_usable():
         pytest.skip("needs Triton")
     t, freqs, cu = _rotary_inputs("cuda", tokens=4096)
     fast = fast_lm.packed_rotary(rope_utils._apply_rotary_pos_emb_thd)
     results = []
-    for compiled in (True, False):
+    for compiled_path in (True, False):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(lean_vision, "runs_compiled", lambda tensor, compiled=compiled: compiled)
+            patch.setattr(compiled, "runs_compiled", lambda tensor, on=compiled_path: on)
             x = t.detach().clone().requires_grad_()
             out = fast(x, fast_lm.mark_whole_pack(cu.clone()), freqs, cp_group=_OneRank())
             out.float().square().sum().backward()
@@ -201,7 +201,7 @@ def test_qwen3_vl_rotary_region_is_upstreams_rotary_bitwise(in_fp32, packed):
     megatron.import_megatron_bridge()
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import rope
 
-    from qvl.bridges import lean_vision
+    from qvl.foundation import compiled
     from qvl.recipes.training import fast_lm
 
     t, freqs, cu = _rotary_inputs()
@@ -214,8 +214,8 @@ def test_qwen3_vl_rotary_region_is_upstreams_rotary_bitwise(in_fp32, packed):
     calls = []
     fast = fast_lm.absolute_rotary(rope.apply_rotary_pos_emb_absolute)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(lean_vision, "runs_compiled", lambda tensor: True)
-        patch.setattr(fast_lm, "compiled_rotary_absolute", lambda: lambda *a: calls.append(a) or expected)
+        patch.setattr(compiled, "runs_compiled", lambda tensor: True)
+        patch.setattr(compiled, "compiled", lambda fn: lambda *a: calls.append(a) or expected)
         fast(t, freqs, config, cu_seqlens)
     assert len(calls) == 1 and calls[0][2:] == (False, in_fp32, packed)
     assert torch.equal(fast(t, freqs, config, cu_seqlens), expected)  # on CPU: upstream's function
@@ -226,17 +226,17 @@ def test_compiled_qwen3_vl_rotary_matches_upstream_on_cuda_bf16():
     megatron.import_megatron_bridge()
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import rope
 
-    from qvl.bridges import lean_vision
+    from qvl.foundation import compiled
     from qvl.recipes.training import fast_lm
 
-    if not lean_vision.cuda_compile_usable():
+    if not compiled.cuda_compile_usable():
         pytest.skip("needs Triton")
     t, freqs, cu = _rotary_inputs("cuda", tokens=4096)
     results = []
-    for compiled in (True, False):
+    for compiled_path in (True, False):
         x = t.detach().clone().requires_grad_()
-        if compiled:
-            out = fast_lm.compiled_rotary_absolute()(x, freqs, False, False, True)
+        if compiled_path:
+            out = compiled.compiled(fast_lm.rotary_absolute)(x, freqs, False, False, True)
         else:
             out = rope.apply_rotary_pos_emb_absolute(x, freqs, _RotaryConfig(False), cu)
         out.float().square().sum().backward()
