@@ -135,7 +135,8 @@ def test_megatron_logging_setup_leaves_qvl_warnings_alone(caplog):
         ours.warning("kept")
         theirs.warning("dropped")
         theirs.error("errors pass")
-    assert [r.getMessage() for r in caplog.records] == ["kept", "errors pass"]
+    names = (ours.name, theirs.name)
+    assert [r.getMessage() for r in caplog.records if r.name in names] == ["kept", "errors pass"]
 
 
 def test_the_bridge_registration_imports_first_in_a_fresh_process():
