@@ -329,7 +329,7 @@ def cuda_compiled_regions(census):
     from qvl.recipes.training import fast_lm
 
     regions = CompiledRegions(census, opaque=opaque_varlen_attention)
-    names = {
+    region_names = {
         lean_vision.rotary_fp32: "vision rotary",
         lean_vision.rms_norm: "vision RMSNorm",
         lean_vision.silu_gate: "vision MLP silu_gate",
@@ -342,7 +342,7 @@ def cuda_compiled_regions(census):
 
     def region(fn):  # every region qvl compiles, named (a new one is counted under its function's name)
         if fn not in stand_ins:
-            stand_ins[fn] = regions.region(names.get(fn, fn.__qualname__), fn)
+            stand_ins[fn] = regions.region(region_names.get(fn, fn.__qualname__), fn)
         return stand_ins[fn]
 
     def compile_block(block: torch.nn.Module) -> None:
