@@ -317,14 +317,14 @@ QVL_CROSS_ENTROPY_REGIONS = ("logits_max", "target_statistics", "logits_gradient
 @contextlib.contextmanager
 def cuda_compiled_regions(census):
     """The regions a CUDA device with Triton runs compiled, as census stand-ins: qvl's compiled regions
-    (qvl.foundation.compiled: the vision, LM and Qwen3-VL rotaries, the vision RMSNorm and MLP activations, the
-    cross-entropy), each vision block with `compile=True` (qvl.bridges.lean_vision), and Megatron-Core's `jit_fuser`
+    (qvl.foundation.compiled: the vision, LM and Qwen3-VL rotaries, the vision RMSNorm, MLP activations and bias
+    gradients, the cross-entropy), each vision block with `compile=True` (qvl.bridges.lean_vision), and Megatron-Core's `jit_fuser`
     functions (SwiGLU's, which qvl turns on there, qvl.foundation.megatron.no_te_settings, and the native fused
     cross-entropy where qvl's is not patched in). Bias-dropout-add stays unfused on CUDA too (Megatron-Bridge's
     default; its dropout is 0, so the unfused path is already one add)."""
     import importlib
 
-    from qvl.bridges import cross_entropy, lean_vision
+    from qvl.bridges import cross_entropy, grad_accum, lean_vision
     from qvl.foundation import compiled, megatron
     from qvl.recipes.training import fast_lm
 
@@ -336,6 +336,7 @@ def cuda_compiled_regions(census):
         lean_vision.quick_gelu: "vision MLP quick_gelu",
         fast_lm.rotary_whole_pack: "LM rotary",
         fast_lm.rotary_absolute: "Qwen3-VL rotary",
+        grad_accum.bias_gradient_into: "vision bias gradient",
         **{getattr(cross_entropy, name): f"cross-entropy {name}" for name in QVL_CROSS_ENTROPY_REGIONS},
     }
     stand_ins: dict = {}

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from qvl.bridges.aligned import hf_vision_towers
-from qvl.foundation import patches
+from qvl.foundation import compiled, patches
 from qvl.foundation.megatron import have_transformer_engine
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class LinearIntoMainGrad(torch.autograd.Function):
         ctx.save_for_backward(input, weight)
         # The parameter itself, for its main_grad: under activation checkpointing the saved `weight` comes back as
         # a detached alias made in the recomputed forward (torch/utils/checkpoint.py), without the attribute.
-        ctx.param = weight
+        ctx.param, ctx.bias = weight, bias
         ctx.has_bias = bias is not None
         return F.linear(input, weight, bias)
 
@@ -177,8 +177,25 @@ class LinearIntoMainGrad(torch.autograd.Function):
             if ctx.needs_input_grad[1]
             else None
         )
-        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_bias = _bias_gradient(ctx.bias, grad_2d) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias
+
+
+def bias_gradient_into(main_grad: torch.Tensor, grad_2d: torch.Tensor) -> None:
+    """`main_grad += grad_2d.sum(0)`, the sum in `main_grad`'s dtype (in fp32 the same values as the unfused sum and
+    add; with bf16 gradients the sum is not rounded to bf16 first)."""
+    main_grad.add_(grad_2d.sum(0, dtype=main_grad.dtype))
+
+
+def _bias_gradient(bias: torch.Tensor, grad_2d: torch.Tensor) -> torch.Tensor | None:
+    """The bias gradient, added into its `main_grad` where DDP gave it one: the sum and the add one compiled region
+    on CUDA with Triton (eagerly the sum, then autograd's `.grad`, then DDP's add: two kernels and a bf16 round)."""
+    main_grad = getattr(bias, "main_grad", None)
+    if main_grad is None or not hasattr(bias, "grad_added_to_main_grad"):
+        return grad_2d.sum(0)
+    compiled.region(bias_gradient_into, grad_2d)(main_grad, grad_2d)
+    bias.grad_added_to_main_grad = True
+    return torch.empty(main_grad.shape, dtype=bias.dtype, device=bias.device)  # for the DDP hook, which skips it
 
 
 def _weight_gradient(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor | None:

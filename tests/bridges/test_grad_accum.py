@@ -53,6 +53,24 @@ def test_main_grad_linear_equals_nn_linear_and_accumulates_into_main_grad():
     torch.testing.assert_close(fused.weight.main_grad, unfused_main_grad, rtol=0, atol=1e-6 * scale)
 
 
+def test_the_bias_gradient_goes_into_its_main_grad_bit_for_bit_in_fp32():
+    """With DDP's `main_grad` on the bias too, its gradient is summed into it (fp32: the same values as autograd's sum
+    then DDP's add, bit for bit) and flagged so that DDP's hook skips its own add."""
+    plain, fused = _linears(seed=4)
+    fused.bias.main_grad = torch.zeros_like(fused.bias)
+    fused.bias.grad_added_to_main_grad = False
+    unfused = torch.zeros_like(plain.bias)
+    for _ in range(3):
+        x = torch.randn(256, 64)
+        grad = torch.randn(256, 96)
+        plain(x).backward(grad)
+        fused(x).backward(grad)
+        unfused += plain.bias.grad
+        assert fused.bias.grad_added_to_main_grad
+        assert torch.equal(fused.bias.main_grad, unfused)
+        plain.weight.grad = plain.bias.grad = fused.weight.grad = fused.bias.grad = None
+
+
 def test_recomputed_linear_still_finds_main_grad():
     """Under non-reentrant activation checkpointing (vision_recompute) the saved weight comes back as a detached alias
     without `main_grad`: the gradient must still go into the parameter's main_grad, not into `.grad`."""
@@ -191,10 +209,10 @@ def test_megatron_training_with_fusion_matches_the_unfused_path(trained):
     assert unfused["marked"] == set() and unfused["tower_linears"] == 0
     assert fused["tower_linears"] > 0
     tower = {n for n in fused["marked"] if n.startswith("visual.")}
-    assert {n for n in fused["marked"] if ".linear_" in n or "output_layer" in n} and len(tower) == fused[
-        "tower_linears"
-    ]
-    assert not any(n.endswith("bias") for n in fused["marked"])
+    assert {n for n in fused["marked"] if ".linear_" in n or "output_layer" in n}
+    assert len({n for n in tower if n.endswith(".weight")}) == fused["tower_linears"]
+    assert {n for n in tower if n.endswith(".bias")}  # the tower's bias gradients go into main_grad too
+    assert not any(n.endswith("bias") for n in fused["marked"] - tower)  # Megatron-Core's linears return theirs
     # The first micro-batch runs on identical weights: the same loss bit for bit; main_grad equal to fp32 rounding.
     assert fused["losses"][0] == unfused["losses"][0]
     for name, grad in unfused["grads"].items():
