@@ -164,7 +164,6 @@ class LinearIntoMainGrad(torch.autograd.Function):
         # The parameter itself, for its main_grad: under activation checkpointing the saved `weight` comes back as
         # a detached alias made in the recomputed forward (torch/utils/checkpoint.py), without the attribute.
         ctx.param, ctx.bias = weight, bias
-        ctx.has_bias = bias is not None
         return F.linear(input, weight, bias)
 
     @staticmethod
@@ -177,7 +176,7 @@ class LinearIntoMainGrad(torch.autograd.Function):
             if ctx.needs_input_grad[1]
             else None
         )
-        grad_bias = _bias_gradient(ctx.bias, grad_2d) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_bias = _bias_gradient(ctx.bias, grad_2d) if ctx.bias is not None and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias
 
 
