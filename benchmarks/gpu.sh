@@ -83,8 +83,8 @@ EOF2
     case "$stage" in
       tests)
         # every test module with GPU-marked tests (the rest import launch-side packages the image lacks)
-        timeout "${GPU_TESTS_SECONDS:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          $(grep -rl --include='test_*.py' 'mark.gpu' tests | sort) 2>&1 | tail -n 60 | tee -a "$log" ;;
+        timeout "${GPU_TESTS_SECONDS:-150}" python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider \
+          $(grep -rl --include='test_*.py' 'mark.gpu' tests | sort) 2>&1 | grep -vi "warn" | tail -n 150 | tee -a "$log" ;;
       attention)
         timeout 60 python3 -m benchmarks.bench_attention 2>&1 | tail -n 20 >>"$log"
         cp .bench/bench_attention.json "$out/" 2>/dev/null ;;

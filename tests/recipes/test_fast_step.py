@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qvl.foundation import megatron, patches
+from tests.numerics import assert_as_close_as_eager
 
 
 @pytest.fixture(scope="module")
@@ -173,16 +174,16 @@ def test_compiled_lm_rotary_matches_the_eager_rotary_on_cuda_bf16():
     t, freqs, cu = _rotary_inputs("cuda", tokens=4096)
     fast = fast_lm.packed_rotary(rope_utils._apply_rotary_pos_emb_thd)
     results = []
-    for compiled_path in (True, False):
+    for compiled_path, dtype in ((True, None), (False, None), (False, torch.float64)):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(compiled, "runs_compiled", lambda tensor, on=compiled_path: on)
-            x = t.detach().clone().requires_grad_()
-            out = fast(x, fast_lm.mark_whole_pack(cu.clone()), freqs, cp_group=_OneRank())
-            out.float().square().sum().backward()
-            results.append((out.float(), x.grad.float()))
-    (out, grad), (eager_out, eager_grad) = results
-    torch.testing.assert_close(out, eager_out, rtol=1.6e-2, atol=1e-2)
-    torch.testing.assert_close(grad, eager_grad, rtol=1.6e-2, atol=2e-2)
+            x = t.detach().to(dtype or t.dtype).requires_grad_()
+            out = fast(x, fast_lm.mark_whole_pack(cu.clone()), freqs.to(dtype or freqs.dtype), cp_group=_OneRank())
+            out.to(dtype or torch.float32).square().sum().backward()
+            results.append((out, x.grad))
+    (out, grad), (eager_out, eager_grad), (exact_out, exact_grad) = results
+    assert_as_close_as_eager(out, eager_out, exact_out, what="rotary output")
+    assert_as_close_as_eager(grad, eager_grad, exact_grad, what="rotary gradient")
 
 
 class _RotaryConfig:
@@ -233,14 +234,14 @@ def test_compiled_qwen3_vl_rotary_matches_upstream_on_cuda_bf16():
         pytest.skip("needs Triton")
     t, freqs, cu = _rotary_inputs("cuda", tokens=4096)
     results = []
-    for compiled_path in (True, False):
-        x = t.detach().clone().requires_grad_()
+    for compiled_path, dtype in ((True, None), (False, None), (False, torch.float64)):
+        x = t.detach().to(dtype or t.dtype).requires_grad_()
         if compiled_path:
             out = compiled.compiled(fast_lm.rotary_absolute)(x, freqs, False, False, True)
         else:
-            out = rope.apply_rotary_pos_emb_absolute(x, freqs, _RotaryConfig(False), cu)
-        out.float().square().sum().backward()
-        results.append((out.float(), x.grad.float()))
-    (out, grad), (eager_out, eager_grad) = results
-    torch.testing.assert_close(out, eager_out, rtol=1.6e-2, atol=1e-2)
-    torch.testing.assert_close(grad, eager_grad, rtol=1.6e-2, atol=2e-2)
+            out = rope.apply_rotary_pos_emb_absolute(x, freqs.to(dtype or freqs.dtype), _RotaryConfig(False), cu)
+        out.to(dtype or torch.float32).square().sum().backward()
+        results.append((out, x.grad))
+    (out, grad), (eager_out, eager_grad), (exact_out, exact_grad) = results
+    assert_as_close_as_eager(out, eager_out, exact_out, what="rotary output")
+    assert_as_close_as_eager(grad, eager_grad, exact_grad, what="rotary gradient")
