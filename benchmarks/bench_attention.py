@@ -47,7 +47,7 @@ def measure(name: str, shape: dict, repeats: int) -> dict:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from qvl.bridges.attention import SDPAttention
+    from qvl.kernels.varlen_attention import SDPAttention
 
     heads, kv, dim = shape["heads"], shape["kv_heads"], shape["dim"]
     lengths = shape["lengths"] or pack_lengths()

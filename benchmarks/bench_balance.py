@@ -26,7 +26,7 @@ from qvl.data.pack import pack_best_fit_decreasing
 from qvl.data.vision import image_grid_thw
 from qvl.foundation.cost import lm_flops_per_sequence, sample_flops, vision_flops_per_image
 from qvl.recipes.architectures import cost_shapes
-from qvl.recipes.training.vision_balance import assign_images
+from qvl.training.vision_balance import assign_images
 
 SEQ_LENGTH = 8192
 DATA_PARALLEL = (8, 32, 128)

@@ -1,13 +1,13 @@
 """How far fp32 gradients of a tiny Qwen3.5-VL are from the same model in fp64, per parameter kind.
 
 transformers' own Qwen3.5 model (its chunked torch fallback, fp32) against a float64 copy computed with every
-explicit fp32 cast of the modelling code made fp64 (`qvl.recipes.parity.exact.Float64Casts`: the RMSNorms, the
+explicit fp32 cast of the modelling code made fp64 (`qvl.training.parity.exact.Float64Casts`: the RMSNorms, the
 decay gate `-exp(A_log) * softplus(a + dt_bias)`, rotary and softmax upcast to `torch.float32` by name, which a
 plain `.double()` would keep) and its delta rule the exact token-by-token recurrence: one causal-LM backward over
 200 random text tokens. The Gated DeltaNet's decay-gate parameters (`A_log`, `dt_bias`, `in_proj_a`) come out
 orders of magnitude further from the fp64 gradient than every other weight: that is the floor any fp32
 training-parity check on them has to allow (README: Training parity; qvl's own side of the same comparison is
-`tests/recipes/test_parity.py::test_gate_gradients_differ_by_fp32_error_alone`). CPU, ~15 s.
+`tests/training/test_parity.py::test_gate_gradients_differ_by_fp32_error_alone`). CPU, ~15 s.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     import transformers
 
     from qvl.bridges.tiny_model import tiny_hf_config
-    from qvl.recipes.parity.exact import Float64Casts, exact_delta_rule
+    from qvl.training.parity.exact import Float64Casts, exact_delta_rule
 
     torch.manual_seed(0)
     fp32 = transformers.AutoModelForImageTextToText.from_config(tiny_hf_config("qwen3_5_vl"), dtype=torch.float32)

@@ -127,7 +127,7 @@ class _Regions:
 
 def census_forward_step(census, regions: _Regions):
     """qvl's forward step with the region kept: "other" for the inputs, "loss" for the loss function."""
-    from qvl.recipes.training.step import forward_step
+    from qvl.training.step import forward_step
 
     def step(state, data_iterator, model, return_schedule_plan: bool = False):
         regions.set("other")
@@ -175,10 +175,10 @@ def _numels(model: list, widths) -> None:
 def cuda_code_path(census):
     """What the CPU run swaps so that it takes a CUDA device's code path (see benchmarks.step_census)."""
     from benchmarks.step_kernels import VARLEN_NAMES, fake_varlen_kernel
-    from qvl.bridges import attention, grad_accum
+    from qvl.kernels import torch_wgrad_accum, varlen_attention
 
     def usable(query, *, dropout_p: float = 0.0, padded_layout: bool = False) -> bool:
-        return attention.varlen_supported(device_type="cuda", dtype=query.dtype, head_dim=query.shape[-1],
+        return varlen_attention.varlen_supported(device_type="cuda", dtype=query.dtype, head_dim=query.shape[-1],
                                           dropout_p=dropout_p, padded_layout=padded_layout)  # fmt: skip
 
     import torch.optim.optimizer as optimizer_module
@@ -193,17 +193,17 @@ def cuda_code_path(census):
 
     with (
         mock.patch.object(torch, "get_rng_state", host_rng_state),
-        mock.patch.object(attention, "varlen_usable", usable),
-        mock.patch.object(attention, "_varlen_kernel", lambda: (fake_varlen_kernel(census), VARLEN_NAMES)),
+        mock.patch.object(varlen_attention, "varlen_usable", usable),
+        mock.patch.object(varlen_attention, "_varlen_kernel", lambda: (fake_varlen_kernel(census), VARLEN_NAMES)),
         mock.patch.object(optimizer_module, "_get_foreach_kernels_supported_devices",
                           lambda: [*devices(), "cpu"]),
-        grad_accum.cpu_mixed_precision_addmm(),  # bf16 wgrad into fp32 main_grad: one GEMM (CUDA kernel only)
+        torch_wgrad_accum.cpu_mixed_precision_addmm(),  # bf16 wgrad into fp32 main_grad: one GEMM (CUDA kernel only)
     ):  # fmt: skip
         yield
 
 
-# qvl's patch groups for a fast step besides optimizer_fixes.fixed()'s (those present in this tree).
-STEP_GROUPS = ("lean-hf-vision",)
+# qvl's patch groups for a fast step besides fix_adam_resume.fixed()'s (those present in this tree).
+STEP_GROUPS = ("speed-hf-vision",)
 
 
 @contextlib.contextmanager
@@ -211,20 +211,20 @@ def step_code(*, baseline: bool):
     """qvl's step as training runs it, or (`baseline`) the code as measured on the H100 (RESULTS.md): no aligned widths, no lean vision
     tower (nor the loader's tower inputs), no step groups, only the torch-Adam resume fixes."""
     from qvl.foundation import patches
-    from qvl.recipes.training import optimizer_fixes
+    from qvl.kernels import fix_adam_resume
 
     if baseline:
         with (
             mock.patch("qvl.bridges.fixes.align_vision_widths", lambda provider: {}),
-            mock.patch("qvl.bridges.lean_vision.use_lean_vision", lambda provider: False),
-            mock.patch("qvl.bridges.grad_accum.use_fused_wgrad_accumulation", lambda provider: None),
-            patches.applied(optimizer_fixes.GROUP),
+            mock.patch("qvl.kernels.speed_hf_vision.use_lean_vision", lambda provider: False),
+            mock.patch("qvl.kernels.torch_wgrad_accum.use_fused_wgrad_accumulation", lambda provider: None),
+            patches.applied(fix_adam_resume.GROUP),
         ):
             yield
         return
-    # the copies a CUDA device gets: pinned, non-blocking (qvl.recipes.training.step.to_device)
-    with mock.patch("qvl.recipes.training.step.pinned_copies", lambda device: True):
-        with optimizer_fixes.fixed(), patches.applied(*(g for g in STEP_GROUPS if g in patches.GROUPS)):
+    # the copies a CUDA device gets: pinned, non-blocking (qvl.training.step.to_device)
+    with mock.patch("qvl.training.step.pinned_copies", lambda device: True):
+        with fix_adam_resume.fixed(), patches.applied(*(g for g in STEP_GROUPS if g in patches.GROUPS)):
             yield
 
 
@@ -233,7 +233,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
     from benchmarks.compiled_regions import cuda_compiled_regions
     from benchmarks.step_census import Census, WidthMap
     from qvl.foundation import distributed, megatron, patches, runtime
-    from qvl.recipes.training.train import TrainRequest, prepare_config
+    from qvl.training.train import TrainRequest, prepare_config
 
     spec = json.loads(spec_path.read_text())
     config = StepConfig(**{**spec["config"], "image_grid": tuple(spec["config"]["image_grid"])})
@@ -296,7 +296,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
     callbacks = CallbackManager()
     callbacks.register("on_train_step_start", step_start)
     callbacks.register("on_train_step_end", step_end)
-    with code, cuda_code_path(census), patches.applied("megatron-wheel"):
+    with code, cuda_code_path(census), patches.applied("fix-megatron-setup"):
         pretrain(cfg, census_forward_step(census, regions), callbacks=callbacks)
     result = {"config": asdict(config), "baseline": spec["baseline"], "compile": bool(spec.get("compile")),
               "losses": losses}  # fmt: skip

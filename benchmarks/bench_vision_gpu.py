@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.bench_vision_parallel import pack_images
 from qvl.foundation.cost import shapes_from_hf_config, vision_flops_per_image
-from qvl.recipes.training.vision_balance import assign_images, plan_vision_balance
+from qvl.training.vision_balance import assign_images, plan_vision_balance
 
 TOWERS = {
     "qwen2_vl_2b": ("qwen2_vl", "2b"),
@@ -41,8 +41,8 @@ GOAL_RATIO = 1.15  # the measured share ratio within 15% of what the FLOP model 
 def build_tower(model: str, *, tiny: bool, device: torch.device, dtype: torch.dtype):
     """The model's HF vision tower (random weights) and the model's HF config; the tower attends through qvl's varlen
     function, as in training."""
-    from qvl.bridges.attention import varlen_vision_towers
     from qvl.foundation.families import get_family
+    from qvl.kernels.varlen_attention import varlen_vision_towers
     from qvl.recipes.architectures import get_architecture, hf_config
 
     family_name, size = TOWERS[model]

@@ -27,7 +27,7 @@ import numpy as np
 from benchmarks.bench_balance import QWEN25_7B_VISION, SEQ_LENGTH, llava_like_samples
 from qvl.data.pack import pack_best_fit_decreasing
 from qvl.foundation.cost import vision_flops_per_image
-from qvl.recipes.training.vision_balance import assign_images, bytes_sent, plan_vision_balance
+from qvl.training.vision_balance import assign_images, bytes_sent, plan_vision_balance
 
 TENSOR_PARALLEL = (2, 4, 8)
 DATA_PARALLEL = (1, 4, 16)

@@ -1,6 +1,6 @@
 """Compiled regions in the step census: code that runs `torch.compile`d on a CUDA device, counted as Inductor builds it.
 
-On CUDA, qvl compiles some regions (qvl.foundation.compiled; with `compile=True` each HF vision block) and
+On CUDA, qvl compiles some regions (qvl.kernels.compiled; with `compile=True` each HF vision block) and
 Megatron-Core compiles its `jit_fuser` functions (SwiGLU's `bias_activation_fusion`, the native fused cross-entropy);
 the CPU run of the census executes them eagerly. `CompiledRegions.region(name, fn)` stands in for such a region: the first call of each signature (the
 region, grad mode, and each tensor's dtype, rank and requires_grad) compiles `fn` with Inductor on the CPU (gcc) at
@@ -282,11 +282,11 @@ VARLEN_NAMES = frozenset({"window_size", "scale"})
 @contextlib.contextmanager
 def opaque_varlen_attention():
     """qvl's attention takes the varlen path (as on CUDA) through `cpu_varlen_kernel`, for Inductor on the CPU."""
-    from qvl.bridges import attention
+    from qvl.kernels import varlen_attention
 
     with (
-        mock.patch.object(attention, "varlen_usable", lambda *args, **kwargs: True),
-        mock.patch.object(attention, "_varlen_kernel", lambda: (cpu_varlen_kernel, VARLEN_NAMES)),
+        mock.patch.object(varlen_attention, "varlen_usable", lambda *args, **kwargs: True),
+        mock.patch.object(varlen_attention, "_varlen_kernel", lambda: (cpu_varlen_kernel, VARLEN_NAMES)),
     ):
         yield
 
@@ -302,7 +302,7 @@ def bisect_range(ranges: list[tuple[int, int, Any]], sequence_nr: int) -> Any | 
 # Megatron-Core's `jit_fuser` (torch.compile) functions that run on CUDA with the recipes' settings, by module: SwiGLU's
 # fusion (`bias_activation_fusion`, called inside its autograd Functions: forward and backward each one region) and the
 # native fused cross-entropy (`cross_entropy_loss_fusion`, Megatron-Bridge's default; qvl's patch group
-# "lean-cross-entropy" calls its own regions instead).
+# "speed-cross-entropy" calls its own regions instead).
 MEGATRON_JIT_FUNCTIONS = {
     "megatron.core.fusions.fused_bias_swiglu": ("SwiGLU", ("swiglu", "bias_swiglu", "swiglu_back", "bias_swiglu_back")),
     "megatron.core.fusions.fused_cross_entropy": (
@@ -310,34 +310,33 @@ MEGATRON_JIT_FUNCTIONS = {
         ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss", "calculate_gradients"),
     ),
 }
-# qvl.bridges.cross_entropy's regions.
+# qvl.kernels.speed_cross_entropy's regions.
 QVL_CROSS_ENTROPY_REGIONS = ("logits_max", "target_statistics", "logits_gradient")
 
 
 @contextlib.contextmanager
 def cuda_compiled_regions(census):
     """The regions a CUDA device with Triton runs compiled, as census stand-ins: qvl's compiled regions
-    (qvl.foundation.compiled: the vision, LM and Qwen3-VL rotaries, the vision RMSNorm, MLP activations and bias
-    gradients, the cross-entropy), each vision block with `compile=True` (qvl.bridges.lean_vision), and Megatron-Core's `jit_fuser`
+    (qvl.kernels.compiled: the vision, LM and Qwen3-VL rotaries, the vision RMSNorm, MLP activations and bias
+    gradients, the cross-entropy), each vision block with `compile=True` (qvl.kernels.speed_hf_vision), and Megatron-Core's `jit_fuser`
     functions (SwiGLU's, which qvl turns on there, qvl.foundation.megatron.no_te_settings, and the native fused
     cross-entropy where qvl's is not patched in). Bias-dropout-add stays unfused on CUDA too (Megatron-Bridge's
     default; its dropout is 0, so the unfused path is already one add)."""
     import importlib
 
-    from qvl.bridges import cross_entropy, grad_accum, lean_vision
-    from qvl.foundation import compiled, megatron
-    from qvl.recipes.training import fast_lm
+    from qvl.foundation import megatron
+    from qvl.kernels import compiled, speed_cross_entropy, speed_hf_vision, speed_rotary, torch_wgrad_accum
 
     regions = CompiledRegions(census, opaque=opaque_varlen_attention)
     region_names = {
-        lean_vision.rotary_fp32: "vision rotary",
-        lean_vision.rms_norm: "vision RMSNorm",
-        lean_vision.silu_gate: "vision MLP silu_gate",
-        lean_vision.quick_gelu: "vision MLP quick_gelu",
-        fast_lm.rotary_whole_pack: "LM rotary",
-        fast_lm.rotary_absolute: "Qwen3-VL rotary",
-        grad_accum.bias_gradient_into: "vision bias gradient",
-        **{getattr(cross_entropy, name): f"cross-entropy {name}" for name in QVL_CROSS_ENTROPY_REGIONS},
+        speed_hf_vision.rotary_fp32: "vision rotary",
+        speed_hf_vision.rms_norm: "vision RMSNorm",
+        speed_hf_vision.silu_gate: "vision MLP silu_gate",
+        speed_hf_vision.quick_gelu: "vision MLP quick_gelu",
+        speed_rotary.rotary_whole_pack: "LM rotary",
+        speed_rotary.rotary_absolute: "Qwen3-VL rotary",
+        torch_wgrad_accum.bias_gradient_into: "vision bias gradient",
+        **{getattr(speed_cross_entropy, name): f"cross-entropy {name}" for name in QVL_CROSS_ENTROPY_REGIONS},
     }
     stand_ins: dict = {}
 
@@ -354,7 +353,7 @@ def cuda_compiled_regions(census):
             (compiled, "runs_compiled", lambda tensor: not torch.compiler.is_compiling()),
             (compiled, "compiled", region),
             (compiled, "cuda_compile_usable", lambda: True),
-            (lean_vision, "compile_block", compile_block),
+            (speed_hf_vision, "compile_block", compile_block),
             (megatron, "swiglu_fusion_usable", lambda: True),
         ):
             stack.enter_context(mock.patch.object(target, name, value))

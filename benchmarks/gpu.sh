@@ -64,7 +64,9 @@ run() {
     || { echo "error: installing the wheelhouse failed" >&2; exit 1; }
   # qvl itself: its folders are the subpackages of the `qvl` namespace (pyproject's package-dir), linked, not built.
   mkdir -p "$src/qvl"
-  for d in foundation bridges data recipes launchers; do ln -sfn "$PWD/$d" "$src/qvl/$d"; done
+  for d in $(python3 -c "import ast, re; print(*ast.literal_eval(re.search(r'LAYERS[^=]*= (\{[^}]*\})', open('foundation/__init__.py').read()).group(1)))"); do
+    ln -sfn "$PWD/$d" "$src/qvl/$d"
+  done
   export PYTHONPATH="$src:$site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   local log="$out/log.txt"  # what each stage prints, in one file (at most 8 files come back from a device run)
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader; nproc; } >"$log" 2>&1
@@ -73,7 +75,7 @@ from importlib.metadata import version
 import torch
 from qvl.foundation.megatron import import_megatron_bridge
 import_megatron_bridge()  # the shim: Megatron-Bridge imports transformer_engine unconditionally in one module
-from qvl.bridges.attention import _varlen_kernel
+from qvl.kernels.varlen_attention import _varlen_kernel
 print("device", torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda,
       *(f"{name} {version(name)}" for name in ("transformers", "megatron-core", "megatron-bridge", "megatron-energon")),
       "varlen kernel", _varlen_kernel() is not None, "keywords", sorted(_varlen_kernel()[1]) if _varlen_kernel() else None)

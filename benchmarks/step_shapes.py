@@ -67,8 +67,8 @@ def scaled_hf_config(config: StepConfig):
     import transformers
 
     from benchmarks.step_census import WidthMap
-    from qvl.bridges.aligned import aligned
     from qvl.foundation.families import TINY_TOKEN_IDS, get_family
+    from qvl.kernels.speed_aligned_widths import aligned
     from qvl.recipes.architectures import get_architecture
 
     arch = get_architecture(config.family, config.size)
@@ -95,7 +95,9 @@ def scaled_hf_config(config: StepConfig):
     vision[width_key] = vwidth
     if "intermediate_size" in vision:
         dims[TINY_VISION_FFN] = vision["intermediate_size"]
-        if not get_family(config.family).megatron_vision_tower:  # qvl.bridges.aligned pads the HF tower's width
+        if not get_family(
+            config.family
+        ).megatron_vision_tower:  # qvl.kernels.speed_aligned_widths pads the HF tower's width
             dims.setdefault(aligned(TINY_VISION_FFN), aligned(vision["intermediate_size"]))
         vision["intermediate_size"] = TINY_VISION_FFN
     if width_key == "embed_dim":  # Qwen2-VL: hidden_size is the merger's output, the LM width
@@ -131,11 +133,11 @@ def write_model_dir(path: pathlib.Path, config: StepConfig) -> tuple[pathlib.Pat
 def synthetic_batches(config: StepConfig, hf_config, *, seed: int = 0, tower_inputs: bool = True):
     """Endless LLaVA-like packed micro-batches (qvl.data.encode.PackedBatch) of `config`'s composition: each sample
     text, one image, text; positions from qvl.data.mrope and (`tower_inputs`, HF towers) the tower's inputs from
-    qvl.foundation.tower_inputs, as the loader computes them."""
+    qvl.kernels.tower_inputs, as the loader computes them."""
     from qvl.data.count import IGNORE_INDEX
     from qvl.data.encode import PackedBatch
     from qvl.data.mrope import RopeConfig, packed_position_ids
-    from qvl.foundation.tower_inputs import tower_inputs_for_config
+    from qvl.kernels.tower_inputs import tower_inputs_for_config
 
     rng = np.random.default_rng(seed)
     vision = hf_config.vision_config
@@ -176,8 +178,8 @@ def synthetic_batches(config: StepConfig, hf_config, *, seed: int = 0, tower_inp
             max_seqlen=max(lengths),
             pixel_values=torch.randn(patches, patch_width),
             image_grid_thw=grids,
-            # every family's tower takes the loader's inputs (HF towers: qvl.bridges.lean_vision; Megatron-Bridge's
-            # Qwen3-VL tower: qvl.bridges.qwen3_vl_tower), as qvl.data.encode computes them
+            # every family's tower takes the loader's inputs (HF towers: qvl.kernels.speed_hf_vision; Megatron-Bridge's
+            # Qwen3-VL tower: qvl.kernels.speed_qwen3_vl_tower), as qvl.data.encode computes them
             image_tower_inputs=tower_inputs_for_config(grids, vision) if tower_inputs else None,
             pixel_values_videos=None,
             video_grid_thw=torch.zeros(0, 3, dtype=torch.long),

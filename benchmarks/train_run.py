@@ -190,7 +190,7 @@ def bench_dataset_class():
 def train_once(spec: dict) -> dict:
     """Train one variant as `spec` says; returns its raw measurements."""
     from qvl.foundation import distributed, megatron, patches, runtime
-    from qvl.recipes.training.train import TrainRequest, prepare_config
+    from qvl.training.train import TrainRequest, prepare_config
 
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed.free_port())
@@ -203,7 +203,7 @@ def train_once(spec: dict) -> dict:
     from megatron.bridge.training.pretrain import pretrain
 
     import qvl.bridges.registration  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
-    from qvl.recipes.training.step import forward_step
+    from qvl.training.step import forward_step
 
     run_dir = pathlib.Path(spec["run_dir"])
     request = TrainRequest(
@@ -231,7 +231,7 @@ def train_once(spec: dict) -> dict:
         callbacks.register("on_train_step_end", profiler.step_end)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with patches.applied("megatron-wheel"):  # the pip-installed megatron-core ships its dataset helpers built
+    with patches.applied("fix-megatron-setup"):  # the pip-installed megatron-core ships its dataset helpers built
         pretrain(config, forward_step, callbacks=callbacks)
     if anatomy is not None:
         return {"schedule": spec["schedule"], "steps": anatomy.steps}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from qvl.bridges import aligned, grad_accum, unconverted, verify
+from qvl.bridges import unconverted, verify
 from qvl.bridges.checkpoints import check_megatron_checkpoint
 from qvl.bridges.consistency import check_hf_checkpoint
 from qvl.bridges.providers import auto_bridge, layout_facts
@@ -28,6 +28,7 @@ from qvl.foundation.errors import ConfigError, ConversionError
 from qvl.foundation.families import FAMILIES
 from qvl.foundation.layout import ParallelLayout, check_layout
 from qvl.foundation.megatron import import_megatron_bridge
+from qvl.kernels import speed_aligned_widths, torch_wgrad_accum
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,9 @@ def import_checkpoint(
     provider.bf16, provider.fp16 = dtype == "bf16", dtype == "fp16"
     provider.perform_initialization = False  # as Megatron-Bridge sets it for a weights-loading provider
     provider.finalize()
-    with patches.applied(aligned.GROUP):  # HF tensors zero-padded to the aligned widths the provider builds
+    with patches.applied(
+        speed_aligned_widths.GROUP
+    ):  # HF tensors zero-padded to the aligned widths the provider builds
         save_streaming(bridge, provider, out_dir, hf_tokenizer_path=str(hf_path))
     copy_hf_side_files(hf_path, out_dir / HF_FILES_DIR)
     unconverted.save_unconverted(hf_path, out_dir / HF_FILES_DIR)  # e.g. Qwen3.5's mtp.*: kept, not dropped
@@ -185,7 +188,7 @@ def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:
         )
     bridge = auto_bridge(hf_files)
     model = load_megatron(bridge, megatron_dir)
-    with patches.applied(aligned.GROUP):  # padded widths cut back to the checkpoint's
+    with patches.applied(speed_aligned_widths.GROUP):  # padded widths cut back to the checkpoint's
         bridge.save_hf_pretrained(model, out_hf_dir, show_progress=False)
     if torch.distributed.get_rank() == 0:
         unconverted.restore_unconverted(hf_files, out_hf_dir)
@@ -206,7 +209,7 @@ def load_megatron(bridge, megatron_dir: Path) -> list:
     """The Megatron model from a checkpoint directory, built with qvl's provider fixes."""
     from megatron.core import parallel_state
 
-    grad_accum.provide_kernels()  # a trained checkpoint's run_config.yaml has gradient_accumulation_fusion on
+    torch_wgrad_accum.provide_kernels()  # a trained checkpoint's run_config.yaml has gradient_accumulation_fusion on
     overrides = {
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
@@ -215,7 +218,7 @@ def load_megatron(bridge, megatron_dir: Path) -> list:
     # Built from the checkpoint's run_config.yaml (padded widths, no pre-wrap hooks): the export learns the HF
     # widths from the HF config.
     hf_config = bridge.hf_pretrained.config if hasattr(bridge.hf_pretrained, "config") else bridge.hf_pretrained
-    aligned.mark_hf_widths(model, hf_config)
+    speed_aligned_widths.mark_hf_widths(model, hf_config)
     return model
 
 
@@ -250,7 +253,7 @@ def verify_on_rank(hf_path: str, megatron_dir: str, tolerance: float | None, vid
     else:
         inputs = verify.config_inputs(Path(hf_path))
     ours = verify.megatron_logits(model, inputs)
-    with patches.applied(aligned.GROUP):
+    with patches.applied(speed_aligned_widths.GROUP):
         compared, different = verify.compare_exported_tensors(bridge, model, Path(hf_path))
     kept, different = unconverted.sort_out_kept(different, Path(hf_path), Path(megatron_dir) / HF_FILES_DIR)
     if ours is None or parallel_state.get_tensor_model_parallel_rank() != 0:

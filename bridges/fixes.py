@@ -7,7 +7,7 @@ Upstream behaviour worked around here (megatron-bridge 0.6.2):
   fallbacks to the released models' values, so a checkpoint missing a field silently gets Qwen's ids.
   qvl reads every such field from the checkpoint's config and fails naming the field if it is absent.
 - A replicated HF vision tower's MLP width that is not a multiple of 64 (Qwen2.5-VL's 3420) is built zero-padded
-  (qvl.bridges.aligned), so its GEMMs run in aligned kernels.
+  (qvl.kernels.speed_aligned_widths), so its GEMMs run in aligned kernels.
 - The providers' default layer spec is Transformer Engine's; without TE (CPU, or a GPU without TE)
   qvl switches to Megatron-Core's local spec with qvl's SDPA attention, which also handles packed (THD)
   sequences.
@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from qvl.bridges.aligned import align_vision_widths
-from qvl.bridges.specs import local_gpt_layer_spec
 from qvl.foundation.errors import MissingConfigField
 from qvl.foundation.megatron import have_transformer_engine, no_te_settings
+from qvl.kernels.local_specs import local_gpt_layer_spec
+from qvl.kernels.speed_aligned_widths import align_vision_widths
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,9 @@ def fix_provider(provider: Any, hf_config: Any) -> None:
     if getattr(provider, "position_embedding_type", None) == "mrope":
         provider.mrope_section = mrope_section(text_config)
     set_token_ids(provider, hf_config)
-    align_vision_widths(provider)  # aligned GEMMs: Qwen2.5-VL's vision MLP 3420 -> 3456 (qvl.bridges.aligned)
+    align_vision_widths(
+        provider
+    )  # aligned GEMMs: Qwen2.5-VL's vision MLP 3420 -> 3456 (qvl.kernels.speed_aligned_widths)
     if not have_transformer_engine():
         use_local_specs(provider)
 

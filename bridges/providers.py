@@ -44,17 +44,17 @@ def provider_from_hf(config_or_path: Any):
 
 def apply_provider_fixes(provider: Any, hf_config: Any) -> None:
     """Copy into the provider what the upstream bridges do not read from the HF config; give a replicated HF
-    vision tower the packed varlen attention (one kernel call per pack on a GPU, qvl.bridges.attention) and the
-    lean tower's fused kernels (qvl.bridges.lean_vision); accumulate weight gradients into main_grad in the GEMM
-    (qvl.bridges.grad_accum)."""
-    from qvl.bridges.attention import use_varlen_vision_attention
+    vision tower the packed varlen attention (one kernel call per pack on a GPU, qvl.kernels.varlen_attention) and the
+    lean tower's fused kernels (qvl.kernels.speed_hf_vision); accumulate weight gradients into main_grad in the GEMM
+    (qvl.kernels.torch_wgrad_accum)."""
     from qvl.bridges.fixes import fix_provider
-    from qvl.bridges.grad_accum import use_fused_wgrad_accumulation
-    from qvl.bridges.lean_vision import use_lean_vision
+    from qvl.kernels.speed_hf_vision import use_lean_vision
+    from qvl.kernels.torch_wgrad_accum import use_fused_wgrad_accumulation
+    from qvl.kernels.varlen_attention import use_varlen_vision_attention
 
     fix_provider(provider, hf_config)
     use_varlen_vision_attention(provider)
-    use_lean_vision(provider)  # fused norm and rotary, precomputed inputs (qvl.bridges.lean_vision)
+    use_lean_vision(provider)  # fused norm and rotary, precomputed inputs (qvl.kernels.speed_hf_vision)
     use_fused_wgrad_accumulation(provider)  # after fix_provider: the no-TE settings turn it off
 
 

@@ -7,7 +7,7 @@ what cannot run without TE or `fla`:
 - the language block: upstream builds it with Megatron-Core's `get_transformer_block_with_experimental_attention_variant
   _spec`, which asserts `transformer_impl == "transformer_engine"`. Without TE, `local_hybrid_block_spec` builds the
   same layer pattern from Megatron-Core's local modules: SDPA core attention with Qwen3-VL's mRoPE attention for the
-  full-attention layers, `GatedDeltaNet` for the others (qvl.bridges.gated_delta: torch kernels where `fla` cannot
+  full-attention layers, `GatedDeltaNet` for the others (qvl.kernels.torch_gated_delta: torch kernels where `fla` cannot
   run), and zero-centred RMSNorm everywhere (Megatron-Core's torch norm refuses `layernorm_zero_centered_gamma`);
 - the vision tower: the TE-only Megatron Qwen3-VL tower, built from local modules by qvl's `Qwen3VLModel`
   (qvl.bridges.qwen3_vl), with HF's exact-GELU patch merger;
@@ -42,10 +42,10 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 
 from qvl.bridges.fixes import mrope_section
-from qvl.bridges.gated_delta import GatedDeltaNet
 from qvl.bridges.qwen3_vl import Qwen3VLModel, _as
-from qvl.bridges.specs import local_gpt_layer_spec
 from qvl.foundation.megatron import have_transformer_engine
+from qvl.kernels.local_specs import local_gpt_layer_spec
+from qvl.kernels.torch_gated_delta import GatedDeltaNet
 
 
 class ZeroCenteredRMSNorm(torch.nn.Module):

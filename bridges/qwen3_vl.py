@@ -29,48 +29,20 @@ from megatron.bridge.models.qwen_vl import qwen3_vl_bridge as upstream_bridge
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as upstream_model
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils import Qwen3VLVisionPatchMerger
 from megatron.bridge.models.qwen_vl.qwen3_vl_provider import Qwen3VLModelProvider, Qwen3VLMoEModelProvider
-from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
-from qvl.bridges.attention import use_sdpa_attention
 from qvl.bridges.fixes import mrope_section
-from qvl.bridges.specs import local_gpt_layer_spec
 from qvl.foundation import patches
 from qvl.foundation.megatron import have_transformer_engine
-
-
-def _local_vit_layer_spec():
-    return use_sdpa_attention(get_vit_layer_with_local_spec())
-
-
-# Replacement factories for patch group "qwen3-vl-local-vision" (qvl.foundation.patches): the module globals of
-# Megatron-Bridge's Qwen3-VL model that name TE classes, pointed at Megatron-Core's local modules while
-# Qwen3VLModel.__init__ runs without TE.
-
-
-def local_vit_layer_spec(original):
-    return lambda *args, **kwargs: use_sdpa_attention(get_vit_layer_with_local_spec())
-
-
-def local_norm(original):
-    return WrappedTorchNorm
-
-
-def local_column_parallel_linear(original):
-    return ColumnParallelLinear
-
-
-def local_row_parallel_linear(original):
-    return RowParallelLinear
+from qvl.kernels import torch_qwen3_vl_vision
+from qvl.kernels.local_specs import local_gpt_layer_spec
 
 
 class Qwen3VLModel(upstream_model.Qwen3VLModel):
     """Megatron-Bridge's Qwen3-VL model, with a local-module vision tower where TE is absent."""
 
     def __init__(self, *args, **kwargs):
-        with contextlib.nullcontext() if have_transformer_engine() else patches.applied("qwen3-vl-local-vision"):
+        with contextlib.nullcontext() if have_transformer_engine() else patches.applied(torch_qwen3_vl_vision.GROUP):
             super().__init__(*args, **kwargs)
         # Megatron-Bridge 0.6.2's patch mergers (final and deepstack) reuse the vision blocks'
         # activation, tanh-approximated GELU ("gelu_pytorch_tanh"), but HF's Qwen3VLVisionPatchMerger uses

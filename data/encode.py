@@ -26,7 +26,7 @@ from qvl.data.count import IGNORE_INDEX, IMAGE_PAD, VIDEO_PAD
 from qvl.data.mrope import RopeConfig, packed_position_ids
 from qvl.data.vision import VisionConfig, check_family, load_vision_config
 from qvl.foundation.families import get_family
-from qvl.foundation.tower_inputs import MegatronTowerInputs, TowerInputs, tower_inputs_for_config
+from qvl.kernels.tower_inputs import MegatronTowerInputs, TowerInputs, tower_inputs_for_config
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class PackedBatch(Batch):
     second_per_grid_ts: torch.Tensor
     source_indices: list[list[int]]
     # What the vision tower derives from each grid (HF towers: TowerInputs; Megatron-Bridge's Qwen3-VL tower:
-    # MegatronTowerInputs), computed here in the worker processes (qvl.foundation.tower_inputs); None for a
+    # MegatronTowerInputs), computed here in the worker processes (qvl.kernels.tower_inputs); None for a
     # micro-batch without that modality.
     image_tower_inputs: TowerInputs | MegatronTowerInputs | None = None
     video_tower_inputs: TowerInputs | MegatronTowerInputs | None = None

@@ -108,7 +108,7 @@ def _is_installed(package: str) -> bool:
 
 # TransformerConfig fields for Megatron-Core's local (non-TE) modules, on any device without Transformer Engine:
 # gradient-accumulation fusion needs Apex's `fused_weight_gradient_mlp_cuda` (off here for models built directly;
-# the providers qvl fixes turn it on with torch's GEMM in its place, qvl.bridges.grad_accum); the others need kernels
+# the providers qvl fixes turn it on with torch's GEMM in its place, qvl.kernels.torch_wgrad_accum); the others need kernels
 # that only TE, Apex or the grouped_gemm package provide. SwiGLU's bias-activation fusion needs neither: `no_te_settings()` turns
 # it on where CUDA and Triton are. (Megatron-Bridge's GPT provider leaves bias_dropout_fusion at Megatron-Core's
 # default, off, and turns cross_entropy_loss_fusion on, a torch.jit fusion that needs no TE.)
@@ -170,7 +170,7 @@ def filter_except_qvl(original: Callable[[Any], None]) -> Callable[[Any], None]:
 
     Megatron-Bridge's setup (`setup_logging`, `logger.filter_warnings=True` by default) gives the root logger and every
     logger that exists a filter that drops WARNING records, for the rest of the process: after a training loop in a
-    notebook or `qvl.recipes.train()`, qvl's own warnings (an option that falls back, a check that found something)
+    notebook or `qvl.training.train()`, qvl's own warnings (an option that falls back, a check that found something)
     were silently gone. Other libraries' loggers still get the filter, as upstream intends."""
 
     def add_filter_to_all_loggers(filter: Any) -> None:

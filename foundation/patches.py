@@ -105,111 +105,112 @@ PATCHES: tuple[Patch, ...] = (
           replacement=f"{_RUNTIME}:cpu_rng_state", why=_RNG_WHY, version=MCORE),
     Patch(group="cpu-runtime", target="megatron.core.tensor_parallel.random:_set_cuda_rng_state",
           replacement=f"{_RUNTIME}:set_cpu_rng_state", why=_RNG_WHY, version=MCORE, params=("new_state",)),
-    # --- cpu-bridge-training: qvl.foundation.runtime.enable_bridge_training()
-    Patch(group="cpu-bridge-training", target="megatron.bridge.training.initialize:initialize_megatron",
+    # --- cpu-training: qvl.foundation.runtime.enable_bridge_training()
+    Patch(group="cpu-training", target="megatron.bridge.training.initialize:initialize_megatron",
           replacement=f"{_RUNTIME}:allow_no_cuda", version=MBRIDGE, params=("cfg",),
           why="it asserts CUDA unless allow_no_cuda, which Megatron-Bridge's setup path never passes"),
-    Patch(group="cpu-bridge-training", target="megatron.bridge.training.setup:initialize_megatron",
+    Patch(group="cpu-training", target="megatron.bridge.training.setup:initialize_megatron",
           replacement=f"{_RUNTIME}:allow_no_cuda", version=MBRIDGE, params=("cfg",),
           why="setup.py imported initialize_megatron by name; the same wrapper as initialize's"),
-    Patch(group="cpu-bridge-training", target="megatron.bridge.training.initialize:_set_random_seed",
+    Patch(group="cpu-training", target="megatron.bridge.training.initialize:_set_random_seed",
           replacement=f"{_RUNTIME}:seed_rng_tracker_too", version=MBRIDGE, params=("seed_",),
           why="it registers the model-parallel RNG tracker only when a CUDA device is counted"),
-    # --- megatron-wheel: around every Megatron-Bridge training loop qvl runs, on any device
-    Patch(group="megatron-wheel", target="megatron.bridge.training.initialize:compile_helpers",
+    # --- fix-megatron-setup: around every Megatron-Bridge training loop qvl runs, on any device
+    Patch(group="fix-megatron-setup", target="megatron.bridge.training.initialize:compile_helpers",
           replacement="qvl.foundation.megatron:prebuilt_dataset_helpers", version=MBRIDGE,
           why="it runs `make` in megatron/core/datasets, which the megatron-core wheel ships prebuilt and without a "
               "Makefile: every pip-installed training run exits there (seen on an H100); from source it still builds"),
-    Patch(group="megatron-wheel", target="megatron.training.utils.log_utils:add_filter_to_all_loggers",
+    Patch(group="fix-megatron-setup", target="megatron.training.utils.log_utils:add_filter_to_all_loggers",
           replacement="qvl.foundation.megatron:filter_except_qvl", version=MCORE, params=("filter",),
           why="Megatron-Bridge's setup_logging adds a WARNING-dropping filter to every existing logger for the rest "
               "of the process: after an in-process training loop qvl's own warnings were silently dropped"),
-    # --- torch-adam-resume: qvl.recipes.training.optimizer_fixes (any device without TE/Apex)
-    Patch(group="torch-adam-resume",
+    # --- fix-adam-resume: qvl.kernels.fix_adam_resume (any device without TE/Apex)
+    Patch(group="fix-adam-resume",
           target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict",
-          replacement="qvl.recipes.training.optimizer_fixes:state_dict_with_initial_steps", version=MCORE,
+          replacement="qvl.kernels.fix_adam_resume:state_dict_with_initial_steps", version=MCORE,
           params=("self",),
           why="with torch Adam it asserts one `step` value, and a fresh optimizer (the resume template) has none"),
-    Patch(group="torch-adam-resume",
+    Patch(group="fix-adam-resume",
           target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
-          replacement="qvl.recipes.training.optimizer_fixes:load_state_dict_with_own_steps", version=MCORE,
+          replacement="qvl.kernels.fix_adam_resume:load_state_dict_with_own_steps", version=MCORE,
           params=("self", "state_dict"),
           why="it gives every parameter ONE shared `step` tensor, then overwrites it with the template's 0"),
-    # --- fast-optimizer: qvl.recipes.training.optimizer (around every training loop, any device)
-    Patch(group="fast-optimizer", target="megatron.core.optimizer.clip_grads:l2_norm_impl",
-          replacement="qvl.recipes.training.optimizer:foreach_l2_norm", version=MCORE,
+    # --- speed-optimizer: qvl.kernels.speed_optimizer (around every training loop, any device)
+    Patch(group="speed-optimizer", target="megatron.core.optimizer.clip_grads:l2_norm_impl",
+          replacement="qvl.kernels.speed_optimizer:foreach_l2_norm", version=MCORE,
           params=("chunk_size", "noop_flag", "tensor_lists", "per_tensor"),
           why="without TE/Apex the grad norm reads one scalar per parameter tensor to the host; one foreach norm"),
-    Patch(group="fast-optimizer", target="megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
-          replacement="qvl.recipes.training.optimizer:foreach_scale", version=MCORE,
+    Patch(group="speed-optimizer", target="megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
+          replacement="qvl.kernels.speed_optimizer:foreach_scale", version=MCORE,
           params=("chunk_size", "noop_flag", "tensor_lists", "scale"),
           why="without TE/Apex the clip scale launches one multiply and one copy per parameter tensor"),
-    Patch(group="fast-optimizer", target="megatron.core.optimizer.optimizer:multi_tensor_scale_impl",
-          replacement="qvl.recipes.training.optimizer:foreach_scale", version=MCORE,
+    Patch(group="speed-optimizer", target="megatron.core.optimizer.optimizer:multi_tensor_scale_impl",
+          replacement="qvl.kernels.speed_optimizer:foreach_scale", version=MCORE,
           params=("chunk_size", "noop_flag", "tensor_lists", "scale"),
           why="the same fallback in the non-distributed optimizer's main/model copies"),
-    Patch(group="fast-optimizer",
+    Patch(group="speed-optimizer",
           target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params",
-          replacement="qvl.recipes.training.optimizer:foreach_main_to_model_copy", version=MCORE, params=("self",),
+          replacement="qvl.kernels.speed_optimizer:foreach_main_to_model_copy", version=MCORE, params=("self",),
           why="one copy kernel per parameter tensor and a view made each step; one foreach copy over cached views"),
-    Patch(group="fast-optimizer",
+    Patch(group="speed-optimizer",
           target="megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups",
-          replacement="qvl.recipes.training.optimizer:fused_adam", version=MCORE, params=("config", "model_chunks"),
+          replacement="qvl.kernels.speed_optimizer:fused_adam", version=MCORE, params=("config", "model_chunks"),
           why="torch AdamW is built with foreach kernels (their temporaries hold a copy of the optimizer state); "
               "its fused kernel is one pass, where the device has it"),
-    # --- fast-lm: qvl.recipes.training.fast_lm and .sync_free (around every training loop, any device)
-    Patch(group="fast-lm", target="megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_thd",
-          replacement="qvl.recipes.training.fast_lm:packed_rotary", version=MCORE,
+    # --- speed-rotary: qvl.kernels.speed_rotary (around every training loop, any device)
+    Patch(group="speed-rotary", target="megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_thd",
+          replacement="qvl.kernels.speed_rotary:packed_rotary", version=MCORE,
           params=("t", "cu_seqlens", "freqs", "rotary_interleaved", "mla_rotary_interleaved", "mscale", "cp_group"),
           why="packed rotary reads every sub-sequence's length and start to the host in every attention layer; with "
               "one CP rank and per-token frequencies the whole-pack rotary is bitwise the same"),
-    Patch(group="fast-lm",
+    Patch(group="speed-rotary",
           target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention:apply_rotary_pos_emb_absolute",
-          replacement="qvl.recipes.training.fast_lm:absolute_rotary", version=MBRIDGE,
+          replacement="qvl.kernels.speed_rotary:absolute_rotary", version=MBRIDGE,
           params=("t", "freqs", "config", "cu_seqlens"),
           why="Qwen3-VL's rotary (language model and vision tower) is about ten eager kernels each way per query or "
               "key; one compiled region where CUDA and Triton are"),
-    Patch(group="fast-lm", target="megatron.bridge.models.qwen_vl.modeling_qwen25_vl:Qwen25VLModel.forward",
-          replacement="qvl.recipes.training.sync_free:loader_positions_forward", version=MBRIDGE,
+    # --- speed-sync-free: qvl.kernels.speed_sync_free (around every training loop, any device)
+    Patch(group="speed-sync-free", target="megatron.bridge.models.qwen_vl.modeling_qwen25_vl:Qwen25VLModel.forward",
+          replacement="qvl.kernels.speed_sync_free:loader_positions_forward", version=MBRIDGE,
           params=("self", "input_ids", "attention_mask", "position_ids", "inputs_embeds", "pixel_values",
                   "pixel_values_videos", "image_grid_thw", "video_grid_thw"),
           why="it ignores the position_ids it is given and recomputes the mRoPE positions qvl's loader has with "
               "transformers' get_rope_index, and reads split sizes and placeholder counts back: ~47 host reads per "
               "pack; with the loader's positions and host-side batch none"),
-    Patch(group="fast-lm", target="megatron.bridge.training.train:train_step",
-          replacement="qvl.recipes.training.sync_free:train_step_with_loss_check", version=MBRIDGE,
+    Patch(group="speed-sync-free", target="megatron.bridge.training.train:train_step",
+          replacement="qvl.kernels.speed_sync_free:train_step_with_loss_check", version=MBRIDGE,
           params=("forward_step_func", "data_iterator", "model", "optimizer", "scheduler", "global_state"),
           why="the loss's NaN/Inf check reads every micro-batch's loss to the host (2 reads each); qvl's step keeps "
               "them and this reads them once, after the step"),
-    # --- lean-cross-entropy: qvl.bridges.cross_entropy (around every training loop, any device without TE/Apex)
-    Patch(group="lean-cross-entropy",
+    # --- speed-cross-entropy: qvl.kernels.speed_cross_entropy (around every training loop, any device without TE/Apex)
+    Patch(group="speed-cross-entropy",
           target="megatron.core.models.common.language_module.language_module:fused_vocab_parallel_cross_entropy",
-          replacement="qvl.bridges.cross_entropy:lean_fused_cross_entropy", version=MCORE,
+          replacement="qvl.kernels.speed_cross_entropy:lean_fused_cross_entropy", version=MCORE,
           params=("vocab_parallel_logits", "target", "tp_group"),
           why="the native fused cross-entropy keeps an fp32 softmax of the logits for backward (twice the bf16 "
               "logits), moves ~17 GB per 4k pack over Qwen's vocabulary and rounds the logits' gradient to bf16 in "
               "fp32 training; qvl's keeps the logits, recomputes the softmax (~4.7 GB) and keeps their dtype"),
     # --- torch-wgrad-accum: from building a model whose provider qvl fixed, any device without Apex (process-wide)
     Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:_grad_accum_fusion_available",
-          replacement="qvl.bridges.grad_accum:available", version=MCORE,
+          replacement="qvl.kernels.torch_wgrad_accum:available", version=MCORE,
           why="gradient_accumulation_fusion is refused unless Apex's fused_weight_gradient_mlp_cuda imports; torch's "
               "addmm (addmm.dtype_out for bf16 into fp32) does the same GEMM into main_grad"),
     Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:fused_weight_gradient_mlp_cuda",
-          replacement="qvl.bridges.grad_accum:torch_kernels", version=MCORE, absent_ok=True,
+          replacement="qvl.kernels.torch_wgrad_accum:torch_kernels", version=MCORE, absent_ok=True,
           why="the linears' backward calls its wgrad_gemm_accum_fp32/_fp16; torch stand-ins with the same arguments"),
     Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:get_dummy_wgrad",
-          replacement="qvl.bridges.grad_accum:te_dummy_wgrad", version=MCORE, absent_ok=True,
+          replacement="qvl.kernels.torch_wgrad_accum:te_dummy_wgrad", version=MCORE, absent_ok=True,
           why="without TE the backward allocates its dummy weight gradient with device=torch.cuda.current_device(), "
               "which the CPU runtime cannot redirect inside a backward pass; TE's helper name, allocated as upstream "
               "does on this process's device"),
     Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:HAVE_TE",
-          replacement="qvl.bridges.grad_accum:take_dummy_from_stand_in", version=MCORE,
+          replacement="qvl.kernels.torch_wgrad_accum:take_dummy_from_stand_in", version=MCORE,
           why="selects get_dummy_wgrad in the backward (and, under CPU offloading, which needs TE, marks inputs)"),
-    # --- qwen3-vl-local-vision: while qvl.bridges.qwen3_vl.Qwen3VLModel.__init__ runs without TE
+    # --- torch-qwen3-vl-vision: while qvl.bridges.qwen3_vl.Qwen3VLModel.__init__ runs without TE
     *(
-        Patch(group="qwen3-vl-local-vision",
+        Patch(group="torch-qwen3-vl-vision",
               target=f"megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model:{name}",
-              replacement=f"qvl.bridges.qwen3_vl:{factory}", version=MBRIDGE,
+              replacement=f"qvl.kernels.torch_qwen3_vl_vision:{factory}", version=MBRIDGE,
               why="Qwen3VLModel.__init__ builds its vision tower from TE classes unconditionally")
         for name, factory in (
             ("get_vit_layer_with_transformer_engine_spec", "local_vit_layer_spec"),
@@ -218,76 +219,76 @@ PATCHES: tuple[Patch, ...] = (
             ("TERowParallelLinear", "local_row_parallel_linear"),
         )
     ),
-    # --- qwen3-vl-tower-inputs: while qvl.bridges.qwen3_vl_tower.prepared_megatron_tower_inputs is entered (the step)
-    Patch(group="qwen3-vl-tower-inputs",
+    # --- speed-qwen3-vl-tower: while qvl.kernels.speed_qwen3_vl_tower.prepared_megatron_tower_inputs is entered (the step)
+    Patch(group="speed-qwen3-vl-tower",
           target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model:Qwen3VLVisionModel.forward",
-          replacement="qvl.bridges.qwen3_vl_tower:prepared_forward", version=MBRIDGE,
+          replacement="qvl.kernels.speed_qwen3_vl_tower:prepared_forward", version=MBRIDGE,
           params=("self", "hidden_states", "grid_thw", "inference_params", "extra_block_kwargs"),
           why="it reads its device grid to the host on every call (position-table corners and weights per image, "
               "rotary maxima, split sizes) and hands its attention a 0-d device tensor as the longest block; it "
               "takes the loader's host-computed inputs instead"),
-    # --- qwen3-vl-sync-free: qvl.recipes.training.qwen3_vl_sync_free (around every training loop, with "fast-lm")
-    Patch(group="qwen3-vl-sync-free",
+    # --- speed-qwen3-vl-sync-free: qvl.kernels.speed_qwen3_vl_sync_free (around every training loop, with "speed-sync-free")
+    Patch(group="speed-qwen3-vl-sync-free",
           target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model:Qwen3VLModel.forward",
-          replacement="qvl.recipes.training.qwen3_vl_sync_free:indexed_forward", version=MBRIDGE,
+          replacement="qvl.kernels.speed_qwen3_vl_sync_free:indexed_forward", version=MBRIDGE,
           params=("self", "input_ids", "position_ids", "attention_mask", "labels", "loss_mask", "inference_params",
                   "packed_seq_params", "extra_block_kwargs", "pixel_values", "pixel_values_videos", "image_grid_thw",
                   "video_grid_thw", "image_input_mask", "video_input_mask"),
           why="it puts the vision embeddings into the tokens with a boolean mask (`combined_embeddings[vision_mask]`), "
               "which reads the mask's count to the host, forward and backward; the step's host-computed indices "
               "instead"),
-    Patch(group="qwen3-vl-sync-free",
+    Patch(group="speed-qwen3-vl-sync-free",
           target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_block:"
                  "Qwen3VLTransformerBlock._deepstack_process",
-          replacement="qvl.recipes.training.qwen3_vl_sync_free:indexed_deepstack", version=MBRIDGE,
+          replacement="qvl.kernels.speed_qwen3_vl_sync_free:indexed_deepstack", version=MBRIDGE,
           params=("self", "hidden_states", "visual_pos_masks", "visual_embeds"),
           why="it reads and writes the deepstack rows through a boolean mask: 2 host reads per deepstack layer "
               "forward, 3 backward; it takes the forward's int64 indices as well"),
-    # --- aligned-widths: around qvl's conversions (qvl.bridges.convert); the padding itself is qvl.bridges.aligned
-    Patch(group="aligned-widths",
+    # --- speed-aligned-widths: around qvl's conversions (qvl.bridges.convert); the padding itself is qvl.kernels.speed_aligned_widths
+    Patch(group="speed-aligned-widths",
           target="megatron.bridge.models.conversion.param_mapping:ReplicatedMapping.hf_to_megatron",
-          replacement="qvl.bridges.aligned:padding_hf_to_megatron", version=MBRIDGE,
+          replacement="qvl.kernels.speed_aligned_widths:padding_hf_to_megatron", version=MBRIDGE,
           params=("self", "hf_weights", "megatron_module"),
           why="the replicated HF vision tower is built with its MLP width padded to a multiple of 64 (aligned GEMMs); "
               "the narrower HF tensor is zero-padded to its parameter"),
-    Patch(group="aligned-widths",
+    Patch(group="speed-aligned-widths",
           target="megatron.bridge.models.conversion.param_mapping:ReplicatedMapping.megatron_to_hf",
-          replacement="qvl.bridges.aligned:stripping_megatron_to_hf", version=MBRIDGE,
+          replacement="qvl.kernels.speed_aligned_widths:stripping_megatron_to_hf", version=MBRIDGE,
           params=("self", "megatron_weights", "megatron_module"),
           why="the padding is cut off again, so an exported or verified tensor is the checkpoint's own"),
-    # --- lean-hf-vision: from building a model with an HF vision tower on, any device (lean_vision.use_lean_vision)
-    Patch(group="lean-hf-vision",
+    # --- speed-hf-vision: from building a model with an HF vision tower on, any device (lean_vision.use_lean_vision)
+    Patch(group="speed-hf-vision",
           target="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLRMSNorm.forward",
-          replacement="qvl.bridges.lean_vision:fused_rms_norm", version="transformers 5.12.1",
+          replacement="qvl.kernels.speed_hf_vision:fused_rms_norm", version="transformers 5.12.1",
           params=("self", "hidden_states"),
           why="a Python composition in fp32 (8 kernels forward, 18 backward); torch's fused kernel, HF's numerics"),
     *(
-        Patch(group="lean-hf-vision", target=f"transformers.models.{name}.modeling_{name}:apply_rotary_pos_emb_vision",
-              replacement="qvl.bridges.lean_vision:fused_rotary", version="transformers 5.12.1",
+        Patch(group="speed-hf-vision", target=f"transformers.models.{name}.modeling_{name}:apply_rotary_pos_emb_vision",
+              replacement="qvl.kernels.speed_hf_vision:fused_rotary", version="transformers 5.12.1",
               params=("q", "k", "cos", "sin"),
               why="fp32 rotate-half in ~10 kernels per tensor; one compiled region on CUDA, the same math")
         for name in ("qwen2_vl", "qwen2_5_vl")
     ),
     *(
-        Patch(group="lean-hf-vision", target=f"transformers.models.{name}.modeling_{name}:{attention}.forward",
-              replacement="qvl.bridges.lean_vision:lean_attention", version="transformers 5.12.1",
+        Patch(group="speed-hf-vision", target=f"transformers.models.{name}.modeling_{name}:{attention}.forward",
+              replacement="qvl.kernels.speed_hf_vision:lean_attention", version="transformers 5.12.1",
               params=("self", "hidden_states", "cu_seqlens", "position_embeddings"),
               why="it permutes q, k, v for the attention function and back, and computes the longest block on the "
                   "device in every call although qvl passes it from the host: ~14 views and 2 kernels each way")
         for name, attention in (("qwen2_vl", "VisionAttention"), ("qwen2_5_vl", "Qwen2_5_VLVisionAttention"))
     ),
-    Patch(group="lean-hf-vision", target="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLMLP.forward",
-          replacement="qvl.bridges.lean_vision:lean_gated_mlp", version="transformers 5.12.1",
+    Patch(group="speed-hf-vision", target="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLMLP.forward",
+          replacement="qvl.kernels.speed_hf_vision:lean_gated_mlp", version="transformers 5.12.1",
           params=("self", "hidden_state"),
           why="the gate's SiLU and the product are 2 kernels forward and 3 backward with the activation written and "
               "read back; one compiled region each way on CUDA, the same math"),
-    Patch(group="lean-hf-vision", target="transformers.models.qwen2_vl.modeling_qwen2_vl:VisionMlp.forward",
-          replacement="qvl.bridges.lean_vision:lean_mlp", version="transformers 5.12.1", params=("self", "x"),
+    Patch(group="speed-hf-vision", target="transformers.models.qwen2_vl.modeling_qwen2_vl:VisionMlp.forward",
+          replacement="qvl.kernels.speed_hf_vision:lean_mlp", version="transformers 5.12.1", params=("self", "x"),
           why="QuickGELU is 3 kernels forward and more backward; one compiled region each way on CUDA, the same math"),
-    # --- gated-delta-torch: while qvl.bridges.gated_delta.GatedDeltaNet builds or runs where `fla` cannot run
+    # --- torch-gated-delta: while qvl.kernels.torch_gated_delta.GatedDeltaNet builds or runs where `fla` cannot run
     *(
-        Patch(group="gated-delta-torch", target=f"megatron.core.ssm.gated_delta_net.{module}:{name}",
-              replacement=f"qvl.bridges.gated_delta:{factory}", version=MCORE,
+        Patch(group="torch-gated-delta", target=f"megatron.core.ssm.gated_delta_net.{module}:{name}",
+              replacement=f"qvl.kernels.torch_gated_delta:{factory}", version=MCORE,
               why="GatedDeltaNet takes its kernels from flash-linear-attention (Triton, GPU only) and raises without "
                   "it; with it installed but no GPU every kernel fails. qvl's torch kernels restart at every "
                   "cu_seqlens boundary as fla's do")
@@ -298,9 +299,9 @@ PATCHES: tuple[Patch, ...] = (
             ("gdn", "chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
         )
     ),
-    # --- kubeflow-trainer-v2.2: while qvl.launchers renders or submits a TrainJob
-    Patch(group="kubeflow-trainer-v2.2", target="nemo_run.core.execution.kubeflow:KubeflowExecutor.get_job_body",
-          replacement="qvl.launchers.executors:runtime_patches_job_body", version=NEMO_RUN,
+    # --- fix-kubeflow-v2.2: while qvl.launchers renders or submits a TrainJob
+    Patch(group="fix-kubeflow-v2.2", target="nemo_run.core.execution.kubeflow:KubeflowExecutor.get_job_body",
+          replacement="qvl.kernels.fix_kubeflow_v2_2:runtime_patches_job_body", version=NEMO_RUN,
           params=("self", "name", "command"),
           why="NeMo-Run renders pod settings (volumes, mounts, pull secrets) only as spec.podTemplateOverrides, "
               "Kubeflow Trainer v2.1's field; v2.2 replaced it with runtimePatches (kubeflow/trainer#3309) and a "
@@ -324,7 +325,7 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
                 used_in="qvl.bridges.stream", version=MBRIDGE,
                 why="the streamed import needs the model bridge's conversion tasks without materialising the model"),
     PrivateRead(target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model:Qwen3VLVisionModel",
-                attribute="_uses_vision_cuda_graph", used_in="qvl.bridges.qwen3_vl_tower", version=MBRIDGE,
+                attribute="_uses_vision_cuda_graph", used_in="qvl.kernels.speed_qwen3_vl_tower", version=MBRIDGE,
                 why="a tower padded for vision CUDA graphs has no packed blocks: it keeps upstream's forward"),
     PrivateRead(target="megatron.bridge.models.qwen_vl.qwen3_vl_provider:Qwen3VLModelProvider",
                 attribute="_pg_collection", used_in="qvl.bridges.qwen3_vl", version=MBRIDGE,
@@ -333,10 +334,10 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
                 used_in="qvl.bridges.qwen2_vl, qvl.recipes.planner", version="transformers 5.12.1",
                 why="builds a vision tower from its sub-config (on meta in the planner) as transformers does itself"),
     PrivateRead(target="transformers:PreTrainedModel", attribute="_supports_flash_attn",
-                used_in="qvl.bridges.attention", version="transformers 5.12.1",
+                used_in="qvl.kernels.varlen_attention", version="transformers 5.12.1",
                 why="only towers whose attention hands cu_seqlens to a flash-type function get the varlen kernel"),
     PrivateRead(target="transformers:PretrainedConfig", attribute="_attn_implementation",
-                used_in="qvl.bridges.attention", version="transformers 5.12.1",
+                used_in="qvl.kernels.varlen_attention", version="transformers 5.12.1",
                 why="set on the HF vision tower's own config copy after build: transformers' build-time check would "
                     "treat the registered varlen function's name as a hub kernel to download"),
     PrivateRead(target="megatron.bridge.models.model_provider:ModelProviderMixin", attribute="_pre_wrap_hooks",
@@ -346,7 +347,7 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
                 version=MCORE, why="bench_idle reads every timer of a step (Megatron keeps no public list of them)"),
     PrivateRead(target="megatron.core.timers:Timer", attribute="_started", used_in="benchmarks.step_anatomy",
                 version=MCORE, why="a running timer (interval-time spans steps) is left alone when a step's are read"),
-    PrivateRead(target="torch.library:Library", attribute="_destroy", used_in="qvl.bridges.grad_accum",
+    PrivateRead(target="torch.library:Library", attribute="_destroy", used_in="qvl.kernels.torch_wgrad_accum",
                 version=TORCH, why="a CPU kernel registered for the step census is removed again (no public undo)"),
     PrivateRead(target="nemo_run.cli.api:RunContext", attribute="_execute_task",
                 used_in="qvl.launchers.nemo_cli", version=NEMO_RUN,

@@ -6,7 +6,7 @@ and a no-op where CUDA is available. Every redirection is listed here with the r
 assumption fails there first. Checked against megatron-core 0.19.2 and megatron-bridge 0.6.2.
 
 Redirections (undone by `deactivate()`); the attribute replacements among them are the patch groups
-"cpu-runtime" and "cpu-bridge-training" of qvl.foundation.patches:
+"cpu-runtime" and "cpu-training" of qvl.foundation.patches:
 1. Stand-ins for optional packages (TE, nvrx) that Megatron-Bridge imports unconditionally: see
    qvl.foundation.megatron; needed on CPU and on GPUs without TE alike.
 2. Device redirection (`_CudaToCpuMode`, a TorchFunctionMode). Megatron-Core creates tensors with
@@ -32,7 +32,7 @@ Redirections (undone by `deactivate()`); the attribute replacements among them a
    `_set_random_seed` registers the model-parallel RNG tracker only when a CUDA device is counted, so on
    CPU every tracker fork fails. The first gets allow_no_cuda=True, the second also seeds the tracker.
    (Upstream's `make` of the dataset helpers, which the wheel ships built, is not CPU-specific: the group
-   "megatron-wheel" around every training loop handles it, qvl.foundation.megatron.prebuilt_dataset_helpers.)
+   "fix-megatron-setup" around every training loop handles it, qvl.foundation.megatron.prebuilt_dataset_helpers.)
 8. Model configuration: `check_cpu_config()` refuses what CPU cannot run (FP8, sequence parallelism,
    Transformer Engine specs, CUDA graphs, communication overlap, hybrid-device optimizer offload) with
    the reason and the fix, and `cpu_safe_config_overrides()` lists the fusion flags to turn off.
@@ -190,7 +190,7 @@ def seed_cpu_generator(original: Any) -> Callable[[int], None]:
     return lambda seed: torch.default_generator.manual_seed(int(seed))
 
 
-# Replacement factories of group "cpu-bridge-training" (item 7).
+# Replacement factories of group "cpu-training" (item 7).
 
 
 def allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -232,7 +232,7 @@ class _RuntimeState:
 
 
 _STATE = _RuntimeState()
-_GROUPS = ("cpu-runtime", "cpu-bridge-training")
+_GROUPS = ("cpu-runtime", "cpu-training")
 
 
 def is_active() -> bool:
@@ -264,7 +264,7 @@ def enable_bridge_training() -> None:
     if not is_active():
         raise RuntimeError("call runtime.activate() before enable_bridge_training()")
     import_megatron_bridge()
-    patches.apply("cpu-bridge-training")
+    patches.apply("cpu-training")
 
 
 def deactivate() -> None:

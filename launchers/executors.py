@@ -18,7 +18,6 @@ import shutil
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,6 +27,7 @@ from nemo_run.core.execution.launcher import Torchrun
 
 from qvl.foundation import FOLDERS
 from qvl.foundation.errors import LaunchError
+from qvl.kernels.fix_kubeflow_v2_2 import RUNTIME_PATCHES
 
 # Set on a LocalExecutor that runs on the CPU runtime; the task then gets `--device cpu`.
 CPU_DEVICE_ENV = "QVL_DEVICE"
@@ -323,44 +323,6 @@ def _kubeflow(cls: Any, **settings: Any) -> run.Executor:
         env_vars=MEGATRON_ENV | env,
         **fields,
     )
-
-
-# Kubeflow Trainer v2.2+ takes pod settings as runtimePatches; NeMo-Run 0.11.1 renders only podTemplateOverrides
-# (v2.1). A v2.2+ executor carries an empty `spec.runtimePatches` in spec_kwargs, and the "kubeflow-trainer-v2.2"
-# patch (qvl.foundation.patches) moves the rendered overrides there; see kubeflow/trainer#3309.
-RUNTIME_PATCHES = "runtimePatches"
-RUNTIME_PATCH_MANAGER = "qvl.launchers"
-
-
-def runtime_patches_job_body(original: Callable[..., dict]) -> Callable[..., dict]:
-    """KubeflowExecutor.get_job_body that renders podTemplateOverrides as runtimePatches where the spec asks."""
-
-    @functools.wraps(original)
-    def get_job_body(self, name: str, command: list[str]) -> dict:
-        body = original(self, name, command)
-        if RUNTIME_PATCHES in body["spec"]:
-            move_overrides_to_runtime_patches(body["spec"])
-        return body
-
-    return get_job_body
-
-
-def move_overrides_to_runtime_patches(spec: dict) -> None:
-    """Rewrite a TrainJob spec's v2.1 `podTemplateOverrides` as one v2.2+ `runtimePatches` entry (same pod fields,
-    under trainingRuntimeSpec.template.spec.replicatedJobs[].template.spec.template)."""
-    jobs = [
-        {"name": target["name"], "template": {"spec": {"template": {k: o[k] for k in ("metadata", "spec") if k in o}}}}
-        for o in spec.pop("podTemplateOverrides", [])
-        for target in o["targetJobs"]
-    ]
-    patches = [p for p in spec[RUNTIME_PATCHES] if p.get("manager") != RUNTIME_PATCH_MANAGER]
-    if jobs:
-        patch = {"template": {"spec": {"replicatedJobs": jobs}}}
-        patches.append({"manager": RUNTIME_PATCH_MANAGER, "trainingRuntimeSpec": patch})
-    if patches:
-        spec[RUNTIME_PATCHES] = patches
-    else:
-        del spec[RUNTIME_PATCHES]
 
 
 # Where the job's code folder appears in the pod. NeMo-Run's launch script links `/nemo_run` to the job's code

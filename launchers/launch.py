@@ -27,6 +27,7 @@ import yaml
 from qvl.foundation import patches
 from qvl.foundation.errors import ConfigError, LaunchError
 from qvl.foundation.layout import ModelFacts, ParallelLayout
+from qvl.kernels.fix_kubeflow_v2_2 import GROUP as TRAINJOB_PATCHES  # runtimePatches for Trainer v2.2+
 from qvl.launchers.preflight import (
     LAYOUT_KEYS,
     check_accepted,
@@ -50,7 +51,6 @@ CLI_MODULE = "qvl.launchers.cli"  # what `python -m` runs on the execution side:
 DEMO_JOB = "demo"  # built-in tiny job: `qvl demo --steps N --output DIR`
 DEMO_PARAMS = ("steps", "output")
 EXECUTORS = ("local", "slurm", "kubernetes")
-TRAINJOB_PATCHES = "kubeflow-trainer-v2.2"  # qvl.foundation.patches group: runtimePatches for Trainer v2.2+
 
 
 @dataclass(kw_only=True, slots=True)
@@ -264,7 +264,7 @@ def resolved_config(job: Job, executor) -> dict[str, Any]:
 def build_job_config(job: Job, executor) -> Any:
     """Build the job's ConfigContainer here exactly as `qvl train` will there, which checks every dotted key."""
     from qvl.launchers.executors import is_cpu
-    from qvl.recipes.training.train import TrainRequest, prepare_config
+    from qvl.training.train import TrainRequest, prepare_config
 
     flags = dict(zip(job.train_flags[::2], job.train_flags[1::2], strict=False))
     run_dir = Path(flags.get("--run-dir", "runs/train"))

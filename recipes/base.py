@@ -72,17 +72,17 @@ class QvlPackedDatasetConfig(DatasetProvider):
 
 @dataclass(kw_only=True)
 class QvlTrainingConfig:
-    """qvl's own training settings, read by its forward step (qvl.recipes.training.step)."""
+    """qvl's own training settings, read by its forward step (qvl.training.step)."""
 
-    # Vision work balanced over the first pipeline stage's DP x TP ranks (qvl.recipes.training.vision_balance).
+    # Vision work balanced over the first pipeline stage's DP x TP ranks (qvl.training.vision_balance).
     vision_balance: bool = False
     # The replicated HF vision tower (Qwen2-VL / Qwen2.5-VL) keeps only each block's input for backward and
     # recomputes the rest (qvl.bridges.providers.recompute_vision_towers); at 4k packs of LLaVA-like images its
     # activations are most of a step's (an H100 ran out of memory without it, Qwen2.5-VL-3B shapes, 12 layers).
     vision_recompute: bool = False
     # Each block of the replicated HF vision tower torch.compiled as one region where CUDA and Triton are
-    # (qvl.bridges.lean_vision.compile_vision_blocks); eager elsewhere. Off until its bf16 parity tests have run on
-    # a GPU (tests/bridges/test_vision_compile.py).
+    # (qvl.kernels.speed_hf_vision.compile_vision_blocks); eager elsewhere. Off until its bf16 parity tests have run on
+    # a GPU (tests/kernels/test_vision_compile.py).
     compile: bool = False
 
 
@@ -159,7 +159,7 @@ def attach_qvl_behaviours(config: Any) -> None:
         _hf_tower_hook(config, "vision_recompute", recompute_vision_towers, "recomputes with the language model "
                        "(recompute=full)")  # fmt: skip
     if settings.compile:
-        from qvl.bridges.lean_vision import compile_vision_blocks
+        from qvl.kernels.speed_hf_vision import compile_vision_blocks
 
         _hf_tower_hook(config, "compile", compile_vision_blocks, "has no HF blocks to compile")
 

@@ -233,10 +233,10 @@ def _layout(cfg: Any, gpus: int) -> _Layout:
 
 def _loss_bytes_per_logit(model: Any, weight_bytes: int) -> int:
     """Bytes per logit the loss keeps for backward: Megatron-Core's cross-entropies keep an fp32 softmax; qvl's fused
-    one (qvl.bridges.cross_entropy, in its place where Transformer Engine and Apex are absent) keeps the logits."""
-    from qvl.recipes.training import optimizer_fixes
+    one (qvl.kernels.speed_cross_entropy, in its place where Transformer Engine and Apex are absent) keeps the logits."""
+    from qvl.kernels import fix_adam_resume
 
-    lean = getattr(model, "cross_entropy_loss_fusion", False) and optimizer_fixes.needed()
+    lean = getattr(model, "cross_entropy_loss_fusion", False) and fix_adam_resume.needed()
     return weight_bytes if lean else 4
 
 

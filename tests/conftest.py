@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The CPU runtime's groups stay as it set them: qvl.foundation.runtime tracks them (activate / deactivate).
-RUNTIME_GROUPS = frozenset({"cpu-runtime", "cpu-bridge-training"})
+RUNTIME_GROUPS = frozenset({"cpu-runtime", "cpu-training"})
 
 
 def _logger_states() -> dict:

@@ -71,7 +71,7 @@ def build_model(shape: TinyGPT, config=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from qvl.bridges.attention import use_sdpa_attention
+    from qvl.kernels.varlen_attention import use_sdpa_attention
 
     config = config or transformer_config(shape)
     spec = use_sdpa_attention(get_gpt_layer_local_spec(normalization="RMSNorm"))

@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.compiled_regions import LABEL, CompiledRegions, inductor_kernels, kernel_calls
 from benchmarks.step_census import Census, WidthMap
-from qvl.bridges.lean_vision import rotary_fp32
+from qvl.kernels.speed_hf_vision import rotary_fp32
 
 
 def test_a_pointwise_region_is_one_kernel_each_way():

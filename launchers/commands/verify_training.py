@@ -16,7 +16,7 @@ from qvl.recipes.overrides import parse_overrides
 
 
 def _spec(args: argparse.Namespace, run_dir: Path):
-    from qvl.recipes.parity.run import ParitySpec
+    from qvl.training.parity.run import ParitySpec
 
     return ParitySpec(
         hf_path=Path(args.hf_path),
@@ -58,8 +58,8 @@ def _table(report) -> str:
 
 
 def run_verify_training(args: argparse.Namespace) -> int:
-    from qvl.recipes.parity.report import plot_losses
-    from qvl.recipes.parity.run import run_parity
+    from qvl.training.parity.report import plot_losses
+    from qvl.training.parity.run import run_parity
 
     with contextlib.ExitStack() as stack:
         run_dir = Path(args.run_dir) if args.run_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))

@@ -1,7 +1,7 @@
 """The streamed import writes the checkpoint Megatron-Bridge's own import writes: same keys, global shapes,
 dtypes and chunks in the torch_dist metadata, and bit-identical tensors, for every family (dense and MoE)
 converted from fp32 to bf16, and for MoE (the grouped-expert path) also kept in fp32. Its memory is in test_memory.py; that it trains and exports is in test_conversion.py
-and tests/recipes/test_train.py."""
+and tests/training/test_train.py."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def test_packed_forward_equals_per_sample_forward(family, tmp_path, cpu_runtime)
     from qvl.data.load import build_packed_datasets
     from qvl.data.samples import write_sample_dataset
     from qvl.launchers.cli import main
-    from qvl.recipes.training.step import model_inputs
+    from qvl.training.step import model_inputs
 
     jsonl, media = write_sample_dataset(tmp_path / "samples", count=12, with_bad=False)
     hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)

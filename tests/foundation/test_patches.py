@@ -101,7 +101,7 @@ print("clean")
 
 
 def test_dataset_helpers_are_built_only_where_the_wheel_did_not_ship_them(monkeypatch):
-    """megatron-wheel: Megatron-Bridge's `make` of the dataset helpers runs only where `helpers_cpp` is missing
+    """fix-megatron-setup: Megatron-Bridge's `make` of the dataset helpers runs only where `helpers_cpp` is missing
     (a source checkout); the pip-installed wheel ships it built and has no Makefile."""
     import importlib.util
 
@@ -118,7 +118,7 @@ def test_dataset_helpers_are_built_only_where_the_wheel_did_not_ship_them(monkey
 
 
 def test_megatron_logging_setup_leaves_qvl_warnings_alone(caplog):
-    """megatron-wheel: Megatron-Bridge's `setup_logging` (every training loop) filters WARNING records out of every
+    """fix-megatron-setup: Megatron-Bridge's `setup_logging` (every training loop) filters WARNING records out of every
     logger that exists, for the rest of the process; qvl's loggers keep theirs, the others are filtered as before.
     (The suite's autouse fixture removes the filters again afterwards.)"""
     import logging
@@ -129,7 +129,7 @@ def test_megatron_logging_setup_leaves_qvl_warnings_alone(caplog):
     from megatron.bridge.training.utils.log_utils import setup_logging
 
     ours, theirs = logging.getLogger("qvl.recipes.some_module"), logging.getLogger("some_library.module")
-    with patches.applied("megatron-wheel"):
+    with patches.applied("fix-megatron-setup"):
         setup_logging(logging_level=logging.INFO, filter_warning=True)
     with caplog.at_level(logging.INFO):
         ours.warning("kept")

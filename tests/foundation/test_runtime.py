@@ -24,7 +24,7 @@ def test_activate_is_explicit_and_reversible():
 def test_importing_qvl_changes_nothing_in_torch():
     code = (
         "import torch; before = torch.cuda.current_device; "
-        "import qvl.foundation.runtime, qvl.launchers.cli, qvl.bridges.attention; "
+        "import qvl.foundation.runtime, qvl.launchers.cli, qvl.kernels.varlen_attention; "
         "assert torch.cuda.current_device is before; "
         "from torch.overrides import _get_current_function_mode_stack as s; assert not s(); print('clean')"
     )

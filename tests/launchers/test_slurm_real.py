@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from qvl.recipes.training.train import read_losses
+from qvl.training.train import read_losses
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -130,7 +130,7 @@ def test_nemo_qvl_finetune_runs_on_slurm(jobs, slurm_cluster, inputs):
     assert sorted(read_losses(run_dir)) == list(range(1, STEPS + 1))
     assert (run_dir / "checkpoints").is_dir()
     experiments = inputs["root"] / "exp-b" / "experiments"
-    assert list(experiments.glob("*/*/*/code/qvl/recipes/training/__pycache__/train.*.pyc"))
+    assert list(experiments.glob("*/*/*/code/qvl/training/__pycache__/train.*.pyc"))
 
 
 def test_requeue_resumes_from_the_checkpoint_and_reproduces_the_losses(jobs, slurm_cluster, inputs):

@@ -45,7 +45,7 @@ def test_parameter_counts_equal_megatron_models_built_on_cpu(cpu_runtime, tiny_h
 
 def test_published_sizes_count_like_the_released_checkpoints():
     cfg = get_recipe("qwen25_vl_7b_sft").fn()
-    # The released checkpoint's 8,292,166,656 plus the zero padding the model is built with (qvl.bridges.aligned):
+    # The released checkpoint's 8,292,166,656 plus the zero padding the model is built with (qvl.kernels.speed_aligned_widths):
     # 36 more gate and up rows (with biases) and down columns in each of the 32 vision blocks.
     padding = 32 * (2 * 36 * (1280 + 1) + 1280 * 36)
     assert plan_config(cfg, gpus=8).params_total == 8_292_166_656 + padding
@@ -196,8 +196,8 @@ def test_hf_vision_tower_bytes_match_what_the_published_qwen25_vl_tower_saves():
     ViT (1280 wide, SwiGLU 3420) in bf16: towers of 2 and 3 blocks, the difference per block."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-    from qvl.bridges.attention import varlen_vision_towers
     from qvl.foundation.cost import shapes_from_hf_config
+    from qvl.kernels.varlen_attention import varlen_vision_towers
     from qvl.recipes.architectures import get_architecture, hf_config
 
     config = hf_config(get_architecture("qwen2_5_vl", "3b"))
@@ -233,11 +233,11 @@ def test_the_loss_keeps_what_the_cross_entropy_in_use_keeps(monkeypatch):
     (unfused, or fused where TE or Apex is installed) an fp32 softmax."""
     from types import SimpleNamespace
 
+    from qvl.kernels import fix_adam_resume
     from qvl.recipes import planner
-    from qvl.recipes.training import optimizer_fixes
 
     fused, unfused = SimpleNamespace(cross_entropy_loss_fusion=True), SimpleNamespace(cross_entropy_loss_fusion=False)
-    monkeypatch.setattr(optimizer_fixes, "needed", lambda: True)
+    monkeypatch.setattr(fix_adam_resume, "needed", lambda: True)
     assert planner._loss_bytes_per_logit(fused, 2) == 2 and planner._loss_bytes_per_logit(unfused, 2) == 4
-    monkeypatch.setattr(optimizer_fixes, "needed", lambda: False)  # TE or Apex installed
+    monkeypatch.setattr(fix_adam_resume, "needed", lambda: False)  # TE or Apex installed
     assert planner._loss_bytes_per_logit(fused, 2) == 4

@@ -1,0 +1,80 @@
+"""qvl's compiled regions: small pure functions of the step that run as one `torch.compile`d graph each way on a
+CUDA device with Triton, and eagerly everywhere else.
+
+Each is a few elementwise ops and reductions that eager PyTorch runs as several kernels, each writing its result to
+memory for the next to read: the vision and LM rotaries, the vision RMSNorm and MLP activation, the cross-entropy's
+passes (qvl.kernels.speed_hf_vision, qvl.kernels.speed_rotary, qvl.kernels.speed_cross_entropy). Inductor makes one kernel
+each way of each, with fp32 arithmetic in registers; the eager function is the reference the CPU tests compare
+bitwise against upstream, and the `gpu` tests compare the compiled one against it within bf16 rounding.
+
+`region(fn, tensor)` is the function to call: `fn` compiled where `runs_compiled(tensor)`, else `fn`. A region that
+Dynamo or Inductor cannot compile (a torch or Triton version it was not written against) logs one warning naming it
+and runs eagerly from then on, so training goes on at eager speed instead of stopping. `TORCHDYNAMO_DISABLE=1`
+(torch's own switch) runs every region eagerly. The step census (benchmarks/compiled_regions.py) counts each region
+as the kernels Inductor generates for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def compile_usable() -> bool:
+    """Whether Inductor can generate CUDA kernels here (it needs Triton)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        logger.warning("triton is not installed: qvl's compiled regions run eagerly on CUDA")
+        return False
+    return True
+
+
+def cuda_compile_usable() -> bool:
+    """Whether this machine compiles for CUDA: a CUDA device and Triton."""
+    return torch.cuda.is_available() and compile_usable()
+
+
+def runs_compiled(tensor: torch.Tensor) -> bool:
+    """Whether qvl's compiled regions run for a tensor: on CUDA where Triton is, outside an enclosing compile (a
+    compiled vision block traces a region's eager math into its own graph)."""
+    return tensor.is_cuda and compile_usable() and not torch.compiler.is_compiling()
+
+
+class CompiledRegion:
+    """`fn` compiled as one graph with dynamic shapes (packs differ in length); eager from the first failure to
+    compile on, with a warning."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.graph = torch.compile(fn, dynamic=True, fullgraph=True)
+        self.eager = False
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.eager:
+            try:
+                return self.graph(*args, **kwargs)
+            except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as error:
+                self.eager = True
+                name = f"{self.fn.__module__}.{self.fn.__qualname__}"
+                logger.warning("compiled region %s could not be compiled and runs eagerly: %s", name, error)
+        return self.fn(*args, **kwargs)
+
+
+@functools.cache
+def compiled(fn: Callable[..., Any]) -> CompiledRegion:
+    """The one compiled region of `fn` in this process."""
+    return CompiledRegion(fn)
+
+
+def region(fn: Callable[..., Any], tensor: torch.Tensor) -> Callable[..., Any]:
+    """`fn` as a compiled region where qvl's compiled regions run for `tensor`, else `fn` itself."""
+    return compiled(fn) if runs_compiled(tensor) else fn

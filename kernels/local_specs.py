@@ -1,0 +1,21 @@
+"""Layer specs for runs without Transformer Engine: Megatron-Core's local modules plus SDPA attention."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from qvl.kernels.varlen_attention import use_sdpa_attention
+
+
+def local_gpt_layer_spec(config: Any, vp_stage: int | None = None) -> ModuleSpec:
+    """Megatron-Core's local GPT layer (dense or MoE) for `config`, with SDPA core attention."""
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
+    return use_sdpa_attention(spec)

@@ -1,0 +1,235 @@
+"""A lean replicated HF vision tower (Qwen2-VL, Qwen2.5-VL): fused norm and rotary, inputs precomputed, no host sync.
+
+transformers' towers spend most of a training step's elementwise traffic in two places (the step census, benchmarks/bench_step.py: 354 of
+435 GB per pack): the vision RMSNorm, a Python composition in fp32 (8 kernels forward, 18 backward, 2 per block), and
+the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `speed-hf-vision`
+(qvl.foundation.patches) replaces both while it is applied, with transformers' numerics:
+
+- `fused_rms_norm`: `weight * F.rms_norm(x, (d,), None, eps)`, torch's fused kernel (fp32 accumulation inside),
+  then the weight in the input dtype as HF does. Bitwise equal to HF's on CPU (fp32 and bf16, tests); passing the
+  weight into `F.rms_norm` instead is not (a quarter of bf16 elements differ by one ulp). On CUDA with Triton the
+  same function is one compiled region (one rounding to bf16 instead of two: within bf16 rounding, a `gpu` test).
+- `fused_rotary`: the same fp32 rotate-half math, q and k stacked so each step is one kernel for both; on CUDA one
+  `torch.compile`d region (Inductor fuses the stack, casts, halves and products into one kernel each way, fp32 in
+  registers; the step census counts it so, benchmarks/compiled_regions.py); elsewhere eager, bitwise HF's.
+
+- `lean_attention`: the attention's forward without transformers' permutes to `[1, heads, tokens, dim]` and back
+  and without its device max of the block lengths (qvl passes them from the host); bitwise transformers'.
+- `lean_gated_mlp` / `lean_mlp`: the MLP's activation (Qwen2.5-VL's `silu(gate) * up`, Qwen2-VL's QuickGELU) one
+  compiled region each way on CUDA, eager elsewhere (bitwise transformers').
+
+`compile_vision_blocks` (the recipe option `compile=True`) compiles each whole block on CUDA.
+
+`prepared_tower_inputs(model, pairs)` hands each tower call the inputs the loader computed on the host from that
+call's `grid_thw` (qvl.kernels.tower_inputs): transformers pops them from the tower's kwargs instead of
+computing them with `.tolist()` loops, and the attention function (qvl.kernels.varlen_attention.hf_varlen_attention) takes
+the longest block as a Python int, so the tower's forward reads nothing back from the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from qvl.foundation import patches
+from qvl.foundation.families import family_of_vision_config
+from qvl.kernels import compiled
+from qvl.kernels.speed_aligned_widths import hf_vision_towers
+from qvl.kernels.tower_inputs import TowerInputs, inputs_by_grid
+
+logger = logging.getLogger(__name__)
+
+GROUP = "speed-hf-vision"
+# Keyword the tower passes through its blocks to the attention function: ((cu_seqlens, longest block), ...).
+MAX_SEQLENS_KWARG = "packed_max_seqlens"
+
+
+def rms_norm(weight: torch.Tensor, hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen2.5-VL RMSNorm through torch's fused kernel: normalised in fp32, cast, then weighted."""
+    return weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), None, eps)
+
+
+def fused_rms_norm(original):
+    """Patch factory for `Qwen2_5_VLRMSNorm.forward`: one compiled region where qvl's compiled regions run (torch's
+    fused kernel then the weight is two kernels forward and four backward), else `rms_norm` eagerly."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return compiled.region(rms_norm, hidden_states)(self.weight, hidden_states, self.variance_epsilon)
+
+    return forward
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_fp32(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `apply_rotary_pos_emb_vision` math (fp32 rotate-half, results in the inputs' dtypes), q and k
+    stacked so that each step is one kernel for both (the same elementwise math: bitwise transformers' on CPU)."""
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    if q.dtype != k.dtype or q.shape != k.shape:
+        return _rotary_one(q, cos, sin), _rotary_one(k, cos, sin)
+    qk = _rotary_one(torch.stack((q, k)), cos, sin)
+    return qk[0], qk[1]
+
+
+def _rotary_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return ((xf * cos) + (_rotate_half(xf) * sin)).to(x.dtype)
+
+
+def fused_rotary(original):
+    """Patch factory for `apply_rotary_pos_emb_vision` (Qwen2-VL and Qwen2.5-VL modeling modules)."""
+
+    def apply_rotary_pos_emb_vision(q, k, cos, sin):
+        return compiled.region(rotary_fp32, q)(q, k, cos, sin)
+
+    return apply_rotary_pos_emb_vision
+
+
+def lean_attention(original):
+    """Patch factory for the HF vision attention's forward (Qwen2-VL `VisionAttention`, Qwen2.5-VL
+    `Qwen2_5_VLVisionAttention`) where qvl's varlen attention serves it with the loader's block lengths.
+
+    transformers' forward permutes q, k and v to `[1, heads, tokens, dim]` for the attention function, which
+    permutes them back, and computes `(cu_seqlens[1:] - cu_seqlens[:-1]).max()` on the device in every call although
+    the lengths came from the host: two kernels and about fourteen views each way per block. This one hands the
+    `[tokens, heads, dim]` views of the fused qkv projection straight to `packed_attention`: the same kernels on the
+    same tensors, bitwise the same outputs and gradients. Any other call (another attention function, no host lengths,
+    the deprecated `rotary_pos_emb`) runs transformers' forward."""
+    from qvl.kernels.varlen_attention import HF_VARLEN_ATTENTION, longest_block, packed_attention
+
+    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
+        known = kwargs.get(MAX_SEQLENS_KWARG)
+        if not known or position_embeddings is None or self.config._attn_implementation != HF_VARLEN_ATTENTION:
+            return original(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs)
+        tokens = hidden_states.shape[0]
+        q, k, v = self.qkv(hidden_states).view(tokens, 3, self.num_heads, -1).unbind(1)
+        cos, sin = position_embeddings
+        q, k = compiled.region(rotary_fp32, q)(q, k, cos, sin)
+        longest = longest_block(cu_seqlens, known, None)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        out = packed_attention(q, k, v, cu_seqlens, cu_seqlens, longest, longest, self.scaling, dropout_p, False)
+        return self.proj(out.reshape(tokens, -1))
+
+    return forward
+
+
+def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Qwen2.5-VL's vision MLP activation: `silu(gate) * up` (transformers' `SiLUActivation` is `F.silu`)."""
+    return F.silu(gate) * up
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Qwen2-VL's vision MLP activation, transformers' `QuickGELUActivation`: `x * sigmoid(1.702 x)`."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def lean_gated_mlp(original):
+    """Patch factory for `Qwen2_5_VLMLP.forward`: the gate's SiLU and the product one compiled region each way on
+    CUDA with Triton (eagerly: two kernels forward, three backward, and the activation written and read back), the
+    same math eagerly elsewhere (bitwise transformers'). Another activation runs transformers' forward."""
+    from transformers.activations import SiLUActivation
+
+    def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        if type(self.act_fn) is not SiLUActivation:
+            return original(self, hidden_state)
+        gate, up = self.gate_proj(hidden_state), self.up_proj(hidden_state)
+        return self.down_proj(compiled.region(silu_gate, gate)(gate, up))
+
+    return forward
+
+
+def lean_mlp(original):
+    """Patch factory for Qwen2-VL's `VisionMlp.forward`: QuickGELU one compiled region each way on CUDA with Triton
+    (eagerly three kernels forward), eager elsewhere (bitwise transformers'). Another activation runs transformers'."""
+    from transformers.activations import QuickGELUActivation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.act) is not QuickGELUActivation:
+            return original(self, x)
+        hidden = self.fc1(x)
+        return self.fc2(compiled.region(quick_gelu, hidden)(hidden))
+
+    return forward
+
+
+def tower_kwargs(inputs: TowerInputs) -> dict[str, Any]:
+    """The forward kwargs transformers' vision helpers pop (transformers/vision_utils.py), plus the block lengths."""
+    kwargs: dict[str, Any] = {"position_ids": inputs.position_ids, "cu_seqlens": inputs.cu_seqlens}
+    if inputs.window_index is not None:
+        kwargs |= {"window_index": inputs.window_index, "cu_window_seqlens": inputs.cu_window_seqlens}
+    kwargs[MAX_SEQLENS_KWARG] = inputs.max_seqlens()
+    return kwargs
+
+
+@contextlib.contextmanager
+def prepared_tower_inputs(model: Any, pairs: Sequence[tuple[torch.Tensor, TowerInputs]]) -> Iterator[int]:
+    """While the block runs, a vision tower called with one of these `grid_thw` tensors (the same object the model
+    was given) takes that grid's precomputed inputs; yields the number of towers prepared.
+
+    A call with any other grid (e.g. vision balancing re-split the images) computes its inputs itself, as before
+    (qvl.kernels.tower_inputs.inputs_by_grid)."""
+    pairs = [(grid, inputs) for grid, inputs in pairs if grid is not None and inputs is not None]
+    towers = hf_vision_towers(model if isinstance(model, (list, tuple)) else [model]) if pairs else []
+
+    with inputs_by_grid(towers, pairs, tower_kwargs) as hooked:
+        yield hooked
+
+
+def use_lean_vision(provider: Any) -> bool:
+    """Have a provider's replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) run lean; True if it has one.
+
+    A pre-wrap hook (Megatron-Bridge's extension point) applies the patch group when the model is built, and it stays
+    applied for the rest of the process, as the CPU runtime does: the tower's recomputed blocks (vision_recompute)
+    run in backward, outside any block a forward step could scope. On CPU its numerics are transformers' bit for
+    bit; on CUDA within bf16 rounding (tests/kernels/test_speed_hf_vision.py)."""
+    vision = getattr(provider, "vision_config", None)
+    family = family_of_vision_config(type(vision).__name__) if vision is not None else None
+    if family is None or family.megatron_vision_tower:
+        return False
+    provider.register_pre_wrap_hook(apply_lean_vision)
+    return True
+
+
+def apply_lean_vision(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Pre-wrap hook: the patch group `speed-hf-vision` applied (idempotent)."""
+    patches.apply(GROUP)
+    return model
+
+
+def compile_vision_blocks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Pre-wrap hook (`compile=True`): each block of every replicated HF vision tower compiled as one region on CUDA
+    where Triton is (torchtitan compiles per block too); elsewhere the blocks run eagerly, as without it.
+
+    A plain block compiles as one graph (with `MainGradLinear`s, the pieces between them: `compile_block`): its
+    norms, rotary, residual adds and MLP activation fuse around the GEMMs, and the varlen attention stays one opaque
+    op (torch's `varlen_attn` is a custom op); vision recompute wraps the compiled block, so a recomputed forward
+    reruns the compiled graph. The blocks share their compiled graphs (same code, parameters as inputs); shapes are
+    dynamic, since every pack has its own patch count."""
+    if not compiled.cuda_compile_usable():
+        logger.warning("compile=True: no CUDA device with Triton here, the vision blocks run eagerly")
+        return model
+    blocks = [block for tower in hf_vision_towers(model) for block in tower.blocks]
+    for block in blocks:
+        compile_block(block)
+    logger.info("compile: %d vision blocks compiled", len(blocks))
+    return model
+
+
+def compile_block(block: torch.nn.Module) -> None:
+    """One vision block compiled in place (`nn.Module.compile`: its call runs the compiled forward).
+
+    Not `fullgraph`: with weight-gradient accumulation on, the block's linears are qvl.kernels.torch_wgrad_accum's
+    `MainGradLinear`, whose autograd Function sets `grad_added_to_main_grad` on its weight in backward; Dynamo
+    refuses that side effect under `fullgraph=True` ("HOP: Non-nullified side effect") and, without it, breaks the
+    block at each linear and compiles the pieces between them (tests/kernels/test_vision_compile.py)."""
+    block.compile(dynamic=True)

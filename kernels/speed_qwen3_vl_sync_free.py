@@ -1,0 +1,413 @@
+"""Megatron-Bridge's Qwen3-VL language-model side without host reads (patch group "speed-qwen3-vl-sync-free" of
+qvl.foundation.patches): the vision placeholder positions of a pack as host-computed indices instead of a boolean mask.
+
+Megatron-Bridge 0.6.2's `Qwen3VLModel.forward` (megatron/bridge/models/qwen_vl/modelling_qwen3_vl/model.py) puts the
+vision features into the token embeddings with `combined_embeddings[vision_mask] = vision_embeds`, and its decoder
+adds each deepstack feature at the same places (`Qwen3VLTransformerBlock._deepstack_process` in
+transformer_block.py: `hidden_states[visual_pos_masks, :]`, read and written). Indexing with a boolean mask needs the
+number of True entries on the host, so on a GPU each of them waits for the device, forward and backward: 144 of the
+151 host syncs of a Qwen3-VL-4B step of 8 packs (benchmarks/RESULTS.md).
+
+A micro-batch with both images and videos reads more: upstream's `reorganize_inputs` (utils.py) puts the pixels into
+token order for the tower, reading both grids with `.tolist()` and scanning the device tokens for the placeholder
+runs (`find_vision_id_index`: a `nonzero`, two boolean selections, three `.tolist()`), then builds a new device grid
+in that order.
+
+qvl's loader has the pack's tokens and grids on the host: the step computes there the placeholder positions and,
+for a pack with both kinds, the order of its images and videos (`host_vision_layout`: the grid in token order, each
+one's pixel rows, and the tower's precomputed inputs put in that order), copies them to the device with the batch
+and notes them with its `input_ids` (`note_vision_layout`). `indexed_forward` then runs the forward of a packed
+(THD) micro-batch with `index_copy_` and the pixels gathered by those row ranges, and `indexed_deepstack` adds the
+deepstack features with `index_select` / `index_copy_`: sizes known from shapes, values and gradients bitwise the
+masked version's (tests/kernels/test_speed_qwen3_vl_sync_free.py). A call without a noted layout, or on a path qvl's step
+does not take (context parallelism, sequence parallelism over tensor-parallel ranks, a pipeline stage without
+embeddings, caller-given masks), runs upstream's forward unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from qvl.foundation.errors import QvlError
+from qvl.kernels.tower_inputs import MegatronTowerInputs
+
+GROUP = "speed-qwen3-vl-sync-free"
+_TAKES_POSITIONS = "qvl_takes_vision_positions"  # marks the patched forward, so the step computes positions for it
+_LAYOUTS = WeakIdKeyDictionary()  # a micro-batch's input_ids on the device -> its VisionLayout on the device
+IMAGES, VIDEOS = 0, 1  # the pixel tensor a row range of `VisionOrder.pixel_rows` is in
+
+
+class VisionPositionsMismatch(QvlError, ValueError):
+    """Host-computed vision positions or order that do not fit the micro-batch's grids or vision features."""
+
+
+@dataclass(kw_only=True, slots=True)
+class VisionOrder:
+    """A micro-batch's images and videos in token order, computed on the host: what upstream's `reorganize_inputs`
+    computes from the device tokens and grids."""
+
+    grid_thw: torch.Tensor  # [images + videos, 3]: their grids in token order (the tower's `grid_thw`)
+    pixel_rows: tuple[tuple[int, int, int], ...]  # (IMAGES or VIDEOS, first row, end row) of each, in token order
+    pixel_counts: tuple[int, int]  # the image and video pixel rows the grids account for
+    tower_inputs: MegatronTowerInputs | None = None  # the tower's inputs for `grid_thw`, where the loader gave them
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> VisionOrder:
+        """The same order with its tensors on `device`."""
+        inputs = self.tower_inputs
+        return replace(
+            self,
+            grid_thw=self.grid_thw.to(device, non_blocking=non_blocking),
+            tower_inputs=None if inputs is None else inputs.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> VisionOrder:
+        """Page-locked copies, so that `to(cuda, non_blocking=True)` overlaps."""
+        inputs = self.tower_inputs
+        return replace(
+            self,
+            grid_thw=self.grid_thw.pin_memory(),
+            tower_inputs=None if inputs is None else inputs.pin_memory(),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class VisionLayout:
+    """Where a micro-batch's vision features go, computed on the host from its tokens and grids."""
+
+    positions: torch.Tensor  # [vision tokens] int64: their flat indices into the [b*s] tokens, ascending
+    order: VisionOrder | None = None  # with both images and videos: the tower's inputs in token order
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> VisionLayout:
+        """The same layout with its tensors on `device`."""
+        order = None if self.order is None else self.order.to(device, non_blocking=non_blocking)
+        return VisionLayout(positions=self.positions.to(device, non_blocking=non_blocking), order=order)
+
+    def pin_memory(self) -> VisionLayout:
+        """Page-locked copies, so that `to(cuda, non_blocking=True)` overlaps."""
+        order = None if self.order is None else self.order.pin_memory()
+        return VisionLayout(positions=self.positions.pin_memory(), order=order)
+
+    def tower_input_pairs(self) -> list[tuple[torch.Tensor, MegatronTowerInputs]]:
+        """(grid, tower inputs) for qvl.kernels.speed_qwen3_vl_tower.prepared_megatron_tower_inputs: the token-order grid
+        the patched forward gives the tower, with its inputs; empty without them."""
+        order = self.order
+        return [] if order is None or order.tower_inputs is None else [(order.grid_thw, order.tower_inputs)]
+
+
+def vision_token_positions(tokens: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """Ascending flat indices (int64) of the entries of `tokens` equal to one of `token_ids`: the rows a boolean mask
+    of those tokens selects, in the same order."""
+    flat = tokens.reshape(-1)
+    return torch.isin(flat, torch.tensor(list(token_ids), dtype=flat.dtype)).nonzero().flatten()
+
+
+def vision_order(
+    tokens: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+    video_grid_thw: torch.Tensor,
+    *,
+    image_token_id: int,
+    video_token_id: int,
+    square_merge_size: int,
+) -> VisionOrder:
+    """The images and videos of host `tokens` in token order, as upstream's `reorganize_inputs` orders them: each
+    takes as many placeholder runs as its grid has frames, and its pixel rows follow the earlier ones of its kind."""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils import find_vision_id_index
+
+    # upstream's own scan, on the host tokens: (start, end, token id) of each run of one placeholder id
+    runs = find_vision_id_index(tokens.reshape(-1), image_token_id, video_token_id)
+    grids = (image_grid_thw.tolist(), video_grid_thw.tolist())
+    kinds = {image_token_id: IMAGES, video_token_id: VIDEOS}
+    taken, rows = [0, 0], [0, 0]
+    in_order, pixel_rows = [], []
+    run = 0
+    while run < len(runs):
+        kind = kinds[runs[run][2]]
+        if taken[kind] == len(grids[kind]):
+            raise _order_mismatch(f"more {('image', 'video')[kind]} placeholder runs than its {len(grids[kind])} grids")
+        t, h, w = grids[kind][taken[kind]]
+        frames = runs[run : run + t]
+        patches = sum(end - start for start, end, _ in frames) * square_merge_size
+        if len(frames) != t or {token for *_, token in frames} != {runs[run][2]} or patches != t * h * w:
+            raise _order_mismatch(f"the {('image', 'video')[kind]} of grid {[t, h, w]} has runs {frames}")
+        in_order.append(grids[kind][taken[kind]])
+        pixel_rows.append((kind, rows[kind], rows[kind] + patches))
+        taken[kind], rows[kind], run = taken[kind] + 1, rows[kind] + patches, run + t
+    if taken != [len(grids[IMAGES]), len(grids[VIDEOS])]:
+        raise _order_mismatch(f"placeholders for {taken[IMAGES]} images and {taken[VIDEOS]} videos")
+    return VisionOrder(
+        grid_thw=torch.tensor(in_order, dtype=image_grid_thw.dtype).reshape(-1, 3),
+        pixel_rows=tuple(pixel_rows),
+        pixel_counts=(rows[IMAGES], rows[VIDEOS]),
+    )
+
+
+def _order_mismatch(found: str) -> VisionPositionsMismatch:
+    return VisionPositionsMismatch(
+        f"the packed batch's vision placeholders do not fit its grids ({found}); prepare the dataset again with "
+        "`qvl data prepare` for this checkpoint's processor"
+    )
+
+
+def tower_inputs_in_order(
+    images: MegatronTowerInputs, videos: MegatronTowerInputs, pixel_rows: Sequence[tuple[int, int, int]]
+) -> MegatronTowerInputs:
+    """The tower inputs of the images' and videos' grids in the order of `pixel_rows` (`VisionOrder`'s): each grid's
+    pieces moved as they are (every field is computed grid by grid), the blocks counted again for the new order."""
+    from transformers.vision_utils import get_vision_cu_seqlens
+
+    pieces = (_pieces_by_grid(images), _pieces_by_grid(videos))
+    taken = [0, 0]
+    chosen = []
+    for kind, *_ in pixel_rows:
+        chosen.append(pieces[kind][taken[kind]])
+        taken[kind] += 1
+    grids = tuple(grid for grid, *_ in chosen)
+    cu = get_vision_cu_seqlens(torch.tensor(grids, dtype=torch.long).reshape(-1, 3))  # as megatron_tower_inputs
+    return MegatronTowerInputs(
+        grids=grids,
+        pos_embed_index=torch.cat([index for _, index, _, _ in chosen], dim=1),
+        pos_embed_weight=torch.cat([weight for _, _, weight, _ in chosen], dim=1),
+        position_ids=torch.cat([ids for *_, ids in chosen]),
+        max_hw=max((max(h, w) for _, h, w in grids), default=0),
+        cu_seqlens=cu,
+        max_seqlen=max((h * w for _, h, w in grids), default=0),  # one block per frame
+    )
+
+
+def _pieces_by_grid(inputs: MegatronTowerInputs) -> list[tuple]:
+    """(grid, position-table corners, their weights, rotary position ids) of each grid of `inputs`."""
+    per_frame = [h * w for _, h, w in inputs.grids]
+    per_grid = [t * h * w for t, h, w in inputs.grids]
+    return list(
+        zip(
+            inputs.grids,
+            inputs.pos_embed_index.split(per_frame, dim=1),
+            inputs.pos_embed_weight.split(per_frame, dim=1),
+            inputs.position_ids.split(per_grid),
+        )
+    )
+
+
+def host_vision_positions(model: Any, host_tokens: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+    """The vision placeholder positions of a micro-batch, computed from its host tokens, where `model`'s forward takes
+    them (Megatron-Bridge's Qwen3-VL with patch group "speed-qwen3-vl-sync-free" applied, on the stage that embeds);
+    None elsewhere. The tokens that count are those of the pixels given, as upstream's `reorganize_inputs` masks."""
+    from megatron.core.utils import unwrap_model
+
+    vlm = unwrap_model(model)
+    if not getattr(type(vlm).forward, _TAKES_POSITIONS, False) or not vlm.pre_process or host_tokens.shape[0] != 1:
+        return None
+    token_ids = [
+        token_id
+        for field, token_id in (("pixel_values", vlm.image_token_id), ("pixel_values_videos", vlm.video_token_id))
+        if kwargs.get(field) is not None
+    ]
+    return vision_token_positions(host_tokens, token_ids) if token_ids else None
+
+
+def host_vision_layout(model: Any, batch: Any, kwargs: dict) -> VisionLayout | None:
+    """The vision layout of a micro-batch (a qvl PackedBatch on the host, and the model inputs made of it), where
+    `model`'s forward takes one (as `host_vision_positions`); None elsewhere. With both images and videos it holds
+    their token order and, where the loader computed the tower's inputs per kind, those inputs in that order."""
+    from megatron.core.utils import unwrap_model
+
+    positions = host_vision_positions(model, batch.tokens, kwargs)
+    if positions is None or kwargs.get("pixel_values") is None or kwargs.get("pixel_values_videos") is None:
+        return None if positions is None else VisionLayout(positions=positions)
+    vlm = unwrap_model(model)
+    order = vision_order(
+        batch.tokens,
+        batch.image_grid_thw,
+        batch.video_grid_thw,
+        image_token_id=vlm.image_token_id,
+        video_token_id=vlm.video_token_id,
+        square_merge_size=vlm.square_merge_size,
+    )
+    per_kind = [getattr(batch, name, None) for name in ("image_tower_inputs", "video_tower_inputs")]
+    if all(isinstance(inputs, MegatronTowerInputs) for inputs in per_kind):
+        order = replace(order, tower_inputs=tower_inputs_in_order(*per_kind, order.pixel_rows))
+    return VisionLayout(positions=positions, order=order)
+
+
+def note_vision_layout(input_ids: torch.Tensor, layout: VisionLayout) -> None:
+    """Mark `layout` (on the model's device) as the vision layout of the micro-batch whose tokens are `input_ids`
+    (the very tensor passed to the model)."""
+    _LAYOUTS[input_ids] = layout
+
+
+def _takes_indexed_path(model: Any, args: dict) -> bool:
+    """Whether a forward call is the packed single-CP-rank path the indexed forward reproduces."""
+    input_ids, packed, positions = args["input_ids"], args["packed_seq_params"], args["position_ids"]
+    split_over_tp = model.config.sequence_parallel and model.pg_collection.tp.size() > 1
+    return (
+        model.pre_process
+        and model.language_model is not None
+        and not model.use_dist_train
+        and args["inference_params"] is None
+        and packed is not None
+        and packed.qkv_format == "thd"
+        and input_ids.dim() == 2
+        and input_ids.size(0) == 1
+        and isinstance(positions, torch.Tensor)  # explicit mRoPE positions [3, b, s], as the loader gives
+        and positions.dim() == 3
+        and positions.size(0) == 3
+        and args["image_input_mask"] is None
+        and args["video_input_mask"] is None
+        and model.pg_collection.cp.size() == 1
+        and not split_over_tp  # upstream splits the deepstack features per rank with a `.tolist()`
+    )
+
+
+def _vision_inputs(
+    model: Any, args: dict, order: VisionOrder | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The tower's pixels and grid, as upstream's `reorganize_inputs` gives them (without building the mask); for
+    images and videos in the order computed on the host where the step gave it."""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils import reorganize_inputs
+
+    images, videos = args["pixel_values"], args["pixel_values_videos"]
+    if images is not None and videos is not None and order is not None:
+        return _pixels_in_token_order(images, videos, order), order.grid_thw
+    if images is not None and videos is not None:  # re-ordered into token order, reading the grids (upstream's)
+        data, grid, _ = reorganize_inputs(
+            input_ids=args["input_ids"],
+            pixel_values=images,
+            pixel_values_videos=videos,
+            image_grid_thw=args["image_grid_thw"],
+            video_grid_thw=args["video_grid_thw"],
+            image_token_id=model.image_token_id,
+            video_token_id=model.video_token_id,
+            square_merge_size=model.square_merge_size,
+        )
+        return data, grid
+    if images is not None:
+        return images, args["image_grid_thw"]
+    return videos, args["video_grid_thw"]
+
+
+def _pixels_in_token_order(images: torch.Tensor, videos: torch.Tensor, order: VisionOrder) -> torch.Tensor:
+    """Upstream's concatenation of each image's and video's pixel rows in token order, the rows known on the host."""
+    if (images.shape[0], videos.shape[0]) != order.pixel_counts:
+        raise VisionPositionsMismatch(
+            f"the micro-batch has {images.shape[0]} image and {videos.shape[0]} video pixel rows, its grids "
+            f"{order.pixel_counts[IMAGES]} and {order.pixel_counts[VIDEOS]}; prepare the dataset again with "
+            "`qvl data prepare` for this checkpoint's processor"
+        )
+    pixels = (images, videos)
+    return torch.cat([pixels[kind][start:end] for kind, start, end in order.pixel_rows])
+
+
+def _vision_features(
+    model: Any, args: dict, order: VisionOrder | None
+) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+    """The tower's embeddings and deepstack features, or (None, None) without vision, as upstream computes them."""
+    data, grid = _vision_inputs(model, args, order)
+    if grid is None or grid.shape[0] == 0:
+        return None, None
+    if data.shape[0] > 0:
+        return model.vision_model(hidden_states=data, grid_thw=grid)
+    dtype, device = model.config.params_dtype, data.device
+    empty = torch.zeros((0, model.config.hidden_size), device=device, dtype=dtype)
+    hidden = model.language_model.config.hidden_size
+    deepstack = [
+        torch.zeros((0, hidden), device=device, dtype=dtype)
+        for _ in model.vision_transformer_config.deepstack_visual_indexes
+    ]
+    return empty, deepstack
+
+
+def _embeddings(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, vision_embeds) -> torch.Tensor:
+    """The decoder input [s, b, h]: token embeddings with the vision embeddings copied into `positions`' rows."""
+    combined = model.language_model.embedding(input_ids=input_ids, position_ids=None).clone()  # [s, b, h]
+    if vision_embeds is not None:
+        if vision_embeds.shape[0] != positions.numel():
+            raise VisionPositionsMismatch(
+                f"the vision tower gave {vision_embeds.shape[0]} embeddings for {positions.numel()} vision "
+                "placeholder tokens; the packed batch's grids and placeholders disagree: prepare the dataset again "
+                "with `qvl data prepare` for this checkpoint's processor"
+            )
+        combined = combined.transpose(0, 1).contiguous()  # [b, s, h], as upstream masks it
+        combined.view(-1, combined.shape[-1]).index_copy_(0, positions, vision_embeds)
+        combined = combined.transpose(0, 1).contiguous()
+    if model.config.sequence_parallel:
+        from megatron.core import tensor_parallel
+
+        combined = tensor_parallel.scatter_to_sequence_parallel_region(combined, group=model.pg_collection.tp)
+        combined = combined.contiguous()
+    return combined
+
+
+def _forward_with_layout(model: Any, args: dict, layout: VisionLayout):
+    """Upstream's forward for a packed micro-batch on one CP rank, vision rows addressed by `layout`'s positions."""
+    positions = layout.positions
+    torch.cuda.nvtx.range_push("Qwen3VLModel.forward.pre_process")
+    vision_embeds, deepstack = _vision_features(model, args, layout.order)
+    decoder_input = _embeddings(model, args["input_ids"], positions, vision_embeds)
+    model.language_model.rotary_pos_emb.is_thd_format = True
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.nvtx.range_push("Qwen3VLModel.forward.language_model")
+    output = model.language_model(
+        input_ids=args["input_ids"],
+        position_ids=args["position_ids"],
+        attention_mask=None,
+        decoder_input=decoder_input,
+        labels=args["labels"],
+        loss_mask=args["loss_mask"],
+        inference_params=None,
+        packed_seq_params=args["packed_seq_params"],
+        runtime_gather_output=args["runtime_gather_output"],
+        visual_pos_masks=positions,  # int64 indices: `indexed_deepstack` adds the deepstack features there
+        deepstack_visual_embeds=deepstack,
+        **(args["extra_block_kwargs"] or {}),
+        **args["kwargs"],
+    )
+    torch.cuda.nvtx.range_pop()
+    return output
+
+
+# Replacement factories named by qvl.foundation.patches.
+
+
+def indexed_forward(original):
+    """`Qwen3VLModel.forward` that, given a packed micro-batch whose vision layout the step noted, addresses the
+    vision rows by its indices (and orders images and videos by it); any other call goes to upstream's forward."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        input_ids = arguments["input_ids"]
+        layout = _LAYOUTS.get(input_ids) if isinstance(input_ids, torch.Tensor) else None
+        if layout is None or not _takes_indexed_path(self, arguments):
+            return original(*bound.args, **bound.kwargs)
+        return _forward_with_layout(self, arguments, layout)
+
+    setattr(forward, _TAKES_POSITIONS, True)
+    return forward
+
+
+def indexed_deepstack(original):
+    """`Qwen3VLTransformerBlock._deepstack_process` that takes int64 row indices into the [b*s] tokens as well as
+    upstream's boolean mask (which goes to upstream's)."""
+
+    @functools.wraps(original)
+    def _deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds):
+        if visual_pos_masks.dtype == torch.bool:
+            return original(self, hidden_states, visual_pos_masks, visual_embeds)
+        hidden_states = hidden_states.transpose(0, 1).contiguous()  # [b, s, h]
+        rows = hidden_states.view(-1, hidden_states.shape[-1])
+        # upstream: `hidden_states[mask, :] = hidden_states[mask, :].clone() + visual_embeds`, the same sum and copy
+        rows.index_copy_(0, visual_pos_masks, rows.index_select(0, visual_pos_masks) + visual_embeds)
+        return hidden_states.transpose(0, 1).contiguous()
+
+    return _deepstack_process

@@ -1,0 +1,137 @@
+"""Megatron-Bridge's Qwen3-VL vision tower (Qwen3-VL, Qwen3.5-VL) with its grid-derived inputs from the host.
+
+Megatron-Bridge 0.6.2's `Qwen3VLVisionModel.forward` (megatron/bridge/models/qwen_vl/modelling_qwen3_vl/
+vision_model.py) reads its device `grid_thw` back to the host on every call: `fast_pos_embed_interpolate` loops over
+the grid and reads each corner's indices and weights with `.tolist()`, `rot_pos_emb` reads two maxima with
+`.item()` and loops over the grid again, the split sizes of its output are a `.tolist()`, and its packed blocks carry
+their longest length as a 0-d device tensor, which qvl's `SDPAttention` turns into an int in every block. The
+loader computes all of it on the host per micro-batch (qvl.kernels.tower_inputs.MegatronTowerInputs);
+`prepared_megatron_tower_inputs` hands those inputs to the tower through a forward pre-hook, and while it is
+entered the patch group `speed-qwen3-vl-tower` (qvl.foundation.patches) lets the tower's forward take them: the
+same ops on the same values in the same order, so outputs and gradients are bitwise upstream's
+(tests/kernels/test_speed_qwen3_vl_tower.py). A pack with images and videos, which Megatron-Bridge's model re-orders
+into one grid in token order, gets inputs for that grid from qvl's step (qvl.kernels.speed_qwen3_vl_sync_free
+puts the loader's per-kind inputs in that order); a call with any other grid (a re-split for balancing, a mixed pack
+outside qvl's step) runs upstream's forward as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from qvl.foundation import patches
+from qvl.foundation.errors import QvlError
+from qvl.kernels.tower_inputs import MegatronTowerInputs, inputs_by_grid
+
+GROUP = "speed-qwen3-vl-tower"
+INPUTS_KWARG = "tower_inputs"
+
+
+class TowerInputsMismatch(QvlError, ValueError):
+    """Precomputed tower inputs that do not fit the pixels the tower was given."""
+
+
+def prepared_forward(original):
+    """Patch factory for `Qwen3VLVisionModel.forward`: the same forward, taking `tower_inputs` (the host-computed
+    inputs of this call's grid) where they are given, upstream's forward where not."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, grid_thw, inference_params=None, extra_block_kwargs=None, tower_inputs=None):
+        upstream = (
+            tower_inputs is None
+            or inference_params is not None
+            or self.input_tensor is not None
+            or self._uses_vision_cuda_graph()  # padded to a fixed length, no packed blocks: upstream's own path
+        )
+        if upstream:
+            return original(self, hidden_states, grid_thw, inference_params, extra_block_kwargs)
+        return prepared_tower_forward(self, hidden_states, tower_inputs, extra_block_kwargs)
+
+    return forward
+
+
+def prepared_tower_forward(
+    tower: torch.nn.Module, pixels: torch.Tensor, inputs: MegatronTowerInputs, extra_block_kwargs: dict | None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Upstream's `Qwen3VLVisionModel.forward` without CUDA-graph padding, its grid-derived values from `inputs`."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    patches_given = sum(t * h * w for t, h, w in inputs.grids)
+    if patches_given != pixels.size(0):
+        raise TowerInputsMismatch(
+            f"the vision tower was given {pixels.size(0)} patches but its precomputed inputs are for grids "
+            f"{list(inputs.grids)} ({patches_given} patches); compute the tower inputs from the grid the model is given"
+        )
+    hidden_states = tower.patch_embed(pixels)
+    hidden_states = hidden_states + interpolated_pos_embed(tower, inputs)
+    seq_len = hidden_states.size(0)
+    rotary_pos_emb = rotary_frequencies(tower, inputs).reshape(seq_len, 1, 1, -1).repeat(1, 1, 1, 2)
+    blocks = PackedSeqParams(
+        cu_seqlens_q=inputs.cu_seqlens,
+        cu_seqlens_kv=inputs.cu_seqlens,
+        qkv_format="thd",
+        max_seqlen_q=inputs.max_seqlen,  # a Python int: the attention reads nothing back
+        max_seqlen_kv=inputs.max_seqlen,
+    )
+    hidden_states, deepstack_features = tower.decoder(
+        hidden_states=hidden_states[:, None],
+        attention_mask=None,
+        inference_params=None,
+        rotary_pos_emb=rotary_pos_emb,
+        packed_seq_params=blocks,
+        **(extra_block_kwargs or {}),
+    )
+    # Upstream then splits the output by grid (sizes read with `.tolist()`) and concatenates the pieces again, in
+    # order: the same tensor, so the merger's output is returned as it is.
+    return tower.merger(hidden_states), deepstack_features
+
+
+def interpolated_pos_embed(tower: torch.nn.Module, inputs: MegatronTowerInputs) -> torch.Tensor:
+    """Upstream's `fast_pos_embed_interpolate` from precomputed corners and weights: looked up and weighted once per
+    grid, then repeated over frames and put in merge-block order, image by image, as upstream does (which keeps the
+    embedding gradient's summation order)."""
+    table = tower.pos_embed.weight
+    weight = inputs.pos_embed_weight.to(device=table.device, dtype=table.dtype)
+    pos_embeds = tower.pos_embed(inputs.pos_embed_index) * weight[:, :, None]
+    patch_pos_embeds = pos_embeds[0] + pos_embeds[1] + pos_embeds[2] + pos_embeds[3]
+    merge = tower.config.spatial_merge_size
+    pieces = patch_pos_embeds.split([h * w for _, h, w in inputs.grids])
+    return torch.cat([
+        piece.repeat(t, 1).view(t, h // merge, merge, w // merge, merge, -1).permute(0, 1, 3, 2, 4, 5).flatten(0, 4)
+        for piece, (t, h, w) in zip(pieces, inputs.grids)
+    ])  # fmt: skip
+
+
+def rotary_frequencies(tower: torch.nn.Module, inputs: MegatronTowerInputs) -> torch.Tensor:
+    """Upstream's `rot_pos_emb` from precomputed (row, col) position ids and table size."""
+    freq_table = tower.rotary_pos_emb(inputs.max_hw)
+    return freq_table[inputs.position_ids].flatten(1)
+
+
+def megatron_vision_towers(model: Any) -> list[torch.nn.Module]:
+    """The Megatron-Bridge Qwen3-VL vision towers in a model or a list of model chunks."""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model import Qwen3VLVisionModel
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, Qwen3VLVisionModel)]
+
+
+@contextlib.contextmanager
+def prepared_megatron_tower_inputs(model: Any, pairs: Sequence[tuple[torch.Tensor, Any]]) -> Iterator[int]:
+    """While the block runs, a Megatron Qwen3-VL tower called with one of these `grid_thw` tensors (the very object
+    the model was given) takes that grid's precomputed inputs; yields the number of towers prepared. Pairs of other
+    kinds (an HF tower's inputs) are left to qvl.kernels.speed_hf_vision. (The tower's blocks apply their rotary with
+    Megatron-Bridge's `apply_rotary_pos_emb_thd_absolute`, one pass over the pack: nothing to read there.)"""
+    pairs = [(grid, inputs) for grid, inputs in pairs if grid is not None and isinstance(inputs, MegatronTowerInputs)]
+    towers = megatron_vision_towers(model) if pairs else []
+    if not towers:
+        yield 0
+        return
+
+    with patches.applied(GROUP), inputs_by_grid(towers, pairs, lambda inputs: {INPUTS_KWARG: inputs}) as hooked:
+        yield hooked

@@ -1,0 +1,235 @@
+"""Weight gradients accumulated into the fp32 `main_grad` inside their GEMM, without Apex.
+
+Megatron-Core's DDP gives every trained parameter a `main_grad` (a view of its fp32 gradient buffer) and, after each
+micro-batch's backward, adds the parameter's `.grad` into it (`_make_backward_post_hook` in
+megatron/core/distributed/distributed_data_parallel.py): per parameter and micro-batch one more kernel that reads the
+bf16 gradient and reads and writes the fp32 buffer. With `gradient_accumulation_fusion` the weight-gradient GEMM
+writes into `main_grad` itself (beta = 1) and sets `grad_added_to_main_grad`, and the hook skips its add
+(`LinearWithGradAccumulationAndAsyncCommunication.backward` in megatron/core/tensor_parallel/layers.py). Megatron-Core
+takes that GEMM from Apex's `fused_weight_gradient_mlp_cuda` and refuses the option without it; torch has it:
+
+- same dtypes (fp32 training, or a bf16 `main_grad`): `main_grad.addmm_(grad_output.t(), input)`, on every device;
+- bf16/fp16 inputs into an fp32 `main_grad`: `torch.addmm(main_grad, grad_output.t(), input, torch.float32,
+  out=main_grad)`, the `addmm.dtype_out` overload. torch 2.14.1 has CUDA and XPU kernels for it (the CUDA one takes
+  an fp32 `self` with bf16 matrices: "self dtype must match either out_dtype or mat1 dtype" in libtorch_cuda) and no
+  CPU kernel. A bf16 CPU run (only the step census trains so) computes the unfused numerics there, a bf16 GEMM then
+  the add, unless `cpu_mixed_precision_addmm()` gives the op a CPU kernel, as the census does to count the CUDA path.
+
+The patch group `torch-wgrad-accum` (qvl.foundation.patches) puts these in Megatron-Core's place of Apex's kernels
+(`wgrad_gemm_accum_fp32` / `_fp16`) and its import check, and allocates the placeholder gradient the backward hands
+autograd on this process's device; `use_fused_wgrad_accumulation(provider)` applies it and turns the option on
+wherever the model is built without Transformer Engine (every device has a path above). Not covered: Megatron-Core's
+deferred embedding wgrad (`defer_embedding_wgrad_compute`, pipeline-parallel only) imports Apex itself. The replicated HF vision tower (Qwen2-VL,
+Qwen2.5-VL: most of the model's parameter tensors) is transformers' `nn.Linear`s, which Megatron's option does not
+reach: a pre-wrap hook gives each of them `MainGradLinear`'s backward, the same accumulation and flag.
+
+Numerics: in fp32 the GEMM adds its product into `main_grad` instead of into a zeroed `.grad` that the hook adds
+after, so the sums are the same but may round differently (tests/kernels/test_torch_wgrad_accum.py measures it); in bf16 the
+fused path is the more exact one (the product is not rounded to bf16 before it is accumulated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from qvl.foundation import patches
+from qvl.foundation.megatron import have_transformer_engine
+from qvl.kernels import compiled
+from qvl.kernels.speed_aligned_widths import hf_vision_towers
+
+logger = logging.getLogger(__name__)
+
+GROUP = "torch-wgrad-accum"
+# Devices whose torch build has a kernel for `addmm.dtype_out` (bf16/fp16 matrices into an fp32 result).
+_MIXED_ADDMM_DEVICES = {"cuda", "xpu"}
+_cpu_kernel: torch.library.Library | None = None  # `cpu_mixed_precision_addmm()`'s registration while it is active
+
+
+def mixed_precision_addmm_usable(device: torch.device) -> bool:
+    """Whether `device` has a kernel for `addmm.dtype_out` (bf16/fp16 matrices accumulated into an fp32 tensor)."""
+    return device.type in _MIXED_ADDMM_DEVICES or (device.type == "cpu" and _cpu_kernel is not None)
+
+
+def accumulate_wgrad(main_grad: torch.Tensor, grad_output: torch.Tensor, input: torch.Tensor) -> None:
+    """`main_grad += grad_output^T @ input` (2-D operands) as one GEMM with beta = 1 where the device has one."""
+    if input.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output.t(), input)
+    elif mixed_precision_addmm_usable(input.device):
+        torch.addmm(main_grad, grad_output.t(), input, main_grad.dtype, out=main_grad)
+    else:  # no kernel here (torch has none on CPU): the unfused path's GEMM in the input dtype, then the add
+        main_grad.add_(grad_output.t().mm(input))
+
+
+def wgrad_gemm_accum(input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """Apex's `wgrad_gemm_accum_fp32` / `_fp16` (fused_weight_gradient_dense.cpp): the same arguments and effect."""
+    accumulate_wgrad(main_grad, grad_output, input)
+
+
+# Megatron-Core calls `fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(...)`: a namespace with Apex's two names.
+TORCH_WGRAD_KERNELS = types.SimpleNamespace(
+    wgrad_gemm_accum_fp32=wgrad_gemm_accum, wgrad_gemm_accum_fp16=wgrad_gemm_accum
+)
+
+
+def torch_kernels(original: Any) -> types.SimpleNamespace:
+    """Patch factory for `layers.fused_weight_gradient_mlp_cuda` (absent without Apex)."""
+    return TORCH_WGRAD_KERNELS
+
+
+def available(original: bool) -> bool:
+    """Patch factory for `layers._grad_accum_fusion_available`, the import check that refuses the option."""
+    return True
+
+
+def te_dummy_wgrad(original: Any):
+    """Patch factory for `layers.get_dummy_wgrad` (TE's, absent without TE): the gradient Megatron-Core hands autograd
+    for a weight whose gradient is already in main_grad, allocated as its non-TE branch does, on this process's
+    device. Megatron-Core's own branch passes `device=torch.cuda.current_device()`, which the CPU runtime cannot map in
+    a backward pass (the backward runs inside the runtime's TorchFunctionMode handler, with the mode popped)."""
+
+    def get_dummy_wgrad(shape: list[int], dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+
+    return get_dummy_wgrad
+
+
+def take_dummy_from_stand_in(original: bool) -> bool:
+    """Patch factory for `layers.HAVE_TE`: True, so the backward takes its dummy gradient from `te_dummy_wgrad`. In
+    layers.py the flag selects only that and, under CPU offloading (which needs TE and qvl never turns on), whether
+    an input is marked for offloading instead of refusing."""
+    return True
+
+
+def apex_installed() -> bool:
+    """Whether Apex's fused weight-gradient kernels are importable (then Megatron-Core uses them itself)."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def provide_kernels() -> None:
+    """The torch kernels in Apex's place, unless Apex is installed (idempotent; stays applied for the process, as
+    the CPU runtime does: the option is read when layers are built and the kernels in every backward after)."""
+    if not apex_installed():
+        patches.apply(GROUP)
+
+
+def use_fused_wgrad_accumulation(provider: Any) -> None:
+    """Weight gradients into `main_grad` inside the GEMM for a provider's model: the kernels provided, the option on
+    where the model is built without Transformer Engine (TE has its own), and the HF vision tower's linears given
+    the same backward when the model is built (if the option is still on then)."""
+    provide_kernels()
+    if not have_transformer_engine():
+        provider.gradient_accumulation_fusion = True
+    if getattr(provider, "vision_config", None) is not None:
+        provider.register_pre_wrap_hook(main_grad_linears)
+
+
+def main_grad_linears(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Pre-wrap hook: every `nn.Linear` of the replicated HF vision towers accumulates its weight gradient into
+    `main_grad` (when the model's `gradient_accumulation_fusion` is on)."""
+    config = getattr(model[0], "config", None) if model else None
+    if not getattr(config, "gradient_accumulation_fusion", False):
+        return model
+    swapped = 0
+    for tower in hf_vision_towers(model):
+        for module in tower.modules():
+            if type(module) is torch.nn.Linear:
+                module.__class__ = MainGradLinear
+                swapped += 1
+    logger.info("%d HF vision tower linears accumulate their weight gradients into main_grad", swapped)
+    return model
+
+
+class MainGradLinear(torch.nn.Linear):
+    """`nn.Linear` whose backward adds its weight gradient into `weight.main_grad` in the GEMM, as Megatron-Core's
+    fused linears do; without a `main_grad` (no DDP) it is `nn.Linear`. The forward is `F.linear`, unchanged."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return LinearIntoMainGrad.apply(input, self.weight, self.bias)
+
+
+class LinearIntoMainGrad(torch.autograd.Function):
+    """`F.linear` forward; backward as autograd's addmm backward, but the weight gradient goes into `main_grad`."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        # The parameter itself, for its main_grad: under activation checkpointing the saved `weight` comes back as
+        # a detached alias made in the recomputed forward (torch/utils/checkpoint.py), without the attribute.
+        ctx.param, ctx.bias = weight, bias
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_weight = (
+            _weight_gradient(ctx.param, grad_2d, input.reshape(-1, input.shape[-1]))
+            if ctx.needs_input_grad[1]
+            else None
+        )
+        grad_bias = _bias_gradient(ctx.bias, grad_2d) if ctx.bias is not None and ctx.needs_input_grad[2] else None
+        return grad_input, grad_weight, grad_bias
+
+
+def bias_gradient_into(main_grad: torch.Tensor, grad_2d: torch.Tensor) -> None:
+    """`main_grad += grad_2d.sum(0)`, the sum in `main_grad`'s dtype (in fp32 the same values as the unfused sum and
+    add; with bf16 gradients the sum is not rounded to bf16 first)."""
+    main_grad.add_(grad_2d.sum(0, dtype=main_grad.dtype))
+
+
+def _bias_gradient(bias: torch.Tensor, grad_2d: torch.Tensor) -> torch.Tensor | None:
+    """The bias gradient, added into its `main_grad` where DDP gave it one: the sum and the add one compiled region
+    on CUDA with Triton (eagerly the sum, then autograd's `.grad`, then DDP's add: two kernels and a bf16 round)."""
+    main_grad = getattr(bias, "main_grad", None)
+    if main_grad is None or not hasattr(bias, "grad_added_to_main_grad"):
+        return grad_2d.sum(0)
+    compiled.region(bias_gradient_into, grad_2d)(main_grad, grad_2d)
+    bias.grad_added_to_main_grad = True
+    return torch.empty(main_grad.shape, dtype=bias.dtype, device=bias.device)  # for the DDP hook, which skips it
+
+
+def _weight_gradient(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor | None:
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return grad_2d.t().mm(input_2d)
+    accumulate_wgrad(main_grad, grad_2d, input_2d)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    # A gradient still goes to the parameter, so its DDP hook runs (and skips its add): Megatron-Core does the same.
+    return torch.empty(main_grad.shape, dtype=weight.dtype, device=weight.device)
+
+
+@contextlib.contextmanager
+def cpu_mixed_precision_addmm() -> Iterator[None]:
+    """A CPU kernel for `aten::addmm.dtype_out` (torch ships CUDA and XPU ones only) while the block runs, computed
+    in the output dtype: a bf16 CPU run then takes the CUDA path of the fused accumulation. For the step census
+    (benchmarks/bench_step.py counts what a CUDA device runs) and tests; training never registers it."""
+    global _cpu_kernel
+    if _cpu_kernel is not None:
+        yield
+        return
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("addmm.dtype_out", _addmm_dtype_out_cpu, "CPU")
+    _cpu_kernel = library
+    try:
+        yield
+    finally:
+        _cpu_kernel = None
+        library._destroy()
+
+
+def _addmm_dtype_out_cpu(self, mat1, mat2, out_dtype, *, beta=1, alpha=1, out):
+    # bf16 products are exact in fp32, so this is CUDA's fp32-accumulated GEMM up to the order of its sums.
+    result = torch.addmm(self.to(out_dtype), mat1.to(out_dtype), mat2.to(out_dtype), beta=beta, alpha=alpha)
+    return out.copy_(result)

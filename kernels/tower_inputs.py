@@ -1,0 +1,219 @@
+"""What a replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) derives from `grid_thw`, computed on the host once.
+
+transformers 5.12 lets a caller hand a vision tower these values precomputed: each `get_vision_*` helper in
+transformers/vision_utils.py pops its key (`position_ids`, `cu_seqlens`, `window_index`, `cu_window_seqlens`) from
+the forward's kwargs before computing it. A tower that computes them itself from a CUDA `grid_thw` reads the grid
+back to the host (`.tolist()`, twice per call) and loops over images in Python; its attention then turns each block's
+`max_seqlen` tensor into an int (a host sync in every block). Computed here from a CPU `grid_thw` with the same
+transformers functions, they cost no device sync, and the maximum lengths are Python ints. The loader computes them
+in its worker processes; `qvl.kernels.speed_hf_vision` hands them to the tower.
+
+Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL; megatron/bridge/models/qwen_vl/modelling_qwen3_vl/
+vision_model.py) derives more from its grid, with host reads of its own: the bilinear interpolation of its learned
+position-embedding table (`fast_pos_embed_interpolate`, two `.tolist()` per corner per image), the rotary position
+ids (`rot_pos_emb`, `.item()` twice and a loop over the device grid), the packed blocks (`build_packed_seq_params`,
+whose longest block is a 0-d device tensor) and the split sizes of its output (`.tolist()`). `MegatronTowerInputs`
+holds them, computed here with the same arithmetic in the same order, so that the tower's forward and backward are
+bitwise upstream's; `qvl.kernels.speed_qwen3_vl_tower` hands them to the tower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class TowerInputs:
+    """One vision tower call's inputs derived from its `grid_thw` (images or videos of one micro-batch)."""
+
+    position_ids: torch.Tensor  # [patches, 2] (row, col) of each patch, merge-block order
+    cu_seqlens: torch.Tensor  # [n_grids * t + 1] int32: the full-attention blocks (one per frame)
+    max_seqlen: int
+    window_index: torch.Tensor | None = None  # [patches / merge^2]: merge units in window order (Qwen2.5-VL)
+    cu_window_seqlens: torch.Tensor | None = None  # [windows + 1] int32
+    max_window_seqlen: int | None = None
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> TowerInputs:
+        """The same inputs with every tensor on `device` (ints stay ints)."""
+        return _tensors_mapped(self, lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> TowerInputs:
+        """Page-locked copies, so `to(cuda, non_blocking=True)` really overlaps (DataLoader's pin_memory calls this)."""
+        return _tensors_mapped(self, torch.Tensor.pin_memory)
+
+    def max_seqlens(self) -> tuple[tuple[torch.Tensor, int], ...]:
+        """(cu_seqlens tensor, its longest block) pairs, for an attention function handed one of these tensors."""
+        pairs = [(self.cu_seqlens, self.max_seqlen)]
+        if self.cu_window_seqlens is not None:
+            pairs.append((self.cu_window_seqlens, self.max_window_seqlen))
+        return tuple(pairs)
+
+
+@dataclass(kw_only=True, slots=True)
+class MegatronTowerInputs:
+    """One call of Megatron-Bridge's Qwen3-VL vision tower: what it derives from its `grid_thw` (images or videos)."""
+
+    grids: tuple[tuple[int, int, int], ...]  # (t, h, w) of each image or video, as Python ints
+    pos_embed_index: torch.Tensor  # [4, sum h*w] long: bilinear corners in the position table, row-major per grid
+    pos_embed_weight: torch.Tensor  # [4, sum h*w] float32: their weights (the tower casts them to its dtype)
+    position_ids: torch.Tensor  # [patches, 2] long: (row, col) of each patch, merge-block order, frames repeated
+    max_hw: int  # the largest grid height or width: rows of the rotary frequency table
+    cu_seqlens: torch.Tensor  # [frames + 1] int32: one attention block per frame
+    max_seqlen: int
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> MegatronTowerInputs:
+        """The same inputs with every tensor on `device` (ints stay ints)."""
+        return _tensors_mapped(self, lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> MegatronTowerInputs:
+        """Page-locked copies, so `to(cuda, non_blocking=True)` really overlaps (DataLoader's pin_memory calls this)."""
+        return _tensors_mapped(self, torch.Tensor.pin_memory)
+
+
+def _tensors_mapped(inputs: Any, function: Any) -> Any:
+    """A copy of a tower-inputs dataclass with `function` applied to each tensor field (other fields kept)."""
+    mapped = {
+        f.name: function(value) for f in fields(inputs) if isinstance(value := getattr(inputs, f.name), torch.Tensor)
+    }
+    return replace(inputs, **mapped)
+
+
+def _longest(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+
+
+def tower_inputs(
+    grid_thw: torch.Tensor, *, spatial_merge_size: int, patch_size: int, window_size: int | None = None
+) -> TowerInputs:
+    """The tower inputs of one `grid_thw` ([n, 3], on the CPU), computed by transformers' own functions.
+
+    `window_size` (pixels) is given for towers with windowed attention (Qwen2.5-VL) and None for Qwen2-VL."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+
+    if grid_thw.device.type != "cpu":
+        raise ValueError(
+            f"tower_inputs takes grid_thw on the CPU (got {grid_thw.device}); reading a device tensor back is the "
+            "host sync this avoids: compute it from the loader's grid before the batch moves"
+        )
+    grid = grid_thw.reshape(-1, 3).long()
+    cu = get_vision_cu_seqlens(grid)
+    inputs = TowerInputs(
+        position_ids=get_vision_position_ids(grid, spatial_merge_size), cu_seqlens=cu, max_seqlen=_longest(cu)
+    )
+    if window_size is not None:
+        index, cu_window = get_vision_window_index(
+            grid, spatial_merge_size=spatial_merge_size, window_size=window_size, patch_size=patch_size
+        )
+        inputs = replace(inputs, window_index=index, cu_window_seqlens=cu_window, max_window_seqlen=_longest(cu_window))
+    return inputs
+
+
+def megatron_tower_inputs(
+    grid_thw: torch.Tensor, *, spatial_merge_size: int, num_position_embeddings: int
+) -> MegatronTowerInputs:
+    """The inputs of Megatron-Bridge's Qwen3-VL tower for one `grid_thw` ([n, 3], on the CPU)."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+    if grid_thw.device.type != "cpu":
+        raise ValueError(
+            f"megatron_tower_inputs takes grid_thw on the CPU (got {grid_thw.device}); reading a device tensor back "
+            "is the host sync this avoids: compute it from the loader's grid before the batch moves"
+        )
+    grid = grid_thw.reshape(-1, 3).long()
+    grids = tuple((int(t), int(h), int(w)) for t, h, w in grid.tolist())
+    index, weight = _bilinear_corners(grids, side=int(num_position_embeddings**0.5))
+    cu = get_vision_cu_seqlens(grid)  # transformers' helper; the same blocks as the tower's build_packed_seq_params
+    return MegatronTowerInputs(
+        grids=grids,
+        pos_embed_index=index,
+        pos_embed_weight=weight,
+        position_ids=get_vision_position_ids(grid, spatial_merge_size),
+        max_hw=max((max(h, w) for _, h, w in grids), default=0),
+        cu_seqlens=cu,
+        max_seqlen=_longest(cu),
+    )
+
+
+def _bilinear_corners(grids: tuple[tuple[int, int, int], ...], *, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The four bilinear corners of each patch in a `side` x `side` position table and their fp32 weights, computed
+    as Megatron-Bridge 0.6.2's `Qwen3VLVisionModel.fast_pos_embed_interpolate` does (the same torch ops in the same
+    order: bitwise its values), per grid in row-major order and once per grid, not per frame: the tower repeats
+    the embeddings over frames and reorders them after the lookup, and keeping that order keeps its embedding
+    gradient's summation order too. (transformers' `get_vision_bilinear_indices_and_weights` returns them
+    reordered and repeated instead.)"""
+    index_parts: list[list[torch.Tensor]] = [[] for _ in range(4)]
+    weight_parts: list[list[torch.Tensor]] = [[] for _ in range(4)]
+    for _, h, w in grids:
+        h_idxs, w_idxs = torch.linspace(0, side - 1, h), torch.linspace(0, side - 1, w)
+        h_floor, w_floor = h_idxs.int(), w_idxs.int()
+        h_ceil, w_ceil = (h_floor + 1).clip(max=side - 1), (w_floor + 1).clip(max=side - 1)
+        dh, dw = h_idxs - h_floor, w_idxs - w_floor
+        base_h, base_h_ceil = h_floor * side, h_ceil * side
+        indices = (
+            (base_h[None].T + w_floor[None]).flatten(),
+            (base_h[None].T + w_ceil[None]).flatten(),
+            (base_h_ceil[None].T + w_floor[None]).flatten(),
+            (base_h_ceil[None].T + w_ceil[None]).flatten(),
+        )
+        weights = (
+            ((1 - dh)[None].T * (1 - dw)[None]).flatten(),
+            ((1 - dh)[None].T * dw[None]).flatten(),
+            (dh[None].T * (1 - dw)[None]).flatten(),
+            (dh[None].T * dw[None]).flatten(),
+        )
+        for corner in range(4):
+            index_parts[corner].append(indices[corner].long())
+            weight_parts[corner].append(weights[corner].float())
+    if not grids:
+        return torch.zeros(4, 0, dtype=torch.long), torch.zeros(4, 0)
+    return torch.stack([torch.cat(p) for p in index_parts]), torch.stack([torch.cat(p) for p in weight_parts])
+
+
+def tower_inputs_for_config(grid_thw: torch.Tensor, vision_config: Any) -> TowerInputs | MegatronTowerInputs:
+    """`tower_inputs` with the settings of an HF vision config (an object or its config.json dict); for a config
+    with a learned position table (`num_position_embeddings`: Qwen3-VL, Qwen3.5-VL, whose tower qvl builds from
+    Megatron-Bridge's) `megatron_tower_inputs`."""
+    get = vision_config.get if isinstance(vision_config, dict) else lambda name: getattr(vision_config, name, None)
+    if get("num_position_embeddings") is not None:
+        return megatron_tower_inputs(
+            grid_thw,
+            spatial_merge_size=int(get("spatial_merge_size")),
+            num_position_embeddings=int(get("num_position_embeddings")),
+        )
+    window_size = get("window_size")  # Qwen2.5-VL windows its attention; Qwen2-VL's config has no window_size
+    return tower_inputs(
+        grid_thw,
+        spatial_merge_size=int(get("spatial_merge_size")),
+        patch_size=int(get("patch_size")),
+        window_size=None if window_size is None else int(window_size),
+    )
+
+
+@contextlib.contextmanager
+def inputs_by_grid(
+    towers: Sequence[torch.nn.Module], pairs: Sequence[tuple[torch.Tensor, Any]], kwargs_of: Callable[[Any], dict]
+) -> Iterator[int]:
+    """While the block runs, a tower called with one of `pairs`' `grid_thw` tensors (the very object the model was
+    given) gets `kwargs_of(inputs)` added to its forward's keyword arguments; yields the number of towers hooked.
+
+    A forward pre-hook (torch's extension point): Megatron-Bridge's Qwen-VL forwards call the tower with `grid_thw`
+    alone. A call with any other grid (e.g. vision balancing re-split the images) computes its inputs itself."""
+
+    def add_inputs(module, args, kwargs):
+        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+        for known, inputs in pairs:
+            if grid is known:
+                return args, {**kwargs, **kwargs_of(inputs)}
+        return None
+
+    handles = [tower.register_forward_pre_hook(add_inputs, with_kwargs=True) for tower in towers]
+    try:
+        yield len(handles)
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,60 @@
+"""qvl's compiled regions (qvl.kernels.compiled): eager on a CPU tensor, compiled where they run, and eager with a
+warning from a first failure to compile on."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from qvl.kernels import compiled
+
+
+def _double_plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+def test_a_cpu_tensor_takes_the_eager_function():
+    x = torch.ones(3)
+    assert not compiled.runs_compiled(x)
+    assert compiled.region(_double_plus_one, x) is _double_plus_one
+
+
+def test_the_region_is_compiled_once_per_function(monkeypatch):
+    monkeypatch.setattr(compiled, "runs_compiled", lambda tensor: True)
+    compiled.compiled.cache_clear()
+    first = compiled.region(_double_plus_one, torch.ones(3))
+    assert isinstance(first, compiled.CompiledRegion) and first.fn is _double_plus_one
+    assert compiled.region(_double_plus_one, torch.ones(5)) is first
+    compiled.compiled.cache_clear()
+
+
+def test_a_region_that_cannot_compile_runs_eagerly_with_one_warning(caplog):
+    region = compiled.CompiledRegion(_double_plus_one)
+    attempts = []
+
+    def refuse(*args):
+        attempts.append(args)
+        raise torch._dynamo.exc.TorchDynamoException("no kernel for this op")
+
+    region.graph = refuse
+    x = torch.arange(3.0)
+    with caplog.at_level(logging.WARNING, logger="qvl.kernels.compiled"):
+        assert torch.equal(region(x), x * 2 + 1)
+        assert torch.equal(region(x), x * 2 + 1)
+    assert len(attempts) == 1  # not tried again
+    (record,) = caplog.records
+    assert "_double_plus_one could not be compiled and runs eagerly: no kernel for this op" in record.getMessage()
+
+
+def test_other_errors_are_not_swallowed():
+    region = compiled.CompiledRegion(_double_plus_one)
+
+    def fail(*args):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    region.graph = fail
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        region(torch.ones(2))
+    assert not region.eager

@@ -1,0 +1,125 @@
+"""GPU checks (marked `gpu`: skipped without CUDA; run with `make test PYTEST_ARGS="-m gpu"` on a GPU host).
+They use the non-TE path, which must work on GPUs without Transformer Engine too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.bench_attention import pack_lengths
+from qvl.foundation import distributed
+from tests.kernels.test_varlen_attention import naive_attention
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def cuda_distributed():
+
+    distributed.init_distributed()  # nccl, one rank; the CPU runtime stays off on a CUDA host
+    yield
+    distributed.destroy_distributed()
+
+
+def test_packed_sdpa_attention_on_cuda_bf16(cuda_distributed):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from qvl.kernels.varlen_attention import SDPAttention
+
+    # attention_dropout=0: the module is in training mode, and Megatron's default of 0.1 would drop out (and take
+    # the per-segment path: the varlen kernel has no dropout), which no dropout-free reference can match.
+    config = TransformerConfig(
+        num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, bf16=True, attention_dropout=0.0
+    )
+    attention = SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self").cuda()
+    lengths = [300, 17, 1024, 5]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(int(cu[-1]), h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    out = attention(q, k, v, attention_mask=None, packed_seq_params=params).float()
+    expected = torch.cat(
+        [
+            naive_attention(q[a:b].float(), k[a:b].float(), v[a:b].float(), True)
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+        ]
+    )
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)  # bf16 inputs
+
+
+def test_tiny_gpt_trains_on_cuda(cuda_distributed):
+    from tests import megatron_smoke as smoke
+
+    shape = smoke.TinyGPT()
+    model = smoke.wrap_ddp(smoke.build_model(shape))
+    assert next(model.parameters()).is_cuda
+    batches = smoke.synthetic_batches(shape, micro_batch_size=2, count=40)
+    losses, _ = smoke.train([model], batches, shape=shape, steps=20, micro_batch_size=2, num_microbatches=2)
+    assert losses[-1] < losses[0] - 0.5
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_varlen_equals_the_per_segment_loop_in_bf16_forward_and_backward(cuda_distributed, causal):
+    """torch's varlen kernel (one call for the pack) against one SDPA call per sub-sequence: an 8k pack of 40
+    sub-sequences at Qwen2.5-VL-3B's LM attention shape (16 query heads, 2 KV heads, dim 128), bf16."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from qvl.kernels.varlen_attention import SDPAttention, varlen_usable
+
+    config = TransformerConfig(num_layers=1, hidden_size=2048, num_attention_heads=16, num_query_groups=2, bf16=True)
+    mask = AttnMaskType.causal if causal else AttnMaskType.no_mask
+    attention = SDPAttention(config, layer_number=1, attn_mask_type=mask, attention_type="self").cuda()
+    cu = torch.tensor([0, *torch.tensor(pack_lengths()).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(8192, h, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (16, 2, 2)]
+    weight = torch.randn(8192, 16 * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    assert varlen_usable(inputs[0])
+    results = {}
+    for name, run in {"varlen": attention._packed, "loop": attention._packed_loop}.items():
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        out = run(q, k, v, params, causal, 0.0)
+        (out.float() * weight).sum().backward()
+        results[name] = (out.detach(), q.grad, k.grad, v.grad)
+    for got, expected in zip(results["varlen"], results["loop"], strict=True):
+        assert relative_error(got, expected) < 1e-2
+    torch.testing.assert_close(results["varlen"][0], results["loop"][0], rtol=2e-2, atol=2e-2)
+
+
+def test_hf_vision_tower_varlen_equals_sdpa_on_cuda_bf16():
+    """Qwen2.5-VL's HF vision tower (windowed and full-attention blocks) with qvl's varlen attention against
+    transformers' SDPA loop over windows and images: outputs and parameter gradients, bf16."""
+    import copy
+
+    from transformers import AutoModel
+
+    from qvl.bridges.tiny_model import tiny_hf_config
+    from qvl.kernels.varlen_attention import varlen_vision_towers
+
+    config = tiny_hf_config("qwen2_5_vl")
+    torch.manual_seed(0)
+    reference = AutoModel.from_config(config).visual.to("cuda", torch.bfloat16)
+    tower = copy.deepcopy(reference)
+    varlen_vision_towers([tower])
+    grid = torch.tensor([[1, 16, 24], [1, 8, 8], [2, 12, 12]], device="cuda")
+    vision = config.vision_config
+    pixels = torch.randn(
+        int(grid.prod(-1).sum()), 3 * vision.temporal_patch_size * vision.patch_size**2, device="cuda"
+    ).bfloat16()
+    outputs = []
+    for model in (tower, reference):
+        out = model(pixels, grid_thw=grid)
+        out = getattr(out, "pooler_output", out)
+        out.float().square().mean().backward()
+        outputs.append((out.detach(), [p.grad for p in model.parameters()]))
+    (out, grads), (out_ref, grads_ref) = outputs
+    assert relative_error(out, out_ref) < 1e-2
+    for grad, grad_ref in zip(grads, grads_ref, strict=True):
+        assert relative_error(grad, grad_ref) < 3e-2

@@ -1,0 +1,229 @@
+"""Megatron-Bridge's Qwen3-VL vision tower with host-computed inputs (qvl.kernels.speed_qwen3_vl_tower): outputs and
+gradients bitwise upstream's, no read of a device value on the CUDA code path, and the loader's inputs reaching the
+tower inside the model."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+from qvl.bridges.tiny_model import tiny_hf_config
+from qvl.foundation import patches
+from qvl.kernels import speed_qwen3_vl_tower
+from qvl.kernels.tower_inputs import MegatronTowerInputs, tower_inputs_for_config
+from tests.kernels.test_speed_hf_vision import HostReads
+
+# Several images of different grids (square, wide, tall, the smallest) and a three-frame video, in one tower call.
+GRIDS = torch.tensor([[1, 8, 12], [1, 4, 4], [3, 4, 8], [1, 10, 6], [1, 2, 2]])
+
+
+@pytest.fixture(scope="module")
+def tower():
+    """The tiny Qwen3-VL family record's Megatron vision tower, built by qvl's provider (local specs, fp32)."""
+    from qvl.bridges.providers import provider_from_hf
+    from qvl.foundation import distributed, runtime
+
+    runtime.activate(force=True)
+    distributed.init_distributed()
+    try:
+        provider = provider_from_hf(tiny_hf_config("qwen3_vl"))
+        provider.finalize()
+        torch.manual_seed(0)
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
+        (vision,) = speed_qwen3_vl_tower.megatron_vision_towers(model)
+        with torch.no_grad():  # norms at 1 and biases at 0 would hide a mix-up: perturb them
+            for param in vision.parameters():
+                param.add_(0.05 * torch.randn_like(param))
+        yield vision
+    finally:
+        distributed.destroy_distributed()
+        runtime.deactivate()
+
+
+def pixels(tower, dtype=torch.float32) -> torch.Tensor:
+    config = tower.config
+    width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    return torch.randn(int(GRIDS.prod(-1).sum()), width, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def run(tower, x, grid, inputs=None, *, known=GRIDS):
+    """Forward and backward of the tower called with `grid` while `inputs` (if given) are prepared for the grid
+    tensor `known`: its output, deepstack features and every parameter's gradient."""
+    tower.zero_grad(set_to_none=True)
+    given = []
+    with speed_qwen3_vl_tower.prepared_megatron_tower_inputs([tower], [(known, inputs)] if inputs else []) as prepared:
+        assert prepared == (1 if inputs else 0)
+        # registered after the prepared-inputs hook, so it sees what the tower is called with
+        handle = tower.register_forward_pre_hook(
+            lambda m, a, kw: given.append(kw.get("tower_inputs")), with_kwargs=True
+        )
+        out, deepstack = tower(hidden_states=x, grid_thw=grid)
+        handle.remove()
+    assert given[0] is (inputs if grid is known else None)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=torch.float32).view_as(out)
+    loss = (out.float() * weights).sum() + sum((d.float() ** 2).sum() for d in deepstack)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in tower.named_parameters() if p.grad is not None}
+    return out.detach(), [d.detach() for d in deepstack], grads
+
+
+def assert_bitwise(got, expected):
+    (out, deepstack, grads), (out_ref, deepstack_ref, grads_ref) = got, expected
+    assert torch.equal(out, out_ref)
+    assert len(deepstack) == len(deepstack_ref) > 0 and all(map(torch.equal, deepstack, deepstack_ref))
+    assert grads.keys() == grads_ref.keys() and "pos_embed.weight" in grads
+    differing = [name for name in grads if not torch.equal(grads[name], grads_ref[name])]
+    assert differing == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prepared_tower_is_upstream_bit_for_bit_with_its_gradients(tower, dtype):
+    params = [(p, p.detach().clone()) for p in tower.parameters()]
+    buffers = {name: b.clone() for name, b in tower.named_buffers()}
+    tower.to(dtype)  # the tower holds process groups: converted in place and restored, not copied
+    try:
+        x = pixels(tower, dtype)
+        inputs = tower_inputs_for_config(GRIDS, tower.config)
+        assert isinstance(inputs, MegatronTowerInputs)
+        expected = run(tower, x, GRIDS)
+        assert_bitwise(run(tower, x, GRIDS, inputs), expected)
+    finally:
+        for param, value in params:
+            param.data = value
+        for name, value in buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            setattr(tower.get_submodule(owner), leaf, value)
+
+
+def test_another_grid_takes_upstreams_path(tower):
+    """Inputs are matched to the very grid tensor they were computed for; a call with any other grid (equal values,
+    another object) computes its own, and inputs for other grids are refused rather than used."""
+    x = pixels(tower)
+    inputs = tower_inputs_for_config(GRIDS, tower.config)
+    with HostReads() as reads:
+        other = run(tower, x, GRIDS.clone(), inputs)
+    assert reads.reads  # upstream read its grid
+    assert_bitwise(other, run(tower, x, GRIDS))
+    wrong = tower_inputs_for_config(GRIDS[1:], tower.config)
+    with pytest.raises(speed_qwen3_vl_tower.TowerInputsMismatch, match="compute the tower inputs from the grid"):
+        with patches.applied(speed_qwen3_vl_tower.GROUP):
+            tower(x, GRIDS, tower_inputs=wrong)
+
+
+def test_prepared_tower_reads_nothing_back_on_the_cuda_path(tower, monkeypatch):
+    """On the code path a CUDA device takes (torch's varlen kernel), the prepared tower's forward and backward read
+    no tensor value back; upstream's reads dozens."""
+    from qvl.kernels import varlen_attention
+
+    lengths = []
+    monkeypatch.setattr(varlen_attention, "varlen_usable", lambda *args, **kwargs: True)
+    monkeypatch.setattr(varlen_attention, "varlen_attention", stand_in_varlen(lengths))
+    x = pixels(tower)
+    with HostReads() as reads:
+        expected = run(tower, x, GRIDS)
+    upstream_reads = len(reads.reads)
+    lengths.clear()
+    inputs = tower_inputs_for_config(GRIDS, tower.config)
+    with DeviceReads() as reads:
+        tower.zero_grad(set_to_none=True)
+        with speed_qwen3_vl_tower.prepared_megatron_tower_inputs([tower], [(GRIDS, inputs)]):
+            out, deepstack = tower(hidden_states=x, grid_thw=GRIDS)
+        (out.sum() + sum(d.sum() for d in deepstack)).backward()
+    assert upstream_reads > tower.config.num_layers
+    assert reads.reads == []
+    assert lengths == [(int, int)] * tower.config.num_layers  # every block's longest length a Python int
+    assert torch.equal(out.detach(), expected[0])
+
+
+def stand_in_varlen(lengths):
+    """`varlen_attention` as a CUDA device runs it, on CPU: records the longest lengths' types, then attends per
+    block with SDPA (its own reads of `cu_seqlens` not counted)."""
+
+    def varlen_attention(query, key, value, cu_q, cu_kv, max_q, max_k, *, causal, scale):
+        lengths.append((type(max_q), type(max_k)))
+        HostReads.paused = True
+        try:
+            out = torch.empty_like(query)
+            bounds = cu_q.tolist()
+            for start, end in zip(bounds, bounds[1:]):
+                out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+                    *(t[start:end].transpose(0, 1) for t in (query, key, value)), is_causal=causal, scale=scale
+                ).transpose(0, 1)
+            return out
+        finally:
+            HostReads.paused = False
+
+    return varlen_attention
+
+
+class DeviceReads(HostReads):
+    """`HostReads` without the model-parallel RNG tracker's check after each fork, which compares two CPU generator
+    states (megatron/core/tensor_parallel/random.py): host tensors on a CUDA device too, no sync."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if any(frame.filename.endswith("tensor_parallel/random.py") for frame in traceback.extract_stack(limit=6)):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_megatron_tower_inputs_refuse_a_device_grid():
+    with pytest.raises(ValueError, match="on the CPU"):
+        tower_inputs_for_config(GRIDS.to("meta"), tiny_hf_config("qwen3_vl").vision_config)
+
+
+@pytest.mark.slow
+def test_loader_tower_inputs_reach_the_qwen3_vl_models_tower(tmp_path, cpu_runtime):
+    """The loader computes each micro-batch's Megatron tower inputs in its workers; the training step's context hands
+    them to the tower inside Megatron-Bridge's Qwen3-VL model, whose loss is bitwise the model's own."""
+    from qvl.bridges.convert import auto_bridge_with_weights
+    from qvl.bridges.providers import apply_provider_fixes
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.data.load import build_packed_datasets
+    from qvl.data.prepare import PrepareConfig, prepare
+    from qvl.data.samples import write_sample_dataset
+    from qvl.foundation import distributed
+    from qvl.training.step import model_inputs, tower_input_pairs
+
+    jsonl, media = write_sample_dataset(tmp_path / "samples", count=8, with_bad=False)
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen3_vl")
+    prepare(
+        PrepareConfig(
+            input=jsonl, media_root=media, family="qwen3_vl", hf_path=hf, seq_length=512, output=tmp_path / "data"
+        )
+    )
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()  # whatever an earlier test of this process left
+    distributed.init_distributed()
+    try:
+        bridge = auto_bridge_with_weights(hf, torch.float32)
+        provider = bridge.to_megatron_provider(load_weights=True)
+        apply_provider_fixes(provider, bridge.hf_pretrained.config)
+        provider.gradient_accumulation_fusion = False  # no DDP wrapper here, so no main_grad to accumulate into
+        provider.finalize()
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
+        config = dict(path=str(tmp_path / "data"), hf_path=str(hf), family="qwen3_vl", micro_batch_size=1)
+        loader, _, _ = build_packed_datasets(type("DatasetConfig", (), {**config, "num_workers": 0}), None)
+        batch = next(iter(loader))
+        assert isinstance(batch.image_tower_inputs, MegatronTowerInputs)
+        expected = tower_inputs_for_config(batch.image_grid_thw, bridge.hf_pretrained.config.vision_config)
+        assert torch.equal(batch.image_tower_inputs.pos_embed_weight, expected.pos_embed_weight)
+        kwargs, _ = model_inputs(batch, torch.device("cpu"))
+        (vision,) = speed_qwen3_vl_tower.megatron_vision_towers(model)
+        given = []
+        derived = model(**kwargs)
+        derived.sum().backward()
+        derived_grads = [p.grad.clone() for p in vision.parameters()]  # every one is used: none is None
+        model.zero_grad()
+        pairs = tower_input_pairs(batch, kwargs, torch.device("cpu"))
+        with speed_qwen3_vl_tower.prepared_megatron_tower_inputs(model, pairs):
+            vision.register_forward_pre_hook(lambda m, a, kw: given.append(kw.get("tower_inputs")), with_kwargs=True)
+            prepared = model(**kwargs)
+        prepared.sum().backward()
+        assert len(given) == 1 and given[0] is pairs[0][1]
+        assert torch.equal(prepared, derived)
+        assert all(torch.equal(p.grad, g) for p, g in zip(vision.parameters(), derived_grads))
+    finally:
+        distributed.destroy_distributed()

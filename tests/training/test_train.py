@@ -1,0 +1,153 @@
+"""`qvl train` runs Megatron-Bridge's own training loop on a tiny Qwen2.5-VL over a packed qvl dataset on
+CPU: the loss falls, a checkpoint is written, a run stopped mid-way and resumed reproduces the
+uninterrupted loss curve exactly, and the trained checkpoint exports to HF that transformers loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qvl.training.train import read_losses
+from tests.run_qvl import qvl, qvl_in_process
+
+STEPS = 6
+ARGS = [
+    "qwen25_vl_3b_pretrain",
+    f"train_iters={STEPS}",
+    "global_batch_size=2",
+    "micro_batch_size=1",
+    "seq_length=256",
+    "warmup_iters=1",
+    "lr=1e-3",
+    "save_interval=100",
+    "log_interval=1",
+]
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_dataset, tiny_qwen25_checkpoint) -> tuple[Path, Path]:
+    """The session's prepared sample set (seq_length 256) and the tiny Qwen2.5-VL it was prepared for."""
+    return tiny_dataset, tiny_qwen25_checkpoint
+
+
+@pytest.fixture(scope="module")
+def runs(dataset, tmp_path_factory) -> dict[str, Path]:
+    data, hf = dataset
+    root = tmp_path_factory.mktemp("runs")
+    common = [*ARGS, f"data={data}", f"hf_path={hf}", "--model", "tiny", "--device", "cpu"]
+    qvl_in_process("train", *common, "--run-dir", str(root / "full"))
+    # The stopped and resumed run also recomputes the HF vision tower: that must not change a single loss either.
+    resumed = [*common, "vision_recompute=true"]
+    stopped = qvl("train", *resumed, "--run-dir", str(root / "resumed"), "--stop-after", "3")
+    # A planned stop reads as one: no "Pretrain failed ... SystemExit: 0" and no traceback.
+    assert "Pretrain failed" not in stopped and "Traceback" not in stopped, stopped[-4000:]
+    assert "trained 3 steps" in stopped
+    qvl_in_process("train", *resumed, "--run-dir", str(root / "resumed"))  # same command again: resumes from step 3
+    return {"full": root / "full", "resumed": root / "resumed"}
+
+
+@pytest.mark.slow
+def test_loss_falls_and_a_checkpoint_is_saved(runs):
+    losses = read_losses(runs["full"])
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < losses[1] - 0.3, losses
+    assert (runs["full"] / "checkpoints" / f"iter_{STEPS:07d}").is_dir()
+
+
+@pytest.mark.slow
+def test_stopped_and_resumed_run_reproduces_the_loss_curve_exactly(runs):
+    full, resumed = read_losses(runs["full"]), read_losses(runs["resumed"])
+    assert (runs["resumed"] / "checkpoints" / "iter_0000003").is_dir()
+    log = (runs["resumed"] / "losses.jsonl").read_text().splitlines()
+    assert len(log) == STEPS, "the second run must continue at step 4, not start again"
+    assert resumed == full  # bit-identical floats: data position, weights and Adam state all restored
+
+
+@pytest.mark.slow
+def test_trained_checkpoint_exports_to_hf_that_transformers_loads(runs, dataset, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from qvl.bridges.convert import copy_hf_side_files
+
+    _, hf = dataset
+    checkpoints = runs["full"] / "checkpoints"
+    copy_hf_side_files(hf, checkpoints / "hf")
+    qvl_in_process("convert", "export", str(checkpoints), str(tmp_path / "export"), "--device", "cpu")
+    trained = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).state_dict()
+    initial = AutoModelForImageTextToText.from_pretrained(str(hf), dtype=torch.float32).state_dict()
+    assert trained.keys() == initial.keys()
+    changed = [k for k in trained if not torch.equal(trained[k], initial[k])]
+    assert len(changed) > len(trained) // 2, "training must have moved most weights"
+
+
+def test_dotted_overrides_set_config_fields_and_unknown_ones_are_named(tmp_path, cpu_runtime):
+    from qvl.foundation.errors import ConfigError
+    from qvl.training.train import TrainRequest, prepare_config
+
+    request = TrainRequest(
+        recipe="qwen25_vl_3b_pretrain",
+        overrides={"train.exit_interval": 7, "train_iters": 3},
+        run_dir=tmp_path,
+        model="tiny",
+        device="cpu",
+    )
+    _, config = prepare_config(request)
+    assert (config.train.exit_interval, config.train.train_iters) == (7, 3)
+    assert config.model.vocab_size == 512 and config.model.tensor_model_parallel_size == 1  # the tiny model, alone
+    request.overrides = {"train.nope": 1}
+    with pytest.raises(ConfigError, match=r"train \(TrainingConfig\) has no field 'nope'"):
+        prepare_config(request)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_2_trains_the_packed_dataset_like_one_stage(dataset, tiny_qwen25_megatron, tmp_path):
+    """PP=2 (two gloo processes under torchrun) from the same converted checkpoint gives PP=1's losses:
+    packed batches are padded to seq_length for the fixed-shape stage-to-stage buffers."""
+    from qvl.foundation.distributed import free_port
+
+    data, hf = dataset
+    common = [
+        "qwen25_vl_3b_sft",
+        f"data={data}",
+        f"hf_path={hf}",
+        f"pretrained_checkpoint={tiny_qwen25_megatron}",
+        *ARGS[1:],
+        "train_iters=2",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+    ]
+    qvl_in_process("train", *common, "--run-dir", str(tmp_path / "pp1"))
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    out = subprocess.run(
+        [
+            *torchrun,
+            "-m",
+            "qvl.launchers.cli",
+            "train",
+            *common,
+            "pipeline_parallel=2",
+            "--run-dir",
+            str(tmp_path / "pp2"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    one, two = read_losses(tmp_path / "pp1"), read_losses(tmp_path / "pp2")
+    assert sorted(two) == [1, 2]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], abs=1e-5)

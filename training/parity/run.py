@@ -1,0 +1,267 @@
+"""One parity run: qvl's loop, then transformers' Trainer on the same conversations, then the comparison."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qvl.foundation.errors import ConfigError, DataError
+from qvl.foundation.families import family_of_architecture
+from qvl.recipes.registry import all_recipes
+from qvl.training.parity.report import ParityReport, compare, gate_note
+
+logger = logging.getLogger(__name__)
+MAX_PACKS = 64  # the reference accumulates every pack of the dataset in each step: a handful of samples
+PRECISION_OPTIONS = {"fp32": "fp32", "bf16": "bf16-mixed"}
+# Megatron-Core's native fused cross-entropy casts the logits' gradient to bf16 in every precision
+# (megatron/core/fusions/fused_cross_entropy.py, calculate_gradients). Where qvl's training loop puts its own in its
+# place (qvl.kernels.speed_cross_entropy: no Transformer Engine or Apex) the recipe's default is exact; elsewhere an fp32
+# check turns the fusion off unless asked.
+EXACT_CROSS_ENTROPY = {"model.cross_entropy_loss_fusion": False}
+# Megatron adds its MoE load-balancing loss over each pack; transformers' Qwen3-VL-MoE adds its own only when called
+# with output_router_logits=True, over each conversation: the check compares the language-model loss alone.
+NO_MOE_AUX_LOSS = {"model.moe_aux_loss_coeff": 0.0}
+# The distributed optimizer leaves each data-parallel rank only its shard of the reduced gradients; plain DDP
+# all-reduces them whole, so step 1's gradients can be exported and compared (the update is the same Adam).
+WHOLE_GRADIENTS = {"optimizer.use_distributed_optimizer": False, "ddp.use_distributed_optimizer": False}
+
+
+@dataclass(kw_only=True, slots=True)
+class ParitySpec:
+    """A checkpoint, a prepared dataset of a handful of samples, and how long to train both frameworks."""
+
+    hf_path: Path
+    data: Path
+    run_dir: Path
+    recipe: str | None = None  # default: the family's smallest SFT recipe
+    steps: int = 3
+    options: dict[str, Any] = field(default_factory=dict)  # recipe options, e.g. lr=1e-4, warmup_iters=1
+    precision: str = "fp32"  # "fp32" (CPU or GPU) or "bf16" (GPU)
+    weight_decay_rule: str = "megatron"  # the reference's decay groups: "megatron" or "transformers" (Trainer's)
+    loss_average: str = "token"  # the reference's loss: "token" (the recipe's) or "conversation" (Trainer's default)
+    device: str = "auto"
+    batch_hook: Callable[[Any, Any], Any] | None = None  # tests: change each batch on purpose before qvl's step
+
+
+def checkpoint_family(hf_path: Path):
+    """The family record of an HF checkpoint directory, from config.json's architectures."""
+    config = Path(hf_path) / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{hf_path} has no config.json; pass an HF checkpoint directory")
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    family = next((f for a in architectures if (f := family_of_architecture(a))), None)
+    if family is None:
+        raise ConfigError(f"{hf_path}: architecture {architectures} is not a Qwen-VL family qvl trains")
+    return family
+
+
+def default_recipe(family: str) -> str:
+    """The family's smallest SFT recipe (its settings are the family's; the checkpoint sets the shapes)."""
+    names = [r.name for r in all_recipes() if r.family == family and r.stage == "sft"]
+    if not names:
+        raise ConfigError(f"no SFT recipe is registered for {family}; pass --recipe")
+    return names[0]
+
+
+def dataset_report(data: Path) -> dict:
+    """A `qvl data prepare` output's report.json, refusing one of more packs than every step can train."""
+    report = Path(data) / "report.json"
+    if not report.is_file():
+        raise DataError(f"{data} has no report.json; pass the --output folder of `qvl data prepare`")
+    content = json.loads(report.read_text())
+    packs = int(content["packed_sequences"])
+    if not 0 < packs <= MAX_PACKS:
+        raise DataError(
+            f"{data} holds {packs} packs; verification trains every pack in every step, so prepare a handful of "
+            f"samples (1 to {MAX_PACKS} packs), e.g. `head -n 32 data.jsonl > few.jsonl` and `qvl data prepare`"
+        )
+    return content
+
+
+def run_parity(spec: ParitySpec) -> ParityReport | None:
+    """Train `spec.steps` steps in qvl (packed, Megatron-Bridge) and in transformers (unpacked) and compare.
+
+    Under several processes (torchrun, or `run_on_ranks`) every rank trains qvl's side at the layout the options
+    ask for (tensor_parallel=2, ...); rank 0 then trains the single-process reference and returns the report."""
+    from qvl.training.parity.megatron_run import run_megatron
+
+    family, device = check_spec(spec)
+    run = qvl_run(spec, family, device)
+    logger.info(
+        "qvl: %d steps of %s on Megatron-Bridge, %d packs per step", spec.steps, run.recipe, run.global_batch_size
+    )
+    qvl, config = run_megatron(run)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() > 0:
+        return None  # rank 0 trains the reference and compares; the others only trained qvl's side
+    hf, settings = reference_run(spec, family, qvl, config)
+    report = compare(qvl, hf, family=family.name, recipe=run.recipe, precision=spec.precision, peak_lr=settings.lr)
+    report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec)
+    report.deliberate += (moe_note(config) if family.moe else []) + run_notes(spec, settings) + gate_note(report)
+    return report
+
+
+def check_spec(spec: ParitySpec):
+    """Refuse, before anything trains, what cannot be verified; the checkpoint's family record and the device."""
+    if spec.precision not in PRECISION_OPTIONS:
+        raise ConfigError(f"precision={spec.precision!r} is not supported; use fp32 or bf16")
+    if spec.steps < 1:
+        raise ConfigError(f"steps={spec.steps} trains nothing; use at least 1 (3 shows the schedule and Adam)")
+    if 0 < int(spec.options.get("warmup_iters", 0)) >= spec.steps:
+        raise ConfigError(
+            f"warmup_iters={spec.options['warmup_iters']} does not fit {spec.steps} steps (Megatron-Bridge would cap it "
+            "to a fraction of a step that transformers' schedulers cannot express); pass warmup_iters < --steps"
+        )
+    family = checkpoint_family(spec.hf_path)
+    device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.precision == "bf16" and device == "cpu":
+        raise ConfigError(
+            "--precision bf16 runs on a GPU (qvl's CPU runtime trains in fp32); use --precision fp32 here"
+        )
+    dataset_report(spec.data)
+    return family, device
+
+
+def qvl_run(spec: ParitySpec, family, device: str):
+    """qvl's side: the recipe on every pack of the dataset per step, with the check's defaults under the user's."""
+    from qvl.training.parity.megatron_run import MegatronRun
+
+    dataset = dataset_report(spec.data)
+    defaults = {
+        "precision": PRECISION_OPTIONS[spec.precision],
+        "seq_length": int(dataset["seq_length"]),
+        # a recipe's warm-up (50 steps for SFT) outlasts a check of a few steps, and Megatron-Bridge then caps it
+        # to a fraction of a step that transformers' schedulers cannot express
+        "warmup_iters": 1 if spec.steps > 1 else 0,
+        **(WHOLE_GRADIENTS if _data_parallel(spec.options) > 1 else {}),
+        **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" and not lean_cross_entropy() else {}),
+        **(NO_MOE_AUX_LOSS if family.moe else {}),
+    }
+    return MegatronRun(
+        recipe=spec.recipe or default_recipe(family.name),
+        hf_path=Path(spec.hf_path),
+        data=Path(spec.data),
+        run_dir=Path(spec.run_dir) / "qvl",
+        steps=spec.steps,
+        global_batch_size=int(dataset["packed_sequences"]),  # every pack in every step
+        options={**defaults, **spec.options},
+        device=device,
+        batch_hook=spec.batch_hook,
+    )
+
+
+def reference_run(spec: ParitySpec, family, qvl, config):
+    """transformers' side: the conversations qvl's loop consumed, unpacked, through the Trainer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from qvl.training.parity.transformers_run import reference_settings, run_transformers, samples_per_step
+
+    settings = reference_settings(config, weight_decay_rule=spec.weight_decay_rule, loss_average=spec.loss_average)
+    hf_config = AutoConfig.from_pretrained(str(spec.hf_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(spec.hf_path))
+    steps = samples_per_step(qvl, hf_config, tokenizer, seconds_per_grid=family.video_positions_in_seconds)
+    logger.info(
+        "transformers: the same %d steps with its Trainer, %d conversations per step", spec.steps, len(steps[0])
+    )
+    output = Path(spec.run_dir) / "transformers"
+    return run_transformers(spec.hf_path, steps, settings, output, bf16=spec.precision == "bf16"), settings
+
+
+def run_notes(spec: ParitySpec, settings) -> list[str]:
+    """What the check changed from the recipe to run both frameworks alike."""
+    notes = []
+    replicas = _data_parallel(spec.options)
+    if replicas > 1:
+        notes.append(
+            f"data parallel: {replicas} replicas trained with plain DDP (use_distributed_optimizer=false), so that "
+            "every rank holds step 1's whole reduced gradient to compare; the Adam update is the same."
+        )
+    if "warmup_iters" not in spec.options:
+        notes.append(
+            f"schedule: this check warmed up over {settings.warmup_steps} step(s) instead of the recipe's warm-up "
+            "(pass warmup_iters=N, fewer than --steps, to choose); both frameworks followed the same learning rates."
+        )
+    return notes
+
+
+def _data_parallel(options: dict) -> int:
+    """Data-parallel replicas of this run: the processes over tensor x pipeline x context parallel sizes."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    model_parallel = 1
+    for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+        model_parallel *= int(options.get(key, 1))
+    return max(1, world // model_parallel)
+
+
+def lean_cross_entropy() -> bool:
+    """Whether qvl's training loop replaces Megatron-Core's native fused cross-entropy (patch group
+    "speed-cross-entropy", with the other fixes of a run without Transformer Engine or Apex)."""
+    from qvl.kernels import fix_adam_resume
+
+    return fix_adam_resume.needed()
+
+
+def cross_entropy_note(config, spec: ParitySpec) -> list[str]:
+    """What Megatron-Core's native fused cross-entropy does to an fp32 step, where it runs, and whether it was on."""
+    if spec.precision != "fp32" or lean_cross_entropy():
+        return []  # qvl's fused cross-entropy keeps the logits' dtype: nothing deliberate
+    fused = bool(config.model.cross_entropy_loss_fusion)
+    state = (
+        "it was on in this run, so every gradient may differ by bf16 rounding (2^-9 relative)"
+        if fused
+        else "this check turned it off (model.cross_entropy_loss_fusion=false) to compare the rest exactly; "
+        "pass model.cross_entropy_loss_fusion=true to see its effect"
+    )
+    return [
+        "cross-entropy: Megatron-Core's native fused cross-entropy (the recipe's default where Transformer Engine or "
+        f"Apex is installed) rounds the logits' gradient to bf16 even in fp32 training; {state}."
+    ]
+
+
+def moe_note(config) -> list[str]:
+    """The MoE load-balancing loss each framework adds, and what this run compared."""
+    coefficient = config.model.moe_aux_loss_coeff
+    state = (
+        "this check set model.moe_aux_loss_coeff=0 to compare the language-model loss alone"
+        if not coefficient
+        else f"it was on in this run (moe_aux_loss_coeff={coefficient}), so the router gradients differ"
+    )
+    return [
+        "MoE load balancing: Megatron adds its auxiliary loss (the recipe's moe_aux_loss_coeff) over each pack's "
+        "tokens; transformers' Qwen3-VL-MoE adds router_aux_loss_coef x its own only when called with "
+        f"output_router_logits=True, over each conversation; {state}."
+    ]
+
+
+def deliberate_differences(config, hf, settings) -> list[str]:
+    """Conventions where Megatron-Bridge and transformers differ by design, and which one this run used."""
+    notes = []
+    extra = hf.decay_rules_differ
+    if extra:
+        used = "Megatron's (the recipe's)" if settings.weight_decay_rule == "megatron" else "transformers'"
+        notes.append(
+            f"weight decay: Megatron-Core skips every 1-D tensor and bias; transformers' Trainer skips biases, "
+            f"nn.LayerNorm weights and names with a 'norm' word; the rules differ on {len(extra)} tensors "
+            f"(e.g. {extra[0]}). This run's reference used {used} rule (--weight-decay-rule)."
+        )
+    ours = (
+        "every learned token of the global batch weighs the same (calculate_per_token_loss=True)"
+        if config.model.calculate_per_token_loss
+        else "each pack is averaged over its own tokens, then the packs (calculate_per_token_loss=False)"
+    )
+    reference = (
+        "the reference was given transformers' ForCausalLMLoss over the step's learned tokens (compute_loss_func)"
+        if settings.loss_average == "token"
+        else "the reference used the Trainer's default"
+    )
+    notes.append(
+        f"loss averaging: qvl's recipe: {ours}. transformers 5.12's Qwen-VL classes set accepts_loss_kwargs=False, "
+        "so a plain Trainer averages each conversation over its own learned tokens and then the conversations of a "
+        f"step (short answers weigh more); {reference} (--loss-average)."
+    )
+    return notes

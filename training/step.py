@@ -1,0 +1,218 @@
+"""The forward step for qvl's packed (THD) batches: one micro-batch through a Megatron Qwen-VL model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+
+from qvl.data.count import IGNORE_INDEX
+from qvl.kernels.speed_hf_vision import prepared_tower_inputs
+from qvl.kernels.speed_qwen3_vl_sync_free import host_vision_layout, note_vision_layout
+from qvl.kernels.speed_qwen3_vl_tower import prepared_megatron_tower_inputs
+from qvl.kernels.speed_rotary import mark_whole_pack
+from qvl.kernels.speed_sync_free import HostBatch, masked_loss, note_host_batch
+
+# Batch fields passed to the model when present (Qwen2-VL / Qwen2.5-VL / Qwen3-VL forward arguments).
+_VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) -> tuple[dict, torch.Tensor]:
+    """Keyword arguments for the model's forward and the loss mask, from a qvl PackedBatch.
+
+    `pad_to`: pipeline parallelism sends activations between stages in buffers of a fixed
+    `seq_length`, so a shorter pack is padded to it with one extra sub-sequence of pad tokens that
+    attends only to itself and carries no loss.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    tokens, labels = to_device(batch.tokens, device), to_device(batch.labels, device)
+    # Megatron's cross-entropy has no ignore index: learn nothing where labels are IGNORE_INDEX.
+    loss_mask = (to_device(batch.loss_mask, device) > 0) & (labels != IGNORE_INDEX)
+    cu = to_device(batch.cu_seqlens_q.to(torch.int32), device)
+    padding = 0 if pad_to is None else pad_to - tokens.shape[1]
+    if padding < 0:
+        raise ValueError(
+            f"a packed batch of {tokens.shape[1]} tokens exceeds seq_length={pad_to}; "
+            "prepare the dataset with --seq-length <= the recipe's seq_length"
+        )
+    if padding > 0:
+        tokens = torch.nn.functional.pad(tokens, (0, padding), value=0)
+        labels = torch.nn.functional.pad(labels, (0, padding), value=0)
+        loss_mask = torch.nn.functional.pad(loss_mask, (0, padding), value=False)
+        cu = torch.cat([cu, cu.new_tensor([pad_to])])
+    mark_whole_pack(cu)  # it ends at the pack's last token: no host read in the rotary (kernels/speed_rotary.py)
+    kwargs = {
+        "input_ids": tokens,
+        "labels": labels.clamp(min=0),
+        "loss_mask": loss_mask.float(),
+        "attention_mask": None,
+        "position_ids": loader_positions(batch, device, padding),
+        "packed_seq_params": PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=max(batch.max_seqlen, padding),
+            max_seqlen_kv=max(batch.max_seqlen, padding),
+        ),
+    }
+    for name in _VISUAL_FIELDS:
+        value = getattr(batch, name, None)
+        if value is not None and value.numel():
+            kwargs[name] = to_device(value, device)
+    return kwargs, loss_mask.float()
+
+
+def loader_positions(batch: Any, device: torch.device, padding: int) -> torch.Tensor | None:
+    """The loader's 3-D mRoPE positions [3, 1, T] on `device` (a pad sub-sequence counts from 0, as transformers'
+    `get_rope_index` numbers text), noted with the host batch so the model's forward reads nothing back
+    (qvl.kernels.speed_sync_free); None for a batch without them."""
+    positions = getattr(batch, "position_ids", None)
+    if positions is None:
+        return None
+    if padding > 0:
+        pad = torch.arange(padding, dtype=positions.dtype).expand(positions.shape[0], 1, padding)
+        positions = torch.cat([positions, pad], dim=-1)
+    host = HostBatch(
+        tokens=batch.tokens,
+        image_grid_thw=getattr(batch, "image_grid_thw", None),
+        video_grid_thw=getattr(batch, "video_grid_thw", None),
+    )
+    return note_host_batch(to_device(positions, device), host)
+
+
+def pinned_copies(device: torch.device) -> bool:
+    """Whether host-to-device copies to `device` go through pinned memory, asynchronously (CUDA)."""
+    return device.type == "cuda"
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; to a GPU from pinned memory without blocking the host (a pageable copy waits for the
+    GPU: the H100 profile of benchmarks/RESULTS.md shows 116 of them per step)."""
+    if pinned_copies(device) and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedule_plan: bool = False):
+    """Megatron-Bridge forward step: next packed batch through the model, masked per-token loss."""
+    device = next(model.parameters()).device
+    model_config = state.cfg.model
+    pad_to = model_config.seq_length if model_config.pipeline_model_parallel_size > 1 else None
+    batch = next(data_iterator)
+    kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to)
+    if state.cfg.qvl.vision_balance:
+        kwargs = balanced_vision_inputs(model, kwargs)
+    # Qwen3-VL: the vision rows as indices, and a pack's images and videos in token order with the tower's inputs
+    # for that order, computed on the host (qvl.kernels.speed_qwen3_vl_sync_free)
+    layout = host_vision_layout(model, batch, kwargs)
+    if layout is not None:
+        layout = (layout.pin_memory() if pinned_copies(device) else layout).to(device, non_blocking=True)
+        note_vision_layout(kwargs["input_ids"], layout)
+    # with images and videos the tower is given the token-order grid: its inputs, not each kind's, are the ones used
+    pairs = (layout.tower_input_pairs() if layout is not None else []) or tower_input_pairs(batch, kwargs, device)
+    with prepared_tower_inputs(model, pairs), prepared_megatron_tower_inputs(model, pairs):
+        output = model(**kwargs)
+    if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
+        output, loss_mask = output
+    checks = state.cfg.rerun_state_machine
+    return output, partial(
+        masked_loss,
+        loss_mask,
+        check_for_nan_in_loss=checks.check_for_nan_in_loss,
+        check_for_spiky_loss=checks.check_for_spiky_loss,
+    )
+
+
+def tower_input_pairs(batch: Any, kwargs: dict, device: torch.device) -> list[tuple[torch.Tensor, Any]]:
+    """(grid the model is given, its tower inputs on `device`) for the images and videos of a batch whose loader
+    precomputed them (qvl.kernels.tower_inputs); the tower then reads nothing back (qvl.kernels.speed_hf_vision,
+    qvl.kernels.speed_qwen3_vl_tower)."""
+    pairs = []
+    for grid, field in (("image_grid_thw", "image_tower_inputs"), ("video_grid_thw", "video_tower_inputs")):
+        inputs = getattr(batch, field, None)
+        if inputs is not None and grid in kwargs:
+            pinned = inputs.pin_memory() if pinned_copies(device) else inputs
+            pairs.append((kwargs[grid], pinned.to(device, non_blocking=True)))
+    return pairs
+
+
+def balanced_vision_inputs(model: Any, kwargs: dict) -> dict:
+    """`kwargs` with the vision work spread over the first pipeline stage's data- x tensor-parallel ranks, each image
+    encoded once (qvl.training.vision_balance): the image and video embeddings are scattered into
+    `inputs_embeds` here and the pixels dropped, so the model skips its own tower; the grids stay, for mRoPE
+    positions. Collective: every DP x TP rank of the first pipeline stage calls it for every micro-batch, with or
+    without images. Qwen2-VL / Qwen2.5-VL (Qwen25VLModel, HF tower replicated over TP) only.
+    """
+    from megatron.core.utils import unwrap_model
+
+    vlm = unwrap_model(model)
+    if not vlm.pre_process:  # a later pipeline stage: its inputs are the previous stage's activations
+        return kwargs
+    kwargs = dict(kwargs)
+    input_ids = kwargs["input_ids"]
+    embeds = _balanced_vision_embeddings(vlm, kwargs)
+    # As Qwen25VLModel.forward embeds when it is given no inputs_embeds ([s, b, h] -> [b, s, h]); it still
+    # transposes back and scatters for sequence parallelism when it is given them.
+    inputs_embeds = vlm.language_model.embedding(input_ids=input_ids, position_ids=None).transpose(1, 0).contiguous()
+    if embeds is not None:
+        image_mask, video_mask = vlm.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds)
+        n_image, n_video = int(image_mask.sum()), int(video_mask.sum())
+        if embeds.shape[0] != n_image + n_video:
+            raise ValueError(
+                f"the vision tower gave {embeds.shape[0]} embeddings for {n_image} image and {n_video} "
+                "video placeholder tokens; the packed batch's grids and placeholders disagree"
+            )
+        # masked_scatter keeps even an empty `embeds` in the graph: its backward (an all_to_all) is collective too.
+        embeds = embeds.to(inputs_embeds.dtype)
+        inputs_embeds = inputs_embeds.masked_scatter(image_mask, embeds[:n_image])
+        inputs_embeds = inputs_embeds.masked_scatter(video_mask, embeds[n_image:])
+    kwargs["inputs_embeds"] = inputs_embeds
+    return kwargs
+
+
+def _balanced_vision_embeddings(vlm: Any, kwargs: dict) -> torch.Tensor | None:
+    """Pop the pixels from `kwargs` and encode images, then videos, in one balanced call (they share the tower)."""
+    from megatron.core import parallel_state
+
+    from qvl.recipes.shapes import model_shapes
+    from qvl.training.vision_balance import balanced_vision_forward
+
+    pixels = [kwargs.pop(name, None) for name in ("pixel_values", "pixel_values_videos")]
+    grids = [kwargs[grid] for grid, p in zip(("image_grid_thw", "video_grid_thw"), pixels) if p is not None]
+    pixels = [p for p in pixels if p is not None]
+    return balanced_vision_forward(
+        lambda rows, grid: torch.cat(vlm.get_image_features(rows, grid, return_dict=True).pooler_output),
+        torch.cat(pixels) if pixels else None,
+        torch.cat(grids) if grids else torch.zeros(0, 3, dtype=torch.long, device=kwargs["input_ids"].device),
+        shape=model_shapes(vlm.config)[1],
+        # The first stage's DP x TP ranks (context parallelism is refused with vision_balance); a replica's TP
+        # ranks share its micro-batch, so its DP rank names it.
+        group=parallel_state.get_tensor_and_data_parallel_group(),
+        replica=parallel_state.get_data_parallel_rank(),
+        grad_scale=tower_grad_scale(vlm.visual, parallel_state.get_tensor_model_parallel_world_size()),
+        pixel_dtype=torch.float32,  # what qvl.data.encode's image processor yields, on every rank
+    )
+
+
+def tower_grad_scale(tower: torch.nn.Module, tensor_parallel: int) -> int:
+    """What each rank's partial tower gradient is multiplied by so that training's reduction yields the full one.
+
+    Megatron-Bridge marks a replicated HF tower's parameters `average_gradients_across_tp_domain`, and
+    `finalize_model_grads` then AVERAGES their gradients over the TP group (right when every TP rank encoded
+    every image). With each image encoded on one rank the average must become a sum: TP x the partial gradients,
+    averaged, is their sum (exact: TP is a power of two in practice). Unmarked parameters would not be reduced
+    over TP at all, so a tower with any such parameter is refused rather than silently trained on a fraction.
+    """
+    flags = {bool(getattr(p, "average_gradients_across_tp_domain", False)) for p in tower.parameters()}
+    if tensor_parallel == 1:
+        return 1
+    if flags != {True}:
+        raise ValueError(
+            "vision_balance with tensor_parallel > 1 needs every vision-tower parameter marked "
+            "average_gradients_across_tp_domain (Megatron-Bridge's hook_hf_module_setattr_for_tp_grad_sync), so "
+            "that its gradient is reduced over the TP group; mark the tower, or train with vision_balance=false"
+        )
+    return tensor_parallel

@@ -1,0 +1,249 @@
+"""Training a recipe (`qvl train RECIPE [key=value ...]`, parsed in qvl.launchers.commands.recipes) through Megatron-Bridge's own pretrain/finetune loop.
+
+`--model tiny` swaps the recipe's published architecture for a tiny random model of the same family
+(written as an HF checkpoint in the run directory), and `--device cpu` runs it through qvl's CPU
+runtime, so the whole training path runs on a laptop. Every step's loss is appended to
+`RUN_DIR/losses.jsonl` (rank 0) for plots, tests and resume checks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qvl.bridges.checkpoints import check_megatron_checkpoint, has_checkpoint
+from qvl.foundation import distributed, megatron, patches, runtime
+from qvl.foundation.errors import ConfigError
+from qvl.recipes.options import check_option_names
+from qvl.recipes.overrides import Overrides, apply_config_overrides
+from qvl.recipes.registry import get_recipe
+
+logger = logging.getLogger(__name__)
+LOSSES_FILE = "losses.jsonl"
+# Overrides a CPU run needs: fp32 (no bf16 kernels worth using), no sequence parallelism (needs TE norms).
+CPU_OVERRIDES = {"precision": "fp32", "sequence_parallel": False}
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainRequest:
+    """What to train, where, and how."""
+
+    recipe: str
+    overrides: dict[str, Any]
+    run_dir: Path
+    model: str | None = None  # "tiny" for a tiny random model of the recipe's family
+    device: str = "auto"  # "cpu" forces the CPU runtime
+    stop_after: int | None = None  # save and exit after this many steps, as a preempted job would
+
+
+def prepare_config(request: TrainRequest, *, cpu: bool | None = None, tiny_dir: Path | None = None):
+    """The recipe's ConfigContainer with the request's model, device and run-directory settings.
+
+    `cpu` defaults to this machine (`--device cpu` or no CUDA); `qvl launch --dryrun` passes the executor's.
+    `tiny_dir` is where `--model tiny` writes its checkpoint (default RUN_DIR/tiny-hf)."""
+    from qvl.recipes.base import attach_qvl_behaviours  # imports Megatron-Bridge
+
+    info = get_recipe(request.recipe)
+    # `section.field=value` pairs set fields of the built ConfigContainer; the rest are recipe options.
+    split = Overrides.of(request.overrides)
+    overrides, dotted = split.options, split.config
+    check_option_names(overrides)
+    cpu = (request.device == "cpu" or not torch.cuda.is_available()) if cpu is None else cpu
+    if request.model == "tiny" and "hf_path" not in overrides:
+        from qvl.bridges.tiny_model import write_tiny_hf_checkpoint  # transformers
+
+        hf_path = tiny_dir or request.run_dir / "tiny-hf"
+        if not (hf_path / "config.json").is_file():
+            write_tiny_hf_checkpoint(hf_path, info.family)
+        overrides["hf_path"] = str(hf_path)
+    if request.model == "tiny":  # a tiny model on one process: no parallelism unless asked for
+        overrides = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1, **overrides}
+    if cpu:
+        overrides = {**CPU_OVERRIDES, **overrides}
+    overrides.setdefault("checkpoint_dir", str(request.run_dir / "checkpoints"))
+    overrides.setdefault("tensorboard_dir", str(request.run_dir / "tensorboard"))
+    config = info.fn(**overrides)
+    if dotted:
+        apply_config_overrides(config, dotted)
+    attach_qvl_behaviours(config)  # validate() does it again (once) under Megatron-Bridge's loop
+    if cpu:
+        runtime.cpu_training_config(config)
+    if request.stop_after:
+        config.train.exit_interval = request.stop_after  # Megatron-Bridge saves a checkpoint and exits
+    return info, config
+
+
+def check_inputs(info, config, run_dir: Path) -> None:
+    """Refuse, before any model is built, what Megatron-Bridge would only find after: no pretrained checkpoint
+    for a fine-tune, a missing or truncated checkpoint, a missing dataset, an unwritable run directory."""
+    from qvl.recipes.base import check_dataset, check_dataset_matches_recipe  # imports Megatron-Bridge
+
+    check_writable("--run-dir", run_dir)
+    if config.checkpoint.save:  # checkpoint.save=none trains without saving
+        check_writable("checkpoint_dir", Path(config.checkpoint.save))
+    resuming = has_checkpoint(Path(config.checkpoint.load)) if config.checkpoint.load else False
+    pretrained = config.checkpoint.pretrained_checkpoint
+    if info.stage != "pretrain" and not pretrained and not resuming:
+        raise ConfigError(
+            f"recipe {info.name} fine-tunes a converted model but pretrained_checkpoint is not set; pass "
+            "pretrained_checkpoint=DIR, a Megatron checkpoint written by `qvl convert import HF_DIR DIR`"
+        )
+    if pretrained and not resuming:
+        check_megatron_checkpoint(Path(pretrained), "pretrained_checkpoint")
+    check_dataset(config.dataset)
+    config.set_data_parallel_size()  # from WORLD_SIZE, as Megatron-Bridge's runtime_config_update does
+    check_dataset_matches_recipe(config)
+
+
+def check_writable(what: str, path: Path) -> None:
+    """Refuse an output folder that cannot be created or written (named by its flag)."""
+    existing = next((p for p in [path, *path.parents] if p.exists()), Path("."))
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{what}={path} cannot be written ({existing} is not a writable folder); choose a folder you can write"
+        )
+
+
+class _CleanExitFilter(logging.Filter):
+    """Megatron-Bridge's pretrain() logs every BaseException as "Pretrain failed ..." with a traceback, including
+    the SystemExit(0) it raises itself after saving at exit_interval (`--stop-after`): a planned stop is no failure."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, SystemExit) and error.code in (0, None))
+
+
+class _LossRecorder:
+    """on_train_step_end callback: append {"step", "loss"} to RUN_DIR/losses.jsonl from the one rank that
+    holds the reduced loss: first tensor- and data-parallel rank of the last pipeline stage."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, context) -> None:
+        from megatron.core import parallel_state as ps
+
+        if not context.loss_dict or not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return
+        if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
+            return
+        loss = context.loss_dict.get("lm loss")
+        value = float(loss[0] / loss[1]) if isinstance(loss, (tuple, list)) else float(loss)
+        with self.path.open("a") as f:
+            # train_state.step still counts completed steps before this one: record 1-based iterations
+            f.write(json.dumps({"step": context.state.train_state.step + 1, "loss": value}) + "\n")
+
+
+def run_training(request: TrainRequest) -> Path:
+    """`qvl train`: the recipe's config with the request's settings, trained by `train`."""
+    check_writable("--run-dir", request.run_dir)
+    cpu = request.device == "cpu" or not torch.cuda.is_available()
+    if cpu:  # switched on before any of Megatron is built, as train() would
+        runtime.activate(force=True)
+        runtime.enable_bridge_training()
+    info, config = prepare_config(request)
+    check_inputs(info, config, request.run_dir)
+    return train(
+        config,
+        run_dir=request.run_dir,
+        loop="pretrain" if info.stage == "pretrain" else "finetune",
+        device="cpu" if cpu else "auto",
+        stop_after=request.stop_after,
+    )
+
+
+def train(
+    config: Any,
+    *,
+    run_dir: Path | str,
+    loop: str | None = None,
+    device: str = "auto",
+    stop_after: int | None = None,
+) -> Path:
+    """Train a recipe's ConfigContainer with Megatron-Bridge's `pretrain()` / `finetune()` and qvl's forward step.
+
+    The same path `qvl train` takes, for notebooks and scripts:
+
+        >>> from qvl.recipes.qwen2_5_vl import qwen25_vl_3b_sft
+        >>> config = qwen25_vl_3b_sft(hf_path=..., data=..., pretrained_checkpoint=...)
+        >>> config.train.train_iters = 50
+        >>> train(config, run_dir="runs/sft")      # losses in runs/sft/losses.jsonl (read_losses)
+
+    `loop`: "pretrain" or "finetune" (default: finetune when the config names a pretrained checkpoint).
+    `device="cpu"` (or no CUDA) runs through qvl's CPU runtime; `stop_after` saves and exits after that many
+    steps, as a preempted job would, and the same call again resumes. Returns the run directory."""
+    run_dir = Path(run_dir)
+    check_writable("--run-dir", run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if loop is None:
+        loop = "finetune" if config.checkpoint.pretrained_checkpoint else "pretrain"
+    if loop not in ("pretrain", "finetune"):
+        raise ConfigError(f"loop={loop!r} is not one of pretrain, finetune")
+    if device == "cpu" or not torch.cuda.is_available():
+        runtime.activate(force=True)
+        runtime.enable_bridge_training()
+        runtime.cpu_training_config(config)
+    megatron.import_megatron_bridge()
+    from megatron.bridge.training.callbacks import CallbackManager  # Megatron-Bridge: heavy, loaded on use
+
+    import qvl.bridges.registration  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
+    from qvl.training.step import forward_step  # Megatron-Core
+
+    if stop_after:
+        config.train.exit_interval = stop_after  # Megatron-Bridge saves a checkpoint and exits
+    callbacks = CallbackManager()
+    callbacks.register("on_train_step_end", _LossRecorder(run_dir / LOSSES_FILE))
+    clean_exit = _CleanExitFilter()
+    pretrain_logger = logging.getLogger("megatron.bridge.training.pretrain")
+    pretrain_logger.addFilter(clean_exit)
+    try:
+        run_megatron_loop(config, forward_step, callbacks, loop=loop)
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise
+        logger.info("stopped after %s steps as asked; the same call resumes", stop_after)
+    finally:
+        pretrain_logger.removeFilter(clean_exit)
+    return run_dir
+
+
+def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: str = "pretrain") -> None:
+    """Megatron-Bridge's `pretrain()` / `finetune()` with what every qvl run needs around it: exact resume with
+    torch Adam (no TE/Apex), the wheel's prebuilt dataset helpers, a rendezvous port of its own, and no
+    rerun-state singleton left behind by a forward step that ran earlier in this process (a test, a notebook):
+    `pretrain()` asserts there is none."""
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
+    from qvl.kernels import fix_adam_resume  # Megatron-Core's optimizer
+
+    if loop == "pretrain":
+        from megatron.bridge.training.pretrain import pretrain as run_loop
+    else:
+        from megatron.bridge.training.finetune import finetune as run_loop
+    destroy_rerun_state_machine()
+    # Not under torchrun: a free port, not the fixed default 29500, and set for this loop only: the process group
+    # outlives the loop and holds the port, so a process started afterwards from here (a test's `qvl train`, a
+    # notebook's NeMo-Run job) must not inherit it.
+    own_port = "MASTER_PORT" not in os.environ
+    if own_port:
+        os.environ["MASTER_PORT"] = str(distributed.free_port())
+    try:
+        with fix_adam_resume.fixed(), patches.applied("fix-megatron-setup"):
+            run_loop(config, forward_step, callbacks=callbacks)
+    finally:
+        if own_port:
+            os.environ.pop("MASTER_PORT", None)
+
+
+def read_losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss from a run directory (a resumed run appends; the latest entry per step wins)."""
+    path = Path(run_dir) / LOSSES_FILE
+    if not path.is_file():
+        return {}
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
