@@ -7,7 +7,6 @@ conversion, parity checks). Cluster jobs go through NeMo-Run executors instead.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from qvl.foundation import runtime
+from qvl.foundation.rendezvous import free_port
 
 
 def _rank_main(
@@ -126,10 +126,3 @@ def destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from qvl.bridges.checkpoints import check_megatron_checkpoint, has_checkpoint
-from qvl.foundation import distributed, megatron, patches, runtime
+from qvl.foundation import megatron, patches, runtime
 from qvl.foundation.errors import ConfigError
+from qvl.foundation.rendezvous import rendezvous_environment
 from qvl.recipes.options import check_option_names
 from qvl.recipes.overrides import Overrides, apply_config_overrides
 from qvl.recipes.registry import get_recipe
@@ -215,7 +216,7 @@ def train(
 
 def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: str = "pretrain") -> None:
     """Megatron-Bridge's `pretrain()` / `finetune()` with what every qvl run needs around it: exact resume with
-    torch Adam (no TE/Apex), the wheel's prebuilt dataset helpers, a rendezvous port of its own, and no
+    torch Adam (no TE/Apex), the wheel's prebuilt dataset helpers, qvl's rendezvous rule, and no
     rerun-state singleton left behind by a forward step that ran earlier in this process (a test, a notebook):
     `pretrain()` asserts there is none."""
     from megatron.core.rerun_state_machine import destroy_rerun_state_machine
@@ -227,18 +228,11 @@ def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: s
     else:
         from megatron.bridge.training.finetune import finetune as run_loop
     destroy_rerun_state_machine()
-    # Not under torchrun: a free port, not the fixed default 29500, and set for this loop only: the process group
-    # outlives the loop and holds the port, so a process started afterwards from here (a test's `qvl train`, a
-    # notebook's NeMo-Run job) must not inherit it.
-    own_port = "MASTER_PORT" not in os.environ
-    if own_port:
-        os.environ["MASTER_PORT"] = str(distributed.free_port())
-    try:
-        with fix_adam_resume.fixed(), patches.applied("fix-megatron-setup"):
-            run_loop(config, forward_step, callbacks=callbacks)
-    finally:
-        if own_port:
-            os.environ.pop("MASTER_PORT", None)
+    # One rule for every launch (torchrun, srun starting each rank, one process), set for this loop only: the
+    # process group outlives the loop and holds the port, so a process started afterwards from here must not
+    # inherit it.
+    with rendezvous_environment(), fix_adam_resume.fixed(), patches.applied("fix-megatron-setup"):
+        run_loop(config, forward_step, callbacks=callbacks)
 
 
 def read_losses(run_dir: Path) -> dict[int, float]:
