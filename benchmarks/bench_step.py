@@ -129,9 +129,9 @@ def census_forward_step(census, regions: _Regions):
     """qvl's forward step with the region kept: "other" for the inputs, "loss" for the loss function."""
     from qvl.training.step import forward_step
 
-    def step(state, data_iterator, model, return_schedule_plan: bool = False):
+    def step(state, data_iterator, model, return_schedule_plan: bool = False, *, loss_check=None):
         regions.set("other")
-        output, loss_func = forward_step(state, data_iterator, model)
+        output, loss_func = forward_step(state, data_iterator, model, loss_check=loss_check)
 
         def loss(*args, **kwargs):
             regions.set("loss")
@@ -209,7 +209,8 @@ STEP_GROUPS = ("speed-hf-vision",)
 @contextlib.contextmanager
 def step_code(*, baseline: bool):
     """qvl's step as training runs it, or (`baseline`) the code as measured on the H100 (RESULTS.md): no aligned widths, no lean vision
-    tower (nor the loader's tower inputs), no step groups, only the torch-Adam resume fixes."""
+    tower (nor the loader's tower inputs), no host facts for the model's forwards, no step groups, only the torch-Adam
+    resume fixes."""
     from qvl.foundation import patches
     from qvl.kernels import fix_adam_resume
 
@@ -218,6 +219,7 @@ def step_code(*, baseline: bool):
             mock.patch("qvl.bridges.fixes.align_vision_widths", lambda provider: {}),
             mock.patch("qvl.kernels.speed_hf_vision.use_lean_vision", lambda provider: False),
             mock.patch("qvl.kernels.torch_wgrad_accum.use_fused_wgrad_accumulation", lambda provider: None),
+            mock.patch("qvl.training.step.host_batch", lambda *args: None),  # the model's forwards as upstream's
             patches.applied(fix_adam_resume.GROUP),
         ):
             yield

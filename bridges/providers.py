@@ -7,6 +7,7 @@ fields the upstream bridges leave at defaults instead of reading them from the c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,25 @@ def provider_from_hf(config_or_path: Any):
         provider, bridge.hf_pretrained.config if hasattr(bridge.hf_pretrained, "config") else bridge.hf_pretrained
     )
     return provider
+
+
+def provider_as(cls: type, provider: Any) -> Any:
+    """The same provider settings (its dataclass init fields), as an instance of `cls`, a qvl subclass of its class:
+    how qvl's bridges hand out their own provider for what an upstream bridge's `provider_bridge` read."""
+    values = {f.name: getattr(provider, f.name) for f in dataclasses.fields(provider) if f.init}
+    return cls(**values)
+
+
+def freeze_as_configured(model: Any, provider: Any) -> Any:
+    """`model` with the parts its provider's `freeze_*` fields name frozen, as Megatron-Bridge's VLM providers do
+    in `provide`; returns it."""
+    if provider.freeze_language_model or provider.freeze_vision_model or provider.freeze_vision_projection:
+        model.freeze(
+            freeze_language_model=provider.freeze_language_model,
+            freeze_vision_model=provider.freeze_vision_model,
+            freeze_vision_projection=provider.freeze_vision_projection,
+        )
+    return model
 
 
 def apply_provider_fixes(provider: Any, hf_config: Any) -> None:

@@ -4,8 +4,9 @@ Qwen2-VL is Qwen2.5-VL's predecessor with the same language model (Qwen2 blocks,
 parameter names; only the vision tower differs (LayerNorm, non-gated GELU MLP, no window attention).
 So the weight mapping table IS Qwen2.5-VL's (inherited from Megatron-Bridge's Qwen25VLBridge: a
 QKV/gated-MLP table for the language model and `visual.**` replicated), the language model is
-Megatron-Core's GPTModel, and what is Qwen2-VL-specific lives here: the HF vision tower class, HF's
-Qwen2-VL rope/feature methods bound onto the model, and a provider read strictly from the config.
+Megatron-Core's GPTModel, the model is qvl's Qwen2.5-VL model (its forward included, qvl.bridges.qwen2_5_vl), and
+what is Qwen2-VL-specific lives here: the HF vision tower class, HF's Qwen2-VL rope/feature methods bound onto the
+model, and a provider read strictly from the config.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import_megatron_bridge()  # Megatron-Bridge imports TE / nvrx unconditionally: q
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 from megatron.bridge.models.conversion.transformers_compat import rope_theta_from_hf
 from megatron.bridge.models.gpt_provider import GPTModelProvider
-from megatron.bridge.models.qwen_vl.modeling_qwen25_vl import Qwen25VLModel
 from megatron.bridge.models.qwen_vl.qwen25_vl_bridge import Qwen25VLBridge
 from megatron.bridge.models.qwen_vl.qwen25_vl_provider import Qwen25VLModelProvider
 from megatron.bridge.utils.common_utils import hook_hf_module_setattr_for_tp_grad_sync
@@ -31,6 +31,8 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel as HFQwen2VLModel
 
 from qvl.bridges.fixes import mrope_section, set_token_ids
+from qvl.bridges.providers import freeze_as_configured
+from qvl.bridges.qwen2_5_vl import Qwen25VLModel
 
 # HF Qwen2-VL methods the forward pass needs, bound onto the Megatron model (as Megatron-Bridge does
 # for Qwen2.5-VL): rope index (3-D positions), vision features and the placeholder mask.
@@ -44,7 +46,8 @@ _HF_METHODS = (
 
 
 class Qwen2VLModel(Qwen25VLModel):
-    """Qwen2-VL on Megatron-Core: HF Qwen2-VL vision tower (replicated over TP) + Megatron GPT decoder."""
+    """Qwen2-VL on Megatron-Core: HF Qwen2-VL vision tower (replicated over TP) + Megatron GPT decoder; qvl's
+    Qwen2.5-VL forward."""
 
     def __init__(
         self, config: GPTModelProvider, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None
@@ -73,9 +76,7 @@ class Qwen2VLModelProvider(Qwen25VLModelProvider):
 
     def provide(self, pre_process=None, post_process=None, vp_stage=None) -> Qwen2VLModel:
         model = Qwen2VLModel(self, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-        if self.freeze_language_model or self.freeze_vision_model or self.freeze_vision_projection:
-            model.freeze(self.freeze_language_model, self.freeze_vision_model, self.freeze_vision_projection)
-        return model
+        return freeze_as_configured(model, self)
 
 
 @MegatronModelBridge.register_bridge(

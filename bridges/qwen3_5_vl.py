@@ -42,7 +42,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 
 from qvl.bridges.fixes import mrope_section
-from qvl.bridges.qwen3_vl import Qwen3VLModel, _as
+from qvl.bridges.providers import provider_as
+from qvl.bridges.qwen3_vl import Qwen3VLModel
 from qvl.foundation.megatron import have_transformer_engine
 from qvl.kernels.local_specs import local_gpt_layer_spec
 from qvl.kernels.torch_gated_delta import GatedDeltaNet
@@ -154,7 +155,7 @@ class Qwen35VLBridge(upstream_bridge.Qwen35VLBridge):
     """Megatron-Bridge's Qwen3.5-VL dense bridge, handing out qvl's provider; mappings inherited."""
 
     def provider_bridge(self, hf_pretrained) -> QvlQwen35VLModelProvider:
-        provider = _as(QvlQwen35VLModelProvider, super().provider_bridge(hf_pretrained))
+        provider = provider_as(QvlQwen35VLModelProvider, super().provider_bridge(hf_pretrained))
         return _from_checkpoint(provider, hf_pretrained.config)
 
 
@@ -168,5 +169,5 @@ class Qwen35VLMoEBridge(upstream_bridge.Qwen35VLMoEBridge):
     """Megatron-Bridge's Qwen3.5-VL MoE bridge, handing out qvl's provider; mappings inherited."""
 
     def provider_bridge(self, hf_pretrained) -> QvlQwen35VLMoEModelProvider:
-        provider = _as(QvlQwen35VLMoEModelProvider, super().provider_bridge(hf_pretrained))
+        provider = provider_as(QvlQwen35VLMoEModelProvider, super().provider_bridge(hf_pretrained))
         return _from_checkpoint(provider, hf_pretrained.config)

@@ -9,7 +9,11 @@ tables and forward pass are right, so qvl keeps them and changes only module con
   qvl's SDPA attention, which handles the vision tower's packed per-image sequences) where it is not;
 - the bridges below are Megatron-Bridge's, re-registered for the same HF classes so AutoBridge hands
   out these providers;
-- the patch mergers use exact GELU as HF does (upstream uses the blocks' tanh approximation).
+- the patch mergers use exact GELU as HF does (upstream uses the blocks' tanh approximation);
+- the model's forward, its vision tower's forward and its decoder's deepstack addition also take the host facts
+  of a micro-batch from qvl's step (the vision rows as indices, the images' and videos' token order, the tower's
+  precomputed inputs) and, given them, run without reading the device back (qvl.kernels.speed_qwen3_vl_sync_free,
+  qvl.kernels.speed_qwen3_vl_tower); without them they are upstream's.
 Mapping tables: inherited unchanged from Megatron-Bridge's Qwen3VLBridge / Qwen3VLMoEBridge.
 """
 
@@ -23,23 +27,72 @@ from qvl.foundation.megatron import import_megatron_bridge
 
 import_megatron_bridge()  # Megatron-Bridge imports TE / nvrx unconditionally: qvl gives them stand-ins
 
+import torch
 import torch.nn.functional as F
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 from megatron.bridge.models.qwen_vl import qwen3_vl_bridge as upstream_bridge
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as upstream_model
+from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import transformer_block as upstream_block
+from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import vision_model as upstream_vision
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils import Qwen3VLVisionPatchMerger
 from megatron.bridge.models.qwen_vl.qwen3_vl_provider import Qwen3VLModelProvider, Qwen3VLMoEModelProvider
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
 from qvl.bridges.fixes import mrope_section
+from qvl.bridges.providers import freeze_as_configured, provider_as
 from qvl.foundation import patches
 from qvl.foundation.megatron import have_transformer_engine
-from qvl.kernels import torch_qwen3_vl_vision
+from qvl.kernels import speed_qwen3_vl_sync_free, speed_qwen3_vl_tower, torch_qwen3_vl_vision
 from qvl.kernels.local_specs import local_gpt_layer_spec
+from qvl.kernels.speed_qwen3_vl_sync_free import TakesVisionLayout
+from qvl.kernels.speed_sync_free import HostBatch
+from qvl.kernels.tower_inputs import MegatronTowerInputs
 
 
-class Qwen3VLModel(upstream_model.Qwen3VLModel):
-    """Megatron-Bridge's Qwen3-VL model, with a local-module vision tower where TE is absent."""
+class Qwen3VLVisionModel(upstream_vision.Qwen3VLVisionModel):
+    """Megatron-Bridge's Qwen3-VL vision tower whose forward also takes the loader's precomputed inputs."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor | None,
+        grid_thw: torch.Tensor,
+        inference_params=None,
+        extra_block_kwargs: dict | None = None,
+        tower_inputs: MegatronTowerInputs | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Upstream's forward; given `tower_inputs` (the host-computed inputs of `grid_thw`), the same result without
+        reading the grid back (qvl.kernels.speed_qwen3_vl_tower.prepared_tower_forward)."""
+        if not speed_qwen3_vl_tower.takes_prepared_inputs(self, tower_inputs, inference_params):
+            return super().forward(hidden_states, grid_thw, inference_params, extra_block_kwargs)
+        return speed_qwen3_vl_tower.prepared_tower_forward(self, hidden_states, tower_inputs, extra_block_kwargs)
+
+
+class Qwen3VLTransformerBlock(upstream_block.Qwen3VLTransformerBlock):
+    """Megatron-Bridge's Qwen3-VL language decoder, which also adds the deepstack features at int64 row indices."""
+
+    def _deepstack_process(
+        self, hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor
+    ) -> torch.Tensor:
+        """Upstream's for a boolean mask; for the int64 [b*s] row indices qvl's forward passes, the same sum and copy
+        without host reads (qvl.kernels.speed_qwen3_vl_sync_free.add_deepstack_at)."""
+        if visual_pos_masks.dtype == torch.bool:
+            return super()._deepstack_process(hidden_states, visual_pos_masks, visual_embeds)
+        return speed_qwen3_vl_sync_free.add_deepstack_at(hidden_states, visual_pos_masks, visual_embeds)
+
+
+def _adopt(module: torch.nn.Module | None, cls: type) -> None:
+    """Give a module upstream's `__init__` built its qvl subclass `cls`, which adds methods and no state.
+
+    `Qwen3VLModel.__init__` builds its tower and `Qwen3VLGPTModel.__init__` its decoder by their upstream class names;
+    building qvl's instead would build each twice (drawing from the RNG again, so other initial weights) or replace
+    those names in upstream's modules."""
+    if module is not None:
+        module.__class__ = cls
+
+
+class Qwen3VLModel(upstream_model.Qwen3VLModel, TakesVisionLayout):
+    """Megatron-Bridge's Qwen3-VL model, with a local-module vision tower where TE is absent, whose forward also takes
+    the host facts of a micro-batch from qvl's step."""
 
     def __init__(self, *args, **kwargs):
         with contextlib.nullcontext() if have_transformer_engine() else patches.applied(torch_qwen3_vl_vision.GROUP):
@@ -50,6 +103,86 @@ class Qwen3VLModel(upstream_model.Qwen3VLModel):
         for module in self.modules():
             if isinstance(module, Qwen3VLVisionPatchMerger):
                 module.activation_func = F.gelu
+        _adopt(self.vision_model, Qwen3VLVisionModel)
+        _adopt(getattr(self.language_model, "decoder", None), Qwen3VLTransformerBlock)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        inference_params=None,
+        packed_seq_params=None,
+        extra_block_kwargs: dict | None = None,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        image_input_mask: torch.Tensor | None = None,
+        video_input_mask: torch.Tensor | None = None,
+        cp_img_num: list[int] | None = None,
+        images_padded: list[bool] | None = None,
+        inference_context=None,
+        runtime_gather_output: bool | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        host_batch: HostBatch | None = None,
+        **kwargs,
+    ):
+        """Upstream's forward; for a packed micro-batch on one CP rank whose `host_batch` holds its vision layout,
+        the same result with the vision rows addressed by index (qvl.kernels.speed_qwen3_vl_sync_free)."""
+        layout = None if host_batch is None else host_batch.vision_layout
+        indexed = layout is not None and speed_qwen3_vl_sync_free.takes_indexed_path(
+            self,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            inference_params=inference_params,
+            packed_seq_params=packed_seq_params,
+            image_input_mask=image_input_mask,
+            video_input_mask=video_input_mask,
+        )
+        if not indexed:
+            return super().forward(
+                input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                labels=labels,
+                loss_mask=loss_mask,
+                inference_params=inference_params,
+                packed_seq_params=packed_seq_params,
+                extra_block_kwargs=extra_block_kwargs,
+                pixel_values=pixel_values,
+                pixel_values_videos=pixel_values_videos,
+                image_grid_thw=image_grid_thw,
+                video_grid_thw=video_grid_thw,
+                image_input_mask=image_input_mask,
+                video_input_mask=video_input_mask,
+                cp_img_num=cp_img_num,
+                images_padded=images_padded,
+                inference_context=inference_context,
+                runtime_gather_output=runtime_gather_output,
+                mm_token_type_ids=mm_token_type_ids,
+                **kwargs,
+            )
+        return speed_qwen3_vl_sync_free.indexed_forward(
+            self,
+            layout,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            labels=labels,
+            loss_mask=loss_mask,
+            packed_seq_params=packed_seq_params,
+            extra_block_kwargs=extra_block_kwargs,
+            pixel_values=pixel_values,
+            pixel_values_videos=pixel_values_videos,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            image_tower_inputs=host_batch.image_tower_inputs,
+            video_tower_inputs=host_batch.video_tower_inputs,
+            runtime_gather_output=runtime_gather_output,
+            **kwargs,
+        )
 
 
 def _provide(provider, pre_process, post_process, vp_stage, *, num_experts: int | None):
@@ -72,13 +205,7 @@ def _provide(provider, pre_process, post_process, vp_stage, *, num_experts: int 
         add_encoder=provider.add_encoder,
         add_decoder=provider.add_decoder,
     )
-    if provider.freeze_language_model or provider.freeze_vision_model or provider.freeze_vision_projection:
-        model.freeze(
-            freeze_language_model=provider.freeze_language_model,
-            freeze_vision_model=provider.freeze_vision_model,
-            freeze_vision_projection=provider.freeze_vision_projection,
-        )
-    return model
+    return freeze_as_configured(model, provider)
 
 
 @dataclasses.dataclass
@@ -104,12 +231,6 @@ class QvlQwen3VLMoEModelProvider(Qwen3VLMoEModelProvider):
         return _provide(self, pre_process, post_process, vp_stage, num_experts=self.num_moe_experts)
 
 
-def _as(cls, provider):
-    """The same provider settings, as an instance of the qvl subclass `cls`."""
-    values = {f.name: getattr(provider, f.name) for f in dataclasses.fields(provider) if f.init}
-    return cls(**values)
-
-
 @MegatronModelBridge.register_bridge(
     source=Qwen3VLForConditionalGeneration, target=Qwen3VLModel, provider=QvlQwen3VLModelProvider, model_type="qwen3_vl"
 )
@@ -117,7 +238,7 @@ class Qwen3VLBridge(upstream_bridge.Qwen3VLBridge):
     """Megatron-Bridge's Qwen3-VL bridge, handing out qvl's provider; mappings inherited."""
 
     def provider_bridge(self, hf_pretrained) -> QvlQwen3VLModelProvider:
-        provider = _as(QvlQwen3VLModelProvider, super().provider_bridge(hf_pretrained))
+        provider = provider_as(QvlQwen3VLModelProvider, super().provider_bridge(hf_pretrained))
         provider.mrope_section = mrope_section(hf_pretrained.config.text_config)  # no [24, 20, 20] fallback
         return provider
 
@@ -139,7 +260,7 @@ class Qwen3VLMoEBridge(upstream_bridge.Qwen3VLMoEBridge):
     """
 
     def provider_bridge(self, hf_pretrained) -> QvlQwen3VLMoEModelProvider:
-        provider = _as(QvlQwen3VLMoEModelProvider, super().provider_bridge(hf_pretrained))
+        provider = provider_as(QvlQwen3VLMoEModelProvider, super().provider_bridge(hf_pretrained))
         provider.mrope_section = mrope_section(hf_pretrained.config.text_config)
         return provider
 

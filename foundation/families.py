@@ -265,7 +265,7 @@ FAMILIES: dict[str, Family] = {
                 )
             ),
             tiny_pixels=(56 * 56, 28 * 28 * 64),
-            bridge_module=None,  # Megatron-Bridge's own bridge, with qvl's provider fixes (bridges/fixes.py)
+            bridge_module="qvl.bridges.qwen2_5_vl",  # Megatron-Bridge's bridge handing out qvl's model class
             recipe_module="qvl.recipes.qwen2_5_vl",
         ),
         Family(

@@ -169,14 +169,8 @@ PATCHES: tuple[Patch, ...] = (
           params=("t", "freqs", "config", "cu_seqlens"),
           why="Qwen3-VL's rotary (language model and vision tower) is about ten eager kernels each way per query or "
               "key; one compiled region where CUDA and Triton are"),
-    # --- speed-sync-free: qvl.kernels.speed_sync_free (around every training loop, any device)
-    Patch(group="speed-sync-free", target="megatron.bridge.models.qwen_vl.modeling_qwen25_vl:Qwen25VLModel.forward",
-          replacement="qvl.kernels.speed_sync_free:loader_positions_forward", version=MBRIDGE,
-          params=("self", "input_ids", "attention_mask", "position_ids", "inputs_embeds", "pixel_values",
-                  "pixel_values_videos", "image_grid_thw", "video_grid_thw"),
-          why="it ignores the position_ids it is given and recomputes the mRoPE positions qvl's loader has with "
-              "transformers' get_rope_index, and reads split sizes and placeholder counts back: ~47 host reads per "
-              "pack; with the loader's positions and host-side batch none"),
+    # --- speed-sync-free: qvl.kernels.speed_sync_free (around every training loop, any device). The Qwen2/2.5-VL and
+    # Qwen3-VL forwards without host reads are methods of qvl's own model classes (qvl.bridges.qwen2_5_vl, qwen3_vl)
     Patch(group="speed-sync-free", target="megatron.bridge.training.train:train_step",
           replacement="qvl.kernels.speed_sync_free:train_step_with_loss_check", version=MBRIDGE,
           params=("forward_step_func", "data_iterator", "model", "optimizer", "scheduler", "global_state"),
@@ -219,31 +213,6 @@ PATCHES: tuple[Patch, ...] = (
             ("TERowParallelLinear", "local_row_parallel_linear"),
         )
     ),
-    # --- speed-qwen3-vl-tower: while qvl.kernels.speed_qwen3_vl_tower.prepared_megatron_tower_inputs is entered (the step)
-    Patch(group="speed-qwen3-vl-tower",
-          target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model:Qwen3VLVisionModel.forward",
-          replacement="qvl.kernels.speed_qwen3_vl_tower:prepared_forward", version=MBRIDGE,
-          params=("self", "hidden_states", "grid_thw", "inference_params", "extra_block_kwargs"),
-          why="it reads its device grid to the host on every call (position-table corners and weights per image, "
-              "rotary maxima, split sizes) and hands its attention a 0-d device tensor as the longest block; it "
-              "takes the loader's host-computed inputs instead"),
-    # --- speed-qwen3-vl-sync-free: qvl.kernels.speed_qwen3_vl_sync_free (around every training loop, with "speed-sync-free")
-    Patch(group="speed-qwen3-vl-sync-free",
-          target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model:Qwen3VLModel.forward",
-          replacement="qvl.kernels.speed_qwen3_vl_sync_free:indexed_forward", version=MBRIDGE,
-          params=("self", "input_ids", "position_ids", "attention_mask", "labels", "loss_mask", "inference_params",
-                  "packed_seq_params", "extra_block_kwargs", "pixel_values", "pixel_values_videos", "image_grid_thw",
-                  "video_grid_thw", "image_input_mask", "video_input_mask"),
-          why="it puts the vision embeddings into the tokens with a boolean mask (`combined_embeddings[vision_mask]`), "
-              "which reads the mask's count to the host, forward and backward; the step's host-computed indices "
-              "instead"),
-    Patch(group="speed-qwen3-vl-sync-free",
-          target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_block:"
-                 "Qwen3VLTransformerBlock._deepstack_process",
-          replacement="qvl.kernels.speed_qwen3_vl_sync_free:indexed_deepstack", version=MBRIDGE,
-          params=("self", "hidden_states", "visual_pos_masks", "visual_embeds"),
-          why="it reads and writes the deepstack rows through a boolean mask: 2 host reads per deepstack layer "
-              "forward, 3 backward; it takes the forward's int64 indices as well"),
     # --- speed-aligned-widths: around qvl's conversions (qvl.bridges.convert); the padding itself is qvl.kernels.speed_aligned_widths
     Patch(group="speed-aligned-widths",
           target="megatron.bridge.models.conversion.param_mapping:ReplicatedMapping.hf_to_megatron",
@@ -327,6 +296,9 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model:Qwen3VLVisionModel",
                 attribute="_uses_vision_cuda_graph", used_in="qvl.kernels.speed_qwen3_vl_tower", version=MBRIDGE,
                 why="a tower padded for vision CUDA graphs has no packed blocks: it keeps upstream's forward"),
+    PrivateRead(target="torch._C", attribute="_disabled_torch_function_impl", used_in="qvl.kernels.speed_rotary",
+                version=TORCH, why="a cu_seqlens tensor subclass that only marks a whole pack, with no subclass "
+                                   "dispatch (as torch's own nn.Parameter)"),
     PrivateRead(target="megatron.bridge.models.qwen_vl.qwen3_vl_provider:Qwen3VLModelProvider",
                 attribute="_pg_collection", used_in="qvl.bridges.qwen3_vl", version=MBRIDGE,
                 why="the provider's process groups, passed to the model as upstream's provide() does"),

@@ -33,7 +33,6 @@ import torch
 from qvl.foundation import patches
 from qvl.kernels.speed_cross_entropy import GROUP as SPEED_CROSS_ENTROPY
 from qvl.kernels.speed_optimizer import GROUP as SPEED_OPTIMIZER
-from qvl.kernels.speed_qwen3_vl_sync_free import GROUP as SPEED_QWEN3_VL_SYNC_FREE
 from qvl.kernels.speed_rotary import GROUP as SPEED_ROTARY
 from qvl.kernels.speed_sync_free import GROUP as SPEED_SYNC_FREE
 
@@ -77,10 +76,10 @@ def needed() -> bool:
 
 def fixed() -> contextlib.AbstractContextManager:
     """The fixes (patch group "fix-adam-resume" of qvl.foundation.patches), the one-pass optimizer step
-    ("speed-optimizer"), the packed rotary without host reads ("speed-rotary", "speed-sync-free") and the cross-entropy without an fp32 copy
-    of the logits ("speed-cross-entropy") in place for a block, where needed; with those, Qwen3-VL's vision
-    rows addressed by host-computed indices ("speed-qwen3-vl-sync-free", qvl.kernels.speed_qwen3_vl_sync_free)."""
-    groups = (GROUP, SPEED_OPTIMIZER, SPEED_ROTARY, SPEED_SYNC_FREE, SPEED_QWEN3_VL_SYNC_FREE, SPEED_CROSS_ENTROPY)
+    ("speed-optimizer"), the packed rotary without host reads ("speed-rotary") with the losses checked once per step
+    ("speed-sync-free") and the cross-entropy without an fp32 copy of the logits ("speed-cross-entropy") in place for
+    a block, where needed."""
+    groups = (GROUP, SPEED_OPTIMIZER, SPEED_ROTARY, SPEED_SYNC_FREE, SPEED_CROSS_ENTROPY)
     return patches.applied(*groups) if needed() else contextlib.nullcontext()
 
 

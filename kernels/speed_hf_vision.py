@@ -20,17 +20,16 @@ the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `sp
 
 `compile_vision_blocks` (the recipe option `compile=True`) compiles each whole block on CUDA.
 
-`prepared_tower_inputs(model, pairs)` hands each tower call the inputs the loader computed on the host from that
-call's `grid_thw` (qvl.kernels.tower_inputs): transformers pops them from the tower's kwargs instead of
-computing them with `.tolist()` loops, and the attention function (qvl.kernels.varlen_attention.hf_varlen_attention) takes
-the longest block as a Python int, so the tower's forward reads nothing back from the device.
+`tower_kwargs(inputs)` are the keyword arguments a tower call takes for the inputs the loader computed on the host
+from that call's `grid_thw` (qvl.kernels.tower_inputs; qvl's Qwen2-VL / Qwen2.5-VL forward passes them,
+qvl.kernels.speed_sync_free): transformers pops them from the tower's kwargs instead of computing them with
+`.tolist()` loops, and the attention function (qvl.kernels.varlen_attention.hf_varlen_attention) takes the longest
+block as a Python int, so the tower's forward reads nothing back from the device.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ from qvl.foundation import patches
 from qvl.foundation.families import family_of_vision_config
 from qvl.kernels import compiled
 from qvl.kernels.speed_aligned_widths import hf_vision_towers
-from qvl.kernels.tower_inputs import TowerInputs, inputs_by_grid
+from qvl.kernels.tower_inputs import TowerInputs
 
 logger = logging.getLogger(__name__)
 
@@ -169,20 +168,6 @@ def tower_kwargs(inputs: TowerInputs) -> dict[str, Any]:
         kwargs |= {"window_index": inputs.window_index, "cu_window_seqlens": inputs.cu_window_seqlens}
     kwargs[MAX_SEQLENS_KWARG] = inputs.max_seqlens()
     return kwargs
-
-
-@contextlib.contextmanager
-def prepared_tower_inputs(model: Any, pairs: Sequence[tuple[torch.Tensor, TowerInputs]]) -> Iterator[int]:
-    """While the block runs, a vision tower called with one of these `grid_thw` tensors (the same object the model
-    was given) takes that grid's precomputed inputs; yields the number of towers prepared.
-
-    A call with any other grid (e.g. vision balancing re-split the images) computes its inputs itself, as before
-    (qvl.kernels.tower_inputs.inputs_by_grid)."""
-    pairs = [(grid, inputs) for grid, inputs in pairs if grid is not None and inputs is not None]
-    towers = hf_vision_towers(model if isinstance(model, (list, tuple)) else [model]) if pairs else []
-
-    with inputs_by_grid(towers, pairs, tower_kwargs) as hooked:
-        yield hooked
 
 
 def use_lean_vision(provider: Any) -> bool:

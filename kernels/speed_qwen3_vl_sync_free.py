@@ -1,5 +1,5 @@
-"""Megatron-Bridge's Qwen3-VL language-model side without host reads (patch group "speed-qwen3-vl-sync-free" of
-qvl.foundation.patches): the vision placeholder positions of a pack as host-computed indices instead of a boolean mask.
+"""The body of qvl's Qwen3-VL forward (qvl.bridges.qwen3_vl, Qwen3-VL and Qwen3.5-VL) without host reads: the
+vision placeholder positions of a pack as host-computed indices instead of a boolean mask.
 
 Megatron-Bridge 0.6.2's `Qwen3VLModel.forward` (megatron/bridge/models/qwen_vl/modelling_qwen3_vl/model.py) puts the
 vision features into the token embeddings with `combined_embeddings[vision_mask] = vision_embeds`, and its decoder
@@ -16,36 +16,36 @@ in that order.
 qvl's loader has the pack's tokens and grids on the host: the step computes there the placeholder positions and,
 for a pack with both kinds, the order of its images and videos (`host_vision_layout`: the grid in token order, each
 one's pixel rows, and the tower's precomputed inputs put in that order), copies them to the device with the batch
-and notes them with its `input_ids` (`note_vision_layout`). `indexed_forward` then runs the forward of a packed
-(THD) micro-batch with `index_copy_` and the pixels gathered by those row ranges, and `indexed_deepstack` adds the
-deepstack features with `index_select` / `index_copy_`: sizes known from shapes, values and gradients bitwise the
-masked version's (tests/kernels/test_speed_qwen3_vl_sync_free.py). A call without a noted layout, or on a path qvl's step
-does not take (context parallelism, sequence parallelism over tensor-parallel ranks, a pipeline stage without
-embeddings, caller-given masks), runs upstream's forward unchanged.
+and passes them to the model's forward (in its `host_batch`). qvl's Qwen3-VL model, a subclass of upstream's, then
+runs `indexed_forward` for a packed (THD) micro-batch: `index_copy_` and the pixels gathered by those row ranges,
+the tower given the loader's inputs (qvl.kernels.speed_qwen3_vl_tower), and its decoder, qvl's subclass too, adds
+the deepstack features at those indices (`add_deepstack_at`: `index_select` / `index_copy_`): sizes known from
+shapes, values and gradients bitwise the masked version's (tests/kernels/test_speed_qwen3_vl_sync_free.py). A call
+without a layout, or on a path qvl's step does not take (context parallelism, sequence parallelism over
+tensor-parallel ranks, a pipeline stage without embeddings, caller-given masks), runs upstream's forward unchanged.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from qvl.foundation.errors import QvlError
 from qvl.kernels.tower_inputs import MegatronTowerInputs
 
-GROUP = "speed-qwen3-vl-sync-free"
-_TAKES_POSITIONS = "qvl_takes_vision_positions"  # marks the patched forward, so the step computes positions for it
-_LAYOUTS = WeakIdKeyDictionary()  # a micro-batch's input_ids on the device -> its VisionLayout on the device
 IMAGES, VIDEOS = 0, 1  # the pixel tensor a row range of `VisionOrder.pixel_rows` is in
 
 
 class VisionPositionsMismatch(QvlError, ValueError):
     """Host-computed vision positions or order that do not fit the micro-batch's grids or vision features."""
+
+
+class TakesVisionLayout:
+    """A Qwen3-VL model class whose forward takes the step's `VisionLayout` (qvl.bridges.qwen3_vl.Qwen3VLModel): the
+    step computes one for its micro-batches."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,11 +94,9 @@ class VisionLayout:
         order = None if self.order is None else self.order.pin_memory()
         return VisionLayout(positions=self.positions.pin_memory(), order=order)
 
-    def tower_input_pairs(self) -> list[tuple[torch.Tensor, MegatronTowerInputs]]:
-        """(grid, tower inputs) for qvl.kernels.speed_qwen3_vl_tower.prepared_megatron_tower_inputs: the token-order grid
-        the patched forward gives the tower, with its inputs; empty without them."""
-        order = self.order
-        return [] if order is None or order.tower_inputs is None else [(order.grid_thw, order.tower_inputs)]
+    def has_tower_inputs(self) -> bool:
+        """Whether the layout holds the tower's inputs for the token-order grid of a pack with both kinds."""
+        return self.order is not None and self.order.tower_inputs is not None
 
 
 def vision_token_positions(tokens: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
@@ -198,12 +196,12 @@ def _pieces_by_grid(inputs: MegatronTowerInputs) -> list[tuple]:
 
 def host_vision_positions(model: Any, host_tokens: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
     """The vision placeholder positions of a micro-batch, computed from its host tokens, where `model`'s forward takes
-    them (Megatron-Bridge's Qwen3-VL with patch group "speed-qwen3-vl-sync-free" applied, on the stage that embeds);
-    None elsewhere. The tokens that count are those of the pixels given, as upstream's `reorganize_inputs` masks."""
+    them (`TakesVisionLayout`, on the stage that embeds); None elsewhere. The tokens that count are those of the
+    pixels given, as upstream's `reorganize_inputs` masks."""
     from megatron.core.utils import unwrap_model
 
     vlm = unwrap_model(model)
-    if not getattr(type(vlm).forward, _TAKES_POSITIONS, False) or not vlm.pre_process or host_tokens.shape[0] != 1:
+    if not isinstance(vlm, TakesVisionLayout) or not vlm.pre_process or host_tokens.shape[0] != 1:
         return None
     token_ids = [
         token_id
@@ -237,60 +235,67 @@ def host_vision_layout(model: Any, batch: Any, kwargs: dict) -> VisionLayout | N
     return VisionLayout(positions=positions, order=order)
 
 
-def note_vision_layout(input_ids: torch.Tensor, layout: VisionLayout) -> None:
-    """Mark `layout` (on the model's device) as the vision layout of the micro-batch whose tokens are `input_ids`
-    (the very tensor passed to the model)."""
-    _LAYOUTS[input_ids] = layout
-
-
-def _takes_indexed_path(model: Any, args: dict) -> bool:
-    """Whether a forward call is the packed single-CP-rank path the indexed forward reproduces."""
-    input_ids, packed, positions = args["input_ids"], args["packed_seq_params"], args["position_ids"]
+def takes_indexed_path(
+    model: Any,
+    *,
+    input_ids: Any,
+    position_ids: Any,
+    inference_params: Any,
+    packed_seq_params: Any,
+    image_input_mask: Any,
+    video_input_mask: Any,
+) -> bool:
+    """Whether a forward call is the packed single-CP-rank path `indexed_forward` reproduces."""
     split_over_tp = model.config.sequence_parallel and model.pg_collection.tp.size() > 1
     return (
         model.pre_process
         and model.language_model is not None
         and not model.use_dist_train
-        and args["inference_params"] is None
-        and packed is not None
-        and packed.qkv_format == "thd"
+        and inference_params is None
+        and packed_seq_params is not None
+        and packed_seq_params.qkv_format == "thd"
+        and isinstance(input_ids, torch.Tensor)
         and input_ids.dim() == 2
         and input_ids.size(0) == 1
-        and isinstance(positions, torch.Tensor)  # explicit mRoPE positions [3, b, s], as the loader gives
-        and positions.dim() == 3
-        and positions.size(0) == 3
-        and args["image_input_mask"] is None
-        and args["video_input_mask"] is None
+        and isinstance(position_ids, torch.Tensor)  # explicit mRoPE positions [3, b, s], as the loader gives
+        and position_ids.dim() == 3
+        and position_ids.size(0) == 3
+        and image_input_mask is None
+        and video_input_mask is None
         and model.pg_collection.cp.size() == 1
         and not split_over_tp  # upstream splits the deepstack features per rank with a `.tolist()`
     )
 
 
 def _vision_inputs(
-    model: Any, args: dict, order: VisionOrder | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The tower's pixels and grid, as upstream's `reorganize_inputs` gives them (without building the mask); for
-    images and videos in the order computed on the host where the step gave it."""
+    model: Any,
+    input_ids: torch.Tensor,
+    images: tuple[torch.Tensor | None, torch.Tensor | None, Any],
+    videos: tuple[torch.Tensor | None, torch.Tensor | None, Any],
+    order: VisionOrder | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, MegatronTowerInputs | None]:
+    """The tower's pixels, grid and precomputed inputs (None where the loader gave none for that grid), as upstream's
+    `reorganize_inputs` gives pixels and grid (without building the mask); for images and videos in the order
+    computed on the host where the step gave it. `images` and `videos`: (pixels, grid, the loader's tower inputs)."""
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils import reorganize_inputs
 
-    images, videos = args["pixel_values"], args["pixel_values_videos"]
-    if images is not None and videos is not None and order is not None:
-        return _pixels_in_token_order(images, videos, order), order.grid_thw
-    if images is not None and videos is not None:  # re-ordered into token order, reading the grids (upstream's)
+    (image_pixels, image_grid, _), (video_pixels, video_grid, _) = images, videos
+    if image_pixels is not None and video_pixels is not None and order is not None:
+        return _pixels_in_token_order(image_pixels, video_pixels, order), order.grid_thw, order.tower_inputs
+    if image_pixels is not None and video_pixels is not None:  # re-ordered into token order, reading the grids
         data, grid, _ = reorganize_inputs(
-            input_ids=args["input_ids"],
-            pixel_values=images,
-            pixel_values_videos=videos,
-            image_grid_thw=args["image_grid_thw"],
-            video_grid_thw=args["video_grid_thw"],
+            input_ids=input_ids,
+            pixel_values=image_pixels,
+            pixel_values_videos=video_pixels,
+            image_grid_thw=image_grid,
+            video_grid_thw=video_grid,
             image_token_id=model.image_token_id,
             video_token_id=model.video_token_id,
             square_merge_size=model.square_merge_size,
         )
-        return data, grid
-    if images is not None:
-        return images, args["image_grid_thw"]
-    return videos, args["video_grid_thw"]
+        return data, grid, None  # upstream's new grid: the tower computes its own inputs
+    pixels, grid, inputs = images if image_pixels is not None else videos
+    return pixels, grid, inputs if isinstance(inputs, MegatronTowerInputs) else None
 
 
 def _pixels_in_token_order(images: torch.Tensor, videos: torch.Tensor, order: VisionOrder) -> torch.Tensor:
@@ -306,14 +311,13 @@ def _pixels_in_token_order(images: torch.Tensor, videos: torch.Tensor, order: Vi
 
 
 def _vision_features(
-    model: Any, args: dict, order: VisionOrder | None
+    model: Any, data: torch.Tensor | None, grid: torch.Tensor | None, tower_inputs: MegatronTowerInputs | None
 ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
     """The tower's embeddings and deepstack features, or (None, None) without vision, as upstream computes them."""
-    data, grid = _vision_inputs(model, args, order)
     if grid is None or grid.shape[0] == 0:
         return None, None
     if data.shape[0] > 0:
-        return model.vision_model(hidden_states=data, grid_thw=grid)
+        return model.vision_model(hidden_states=data, grid_thw=grid, tower_inputs=tower_inputs)
     dtype, device = model.config.params_dtype, data.device
     empty = torch.zeros((0, model.config.hidden_size), device=device, dtype=dtype)
     hidden = model.language_model.config.hidden_size
@@ -345,69 +349,65 @@ def _embeddings(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, vi
     return combined
 
 
-def _forward_with_layout(model: Any, args: dict, layout: VisionLayout):
-    """Upstream's forward for a packed micro-batch on one CP rank, vision rows addressed by `layout`'s positions."""
+def indexed_forward(
+    model: Any,
+    layout: VisionLayout,
+    *,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    loss_mask: torch.Tensor | None,
+    packed_seq_params: Any,
+    extra_block_kwargs: dict | None,
+    pixel_values: torch.Tensor | None,
+    pixel_values_videos: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+    image_tower_inputs: Any,
+    video_tower_inputs: Any,
+    runtime_gather_output: bool | None,
+    **kwargs: Any,
+):
+    """Upstream's forward for a packed micro-batch on one CP rank (`takes_indexed_path`), the vision rows addressed
+    by `layout`'s positions and the images and videos put in token order by its order; `kwargs` go to the language
+    model as upstream passes its own."""
     positions = layout.positions
     torch.cuda.nvtx.range_push("Qwen3VLModel.forward.pre_process")
-    vision_embeds, deepstack = _vision_features(model, args, layout.order)
-    decoder_input = _embeddings(model, args["input_ids"], positions, vision_embeds)
+    data, grid, tower_inputs = _vision_inputs(
+        model,
+        input_ids,
+        (pixel_values, image_grid_thw, image_tower_inputs),
+        (pixel_values_videos, video_grid_thw, video_tower_inputs),
+        layout.order,
+    )
+    vision_embeds, deepstack = _vision_features(model, data, grid, tower_inputs)
+    decoder_input = _embeddings(model, input_ids, positions, vision_embeds)
     model.language_model.rotary_pos_emb.is_thd_format = True
     torch.cuda.nvtx.range_pop()
     torch.cuda.nvtx.range_push("Qwen3VLModel.forward.language_model")
     output = model.language_model(
-        input_ids=args["input_ids"],
-        position_ids=args["position_ids"],
+        input_ids=input_ids,
+        position_ids=position_ids,
         attention_mask=None,
         decoder_input=decoder_input,
-        labels=args["labels"],
-        loss_mask=args["loss_mask"],
+        labels=labels,
+        loss_mask=loss_mask,
         inference_params=None,
-        packed_seq_params=args["packed_seq_params"],
-        runtime_gather_output=args["runtime_gather_output"],
-        visual_pos_masks=positions,  # int64 indices: `indexed_deepstack` adds the deepstack features there
+        packed_seq_params=packed_seq_params,
+        runtime_gather_output=runtime_gather_output,
+        visual_pos_masks=positions,  # int64 indices: qvl's decoder adds the deepstack features there
         deepstack_visual_embeds=deepstack,
-        **(args["extra_block_kwargs"] or {}),
-        **args["kwargs"],
+        **(extra_block_kwargs or {}),
+        **kwargs,
     )
     torch.cuda.nvtx.range_pop()
     return output
 
 
-# Replacement factories named by qvl.foundation.patches.
-
-
-def indexed_forward(original):
-    """`Qwen3VLModel.forward` that, given a packed micro-batch whose vision layout the step noted, addresses the
-    vision rows by its indices (and orders images and videos by it); any other call goes to upstream's forward."""
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def forward(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = bound.arguments
-        input_ids = arguments["input_ids"]
-        layout = _LAYOUTS.get(input_ids) if isinstance(input_ids, torch.Tensor) else None
-        if layout is None or not _takes_indexed_path(self, arguments):
-            return original(*bound.args, **bound.kwargs)
-        return _forward_with_layout(self, arguments, layout)
-
-    setattr(forward, _TAKES_POSITIONS, True)
-    return forward
-
-
-def indexed_deepstack(original):
-    """`Qwen3VLTransformerBlock._deepstack_process` that takes int64 row indices into the [b*s] tokens as well as
-    upstream's boolean mask (which goes to upstream's)."""
-
-    @functools.wraps(original)
-    def _deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds):
-        if visual_pos_masks.dtype == torch.bool:
-            return original(self, hidden_states, visual_pos_masks, visual_embeds)
-        hidden_states = hidden_states.transpose(0, 1).contiguous()  # [b, s, h]
-        rows = hidden_states.view(-1, hidden_states.shape[-1])
-        # upstream: `hidden_states[mask, :] = hidden_states[mask, :].clone() + visual_embeds`, the same sum and copy
-        rows.index_copy_(0, visual_pos_masks, rows.index_select(0, visual_pos_masks) + visual_embeds)
-        return hidden_states.transpose(0, 1).contiguous()
-
-    return _deepstack_process
+def add_deepstack_at(hidden_states: torch.Tensor, positions: torch.Tensor, visual_embeds: torch.Tensor) -> torch.Tensor:
+    """Upstream's `_deepstack_process` with int64 row indices into the [b*s] tokens instead of a boolean mask:
+    `hidden_states[mask, :] = hidden_states[mask, :].clone() + visual_embeds`, the same sum and copy."""
+    hidden_states = hidden_states.transpose(0, 1).contiguous()  # [b, s, h]
+    rows = hidden_states.view(-1, hidden_states.shape[-1])
+    rows.index_copy_(0, positions, rows.index_select(0, positions) + visual_embeds)
+    return hidden_states.transpose(0, 1).contiguous()

@@ -1,58 +1,43 @@
-"""Megatron-Bridge's Qwen3-VL vision tower (Qwen3-VL, Qwen3.5-VL) with its grid-derived inputs from the host.
+"""Megatron-Bridge's Qwen3-VL vision tower (Qwen3-VL, Qwen3.5-VL) with its grid-derived inputs from the host: the
+body of qvl's tower subclass's forward (qvl.bridges.qwen3_vl.Qwen3VLVisionModel).
 
 Megatron-Bridge 0.6.2's `Qwen3VLVisionModel.forward` (megatron/bridge/models/qwen_vl/modelling_qwen3_vl/
 vision_model.py) reads its device `grid_thw` back to the host on every call: `fast_pos_embed_interpolate` loops over
 the grid and reads each corner's indices and weights with `.tolist()`, `rot_pos_emb` reads two maxima with
 `.item()` and loops over the grid again, the split sizes of its output are a `.tolist()`, and its packed blocks carry
 their longest length as a 0-d device tensor, which qvl's `SDPAttention` turns into an int in every block. The
-loader computes all of it on the host per micro-batch (qvl.kernels.tower_inputs.MegatronTowerInputs);
-`prepared_megatron_tower_inputs` hands those inputs to the tower through a forward pre-hook, and while it is
-entered the patch group `speed-qwen3-vl-tower` (qvl.foundation.patches) lets the tower's forward take them: the
-same ops on the same values in the same order, so outputs and gradients are bitwise upstream's
-(tests/kernels/test_speed_qwen3_vl_tower.py). A pack with images and videos, which Megatron-Bridge's model re-orders
-into one grid in token order, gets inputs for that grid from qvl's step (qvl.kernels.speed_qwen3_vl_sync_free
-puts the loader's per-kind inputs in that order); a call with any other grid (a re-split for balancing, a mixed pack
-outside qvl's step) runs upstream's forward as before.
+loader computes all of it on the host per micro-batch (qvl.kernels.tower_inputs.MegatronTowerInputs); qvl's Qwen3-VL
+forward (qvl.kernels.speed_qwen3_vl_sync_free.indexed_forward) hands those of the grid it gives the tower to the
+tower's forward as its `tower_inputs` argument, and `prepared_tower_forward` runs the same ops on the same values in
+the same order, so outputs and gradients are bitwise upstream's (tests/kernels/test_speed_qwen3_vl_tower.py). A pack
+with images and videos, which the model re-orders into one grid in token order, gets inputs for that grid from
+qvl's step (qvl.kernels.speed_qwen3_vl_sync_free puts the loader's per-kind inputs in that order); a call without
+inputs (a re-split for balancing, a path qvl's forward leaves to upstream) runs upstream's forward as before.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from qvl.foundation import patches
 from qvl.foundation.errors import QvlError
-from qvl.kernels.tower_inputs import MegatronTowerInputs, inputs_by_grid
-
-GROUP = "speed-qwen3-vl-tower"
-INPUTS_KWARG = "tower_inputs"
+from qvl.kernels.tower_inputs import MegatronTowerInputs
 
 
 class TowerInputsMismatch(QvlError, ValueError):
     """Precomputed tower inputs that do not fit the pixels the tower was given."""
 
 
-def prepared_forward(original):
-    """Patch factory for `Qwen3VLVisionModel.forward`: the same forward, taking `tower_inputs` (the host-computed
-    inputs of this call's grid) where they are given, upstream's forward where not."""
-
-    @functools.wraps(original)
-    def forward(self, hidden_states, grid_thw, inference_params=None, extra_block_kwargs=None, tower_inputs=None):
-        upstream = (
-            tower_inputs is None
-            or inference_params is not None
-            or self.input_tensor is not None
-            or self._uses_vision_cuda_graph()  # padded to a fixed length, no packed blocks: upstream's own path
-        )
-        if upstream:
-            return original(self, hidden_states, grid_thw, inference_params, extra_block_kwargs)
-        return prepared_tower_forward(self, hidden_states, tower_inputs, extra_block_kwargs)
-
-    return forward
+def takes_prepared_inputs(tower: torch.nn.Module, tower_inputs: Any, inference_params: Any) -> bool:
+    """Whether a tower call given `tower_inputs` runs `prepared_tower_forward`: not for inference, a pipeline input
+    tensor, or a tower padded for vision CUDA graphs (no packed blocks: upstream's own path)."""
+    return (
+        isinstance(tower_inputs, MegatronTowerInputs)
+        and inference_params is None
+        and tower.input_tensor is None
+        and not tower._uses_vision_cuda_graph()
+    )
 
 
 def prepared_tower_forward(
@@ -119,19 +104,3 @@ def megatron_vision_towers(model: Any) -> list[torch.nn.Module]:
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, Qwen3VLVisionModel)]
-
-
-@contextlib.contextmanager
-def prepared_megatron_tower_inputs(model: Any, pairs: Sequence[tuple[torch.Tensor, Any]]) -> Iterator[int]:
-    """While the block runs, a Megatron Qwen3-VL tower called with one of these `grid_thw` tensors (the very object
-    the model was given) takes that grid's precomputed inputs; yields the number of towers prepared. Pairs of other
-    kinds (an HF tower's inputs) are left to qvl.kernels.speed_hf_vision. (The tower's blocks apply their rotary with
-    Megatron-Bridge's `apply_rotary_pos_emb_thd_absolute`, one pass over the pack: nothing to read there.)"""
-    pairs = [(grid, inputs) for grid, inputs in pairs if grid is not None and isinstance(inputs, MegatronTowerInputs)]
-    towers = megatron_vision_towers(model) if pairs else []
-    if not towers:
-        yield 0
-        return
-
-    with patches.applied(GROUP), inputs_by_grid(towers, pairs, lambda inputs: {INPUTS_KWARG: inputs}) as hooked:
-        yield hooked

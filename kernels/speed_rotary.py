@@ -8,8 +8,14 @@ start back to the host (`.tolist()`, one `.item()` each) in every attention laye
 cuts the frequencies per sub-sequence and concatenates them again. With one context-parallel rank and frequencies
 for every position of the pack (Qwen-VL's mRoPE positions are per token), those slices put together are the whole
 frequency tensor, so the result is bitwise that of the plain (BSHD) rotary over the whole pack, which is what
-`packed_rotary` runs. That equality needs the sub-sequences to cover the pack: qvl's forward step marks the
-`cu_seqlens` it builds (`mark_whole_pack`), and any other tensor takes upstream's path.
+`packed_rotary` runs. That equality needs the sub-sequences to cover the pack, from its first token to its last.
+
+How that fact reaches the rotary: Megatron-Core's attention hands `_apply_rotary_pos_emb_thd` only the
+`cu_seqlens` tensor of the `PackedSeqParams` it was given (megatron/core/transformer/attention.py), so no argument
+of qvl's can get there. The fact travels as the tensor's type instead: qvl's forward step builds its `cu_seqlens`
+as a `WholePackCuSeqlens` (`mark_whole_pack`), a plain `torch.Tensor` subclass with torch functions disabled (as
+`nn.Parameter` is: every op on it returns an ordinary tensor, and kernels see an ordinary tensor), and
+`packed_rotary` takes the one-pass path for that type only; any other tensor takes upstream's loop.
 
 Where qvl's compiled regions run (CUDA with Triton, qvl.kernels.compiled), that whole-pack rotary is
 one compiled region: Megatron-Core's eager rotary is about ten kernels each way per query or key (cos, sin, their
@@ -24,18 +30,22 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from qvl.kernels import compiled
 
 GROUP = "speed-rotary"
-_WHOLE_PACK = WeakIdKeyDictionary()  # cu_seqlens tensors whose last entry is the pack's length
 
 
-def mark_whole_pack(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Note that `cu_seqlens` ends at its pack's last token (qvl.training.step builds them so); returns it."""
-    _WHOLE_PACK[cu_seqlens] = True
-    return cu_seqlens
+class WholePackCuSeqlens(torch.Tensor):
+    """The `cu_seqlens` of a pack whose sub-sequences cover it from its first token to its last (qvl's forward step
+    builds them so). Only the type says it: every op on it returns an ordinary tensor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # as nn.Parameter: no subclass dispatch
+
+
+def mark_whole_pack(cu_seqlens: torch.Tensor) -> WholePackCuSeqlens:
+    """`cu_seqlens` (the same storage) as a `WholePackCuSeqlens`: it ends at its pack's last token."""
+    return cu_seqlens.as_subclass(WholePackCuSeqlens)
 
 
 def rotary_whole_pack(
@@ -83,7 +93,7 @@ def absolute_rotary(original):
 
 
 def packed_rotary(original):
-    """`_apply_rotary_pos_emb_thd` that, for a marked whole pack on one CP rank with per-token frequencies, rotates
+    """`_apply_rotary_pos_emb_thd` that, for a whole pack (`WholePackCuSeqlens`) on one CP rank with per-token frequencies, rotates
     the pack in one pass (no host read); everything else goes to upstream's loop."""
 
     @functools.wraps(original)
@@ -93,7 +103,7 @@ def packed_rotary(original):
             cp_group is not None
             and cp_group.size() == 1
             and multi_latent_attention is None
-            and cu_seqlens in _WHOLE_PACK
+            and isinstance(cu_seqlens, WholePackCuSeqlens)
             and freqs.dim() >= 1
             and freqs.size(0) == t.size(0)
         )

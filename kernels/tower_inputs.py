@@ -6,7 +6,8 @@ the forward's kwargs before computing it. A tower that computes them itself from
 back to the host (`.tolist()`, twice per call) and loops over images in Python; its attention then turns each block's
 `max_seqlen` tensor into an int (a host sync in every block). Computed here from a CPU `grid_thw` with the same
 transformers functions, they cost no device sync, and the maximum lengths are Python ints. The loader computes them
-in its worker processes; `qvl.kernels.speed_hf_vision` hands them to the tower.
+in its worker processes; qvl's Qwen2-VL / Qwen2.5-VL forward hands them to the tower (qvl.kernels.speed_sync_free,
+with qvl.kernels.speed_hf_vision's `tower_kwargs`).
 
 Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL; megatron/bridge/models/qwen_vl/modelling_qwen3_vl/
 vision_model.py) derives more from its grid, with host reads of its own: the bilinear interpolation of its learned
@@ -19,8 +20,6 @@ bitwise upstream's; `qvl.kernels.speed_qwen3_vl_tower` hands them to the tower.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -192,28 +191,3 @@ def tower_inputs_for_config(grid_thw: torch.Tensor, vision_config: Any) -> Tower
         patch_size=int(get("patch_size")),
         window_size=None if window_size is None else int(window_size),
     )
-
-
-@contextlib.contextmanager
-def inputs_by_grid(
-    towers: Sequence[torch.nn.Module], pairs: Sequence[tuple[torch.Tensor, Any]], kwargs_of: Callable[[Any], dict]
-) -> Iterator[int]:
-    """While the block runs, a tower called with one of `pairs`' `grid_thw` tensors (the very object the model was
-    given) gets `kwargs_of(inputs)` added to its forward's keyword arguments; yields the number of towers hooked.
-
-    A forward pre-hook (torch's extension point): Megatron-Bridge's Qwen-VL forwards call the tower with `grid_thw`
-    alone. A call with any other grid (e.g. vision balancing re-split the images) computes its inputs itself."""
-
-    def add_inputs(module, args, kwargs):
-        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
-        for known, inputs in pairs:
-            if grid is known:
-                return args, {**kwargs, **kwargs_of(inputs)}
-        return None
-
-    handles = [tower.register_forward_pre_hook(add_inputs, with_kwargs=True) for tower in towers]
-    try:
-        yield len(handles)
-    finally:
-        for handle in handles:
-            handle.remove()

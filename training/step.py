@@ -9,11 +9,9 @@ from typing import Any
 import torch
 
 from qvl.data.count import IGNORE_INDEX
-from qvl.kernels.speed_hf_vision import prepared_tower_inputs
-from qvl.kernels.speed_qwen3_vl_sync_free import host_vision_layout, note_vision_layout
-from qvl.kernels.speed_qwen3_vl_tower import prepared_megatron_tower_inputs
+from qvl.kernels.speed_qwen3_vl_sync_free import host_vision_layout
 from qvl.kernels.speed_rotary import mark_whole_pack
-from qvl.kernels.speed_sync_free import HostBatch, masked_loss, note_host_batch
+from qvl.kernels.speed_sync_free import HostBatch, LossCheck, masked_loss
 
 # Batch fields passed to the model when present (Qwen2-VL / Qwen2.5-VL / Qwen3-VL forward arguments).
 _VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -43,7 +41,7 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
         labels = torch.nn.functional.pad(labels, (0, padding), value=0)
         loss_mask = torch.nn.functional.pad(loss_mask, (0, padding), value=False)
         cu = torch.cat([cu, cu.new_tensor([pad_to])])
-    mark_whole_pack(cu)  # it ends at the pack's last token: no host read in the rotary (kernels/speed_rotary.py)
+    cu = mark_whole_pack(cu)  # it ends at the pack's last token: no host read in the rotary (kernels/speed_rotary.py)
     kwargs = {
         "input_ids": tokens,
         "labels": labels.clamp(min=0),
@@ -67,20 +65,34 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
 
 def loader_positions(batch: Any, device: torch.device, padding: int) -> torch.Tensor | None:
     """The loader's 3-D mRoPE positions [3, 1, T] on `device` (a pad sub-sequence counts from 0, as transformers'
-    `get_rope_index` numbers text), noted with the host batch so the model's forward reads nothing back
-    (qvl.kernels.speed_sync_free); None for a batch without them."""
+    `get_rope_index` numbers text); None for a batch without them."""
     positions = getattr(batch, "position_ids", None)
     if positions is None:
         return None
     if padding > 0:
         pad = torch.arange(padding, dtype=positions.dtype).expand(positions.shape[0], 1, padding)
         positions = torch.cat([positions, pad], dim=-1)
-    host = HostBatch(
+    return to_device(positions, device)
+
+
+def host_batch(model: Any, batch: Any, kwargs: dict, device: torch.device) -> HostBatch:
+    """What the loader computed on the host for `batch`, for the model's forward to take instead of reading the
+    device back (qvl.kernels.speed_sync_free): its tokens and grids, the tower's inputs for the grids the model is
+    given and, for Qwen3-VL, the vision rows as indices and a pack's images and videos in token order with the
+    tower's inputs for that order (qvl.kernels.speed_qwen3_vl_sync_free); tensors the forward uses on `device`."""
+    layout = host_vision_layout(model, batch, kwargs)
+    if layout is not None:
+        layout = (layout.pin_memory() if pinned_copies(device) else layout).to(device, non_blocking=True)
+    # with images and videos in one layout the tower is given the token-order grid: its inputs, not each kind's
+    per_kind = {} if layout is not None and layout.has_tower_inputs() else tower_inputs_by_kind(batch, kwargs, device)
+    return HostBatch(
         tokens=batch.tokens,
         image_grid_thw=getattr(batch, "image_grid_thw", None),
         video_grid_thw=getattr(batch, "video_grid_thw", None),
+        image_tower_inputs=per_kind.get("image_grid_thw"),
+        video_tower_inputs=per_kind.get("video_grid_thw"),
+        vision_layout=layout,
     )
-    return note_host_batch(to_device(positions, device), host)
 
 
 def pinned_copies(device: torch.device) -> bool:
@@ -96,8 +108,17 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedule_plan: bool = False):
-    """Megatron-Bridge forward step: next packed batch through the model, masked per-token loss."""
+def forward_step(
+    state: Any,
+    data_iterator: Iterator,
+    model: Any,
+    return_schedule_plan: bool = False,
+    *,
+    loss_check: LossCheck | None = None,
+):
+    """Megatron-Bridge forward step: next packed batch through the model, masked per-token loss. `loss_check`: where
+    the step's micro-batch losses are kept for one NaN/Inf check after the step (qvl.kernels.speed_sync_free; the
+    registry's patched `train_step` passes it), instead of each loss being read as it comes."""
     device = next(model.parameters()).device
     model_config = state.cfg.model
     pad_to = model_config.seq_length if model_config.pipeline_model_parallel_size > 1 else None
@@ -105,16 +126,7 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
     kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to)
     if state.cfg.qvl.vision_balance:
         kwargs = balanced_vision_inputs(model, kwargs)
-    # Qwen3-VL: the vision rows as indices, and a pack's images and videos in token order with the tower's inputs
-    # for that order, computed on the host (qvl.kernels.speed_qwen3_vl_sync_free)
-    layout = host_vision_layout(model, batch, kwargs)
-    if layout is not None:
-        layout = (layout.pin_memory() if pinned_copies(device) else layout).to(device, non_blocking=True)
-        note_vision_layout(kwargs["input_ids"], layout)
-    # with images and videos the tower is given the token-order grid: its inputs, not each kind's, are the ones used
-    pairs = (layout.tower_input_pairs() if layout is not None else []) or tower_input_pairs(batch, kwargs, device)
-    with prepared_tower_inputs(model, pairs), prepared_megatron_tower_inputs(model, pairs):
-        output = model(**kwargs)
+    output = model(**kwargs, host_batch=host_batch(model, batch, kwargs, device))
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
         output, loss_mask = output
     checks = state.cfg.rerun_state_machine
@@ -123,20 +135,20 @@ def forward_step(state: Any, data_iterator: Iterator, model: Any, return_schedul
         loss_mask,
         check_for_nan_in_loss=checks.check_for_nan_in_loss,
         check_for_spiky_loss=checks.check_for_spiky_loss,
+        loss_check=loss_check,
     )
 
 
-def tower_input_pairs(batch: Any, kwargs: dict, device: torch.device) -> list[tuple[torch.Tensor, Any]]:
-    """(grid the model is given, its tower inputs on `device`) for the images and videos of a batch whose loader
-    precomputed them (qvl.kernels.tower_inputs); the tower then reads nothing back (qvl.kernels.speed_hf_vision,
-    qvl.kernels.speed_qwen3_vl_tower)."""
-    pairs = []
+def tower_inputs_by_kind(batch: Any, kwargs: dict, device: torch.device) -> dict[str, Any]:
+    """The loader's tower inputs (qvl.kernels.tower_inputs) on `device`, by the grid argument they are for
+    ("image_grid_thw", "video_grid_thw"), for the kinds the model is given; the tower then reads nothing back."""
+    found = {}
     for grid, field in (("image_grid_thw", "image_tower_inputs"), ("video_grid_thw", "video_tower_inputs")):
         inputs = getattr(batch, field, None)
         if inputs is not None and grid in kwargs:
             pinned = inputs.pin_memory() if pinned_copies(device) else inputs
-            pairs.append((kwargs[grid], pinned.to(device, non_blocking=True)))
-    return pairs
+            found[grid] = pinned.to(device, non_blocking=True)
+    return found
 
 
 def balanced_vision_inputs(model: Any, kwargs: dict) -> dict:

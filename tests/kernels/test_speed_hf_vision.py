@@ -113,13 +113,12 @@ def test_prepared_inputs_equal_what_the_tower_derives(family):
     inputs = tower_inputs_for_config(GRIDS, tower.config)
     assert (inputs.window_index is not None) == (family == "qwen2_5_vl")  # Qwen2.5-VL windows its attention
     assert inputs.max_seqlen == 8 * 12  # the largest frame: full attention blocks are frames
-    grid = GRIDS.clone()
-    with speed_hf_vision.prepared_tower_inputs([tower], [(grid, inputs)]) as prepared:
-        lean = tower(x, grid_thw=grid).pooler_output
-    assert prepared == 1
+    given = speed_hf_vision.tower_kwargs(inputs)
+    assert {"position_ids", "cu_seqlens", speed_hf_vision.MAX_SEQLENS_KWARG} <= given.keys()
+    lean = tower(x, grid_thw=GRIDS, **given).pooler_output
     assert torch.equal(lean, reference)
-    with speed_hf_vision.prepared_tower_inputs([tower], [(GRIDS.clone(), inputs)]), HostReads() as reads:
-        tower(x, grid_thw=grid)  # another grid object: the tower derives its inputs itself, reading the grid back
+    with HostReads() as reads:
+        tower(x, grid_thw=GRIDS)  # not given them: the tower derives its inputs itself, reading the grid back
     assert reads.reads
 
 
@@ -163,9 +162,9 @@ def test_lean_tower_reads_nothing_back_on_the_cuda_path(family, varlen_as_on_cud
     assert len(reads.reads) > tower.config.depth  # the unprepared tower reads the grid and every block's length
     inputs = tower_inputs_for_config(GRIDS, tower.config)
     varlen_as_on_cuda.clear()
-    with patches.applied(speed_hf_vision.GROUP), speed_hf_vision.prepared_tower_inputs([tower], [(GRIDS, inputs)]):
+    with patches.applied(speed_hf_vision.GROUP):
         with HostReads() as reads:
-            lean = tower(x, grid_thw=GRIDS).pooler_output
+            lean = tower(x, grid_thw=GRIDS, **speed_hf_vision.tower_kwargs(inputs)).pooler_output
             lean.float().sum().backward()
     assert reads.reads == []
     assert varlen_as_on_cuda == [(int, int)] * tower.config.depth  # every block got Python ints
@@ -195,11 +194,8 @@ def test_lean_attention_and_mlp_are_transformers_bit_for_bit(family, cuda_path, 
             calls = []
             patch.setattr(torch.Tensor, "max", lambda self, *a, **k: calls.append(1) or torch.max(self, *a, **k))
             tower.zero_grad()
-            with (
-                patches.applied(speed_hf_vision.GROUP),
-                speed_hf_vision.prepared_tower_inputs([tower], [(GRIDS, inputs)]),
-            ):
-                out = tower(x, grid_thw=GRIDS).pooler_output
+            with patches.applied(speed_hf_vision.GROUP):
+                out = tower(x, grid_thw=GRIDS, **speed_hf_vision.tower_kwargs(inputs)).pooler_output
                 out.float().square().sum().backward()
         results.append((out, [p.grad.clone() for p in tower.parameters()], len(calls)))
     (lean_out, lean_grads, lean_maxes), (hf_out, hf_grads, hf_maxes) = results
@@ -320,8 +316,8 @@ def test_lean_tower_matches_transformers_on_cuda_bf16(family):
     reference = reference_tower(x, grid_thw=grid).pooler_output
     reference.float().square().sum().backward()
     inputs = tower_inputs_for_config(GRIDS, tower.config).to("cuda")
-    with patches.applied(speed_hf_vision.GROUP), speed_hf_vision.prepared_tower_inputs([tower], [(grid, inputs)]):
-        lean = tower(x, grid_thw=grid).pooler_output
+    with patches.applied(speed_hf_vision.GROUP):
+        lean = tower(x, grid_thw=grid, **speed_hf_vision.tower_kwargs(inputs)).pooler_output
         lean.float().square().sum().backward()
     torch.testing.assert_close(lean, reference, rtol=2e-2, atol=2e-2)
     reference_grads = dict(reference_tower.named_parameters())
@@ -332,8 +328,8 @@ def test_lean_tower_matches_transformers_on_cuda_bf16(family):
 
 
 def test_loader_tower_inputs_reach_the_megatron_models_tower(tmp_path, cpu_runtime):
-    """The loader computes each micro-batch's tower inputs in its workers; the training step hands them to the HF
-    tower inside Megatron-Bridge's Qwen2.5-VL, whose output is unchanged (the same model deriving them itself)."""
+    """The loader computes each micro-batch's tower inputs in its workers; the training step's host batch hands them
+    to the HF tower inside qvl's Qwen2.5-VL, whose output is unchanged (upstream's forward deriving them itself)."""
     from qvl.bridges.convert import auto_bridge_with_weights
     from qvl.bridges.providers import apply_provider_fixes
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
@@ -341,7 +337,7 @@ def test_loader_tower_inputs_reach_the_megatron_models_tower(tmp_path, cpu_runti
     from qvl.data.prepare import PrepareConfig, prepare
     from qvl.data.samples import write_sample_dataset
     from qvl.foundation import distributed
-    from qvl.training.step import model_inputs, tower_input_pairs
+    from qvl.training.step import host_batch, model_inputs
 
     jsonl, media = write_sample_dataset(tmp_path / "samples", count=8, with_bad=False)
     hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen2_5_vl")
@@ -369,11 +365,8 @@ def test_loader_tower_inputs_reach_the_megatron_models_tower(tmp_path, cpu_runti
         given = []
         with torch.no_grad():
             derived = model(**kwargs)
-            with speed_hf_vision.prepared_tower_inputs(model, tower_input_pairs(batch, kwargs, torch.device("cpu"))):
-                model.visual.register_forward_pre_hook(
-                    lambda module, args, kw: given.append(sorted(kw)), with_kwargs=True
-                )  # runs after the prepared-inputs hook: sees what the tower is called with
-                lean = model(**kwargs)
+            model.visual.register_forward_pre_hook(lambda module, args, kw: given.append(sorted(kw)), with_kwargs=True)
+            lean = model(**kwargs, host_batch=host_batch(model, batch, kwargs, torch.device("cpu")))
         assert given and "cu_window_seqlens" in given[0] and speed_hf_vision.MAX_SEQLENS_KWARG in given[0]
         assert torch.equal(lean, derived)
     finally:

@@ -1,13 +1,14 @@
-"""Megatron-Bridge's Qwen3-VL forward with its vision layout computed on the host
-(qvl.kernels.speed_qwen3_vl_sync_free, patch group "speed-qwen3-vl-sync-free"): losses and every gradient bitwise
-upstream's in fp32, no host read of a tensor in the forward or backward of qvl's step (images, videos, and both in
-token order, with the tower's precomputed inputs put in that order), upstream's path where no layout was noted."""
+"""qvl's Qwen3-VL forward with its vision layout computed on the host (qvl.bridges.qwen3_vl.Qwen3VLModel, its body
+qvl.kernels.speed_qwen3_vl_sync_free): losses and every gradient bitwise upstream's in fp32, no host read of a tensor
+in the forward or backward of qvl's step (images, videos, and both in token order, with the tower's precomputed
+inputs put in that order), upstream's path where the forward is given no layout."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
+import functools
 import math
 import traceback
 import types
@@ -22,6 +23,7 @@ from qvl.bridges.tiny_model import tiny_hf_config
 from qvl.foundation import patches
 from qvl.foundation.families import TINY_TOKEN_IDS
 from qvl.kernels import speed_qwen3_vl_sync_free, speed_qwen3_vl_tower, speed_rotary
+from qvl.kernels.speed_qwen3_vl_sync_free import VisionLayout
 from qvl.kernels.tower_inputs import tower_inputs_for_config
 from tests.kernels.test_speed_sync_free import (
     IMAGE_GRIDS,
@@ -202,6 +204,15 @@ def inputs_of(batch) -> dict:
     return model_inputs(batch, torch.device("cpu"))[0]
 
 
+def with_host_batch(model, batch, kwargs, layout: VisionLayout | None = None) -> dict:
+    """`kwargs` and the host batch qvl's forward step passes with them (its vision layout replaced by `layout`)."""
+    from qvl.training.step import host_batch
+
+    host = host_batch(model, batch, kwargs, torch.device("cpu"))
+    assert host.vision_layout is not None and host.vision_layout.positions.dtype == torch.int64
+    return {**kwargs, "host_batch": host if layout is None else dataclasses.replace(host, vision_layout=layout)}
+
+
 def loss_and_grads(model, kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     """The per-token losses, every parameter's gradient and the boolean-mask indexing ops of forward and backward."""
     model.zero_grad(set_to_none=True)
@@ -229,7 +240,7 @@ def step_loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Ten
     ]
     model.zero_grad(set_to_none=True)
     try:
-        with patches.applied(speed_qwen3_vl_sync_free.GROUP, speed_rotary.GROUP), reads.counting():
+        with patches.applied(speed_rotary.GROUP), reads.counting():
             losses, loss_function = forward_step(types.SimpleNamespace(cfg=config), iter([batch]), model)
             reads.active = True
             (losses * loss_function.args[0]).sum().backward()  # the step's loss mask
@@ -264,14 +275,6 @@ def same_tower_inputs(got, expected) -> bool:
     return all(torch.equal(a, b) and a.dtype == b.dtype if isinstance(b, torch.Tensor) else a == b for a, b in values)
 
 
-def noted(model, batch, kwargs) -> speed_qwen3_vl_sync_free.VisionLayout:
-    """The step's host-computed vision layout, noted with `kwargs`' input_ids (as qvl's forward step does)."""
-    layout = speed_qwen3_vl_sync_free.host_vision_layout(model, batch, kwargs)
-    assert layout is not None and layout.positions.dtype == torch.int64
-    speed_qwen3_vl_sync_free.note_vision_layout(kwargs["input_ids"], layout)
-    return layout
-
-
 @pytest.mark.parametrize("modality", list(MODALITIES))
 def test_the_steps_forward_is_upstreams_bit_for_bit_without_host_reads(model, modality, monkeypatch):
     """qvl's forward step against upstream's forward (boolean masks, `reorganize_inputs`, the tower computing its
@@ -283,7 +286,7 @@ def test_the_steps_forward_is_upstreams_bit_for_bit_without_host_reads(model, mo
     prepared = speed_qwen3_vl_tower.prepared_tower_forward
     monkeypatch.setattr(
         speed_qwen3_vl_tower, "prepared_tower_forward", lambda *a: towers.append(a[2]) or prepared(*a)
-    )  # the tower-inputs path, looked up by the patched tower forward at each call
+    )  # the tower-inputs path, looked up by qvl's tower forward at each call
     got, got_grads, reads = step_loss_and_grads(model, batch)
 
     assert masked_ops > 0 and dict(reads.sites) == {}
@@ -350,25 +353,19 @@ def test_vision_order_is_reorganize_inputs(model):
 def test_placeholders_that_do_not_fit_the_grids_are_refused(model, grids):
     batch = pack(model, "interleaved")
     setattr(batch, grids, getattr(batch, grids)[:-1])  # one grid fewer than the placeholders say
-    with (
-        patches.applied(speed_qwen3_vl_sync_free.GROUP),
-        pytest.raises(speed_qwen3_vl_sync_free.VisionPositionsMismatch, match="do not fit"),
-    ):
+    with pytest.raises(speed_qwen3_vl_sync_free.VisionPositionsMismatch, match="do not fit"):
         speed_qwen3_vl_sync_free.host_vision_layout(model, batch, inputs_of(batch))
 
 
 def test_a_layout_without_order_leaves_the_reordering_to_upstream(model):
-    """Noted positions without a host order: `reorganize_inputs` orders the pixels (its two boolean masks), the
+    """Given positions without a host order: `reorganize_inputs` orders the pixels (its two boolean masks), the
     language model still takes the indices: the same results."""
     batch = pack(model, "interleaved")
     kwargs = inputs_of(batch)
     losses, grads, _ = loss_and_grads(model, kwargs)
-    with patches.applied(speed_qwen3_vl_sync_free.GROUP):
-        layout = speed_qwen3_vl_sync_free.host_vision_layout(model, batch, kwargs)
-        speed_qwen3_vl_sync_free.note_vision_layout(
-            kwargs["input_ids"], speed_qwen3_vl_sync_free.VisionLayout(positions=layout.positions)
-        )
-        got, got_grads, indexed_ops = loss_and_grads(model, kwargs)
+    layout = speed_qwen3_vl_sync_free.host_vision_layout(model, batch, kwargs)
+    given = with_host_batch(model, batch, kwargs, VisionLayout(positions=layout.positions))
+    got, got_grads, indexed_ops = loss_and_grads(model, given)
     assert indexed_ops == 2  # the two boolean selections of upstream's scan of the tokens (find_vision_id_index)
     assert torch.equal(got, losses)
     assert all(torch.equal(got_grads[name], grads[name]) for name in grads)
@@ -388,9 +385,9 @@ def test_indexed_forward_under_full_recompute(model, monkeypatch):
         batch = pack(model, "images")
         kwargs = inputs_of(batch)
         losses, grads, _ = loss_and_grads(model, kwargs)
-        with patches.applied(speed_qwen3_vl_sync_free.GROUP):
-            positions = noted(model, batch, kwargs).positions
-            got, got_grads, indexed_ops = loss_and_grads(model, kwargs)
+        given = with_host_batch(model, batch, kwargs)
+        positions = given["host_batch"].vision_layout.positions
+        got, got_grads, indexed_ops = loss_and_grads(model, given)
     finally:
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = saved
     assert indexed_ops == 0
@@ -401,16 +398,16 @@ def test_indexed_forward_under_full_recompute(model, monkeypatch):
     assert all(torch.equal(got_grads[name], grads[name]) for name in grads)
 
 
-def test_without_a_noted_layout_upstreams_path_runs(model):
-    """A layout is wanted only from a patched forward, and used only for the very input_ids it was noted with."""
+def test_without_a_layout_upstreams_path_runs(model):
+    """A layout is computed only for a model whose forward takes one (qvl's), and used only where the forward is
+    given one: without a host batch, or with one without a layout, upstream's masked path runs."""
     batch = pack(model, "interleaved")
     kwargs = inputs_of(batch)
-    assert speed_qwen3_vl_sync_free.host_vision_layout(model, batch, kwargs) is None  # group not applied
+    assert speed_qwen3_vl_sync_free.host_vision_layout(types.SimpleNamespace(pre_process=True), batch, kwargs) is None
     expected = loss_and_grads(model, kwargs)
-    with patches.applied(speed_qwen3_vl_sync_free.GROUP):
-        noted(model, batch, kwargs)
-        other = dict(kwargs, input_ids=kwargs["input_ids"].clone())  # equal tokens, another tensor: not noted
-        got = loss_and_grads(model, other)
+    given = with_host_batch(model, batch, kwargs)
+    without_layout = {**given, "host_batch": dataclasses.replace(given["host_batch"], vision_layout=None)}
+    got = loss_and_grads(model, without_layout)
     assert got[2] == expected[2] > 0  # upstream's masked indexing ran
     assert torch.equal(got[0], expected[0])
 
@@ -418,27 +415,21 @@ def test_without_a_noted_layout_upstreams_path_runs(model):
 def test_positions_that_do_not_fit_the_features_are_refused(model):
     batch = pack(model, "images")
     kwargs = inputs_of(batch)
-    with patches.applied(speed_qwen3_vl_sync_free.GROUP):
-        positions = speed_qwen3_vl_sync_free.host_vision_layout(model, batch, kwargs).positions
-        speed_qwen3_vl_sync_free.note_vision_layout(
-            kwargs["input_ids"], speed_qwen3_vl_sync_free.VisionLayout(positions=positions[1:])
-        )
-        with pytest.raises(
-            speed_qwen3_vl_sync_free.VisionPositionsMismatch, match=f"for {positions.numel() - 1} vision"
-        ):
-            model(**kwargs)
+    positions = speed_qwen3_vl_sync_free.host_vision_layout(model, batch, kwargs).positions
+    given = with_host_batch(model, batch, kwargs, VisionLayout(positions=positions[1:]))
+    with pytest.raises(speed_qwen3_vl_sync_free.VisionPositionsMismatch, match=f"for {positions.numel() - 1} vision"):
+        model(**given)
 
 
 @pytest.mark.parametrize("batch_size", [1, 2])
-def test_indexed_deepstack_is_the_masked_one_bit_for_bit(batch_size):
-    """The deepstack addition alone, at flat [b*s] indices vs upstream's boolean mask: values and gradients."""
-    from qvl.foundation import megatron
-
-    megatron.import_megatron_bridge()
+def test_indexed_deepstack_is_the_masked_one_bit_for_bit(model, batch_size):
+    """The deepstack addition alone, qvl's decoder at flat [b*s] indices vs upstream's boolean mask: values and
+    gradients."""
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_block import Qwen3VLTransformerBlock
 
-    upstream = Qwen3VLTransformerBlock._deepstack_process
-    indexed = speed_qwen3_vl_sync_free.indexed_deepstack(upstream)
+    decoder = model.language_model.decoder
+    assert isinstance(decoder, Qwen3VLTransformerBlock) and type(decoder) is not Qwen3VLTransformerBlock  # qvl's
+    upstream = functools.partial(Qwen3VLTransformerBlock._deepstack_process, decoder)
     generator = torch.Generator().manual_seed(0)
     mask = torch.rand(batch_size, 12, generator=generator) < 0.4  # [b, s]
     hidden = torch.randn(12, batch_size, 8, generator=generator)  # [s, b, h]
@@ -447,12 +438,12 @@ def test_indexed_deepstack_is_the_masked_one_bit_for_bit(batch_size):
 
     def run(function, where):
         h, e = hidden.clone().requires_grad_(), embeds.clone().requires_grad_()
-        out = function(None, h * 1, where, e)  # a non-leaf, as a layer's output is
+        out = function(h * 1, where, e)  # a non-leaf, as a layer's output is
         (out * weights).sum().backward()
         return out.detach(), h.grad, e.grad
 
     expected = run(upstream, mask)
-    got = run(indexed, mask.reshape(-1).nonzero().flatten())
+    got = run(decoder._deepstack_process, mask.reshape(-1).nonzero().flatten())
     assert all(map(torch.equal, got, expected))
     assert not torch.equal(expected[0], hidden)  # the features were added
-    assert all(map(torch.equal, run(indexed, mask), expected))  # a boolean mask still goes to upstream's
+    assert all(map(torch.equal, run(decoder._deepstack_process, mask), expected))  # a boolean mask: upstream's

@@ -1,6 +1,6 @@
-"""Megatron-Bridge's Qwen3-VL vision tower with host-computed inputs (qvl.kernels.speed_qwen3_vl_tower): outputs and
-gradients bitwise upstream's, no read of a device value on the CUDA code path, and the loader's inputs reaching the
-tower inside the model."""
+"""qvl's Qwen3-VL vision tower given host-computed inputs (qvl.bridges.qwen3_vl.Qwen3VLVisionModel, its body
+qvl.kernels.speed_qwen3_vl_tower): outputs and gradients bitwise upstream's, no read of a device value on the CUDA code
+path, and the loader's inputs reaching the tower inside the model as its forward's argument."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from qvl.bridges.tiny_model import tiny_hf_config
-from qvl.foundation import patches
 from qvl.kernels import speed_qwen3_vl_tower
 from qvl.kernels.tower_inputs import MegatronTowerInputs, tower_inputs_for_config
 from tests.kernels.test_speed_hf_vision import HostReads
@@ -33,6 +32,7 @@ def tower():
         torch.manual_seed(0)
         model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
         (vision,) = speed_qwen3_vl_tower.megatron_vision_towers(model)
+        assert type(vision).__module__ == "qvl.bridges.qwen3_vl"  # qvl's tower class
         with torch.no_grad():  # norms at 1 and biases at 0 would hide a mix-up: perturb them
             for param in vision.parameters():
                 param.add_(0.05 * torch.randn_like(param))
@@ -48,25 +48,24 @@ def pixels(tower, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(int(GRIDS.prod(-1).sum()), width, generator=torch.Generator().manual_seed(1)).to(dtype)
 
 
-def run(tower, x, grid, inputs=None, *, known=GRIDS):
-    """Forward and backward of the tower called with `grid` while `inputs` (if given) are prepared for the grid
-    tensor `known`: its output, deepstack features and every parameter's gradient."""
+def run(tower, x, grid, inputs=None):
+    """Forward and backward of the tower called with `grid` and (if given) its precomputed `inputs`: its output,
+    deepstack features and every parameter's gradient."""
     tower.zero_grad(set_to_none=True)
-    given = []
-    with speed_qwen3_vl_tower.prepared_megatron_tower_inputs([tower], [(known, inputs)] if inputs else []) as prepared:
-        assert prepared == (1 if inputs else 0)
-        # registered after the prepared-inputs hook, so it sees what the tower is called with
-        handle = tower.register_forward_pre_hook(
-            lambda m, a, kw: given.append(kw.get("tower_inputs")), with_kwargs=True
-        )
-        out, deepstack = tower(hidden_states=x, grid_thw=grid)
-        handle.remove()
-    assert given[0] is (inputs if grid is known else None)
+    out, deepstack = tower(hidden_states=x, grid_thw=grid, tower_inputs=inputs)
     weights = torch.linspace(-1, 1, out.numel(), dtype=torch.float32).view_as(out)
     loss = (out.float() * weights).sum() + sum((d.float() ** 2).sum() for d in deepstack)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in tower.named_parameters() if p.grad is not None}
     return out.detach(), [d.detach() for d in deepstack], grads
+
+
+def prepared_calls(monkeypatch) -> list:
+    """The tower inputs of each call that takes the prepared path (looked up by qvl's tower forward at each call)."""
+    calls = []
+    prepared = speed_qwen3_vl_tower.prepared_tower_forward
+    monkeypatch.setattr(speed_qwen3_vl_tower, "prepared_tower_forward", lambda *a: calls.append(a[2]) or prepared(*a))
+    return calls
 
 
 def assert_bitwise(got, expected):
@@ -79,7 +78,8 @@ def assert_bitwise(got, expected):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_prepared_tower_is_upstream_bit_for_bit_with_its_gradients(tower, dtype):
+def test_prepared_tower_is_upstream_bit_for_bit_with_its_gradients(tower, dtype, monkeypatch):
+    calls = prepared_calls(monkeypatch)
     params = [(p, p.detach().clone()) for p in tower.parameters()]
     buffers = {name: b.clone() for name, b in tower.named_buffers()}
     tower.to(dtype)  # the tower holds process groups: converted in place and restored, not copied
@@ -88,7 +88,9 @@ def test_prepared_tower_is_upstream_bit_for_bit_with_its_gradients(tower, dtype)
         inputs = tower_inputs_for_config(GRIDS, tower.config)
         assert isinstance(inputs, MegatronTowerInputs)
         expected = run(tower, x, GRIDS)
+        assert calls == []
         assert_bitwise(run(tower, x, GRIDS, inputs), expected)
+        assert calls == [inputs]
     finally:
         for param, value in params:
             param.data = value
@@ -97,19 +99,18 @@ def test_prepared_tower_is_upstream_bit_for_bit_with_its_gradients(tower, dtype)
             setattr(tower.get_submodule(owner), leaf, value)
 
 
-def test_another_grid_takes_upstreams_path(tower):
-    """Inputs are matched to the very grid tensor they were computed for; a call with any other grid (equal values,
-    another object) computes its own, and inputs for other grids are refused rather than used."""
+def test_without_inputs_upstreams_path_runs_and_wrong_inputs_are_refused(tower):
+    """A call without inputs computes its own from the device grid (upstream's forward, reading it); inputs for
+    other grids are refused rather than used."""
     x = pixels(tower)
     inputs = tower_inputs_for_config(GRIDS, tower.config)
     with HostReads() as reads:
-        other = run(tower, x, GRIDS.clone(), inputs)
+        own = run(tower, x, GRIDS)
     assert reads.reads  # upstream read its grid
-    assert_bitwise(other, run(tower, x, GRIDS))
+    assert_bitwise(own, run(tower, x, GRIDS, inputs))
     wrong = tower_inputs_for_config(GRIDS[1:], tower.config)
     with pytest.raises(speed_qwen3_vl_tower.TowerInputsMismatch, match="compute the tower inputs from the grid"):
-        with patches.applied(speed_qwen3_vl_tower.GROUP):
-            tower(x, GRIDS, tower_inputs=wrong)
+        tower(x, GRIDS, tower_inputs=wrong)
 
 
 def test_prepared_tower_reads_nothing_back_on_the_cuda_path(tower, monkeypatch):
@@ -128,8 +129,7 @@ def test_prepared_tower_reads_nothing_back_on_the_cuda_path(tower, monkeypatch):
     inputs = tower_inputs_for_config(GRIDS, tower.config)
     with DeviceReads() as reads:
         tower.zero_grad(set_to_none=True)
-        with speed_qwen3_vl_tower.prepared_megatron_tower_inputs([tower], [(GRIDS, inputs)]):
-            out, deepstack = tower(hidden_states=x, grid_thw=GRIDS)
+        out, deepstack = tower(hidden_states=x, grid_thw=GRIDS, tower_inputs=inputs)
         (out.sum() + sum(d.sum() for d in deepstack)).backward()
     assert upstream_reads > tower.config.num_layers
     assert reads.reads == []
@@ -175,8 +175,8 @@ def test_megatron_tower_inputs_refuse_a_device_grid():
 
 @pytest.mark.slow
 def test_loader_tower_inputs_reach_the_qwen3_vl_models_tower(tmp_path, cpu_runtime):
-    """The loader computes each micro-batch's Megatron tower inputs in its workers; the training step's context hands
-    them to the tower inside Megatron-Bridge's Qwen3-VL model, whose loss is bitwise the model's own."""
+    """The loader computes each micro-batch's Megatron tower inputs in its workers; the training step's host batch
+    hands them to the tower inside qvl's Qwen3-VL model, whose loss is bitwise upstream's forward's."""
     from qvl.bridges.convert import auto_bridge_with_weights
     from qvl.bridges.providers import apply_provider_fixes
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
@@ -184,7 +184,7 @@ def test_loader_tower_inputs_reach_the_qwen3_vl_models_tower(tmp_path, cpu_runti
     from qvl.data.prepare import PrepareConfig, prepare
     from qvl.data.samples import write_sample_dataset
     from qvl.foundation import distributed
-    from qvl.training.step import model_inputs, tower_input_pairs
+    from qvl.training.step import host_batch, model_inputs
 
     jsonl, media = write_sample_dataset(tmp_path / "samples", count=8, with_bad=False)
     hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen3_vl")
@@ -217,12 +217,11 @@ def test_loader_tower_inputs_reach_the_qwen3_vl_models_tower(tmp_path, cpu_runti
         derived.sum().backward()
         derived_grads = [p.grad.clone() for p in vision.parameters()]  # every one is used: none is None
         model.zero_grad()
-        pairs = tower_input_pairs(batch, kwargs, torch.device("cpu"))
-        with speed_qwen3_vl_tower.prepared_megatron_tower_inputs(model, pairs):
-            vision.register_forward_pre_hook(lambda m, a, kw: given.append(kw.get("tower_inputs")), with_kwargs=True)
-            prepared = model(**kwargs)
+        host = host_batch(model, batch, kwargs, torch.device("cpu"))
+        vision.register_forward_pre_hook(lambda m, a, kw: given.append(kw.get("tower_inputs")), with_kwargs=True)
+        prepared = model(**kwargs, host_batch=host)
         prepared.sum().backward()
-        assert len(given) == 1 and given[0] is pairs[0][1]
+        assert len(given) == 1 and given[0] is host.image_tower_inputs
         assert torch.equal(prepared, derived)
         assert all(torch.equal(p.grad, g) for p, g in zip(vision.parameters(), derived_grads))
     finally:

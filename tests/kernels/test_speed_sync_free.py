@@ -1,9 +1,9 @@
-"""A micro-batch without host reads (qvl.kernels.speed_sync_free, patch group "speed-sync-free").
+"""A micro-batch without host reads (qvl.kernels.speed_sync_free; patch group "speed-sync-free").
 
 The loader's mRoPE positions equal what Megatron-Bridge's forward computes (transformers' `get_rope_index` for
 Qwen2-VL / Qwen2.5-VL, Megatron-Bridge's own for Qwen3-VL) bit for bit on a pack with several images, a video and
-text-only sub-sequences; the patched forward gives upstream's losses and gradients bit for bit and reads no device
-value; a NaN loss still stops training, with its losses read once per step.
+text-only sub-sequences; qvl's model forward given the loader's host batch gives upstream's losses and gradients bit
+for bit and reads no device value; a NaN loss still stops training, with its losses read once per step.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def test_forward_with_loader_positions_equals_upstream_bitwise(family, tmp_path,
     from qvl.bridges.fixes import fix_provider
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.kernels import speed_rotary, speed_sync_free
-    from qvl.training.step import model_inputs
+    from qvl.training.step import host_batch, model_inputs
 
     hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
     distributed.init_distributed()
@@ -205,14 +205,17 @@ def test_forward_with_loader_positions_equals_upstream_bitwise(family, tmp_path,
         model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
         patch_dim = math.prod(model.visual.patch_embed.proj.weight.shape[1:])
         batch = _batch(family, bridge.hf_pretrained.config, patch_dim)
+        assert type(model).__module__ == f"qvl.bridges.{family}"  # qvl's model class, built by qvl's provider
         kwargs, _ = model_inputs(batch, torch.device("cpu"))
         assert kwargs["position_ids"] is not None and "pixel_values_videos" in kwargs
-        upstream = _loss_and_grads(model, kwargs)
+        upstream = _loss_and_grads(model, kwargs)  # no host batch: upstream's forward
         calls = []
         with patches.applied(speed_rotary.GROUP, speed_sync_free.GROUP), pytest.MonkeyPatch.context() as spy:
             for name in ("get_rope_index", "get_image_features", "get_video_features", "get_placeholder_mask"):
                 spy.setattr(model, name, lambda *a, _name=name, **k: calls.append(_name))
-            ours = _loss_and_grads(model, kwargs)
+            ours = _loss_and_grads(
+                model, {**kwargs, "host_batch": host_batch(model, batch, kwargs, torch.device("cpu"))}
+            )
         assert calls == []  # none of transformers' host-reading helpers ran
         assert torch.equal(ours[0], upstream[0])
         assert ours[1].keys() == upstream[1].keys() and any(n.startswith("visual.") for n in ours[1])
@@ -223,7 +226,8 @@ def test_forward_with_loader_positions_equals_upstream_bitwise(family, tmp_path,
             patches.applied(speed_rotary.GROUP, speed_sync_free.GROUP),
             pytest.raises(speed_sync_free.PlaceholderMismatchError, match="12 image"),
         ):
-            model(**model_inputs(wrong, torch.device("cpu"))[0])
+            wrong_kwargs = model_inputs(wrong, torch.device("cpu"))[0]
+            model(**wrong_kwargs, host_batch=host_batch(model, wrong, wrong_kwargs, torch.device("cpu")))
     finally:
         distributed.destroy_distributed()
 
@@ -249,15 +253,37 @@ class _Reads:
         return read
 
 
-def _fake_train_step(outputs: list[torch.Tensor]):
-    """Megatron-Bridge's train_step's part here: the loss function of every micro-batch."""
+def _fake_train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state, *rest):
+    """Megatron-Bridge's train_step's part here: each micro-batch's forward step and loss function, as its schedule
+    calls them."""
+    results = []
+    for _ in range(3):
+        output, loss_func = forward_step_func(data_iterator, model)
+        results.append(loss_func(output))
+    return results
+
+
+def _forward_step(outputs: list[torch.Tensor], *, takes_loss_check: bool = True):
+    """A forward step handing out `outputs` in turn with qvl's loss function (taking a `loss_check` as qvl's does)."""
     from qvl.kernels.speed_sync_free import masked_loss
 
-    def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state, *rest):
-        mask = torch.ones(outputs[0].shape)
-        return [masked_loss(mask, out, check_for_nan_in_loss=True, check_for_spiky_loss=False) for out in outputs]
+    given = iter(outputs)
 
-    return train_step
+    def loss_function(out, loss_check):
+        mask = torch.ones(out.shape)
+        return functools.partial(
+            masked_loss, mask, check_for_nan_in_loss=True, check_for_spiky_loss=False, loss_check=loss_check
+        )
+
+    def forward_step(data_iterator, model, *, loss_check=None):
+        out = next(given)
+        return out, loss_function(out, loss_check)
+
+    def forward_step_without_check(data_iterator, model):
+        out = next(given)
+        return out, loss_function(out, None)
+
+    return forward_step if takes_loss_check else forward_step_without_check
 
 
 def test_a_nan_loss_stops_training_after_one_read_per_step(cpu_runtime):
@@ -269,20 +295,24 @@ def test_a_nan_loss_stops_training_after_one_read_per_step(cpu_runtime):
     state = types.SimpleNamespace(train_state=types.SimpleNamespace(step=4))
     finite = [torch.full((4,), 1.0), torch.full((4,), 2.0), torch.full((4,), 3.0)]
     with_nan = [finite[0], torch.tensor([1.0, float("nan"), 1.0, 1.0]), finite[2]]
+    checked_step = train_step_with_loss_check(_fake_train_step)
     destroy_rerun_state_machine()
     try:
         with pytest.MonkeyPatch.context() as spy:
             reads = _Reads(spy)
-            results = train_step_with_loss_check(_fake_train_step(finite))(*[None] * 5, state, None, None, None)
+            results = checked_step(_forward_step(finite), None, None, None, None, state, None, None, None)
             assert reads.count == 1  # the whole step's losses in one read
             reads.count = 0
             with pytest.raises(NonFiniteLossError, match=r"micro-batch 2 of 3 at iteration 5 is nan"):
-                train_step_with_loss_check(_fake_train_step(with_nan))(*[None] * 5, state, None, None, None)
+                checked_step(_forward_step(with_nan), None, None, None, None, state, None, None, None)
             assert reads.count == 1
         assert [float(r[0]) for r in results] == [4.0, 8.0, 12.0]
         # outside a checked training step (evaluation, another loop) upstream checks each loss as it comes
         with pytest.raises(RuntimeError, match="NaN"):
             masked_loss(torch.ones(4), with_nan[1], check_for_nan_in_loss=True, check_for_spiky_loss=False)
+        # and so it does for a forward step that takes no `loss_check`, inside a checked training step
+        with pytest.raises(RuntimeError, match="NaN"):
+            checked_step(_forward_step(with_nan, takes_loss_check=False), None, None, None, None, state, None, None)
     finally:
         destroy_rerun_state_machine()
 

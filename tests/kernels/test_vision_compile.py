@@ -21,8 +21,7 @@ from tests.kernels.test_speed_hf_vision import GRIDS, pixels, tiny_tower
 def _tower_step(tower, x, grid, inputs):
     """Forward and backward of the lean tower with its precomputed inputs: (output, {parameter name: gradient})."""
     tower.zero_grad(set_to_none=True)
-    with speed_hf_vision.prepared_tower_inputs([tower], [(grid, inputs)]):
-        out = tower(x, grid_thw=grid).pooler_output
+    out = tower(x, grid_thw=grid, **speed_hf_vision.tower_kwargs(inputs)).pooler_output
     out.float().square().sum().backward()
     return out.detach(), {name: p.grad.clone() for name, p in tower.named_parameters()}
 

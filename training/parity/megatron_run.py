@@ -97,14 +97,14 @@ class RecordingForwardStep:
     def __init__(self, recording: Recording, batch_hook: Callable[[Any, Any], Any] | None = None):
         self.recording, self.batch_hook = recording, batch_hook
 
-    def __call__(self, state, data_iterator, model, return_schedule_plan: bool = False):
+    def __call__(self, state, data_iterator, model, return_schedule_plan: bool = False, *, loss_check=None):
         from qvl.training.step import forward_step
 
         step = state.train_state.step + 1
         iterator = _RecordingIterator(data_iterator, self.recording, step)
         if self.batch_hook is not None:
             iterator = _Hooked(iterator, lambda batch: self.batch_hook(batch, model))
-        output, loss_func = forward_step(state, iterator, model, return_schedule_plan)
+        output, loss_func = forward_step(state, iterator, model, return_schedule_plan, loss_check=loss_check)
         if step == 1 and self.recording.rank[2]:  # earlier pipeline stages return activations, not losses
             record = self.recording.micro_batches[-1]
             record.token_losses = output.detach().reshape(-1).clone()
