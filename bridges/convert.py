@@ -21,6 +21,7 @@ import torch
 from qvl.bridges import unconverted, verify
 from qvl.bridges.checkpoints import check_megatron_checkpoint
 from qvl.bridges.consistency import check_hf_checkpoint
+from qvl.bridges.mtp_reference import mtp_layers_in_checkpoint
 from qvl.bridges.providers import auto_bridge, layout_facts
 from qvl.bridges.stream import save_streaming
 from qvl.foundation import patches
@@ -126,6 +127,8 @@ def import_checkpoint(
     bridge = auto_bridge_with_weights(hf_path, DTYPES[dtype])
     provider = bridge.to_megatron_provider(load_weights=False)
     _fix(provider, bridge)
+    if getattr(provider, "mtp_num_layers", None):  # the MTP layers the checkpoint's tensors hold (Qwen3.5's mtp.*)
+        provider.mtp_num_layers = mtp_layers_in_checkpoint(hf_path, provider.mtp_num_layers) or None
     provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = tensor_parallel, pipeline_parallel
     check_checkpoint_layout(provider)
     provider.tensor_model_parallel_size = provider.pipeline_model_parallel_size = 1
@@ -139,6 +142,7 @@ def import_checkpoint(
         save_streaming(bridge, provider, out_dir, hf_tokenizer_path=str(hf_path))
     copy_hf_side_files(hf_path, out_dir / HF_FILES_DIR)
     unconverted.save_unconverted(hf_path, out_dir / HF_FILES_DIR)  # e.g. Qwen3.5's mtp.*: kept, not dropped
+    unconverted.save_tensor_names(hf_path, out_dir / HF_FILES_DIR)  # the export writes the same layout back
     return ConversionResult(
         output=out_dir,
         seconds=time.perf_counter() - started,
@@ -252,7 +256,8 @@ def verify_on_rank(hf_path: str, megatron_dir: str, tolerance: float | None, vid
         inputs = verify.reference_inputs(Path(hf_path), video=video)
     else:
         inputs = verify.config_inputs(Path(hf_path))
-    ours = verify.megatron_logits(model, inputs)
+    mtp = bool(getattr(model[0].config, "mtp_num_layers", None))  # the MTP head too (qvl.bridges.mtp_reference)
+    ours = verify.megatron_logits(model, inputs, mtp=mtp)
     with patches.applied(speed_aligned_widths.GROUP):
         compared, different = verify.compare_exported_tensors(bridge, model, Path(hf_path))
     kept, different = unconverted.sort_out_kept(different, Path(hf_path), Path(megatron_dir) / HF_FILES_DIR)
@@ -260,5 +265,9 @@ def verify_on_rank(hf_path: str, megatron_dir: str, tolerance: float | None, vid
         return None
     if tolerance is None:  # fp32 parity is ~3e-7; bf16 weights round every matmul input
         tolerance = verify.DEFAULT_TOLERANCE if model[0].config.params_dtype == torch.float32 else 0.25
-    report = verify.build_report(verify.hf_logits(Path(hf_path), inputs), ours, compared, different, tolerance)
+    if mtp:
+        reference, mtp_reference = verify.hf_logits_and_mtp(Path(hf_path), inputs)
+    else:
+        reference, mtp_reference = verify.hf_logits(Path(hf_path), inputs), None
+    report = verify.build_report(reference, ours, compared, different, tolerance, mtp_reference=mtp_reference)
     return report.as_dict() | {"tensors_kept_aside": kept, "peak_rss_bytes": peak_rss_bytes()}

@@ -12,10 +12,15 @@ what cannot run without TE or `fla`:
 - the vision tower: the TE-only Megatron Qwen3-VL tower, built from local modules by qvl's `Qwen3VLModel`
   (qvl.bridges.qwen3_vl), with HF's exact-GELU patch merger;
 - the providers' fields: `mrope_section` and the token ids come from the checkpoint's config (upstream falls back to
-  the released models' values, and reads `rope_scaling`, which transformers 5 leaves empty).
-Mapping tables: inherited unchanged from Megatron-Bridge's bridges. Local norms are separate modules named
+  the released models' values, and reads `rope_scaling`, which transformers 5 leaves empty);
+- the multi-token-prediction (MTP) block: upstream asks Megatron-Core for a TE MTP spec (`get_gpt_mtp_block_spec(...,
+  use_transformer_engine=True)`), which fails without TE as soon as a config has `mtp_num_hidden_layers` (every
+  released one). `local_mtp_block_spec` builds Megatron-Core's `MultiTokenPredictionLayer` from the same local
+  full-attention layer as the decoder's, with zero-centred norms (`mtp.pre_fc_norm_*`, `mtp.norm` are Qwen3.5 norms).
+Mapping tables: inherited from Megatron-Bridge's bridges. Local norms are separate modules named
 `input_layernorm` / `pre_mlp_layernorm`, which Megatron-Bridge's registry maps to the same HF tensors as TE's fused
-`layer_norm_weight` names.
+`layer_norm_weight` names. Its MoE MTP table names only grouped-GEMM experts (`experts.linear_fc1.weight*`); local
+specs build per-expert modules (`experts.local_experts.N.linear_fc1.weight`), mapped here as its decoder table does.
 """
 
 # ruff: noqa: E402  (Megatron-Bridge must be imported through import_megatron_bridge first, as in qwen3_vl.py)
@@ -23,19 +28,33 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import types
 
 from qvl.foundation.megatron import import_megatron_bridge
 
 import_megatron_bridge()  # Megatron-Bridge imports TE / nvrx unconditionally: qvl gives them stand-ins
 
 import torch
+from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+from megatron.bridge.models.conversion.param_mapping import (
+    AutoMapping,
+    FusedExpertMapping,
+    FusedGatedExpertMapping,
+    GatedMLPMapping,
+)
 from megatron.bridge.models.qwen_vl import qwen35_vl_bridge as upstream_bridge
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention import Qwen3VLSelfAttention
 from megatron.bridge.models.qwen_vl.qwen35_vl_provider import Qwen35VLModelProvider, Qwen35VLMoEModelProvider
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+    get_mtp_num_layers_to_build,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -44,6 +63,7 @@ from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCondition
 from qvl.bridges.fixes import mrope_section
 from qvl.bridges.providers import provider_as
 from qvl.bridges.qwen3_vl import Qwen3VLModel
+from qvl.bridges.unconverted import recorded_tensor_names
 from qvl.foundation.megatron import have_transformer_engine
 from qvl.kernels.local_specs import local_gpt_layer_spec
 from qvl.kernels.torch_gated_delta import GatedDeltaNet
@@ -87,12 +107,18 @@ def _gated_delta_layer(attention_layer: ModuleSpec) -> ModuleSpec:
     return layer
 
 
+def _attention_layer(config, vp_stage: int | None) -> ModuleSpec:
+    """The gated full-attention layer (mRoPE, zero-centred norms, the config's dense or MoE MLP)."""
+    layer = _zero_centred_norms(local_gpt_layer_spec(config, vp_stage=vp_stage))
+    layer.submodules.self_attention.module = Qwen3VLSelfAttention  # mRoPE
+    return layer
+
+
 def local_hybrid_block_spec(config, vp_stage: int | None = None, pp_rank: int | None = None):
     """The Qwen3.5 language block from local modules: this pipeline stage's slice of the layer pattern
     (`linear_attention_freq`) with a zero-centred final norm; mirrors Megatron-Core's TE-only
     get_transformer_block_with_experimental_attention_variant_spec."""
-    attention_layer = _zero_centred_norms(local_gpt_layer_spec(config, vp_stage=vp_stage))
-    attention_layer.submodules.self_attention.module = Qwen3VLSelfAttention  # mRoPE
+    attention_layer = _attention_layer(config, vp_stage)
     delta_layer = _gated_delta_layer(attention_layer)
     pattern = get_linear_attention_pattern(config)  # 1 = Gated DeltaNet, 0 = full attention
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
@@ -101,13 +127,38 @@ def local_hybrid_block_spec(config, vp_stage: int | None = None, pp_rank: int | 
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
 
 
+def local_mtp_block_spec(config, vp_stage: int | None = None) -> MultiTokenPredictionBlockSubmodules | None:
+    """Megatron-Core's MTP block from local modules (None where this stage builds no MTP layer): per depth, the
+    published head (`fc` = eh_proj, `pre_fc_norm_embedding` = enorm, `pre_fc_norm_hidden` = hnorm, `norm` =
+    final_layernorm) around one full-attention layer like the decoder's (qvl.bridges.mtp_reference); mirrors
+    Megatron-Core's get_gpt_mtp_block_spec, whose norms would not be zero-centred."""
+    if not config.mtp_num_layers or get_mtp_num_layers_to_build(config, vp_stage=vp_stage) == 0:
+        return None
+    layer = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=ZeroCenteredRMSNorm,
+            hnorm=ZeroCenteredRMSNorm,
+            eh_proj=ColumnParallelLinear,
+            mtp_model_layer=_attention_layer(config, vp_stage),
+            layer_norm=ZeroCenteredRMSNorm,
+        ),
+    )
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)
+
+
 class _LocalLanguageSpec:
-    """Provider mix-in: the language block from local modules where TE is absent, and qvl's Qwen3VLModel."""
+    """Provider mix-in: the language and MTP blocks from local modules where TE is absent, and qvl's Qwen3VLModel."""
 
     def build_language_spec(self, vp_stage=None, pp_rank=None):
         if have_transformer_engine():
             return super().build_language_spec(vp_stage=vp_stage, pp_rank=pp_rank)
         return local_hybrid_block_spec(self, vp_stage=vp_stage, pp_rank=pp_rank)
+
+    def build_mtp_spec(self, vp_stage=None):
+        if have_transformer_engine():
+            return super().build_mtp_spec(vp_stage=vp_stage)
+        return local_mtp_block_spec(self, vp_stage=vp_stage)
 
     def provide(self, pre_process=None, post_process=None, vp_stage=None) -> Qwen3VLModel:
         self.vision_config.torch_dtype = self.params_dtype
@@ -152,11 +203,15 @@ def _from_checkpoint(provider, hf_config):
     source=Qwen3_5ForConditionalGeneration, target=Qwen3VLModel, provider=QvlQwen35VLModelProvider, model_type="qwen3_5"
 )
 class Qwen35VLBridge(upstream_bridge.Qwen35VLBridge):
-    """Megatron-Bridge's Qwen3.5-VL dense bridge, handing out qvl's provider; mappings inherited."""
+    """Megatron-Bridge's Qwen3.5-VL dense bridge, handing out qvl's provider; mappings inherited, plus the MTP
+    layer's norms under local-spec names."""
 
     def provider_bridge(self, hf_pretrained) -> QvlQwen35VLModelProvider:
         provider = provider_as(QvlQwen35VLModelProvider, super().provider_bridge(hf_pretrained))
         return _from_checkpoint(provider, hf_pretrained.config)
+
+    def mapping_registry(self) -> MegatronMappingRegistry:
+        return MegatronMappingRegistry(*super().mapping_registry().get_all_mappings(), *MTP_LOCAL_NORMS)
 
 
 @MegatronModelBridge.register_bridge(
@@ -166,8 +221,71 @@ class Qwen35VLBridge(upstream_bridge.Qwen35VLBridge):
     model_type="qwen3_5_moe",
 )
 class Qwen35VLMoEBridge(upstream_bridge.Qwen35VLMoEBridge):
-    """Megatron-Bridge's Qwen3.5-VL MoE bridge, handing out qvl's provider; mappings inherited."""
+    """Megatron-Bridge's Qwen3.5-VL MoE bridge, handing out qvl's provider; mappings inherited, plus the MTP
+    layer's per-expert (local-spec) experts."""
 
     def provider_bridge(self, hf_pretrained) -> QvlQwen35VLMoEModelProvider:
         provider = provider_as(QvlQwen35VLMoEModelProvider, super().provider_bridge(hf_pretrained))
         return _from_checkpoint(provider, hf_pretrained.config)
+
+    def mapping_registry(self) -> MegatronMappingRegistry:
+        # Upstream picks packed or per-expert tables from a loaded checkpoint's keys; a config-only bridge (export)
+        # reads the names `qvl convert import` recorded, so a Qwen3.6 checkpoint exports packed as it came.
+        hf_pretrained = getattr(self, "hf_pretrained", None)
+        keys = checkpoint_keys(hf_pretrained)
+        self.hf_pretrained = _KeysView(hf_pretrained, keys) if keys is not None else hf_pretrained
+        try:
+            upstream = super().mapping_registry()
+        finally:
+            self.hf_pretrained = hf_pretrained
+        experts = mtp_local_expert_mappings(keys or [])
+        return MegatronMappingRegistry(*upstream.get_all_mappings(), *MTP_LOCAL_NORMS, *experts)
+
+
+def checkpoint_keys(hf_pretrained) -> list[str] | None:
+    """The HF checkpoint's tensor names: a loaded checkpoint's, else those recorded at import, else None."""
+    source = getattr(getattr(hf_pretrained, "state", None), "source", None)
+    if source is not None:
+        return list(source.get_all_keys())
+    return recorded_tensor_names(getattr(hf_pretrained, "config", hf_pretrained))
+
+
+class _KeysView:
+    """An HF model wrapper or config that answers `.state.source.get_all_keys()` with `keys`, as a loaded
+    checkpoint does (what Megatron-Bridge's `moe_experts_stored_packed` and MTP table read)."""
+
+    def __init__(self, wrapped, keys: list[str]):
+        self._wrapped = wrapped
+        self.state = types.SimpleNamespace(source=types.SimpleNamespace(get_all_keys=lambda: keys))
+
+    def __getattr__(self, name):
+        return getattr(self._wrapped, name)
+
+
+# Megatron-Bridge aliases TE's fused norm names to local ones only for `*.`-patterns; its MTP table is literal
+# (`mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.layer_norm_weight`), so the local names are mapped here.
+_MTP_LAYER = "language_model.mtp.layers.*.mtp_model_layer"
+MTP_LOCAL_NORMS = (
+    AutoMapping(megatron_param=f"{_MTP_LAYER}.input_layernorm.weight", hf_param="mtp.layers.*.input_layernorm.weight"),
+    AutoMapping(megatron_param=f"{_MTP_LAYER}.pre_mlp_layernorm.weight", hf_param="mtp.layers.*.post_attention_layernorm.weight"),
+)  # fmt: skip
+
+
+def mtp_local_expert_mappings(keys: list[str]) -> list:
+    """The MTP layer's routed experts as local specs build them (SequentialMLP), per-expert or packed on the HF
+    side as the checkpoint (its tensor names `keys`) stores them (Megatron-Bridge's own test:
+    `mtp.layers.0.mlp.experts.gate_up_proj`)."""
+    megatron = f"{_MTP_LAYER}.mlp.experts.local_experts.*"
+    if "mtp.layers.0.mlp.experts.gate_up_proj" in keys:
+        return [
+            FusedGatedExpertMapping(megatron_param=f"{megatron}.linear_fc1.weight", hf_param="mtp.layers.*.mlp.experts.gate_up_proj"),
+            FusedExpertMapping(megatron_param=f"{megatron}.linear_fc2.weight", hf_param="mtp.layers.*.mlp.experts.down_proj"),
+        ]  # fmt: skip
+    return [
+        GatedMLPMapping(
+            megatron_param=f"{megatron}.linear_fc1.weight",
+            gate="mtp.layers.*.mlp.experts.*.gate_proj.weight",
+            up="mtp.layers.*.mlp.experts.*.up_proj.weight",
+        ),
+        AutoMapping(megatron_param=f"{megatron}.linear_fc2.weight", hf_param="mtp.layers.*.mlp.experts.*.down_proj.weight"),
+    ]  # fmt: skip

@@ -1,12 +1,12 @@
-"""Checkpoint tensors qvl does not convert, carried through a round trip untouched.
+"""Checkpoint tensors kept aside at import, so an export never loses them.
 
 Released Qwen3.5-VL checkpoints hold multi-token-prediction weights (`mtp.*`). transformers' classes skip them on
-load, and Megatron-Bridge maps them only into a model built with MTP layers, which qvl's local (non-TE) specs do
-not build. Instead of dropping them, `qvl convert import` copies them bit for bit into the Megatron checkpoint's
-`hf/` folder (UNCONVERTED_FILE), `qvl convert export` writes them back next to the exported weights (listed in
-the safetensors index, so tools that read MTP heads find them), and `qvl convert verify` reports them as kept aside
-after comparing them with the HF checkpoint's. Which prefixes a family has is in its record
-(`Family.unconverted_prefixes`).
+load; qvl converts them into Megatron-Core's MTP block (qvl.bridges.qwen3_5_vl), but a run may train without MTP
+layers (recipe option `mtp=false`), and its checkpoints then hold no MTP weights. So `qvl convert import` also
+copies them bit for bit into the Megatron checkpoint's `hf/` folder (UNCONVERTED_FILE), `qvl convert export` writes
+back those the model did not export itself (listed in the safetensors index, so tools that read MTP heads find
+them), and `qvl convert verify` reports them as kept aside after comparing them with the HF checkpoint's. Which
+prefixes a family has is in its record (`Family.unconverted_prefixes`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from qvl.bridges.consistency import read_config
 from qvl.foundation.families import family_of_architecture
 
 UNCONVERTED_FILE = "unconverted.safetensors"
+# The HF checkpoint's tensor names, so an export writes the layout it came in (e.g. Qwen3.6's packed MoE experts,
+# which nothing in its config.json tells apart from Qwen3.5's per-expert ones).
+TENSOR_NAMES_FILE = "tensor_names.json"
 _INDEX = "model.safetensors.index.json"
 
 
@@ -34,6 +37,23 @@ def unconverted_prefixes(hf_path: Path) -> tuple[str, ...]:
 
 def _weight_files(hf_path: Path) -> list[Path]:
     return sorted(p for p in Path(hf_path).glob("*.safetensors") if p.name != UNCONVERTED_FILE)
+
+
+def save_tensor_names(hf_path: Path, side_dir: Path) -> None:
+    """Record the checkpoint's tensor names in `side_dir`/TENSOR_NAMES_FILE."""
+    names = []
+    for path in _weight_files(hf_path):
+        with safe_open(str(path), framework="pt") as f:
+            names += list(f.keys())
+    side_dir.mkdir(parents=True, exist_ok=True)
+    (side_dir / TENSOR_NAMES_FILE).write_text(json.dumps(sorted(names)))
+
+
+def recorded_tensor_names(hf_config) -> list[str] | None:
+    """The tensor names recorded beside the config a bridge was built from (`qvl convert import`'s `hf/` folder),
+    or None."""
+    path = Path(getattr(hf_config, "name_or_path", "") or ".") / TENSOR_NAMES_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def save_unconverted(hf_path: Path, side_dir: Path) -> list[str]:
@@ -50,12 +70,12 @@ def save_unconverted(hf_path: Path, side_dir: Path) -> list[str]:
 
 
 def restore_unconverted(side_dir: Path, out_hf_path: Path) -> list[str]:
-    """Write the kept-aside tensors next to an exported checkpoint's weights and list them in its index."""
+    """Write the kept-aside tensors the export did not write itself (a model trained without MTP layers) next to an
+    exported checkpoint's weights and list them in its index; returns their names."""
     source = Path(side_dir) / UNCONVERTED_FILE
     if not source.is_file():
         return []
     out_hf_path = Path(out_hf_path)
-    (out_hf_path / UNCONVERTED_FILE).write_bytes(source.read_bytes())
     index_path = out_hf_path / _INDEX
     if index_path.is_file():
         index = json.loads(index_path.read_text())
@@ -65,10 +85,13 @@ def restore_unconverted(side_dir: Path, out_hf_path: Path) -> list[str]:
             with safe_open(str(path), framework="pt") as f:
                 index["weight_map"].update({name: path.name for name in f.keys()})
     with safe_open(str(source), framework="pt") as f:
-        names = sorted(f.keys())
-    index["weight_map"].update({name: UNCONVERTED_FILE for name in names})
+        missing = {name: f.get_tensor(name) for name in sorted(f.keys()) if name not in index["weight_map"]}
+    if not missing:
+        return []
+    save_file(missing, str(out_hf_path / UNCONVERTED_FILE), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(missing, UNCONVERTED_FILE))
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True))
-    return names
+    return sorted(missing)
 
 
 def sort_out_kept(different: list[str], hf_path: Path, side_dir: Path) -> tuple[list[str], list[str]]:

@@ -1,6 +1,9 @@
 """Prove a conversion: the Megatron model's logits against the HF model's, and every exported tensor
 against the HF checkpoint's, on a fixed multimodal input (two images of different sizes, multi-turn
-text, and a short video). Works at any TP/PP layout of the Megatron model (collective)."""
+text, and a short video). Works at any TP/PP layout of the Megatron model (collective).
+
+A checkpoint with a multi-token-prediction head (Qwen3.5's `mtp.*`) is also checked there: Megatron-Core's MTP
+block's logits against the published head's (qvl.bridges.mtp_reference), which transformers does not build."""
 
 from __future__ import annotations
 
@@ -28,10 +31,14 @@ class VerifyReport:
     tensors_compared: int
     tensors_different: list[str] = field(default_factory=list)
     tolerance: float = DEFAULT_TOLERANCE
+    # the first MTP depth's logits against the published MTP head's (None: the model has no MTP layers)
+    mtp_max_abs_diff: float | None = None
+    mtp_top1_agreement: float | None = None
 
     @property
     def ok(self) -> bool:
-        return self.max_abs_diff <= self.tolerance and not self.tensors_different
+        mtp_ok = self.mtp_max_abs_diff is None or self.mtp_max_abs_diff <= self.tolerance
+        return self.max_abs_diff <= self.tolerance and mtp_ok and not self.tensors_different
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
@@ -108,9 +115,26 @@ def hf_logits(hf_path: Path, inputs: dict) -> torch.Tensor:
         return model(**inputs).logits.float()
 
 
-def megatron_logits(model_chunks: list, inputs: dict) -> torch.Tensor | None:
-    """Logits of a Megatron Qwen-VL model split over TP/PP ranks; every rank of the last stage returns them."""
+def hf_logits_and_mtp(hf_path: Path, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the HF model and of the checkpoint's MTP head (the published definition,
+    qvl.bridges.mtp_reference; transformers builds none), in fp32 on CPU."""
+    from transformers import AutoModelForImageTextToText
+
+    from qvl.bridges.mtp_reference import hf_logits_with_mtp, load_mtp_head
+
+    model = AutoModelForImageTextToText.from_pretrained(str(hf_path), dtype=torch.float32).eval()
+    return hf_logits_with_mtp(model, load_mtp_head(model, Path(hf_path)).eval(), inputs)
+
+
+def megatron_logits(model_chunks: list, inputs: dict, *, mtp: bool = False) -> torch.Tensor | None:
+    """Logits of a Megatron Qwen-VL model split over TP/PP ranks; every rank of the last stage returns them. With
+    `mtp` (a model with MTP layers), each depth's logits follow the main ones along the sequence
+    ([b, (1 + depths) * s, v]): patch group "fix-mtp-loss" hands the MTP states to the output layer
+    (qvl.kernels.fix_mtp_loss)."""
     from megatron.core import parallel_state
+
+    from qvl.foundation import patches
+    from qvl.kernels import fix_mtp_loss
 
     model = model_chunks[0]
     model.eval()
@@ -123,7 +147,7 @@ def megatron_logits(model_chunks: list, inputs: dict) -> torch.Tensor | None:
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     hidden = model.config.hidden_size
-    with torch.no_grad():
+    with torch.no_grad(), patches.applied(*([fix_mtp_loss.GROUP] if mtp else [])):
         if not first:  # receive the previous stage's activations: [s, b, h]
             received = torch.empty(ids.shape[1], ids.shape[0], hidden, dtype=model.config.params_dtype)
             torch.distributed.recv(
@@ -163,18 +187,32 @@ def compare_exported_tensors(bridge, model_chunks: list, hf_path: Path) -> tuple
 
 
 def build_report(
-    reference: torch.Tensor, ours: torch.Tensor, compared: int, different: list[str], tolerance: float
+    reference: torch.Tensor,
+    ours: torch.Tensor,
+    compared: int,
+    different: list[str],
+    tolerance: float,
+    *,
+    mtp_reference: torch.Tensor | None = None,
 ) -> VerifyReport:
-    """Compare two logit tensors [b, s, v] (ours may carry vocab padding)."""
+    """Compare two logit tensors [b, s, v] (ours may carry vocab padding, and MTP logits after the main ones, which
+    are compared with `mtp_reference`)."""
+    tokens = reference.shape[1]
     ours = ours[..., : reference.shape[-1]]
-    diff = (ours - reference).abs()
-    agreement = (ours.argmax(-1) == reference.argmax(-1)).float().mean()
+    diff = (ours[:, :tokens] - reference).abs()
+    agreement = (ours[:, :tokens].argmax(-1) == reference.argmax(-1)).float().mean()
+    mtp = {}
+    if mtp_reference is not None:
+        ours_mtp = ours[:, tokens : 2 * tokens]
+        mtp["mtp_max_abs_diff"] = float((ours_mtp - mtp_reference).abs().max())
+        mtp["mtp_top1_agreement"] = float((ours_mtp.argmax(-1) == mtp_reference.argmax(-1)).float().mean())
     return VerifyReport(
         max_abs_diff=float(diff.max()),
         mean_abs_diff=float(diff.mean()),
         top1_agreement=float(agreement),
-        tokens=reference.shape[1],
+        tokens=tokens,
         tensors_compared=compared,
         tensors_different=different,
         tolerance=tolerance,
+        **mtp,
     )

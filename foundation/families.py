@@ -191,12 +191,16 @@ _QWEN3_5_TINY_TEXT = dict(
     linear_value_head_dim=16,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
+    # As every released config: one multi-token-prediction layer sharing the main embedding (qvl.bridges.mtp_reference)
+    mtp_num_hidden_layers=1,
+    mtp_use_dedicated_embeddings=False,
 )
 _QWEN3_5_COMMON = dict(
     _QWEN3_COMMON,
     tiny_vision=_frozen({k: v for k, v in _QWEN3_TINY_VISION.items() if k != "deepstack_visual_indexes"}),
     bridge_module="qvl.bridges.qwen3_5_vl",  # Megatron-Bridge's Qwen35VL bridges without TE or fla
-    # Released checkpoints carry multi-token-prediction weights, which qvl's local specs do not build.
+    # Released checkpoints carry multi-token-prediction weights: converted into Megatron-Core's MTP block, and also
+    # kept aside at import so a run trained without MTP exports them unchanged.
     unconverted_prefixes=("mtp.",),
     recipe_module="qvl.recipes.qwen3_5_vl",
 )

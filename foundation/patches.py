@@ -135,6 +135,13 @@ PATCHES: tuple[Patch, ...] = (
           replacement="qvl.kernels.fix_adam_resume:load_state_dict_with_own_steps", version=MCORE,
           params=("self", "state_dict"),
           why="it gives every parameter ONE shared `step` tensor, then overwrites it with the template's 0"),
+    # --- fix-mtp-loss: qvl.kernels.fix_mtp_loss (any device; training and verify of a model with MTP layers)
+    Patch(group="fix-mtp-loss", target="megatron.core.models.gpt.gpt_model:process_mtp_loss",
+          replacement="qvl.kernels.fix_mtp_loss:keep_mtp_states", version=MCORE,
+          params=("hidden_states", "labels", "loss_mask", "output_layer"),
+          why="it weights MTP tokens per micro-batch (not token-weighted like the main loss), logs a per-micro-batch "
+              "mean through a global tracker and reads packed bounds to the host; qvl.training.mtp computes the "
+              "MTP loss from the states instead"),
     # --- speed-optimizer: qvl.kernels.speed_optimizer (around every training loop, any device)
     Patch(group="speed-optimizer", target="megatron.core.optimizer.clip_grads:l2_norm_impl",
           replacement="qvl.kernels.speed_optimizer:foreach_l2_norm", version=MCORE,

@@ -20,13 +20,10 @@ from a roofline: GEMM efficiency, pipeline bubble, unoverlapped TP/EP/DP communi
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from qvl.foundation.errors import ConfigError
-from qvl.foundation.layout import ParallelLayout
 from qvl.recipes.activations import (
     layer_activation_bytes,
     vision_activation_bytes,
@@ -34,60 +31,19 @@ from qvl.recipes.activations import (
     vision_shares,
 )
 from qvl.recipes.overrides import Overrides, apply_config_overrides
+from qvl.recipes.plan_inputs import GPU, GPUS, PlanInputs, plan_inputs
 from qvl.recipes.registry import get_recipe
 from qvl.recipes.shapes import (
     lm_layer_params,
     lm_param_counts,
     lora_params_per_layer,
-    model_shapes,
     padded_vocab,
     vision_is_megatron,
     vision_param_count,
 )
-from qvl.recipes.split import Workload, counts, split_from_counts, stage_costs, workload_of_dataset
+from qvl.recipes.split import Workload, split_from_counts, stage_costs
 
 GIB = 1024**3
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class GPU:
-    """One accelerator kind: memory, dense peak FLOP/s and link bandwidths (bytes/s per GPU)."""
-
-    name: str
-    memory_gib: float
-    bf16_flops: float
-    fp8_flops: float | None
-    intra_node_bw: float  # NVLink, one direction
-    inter_node_bw: float  # InfiniBand NIC per GPU
-    gpus_per_node: int = 8
-
-
-GPUS = {
-    "h100": GPU(
-        name="H100 SXM 80GB",
-        memory_gib=79.6,
-        bf16_flops=989e12,
-        fp8_flops=1979e12,
-        intra_node_bw=450e9,
-        inter_node_bw=50e9,
-    ),
-    "h200": GPU(
-        name="H200 SXM 141GB",
-        memory_gib=139.8,
-        bf16_flops=989e12,
-        fp8_flops=1979e12,
-        intra_node_bw=450e9,
-        inter_node_bw=50e9,
-    ),
-    "a100": GPU(
-        name="A100 SXM 80GB",
-        memory_gib=79.2,
-        bf16_flops=312e12,
-        fp8_flops=None,
-        intra_node_bw=300e9,
-        inter_node_bw=25e9,
-    ),
-}
 OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: what a real run adds on top
 # Share of peak a Megatron step's compute reaches: large GEMMs ~0.7, less for norms, attention kernels, the ViT.
 GEMM_EFFICIENCY = 0.5
@@ -148,16 +104,30 @@ def _bytes_per_param(cfg: Any) -> tuple[int, int, int]:
     return (2, 4, 12) if bf16 else (4, 4, 8)  # fp32 runs have no separate master copy
 
 
-def _stage_params(model: Any, cfg: Any, layers: list[int]) -> list[tuple[float, float, float, float]]:
-    """Per stage: (frozen, trainable dense, trainable expert) params on one GPU, and total trainable."""
-    tp, ep = model.tensor_model_parallel_size, model.expert_model_parallel_size
-    etp = getattr(model, "expert_tensor_parallel_size", None) or tp
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StageParams:
+    """Parameters of one pipeline stage on one GPU: frozen, trainable dense and trainable expert."""
+
+    frozen: float
+    trainable_dense: float
+    trainable_expert: float
+
+    @property
+    def trainable(self) -> float:
+        return self.trainable_dense + self.trainable_expert
+
+
+def _stage_params(x: PlanInputs) -> list[StageParams]:
+    """Per pipeline stage: the parameters one GPU holds."""
+    model, cfg, layout = x.model, x.cfg, x.parallel.layout
+    tp, ep, etp = layout.tensor_parallel, layout.expert_parallel, x.parallel.expert_tensor_parallel
     parts = lm_param_counts(model)
     dense_layer, expert_layer = lm_layer_params(model)
     vision = vision_param_count(model)
     vision_shard = tp if vision_is_megatron(model) else 1
     peft = cfg.peft is not None
     lm_frozen = model.freeze_language_model or peft
+    layers = x.parallel.stage_layers
     out = []
     for s, n in enumerate(layers):
         dense = n * dense_layer / tp + (parts["embedding"] / tp if s == 0 else 0)
@@ -172,108 +142,66 @@ def _stage_params(model: Any, cfg: Any, layers: list[int]) -> list[tuple[float, 
                 train_dense += vis  # a frozen tower with a trainable merger: the merger is small; counted trainable
         if peft:
             train_dense += n * lora_params_per_layer(model, cfg.peft.dim) / tp
-        out.append((frozen, train_dense, train_expert, train_dense + train_expert))
+        out.append(StageParams(frozen=frozen, trainable_dense=train_dense, trainable_expert=train_expert))
     return out
 
 
-def _in_flight(model: Any, stage: int, microbatches: int) -> float:
-    pp, vpp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size
-    n = min(pp - stage, microbatches)
+def _in_flight(x: PlanInputs, stage: int) -> float:
+    """Micro-batches whose activations one GPU of `stage` keeps at once under 1F1B (interleaving's penalty too)."""
+    pp, vpp = x.parallel.layout.pipeline_parallel, x.parallel.layout.virtual_pipeline
+    n = min(pp - stage, x.parallel.microbatches)
     return n * (1 + (pp - 1) / (pp * vpp)) if vpp else n
 
 
-def dataset_workload(cfg: Any) -> Workload | None:
-    """The workload of the prepared dataset the config trains on (its report.json), if it names one."""
-    path = getattr(cfg.dataset, "path", None)
-    report = Path(path) / "report.json" if path else None
-    if report is None or not report.is_file():
-        return None
-    _, vision = model_shapes(cfg.model)
-    merge = vision.spatial_merge_size if vision is not None else 2
-    return workload_of_dataset(json.loads(report.read_text()), seq_length=cfg.model.seq_length, merge=merge)
-
-
-@dataclass(kw_only=True, slots=True)
-class _Layout:
-    """The parallel layout of a config on `gpus` GPUs, and the micro-batches each pipeline runs per step."""
-
-    sizes: dict[str, int]
-    data_parallel: int
-    expert_data_parallel: int
-    layers: list[int]  # LM layers per pipeline stage
-    microbatches: int
-
-
-def _layout(cfg: Any, gpus: int) -> _Layout:
-    model = cfg.model
-    tp, pp, cp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size, model.context_parallel_size
-    ep = model.expert_model_parallel_size
-    etp = getattr(model, "expert_tensor_parallel_size", None) or tp
-    dp = max(gpus // (tp * pp * cp), 1)
-    sizes = dict(
-        tensor_parallel=tp,
-        pipeline_parallel=pp,
-        context_parallel=cp,
-        expert_parallel=ep,
-        virtual_pipeline=model.virtual_pipeline_model_parallel_size or 1,
-        data_parallel=dp,
-    )
-    layers = counts(
-        model.num_layers, pp, model.num_layers_in_first_pipeline_stage, model.num_layers_in_last_pipeline_stage
-    )
-    microbatches = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp), 1)
-    return _Layout(
-        sizes=sizes,
-        data_parallel=dp,
-        expert_data_parallel=max(gpus // (etp * ep * pp), 1),
-        layers=layers,
-        microbatches=microbatches,
-    )
-
-
-def _loss_bytes_per_logit(model: Any, weight_bytes: int) -> int:
+def _loss_bytes_per_logit(x: PlanInputs, weight_bytes: int) -> int:
     """Bytes per logit the loss keeps for backward: Megatron-Core's cross-entropies keep an fp32 softmax; qvl's fused
-    one (qvl.kernels.speed_cross_entropy, in its place where Transformer Engine and Apex are absent) keeps the logits."""
-    from qvl.kernels import fix_adam_resume
-
-    lean = getattr(model, "cross_entropy_loss_fusion", False) and fix_adam_resume.needed()
-    return weight_bytes if lean else 4
+    one (qvl.kernels.speed_cross_entropy) keeps the logits."""
+    return weight_bytes if x.lean_cross_entropy else 4
 
 
-def _stage_memory(cfg: Any, lay: _Layout, workload: Workload) -> list[StageMemory]:
+def _stage_activations(x: PlanInputs, stage: int, weight_bytes: int) -> float:
+    """Bytes of activations one GPU of pipeline stage `stage` keeps for backward."""
+    cfg, model, lm, vision = x.cfg, x.model, x.lm, x.vision
+    layout = x.parallel.layout
+    tp, pp, cp = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel
+    recompute, modules = model.recompute_granularity, list(model.recompute_modules or [])
+    tokens = x.tokens
+    patches = sum(x.workload.images(vision.spatial_merge_size)) * cfg.train.micro_batch_size / cp
+    qvl_options = getattr(cfg, "qvl", None)
+    balanced = bool(getattr(qvl_options, "vision_balance", False))
+    vision_recompute = bool(getattr(qvl_options, "vision_recompute", False))
+    layers = x.parallel.stage_layers[stage]
+    acts = layer_activation_bytes(model, lm, tokens, recompute=recompute, modules=modules) * layers
+    if stage == 0 and balanced:  # this rank keeps the activations of its 1/TP share of the images only
+        acts += vision_activation_bytes(model, vision, patches / tp, recompute=vision_recompute)
+        acts += tokens * 2 * lm.hidden_size
+        acts += vision_balance_buffer_bytes(vision, patches, tp)
+    elif stage == 0:
+        acts += vision_activation_bytes(model, vision, patches, recompute=vision_recompute)
+        acts += tokens * 2 * lm.hidden_size
+    if stage == pp - 1:  # the final norm's output, fp32 (same source), and what the loss keeps per logit
+        acts += tokens * (4 * lm.hidden_size + _loss_bytes_per_logit(x, weight_bytes) * padded_vocab(model)) / tp
+    acts *= _in_flight(x, stage)
+    if recompute == "full":  # one layer rebuilt at a time for backward
+        acts += layer_activation_bytes(model, lm, tokens, recompute=None, modules=[])
+    return acts
+
+
+def _stage_memory(x: PlanInputs, params: list[StageParams]) -> list[StageMemory]:
     """Per pipeline stage: parameters, gradients, optimizer state and activations on one GPU."""
-    model = cfg.model
-    tp, pp, cp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size, model.context_parallel_size
-    lm, vision = model_shapes(model)
-    mbs = cfg.train.micro_batch_size
+    cfg = x.cfg
     weight_b, grad_b, optim_b = _bytes_per_param(cfg)
     offload = cfg.optimizer.optimizer_offload_fraction if cfg.optimizer.optimizer_cpu_offload else 0.0
-    recompute, modules = model.recompute_granularity, list(model.recompute_modules or [])
-    tokens = workload.seq_length * mbs / cp
-    patches = sum(workload.images(vision.spatial_merge_size)) * mbs / cp
-    balanced = bool(getattr(getattr(cfg, "qvl", None), "vision_balance", False))
-    vision_recompute = bool(getattr(getattr(cfg, "qvl", None), "vision_recompute", False))
     stages = []
-    for s, (frozen, train_dense, train_expert, trainable) in enumerate(_stage_params(model, cfg, lay.layers)):
-        mem = StageMemory(layers=lay.layers[s])
-        mem.params = (frozen + trainable) * weight_b
-        mem.grads = trainable * grad_b
-        mem.optimizer = (train_dense / lay.data_parallel + train_expert / lay.expert_data_parallel) * optim_b
+    for s, stage in enumerate(params):
+        mem = StageMemory(layers=x.parallel.stage_layers[s])
+        mem.params = (stage.frozen + stage.trainable) * weight_b
+        mem.grads = stage.trainable * grad_b
+        mem.optimizer = (
+            stage.trainable_dense / x.parallel.data_parallel + stage.trainable_expert / x.parallel.expert_data_parallel
+        ) * optim_b
         mem.optimizer *= 1 - offload
-        acts = layer_activation_bytes(model, lm, tokens, recompute=recompute, modules=modules) * lay.layers[s]
-        if s == 0 and balanced:  # this rank keeps the activations of its 1/TP share of the images only
-            acts += vision_activation_bytes(model, vision, patches / tp, recompute=vision_recompute)
-            acts += tokens * 2 * lm.hidden_size
-            acts += vision_balance_buffer_bytes(vision, patches, tp)
-        elif s == 0:
-            acts += vision_activation_bytes(model, vision, patches, recompute=vision_recompute)
-            acts += tokens * 2 * lm.hidden_size
-        if s == pp - 1:  # the final norm's output, fp32 (same source), and what the loss keeps per logit
-            acts += tokens * (4 * lm.hidden_size + _loss_bytes_per_logit(model, weight_b) * padded_vocab(model)) / tp
-        acts *= _in_flight(model, s, lay.microbatches)
-        if recompute == "full":  # one layer rebuilt at a time for backward
-            acts += layer_activation_bytes(model, lm, tokens, recompute=None, modules=[])
-        mem.activations = acts
+        mem.activations = _stage_activations(x, s, weight_b)
         stages.append(mem)
     return stages
 
@@ -282,11 +210,10 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
     """Memory per GPU, pipeline split, FLOPs and an MFU estimate for `cfg` on `gpus` GPUs of kind `gpu`."""
     if gpu not in GPUS:
         raise ConfigError(f"gpu={gpu!r} is not known; use one of: {', '.join(GPUS)}")
-    hw, model = GPUS[gpu], cfg.model
-    problems = _divisibility(cfg, gpus, hw)
-    lay = _layout(cfg, gpus)
-    workload = replace(workload or dataset_workload(cfg) or Workload(seq_length=1), seq_length=model.seq_length)
-    stages = _stage_memory(cfg, lay, workload)
+    x = plan_inputs(cfg, gpus=gpus, gpu=GPUS[gpu], workload=workload)
+    hw, model = x.gpu, x.model
+    problems = _divisibility(x)
+    stages = _stage_memory(x, _stage_params(x))
     usable = hw.memory_gib * GIB
     worst = max(range(len(stages)), key=lambda s: stages[s].total)
     if stages[worst].total > usable:
@@ -294,30 +221,17 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
             f"does not fit: pipeline stage {worst} needs {stages[worst].total / GIB:.1f} GiB per GPU, "
             f"the {hw.name} has {hw.memory_gib:.1f} GiB"
         )
-    lm, vision = model_shapes(model)
     mbs = cfg.train.micro_batch_size
-    costs = stage_costs(lm, vision, workload)
-    fwd = [c * mbs for c in split_from_counts(lay.layers, costs).costs]
+    costs = stage_costs(x.lm, x.vision, x.workload)
+    fwd = [c * mbs for c in split_from_counts(list(x.parallel.stage_layers), costs).costs]
     total_params = sum(lm_param_counts(model).values()) + vision_param_count(model)
     trainable_total = _trainable_total(model, cfg, total_params)
     model_flops = 3 * sum(fwd) * cfg.train.global_batch_size / mbs
-    step = _step_time(
-        StepTimeInputs(
-            cfg=cfg,
-            gpu=hw,
-            gpus=gpus,
-            stage_flops=fwd,
-            layout=lay,
-            tokens=workload.seq_length * mbs / model.context_parallel_size,
-            hidden_size=lm.hidden_size,
-            moe_router_topk=(lm.moe_router_topk or 0) if lm.num_experts else 0,
-            trainable_params=trainable_total,
-        )
-    )
+    step = _step_time(x, stage_flops=fwd, trainable_params=trainable_total)
     return MemoryPlan(
         gpus=gpus,
         gpu=hw,
-        layout=lay.sizes,
+        layout=x.parallel.sizes,
         stages=stages,
         stage_flops=fwd,
         params_total=total_params,
@@ -326,7 +240,7 @@ def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | 
         step_time_s=step,
         mfu=model_flops / (step * gpus * _peak_flops(cfg, hw)),
         problems=problems,
-        vision_share=vision_shares(model, costs, lay.layers[0]),
+        vision_share=vision_shares(model, costs, x.parallel.stage_layers[0]),
         vision_balance=bool(getattr(getattr(cfg, "qvl", None), "vision_balance", False)),
     )
 
@@ -340,12 +254,10 @@ def _trainable_total(model: Any, cfg: Any, total: int) -> int:
     return total - frozen
 
 
-def _divisibility(cfg: Any, gpus: int, hw: GPU) -> list[str]:
-    model, problems = cfg.model, []
-    tp, pp, cp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size, model.context_parallel_size
-    ep = model.expert_model_parallel_size
-    etp = getattr(model, "expert_tensor_parallel_size", None) or tp
-    layout = ParallelLayout(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
+def _divisibility(x: PlanInputs) -> list[str]:
+    cfg, gpus, hw, problems = x.cfg, x.gpus, x.gpu, []
+    layout, etp = x.parallel.layout, x.parallel.expert_tensor_parallel
+    ep, pp = layout.expert_parallel, layout.pipeline_parallel
     if gpus % layout.ranks:
         fit = [g for g in range(layout.ranks, 4 * gpus + 1, layout.ranks)][:4]
         problems.append(
@@ -358,7 +270,7 @@ def _divisibility(cfg: Any, gpus: int, hw: GPU) -> list[str]:
             f"{etp * ep * pp}; change expert_parallel or --gpus"
         )
     else:
-        dp = gpus // (tp * pp * cp)
+        dp = x.parallel.data_parallel
         mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
         if gbs % (mbs * dp):
             good = (gbs // (mbs * dp) or 1) * mbs * dp
@@ -373,50 +285,38 @@ def _divisibility(cfg: Any, gpus: int, hw: GPU) -> list[str]:
     return problems
 
 
-@dataclass(kw_only=True, slots=True)
-class StepTimeInputs:
-    """What the roofline step-time model reads: the config, the GPU, the stages' FLOPs and the layout."""
-
-    cfg: Any
-    gpu: GPU
-    gpus: int
-    stage_flops: list[float]  # forward FLOPs per micro-batch per pipeline stage
-    layout: _Layout
-    tokens: float  # tokens per micro-batch per context-parallel rank
-    hidden_size: int
-    moe_router_topk: int  # 0 for a dense model
-    trainable_params: int
-
-
 def _peak_flops(cfg: Any, hw: GPU) -> float:
     fp8 = cfg.mixed_precision and "fp8" in str(cfg.mixed_precision) and hw.fp8_flops
     return hw.fp8_flops if fp8 else hw.bf16_flops
 
 
-def _step_time(x: StepTimeInputs) -> float:
-    """Roofline step time: bottleneck stage x (micro-batches + bubble), plus unoverlapped comms."""
-    model, hw = x.cfg.model, x.gpu
-    tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
+def _step_time(x: PlanInputs, *, stage_flops: list[float], trainable_params: int) -> float:
+    """Roofline step time: bottleneck stage x (micro-batches + bubble), plus unoverlapped comms. `stage_flops`: forward
+    FLOPs per micro-batch per pipeline stage."""
+    model, hw, layout = x.model, x.gpu, x.parallel.layout
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    hidden = x.lm.hidden_size
+    topk = (x.lm.moe_router_topk or 0) if x.lm.num_experts else 0
     recompute_factor = 4 / 3 if model.recompute_granularity == "full" else 1.0
-    per_micro = max(x.stage_flops) * 3 * recompute_factor / (tp * model.context_parallel_size)
+    per_micro = max(stage_flops) * 3 * recompute_factor / (tp * layout.context_parallel)
     per_micro /= _peak_flops(x.cfg, hw) * GEMM_EFFICIENCY
-    deepest = max(x.layout.layers)
+    deepest = max(x.parallel.stage_layers)
 
     def bw(group: int) -> float:
         return hw.intra_node_bw if group <= hw.gpus_per_node else hw.inter_node_bw
 
     # TP: 2 all-reduces (or all-gather + reduce-scatter) of the activations per layer, forward and backward.
     if tp > 1:
-        per_micro += deepest * 4 * 2 * (tp - 1) / tp * x.tokens * x.hidden_size * 2 / bw(tp)
-    if x.moe_router_topk and model.expert_model_parallel_size > 1:
-        ep = model.expert_model_parallel_size
+        per_micro += deepest * 4 * 2 * (tp - 1) / tp * x.tokens * hidden * 2 / bw(tp)
+    if topk and layout.expert_parallel > 1:
+        ep = layout.expert_parallel
         local = x.tokens / (tp if model.sequence_parallel else 1)  # each TP rank dispatches its sequence shard
-        per_micro += deepest * 4 * (ep - 1) / ep * local * x.moe_router_topk * x.hidden_size * 2 / bw(ep * tp)
-    vpp = model.virtual_pipeline_model_parallel_size or 1
-    step = per_micro * (x.layout.microbatches + (pp - 1) / vpp)
-    dp = x.layout.data_parallel
+        per_micro += deepest * 4 * (ep - 1) / ep * local * topk * hidden * 2 / bw(ep * tp)
+    vpp = layout.virtual_pipeline or 1
+    step = per_micro * (x.parallel.microbatches + (pp - 1) / vpp)
+    dp = x.parallel.data_parallel
     if dp > 1:  # reduce-scatter fp32 grads + all-gather bf16 params, not overlapped in VLM recipes
-        step += (dp - 1) / dp * x.trainable_params / (tp * pp) * 6 / bw(x.gpus)
+        step += (dp - 1) / dp * trainable_params / (tp * pp) * 6 / bw(x.gpus)
     return step
 
 

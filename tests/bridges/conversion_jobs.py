@@ -22,6 +22,12 @@ def verify_all(hf_paths: dict[str, str], out_root: str) -> dict[str, dict | None
     }
 
 
+def export_all(megatron_root: str, names: list[str], out_root: str) -> None:
+    """On each rank: export every named Megatron checkpoint under `megatron_root` to HF under `out_root`."""
+    for name in names:
+        convert.export_checkpoint(Path(megatron_root) / name, Path(out_root) / name)
+
+
 def import_materialised(hf_path: str, out_dir: str, dtype: str) -> None:
     """The reference: Megatron-Bridge's own import (whole model built, loaded, then saved), qvl's provider fixes."""
     import torch

@@ -1,42 +1,101 @@
-"""Qwen3.5-VL checkpoints with multi-token-prediction tensors (`mtp.*`, as the released ones carry): qvl does not
-convert them (its local specs build no MTP layers) but carries them through import and export bit for bit
-(qvl.bridges.unconverted), and `verify` reports them as kept aside, never as silently lost."""
+"""Qwen3.5-VL checkpoints as released: config fields `mtp_num_hidden_layers: 1`, `mtp_use_dedicated_embeddings:
+false`, mRoPE section and partial rotary, and a multi-token-prediction head (`mtp.*`) that transformers does not
+build. Dense, MoE with per-expert MTP experts (Qwen3.5) and MoE with packed experts (Qwen3.6) import into
+Megatron-Core's MTP block built from local specs, verify (main and MTP logits against the published MTP head,
+qvl.bridges.mtp_reference) and export back bit for bit."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from qvl.bridges import convert
+from qvl.bridges.mtp_reference import checkpoint_mtp_names, mtp_layers_in_checkpoint
 from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
-from qvl.bridges.unconverted import UNCONVERTED_FILE
 from qvl.foundation.distributed import run_on_ranks
+from qvl.foundation.errors import ConversionError
 from tests.bridges import conversion_jobs
 
-MTP = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,)}
+# name -> (family, experts packed as Qwen3.6 stores them)
+CHECKPOINTS = {
+    "dense": ("qwen3_5_vl", False),
+    "moe": ("qwen3_5_vl_moe", False),
+    "moe_packed": ("qwen3_5_vl_moe", True),
+}
 
 
-def test_mtp_tensors_are_kept_through_import_and_export_and_named_by_verify(tmp_path):
-    from transformers import AutoModelForImageTextToText
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory, by name."""
+    found = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            found.update({name: f.get_tensor(name) for name in f.keys()})
+    return found
 
-    hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen3_5_vl", seed=2)
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, dict]:
+    """Each checkpoint written, imported, verified and exported (one set of processes for each stage)."""
+    root = tmp_path_factory.mktemp("qwen3_5_mtp")
+    hf = {
+        name: str(write_tiny_hf_checkpoint(root / "hf" / name, family, seed=3, packed_experts=packed))
+        for name, (family, packed) in CHECKPOINTS.items()
+    }
+    run_on_ranks(conversion_jobs.import_all, hf, str(root / "megatron"), cpu=True)
+    (reports,) = run_on_ranks(conversion_jobs.verify_all, hf, str(root / "megatron"), cpu=True)
+    run_on_ranks(conversion_jobs.export_all, str(root / "megatron"), list(hf), str(root / "export"), cpu=True)
+    return {
+        name: {"hf": Path(hf[name]), "report": reports[name], "export": root / "export" / name} for name in CHECKPOINTS
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_released_fields_and_mtp_tensors_convert_and_verify_within_fp32_rounding(converted, name):
+    case = converted[name]
+    text = json.loads((case["hf"] / "config.json").read_text())["text_config"]
+    assert text["mtp_num_hidden_layers"] == 1 and text["mtp_use_dedicated_embeddings"] is False
+    assert text["rope_parameters"]["mrope_section"] and text["partial_rotary_factor"] == 0.25
+    report = case["report"]
+    assert report["ok"] and report["tensors_different"] == [] and report["tensors_kept_aside"] == [], report
+    assert report["max_abs_diff"] <= 1e-6 and report["mtp_max_abs_diff"] <= 1e-6, report
+    assert report["mtp_top1_agreement"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_export_round_trips_every_tensor_bit_for_bit_mtp_included(converted, name):
+    original, exported = tensors(converted[name]["hf"]), tensors(converted[name]["export"])
+    assert sorted(exported) == sorted(original)
+    assert [n for n in original if not torch.equal(original[n], exported[n])] == []
+    names = checkpoint_mtp_names(converted[name]["export"])
+    packed = any(n.endswith("experts.gate_up_proj") for n in names)
+    assert names and packed == CHECKPOINTS[name][1]  # the checkpoint's own expert layout comes back
+
+
+def test_a_config_with_mtp_layers_but_no_tensors_imports_without_them(tmp_path):
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen3_5_vl", seed=1)
     weights = load_file(str(hf / "model.safetensors"))
-    mtp = {name: torch.randn(shape) for name, shape in MTP.items()}
-    save_file(weights | mtp, str(hf / "model.safetensors"), metadata={"format": "pt"})
-    megatron = tmp_path / "megatron"
-    run_on_ranks(conversion_jobs.import_all, {"qwen3_5_vl": str(hf)}, str(megatron), cpu=True)
-    (reports,) = run_on_ranks(conversion_jobs.verify_all, {"qwen3_5_vl": str(hf)}, str(megatron), cpu=True)
-    report = reports["qwen3_5_vl"]
-    assert report["max_abs_diff"] <= 1e-6 and report["ok"], report
-    assert report["tensors_kept_aside"] == sorted(MTP) and report["tensors_different"] == []
+    save_file({k: v for k, v in weights.items() if not k.startswith("mtp.")}, str(hf / "model.safetensors"))
+    assert mtp_layers_in_checkpoint(hf, 1) == 0
 
-    run_on_ranks(convert.export_on_rank, str(megatron / "qwen3_5_vl"), str(tmp_path / "export"), cpu=True)
-    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())["weight_map"]
-    assert {index[name] for name in MTP} == {UNCONVERTED_FILE} and len(index) == len(weights) + len(MTP)
-    with safe_open(str(tmp_path / "export" / UNCONVERTED_FILE), framework="pt") as f:
-        assert all(torch.equal(f.get_tensor(name), tensor) for name, tensor in mtp.items())
-    exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
-    assert all(torch.equal(exported.state_dict()[name], tensor) for name, tensor in weights.items())
+
+def test_an_mtp_layer_count_the_tensors_do_not_hold_is_named(tmp_path):
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen3_5_vl", seed=1)
+    with pytest.raises(ConversionError, match=r"mtp_num_hidden_layers=2, but its mtp\.\* tensors hold 1 layer"):
+        mtp_layers_in_checkpoint(hf, 2)
+
+
+def test_import_refuses_the_count_mismatch_before_building_anything(tmp_path):
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen3_5_vl", seed=1)
+    config = json.loads((hf / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 2
+    (hf / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match="set text_config.mtp_num_hidden_layers to 1"):
+        run_on_ranks(convert.import_on_rank, str(hf), str(tmp_path / "out"), "fp32", cpu=True)
+    assert not (tmp_path / "out").exists()

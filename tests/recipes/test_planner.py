@@ -230,14 +230,17 @@ def test_the_plan_starts_from_the_prepared_datasets_workload(tiny_dataset):
 
 def test_the_loss_keeps_what_the_cross_entropy_in_use_keeps(monkeypatch):
     """qvl's fused cross-entropy (no TE/Apex) keeps the logits in the weights' dtype for backward; Megatron-Core's
-    (unfused, or fused where TE or Apex is installed) an fp32 softmax."""
-    from types import SimpleNamespace
-
+    (unfused, or fused where TE or Apex is installed) an fp32 softmax: 2 bytes more per logit on the last stage."""
     from qvl.kernels import fix_adam_resume
-    from qvl.recipes import planner
 
-    fused, unfused = SimpleNamespace(cross_entropy_loss_fusion=True), SimpleNamespace(cross_entropy_loss_fusion=False)
-    monkeypatch.setattr(fix_adam_resume, "needed", lambda: True)
-    assert planner._loss_bytes_per_logit(fused, 2) == 2 and planner._loss_bytes_per_logit(unfused, 2) == 4
-    monkeypatch.setattr(fix_adam_resume, "needed", lambda: False)  # TE or Apex installed
-    assert planner._loss_bytes_per_logit(fused, 2) == 4
+    def last_stage(needed: bool, fusion: bool) -> float:
+        monkeypatch.setattr(fix_adam_resume, "needed", lambda: needed)
+        cfg = get_recipe("qwen25_vl_3b_sft").fn(tensor_parallel=1, pipeline_parallel=2)
+        cfg.model.cross_entropy_loss_fusion = fusion
+        return plan_config(cfg, gpus=2).stages[-1].activations
+
+    cfg = get_recipe("qwen25_vl_3b_sft").fn(tensor_parallel=1, pipeline_parallel=2)
+    logits = cfg.model.seq_length * shapes.padded_vocab(cfg.model)  # one micro-batch in flight on the last stage
+    lean, fp32 = last_stage(needed=True, fusion=True), last_stage(needed=True, fusion=False)
+    assert fp32 - lean == pytest.approx(2 * logits)
+    assert last_stage(needed=False, fusion=True) == fp32  # TE or Apex installed: Megatron-Core's own
