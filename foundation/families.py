@@ -80,6 +80,9 @@ class Family:
     recipe_module: str  # qvl module that registers the family's recipes
     # Checkpoint tensors qvl carries through conversion untouched instead of converting (qvl.bridges.unconverted).
     unconverted_prefixes: tuple[str, ...] = ()
+    # The Megatron modules each adapter target (ADAPTER_TARGETS) means: Megatron-Bridge LoRA `target_modules` wildcards
+    # over the built model's module names (qvl.bridges.adapters); () where the family has no such part.
+    adapter_modules: Mapping[str, tuple[str, ...]]
     extra: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
 
     @property
@@ -154,6 +157,32 @@ _QWEN3_VIDEO = dict(
     do_sample_frames=True,
 )
 
+# What a PEFT recipe can adapt, by meaning (recipe option `adapter_targets`, default the language model alone). The
+# language model's linears leave out its routed MoE experts ("experts") and any multi-token-prediction block.
+ADAPTER_TARGETS = ("language", "vision", "merger", "experts")
+_LM = "language_model.decoder.layers.*."
+_LM_ATTENTION = (_LM + "self_attention.linear_qkv", _LM + "self_attention.linear_proj")
+_LM_MLP = (_LM + "mlp.linear_fc1", _LM + "mlp.linear_fc2")
+_LM_DELTANET = (_LM + "self_attention.in_proj", _LM + "self_attention.out_proj")  # Qwen3.5's Gated DeltaNet layers
+_LM_SHARED_EXPERT = (_LM + "mlp.shared_experts.linear_fc1", _LM + "mlp.shared_experts.linear_fc2")
+_LM_EXPERTS = (_LM + "mlp.experts.*.linear_fc1", _LM + "mlp.experts.*.linear_fc2")
+_HF_MERGER = ("visual.merger.mlp.0", "visual.merger.mlp.2")  # the replicated HF tower's (Qwen2/2.5-VL)
+_MEGATRON_VISION = tuple(
+    f"vision_model.decoder.layers.*.{name}"
+    for name in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+)
+_MEGATRON_MERGER = ("vision_model.merger.linear_fc1", "vision_model.merger.linear_fc2")
+_DEEPSTACK_MERGERS = (
+    "vision_model.decoder.deepstack_merger_list.*.linear_fc1",
+    "vision_model.decoder.deepstack_merger_list.*.linear_fc2",
+)
+
+
+def _adapter_modules(*, language: tuple[str, ...], vision: tuple[str, ...], merger: tuple[str, ...],
+                     experts: tuple[str, ...] = ()) -> Mapping[str, tuple[str, ...]]:  # fmt: skip
+    return _frozen(dict(language=language, vision=vision, merger=merger, experts=experts))
+
+
 _QWEN3_COMMON = dict(
     hf_module="qwen3_vl",
     vision_tower_class="Qwen3VLVisionModel",
@@ -169,6 +198,9 @@ _QWEN3_COMMON = dict(
     tiny_pixels=(64 * 64, 32 * 32 * 64),
     bridge_module="qvl.bridges.qwen3_vl",
     recipe_module="qvl.recipes.qwen3_vl",
+    adapter_modules=_adapter_modules(
+        language=_LM_ATTENTION + _LM_MLP, vision=_MEGATRON_VISION, merger=_MEGATRON_MERGER + _DEEPSTACK_MERGERS
+    ),
 )
 
 # Qwen3.5-VL: Qwen3-VL's processor and vision tower without DeepStack, and a hybrid LM: three Gated DeltaNet
@@ -203,6 +235,9 @@ _QWEN3_5_COMMON = dict(
     # kept aside at import so a run trained without MTP exports them unchanged.
     unconverted_prefixes=("mtp.",),
     recipe_module="qvl.recipes.qwen3_5_vl",
+    adapter_modules=_adapter_modules(
+        language=_LM_ATTENTION + _LM_DELTANET + _LM_MLP, vision=_MEGATRON_VISION, merger=_MEGATRON_MERGER
+    ),
 )
 
 FAMILIES: dict[str, Family] = {
@@ -237,6 +272,11 @@ FAMILIES: dict[str, Family] = {
             tiny_pixels=(56 * 56, 28 * 28 * 64),
             bridge_module="qvl.bridges.qwen2_vl",  # Megatron-Bridge 0.6.2 has no Qwen2-VL bridge
             recipe_module="qvl.recipes.qwen2_vl",
+            adapter_modules=_adapter_modules(
+                language=_LM_ATTENTION + _LM_MLP,
+                vision=tuple(f"visual.blocks.*.{n}" for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")),
+                merger=_HF_MERGER,
+            ),
         ),
         Family(
             name="qwen2_5_vl",
@@ -271,6 +311,14 @@ FAMILIES: dict[str, Family] = {
             tiny_pixels=(56 * 56, 28 * 28 * 64),
             bridge_module="qvl.bridges.qwen2_5_vl",  # Megatron-Bridge's bridge handing out qvl's model class
             recipe_module="qvl.recipes.qwen2_5_vl",
+            adapter_modules=_adapter_modules(
+                language=_LM_ATTENTION + _LM_MLP,
+                vision=tuple(
+                    f"visual.blocks.*.{n}"
+                    for n in ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+                ),
+                merger=_HF_MERGER,
+            ),
         ),
         Family(
             name="qwen3_vl",
@@ -300,7 +348,17 @@ FAMILIES: dict[str, Family] = {
                     decoder_sparse_step=1,
                 )
             ),
-            **{**_QWEN3_COMMON, "hf_module": "qwen3_vl_moe", "vision_tower_class": "Qwen3VLMoeVisionModel"},
+            **{
+                **_QWEN3_COMMON,
+                "hf_module": "qwen3_vl_moe",
+                "vision_tower_class": "Qwen3VLMoeVisionModel",
+                "adapter_modules": _adapter_modules(
+                    language=_LM_ATTENTION,
+                    vision=_MEGATRON_VISION,
+                    merger=_MEGATRON_MERGER + _DEEPSTACK_MERGERS,
+                    experts=_LM_EXPERTS,
+                ),
+            },
         ),
         Family(
             name="qwen3_5_vl",
@@ -329,7 +387,17 @@ FAMILIES: dict[str, Family] = {
                     shared_expert_intermediate_size=40,
                 )
             ),
-            **{**_QWEN3_5_COMMON, "hf_module": "qwen3_5_moe", "vision_tower_class": "Qwen3_5MoeVisionModel"},
+            **{
+                **_QWEN3_5_COMMON,
+                "hf_module": "qwen3_5_moe",
+                "vision_tower_class": "Qwen3_5MoeVisionModel",
+                "adapter_modules": _adapter_modules(
+                    language=_LM_ATTENTION + _LM_DELTANET + _LM_SHARED_EXPERT,
+                    vision=_MEGATRON_VISION,
+                    merger=_MEGATRON_MERGER,
+                    experts=_LM_EXPERTS,
+                ),
+            },
         ),
     )
 }

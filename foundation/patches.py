@@ -142,6 +142,21 @@ PATCHES: tuple[Patch, ...] = (
           why="it weights MTP tokens per micro-batch (not token-weighted like the main loss), logs a per-micro-batch "
               "mean through a global tracker and reads packed bounds to the host; qvl.training.mtp computes the "
               "MTP loss from the states instead"),
+    # --- fix-peft-without-te: qvl.kernels.fix_peft_without_te.without_te() (around every PEFT transform, where TE is
+    # absent: qvl.bridges.adapters' LoRA and DoRA apply it themselves)
+    *(
+        Patch(group="fix-peft-without-te", target=f"megatron.bridge.peft.{module}:{flag}",
+              replacement="qvl.kernels.fix_peft_without_te:te_absent", version=MBRIDGE,
+              why="without TE Megatron-Core's `te` is a MagicMock, so safe_import_from finds mock TE linears and the "
+                  "flag says TE is there: every LoRA target then fails in isinstance() (utils.py:591); false, "
+                  "Megatron-Bridge takes its plain Megatron-Core branches")
+        for module, flag in (
+            ("utils", "HAVE_TE"),
+            ("module_matcher", "HAVE_TE_COL_LINEAR"),
+            ("module_matcher", "HAVE_TE_LN_COL_LINEAR"),
+            ("module_matcher", "HAVE_TE_ROW_LINEAR"),
+        )
+    ),
     # --- speed-optimizer: qvl.kernels.speed_optimizer (around every training loop, any device)
     Patch(group="speed-optimizer", target="megatron.core.optimizer.clip_grads:l2_norm_impl",
           replacement="qvl.kernels.speed_optimizer:foreach_l2_norm", version=MCORE,

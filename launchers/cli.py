@@ -17,7 +17,7 @@ COMMAND_MODULES = (
     "qvl.launchers.commands.info",  # version, doctor
     "qvl.launchers.commands.demo",  # demo
     "qvl.launchers.commands.data",  # data prepare | stats
-    "qvl.launchers.commands.convert",  # convert import | export | verify
+    "qvl.launchers.commands.convert",  # convert import | export | verify | export-adapter
     "qvl.launchers.commands.recipes",  # recipes, plan, train
     "qvl.launchers.commands.launch",  # launch
     "qvl.launchers.commands.verify_training",  # verify-training

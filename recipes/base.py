@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qvl.bridges.adapters import adapter_config, check_dora_layout
 from qvl.bridges.providers import layout_facts, provider_from_hf, recompute_vision_towers
 from qvl.data.planned import check_plan, read_dp_plan
 from qvl.foundation.errors import ConfigError, DataError
@@ -26,7 +27,6 @@ import_megatron_bridge()
 
 import torch
 from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
-from megatron.bridge.peft.lora import LoRA
 from megatron.bridge.training.config import (
     CheckpointConfig,
     ConfigContainer,
@@ -41,8 +41,6 @@ from megatron.bridge.training.config import (
 )
 
 logger = logging.getLogger(__name__)
-
-LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
 
 # Not slots: Megatron-Bridge's DatasetProvider base is a plain dataclass with a __dict__.
@@ -226,7 +224,20 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
         ),
         rng=RNGConfig(seed=o.seed),
         mixed_precision=PRECISIONS[o.precision],
-        peft=LoRA(target_modules=list(LORA_TARGETS), dim=o.lora_rank, alpha=o.lora_alpha) if stage == "peft" else None,
+        peft=build_adapters(arch, o) if stage == "peft" else None,
+    )
+
+
+def build_adapters(arch: Architecture, o: RecipeOptions) -> Any:
+    """The PEFT stage's adapters (qvl.bridges.adapters): the options' method, rank, alpha, dropout and targets."""
+    check_dora_layout(o.adapter, o.tensor_parallel)
+    return adapter_config(
+        family=arch.family,
+        method=o.adapter,
+        targets=o.adapter_targets,
+        rank=o.adapter_rank,
+        alpha=o.adapter_alpha,
+        dropout=o.adapter_dropout,
     )
 
 

@@ -59,8 +59,13 @@ class RecipeOptions:
     warmup_iters: int = 50
     lr_decay_style: str = "cosine"
     weight_decay: float = 0.1
-    lora_rank: int = 32
-    lora_alpha: int = 32
+    # PEFT stage (qvl.bridges.adapters): the method, its rank, alpha and dropout, and what it adapts by meaning
+    # (language, vision, merger, experts; qvl.foundation.families.ADAPTER_TARGETS), the same default for every family.
+    adapter: str = "lora"  # lora or dora
+    adapter_rank: int = 32
+    adapter_alpha: int = 32
+    adapter_dropout: float = 0.0
+    adapter_targets: tuple[str, ...] = ("language",)
     checkpoint_dir: str = "experiments/checkpoints"
     save_interval: int = 500
     pretrained_checkpoint: str | None = None  # converted Megatron checkpoint (`qvl convert import`)
@@ -74,6 +79,8 @@ class RecipeOptions:
             self.freeze = tuple(p for p in self.freeze.replace("+", ",").split(",") if p and p != "none")
         if isinstance(self.recompute_modules, str):
             self.recompute_modules = tuple(p for p in self.recompute_modules.split(",") if p)
+        if isinstance(self.adapter_targets, str):
+            self.adapter_targets = tuple(p for p in self.adapter_targets.replace("+", ",").split(",") if p)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("recompute", self.recompute, RECOMPUTE)
         for part in self.freeze:

@@ -1,4 +1,5 @@
-"""`qvl convert import | export | verify`: HF <-> Megatron checkpoints, at any TP/PP layout, with proof."""
+"""`qvl convert import | export | verify | export-adapter`: HF <-> Megatron checkpoints (any TP/PP layout) and PEFT
+adapters, with proof."""
 
 from __future__ import annotations
 
@@ -85,6 +86,45 @@ def run_verify(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def run_export_adapter(args: argparse.Namespace) -> int:
+    from qvl.bridges import adapter_export
+    from qvl.foundation.distributed import run_on_ranks
+
+    # Refusals (not a PEFT run, another base) in this process: one clear line before any rank starts.
+    run = adapter_export.find_adapter_run(Path(args.run_or_checkpoint))
+    adapter_export.check_base_matches(run, Path(args.hf_base))
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        (report,) = run_on_ranks(
+            adapter_export.export_adapter_on_rank,
+            args.run_or_checkpoint,
+            args.hf_base,
+            args.out,
+            args.merged,
+            not args.no_verify,
+            args.tolerance,
+            cpu=True if args.device == "cpu" else None,
+        )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0 if report.get("ok", True) else 1
+    print(f"wrote peft adapter {report['adapter']} (adapter_config.json + adapter_model.safetensors)")
+    if report["merged"]:
+        print(f"wrote merged HF checkpoint {report['merged']}")
+    if not report["checked"]:
+        return 0
+    print(
+        f"logits vs transformers + peft: max |diff| {report['adapter_max_abs_diff']:.3g} "
+        f"(the adapters move them by {report['adapter_effect']:.3g}; tolerance {report['tolerance']:.3g})"
+    )
+    if report["merged_max_abs_diff"] is not None:
+        print(f"logits vs the merged checkpoint: max |diff| {report['merged_max_abs_diff']:.3g}")
+    for what in ("missing_keys", "unexpected_keys"):
+        for key in report[what][:10]:
+            print(f"  {what.replace('_', ' ')[:-1]}: {key}")
+    print("OK" if report["ok"] else "FAILED")
+    return 0 if report["ok"] else 1
+
+
 def _layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (ranks started on this machine)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -92,7 +132,7 @@ def _layout_args(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    """Add `qvl convert` and its three subcommands."""
+    """Add `qvl convert` and its subcommands."""
     convert_parser = subparsers.add_parser("convert", help="HF <-> Megatron checkpoint conversion with logit parity")
     commands = convert_parser.add_subparsers(dest="convert_command", metavar="COMMAND", required=True)
     imp = commands.add_parser("import", help="HF directory -> Megatron distributed checkpoint")
@@ -115,6 +155,19 @@ def register(subparsers) -> None:
     ver.add_argument("--no-video", action="store_true", help="images and text only")
     _layout_args(ver)
     ver.set_defaults(func=run_verify)
+    ada = commands.add_parser(
+        "export-adapter",
+        help="a PEFT run's adapters -> HF peft adapter (+ merged checkpoint), checked against transformers + peft",
+    )
+    ada.add_argument("run_or_checkpoint", help="a `qvl train` run directory of a *_peft recipe, or its checkpoints")
+    ada.add_argument("hf_base", help="the HF checkpoint the run fine-tuned from (what the adapter is applied to)")
+    ada.add_argument("out", help="folder for adapter_config.json + adapter_model.safetensors")
+    ada.add_argument("--merged", metavar="DIR", help="also write a full HF checkpoint with the adapters folded in")
+    ada.add_argument("--no-verify", action="store_true", help="skip the logit comparison with transformers + peft")
+    ada.add_argument("--tolerance", type=float, default=None, help="max |logit diff| (default 1e-5, fp32)")
+    ada.add_argument("--json", action="store_true", help="print the report as JSON")
+    ada.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces the CPU runtime")
+    ada.set_defaults(func=run_export_adapter)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,467 @@
+"""A PEFT run's adapters as a Hugging Face `peft` adapter, or folded into a full HF checkpoint, with proof.
+
+`qvl convert export-adapter RUN_OR_CHECKPOINT HF_BASE OUT` builds the Megatron model from HF_BASE with qvl's provider
+fixes (TP=1, PP=1, fp32), wraps it with the run's adapters (its run_config.yaml says which), loads their trained
+weights from the run's checkpoint, and writes:
+- an adapter (`adapter_config.json` + `adapter_model.safetensors`) whose keys and `target_modules` name exactly the
+  transformers model's adapted modules. Each adapter's B (and DoRA's magnitude) goes through the Megatron-Bridge
+  mapping of the weight it adapts, so a fused Megatron projection comes out in the layout of the HF modules it maps
+  to: q/k/v and gate/up split, Qwen3-VL's vision `qkv` and Qwen3.5's `in_proj_qkv` in transformers' order. A (the
+  input side) is the same for every HF module a fused one maps to. Checkpoint names become the transformers model's
+  module names through transformers' own conversion mapping (Qwen2.5-VL's `model.layers` ->
+  `model.language_model.layers`), since `peft` matches live module names.
+- with `merged=True`, a full HF checkpoint with the adapters folded into their weights in Megatron's layout (W + s B A;
+  DoRA's m (W + s B A) / ||W + s B A||), exported by Megatron-Bridge like any trained model.
+
+`check_adapter` compares logits, fp32: qvl's model with its adapters against transformers + `peft` with the exported
+adapter (loaded with no missing or unexpected key), and against the merged checkpoint.
+
+Megatron-Bridge's own `AutoBridge.export_adapter_ckpt` (0.6.2) builds the model without qvl's provider fixes, refuses
+a run's `checkpoints/` folder, writes Qwen2/2.5-VL keys transformers 5 does not name, leaves Qwen3-VL's vision qkv in
+Megatron's per-head order and drops adapters on the HF vision tower; hence this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qvl.bridges.checkpoints import check_megatron_checkpoint
+from qvl.bridges.convert import auto_bridge_with_weights, copy_hf_side_files, require_qwen_vl
+from qvl.bridges.providers import apply_provider_fixes
+from qvl.foundation import patches
+from qvl.foundation.errors import ConversionError
+from qvl.foundation.families import family_of_architecture
+from qvl.foundation.megatron import import_megatron_bridge
+from qvl.kernels import speed_aligned_widths, torch_wgrad_accum
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# fp32 CPU logit parity of the tiny models is ~1e-6 with trained adapters (the base conversion's is ~3e-7).
+DEFAULT_TOLERANCE = 1e-5
+# Model dimensions a run's adapters depend on, compared between its run_config.yaml and HF_BASE.
+_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
+
+
+@dataclass(kw_only=True, slots=True)
+class AdapterRun:
+    """A PEFT run's latest checkpoint and the run_config.yaml it was saved with."""
+
+    path: Path  # what the user passed
+    iteration: Path  # the iteration folder holding the adapters
+    config: dict[str, Any]
+
+    @property
+    def peft(self) -> dict[str, Any]:
+        return self.config["peft"]
+
+    @property
+    def family(self) -> str:
+        return self.peft["family"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ExportReport:
+    """What `verify_export` measured; `ok` against `tolerance`."""
+
+    adapter_max_abs_diff: float
+    merged_max_abs_diff: float | None
+    adapter_effect: float  # max |logits with adapters - logits without|: what the comparison could see
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    tolerance: float = DEFAULT_TOLERANCE
+
+    @property
+    def ok(self) -> bool:
+        merged_ok = self.merged_max_abs_diff is None or self.merged_max_abs_diff <= self.tolerance
+        return (
+            self.adapter_max_abs_diff <= self.tolerance
+            and merged_ok
+            and not self.missing_keys
+            and not (self.unexpected_keys)
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "adapter_max_abs_diff": self.adapter_max_abs_diff,
+            "merged_max_abs_diff": self.merged_max_abs_diff,
+            "adapter_effect": self.adapter_effect,
+            "missing_keys": self.missing_keys,
+            "unexpected_keys": self.unexpected_keys,
+            "tolerance": self.tolerance,
+            "ok": self.ok,
+        }
+
+
+def find_adapter_run(path: Path) -> AdapterRun:
+    """The PEFT checkpoint in `path` (a `qvl train` run directory, its checkpoints folder, or one iteration)."""
+    import_megatron_bridge()
+    from megatron.bridge.training.utils.checkpoint_utils import read_run_config
+
+    path = Path(path)
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    iteration = check_megatron_checkpoint(folder, "RUN_OR_CHECKPOINT")
+    config_file = iteration / "run_config.yaml"
+    if not config_file.is_file():
+        raise ConversionError(f"RUN_OR_CHECKPOINT={path}: {iteration.name} has no run_config.yaml; pass a PEFT run")
+    config = read_run_config(str(config_file))
+    if not config.get("peft"):
+        raise ConversionError(
+            f"RUN_OR_CHECKPOINT={path} is a full fine-tune or an imported model (its run_config.yaml has no peft "
+            "section); export it with `qvl convert export`"
+        )
+    if not config["peft"].get("family"):
+        raise ConversionError(
+            f"RUN_OR_CHECKPOINT={path}: its adapters ({config['peft'].get('_target_')}) were not made by a qvl PEFT "
+            "recipe, so which modules they adapt is unknown; train it with a qvl `*_peft` recipe"
+        )
+    return AdapterRun(path=path, iteration=iteration, config=config)
+
+
+def check_base_matches(run: AdapterRun, hf_base: Path) -> Any:
+    """Refuse an HF_BASE of another family or other shapes than the run's model; returns HF_BASE's provider."""
+    from qvl.bridges.providers import provider_from_hf
+
+    architecture = require_qwen_vl(Path(hf_base))
+    family = family_of_architecture(architecture)
+    if family is None or family.name != run.family:
+        raise ConversionError(
+            f"HF_BASE={hf_base} is a {family.title if family else architecture} checkpoint, but the adapters in "
+            f"{run.path} were trained on {run.family}; pass the HF checkpoint the run fine-tuned from"
+        )
+    provider = provider_from_hf(Path(hf_base))
+    model = run.config.get("model", {})
+    for name in _SHAPE_FIELDS:
+        trained, base = model.get(name), getattr(provider, name, None)
+        if trained is not None and base is not None and trained != base:
+            raise ConversionError(
+                f"HF_BASE={hf_base} has {name}={base}, but the adapters in {run.path} were trained on a model with "
+                f"{name}={trained}; pass the HF checkpoint the run fine-tuned from"
+            )
+    return provider
+
+
+def adapters_of(run: AdapterRun) -> Any:
+    """qvl's LoRA / DoRA config the run was trained with (from its run_config.yaml)."""
+    from dataclasses import fields
+
+    from qvl.bridges.adapters import QvlDoRA, QvlLoRA
+
+    kind = QvlDoRA if str(run.peft.get("_target_", "")).endswith("QvlDoRA") else QvlLoRA
+    names = {f.name for f in fields(kind) if f.init}
+    return kind(**{k: v for k, v in run.peft.items() if k in names and k != "params_to_save"})
+
+
+def build_adapted_model(run: AdapterRun, hf_base: Path) -> tuple[Any, list[Any], Any]:
+    """(bridge, model, adapters): HF_BASE's weights in qvl's Megatron model (TP=1, PP=1, fp32) with the run's trained
+    adapters loaded. Needs an initialised single-rank distributed context."""
+    check_base_matches(run, hf_base)
+    bridge = auto_bridge_with_weights(Path(hf_base), torch.float32)
+    hf_config = bridge.hf_pretrained.config
+    provider = bridge.to_megatron_provider(load_weights=True)
+    apply_provider_fixes(provider, hf_config)
+    provider.tensor_model_parallel_size = provider.pipeline_model_parallel_size = 1
+    provider.expert_model_parallel_size = 1
+    provider.sequence_parallel = False
+    provider.params_dtype = provider.pipeline_dtype = torch.float32
+    provider.bf16 = provider.fp16 = False
+    provider.finalize()
+    adapters = adapters_of(run)
+    provider.register_pre_wrap_hook(lambda chunks: adapters(chunks, training=True))
+    torch_wgrad_accum.provide_kernels()
+    with patches.applied(speed_aligned_widths.GROUP):  # HF tower tensors padded to the aligned widths it is built with
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    adapters.set_params_to_save(model)
+    load_adapter_weights(model, adapters, run)
+    for chunk in model:
+        chunk.eval()
+    return bridge, model, adapters
+
+
+def load_adapter_weights(model: list[Any], adapters: Any, run: AdapterRun) -> None:
+    """The run's trained adapter tensors into `model`'s adapters (the base weights stay HF_BASE's)."""
+    from megatron.bridge.training.checkpointing import apply_peft_adapter_filter_to_state_dict
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    state = apply_peft_adapter_filter_to_state_dict({"model": model[0].sharded_state_dict()}, adapters)
+    try:
+        loaded = dist_checkpointing.load(state, str(run.iteration))
+    except (CheckpointingException, KeyError, RuntimeError, ValueError) as err:
+        raise ConversionError(
+            f"the adapters in {run.path} do not fit the model built from HF_BASE ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200]}); pass the HF checkpoint the run fine-tuned from"
+        ) from err
+    result = model[0].load_state_dict(loaded["model"], strict=False)
+    if result.unexpected_keys:
+        raise ConversionError(f"{run.path}: adapter tensors the model has no place for: {result.unexpected_keys[:5]}")
+
+
+# --- the adapter in peft's format ---
+
+
+@dataclass(kw_only=True, slots=True)
+class AdaptedLinear:
+    """One adapted Megatron linear: its weight's name, the module mapped by the bridge, A, B and DoRA's magnitude."""
+
+    weight_name: str  # the unwrapped Megatron parameter name, as the bridge's mapping registry knows it
+    base: Any  # the Megatron (or HF tower) linear the mapping converts
+    lora_a: torch.Tensor  # [rank, in]
+    lora_b: torch.Tensor  # [out, rank]
+    scale: float
+    magnitude: torch.Tensor | None = None  # DoRA: [out]
+
+
+def adapted_linears(model: list[Any]) -> list[AdaptedLinear]:
+    """Every adapted linear of a single-rank model, with its adapter tensors."""
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+    from megatron.bridge.peft.lora_layers import LinearAdapter
+
+    found = []
+    for name, module in model[0].named_modules():
+        if isinstance(module, AdapterWrapper):
+            adapter = module.adapter
+            magnitude = getattr(adapter, "weight_magnitude", None)
+            found.append(
+                AdaptedLinear(
+                    weight_name=f"{name}.weight",
+                    base=module.to_wrap,
+                    lora_a=adapter.linear_in.weight.detach(),
+                    lora_b=adapter.linear_out.weight.detach(),
+                    scale=adapter.alpha / adapter.dim,
+                    magnitude=None if magnitude is None else magnitude.detach(),
+                )
+            )
+        elif isinstance(module, LinearAdapter):
+            found.append(
+                AdaptedLinear(
+                    weight_name=f"{name}.weight",
+                    base=module,
+                    lora_a=module.linear_in.weight.detach(),
+                    lora_b=module.linear_out.weight.detach(),
+                    scale=module.scale,
+                )
+            )
+    return found
+
+
+def rows_as_hf(mapping: Any, rows: torch.Tensor, base: Any) -> dict[str, torch.Tensor]:
+    """`rows` ([out, k], rows laid out as the adapted weight's) in the layout of each HF tensor the weight maps to.
+
+    The mapping of a weight reorders and splits its output rows (q/k/v, gate/up, per-head interleaving); it is given
+    tensors of the weight's own shape, `k` columns at a time zero-padded, so it never sees an unusual shape."""
+    width = base.weight.shape[1]
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, rows.shape[1], width):
+        chunk = rows[:, start : start + width]
+        padded = torch.nn.functional.pad(chunk, (0, width - chunk.shape[1]))
+        for hf_name, tensor in mapping.megatron_to_hf(padded, base).items():
+            pieces.setdefault(hf_name, []).append(tensor[:, : chunk.shape[1]])
+    return {hf_name: torch.cat(parts, dim=1) for hf_name, parts in pieces.items()}
+
+
+def hf_module_names(hf_base: Path) -> tuple[Any, dict[str, tuple[int, int]], Any]:
+    """(renamer, {live linear name: (out, in)}, meta model): the transformers model's linears, built on meta, and a
+    function that turns a checkpoint tensor name into its live name (transformers' conversion mapping)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    config = AutoConfig.from_pretrained(str(hf_base))
+    with torch.device("meta"):
+        hf_model = AutoModelForImageTextToText.from_config(config)
+    conversions = get_model_conversion_mapping(hf_model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    meta_state = hf_model.state_dict()
+
+    def live_name(checkpoint_name: str) -> str:
+        return rename_source_key(checkpoint_name, renamings, converters, hf_model.base_model_prefix, meta_state)[0]
+
+    linears = {
+        n: (m.out_features, m.in_features) for n, m in hf_model.named_modules() if isinstance(m, torch.nn.Linear)
+    }
+    return live_name, linears, hf_model
+
+
+def peft_state(bridge: Any, model: list[Any], hf_base: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(adapter_model.safetensors' tensors, the live HF module names they adapt)."""
+    from megatron.bridge.peft.utils import is_expert_linear
+
+    registry = bridge._model_bridge.mapping_registry()
+    live_name, linears, _ = hf_module_names(hf_base)
+    tensors: dict[str, torch.Tensor] = {}
+    modules: list[str] = []
+    for linear in adapted_linears(model):
+        if is_expert_linear(linear.weight_name.removesuffix(".weight")):
+            raise ConversionError(
+                f"{linear.weight_name}: MoE expert adapters cannot be written as a peft adapter yet (transformers "
+                "keeps the experts as fused 3-D parameters that peft's LoRA does not target by module); pass "
+                "--merged for a full checkpoint with the adapters folded in, or train without experts in "
+                "adapter_targets"
+            )
+        mapping = registry.megatron_to_hf_lookup(linear.weight_name)
+        if mapping is None:
+            raise ConversionError(f"{linear.weight_name}: Megatron-Bridge has no mapping for the adapted weight")
+        b_rows = rows_as_hf(mapping, linear.lora_b, linear.base)
+        magnitudes = rows_as_hf(mapping, linear.magnitude[:, None], linear.base) if linear.magnitude is not None else {}
+        for hf_name, lora_b in b_rows.items():
+            module = live_name(hf_name).removesuffix(".weight")
+            if module not in linears:
+                raise ConversionError(f"{linear.weight_name} maps to {hf_name}, which is no linear of HF_BASE's model")
+            out_features, in_features = linears[module]
+            prefix = f"base_model.model.{module}"
+            # The replicated HF tower is built with aligned (padded) MLP widths: cut back to the HF module's.
+            tensors[f"{prefix}.lora_A.weight"] = linear.lora_a[:, :in_features].contiguous()
+            tensors[f"{prefix}.lora_B.weight"] = lora_b[:out_features].contiguous()
+            if hf_name in magnitudes:
+                tensors[f"{prefix}.lora_magnitude_vector"] = magnitudes[hf_name][:out_features, 0].contiguous()
+            modules.append(module)
+    return tensors, modules
+
+
+def write_adapter(run: AdapterRun, bridge: Any, model: list[Any], hf_base: Path, out: Path) -> Path:
+    """Write OUT/adapter_config.json and OUT/adapter_model.safetensors (rank 0's model, TP=1, PP=1)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    tensors, modules = peft_state(bridge, model, hf_base)
+    if not modules:
+        raise ConversionError(f"{run.path} holds no adapted linear; nothing to export")
+    config = LoraConfig(
+        r=int(run.peft["dim"]),
+        lora_alpha=int(run.peft["alpha"]),
+        lora_dropout=float(run.peft.get("dropout", 0.0)),
+        target_modules=sorted(set(modules)),
+        use_dora=str(run.peft.get("_target_", "")).endswith("QvlDoRA"),
+        bias="none",
+        base_model_name_or_path=str(hf_base),
+    )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    # A fused projection's HF modules share one A: each gets its own copy in the file.
+    save_file({k: v.float().clone() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS))
+    logger.info("wrote %d adapter tensors for %d HF modules to %s", len(tensors), len(set(modules)), out)
+    return out
+
+
+# --- the adapters folded into the weights ---
+
+
+def merge_adapters(model: list[Any]) -> None:
+    """Fold every adapter into the weight it adapts and put the plain linear back in its place (in Megatron's layout,
+    so Megatron-Bridge exports the result like any trained model)."""
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+    from megatron.bridge.peft.lora_layers import LinearAdapter
+
+    for chunk in model:
+        for name, module in list(chunk.named_modules()):
+            if not isinstance(module, (AdapterWrapper, LinearAdapter)):
+                continue
+            linear = adapted_linears([torch.nn.ModuleDict({"m": module})])[0]
+            base = linear.base
+            with torch.no_grad():
+                weight = base.weight + linear.scale * (linear.lora_b @ linear.lora_a).to(base.weight.dtype)
+                if linear.magnitude is not None:
+                    weight = weight * (linear.magnitude / torch.linalg.norm(weight, dim=1))[:, None]
+                base.weight.copy_(weight)
+            if isinstance(module, AdapterWrapper):
+                parent_name, _, child = name.rpartition(".")
+                setattr(chunk.get_submodule(parent_name) if parent_name else chunk, child, base)
+            else:
+                module.disable_adapter_layers()  # the HF tower's LinearAdapter keeps the weight's own name
+
+
+def write_merged(bridge: Any, model: list[Any], hf_base: Path, out: Path) -> Path:
+    """A full HF checkpoint at OUT with the adapters folded in (consumes `model`'s adapters): HF_BASE's config,
+    tokenizer and processor files, the merged weights in HF_BASE's tensor layout (the weights-backed bridge's), and
+    the tensors HF_BASE keeps aside from conversion (e.g. Qwen3.5's `mtp.*`) where the model did not export them."""
+    import tempfile
+
+    from qvl.bridges import unconverted
+
+    merge_adapters(model)
+    speed_aligned_widths.mark_hf_widths(model, bridge.hf_pretrained.config)
+    with patches.applied(speed_aligned_widths.GROUP):  # padded widths cut back to the checkpoint's
+        bridge.save_hf_weights(model, str(out), show_progress=False, merge_adapter_weights=False)
+    copy_hf_side_files(Path(hf_base), Path(out))
+    with tempfile.TemporaryDirectory(prefix="qvl-merged-") as side:
+        unconverted.save_unconverted(Path(hf_base), Path(side))
+        unconverted.restore_unconverted(Path(side), Path(out))
+    return Path(out)
+
+
+# --- proof ---
+
+
+def check_adapter(
+    model: list[Any], adapters: Any, hf_base: Path, adapter_dir: Path, inputs: dict, tolerance: float
+) -> tuple[ExportReport, torch.Tensor]:
+    """Logits of qvl's adapted model vs transformers + peft with the exported adapter; (report, qvl's logits)."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from qvl.bridges import verify
+
+    ours = verify.megatron_logits(model, inputs)
+    with adapters.disable_adapter(model):
+        plain = verify.megatron_logits(model, inputs)
+    base = AutoModelForImageTextToText.from_pretrained(str(hf_base), dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False).eval()
+    missing, unexpected = _load_result(peft_model, adapter_dir)
+    with torch.no_grad():
+        reference = peft_model(**inputs).logits.float()
+    report = ExportReport(
+        adapter_max_abs_diff=float((ours[..., : reference.shape[-1]] - reference).abs().max()),
+        merged_max_abs_diff=None,
+        adapter_effect=float((ours - plain).abs().max()),
+        missing_keys=missing,
+        unexpected_keys=unexpected,
+        tolerance=tolerance,
+    )
+    return report, ours
+
+
+def _load_result(peft_model: Any, adapter_dir: Path) -> tuple[list[str], list[str]]:
+    """(adapter tensors the peft model expected but the file lacks, file tensors it has no place for)."""
+    from peft import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    expected = set(get_peft_model_state_dict(peft_model).keys())
+    with safe_open(str(Path(adapter_dir) / ADAPTER_WEIGHTS), framework="pt") as f:
+        written = set(f.keys())
+    return sorted(expected - written), sorted(written - expected)
+
+
+# --- the entry point `qvl convert export-adapter` runs on one rank ---
+
+
+def export_adapter_on_rank(
+    run_path: str, hf_base: str, out: str, merged_out: str | None, check: bool, tolerance: float | None
+) -> dict[str, Any]:
+    """Export (and check) a PEFT run's adapters; the report as a dict (module level, so spawned ranks import it)."""
+    from qvl.bridges import verify
+
+    run = find_adapter_run(Path(run_path))
+    bridge, model, adapters = build_adapted_model(run, Path(hf_base))
+    adapter_dir = write_adapter(run, bridge, model, Path(hf_base), Path(out))
+    result: dict[str, Any] = {"adapter": str(adapter_dir), "merged": merged_out, "checked": check}
+    ours = None
+    if check:
+        inputs = verify.config_inputs(Path(hf_base))
+        report, ours = check_adapter(
+            model, adapters, Path(hf_base), adapter_dir, inputs, tolerance or DEFAULT_TOLERANCE
+        )
+    if merged_out:
+        write_merged(bridge, model, Path(hf_base), Path(merged_out))  # folds the adapters in: logits taken above
+        if ours is not None:
+            merged = verify.hf_logits(Path(merged_out), inputs)
+            report.merged_max_abs_diff = float((ours[..., : merged.shape[-1]] - merged).abs().max())
+    return result | (report.as_dict() if check else {})

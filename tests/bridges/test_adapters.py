@@ -1,0 +1,214 @@
+"""qvl's LoRA and DoRA (qvl.bridges.adapters): targets by meaning from the family record, refusals in one line, the
+TE-flag fix (Megatron-Bridge's LoRA fails on every target without TE unless it is applied), and the adapted layers'
+outputs equal `peft`'s on the same weights (fp32 on CPU; bf16 forward and backward on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qvl.foundation import distributed, patches
+from qvl.foundation.errors import ConfigError
+from qvl.foundation.families import ADAPTER_TARGETS, FAMILIES
+from qvl.foundation.megatron import have_transformer_engine, import_megatron_bridge
+
+import_megatron_bridge()
+
+from qvl.bridges.adapters import QvlDoRA, QvlLoRA, adapter_config, check_dora_layout, target_modules  # noqa: E402
+from qvl.kernels import fix_peft_without_te  # noqa: E402
+
+IN, OUT, RANK, ALPHA = 48, 80, 4, 8
+
+
+@pytest.fixture
+def megatron_state(cpu_runtime):
+    distributed.init_distributed()
+    yield
+    distributed.destroy_distributed()
+
+
+def _config():
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=IN, num_attention_heads=4, use_cpu_initialization=True)
+
+
+def _model(*, bias: bool = True) -> torch.nn.Module:
+    """A container whose one linear has the name the family record's language patterns match: a fused qkv that adds
+    its own bias (`skip_bias_add=False`), as Qwen2's attention does."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    linear = ColumnParallelLinear(IN, OUT, config=_config(), init_method=torch.nn.init.normal_, bias=bias,
+                                  skip_bias_add=False, gather_output=False)  # fmt: skip
+    with torch.no_grad():
+        if bias:
+            linear.bias.normal_()
+    attention = torch.nn.Module()
+    attention.linear_qkv = linear
+    layer = torch.nn.Module()
+    layer.self_attention = attention
+    decoder = torch.nn.Module()
+    decoder.layers = torch.nn.ModuleList([layer])
+    language = torch.nn.Module()
+    language.decoder = decoder
+    model = torch.nn.Module()
+    model.language_model = language
+    return model
+
+
+def test_targets_by_meaning_come_from_the_family_record_and_language_is_the_default():
+    for family in FAMILIES.values():
+        language = target_modules(family.name, ("language",))
+        assert language == list(family.adapter_modules["language"])
+        assert all(p.startswith("language_model.decoder.") for p in language), family.name  # no MTP, no vision
+        assert not any(".experts." in p for p in language), family.name
+        assert adapter_config(family=family.name).target_modules == language
+        assert set(family.adapter_modules) == set(ADAPTER_TARGETS)
+        assert bool(family.adapter_modules["experts"]) == family.moe
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(family="qwen2_5_vl", targets=("language", "vison")), r"'vison' is not an adapter target; use any of"),
+        (dict(family="qwen3_vl", targets=("experts",)), r"Qwen3-VL has no experts to adapt .* drop experts"),
+        (dict(family="qwen2_5_vl", method="dora", targets=("language", "vision")), r"adapter=dora cannot adapt"),
+        (dict(family="qwen3_vl_moe", method="dora", targets=("experts",)), r"dora cannot adapt MoE experts"),
+        (dict(family="qwen2_vl", method="qlora"), r"adapter='qlora' is not an adapter method; use one of lora, dora"),
+        (dict(family="qwen2_vl", rank=0), r"adapter_rank=0 .* must be at least 1"),
+        (dict(family="qwen2_vl", targets=()), r"adapter_targets is empty"),
+    ],
+)
+def test_bad_adapter_options_are_refused_naming_the_fix(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        adapter_config(**kwargs)
+
+
+def test_dora_is_refused_at_tensor_parallel_above_one():
+    check_dora_layout("lora", 4)
+    with pytest.raises(ConfigError, match=r"adapter=dora needs tensor_parallel=1 \(got 2\)"):
+        check_dora_layout("dora", 2)
+
+
+@pytest.mark.skipif(have_transformer_engine(), reason="the mock TE flags exist only where TE is absent")
+def test_without_the_fix_megatron_bridge_lora_fails_on_every_target_and_with_it_wraps(megatron_state):
+    from megatron.bridge.peft.lora import LoRA
+    from megatron.bridge.peft.utils import HAVE_TE
+
+    assert HAVE_TE and not patches.is_applied(fix_peft_without_te.GROUP)  # the MagicMock `te` looks like TE
+    with pytest.raises(TypeError, match="isinstance"):
+        LoRA(target_modules=["*.linear_qkv"], dim=RANK, alpha=ALPHA)(_model(), training=True)
+    adapted = adapter_config(family="qwen2_5_vl", rank=RANK, alpha=ALPHA)(_model(), training=True)
+    wrapped = adapted.language_model.decoder.layers[0].self_attention.linear_qkv
+    assert type(wrapped).__name__ == "LoRALinear"
+    assert not patches.is_applied(fix_peft_without_te.GROUP)  # applied for the transform only
+    trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert sorted(trainable) == [
+        "language_model.decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight",
+        "language_model.decoder.layers.0.self_attention.linear_qkv.adapter.linear_out.weight",
+    ]
+
+
+def test_a_target_that_matches_no_module_is_an_error(megatron_state):
+    with pytest.raises(ConfigError, match=r"adapter_targets: 'vision' matches no module of this Qwen3-VL model"):
+        QvlLoRA(family="qwen3_vl", targets=["vision"], target_modules=target_modules("qwen3_vl", ("vision",)))(
+            _model(), training=True
+        )
+
+
+def _peft_linear(linear, *, dora: bool) -> torch.nn.Module:
+    """`peft`'s LoRA / DoRA on an nn.Linear holding `linear`'s weight and bias."""
+    from peft import LoraConfig, get_peft_model
+
+    plain = torch.nn.Sequential(torch.nn.Linear(IN, OUT, bias=linear.bias is not None))
+    with torch.no_grad():
+        plain[0].weight.copy_(linear.weight)
+        if linear.bias is not None:
+            plain[0].bias.copy_(linear.bias)
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["0"], use_dora=dora, init_lora_weights=False)
+    return get_peft_model(plain, config)
+
+
+def _same_adapter(peft_model, adapter) -> None:
+    layer = peft_model.base_model.model[0]
+    with torch.no_grad():
+        layer.lora_A["default"].weight.copy_(adapter.linear_in.weight)
+        layer.lora_B["default"].weight.copy_(adapter.linear_out.weight)
+        if hasattr(adapter, "weight_magnitude"):
+            layer.lora_magnitude_vector["default"].weight.copy_(adapter.weight_magnitude)
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_adapted_linear_equals_peft_on_the_same_weights(megatron_state, method, bias):
+    """Forward and adapter gradients of qvl's adapted Megatron linear equal peft's on an nn.Linear (fp32): for DoRA
+    the linear's own bias stays outside the magnitude scaling, as in peft (upstream's DoRALinear scales it)."""
+    model = adapter_config(family="qwen2_5_vl", method=method, rank=RANK, alpha=ALPHA)(_model(bias=bias))
+    wrapped = model.language_model.decoder.layers[0].self_attention.linear_qkv
+    with torch.no_grad():  # trained-looking adapters: B non-zero, the magnitude away from ||W||
+        wrapped.adapter.linear_out.weight.normal_(0, 0.5)
+        if method == "dora":
+            wrapped.adapter.weight_magnitude.mul_(torch.linspace(0.5, 1.5, OUT))
+    reference = _peft_linear(wrapped.to_wrap, dora=method == "dora")
+    _same_adapter(reference, wrapped.adapter)
+    x = torch.randn(5, 2, IN)
+    ours, bias_out = wrapped(x)
+    theirs = reference(x)
+    assert bias_out is None
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(ours)
+    ours.backward(grad)
+    theirs.backward(grad)
+    layer = reference.base_model.model[0]
+    torch.testing.assert_close(wrapped.adapter.linear_out.weight.grad, layer.lora_B["default"].weight.grad)
+    torch.testing.assert_close(wrapped.adapter.linear_in.weight.grad, layer.lora_A["default"].weight.grad)
+    if method == "dora":
+        assert isinstance(model.language_model.decoder.layers[0].self_attention.linear_qkv, torch.nn.Module)
+        assert type(wrapped).__name__ == "BiasOutsideDoRALinear"
+
+
+def test_dora_config_is_qvls_dora():
+    assert isinstance(adapter_config(family="qwen3_5_vl", method="dora"), QvlDoRA)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_bf16_adapter_forward_and_backward_on_cuda_against_the_unadapted_layer(method):
+    """bf16 on a GPU: with B = 0 (as trained from) the adapted layer gives the unadapted layer's output bit for bit;
+    with a trained-looking B its output and adapter gradients are as close to fp64 as bf16 allows."""
+    from tests.numerics import BF16_BOUND, relative_error
+
+    distributed.init_distributed()
+    try:
+        model = adapter_config(family="qwen2_5_vl", method=method, rank=RANK, alpha=ALPHA)(_model().cuda().bfloat16())
+        wrapped = model.language_model.decoder.layers[0].self_attention.linear_qkv
+        x = torch.randn(64, 2, IN, device="cuda", dtype=torch.bfloat16)
+        unadapted, _ = wrapped.to_wrap(x)
+        adapted, _ = wrapped(x)
+        if method == "lora":  # DoRA's magnitude over the fp32-computed norm rounds once more
+            assert torch.equal(adapted, unadapted)
+        else:
+            assert relative_error(adapted, unadapted) <= BF16_BOUND
+        with torch.no_grad():
+            wrapped.adapter.linear_out.weight.normal_(0, 0.5)
+        adapted, _ = wrapped(x)
+        grad = torch.randn_like(adapted)
+        adapted.backward(grad)
+        exact = _model().double().cuda()
+        reference = _peft_linear(
+            exact.language_model.decoder.layers[0].self_attention.linear_qkv, dora=method == "dora"
+        )
+        reference = reference.double().cuda()
+        with torch.no_grad():
+            reference.base_model.model[0].weight.copy_(wrapped.to_wrap.weight)
+            reference.base_model.model[0].bias.copy_(wrapped.to_wrap.bias)
+        _same_adapter(reference, wrapped.adapter)
+        expected = reference(x.double())
+        expected.backward(grad.double())
+        layer = reference.base_model.model[0]
+        assert relative_error(adapted, expected) <= BF16_BOUND
+        assert relative_error(wrapped.adapter.linear_out.weight.grad, layer.lora_B["default"].weight.grad) <= BF16_BOUND
+        assert relative_error(wrapped.adapter.linear_in.weight.grad, layer.lora_A["default"].weight.grad) <= BF16_BOUND
+    finally:
+        distributed.destroy_distributed()
