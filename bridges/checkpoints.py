@@ -73,3 +73,23 @@ def check_megatron_checkpoint(path: Path, what: str = "checkpoint") -> Path:
                 "checkpoint again"
             )
     return folder
+
+
+RUN_CONFIG = "run_config.yaml"
+
+
+def adapter_settings(path: Path, what: str = "checkpoint") -> dict | None:
+    """The `peft` section of the run_config.yaml the latest iteration at `path` was saved with: a PEFT run's
+    adapters (the checkpoint then holds only those), or None for a full model."""
+    import yaml
+
+    config = iteration_dir(path, what) / RUN_CONFIG
+    return (yaml.safe_load(config.read_text()) or {}).get("peft") or None if config.is_file() else None
+
+
+def checkpoint_tensor_names(path: Path, what: str = "checkpoint") -> list[str]:
+    """The tensor names a Megatron torch_dist checkpoint's latest iteration holds (from its `.metadata` only)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = check_megatron_checkpoint(path, what)
+    return sorted(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)

@@ -197,7 +197,7 @@ def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:
     if torch.distributed.get_rank() == 0:
         unconverted.restore_unconverted(hf_files, out_hf_dir)
         for path in hf_files.iterdir():  # tokenizer + processor files the bridge does not write
-            if not (out_hf_dir / path.name).exists():
+            if not (out_hf_dir / path.name).exists() and path.name not in unconverted.BOOKKEEPING_FILES:
                 shutil.copy2(path, out_hf_dir / path.name)
     torch.distributed.barrier()
     return ConversionResult(

@@ -26,6 +26,7 @@ UNCONVERTED_FILE = "unconverted.safetensors"
 # which nothing in its config.json tells apart from Qwen3.5's per-expert ones).
 TENSOR_NAMES_FILE = "tensor_names.json"
 _INDEX = "model.safetensors.index.json"
+BOOKKEEPING_FILES = (UNCONVERTED_FILE, TENSOR_NAMES_FILE)  # the `hf/` folder's own: an export writes what it needs
 
 
 def unconverted_prefixes(hf_path: Path) -> tuple[str, ...]:

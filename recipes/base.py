@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from qvl.bridges.adapters import adapter_config, check_dora_layout
+from qvl.bridges.checkpoints import checkpoint_tensor_names, has_checkpoint
+from qvl.bridges.mtp_reference import checkpoint_mtp_names, mtp_layer_count
 from qvl.bridges.providers import layout_facts, provider_from_hf, recompute_vision_towers
 from qvl.data.planned import check_plan, read_dp_plan
 from qvl.foundation.errors import ConfigError, DataError
@@ -99,6 +101,7 @@ class QvlConfigContainer(ConfigContainer):
         `qvl train`, `nemo qvl` and a notebook calling those loops with qvl's forward step behave the same."""
         super().validate()
         check_dataset_matches_recipe(self)
+        check_mtp_checkpoint(self)
         attach_qvl_behaviours(self)
 
 
@@ -238,6 +241,7 @@ def build_adapters(arch: Architecture, o: RecipeOptions) -> Any:
         rank=o.adapter_rank,
         alpha=o.adapter_alpha,
         dropout=o.adapter_dropout,
+        seed=o.seed,
     )
 
 
@@ -273,6 +277,7 @@ def build_optimizer(o: RecipeOptions) -> tuple[OptimizerConfig, SchedulerConfig]
 def build_model(arch: Architecture, o: RecipeOptions) -> Any:
     """The Megatron-Bridge provider with layout, pipeline split, recompute, freezing and dtype set."""
     model = provider_from_hf(load_hf_config(o.hf_path, arch))
+    _apply_mtp(model, o, f"{arch.family} {arch.size}")
     _check_divisible(model, o, f"{arch.family} {arch.size}")
     _check_vision_balance(arch, o)
     model.seq_length = o.seq_length
@@ -293,6 +298,44 @@ def build_model(arch: Architecture, o: RecipeOptions) -> Any:
     _apply_recompute(model, o)
     _apply_split(model, o)
     return model
+
+
+def _apply_mtp(model: Any, o: RecipeOptions, name: str) -> None:
+    """Train the checkpoint's multi-token-prediction layers (qvl.training.mtp) or build none; refuse `mtp=true` for a
+    model or an HF checkpoint without them, or whose tensors hold another layer count."""
+    configured = getattr(model, "mtp_num_layers", None) or 0
+    if not o.mtp:
+        model.mtp_num_layers = None  # the checkpoint's mtp.* stay aside and export unchanged (qvl.bridges.unconverted)
+        return
+    if not configured:
+        raise ConfigError(
+            f"mtp=true, but {name} has no multi-token-prediction layers (no mtp_num_hidden_layers in its "
+            "config.json); drop mtp=true"
+        )
+    weights = Path(o.hf_path).is_dir() and any(Path(o.hf_path).glob("*.safetensors"))
+    found = mtp_layer_count(checkpoint_mtp_names(Path(o.hf_path))) if weights else configured
+    if found != configured:
+        raise ConfigError(
+            f"mtp=true, but hf_path={o.hf_path} holds {found} MTP layer(s) of mtp.* tensors where its config.json "
+            f"says mtp_num_hidden_layers={configured}; "
+            + ("train with mtp=false (its MTP head was not saved)" if not found else "fix mtp_num_hidden_layers")
+        )
+    model.mtp_loss_scaling_factor = o.mtp_loss_scale
+
+
+def check_mtp_checkpoint(config: Any) -> None:
+    """With MTP layers to train, the pretrained Megatron checkpoint (when not resuming) must hold them: refuse one
+    converted without (an HF checkpoint without mtp.* tensors) before Megatron fails to load it."""
+    if not getattr(config.model, "mtp_num_layers", None) or not config.checkpoint.pretrained_checkpoint:
+        return
+    if config.checkpoint.load and has_checkpoint(Path(config.checkpoint.load)):
+        return
+    path = Path(config.checkpoint.pretrained_checkpoint)
+    if not any(".mtp." in name for name in checkpoint_tensor_names(path, "pretrained_checkpoint")):
+        raise ConfigError(
+            f"mtp=true, but pretrained_checkpoint={path} has no multi-token-prediction weights (it was converted "
+            "from a checkpoint without mtp.* tensors); train with mtp=false"
+        )
 
 
 def _check_divisible(model: Any, o: RecipeOptions, name: str) -> None:

@@ -54,6 +54,10 @@ class RecipeOptions:
     compile: bool = False  # HF vision tower (Qwen2/2.5-VL): each block torch.compiled on CUDA (Triton)
     optimizer_offload: float = 0.0  # fraction of optimizer state on CPU (Megatron-Core hybrid-device optimizer)
     freeze: tuple[str, ...] = ()  # any of vision, projector, language
+    # Multi-token prediction (Qwen3.5 / 3.6 / 3.8): train the checkpoint's MTP layers beside the LM, their loss
+    # scaled by mtp_loss_scale (Megatron-Bridge's recipes: 0.1); off, the checkpoint's mtp.* export unchanged.
+    mtp: bool = False
+    mtp_loss_scale: float = 0.1
     lr: float = 1e-5
     min_lr: float = 1e-6
     warmup_iters: int = 50
@@ -105,6 +109,11 @@ class RecipeOptions:
             raise ConfigError(
                 f"virtual_pipeline={self.virtual_pipeline} needs pipeline_parallel >= 2 "
                 f"(got {self.pipeline_parallel}); drop virtual_pipeline or raise it"
+            )
+        if self.mtp and self.context_parallel > 1:
+            raise ConfigError(
+                f"mtp=true needs context_parallel=1 (got {self.context_parallel}): qvl shifts the MTP targets inside "
+                "each packed sample on one rank; set context_parallel=1 or mtp=false"
             )
         if self.vision_balance and self.context_parallel > 1:
             raise ConfigError(

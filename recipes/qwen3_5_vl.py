@@ -35,7 +35,11 @@ LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
     ("397b-a17b", "sft"): dict(tensor_parallel=2, pipeline_parallel=8, expert_parallel=32, gpus=512),
     ("397b-a17b", "peft"): dict(tensor_parallel=2, pipeline_parallel=4, expert_parallel=16, gpus=128),
 }
-SETTINGS: dict[tuple[str, str], dict] = {}  # non-layout defaults per (size, stage); none needed yet
+# Non-layout defaults per (size, stage): the checkpoints' multi-token-prediction layer trains in SFT and PEFT, as in
+# Megatron-Bridge's Qwen3.5-VL recipes (mtp_num_layers 1, mtp_loss_scaling_factor 0.1); pretraining leaves it aside.
+SETTINGS: dict[tuple[str, str], dict] = {
+    (size, stage): dict(mtp=True) for size, _ in LAYOUTS for stage in ("sft", "peft")
+}
 
 
 def qwen3_5_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:

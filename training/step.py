@@ -12,6 +12,7 @@ from qvl.data.count import IGNORE_INDEX
 from qvl.kernels.speed_qwen3_vl_sync_free import host_vision_layout
 from qvl.kernels.speed_rotary import mark_whole_pack
 from qvl.kernels.speed_sync_free import HostBatch, LossCheck, masked_loss
+from qvl.training import mtp
 
 # Batch fields passed to the model when present (Qwen2-VL / Qwen2.5-VL / Qwen3-VL forward arguments).
 _VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -126,7 +127,11 @@ def forward_step(
     kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to)
     if state.cfg.qvl.vision_balance:
         kwargs = balanced_vision_inputs(model, kwargs)
-    output = model(**kwargs, host_batch=host_batch(model, batch, kwargs, device))
+    # with MTP layers the model also returns their per-token losses (qvl.training.mtp)
+    with mtp.states_kept(model_config):
+        output = model(
+            **kwargs, **mtp.model_arguments(model_config), host_batch=host_batch(model, batch, kwargs, device)
+        )
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
         output, loss_mask = output
     checks = state.cfg.rerun_state_machine
@@ -137,6 +142,7 @@ def forward_step(
         check_for_spiky_loss=checks.check_for_spiky_loss,
         loss_check=loss_check,
     )
+    return output, mtp.loss_function(main_loss, model_config)
 
 
 def tower_inputs_by_kind(batch: Any, kwargs: dict, device: torch.device) -> dict[str, Any]:

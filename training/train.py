@@ -25,6 +25,7 @@ from qvl.recipes.options import check_option_names
 from qvl.recipes.overrides import Overrides, apply_config_overrides
 from qvl.recipes.registry import get_recipe
 
+from qvl.training.mtp import MTP_LOSS
 logger = logging.getLogger(__name__)
 LOSSES_FILE = "losses.jsonl"
 # Overrides a CPU run needs: fp32 (no bf16 kernels worth using), no sequence parallelism (needs TE norms).
@@ -121,8 +122,9 @@ class _CleanExitFilter(logging.Filter):
 
 
 class _LossRecorder:
-    """on_train_step_end callback: append {"step", "loss"} to RUN_DIR/losses.jsonl from the one rank that
-    holds the reduced loss: first tensor- and data-parallel rank of the last pipeline stage."""
+    """on_train_step_end callback: append {"step", "loss"} (and "mtp_loss" where multi-token prediction trains,
+    qvl.training.mtp) to RUN_DIR/losses.jsonl from the one rank that holds the reduced loss: first tensor- and
+    data-parallel rank of the last pipeline stage."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -134,11 +136,17 @@ class _LossRecorder:
             return
         if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
             return
-        loss = context.loss_dict.get("lm loss")
-        value = float(loss[0] / loss[1]) if isinstance(loss, (tuple, list)) else float(loss)
+        # train_state.step still counts completed steps before this one: record 1-based iterations
+        record = {"step": context.state.train_state.step + 1, "loss": _reduced(context.loss_dict.get("lm loss"))}
+        if MTP_LOSS in context.loss_dict:
+            record["mtp_loss"] = _reduced(context.loss_dict[MTP_LOSS])
         with self.path.open("a") as f:
-            # train_state.step still counts completed steps before this one: record 1-based iterations
-            f.write(json.dumps({"step": context.state.train_state.step + 1, "loss": value}) + "\n")
+            f.write(json.dumps(record) + "\n")
+
+
+def _reduced(loss) -> float:
+    """A reported loss as one number: (sum, tokens) pairs divided."""
+    return float(loss[0] / loss[1]) if isinstance(loss, (tuple, list)) else float(loss)
 
 
 def run_training(request: TrainRequest) -> Path:
@@ -235,8 +243,9 @@ def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: s
         run_loop(config, forward_step, callbacks=callbacks)
 
 
-def read_losses(run_dir: Path) -> dict[int, float]:
-    """Step -> loss from a run directory (a resumed run appends; the latest entry per step wins)."""
+def read_losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    """Step -> loss (or another recorded value, e.g. "mtp_loss") from a run directory (a resumed run appends; the
+    latest entry per step wins)."""
     path = Path(run_dir) / LOSSES_FILE
     if not path.is_file():
         return {}

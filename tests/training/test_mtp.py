@@ -1,0 +1,102 @@
+"""Multi-token prediction in qvl's step (qvl.training.mtp): targets shifted inside each packed sample, a pack's MTP
+loss equal to its samples' run one by one, the loss token-weighted beside the main loss."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from qvl.foundation import distributed
+from qvl.training import mtp
+
+
+def test_shift_stays_inside_each_packed_sample():
+    tokens = torch.tensor([[10, 11, 12, 20, 21, 30, 31, 32, 33]])
+    cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
+    shifted = mtp.shift_in_sequences(tokens, cu)
+    assert shifted.tolist() == [[11, 12, 0, 21, 0, 31, 32, 33, 0]]  # no position sees the next sample's token
+    assert mtp.shift_in_sequences(tokens, None).tolist() == [[11, 12, 20, 21, 30, 31, 32, 33, 0]]
+
+
+def test_loss_adds_the_scaled_mtp_sum_and_reports_it_token_weighted():
+    def main_loss(losses):  # Megatron-Bridge's masked per-token loss shape: (sum, tokens, report)
+        return losses.sum(), torch.tensor(losses.numel()), {"lm loss": torch.stack([losses.sum(), torch.tensor(4.0)])}
+
+    output = mtp.LossesWithMtp(
+        main=torch.tensor([[1.0, 2.0, 3.0, 4.0]]),
+        mtp=(torch.tensor([[5.0, 6.0, 7.0, 8.0]]),),
+        mtp_masks=(torch.tensor([[1.0, 1.0, 0.0, 0.0]]),),
+    )
+    loss, tokens, report = mtp.loss_with_mtp(main_loss, 0.1, output)
+    assert float(loss) == pytest.approx(10.0 + 0.1 * 11.0) and int(tokens) == 4
+    assert report[mtp.MTP_LOSS].tolist() == [11.0, 2.0]  # (sum, tokens): Megatron-Bridge divides after reducing
+    assert mtp.loss_with_mtp(main_loss, 0.1, output.main)[0] == 10.0  # a plain output: the main loss alone
+
+
+def test_no_mtp_layers_change_nothing():
+    config = types.SimpleNamespace(mtp_num_layers=None)
+    assert mtp.model_arguments(config) == {} and mtp.loss_function(print, config) is print
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_vl", pytest.param("qwen3_5_vl_moe", marks=pytest.mark.slow)])
+def test_a_packs_mtp_loss_is_the_sum_of_its_samples_run_alone(family, tmp_path, cpu_runtime):
+    from qvl.bridges.convert import auto_bridge_with_weights
+    from qvl.bridges.fixes import fix_provider
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.data.load import build_packed_datasets
+    from qvl.data.samples import write_sample_dataset
+    from qvl.launchers.cli import main
+    from qvl.training.step import model_inputs
+
+    jsonl, media = write_sample_dataset(tmp_path / "samples", count=12, with_bad=False)
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
+    prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", family, "--hf-path", str(hf)]
+    assert main(["data", "prepare", *prepare, "--seq-length", "512", "--output", str(tmp_path / "data")]) == 0
+    distributed.init_distributed()
+    try:
+        bridge = auto_bridge_with_weights(hf, torch.float32)
+        provider = bridge.to_megatron_provider(load_weights=True)
+        fix_provider(provider, bridge.hf_pretrained.config)
+        provider.finalize()
+        assert provider.mtp_num_layers == 1
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0].eval()
+        config = types.SimpleNamespace(
+            path=str(tmp_path / "data"), hf_path=str(hf), family=family, micro_batch_size=1, num_workers=0
+        )
+        batch = next(iter(build_packed_datasets(config, None)[0]))
+        kwargs, loss_mask = model_inputs(batch, torch.device("cpu"))
+        cu = batch.cu_seqlens_q.tolist()
+        assert len(cu) > 2, "the test needs a pack of several samples"
+        labels, images = kwargs["labels"], batch.image_grid_thw
+        rows = torch.cat([torch.zeros(1, dtype=torch.long), images.prod(-1).cumsum(0)]).tolist()
+        per_image = (images.prod(-1) // 4).tolist()
+        with torch.no_grad(), mtp.states_kept(provider):
+            packed = model(**kwargs, **mtp.model_arguments(provider))
+            alone_losses, alone_masks, first = [], [], 0
+            for a, b in zip(cu[:-1], cu[1:]):
+                pads, last = int((batch.tokens[0, a:b] == provider.image_token_id).sum()), first
+                while pads > 0:
+                    pads, last = pads - per_image[last], last + 1
+                alone = model(
+                    input_ids=batch.tokens[:, a:b],
+                    labels=labels[:, a:b],
+                    loss_mask=loss_mask[:, a:b],
+                    attention_mask=None,
+                    position_ids=None,
+                    pixel_values=batch.pixel_values[rows[first] : rows[last]] if last > first else None,
+                    image_grid_thw=images[first:last] if last > first else None,
+                    **mtp.model_arguments(provider),
+                )
+                alone_losses.append(alone.mtp[0] * alone.mtp_masks[0])
+                alone_masks.append(alone.mtp_masks[0])
+                first = last
+        # the same positions learn the same targets: none of a sample's positions predicts the next sample's tokens
+        assert torch.equal(packed.mtp_masks[0], torch.cat(alone_masks, dim=1))
+        assert packed.mtp_masks[0].sum() > 0
+        pack_losses = packed.mtp[0] * packed.mtp_masks[0]
+        torch.testing.assert_close(pack_losses, torch.cat(alone_losses, dim=1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pack_losses.sum(), sum(loss.sum() for loss in alone_losses), rtol=1e-6, atol=0)
+    finally:
+        distributed.destroy_distributed()
