@@ -135,7 +135,7 @@ def forward_step(
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
         output, loss_mask = output
     checks = state.cfg.rerun_state_machine
-    return output, partial(
+    main_loss = partial(
         masked_loss,
         loss_mask,
         check_for_nan_in_loss=checks.check_for_nan_in_loss,

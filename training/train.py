@@ -249,4 +249,4 @@ def read_losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
     path = Path(run_dir) / LOSSES_FILE
     if not path.is_file():
         return {}
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+    return {r["step"]: r[key] for r in map(json.loads, path.read_text().splitlines()) if key in r}
