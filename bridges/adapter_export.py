@@ -13,7 +13,7 @@ weights from the run's checkpoint, and writes:
 - with `merged=True`, a full HF checkpoint with the adapters folded into their weights in Megatron's layout (W + s B A;
   DoRA's m (W + s B A) / ||W + s B A||), exported by Megatron-Bridge like any trained model.
 
-`check_adapter` compares logits, fp32: qvl's model with its adapters against transformers + `peft` with the exported
+the export's check compares logits, fp32: qvl's model with its adapters against transformers + `peft` with the exported
 adapter (loaded with no missing or unexpected key), and against the merged checkpoint.
 
 Megatron-Bridge's own `AutoBridge.export_adapter_ckpt` (0.6.2) builds the model without qvl's provider fixes, refuses
@@ -68,35 +68,25 @@ class AdapterRun:
 
 @dataclass(kw_only=True, slots=True)
 class ExportReport:
-    """What `verify_export` measured; `ok` against `tolerance`."""
+    """What the export's check measured (fp32 logits on config-built inputs); `ok` against `tolerance`."""
 
-    adapter_max_abs_diff: float
-    merged_max_abs_diff: float | None
-    adapter_effect: float  # max |logits with adapters - logits without|: what the comparison could see
-    missing_keys: list[str] = field(default_factory=list)
-    unexpected_keys: list[str] = field(default_factory=list)
+    adapter: str | None  # the peft adapter folder written, if any
+    merged: str | None  # the merged HF checkpoint written, if any
+    checked: bool
+    adapter_effect: float | None = None  # max |logits with adapters - without|: what the comparison could see
+    adapter_max_abs_diff: float | None = None  # qvl's logits vs transformers + peft with the adapter
+    merged_max_abs_diff: float | None = None  # qvl's logits vs transformers with the merged checkpoint
+    missing_keys: list[str] = field(default_factory=list)  # adapter tensors peft expected and the file lacks
+    unexpected_keys: list[str] = field(default_factory=list)  # file tensors peft has no place for
     tolerance: float = DEFAULT_TOLERANCE
 
     @property
     def ok(self) -> bool:
-        merged_ok = self.merged_max_abs_diff is None or self.merged_max_abs_diff <= self.tolerance
-        return (
-            self.adapter_max_abs_diff <= self.tolerance
-            and merged_ok
-            and not self.missing_keys
-            and not (self.unexpected_keys)
-        )
+        diffs = [d for d in (self.adapter_max_abs_diff, self.merged_max_abs_diff) if d is not None]
+        return all(d <= self.tolerance for d in diffs) and not self.missing_keys and not self.unexpected_keys
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "adapter_max_abs_diff": self.adapter_max_abs_diff,
-            "merged_max_abs_diff": self.merged_max_abs_diff,
-            "adapter_effect": self.adapter_effect,
-            "missing_keys": self.missing_keys,
-            "unexpected_keys": self.unexpected_keys,
-            "tolerance": self.tolerance,
-            "ok": self.ok,
-        }
+        return {name: getattr(self, name) for name in self.__slots__} | {"ok": self.ok}
 
 
 def find_adapter_run(path: Path) -> AdapterRun:
@@ -401,67 +391,54 @@ def write_merged(bridge: Any, model: list[Any], hf_base: Path, out: Path) -> Pat
 # --- proof ---
 
 
-def check_adapter(
-    model: list[Any], adapters: Any, hf_base: Path, adapter_dir: Path, inputs: dict, tolerance: float
-) -> tuple[ExportReport, torch.Tensor]:
-    """Logits of qvl's adapted model vs transformers + peft with the exported adapter; (report, qvl's logits)."""
-    from peft import PeftModel
+def peft_logits(hf_base: Path, adapter_dir: Path, inputs: dict) -> tuple[torch.Tensor, list[str], list[str]]:
+    """(logits of transformers + peft with the adapter, fp32; adapter tensors it expected that the file lacks;
+    tensors in the file it has no place for)."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors import safe_open
     from transformers import AutoModelForImageTextToText
 
-    from qvl.bridges import verify
-
-    ours = verify.megatron_logits(model, inputs)
-    with adapters.disable_adapter(model):
-        plain = verify.megatron_logits(model, inputs)
     base = AutoModelForImageTextToText.from_pretrained(str(hf_base), dtype=torch.float32).eval()
-    peft_model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False).eval()
-    missing, unexpected = _load_result(peft_model, adapter_dir)
-    with torch.no_grad():
-        reference = peft_model(**inputs).logits.float()
-    report = ExportReport(
-        adapter_max_abs_diff=float((ours[..., : reference.shape[-1]] - reference).abs().max()),
-        merged_max_abs_diff=None,
-        adapter_effect=float((ours - plain).abs().max()),
-        missing_keys=missing,
-        unexpected_keys=unexpected,
-        tolerance=tolerance,
-    )
-    return report, ours
-
-
-def _load_result(peft_model: Any, adapter_dir: Path) -> tuple[list[str], list[str]]:
-    """(adapter tensors the peft model expected but the file lacks, file tensors it has no place for)."""
-    from peft import get_peft_model_state_dict
-    from safetensors import safe_open
-
-    expected = set(get_peft_model_state_dict(peft_model).keys())
+    model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False).eval()
+    expected = set(get_peft_model_state_dict(model).keys())
     with safe_open(str(Path(adapter_dir) / ADAPTER_WEIGHTS), framework="pt") as f:
         written = set(f.keys())
-    return sorted(expected - written), sorted(written - expected)
+    with torch.no_grad():
+        logits = model(**inputs).logits.float()
+    return logits, sorted(expected - written), sorted(written - expected)
+
+
+def max_diff(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """Max |difference| of two logit tensors (ours may carry vocabulary padding)."""
+    return float((ours[..., : reference.shape[-1]] - reference).abs().max())
 
 
 # --- the entry point `qvl convert export-adapter` runs on one rank ---
 
 
 def export_adapter_on_rank(
-    run_path: str, hf_base: str, out: str, merged_out: str | None, check: bool, tolerance: float | None
+    run_path: str, hf_base: str, out: str | None, merged_out: str | None, check: bool, tolerance: float | None
 ) -> dict[str, Any]:
-    """Export (and check) a PEFT run's adapters; the report as a dict (module level, so spawned ranks import it)."""
+    """Write the run's adapters as a peft adapter to `out` and/or folded into a full HF checkpoint at `merged_out`,
+    each checked against transformers when `check`; the report as a dict (module level, so ranks can import it)."""
     from qvl.bridges import verify
 
+    hf_base_path = Path(hf_base)
     run = find_adapter_run(Path(run_path))
-    bridge, model, adapters = build_adapted_model(run, Path(hf_base))
-    adapter_dir = write_adapter(run, bridge, model, Path(hf_base), Path(out))
-    result: dict[str, Any] = {"adapter": str(adapter_dir), "merged": merged_out, "checked": check}
-    ours = None
-    if check:
-        inputs = verify.config_inputs(Path(hf_base))
-        report, ours = check_adapter(
-            model, adapters, Path(hf_base), adapter_dir, inputs, tolerance or DEFAULT_TOLERANCE
-        )
+    bridge, model, adapters = build_adapted_model(run, hf_base_path)
+    report = ExportReport(adapter=out, merged=merged_out, checked=check, tolerance=tolerance or DEFAULT_TOLERANCE)
+    if check:  # qvl's logits first: the merged export folds the adapters in
+        inputs = verify.config_inputs(hf_base_path)
+        ours = verify.megatron_logits(model, inputs)
+        with adapters.disable_adapter(model):
+            report.adapter_effect = float((ours - verify.megatron_logits(model, inputs)).abs().max())
+    if out:
+        write_adapter(run, bridge, model, hf_base_path, Path(out))
+        if check:
+            reference, report.missing_keys, report.unexpected_keys = peft_logits(hf_base_path, Path(out), inputs)
+            report.adapter_max_abs_diff = max_diff(ours, reference)
     if merged_out:
-        write_merged(bridge, model, Path(hf_base), Path(merged_out))  # folds the adapters in: logits taken above
-        if ours is not None:
-            merged = verify.hf_logits(Path(merged_out), inputs)
-            report.merged_max_abs_diff = float((ours[..., : merged.shape[-1]] - merged).abs().max())
-    return result | (report.as_dict() if check else {})
+        write_merged(bridge, model, hf_base_path, Path(merged_out))
+        if check:
+            report.merged_max_abs_diff = max_diff(ours, verify.hf_logits(Path(merged_out), inputs))
+    return report.as_dict()

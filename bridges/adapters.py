@@ -14,6 +14,7 @@ meaning is, and `adapter_config` turns that into Megatron-Bridge's `LoRA` / `DoR
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,7 @@ def adapter_config(
     rank: int = 32,
     alpha: int = 32,
     dropout: float = 0.0,
+    seed: int = 0,
 ) -> LoRA:
     """Megatron-Bridge's PEFT config (qvl's LoRA or DoRA) adapting `targets` of a `family` model."""
     if method not in METHODS:
@@ -83,6 +85,7 @@ def adapter_config(
         dim=rank,
         alpha=alpha,
         dropout=dropout,
+        init_seed=seed,
     )
 
 
@@ -117,11 +120,17 @@ class _QvlAdapters:
     family: str
     targets: list[str]
     target_modules: list[str]
+    lora_A_init_method: str
+    init_seed: int
 
     def __call__(self, model: Any, training: bool = True) -> Any:
         self._check_targets_match(model)
         with fix_peft_without_te.without_te():
-            return super().__call__(model, training=training)  # type: ignore[misc]
+            model = super().__call__(model, training=training)  # type: ignore[misc]
+        if self.lora_A_init_method == "xavier":
+            for chunk in model if isinstance(model, list) else [model]:
+                initialize_independent_of_layout(chunk, self.init_seed)
+        return model
 
     def _check_targets_match(self, model: Any) -> None:
         from megatron.core import parallel_state
@@ -145,6 +154,7 @@ class QvlLoRA(_QvlAdapters, LoRA):
 
     family: str = ""
     targets: list[str] = field(default_factory=lambda: ["language"])
+    init_seed: int = 0  # seeds each adapter's A by its name: the same initial adapters at every layout
 
 
 @dataclass
@@ -153,6 +163,7 @@ class QvlDoRA(_QvlAdapters, DoRA):
 
     family: str = ""
     targets: list[str] = field(default_factory=lambda: ["language"])
+    init_seed: int = 0  # seeds each adapter's A by its name: the same initial adapters at every layout
 
     def transform(self, module: Any, name: str | None = None, prefix: str | None = None) -> Any:
         wrapped = super().transform(module, name, prefix)
@@ -188,6 +199,54 @@ class BiasOutsideDoRALinear(DoRALinear):
         if getattr(self.to_wrap, "skip_bias_add", True):
             return None
         return getattr(self.to_wrap, "bias", None)
+
+
+def initialize_independent_of_layout(chunk: torch.nn.Module, seed: int) -> None:
+    """Each adapter's A drawn again from a generator seeded by (seed, its global module name), full size, and this
+    rank's shard kept, so every TP / PP / EP layout and data-parallel replica starts from the same adapters.
+
+    Megatron-Bridge draws A from the process's RNG as each adapter is built: its values depend on how many layers the
+    pipeline stage holds and, with GPU initialisation, on the tensor-parallel shard's shape (xavier's fan-in/out), so
+    LoRA at TP=2 or PP=2 started from other adapters than at TP=1 and its losses could not be compared."""
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+    from megatron.bridge.peft.lora_layers import LinearAdapter
+
+    for name, module in chunk.named_modules():
+        if isinstance(module, AdapterWrapper):  # Megatron linears: xavier_normal_ (ParallelLinearAdapter's)
+            weight, draw, group = module.adapter.linear_in.weight, torch.nn.init.xavier_normal_, module.adapter.tp_group
+        elif isinstance(module, LinearAdapter):  # the replicated HF tower's: xavier_uniform_ (LinearAdapter's)
+            weight, draw, group = module.linear_in.weight, torch.nn.init.xavier_uniform_, None
+        else:
+            continue
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{global_name(chunk, name)}".encode()))
+        split = getattr(weight, "partition_dim", -1) if getattr(weight, "tensor_model_parallel", False) else -1
+        ranks = torch.distributed.get_world_size(group) if group is not None and split >= 0 else 1
+        shape = [*weight.shape]
+        if ranks > 1:
+            shape[split] *= ranks
+        full = draw(torch.empty(shape, dtype=torch.float32), generator=generator)
+        if ranks > 1:
+            full = full.chunk(ranks, dim=split)[torch.distributed.get_rank(group)]
+        with torch.no_grad():
+            weight.copy_(full)
+
+
+def global_name(chunk: torch.nn.Module, name: str) -> str:
+    """`name` with this stage's layer indices and this EP rank's expert indices made global (the same module has
+    the same name at every layout)."""
+    parts = name.split(".")
+    for k in range(1, len(parts)):
+        if not parts[k].isdigit():
+            continue
+        owner = chunk.get_submodule(".".join(parts[: k + 1]))
+        if parts[k - 1] == "layers" and isinstance(getattr(owner, "layer_number", None), int):
+            parts[k] = str(owner.layer_number - 1)  # Megatron-Core's layer_number is global and 1-based
+        elif parts[k - 1] == "local_experts":
+            experts = chunk.get_submodule(".".join(parts[: k - 1]))
+            ep_group, local = getattr(experts, "ep_group", None), getattr(experts, "num_local_experts", None)
+            if ep_group is not None and local:
+                parts[k] = str(ep_group.rank() * local + int(parts[k]))
+    return ".".join(parts)
 
 
 def trainable_parameters(model: list[Any]) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from qvl.bridges import unconverted, verify
-from qvl.bridges.checkpoints import check_megatron_checkpoint
+from qvl.bridges.checkpoints import LATEST_FILE, adapter_settings, check_megatron_checkpoint
 from qvl.bridges.consistency import check_hf_checkpoint
 from qvl.bridges.mtp_reference import mtp_layers_in_checkpoint
 from qvl.bridges.providers import auto_bridge, layout_facts
@@ -184,6 +184,7 @@ def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:
     """Megatron checkpoint (written by `import_checkpoint` or training) -> HF safetensors + config (collective)."""
     started = time.perf_counter()
     megatron_dir, out_hf_dir = Path(megatron_dir), Path(out_hf_dir)
+    refuse_adapters(megatron_dir)
     hf_files = megatron_dir / HF_FILES_DIR
     if not (hf_files / "config.json").is_file():
         raise ConversionError(
@@ -207,6 +208,16 @@ def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:
         tensor_parallel=1,
         pipeline_parallel=1,
     )
+
+
+def refuse_adapters(megatron_dir: Path) -> None:
+    """A PEFT run's checkpoint holds its adapters alone: refuse it as a full model, naming the command that exports it."""
+    is_checkpoint = any((Path(megatron_dir) / name).is_file() for name in (LATEST_FILE, ".metadata"))
+    if is_checkpoint and adapter_settings(megatron_dir):
+        raise ConversionError(
+            f"{megatron_dir} holds a PEFT run's adapters, not a full model; export them with `qvl convert "
+            "export-adapter RUN_OR_CHECKPOINT HF_BASE OUT` (add --merged for a full HF checkpoint with them merged in)"
+        )
 
 
 def load_megatron(bridge, megatron_dir: Path) -> list:

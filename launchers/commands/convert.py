@@ -51,6 +51,7 @@ def run_import(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from qvl.bridges import convert
 
+    convert.refuse_adapters(Path(args.megatron_dir))  # in this process: one clear line before any rank starts
     results = _ranks(args)(convert.export_on_rank, args.megatron_dir, args.out_hf_dir)
     print(
         f"wrote HF checkpoint {args.out_hf_dir} in {results[0]['seconds']:.1f} s; "
@@ -93,36 +94,43 @@ def run_export_adapter(args: argparse.Namespace) -> int:
     # Refusals (not a PEFT run, another base) in this process: one clear line before any rank starts.
     run = adapter_export.find_adapter_run(Path(args.run_or_checkpoint))
     adapter_export.check_base_matches(run, Path(args.hf_base))
+    adapter, merged = (None, args.out) if args.merged else (args.out, None)
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         (report,) = run_on_ranks(
             adapter_export.export_adapter_on_rank,
             args.run_or_checkpoint,
             args.hf_base,
-            args.out,
-            args.merged,
+            adapter,
+            merged,
             not args.no_verify,
             args.tolerance,
             cpu=True if args.device == "cpu" else None,
         )
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0 if report.get("ok", True) else 1
-    print(f"wrote peft adapter {report['adapter']} (adapter_config.json + adapter_model.safetensors)")
+    else:
+        _print_adapter_report(report)
+    return 0 if report["ok"] else 1
+
+
+def _print_adapter_report(report: dict) -> None:
+    if report["adapter"]:
+        print(f"wrote peft adapter {report['adapter']} (adapter_config.json + adapter_model.safetensors)")
     if report["merged"]:
-        print(f"wrote merged HF checkpoint {report['merged']}")
+        print(f"wrote HF checkpoint {report['merged']} with the adapters merged into its weights")
     if not report["checked"]:
-        return 0
-    print(
-        f"logits vs transformers + peft: max |diff| {report['adapter_max_abs_diff']:.3g} "
-        f"(the adapters move them by {report['adapter_effect']:.3g}; tolerance {report['tolerance']:.3g})"
-    )
+        return
+    print(f"fp32 logits: the adapters move them by up to {report['adapter_effect']:.3g}")
+    if report["adapter_max_abs_diff"] is not None:
+        print(f"  vs transformers + peft with the adapter: max |diff| {report['adapter_max_abs_diff']:.3g}")
     if report["merged_max_abs_diff"] is not None:
-        print(f"logits vs the merged checkpoint: max |diff| {report['merged_max_abs_diff']:.3g}")
+        print(f"  vs transformers with the merged checkpoint: max |diff| {report['merged_max_abs_diff']:.3g}")
     for what in ("missing_keys", "unexpected_keys"):
         for key in report[what][:10]:
             print(f"  {what.replace('_', ' ')[:-1]}: {key}")
-    print("OK" if report["ok"] else "FAILED")
-    return 0 if report["ok"] else 1
+    print(
+        f"OK (tolerance {report['tolerance']:.3g})" if report["ok"] else f"FAILED (tolerance {report['tolerance']:.3g})"
+    )
 
 
 def _layout_args(parser: argparse.ArgumentParser) -> None:
@@ -157,12 +165,16 @@ def register(subparsers) -> None:
     ver.set_defaults(func=run_verify)
     ada = commands.add_parser(
         "export-adapter",
-        help="a PEFT run's adapters -> HF peft adapter (+ merged checkpoint), checked against transformers + peft",
+        help="a PEFT run's adapters -> HF peft adapter (or a merged checkpoint), checked against transformers + peft",
     )
     ada.add_argument("run_or_checkpoint", help="a `qvl train` run directory of a *_peft recipe, or its checkpoints")
     ada.add_argument("hf_base", help="the HF checkpoint the run fine-tuned from (what the adapter is applied to)")
-    ada.add_argument("out", help="folder for adapter_config.json + adapter_model.safetensors")
-    ada.add_argument("--merged", metavar="DIR", help="also write a full HF checkpoint with the adapters folded in")
+    ada.add_argument(
+        "out", help="folder for adapter_config.json + adapter_model.safetensors (with --merged: the HF model)"
+    )
+    ada.add_argument(
+        "--merged", action="store_true", help="write a full HF checkpoint with the adapters folded in instead"
+    )
     ada.add_argument("--no-verify", action="store_true", help="skip the logit comparison with transformers + peft")
     ada.add_argument("--tolerance", type=float, default=None, help="max |logit diff| (default 1e-5, fp32)")
     ada.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -110,6 +110,24 @@ def test_without_the_fix_megatron_bridge_lora_fails_on_every_target_and_with_it_
     ]
 
 
+def test_initial_adapters_depend_on_the_seed_and_name_not_on_the_process_rng(megatron_state):
+    """A is drawn per module from (seed, global name): the same after other draws from torch's RNG (as a pipeline
+    stage holding other layers makes), another with another seed; B starts at zero."""
+
+    def initial_a(seed: int, draws: int) -> torch.Tensor:
+        torch.manual_seed(123)
+        torch.randn(draws)
+        model = adapter_config(family="qwen2_5_vl", rank=RANK, alpha=ALPHA, seed=seed)(_model(), training=True)
+        adapter = model.language_model.decoder.layers[0].self_attention.linear_qkv.adapter
+        assert not adapter.linear_out.weight.any()
+        return adapter.linear_in.weight.detach().clone()
+
+    first = initial_a(seed=7, draws=0)
+    assert torch.equal(initial_a(seed=7, draws=1000), first)
+    assert not torch.equal(initial_a(seed=8, draws=0), first)
+    assert 0.5 < float(first.std() / (2 / (IN + RANK)) ** 0.5) < 1.5  # xavier-normal's scale, as upstream draws
+
+
 def test_a_target_that_matches_no_module_is_an_error(megatron_state):
     with pytest.raises(ConfigError, match=r"adapter_targets: 'vision' matches no module of this Qwen3-VL model"):
         QvlLoRA(family="qwen3_vl", targets=["vision"], target_modules=target_modules("qwen3_vl", ("vision",)))(

@@ -1,0 +1,224 @@
+"""Every family's PEFT recipe (LoRA, no Transformer Engine) through `qvl train` on CPU, and its adapters out of qvl.
+
+For each family's smallest `*_peft` recipe on its tiny model: Megatron-Bridge's loop trains the adapters alone (the
+loss falls, the base weights stay frozen), a run stopped after step 2 and resumed reproduces the uninterrupted losses
+bit for bit (Qwen2.5-VL and Qwen3.5-VL), and `qvl convert export-adapter` writes a `peft` adapter that transformers +
+peft load with no missing or unexpected key and whose logits equal qvl's within 1e-5 (fp32), and a merged checkpoint
+that matches too. The runs adapt the language model, the vision tower and the merger; Qwen3.5-VL-MoE adapts its
+experts as well, whose adapters `peft` cannot take yet (refused in one line) but fold into the merged checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from qvl.foundation.families import FAMILIES
+from qvl.training.train import read_losses
+from tests.run_qvl import qvl_in_process
+
+STEPS = 4
+ARGS = [
+    f"train_iters={STEPS}",
+    "global_batch_size=2",
+    "micro_batch_size=1",
+    "seq_length=256",
+    "warmup_iters=1",
+    "lr=1e-2",
+    "save_interval=100",
+    "log_interval=1",
+    "adapter_rank=8",
+    "adapter_alpha=16",
+]
+RESUMED = ("qwen2_5_vl", "qwen3_5_vl")
+WITH_EXPERTS = ("qwen3_5_vl_moe",)
+
+
+def peft_recipe(family: str) -> str:
+    """The family's smallest `*_peft` recipe."""
+    from qvl.recipes.registry import all_recipes
+
+    return next(r.name for r in all_recipes() if r.family == family and r.stage == "peft")
+
+
+def targets(family: str) -> str:
+    return "language,vision,merger" + (",experts" if family in WITH_EXPERTS else "")
+
+
+@dataclass(kw_only=True, slots=True)
+class PeftRun:
+    family: str
+    hf: Path
+    run: Path  # the uninterrupted run
+    resumed: Path | None  # stopped after step 2, then resumed
+    log: str
+    args: list[str]  # the `qvl train` arguments of the run
+
+
+def _inputs(request, family: str, root: Path) -> tuple[Path, Path, Path]:
+    """(tiny HF checkpoint, prepared data, its Megatron import): the session's for Qwen2.5-VL, else made here."""
+    if family == "qwen2_5_vl":
+        names = ("tiny_qwen25_checkpoint", "tiny_dataset", "tiny_qwen25_megatron")
+        return tuple(request.getfixturevalue(n) for n in names)
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.data.samples import write_sample_dataset
+
+    hf = write_tiny_hf_checkpoint(root / "hf", family)
+    jsonl, media = write_sample_dataset(root / "samples", count=16)
+    prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", family, "--hf-path", str(hf)]
+    qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(root / "data"))
+    qvl_in_process("convert", "import", str(hf), str(root / "megatron"), "--dtype", "fp32", "--device", "cpu")
+    return hf, root / "data", root / "megatron"
+
+
+@pytest.fixture(scope="module")
+def peft_run(request, tmp_path_factory) -> PeftRun:
+    family = request.param
+    root = tmp_path_factory.mktemp(f"peft-{family}")
+    hf, data, megatron = _inputs(request, family, root)
+    common = [peft_recipe(family), *ARGS, f"data={data}", f"hf_path={hf}", f"pretrained_checkpoint={megatron}"]
+    common += [f"adapter_targets={targets(family)}", "--model", "tiny", "--device", "cpu"]
+    log = qvl_in_process("train", *common, "--run-dir", str(root / "full"))
+    resumed = None
+    if family in RESUMED:
+        resumed = root / "resumed"
+        qvl_in_process("train", *common, "--run-dir", str(resumed), "--stop-after", "2")
+        qvl_in_process("train", *common, "--run-dir", str(resumed))  # the same command again resumes from step 2
+    return PeftRun(family=family, hf=hf, run=root / "full", resumed=resumed, log=log, args=common)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", list(FAMILIES), indirect=True)
+def test_adapters_alone_train_and_the_loss_falls(peft_run):
+    losses = read_losses(peft_run.run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < losses[1] - 0.1, losses
+    assert "Traceback" not in peft_run.log
+    # Megatron-Bridge's PEFT statistics: adapters only, a small share of the model
+    trainable = int(peft_run.log.split("Trainable parameters:")[1].split()[0].replace(",", ""))
+    total = int(peft_run.log.split("Total parameters:")[1].split()[0].replace(",", ""))
+    assert 0 < trainable < total // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", RESUMED, indirect=True)
+def test_a_stopped_and_resumed_run_reproduces_the_losses_exactly(peft_run):
+    assert (peft_run.resumed / "checkpoints" / "iter_0000002").is_dir()
+    assert read_losses(peft_run.resumed) == read_losses(peft_run.run)  # floats compared exactly
+
+
+def _export(peft_run: PeftRun, out: Path, merged: Path | None) -> dict:
+    from qvl.bridges.adapter_export import export_adapter_on_rank
+    from qvl.foundation.distributed import run_on_ranks
+
+    (report,) = run_on_ranks(
+        export_adapter_on_rank, str(peft_run.run), str(peft_run.hf), str(out), str(merged) if merged else None,
+        True, None, cpu=True,
+    )  # fmt: skip
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", [f for f in FAMILIES if f not in WITH_EXPERTS], indirect=True)
+def test_exported_adapter_loads_into_peft_and_matches_qvl_and_so_does_the_merged_checkpoint(peft_run, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    report = _export(peft_run, tmp_path / "adapter", tmp_path / "merged")
+    assert report["ok"] and not report["missing_keys"] and not report["unexpected_keys"], report
+    assert report["adapter_max_abs_diff"] <= 1e-5 and report["merged_max_abs_diff"] <= 1e-5, report
+    assert report["adapter_effect"] > 1e-2, "trained adapters must move the logits, or the comparison sees nothing"
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    # exactly the transformers model's module names, the language model's and the vision tower's
+    modules = config["target_modules"]
+    assert all(m.startswith("model.language_model.layers.") or m.startswith("model.visual.") for m in modules)
+    assert any(m.endswith(".attn.qkv") for m in modules) and any(".merger." in m for m in modules)
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        assert len(list(f.keys())) == 2 * len(modules)  # one A and one B per adapted module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", WITH_EXPERTS, indirect=True)
+def test_expert_adapters_are_refused_as_a_peft_adapter_and_fold_into_the_merged_checkpoint(peft_run, tmp_path):
+    from qvl.bridges.adapter_export import export_adapter_on_rank
+    from qvl.foundation.distributed import run_on_ranks
+    from qvl.foundation.errors import ConversionError
+
+    with pytest.raises(ConversionError, match=r"MoE expert adapters cannot be written as a peft adapter yet"):
+        run_on_ranks(export_adapter_on_rank, str(peft_run.run), str(peft_run.hf), str(tmp_path / "a"), None, False,
+                     None, cpu=True)  # fmt: skip
+    report = _export(peft_run, None, tmp_path / "merged")
+    assert report["merged_max_abs_diff"] <= 1e-5 and report["adapter_effect"] > 1e-2, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", ["qwen2_5_vl"], indirect=True)
+def test_bad_exports_are_one_error_line(peft_run, tmp_path, capsys, tiny_qwen25_megatron):
+    """A PEFT run exported as a full model, a full model exported as adapters, adapters applied to another family or
+    to other shapes: exit 2, one `error:` line naming the fix, before anything is built."""
+    import json
+
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from tests.launchers.test_bad_input import one_error_line
+
+    checkpoints = str(peft_run.run / "checkpoints")
+    out = str(tmp_path / "out")
+    line = one_error_line(capsys, ["convert", "export", checkpoints, out, "--device", "cpu"])
+    assert "holds a PEFT run's adapters, not a full model; export them with `qvl convert export-adapter" in line
+    line = one_error_line(capsys, ["convert", "export-adapter", str(tiny_qwen25_megatron), str(peft_run.hf), out])
+    assert "has no peft section); export it with `qvl convert export`" in line
+    other = write_tiny_hf_checkpoint(tmp_path / "qwen3_vl", "qwen3_vl")
+    line = one_error_line(capsys, ["convert", "export-adapter", checkpoints, str(other), out])
+    assert "is a Qwen3-VL checkpoint, but the adapters in" in line and "trained on qwen2_5_vl" in line
+    deeper = write_tiny_hf_checkpoint(tmp_path / "deeper", "qwen2_5_vl")
+    config = json.loads((deeper / "config.json").read_text())
+    config["text_config"]["num_hidden_layers"] = 6
+    (deeper / "config.json").write_text(json.dumps(config))
+    line = one_error_line(capsys, ["convert", "export-adapter", checkpoints, str(deeper), out])
+    assert "has num_layers=6, but the adapters in" in line and "num_layers=4" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", ["qwen2_5_vl"], indirect=True)
+def test_export_adapter_command_writes_and_checks_the_adapter(peft_run, tmp_path, capsys):
+    from qvl.launchers.cli import main
+
+    argv = ["convert", "export-adapter", str(peft_run.run), str(peft_run.hf), str(tmp_path / "a"), "--device", "cpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "wrote peft adapter" in out and "vs transformers + peft with the adapter: max |diff|" in out
+    assert out.rstrip().endswith("(tolerance 1e-05)") and "OK" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", ["qwen2_5_vl"], indirect=True)
+@pytest.mark.parametrize("layout", ["tensor_parallel=2", "pipeline_parallel=2"])
+def test_lora_at_tp2_and_pp2_gives_the_single_process_losses(peft_run, layout, tmp_path):
+    """Two gloo processes under torchrun from the same converted checkpoint and the same initial adapters (drawn per
+    module, whatever the layout: qvl.bridges.adapters.initialize_independent_of_layout) give one process's losses
+    within fp32 rounding."""
+    import subprocess
+    import sys
+
+    from qvl.foundation.distributed import free_port
+
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    command = [*torchrun, "-m", "qvl.launchers.cli", "train", *peft_run.args, layout, "--run-dir", str(tmp_path)]
+    out = subprocess.run(command, capture_output=True, text=True)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    one, two = read_losses(peft_run.run), read_losses(tmp_path)
+    assert sorted(two) == list(range(1, STEPS + 1))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-5), (layout, one, two)
