@@ -202,15 +202,13 @@ def cuda_code_path(census):
         yield
 
 
-# qvl's patch groups for a fast step besides fix_adam_resume.fixed()'s (those present in this tree).
-STEP_GROUPS = ("speed-hf-vision",)
-
-
 @contextlib.contextmanager
 def step_code(*, baseline: bool):
-    """qvl's step as training runs it, or (`baseline`) the code as measured on the H100 (RESULTS.md): no aligned widths, no lean vision
-    tower (nor the loader's tower inputs), no host facts for the model's forwards, no step groups, only the torch-Adam
-    resume fixes."""
+    """Before the config is built: the code as measured on the H100 (`baseline`, RESULTS.md: no aligned widths, no
+    lean vision tower nor the loader's tower inputs, no host facts for the model's forwards, of qvl's groups only the
+    torch-Adam resume fixes and the wheel's dataset helpers), or the copies a CUDA device gets (pinned, non-blocking:
+    qvl.training.step.to_device). qvl's step then runs with the groups the switch decides for the config on a CUDA
+    device (`census_worker`)."""
     from qvl.foundation import patches
     from qvl.kernels import fix_adam_resume
 
@@ -220,21 +218,20 @@ def step_code(*, baseline: bool):
             mock.patch("qvl.kernels.speed_hf_vision.use_lean_vision", lambda provider: False),
             mock.patch("qvl.kernels.torch_wgrad_accum.use_fused_wgrad_accumulation", lambda provider: None),
             mock.patch("qvl.training.step.host_batch", lambda *args: None),  # the model's forwards as upstream's
-            patches.applied(fix_adam_resume.GROUP),
+            patches.applied(fix_adam_resume.GROUP, "fix-megatron-setup"),
         ):
             yield
         return
-    # the copies a CUDA device gets: pinned, non-blocking (qvl.training.step.to_device)
     with mock.patch("qvl.training.step.pinned_copies", lambda device: True):
-        with fix_adam_resume.fixed(), patches.applied(*(g for g in STEP_GROUPS if g in patches.GROUPS)):
-            yield
+        yield
 
 
 def census_worker(spec_path: pathlib.Path) -> int:
     """Train two steps of the spec's config and write the census of the second (the training child)."""
     from benchmarks.compiled_regions import cuda_compiled_regions
     from benchmarks.step_census import Census, WidthMap
-    from qvl.foundation import distributed, megatron, patches, runtime
+    from qvl.foundation import distributed, megatron, runtime
+    from qvl.kernels import switch
     from qvl.training.train import TrainRequest, prepare_config
 
     spec = json.loads(spec_path.read_text())
@@ -263,6 +260,8 @@ def census_worker(spec_path: pathlib.Path) -> int:
     if not spec["baseline"] and not spec.get("eager_regions"):  # what CUDA runs compiled (benchmarks.compiled_regions)
         code.enter_context(cuda_compiled_regions(census))
     _, cfg = prepare_config(TrainRequest(recipe=config.recipe, overrides=overrides, run_dir=out / "run"))
+    if not spec["baseline"]:  # what a training loop on a CUDA device applies (qvl.training.train.run_megatron_loop)
+        code.enter_context(switch.applied_for_training(switch.Target.of(cfg, device="cuda")))
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.logger.tensorboard_dir = None
     dataset = cfg.dataset
@@ -298,7 +297,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
     callbacks = CallbackManager()
     callbacks.register("on_train_step_start", step_start)
     callbacks.register("on_train_step_end", step_end)
-    with code, cuda_code_path(census), patches.applied("fix-megatron-setup"):
+    with code, cuda_code_path(census):
         pretrain(cfg, census_forward_step(census, regions), callbacks=callbacks)
     result = {"config": asdict(config), "baseline": spec["baseline"], "compile": bool(spec.get("compile")),
               "losses": losses}  # fmt: skip

@@ -7,9 +7,18 @@ Three kinds of entry:
 - `StandIn`: an upstream module that imports an optional package unconditionally; `qvl.foundation.megatron`
   gives it a stand-in for the duration of that one import (see there).
 - `PrivateRead`: a private name qvl reads or overrides without replacing it.
+A fourth table, `FORKS`, names every upstream function whose body qvl copies and changes (a patch's replacement or a
+method of qvl's own model classes), with a hash of that upstream source.
 
-Each entry names the version it was written against; `tests/foundation/test_patches.py` checks at the pinned
-versions that every target exists (with the parameters listed), so a version bump fails there, in one place.
+A group's name says its kind first (`<kind>-<subject>`, `KINDS`): cpu- for the CPU runtime, torch- for a torch
+stand-in of a missing Transformer Engine / Apex / flash-linear-attention piece, fix- for an upstream bug, speed- for
+a faster path. Which groups a run uses is decided in one place, qvl.kernels.switch; `qvl doctor --patches` lists
+them, and docs/upstream.md is this table as `qvl doctor --patches --markdown` writes it.
+
+Each entry names the version it was written against, taken from the pinned stack (qvl.foundation.stack: the
+requirement files are the one place a version is written); `tests/foundation/test_patches.py` checks at the pinned
+versions that every target exists (with the parameters listed) and that every fork's upstream source is the one
+hashed, so a version bump fails there, in one place, naming each fork to re-read.
 """
 
 from __future__ import annotations
@@ -22,12 +31,27 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from qvl.foundation.stack import pinned
+
 logger = logging.getLogger(__name__)
 
-MCORE = "megatron-core 0.19.2"
-MBRIDGE = "megatron-bridge 0.6.2"
-TORCH = "torch 2.14.1"
-NEMO_RUN = "nemo-run 0.11.1"
+MCORE = pinned("megatron-core")
+MBRIDGE = pinned("megatron-bridge")
+TORCH = pinned("torch")
+TRANSFORMERS = pinned("transformers")
+NEMO_RUN = pinned("nemo-run")
+# What a group changes, named by the first word of the group's name ("<kind>-<subject>").
+KINDS: dict[str, str] = {
+    "cpu": "the CPU runtime: Megatron's CUDA-only paths taken on the CPU",
+    "torch": "a torch stand-in for a missing Transformer Engine, Apex or flash-linear-attention piece",
+    "fix": "a fix of an upstream bug",
+    "speed": "a faster path to upstream's results",
+}
+
+
+def kind_of(group: str) -> str:
+    """A group's kind (a key of KINDS): the first word of its name."""
+    return group.partition("-")[0]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -44,6 +68,11 @@ class Patch:
     # factory gets None) and removed again on undo; the tests check that the module still refers to the name.
     absent_ok: bool = False
 
+    @property
+    def kind(self) -> str:
+        """What the entry changes (a key of KINDS), as its group's name says."""
+        return kind_of(self.group)
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class StandIn:
@@ -54,6 +83,7 @@ class StandIn:
     submodule: str  # what it imports from the package
     advice: str  # what to do instead, shown when code reaches the stand-in
     version: str
+    kind = "torch"  # a stand-in for a missing optional package (KINDS)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -64,6 +94,16 @@ class PrivateRead:
     attribute: str
     used_in: str
     why: str
+    version: str
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Fork:
+    """An upstream function (or class) whose body qvl copies and changes; its source is pinned by hash."""
+
+    upstream: str  # "package.module:Owner.attribute"
+    copied_in: str  # "qvl.module:function" holding qvl's copy
+    source_sha256: str  # the first 16 hex digits of sha256(inspect.getsource(upstream))
     version: str
 
 
@@ -250,31 +290,31 @@ PATCHES: tuple[Patch, ...] = (
     # --- speed-hf-vision: from building a model with an HF vision tower on, any device (lean_vision.use_lean_vision)
     Patch(group="speed-hf-vision",
           target="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLRMSNorm.forward",
-          replacement="qvl.kernels.speed_hf_vision:fused_rms_norm", version="transformers 5.12.1",
+          replacement="qvl.kernels.speed_hf_vision:fused_rms_norm", version=TRANSFORMERS,
           params=("self", "hidden_states"),
           why="a Python composition in fp32 (8 kernels forward, 18 backward); torch's fused kernel, HF's numerics"),
     *(
         Patch(group="speed-hf-vision", target=f"transformers.models.{name}.modeling_{name}:apply_rotary_pos_emb_vision",
-              replacement="qvl.kernels.speed_hf_vision:fused_rotary", version="transformers 5.12.1",
+              replacement="qvl.kernels.speed_hf_vision:fused_rotary", version=TRANSFORMERS,
               params=("q", "k", "cos", "sin"),
               why="fp32 rotate-half in ~10 kernels per tensor; one compiled region on CUDA, the same math")
         for name in ("qwen2_vl", "qwen2_5_vl")
     ),
     *(
         Patch(group="speed-hf-vision", target=f"transformers.models.{name}.modeling_{name}:{attention}.forward",
-              replacement="qvl.kernels.speed_hf_vision:lean_attention", version="transformers 5.12.1",
+              replacement="qvl.kernels.speed_hf_vision:lean_attention", version=TRANSFORMERS,
               params=("self", "hidden_states", "cu_seqlens", "position_embeddings"),
               why="it permutes q, k, v for the attention function and back, and computes the longest block on the "
                   "device in every call although qvl passes it from the host: ~14 views and 2 kernels each way")
         for name, attention in (("qwen2_vl", "VisionAttention"), ("qwen2_5_vl", "Qwen2_5_VLVisionAttention"))
     ),
     Patch(group="speed-hf-vision", target="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLMLP.forward",
-          replacement="qvl.kernels.speed_hf_vision:lean_gated_mlp", version="transformers 5.12.1",
+          replacement="qvl.kernels.speed_hf_vision:lean_gated_mlp", version=TRANSFORMERS,
           params=("self", "hidden_state"),
           why="the gate's SiLU and the product are 2 kernels forward and 3 backward with the activation written and "
               "read back; one compiled region each way on CUDA, the same math"),
     Patch(group="speed-hf-vision", target="transformers.models.qwen2_vl.modeling_qwen2_vl:VisionMlp.forward",
-          replacement="qvl.kernels.speed_hf_vision:lean_mlp", version="transformers 5.12.1", params=("self", "x"),
+          replacement="qvl.kernels.speed_hf_vision:lean_mlp", version=TRANSFORMERS, params=("self", "x"),
           why="QuickGELU is 3 kernels forward and more backward; one compiled region each way on CUDA, the same math"),
     # --- torch-gated-delta: while qvl.kernels.torch_gated_delta.GatedDeltaNet builds or runs where `fla` cannot run
     *(
@@ -325,13 +365,13 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
                 attribute="_pg_collection", used_in="qvl.bridges.qwen3_vl", version=MBRIDGE,
                 why="the provider's process groups, passed to the model as upstream's provide() does"),
     PrivateRead(target="transformers:PreTrainedModel", attribute="_from_config",
-                used_in="qvl.bridges.qwen2_vl, qvl.recipes.planner", version="transformers 5.12.1",
+                used_in="qvl.bridges.qwen2_vl, qvl.recipes.planner", version=TRANSFORMERS,
                 why="builds a vision tower from its sub-config (on meta in the planner) as transformers does itself"),
     PrivateRead(target="transformers:PreTrainedModel", attribute="_supports_flash_attn",
-                used_in="qvl.kernels.varlen_attention", version="transformers 5.12.1",
+                used_in="qvl.kernels.varlen_attention", version=TRANSFORMERS,
                 why="only towers whose attention hands cu_seqlens to a flash-type function get the varlen kernel"),
     PrivateRead(target="transformers:PretrainedConfig", attribute="_attn_implementation",
-                used_in="qvl.kernels.varlen_attention", version="transformers 5.12.1",
+                used_in="qvl.kernels.varlen_attention", version=TRANSFORMERS,
                 why="set on the HF vision tower's own config copy after build: transformers' build-time check would "
                     "treat the registered varlen function's name as a hub kernel to download"),
     PrivateRead(target="megatron.bridge.models.model_provider:ModelProviderMixin", attribute="_pre_wrap_hooks",
@@ -354,6 +394,54 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
                 version=NEMO_RUN, why="the rendered sbatch script / manifest of a dry run"),
     PrivateRead(target="nemo_run.core.execution.kubeflow:KubeflowExecutor", attribute="_trainjob_name",
                 used_in="qvl.launchers.launch", version=NEMO_RUN, why="the TrainJob name launch() will use"),
+)  # fmt: skip
+
+_Q3 = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl"
+_T2 = "transformers.models.qwen2_vl.modeling_qwen2_vl"
+_T25 = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
+# Upstream bodies qvl copies: `test_every_fork_copies_the_upstream_source_it_was_written_against` fails on an
+# upgrade that changes one, naming the qvl function to re-read against it.
+FORKS: tuple[Fork, ...] = (
+    Fork(upstream="megatron.bridge.models.qwen_vl.modeling_qwen25_vl:Qwen25VLModel.forward", copied_in="qvl.kernels.speed_sync_free:loader_positions_forward",
+         source_sha256="11ecbd790ae57d43", version=MBRIDGE),
+    Fork(upstream=f"{_Q3}.model:Qwen3VLModel.forward", copied_in="qvl.kernels.speed_qwen3_vl_sync_free:indexed_forward",
+         source_sha256="aa1829c3493ee242", version=MBRIDGE),
+    Fork(upstream=f"{_Q3}.transformer_block:Qwen3VLTransformerBlock._deepstack_process", copied_in="qvl.kernels.speed_qwen3_vl_sync_free:add_deepstack_at",
+         source_sha256="4806df01487d500c", version=MBRIDGE),
+    Fork(upstream=f"{_Q3}.utils:reorganize_inputs", copied_in="qvl.kernels.speed_qwen3_vl_sync_free:vision_order",
+         source_sha256="708944048a2f534c", version=MBRIDGE),
+    Fork(upstream=f"{_Q3}.vision_model:Qwen3VLVisionModel.forward", copied_in="qvl.kernels.speed_qwen3_vl_tower:prepared_tower_forward",
+         source_sha256="adca71542056e011", version=MBRIDGE),
+    Fork(upstream=f"{_Q3}.vision_model:Qwen3VLVisionModel.fast_pos_embed_interpolate", copied_in="qvl.kernels.speed_qwen3_vl_tower:interpolated_pos_embed",
+         source_sha256="c2b88af792b0c015", version=MBRIDGE),
+    Fork(upstream=f"{_Q3}.vision_model:Qwen3VLVisionModel.rot_pos_emb", copied_in="qvl.kernels.speed_qwen3_vl_tower:rotary_frequencies",
+         source_sha256="3b0683bc80d5b20a", version=MBRIDGE),
+    Fork(upstream=f"{_Q3}.attention:apply_rotary_pos_emb_absolute", copied_in="qvl.kernels.speed_rotary:rotary_absolute",
+         source_sha256="2e338b98e8c0458f", version=MBRIDGE),
+    Fork(upstream="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params", copied_in="qvl.kernels.speed_optimizer:foreach_main_to_model_copy",
+         source_sha256="80e4f4d1fa99e747", version=MCORE),
+    Fork(upstream="megatron.core.tensor_parallel.cross_entropy:VocabParallelCrossEntropy", copied_in="qvl.kernels.speed_cross_entropy:vocab_parallel_cross_entropy",
+         source_sha256="d1a9cef1503361d7", version=MCORE),
+    Fork(upstream=f"{_T2}:VisionAttention.forward", copied_in="qvl.kernels.speed_hf_vision:lean_attention",
+         source_sha256="846f2bb4f04f10e6", version=TRANSFORMERS),
+    Fork(upstream=f"{_T25}:Qwen2_5_VLVisionAttention.forward", copied_in="qvl.kernels.speed_hf_vision:lean_attention",
+         source_sha256="846f2bb4f04f10e6", version=TRANSFORMERS),
+    Fork(upstream=f"{_T25}:Qwen2_5_VLRMSNorm.forward", copied_in="qvl.kernels.speed_hf_vision:rms_norm",
+         source_sha256="790fa612e4fa57ac", version=TRANSFORMERS),
+    Fork(upstream=f"{_T2}:apply_rotary_pos_emb_vision", copied_in="qvl.kernels.speed_hf_vision:rotary_fp32",
+         source_sha256="961a1862d6808a5c", version=TRANSFORMERS),
+    Fork(upstream=f"{_T25}:Qwen2_5_VLMLP.forward", copied_in="qvl.kernels.speed_hf_vision:lean_gated_mlp",
+         source_sha256="1e1715d7e10e8420", version=TRANSFORMERS),
+    Fork(upstream=f"{_T2}:VisionMlp.forward", copied_in="qvl.kernels.speed_hf_vision:lean_mlp",
+         source_sha256="baf0390ea68c9e9d", version=TRANSFORMERS),
+    Fork(upstream=f"{_T2}:Qwen2VisionTransformerPretrainedModel.rot_pos_emb", copied_in="qvl.kernels.tower_inputs:tower_inputs",
+         source_sha256="5cca11b76acf4c85", version=TRANSFORMERS),
+    Fork(upstream=f"{_T25}:Qwen2_5_VisionTransformerPretrainedModel.get_window_index", copied_in="qvl.kernels.tower_inputs:tower_inputs",
+         source_sha256="a99a319b95b2c8d3", version=TRANSFORMERS),
+    Fork(upstream=f"{_T2}:Qwen2VLModel.get_rope_index", copied_in="qvl.data.mrope:mrope_position_ids",
+         source_sha256="2dfcc876ef0060f6", version=TRANSFORMERS),
+    Fork(upstream=f"{_T25}:Qwen2_5_VLModel.get_rope_index", copied_in="qvl.data.mrope:mrope_position_ids",
+         source_sha256="690e539be08514b7", version=TRANSFORMERS),
 )  # fmt: skip
 
 GROUPS: tuple[str, ...] = tuple(dict.fromkeys(p.group for p in PATCHES))

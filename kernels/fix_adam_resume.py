@@ -15,11 +15,8 @@ distributed optimizer wraps torch's Adam, and resuming from a checkpoint breaks 
    template's `step` (that of a fresh optimizer: 0) over it. Adam's bias correction restarts, and
    losses drift from the uninterrupted run from the second step after a resume. Fix: after loading,
    give each parameter its own `step` tensor holding the checkpoint's step, read from its param groups.
-Both apply on any device: `fixed()` puts them in place for a block, where TE or Apex does not provide the optimizer,
-together with the other groups qvl's training loop needs there: the one-pass optimizer step ("speed-optimizer",
-qvl.kernels.speed_optimizer), which replaces the same no-TE/no-Apex fallbacks, and the packed rotary without host
-reads ("speed-rotary", qvl.kernels.speed_rotary, and "speed-sync-free"), which stands in for TE's fused THD rotary, and the cross-entropy
-without an fp32 copy of the logits ("speed-cross-entropy", qvl.kernels.speed_cross_entropy).
+Both apply on any device where neither TE nor Apex provides the optimizer; the switch (qvl.kernels.switch) applies
+the group around every training loop there, with the other groups such a run needs.
 """
 
 from __future__ import annotations
@@ -29,12 +26,6 @@ import functools
 from collections.abc import Iterator
 
 import torch
-
-from qvl.foundation import patches
-from qvl.kernels.speed_cross_entropy import GROUP as SPEED_CROSS_ENTROPY
-from qvl.kernels.speed_optimizer import GROUP as SPEED_OPTIMIZER
-from qvl.kernels.speed_rotary import GROUP as SPEED_ROTARY
-from qvl.kernels.speed_sync_free import GROUP as SPEED_SYNC_FREE
 
 GROUP = "fix-adam-resume"
 
@@ -65,22 +56,6 @@ def _restore_steps(optimizer: torch.optim.Optimizer, step: float | None) -> None
 def _checkpoint_step(state_dict: dict) -> float | None:
     steps = {group.get("step") for group in state_dict.get("optimizer", {}).get("param_groups", [])} - {None}
     return float(steps.pop()) if len(steps) == 1 else None
-
-
-def needed() -> bool:
-    """Whether the distributed optimizer falls back to torch Adam here (no TE, no Apex)."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    return not distrib_optimizer.HAVE_APEX_OR_TE
-
-
-def fixed() -> contextlib.AbstractContextManager:
-    """The fixes (patch group "fix-adam-resume" of qvl.foundation.patches), the one-pass optimizer step
-    ("speed-optimizer"), the packed rotary without host reads ("speed-rotary") with the losses checked once per step
-    ("speed-sync-free") and the cross-entropy without an fp32 copy of the logits ("speed-cross-entropy") in place for
-    a block, where needed."""
-    groups = (GROUP, SPEED_OPTIMIZER, SPEED_ROTARY, SPEED_SYNC_FREE, SPEED_CROSS_ENTROPY)
-    return patches.applied(*groups) if needed() else contextlib.nullcontext()
 
 
 # Replacement factories named by qvl.foundation.patches.

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from packaging.requirements import Requirement
 
+from qvl.foundation.errors import ConfigError
 from qvl.foundation.megatron import have_transformer_engine, import_megatron_bridge
+from qvl.launchers.upstream_report import run_patches
 
 # Distribution names shown by `qvl version`, in stack order.
 VERSION_PACKAGES = ("qvl", "torch", "megatron-core", "megatron-bridge", "transformers", "megatron-energon", "nemo-run")
@@ -137,6 +139,11 @@ def run_doctor(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    if getattr(args, "patches", False):
+        return run_patches(args)
+    given = [flag for flag in ("recipe", "device", "json", "markdown") if getattr(args, flag, None)]
+    if given:
+        raise ConfigError(f"--{given[0]} is an option of `qvl doctor --patches`; add --patches")
     checks = doctor_checks()
     table = Table(title="qvl doctor")
     for column in ("check", "status", "detail", "fix"):

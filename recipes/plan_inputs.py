@@ -11,6 +11,7 @@ from typing import Any
 
 from qvl.foundation.cost import LMShape, VisionShape
 from qvl.foundation.layout import ParallelLayout
+from qvl.kernels import switch
 from qvl.recipes.shapes import model_shapes
 from qvl.recipes.split import Workload, counts, workload_of_dataset
 
@@ -149,18 +150,20 @@ def dataset_workload(cfg: Any, vision: VisionShape | None) -> Workload | None:
     return workload_of_dataset(json.loads(report.read_text()), seq_length=cfg.model.seq_length, merge=merge)
 
 
-def plan_inputs(cfg: Any, *, gpus: int, gpu: GPU, workload: Workload | None = None) -> PlanInputs:
+def plan_inputs(
+    cfg: Any, *, gpus: int, gpu: GPU, workload: Workload | None = None, target: switch.Target | None = None
+) -> PlanInputs:
     """What `plan_config` computes from: `workload` (the prepared dataset's, else the default mix) at the model's
-    sequence length."""
-    from qvl.kernels import fix_adam_resume
-
+    sequence length; the kernels of `target`'s run (default: a CUDA device with this environment's packages, which
+    a launch from here installs), not this machine's."""
     model = cfg.model
+    target = target or switch.Target.of(cfg, device="cuda")
     lm, vision = model_shapes(model)
     if workload is not None:
         workload = replace(workload, seq_length=model.seq_length)
     else:
         workload = dataset_workload(cfg, vision) or Workload(seq_length=model.seq_length)
-    lean = bool(getattr(model, "cross_entropy_loss_fusion", False)) and fix_adam_resume.needed()
+    lean = bool(getattr(model, "cross_entropy_loss_fusion", False)) and switch.is_on("speed-cross-entropy", target)
     return PlanInputs(
         cfg=cfg,
         gpu=gpu,

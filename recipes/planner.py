@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qvl.foundation.errors import ConfigError
+from qvl.kernels.switch import Target
 from qvl.recipes.activations import (
     layer_activation_bytes,
     vision_activation_bytes,
@@ -206,11 +207,14 @@ def _stage_memory(x: PlanInputs, params: list[StageParams]) -> list[StageMemory]
     return stages
 
 
-def plan_config(cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | None = None) -> MemoryPlan:
-    """Memory per GPU, pipeline split, FLOPs and an MFU estimate for `cfg` on `gpus` GPUs of kind `gpu`."""
+def plan_config(
+    cfg: Any, *, gpus: int, gpu: str = "h100", workload: Workload | None = None, target: Target | None = None
+) -> MemoryPlan:
+    """Memory per GPU, pipeline split, FLOPs and an MFU estimate for `cfg` on `gpus` GPUs of kind `gpu`, with the
+    kernels `target` runs (default: qvl.recipes.plan_inputs's, a CUDA device with this environment's packages)."""
     if gpu not in GPUS:
         raise ConfigError(f"gpu={gpu!r} is not known; use one of: {', '.join(GPUS)}")
-    x = plan_inputs(cfg, gpus=gpus, gpu=GPUS[gpu], workload=workload)
+    x = plan_inputs(cfg, gpus=gpus, gpu=GPUS[gpu], workload=workload, target=target)
     hw, model = x.gpu, x.model
     problems = _divisibility(x)
     stages = _stage_memory(x, _stage_params(x))

@@ -18,14 +18,15 @@ from typing import Any
 import torch
 
 from qvl.bridges.checkpoints import check_megatron_checkpoint, has_checkpoint
-from qvl.foundation import megatron, patches, runtime
+from qvl.foundation import megatron, runtime
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.rendezvous import rendezvous_environment
+from qvl.kernels import switch
 from qvl.recipes.options import check_option_names
 from qvl.recipes.overrides import Overrides, apply_config_overrides
 from qvl.recipes.registry import get_recipe
-
 from qvl.training.mtp import MTP_LOSS
+
 logger = logging.getLogger(__name__)
 LOSSES_FILE = "losses.jsonl"
 # Overrides a CPU run needs: fp32 (no bf16 kernels worth using), no sequence parallelism (needs TE norms).
@@ -223,13 +224,12 @@ def train(
 
 
 def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: str = "pretrain") -> None:
-    """Megatron-Bridge's `pretrain()` / `finetune()` with what every qvl run needs around it: exact resume with
-    torch Adam (no TE/Apex), the wheel's prebuilt dataset helpers, qvl's rendezvous rule, and no
-    rerun-state singleton left behind by a forward step that ran earlier in this process (a test, a notebook):
-    `pretrain()` asserts there is none."""
+    """Megatron-Bridge's `pretrain()` / `finetune()` with what every qvl run needs around it: the patch groups the
+    switch decides for this config on this process's device (qvl.kernels.switch: exact resume with torch Adam, the
+    wheel's prebuilt dataset helpers, the faster paths where TE and Apex are absent, ...), applied for the loop only;
+    qvl's rendezvous rule; and no rerun-state singleton left behind by a forward step that ran earlier in this process
+    (a test, a notebook): `pretrain()` asserts there is none."""
     from megatron.core.rerun_state_machine import destroy_rerun_state_machine
-
-    from qvl.kernels import fix_adam_resume  # Megatron-Core's optimizer
 
     if loop == "pretrain":
         from megatron.bridge.training.pretrain import pretrain as run_loop
@@ -239,7 +239,7 @@ def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: s
     # One rule for every launch (torchrun, srun starting each rank, one process), set for this loop only: the
     # process group outlives the loop and holds the port, so a process started afterwards from here must not
     # inherit it.
-    with rendezvous_environment(), fix_adam_resume.fixed(), patches.applied("fix-megatron-setup"):
+    with rendezvous_environment(), switch.applied_for_training(switch.Target.of(config)):
         run_loop(config, forward_step, callbacks=callbacks)
 
 

@@ -146,3 +146,47 @@ def test_the_bridge_registration_imports_first_in_a_fresh_process():
     code = "import qvl.bridges.registration"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+ENTRIES = (*patches.PATCHES, *patches.STAND_INS, *patches.PRIVATE_READS, *patches.FORKS)
+
+
+def test_every_version_is_a_pin_of_the_stack_and_installed_here():
+    """The registry's versions come from the requirement files (one place a version is written); the tests above
+    check the targets at exactly those versions. An entry typed by hand, or a pin the registry disagrees with, fails."""
+    import importlib.metadata
+
+    from qvl.foundation import stack
+
+    versions = {entry.version for entry in ENTRIES}
+    for version in versions:
+        distribution = version.split()[0]
+        assert version == stack.pinned(distribution), f"{version!r}: the stack pins {stack.pinned(distribution)!r}"
+        installed = importlib.metadata.version(distribution)
+        assert version.split()[1] == installed, (
+            f"{distribution} {installed} is installed; the registry is for {version}"
+        )
+    with pytest.raises(stack.UnpinnedPackage, match="rich is not pinned with == in requirements-stack.txt"):
+        stack.pinned("rich")  # `rich>=13`: a range, no version to write an entry against
+
+
+def test_every_group_names_its_kind_first():
+    assert set(patches.KINDS) == {"cpu", "torch", "fix", "speed"}
+    odd = [g for g in patches.GROUPS if patches.kind_of(g) not in patches.KINDS]
+    assert not odd, f"groups not named <kind>-<subject> with a kind of {sorted(patches.KINDS)}: {odd}"
+    assert all(p.kind == patches.kind_of(p.group) for p in patches.PATCHES)
+    assert all(s.kind == "torch" for s in patches.STAND_INS)
+
+
+@pytest.mark.parametrize("fork", patches.FORKS, ids=lambda f: f.upstream)
+def test_every_fork_copies_the_upstream_source_it_was_written_against(fork):
+    """A stack upgrade that changes an upstream body qvl copies names the copy to re-read (then update the hash)."""
+    import hashlib
+
+    source = inspect.getsource(patches.load(fork.upstream))
+    found = hashlib.sha256(source.encode()).hexdigest()[:16]
+    assert found == fork.source_sha256, (
+        f"{fork.upstream} changed since {fork.version} (source sha256 {found}, was {fork.source_sha256}): re-read "
+        f"{fork.copied_in} against it, then set source_sha256={found!r} in qvl.foundation.patches.FORKS"
+    )
+    assert callable(patches.load(fork.copied_in)), fork.copied_in

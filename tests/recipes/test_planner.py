@@ -228,19 +228,24 @@ def test_the_plan_starts_from_the_prepared_datasets_workload(tiny_dataset):
     assert from_data.worst.activations != plan_config(cfg, gpus=8, workload=Workload(seq_length=1)).worst.activations
 
 
-def test_the_loss_keeps_what_the_cross_entropy_in_use_keeps(monkeypatch):
+def test_the_loss_keeps_what_the_cross_entropy_in_use_keeps():
     """qvl's fused cross-entropy (no TE/Apex) keeps the logits in the weights' dtype for backward; Megatron-Core's
-    (unfused, or fused where TE or Apex is installed) an fp32 softmax: 2 bytes more per logit on the last stage."""
-    from qvl.kernels import fix_adam_resume
+    (unfused, or fused where TE or Apex is installed) an fp32 softmax: 2 bytes more per logit on the last stage.
+    The target GPU's packages decide, not this machine's."""
+    import dataclasses
 
-    def last_stage(needed: bool, fusion: bool) -> float:
-        monkeypatch.setattr(fix_adam_resume, "needed", lambda: needed)
-        cfg = get_recipe("qwen25_vl_3b_sft").fn(tensor_parallel=1, pipeline_parallel=2)
-        cfg.model.cross_entropy_loss_fusion = fusion
-        return plan_config(cfg, gpus=2).stages[-1].activations
+    from qvl.kernels.switch import Target
 
     cfg = get_recipe("qwen25_vl_3b_sft").fn(tensor_parallel=1, pipeline_parallel=2)
+
+    def last_stage(fusion: bool, **packages: bool) -> float:
+        cfg.model.cross_entropy_loss_fusion = fusion
+        target = dataclasses.replace(Target.of(cfg, device="cuda"), **packages)
+        return plan_config(cfg, gpus=2, target=target).stages[-1].activations
+
     logits = cfg.model.seq_length * shapes.padded_vocab(cfg.model)  # one micro-batch in flight on the last stage
-    lean, fp32 = last_stage(needed=True, fusion=True), last_stage(needed=True, fusion=False)
+    lean, fp32 = last_stage(fusion=True), last_stage(fusion=False)
     assert fp32 - lean == pytest.approx(2 * logits)
-    assert last_stage(needed=False, fusion=True) == fp32  # TE or Apex installed: Megatron-Core's own
+    assert last_stage(fusion=True, transformer_engine=True) == fp32  # TE on the target GPU: Megatron-Core's own
+    assert last_stage(fusion=True, apex=True) == fp32
+    assert plan_config(cfg, gpus=2).stages[-1].activations == lean  # by default: this environment's packages

@@ -130,7 +130,7 @@ def test_native_fused_cross_entropy_rounds_the_logit_gradient_to_bf16(parity_inp
     from qvl.training.parity import run as parity_run
 
     monkeypatch.setattr(speed_cross_entropy, "lean_fused_cross_entropy", lambda original: original)
-    monkeypatch.setattr(parity_run, "lean_cross_entropy", lambda: False)
+    monkeypatch.setattr(parity_run, "lean_cross_entropy", lambda device: False)
     report = run(parity_inputs, tmp_path, "qwen2_5_vl", steps=1, options={"model.cross_entropy_loss_fusion": True})
     assert report.token_loss_max_diff <= TOLERANCES["fp32"].token_loss
     assert report.steps[0].loss_diff <= TOLERANCES["fp32"].step_loss

@@ -13,6 +13,7 @@ import torch
 
 from qvl.foundation.errors import ConfigError, DataError
 from qvl.foundation.families import family_of_architecture
+from qvl.kernels import switch
 from qvl.recipes.registry import all_recipes
 from qvl.training.parity.report import ParityReport, compare, gate_note
 
@@ -101,7 +102,7 @@ def run_parity(spec: ParitySpec) -> ParityReport | None:
         return None  # rank 0 trains the reference and compares; the others only trained qvl's side
     hf, settings = reference_run(spec, family, qvl, config)
     report = compare(qvl, hf, family=family.name, recipe=run.recipe, precision=spec.precision, peak_lr=settings.lr)
-    report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec)
+    report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec, device)
     report.deliberate += (moe_note(config) if family.moe else []) + run_notes(spec, settings) + gate_note(report)
     return report
 
@@ -139,7 +140,7 @@ def qvl_run(spec: ParitySpec, family, device: str):
         # to a fraction of a step that transformers' schedulers cannot express
         "warmup_iters": 1 if spec.steps > 1 else 0,
         **(WHOLE_GRADIENTS if _data_parallel(spec.options) > 1 else {}),
-        **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" and not lean_cross_entropy() else {}),
+        **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" and not lean_cross_entropy(device) else {}),
         **(NO_MOE_AUX_LOSS if family.moe else {}),
     }
     return MegatronRun(
@@ -198,17 +199,15 @@ def _data_parallel(options: dict) -> int:
     return max(1, world // model_parallel)
 
 
-def lean_cross_entropy() -> bool:
-    """Whether qvl's training loop replaces Megatron-Core's native fused cross-entropy (patch group
-    "speed-cross-entropy", with the other fixes of a run without Transformer Engine or Apex)."""
-    from qvl.kernels import fix_adam_resume
-
-    return fix_adam_resume.needed()
+def lean_cross_entropy(device: str) -> bool:
+    """Whether qvl's training loop on `device` replaces Megatron-Core's native fused cross-entropy (patch group
+    "speed-cross-entropy", as the switch decides: where neither Transformer Engine nor Apex is installed)."""
+    return switch.is_on("speed-cross-entropy", switch.Target.of(device=device))
 
 
-def cross_entropy_note(config, spec: ParitySpec) -> list[str]:
+def cross_entropy_note(config, spec: ParitySpec, device: str) -> list[str]:
     """What Megatron-Core's native fused cross-entropy does to an fp32 step, where it runs, and whether it was on."""
-    if spec.precision != "fp32" or lean_cross_entropy():
+    if spec.precision != "fp32" or lean_cross_entropy(device):
         return []  # qvl's fused cross-entropy keeps the logits' dtype: nothing deliberate
     fused = bool(config.model.cross_entropy_loss_fusion)
     state = (

@@ -1,0 +1,192 @@
+"""The one switch: which of qvl's patch groups (qvl.foundation.patches) a run uses, and why, decided from the run's
+config and the machine it runs on.
+
+The machine is the run's target, not necessarily this one: a plan made on a laptop for an H100 asks what the H100's
+run applies (`Target.of(config, device="cuda")`). The training loop (qvl.training.train.run_megatron_loop), the
+planner, the parity check, the step census and `qvl doctor --patches` all ask `decide`, so "is qvl's cross-entropy
+on?" has one answer.
+
+Each group is applied where its scope says:
+- "process": from the CPU runtime's activation for the rest of the process (qvl.foundation.runtime);
+- "training": around every Megatron-Bridge training loop qvl runs (`applied_for_training`), undone after it;
+- "model": by qvl's model classes and transforms while the part they patch is built or runs;
+- "conversion": around qvl's HF <-> Megatron conversions (qvl.bridges.convert);
+- "launch": around NeMo-Run's rendering and submission (qvl.launchers).
+A rule whose group has left the registry (its code became a method of qvl's own classes) is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from qvl.foundation import patches
+from qvl.foundation.errors import ConfigError
+from qvl.foundation.families import family_of_vision_config
+from qvl.foundation.megatron import have_transformer_engine
+
+DEVICES = ("cpu", "cuda")
+SCOPES = ("process", "training", "model", "conversion", "launch")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Target:
+    """What decides a run's patch groups: the device it runs on, the kernel packages installed there, and the model
+    parts some groups stand in for (None where not known, e.g. `qvl doctor --patches` without a recipe)."""
+
+    device: str  # "cpu" or "cuda"
+    transformer_engine: bool = False
+    apex: bool = False
+    fla: bool = False  # flash-linear-attention (Gated DeltaNet's Triton kernels)
+    hf_vision_tower: bool | None = None  # the replicated HF tower of Qwen2-VL / Qwen2.5-VL (else Megatron's)
+    gated_delta_net: bool | None = None  # Qwen3.5's linear-attention layers
+    mtp: bool | None = None  # multi-token-prediction layers trained
+    peft: bool | None = None  # adapters (LoRA, DoRA)
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"device={self.device!r} is not a run's device; use one of: {', '.join(DEVICES)}")
+
+    @property
+    def torch_adam(self) -> bool:
+        """Megatron-Core's optimizer falls back to torch Adam and Python loops: neither TE nor Apex provides it."""
+        return not (self.transformer_engine or self.apex)
+
+    @classmethod
+    def of(cls, config=None, *, device: str | None = None) -> Target:
+        """A run of `config` (a ConfigContainer; None: any model) on `device` (default: this process's) with the
+        packages of this environment: a run launched from here installs the same stack."""
+        model = getattr(config, "model", None)
+        vision = getattr(model, "vision_config", None)
+        family = family_of_vision_config(type(vision).__name__) if vision is not None else None
+        known = model is not None
+        return cls(
+            device=device or current_device(),
+            transformer_engine=have_transformer_engine(),
+            apex=importlib.util.find_spec("apex") is not None,
+            fla=importlib.util.find_spec("fla") is not None,
+            hf_vision_tower=(family is not None and not family.megatron_vision_tower) if known else None,
+            gated_delta_net=getattr(model, "experimental_attention_variant", None) == "gated_delta_net"
+            if known
+            else None,
+            mtp=bool(getattr(model, "mtp_num_layers", None)) if known else None,
+            peft=getattr(config, "peft", None) is not None if known else None,
+        )
+
+
+def current_device() -> str:
+    """This process's device: the CPU where qvl's CPU runtime is active or no CUDA device is seen."""
+    import torch  # the switch itself stays light: `qvl`'s parser imports it
+
+    from qvl.foundation import runtime
+
+    return "cpu" if runtime.is_active() or not torch.cuda.is_available() else "cuda"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Rule:
+    """When one group is on: `condition` in words, `on` as code (None: it depends on a model fact not known)."""
+
+    group: str
+    scope: str
+    condition: str
+    on: Callable[[Target], bool | None]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Decision:
+    """One group for one target: its kind, where it is applied, whether it is on and why."""
+
+    group: str
+    kind: str
+    scope: str
+    condition: str
+    on: bool | None  # None: on or off with the model (no recipe given)
+    reason: str
+
+
+def _both(fact: bool | None, rest: bool) -> bool | None:
+    """`fact and rest`, unknown only where it matters."""
+    return False if not rest or fact is False else (None if fact is None else True)
+
+
+_NO_TE_APEX = "neither Transformer Engine nor Apex is installed (Megatron-Core falls back to torch Adam and loops)"
+RULES: tuple[Rule, ...] = (
+    Rule(group="cpu-runtime", scope="process", condition="the run's device is the CPU",
+         on=lambda t: t.device == "cpu"),
+    Rule(group="cpu-training", scope="training", condition="the run's device is the CPU",
+         on=lambda t: t.device == "cpu"),
+    Rule(group="fix-megatron-setup", scope="training", condition="always", on=lambda t: True),
+    Rule(group="fix-adam-resume", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
+    Rule(group="speed-optimizer", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
+    Rule(group="speed-rotary", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
+    Rule(group="speed-sync-free", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
+    Rule(group="speed-cross-entropy", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
+    # read when a model's layers are built and its config validated (before the loop): applied from the first
+    # provider qvl fixes for the rest of the process (qvl.kernels.torch_wgrad_accum.provide_kernels)
+    Rule(group="torch-wgrad-accum", scope="training", condition="Apex is not installed",
+         on=lambda t: not t.apex),
+    # also applied when a model is built outside a training loop, for the rest of that process
+    Rule(group="speed-hf-vision", scope="training",
+         condition="the model has a replicated HF vision tower (Qwen2-VL, Qwen2.5-VL)",
+         on=lambda t: t.hf_vision_tower),
+    Rule(group="torch-qwen3-vl-vision", scope="model",
+         condition="the model has Megatron-Bridge's Qwen3-VL vision tower and Transformer Engine is not installed",
+         on=lambda t: _both(None if t.hf_vision_tower is None else not t.hf_vision_tower, not t.transformer_engine)),
+    Rule(group="torch-gated-delta", scope="model",
+         condition="the model has Gated DeltaNet layers and flash-linear-attention cannot run (no CUDA or no fla)",
+         on=lambda t: _both(t.gated_delta_net, not (t.device == "cuda" and t.fla))),
+    Rule(group="fix-mtp-loss", scope="model", condition="the model trains multi-token-prediction layers",
+         on=lambda t: t.mtp),
+    Rule(group="fix-peft-without-te", scope="model",
+         condition="the run trains adapters (LoRA, DoRA) and Transformer Engine is not installed",
+         on=lambda t: _both(t.peft, not t.transformer_engine)),
+    Rule(group="speed-aligned-widths", scope="conversion",
+         condition="always (it changes only a replicated HF tower's padded MLP widths)", on=lambda t: True),
+    Rule(group="fix-kubeflow-v2.2", scope="launch",
+         condition="always (it rewrites only a TrainJob whose spec asks for Kubeflow Trainer v2.2's runtimePatches)",
+         on=lambda t: True),
+)  # fmt: skip
+
+
+def rules() -> tuple[Rule, ...]:
+    """The rules of the groups in the registry, in the registry's order."""
+    by_group = {rule.group: rule for rule in RULES}
+    return tuple(by_group[group] for group in patches.GROUPS if group in by_group)
+
+
+def decide(target: Target) -> tuple[Decision, ...]:
+    """Every group of the registry for `target`: on or off, and why."""
+    decisions = []
+    for rule in rules():
+        on = rule.on(target)
+        state = {True: "on", False: "off", None: "on or off with the model"}[on]
+        decisions.append(
+            Decision(
+                group=rule.group,
+                kind=patches.kind_of(rule.group),
+                scope=rule.scope,
+                condition=rule.condition,
+                on=on,
+                reason=f"{state} on {target.device}: {rule.condition}",
+            )
+        )
+    return tuple(decisions)
+
+
+def is_on(group: str, target: Target) -> bool:
+    """Whether `target`'s run uses `group` (False where the registry no longer has it)."""
+    return any(d.group == group and d.on for d in decide(target))
+
+
+def training_groups(target: Target) -> tuple[str, ...]:
+    """The groups applied around `target`'s training loop."""
+    return tuple(d.group for d in decide(target) if d.scope == "training" and d.on)
+
+
+def applied_for_training(target: Target) -> contextlib.AbstractContextManager:
+    """`training_groups(target)` applied for a block (a training loop), each undone after it unless it was applied
+    before (a model built earlier in the process keeps what its build applied)."""
+    return patches.applied(*training_groups(target))
