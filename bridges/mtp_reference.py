@@ -98,11 +98,6 @@ def mtp_layer_count(names: list[str]) -> int:
     return len({int(m.group(1)) for m in map(_LAYER.match, names) if m})
 
 
-def packed_experts(names: list[str]) -> bool:
-    """Whether the MTP experts are stored packed (`mtp.layers.N.mlp.experts.gate_up_proj`, Qwen3.6)."""
-    return any(name.endswith(".mlp.experts.gate_up_proj") for name in names)
-
-
 def read_mtp_tensors(hf_path: Path) -> dict[str, torch.Tensor]:
     """Every `mtp.*` tensor of a checkpoint, by its on-disk name."""
     tensors = {}

@@ -40,13 +40,15 @@ def write_tiny_hf_checkpoint(
     *,
     seed: int = 0,
     max_shard_size: str | None = None,
-    packed_experts: bool = False,
+    release: str | None = None,
 ) -> pathlib.Path:
     """Write a random tiny `family` model as an HF checkpoint directory with tokenizer and processor files; with
-    the family's released multi-token-prediction head (`mtp.*`) where its config has one. `packed_experts`: MoE
-    expert tensors stored packed per layer, as Qwen3.6 ships them (transformers saves them per expert)."""
+    the family's released multi-token-prediction head (`mtp.*`) where its config has one. `release`: a later release
+    of the family (its record's `releases`, e.g. "3.6"): its on-disk expert layout and chat template."""
     import transformers
 
+    chosen = get_family(family).release(release)
+    packed_experts = bool(chosen and chosen.packed_experts)  # transformers saves experts per expert
     path = pathlib.Path(path)
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(tiny_hf_config(family), dtype=torch.float32)
@@ -63,7 +65,7 @@ def write_tiny_hf_checkpoint(
         write_mtp_tensors(path, mtp_tensors(model, layers, packed=packed_experts))
     if packed_experts:
         pack_checkpoint_experts(path)
-    write_tiny_hf_processor_dir(path, family, vocab_size=VOCAB_SIZE)
+    write_tiny_hf_processor_dir(path, family, vocab_size=VOCAB_SIZE, release=release)
     return path
 
 

@@ -41,6 +41,18 @@ def _frozen(mapping: dict[str, Any]) -> Mapping[str, Any]:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class Release:
+    """A later release of a family's architecture (Qwen3.6 and Qwen3.8 of Qwen3.5's): the same HF classes, bridge and
+    recipe module; what differs is on disk or in its chat template. Its sizes are rows of `qvl.recipes.architectures`
+    named "<release>-<size>" ("3.6-27b")."""
+
+    name: str  # "3.6"
+    title: str  # "Qwen3.6"
+    packed_experts: bool = False  # MoE experts stored packed per layer (`experts.gate_up_proj` [E, 2I, H], gate first)
+    chat_template: str | None = None  # the tiny tokenizer's (qvl.foundation.tiny_processor); None: the family's
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Family:
     """Everything qvl knows about one model family."""
 
@@ -83,12 +95,22 @@ class Family:
     # The Megatron modules each adapter target (ADAPTER_TARGETS) means: Megatron-Bridge LoRA `target_modules` wildcards
     # over the built model's module names (qvl.bridges.adapters); () where the family has no such part.
     adapter_modules: Mapping[str, tuple[str, ...]]
+    releases: Mapping[str, Release] = field(default_factory=lambda: _frozen({}))  # by name: "3.6"
     extra: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
 
     @property
     def patch_size(self) -> int:
         """The vision tower's patch size (pixels)."""
         return int(self.tiny_vision["patch_size"])
+
+    def release(self, name: str | None) -> Release | None:
+        """The release called `name` (None: the family's first); the error lists the releases that exist."""
+        if name is None:
+            return None
+        if name not in self.releases:
+            known = ", ".join(self.releases) or "none"
+            raise ConfigError(f"{self.title} has no release {name!r}; its later releases: {known}")
+        return self.releases[name]
 
 
 # Tiny text model: Qwen2 / Qwen3 blocks at hidden 64, head_dim 16 (so mRoPE sections sum to 8). Token ids are the
@@ -231,9 +253,18 @@ _QWEN3_5_COMMON = dict(
     _QWEN3_COMMON,
     tiny_vision=_frozen({k: v for k, v in _QWEN3_TINY_VISION.items() if k != "deepstack_visual_indexes"}),
     bridge_module="qvl.bridges.qwen3_5_vl",  # Megatron-Bridge's Qwen35VL bridges without TE or fla
+    chat_template="qwen3_5",  # Qwen3-VL's with reasoning turns (<think> blocks, `enable_thinking`)
     # Released checkpoints carry multi-token-prediction weights: converted into Megatron-Core's MTP block, and also
     # kept aside at import so a run trained without MTP exports them unchanged.
     unconverted_prefixes=("mtp.",),
+    # Qwen3.6 (2026-04) ships MoE experts packed, main layers and MTP alike (Megatron-Bridge's qwen35_vl_bridge reads
+    # `mtp.layers.0.mlp.experts.gate_up_proj`); Qwen3.8 (2026-08) a chat template with `reasoning_effort`.
+    releases=_frozen(
+        {
+            "3.6": Release(name="3.6", title="Qwen3.6", packed_experts=True),
+            "3.8": Release(name="3.8", title="Qwen3.8", chat_template="qwen3_8"),
+        }
+    ),
     recipe_module="qvl.recipes.qwen3_5_vl",
     adapter_modules=_adapter_modules(
         language=_LM_ATTENTION + _LM_DELTANET + _LM_MLP, vision=_MEGATRON_VISION, merger=_MEGATRON_MERGER

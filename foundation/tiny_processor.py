@@ -46,6 +46,46 @@ QWEN3_VL_CHAT_TEMPLATE = (
     "{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen3.5-VL's reasoning rules on top of Qwen3-VL's template (the released template's `<think>` handling, minus tools):
+# assistant turns after the last user turn carry their `reasoning_content` in a <think> block (empty without one),
+# earlier ones their answer alone; `enable_thinking=false` opens the generation prompt with an empty block.
+_THINK = (
+    "{%- if message['role'] == 'assistant' and loop.index0 > ns.last_query %}"
+    "{%- set reasoning = message['reasoning_content'] if message['reasoning_content'] is string else '' %}"
+    "{%- if not thinking %}{%- set reasoning = '' %}{%- endif %}"
+    "{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}{%- endif %}"
+)
+_LAST_QUERY = (
+    "{%- set ns = namespace(last_query=-1) %}{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+)
+QWEN3_5_CHAT_TEMPLATE = (
+    _LAST_QUERY + "{%- set thinking = enable_thinking is not defined or enable_thinking %}"
+    + QWEN3_VL_CHAT_TEMPLATE.replace("{{- '<|im_start|>' + message['role'] + '\\n' }}",
+                                     "{{- '<|im_start|>' + message['role'] + '\\n' }}" + _THINK)
+    .replace("{{- '<|im_start|>assistant\\n' }}",
+             "{{- '<|im_start|>assistant\\n' }}{%- if not thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+)  # fmt: skip
+# Qwen3.8's switch, `reasoning_effort` (none, low, medium, xhigh; none turns thinking off), in the same rules. A
+# stand-in that exercises the switch: the effort is a system line here, not necessarily Qwen3.8's own wording.
+QWEN3_8_CHAT_TEMPLATE = (
+    "{%- if reasoning_effort is defined and reasoning_effort not in ['none', 'low', 'medium', 'xhigh'] %}"
+    "{{- raise_exception('reasoning_effort must be none, low, medium or xhigh') }}{%- endif %}"
+    "{%- set effort = reasoning_effort if reasoning_effort is defined else 'xhigh' %}"
+    "{{- '<|im_start|>system\\nReasoning effort: ' + effort + '<|im_end|>\\n' }}"
+    + QWEN3_5_CHAT_TEMPLATE.replace(
+        "{%- set thinking = enable_thinking is not defined or enable_thinking %}",
+        "{%- set thinking = effort != 'none' %}",
+    )
+)  # fmt: skip
+CHAT_TEMPLATES = {
+    "qwen2": QWEN2_VL_CHAT_TEMPLATE,
+    "qwen3": QWEN3_VL_CHAT_TEMPLATE,
+    "qwen3_5": QWEN3_5_CHAT_TEMPLATE,
+    "qwen3_8": QWEN3_8_CHAT_TEMPLATE,
+}
+THINK_TOKENS = ("<think>", "</think>")  # Qwen3's reasoning delimiters, single added tokens in its vocabulary
+
 _CORPUS = (
     "You are a helpful assistant. What is shown in the picture? Describe the image in detail.",
     "The image shows a red square, a blue circle and a green triangle on a white background.",
@@ -56,8 +96,9 @@ _CORPUS = (
 )
 
 
-def build_tiny_tokenizer(family: str, vocab_size: int = 1024):
-    """A PreTrainedTokenizerFast with Qwen's special tokens and the family's chat template, built offline."""
+def build_tiny_tokenizer(family: str, vocab_size: int = 1024, release: str | None = None):
+    """A PreTrainedTokenizerFast with Qwen's special tokens and the family's (or its `release`'s) chat template,
+    built offline; a reasoning template's <think> delimiters are single tokens, as in Qwen's vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -66,15 +107,18 @@ def build_tiny_tokenizer(family: str, vocab_size: int = 1024):
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    record = get_family(family)
+    chosen = record.release(release)
+    template = CHAT_TEMPLATES[(chosen.chat_template if chosen else None) or record.chat_template]
+    added = list(THINK_TOKENS) if "<think>" in template else []  # ids after the trained ones, below `vocab_size`
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(added),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
-    template = {"qwen2": QWEN2_VL_CHAT_TEMPLATE, "qwen3": QWEN3_VL_CHAT_TEMPLATE}[get_family(family).chat_template]
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -82,6 +126,8 @@ def build_tiny_tokenizer(family: str, vocab_size: int = 1024):
         chat_template=template,
         model_max_length=1 << 20,
     )
+    fast.add_tokens(added)
+    return fast
 
 
 def preprocessor_config(family: str) -> dict:
@@ -119,11 +165,14 @@ def video_preprocessor_config(family: str) -> dict:
     return config
 
 
-def write_tiny_hf_processor_dir(path: pathlib.Path, family: str, vocab_size: int = 1024) -> pathlib.Path:
-    """Write a tiny tokenizer + processor configs for `family` into `path` (loadable with HF_HUB_OFFLINE=1)."""
+def write_tiny_hf_processor_dir(
+    path: pathlib.Path, family: str, vocab_size: int = 1024, release: str | None = None
+) -> pathlib.Path:
+    """Write a tiny tokenizer + processor configs for `family` (its `release`'s template) into `path` (loadable
+    with HF_HUB_OFFLINE=1)."""
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(family, vocab_size)
+    tokenizer = build_tiny_tokenizer(family, vocab_size, release)
     tokenizer.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(family), indent=2))
     (path / "video_preprocessor_config.json").write_text(json.dumps(video_preprocessor_config(family), indent=2))

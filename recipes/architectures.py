@@ -93,7 +93,18 @@ def _q35_text(hidden: int, layers: int, heads: int, kv: int, linear_v_heads: int
     return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                 head_dim=256, linear_num_key_heads=16, linear_num_value_heads=linear_v_heads, linear_key_head_dim=128,
                 linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248_320, tie_word_embeddings=False,
-                rope_parameters=_Q35_ROPE, max_position_embeddings=262_144, rms_norm_eps=1e-6, **ffn)  # fmt: skip
+                rope_parameters=_Q35_ROPE, max_position_embeddings=262_144, rms_norm_eps=1e-6,
+                mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False, **ffn)  # fmt: skip
+
+
+# --- Qwen3.6 and Qwen3.8: the same Qwen3_5*ForConditionalGeneration classes (family records' `releases`). Qwen3.6-27B
+# and Qwen3.6-35B-A3B: the model cards' figures (hidden 5120 / 2048, 64 / 40 layers, 24 / 16 query and 4 / 2 KV heads,
+# 48 / 32 DeltaNet value heads, FFN 17408 / 256 experts of 512 with a 512 shared one, vocabulary 248,320, one MTP
+# layer) equal Qwen3.5-27B's and -35B-A3B's. Qwen3.8-27B: no config.json was at hand offline; it is taken to be
+# Qwen3.6-27B's shape (same classes, a new chat template), to be checked against the released config.
+_Q36_27B = _q35_text(5120, 64, 24, 4, 48, intermediate_size=17408)
+_Q36_35B_A3B = _q35_text(2048, 40, 16, 2, 32, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                         shared_expert_intermediate_size=512)  # fmt: skip
 
 
 def _text(hidden: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, tie: bool, rope: dict, **extra: Any):
@@ -152,6 +163,10 @@ ARCHITECTURES: dict[tuple[str, str], Architecture] = {
               _q35_text(2048, 40, 16, 2, 32, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                         shared_expert_intermediate_size=512),
               dict(_Q35_VISION, out_hidden_size=2048)),
+        _arch("qwen3_5_vl", "3.6-27b", "Qwen/Qwen3.6-27B", _Q36_27B, dict(_Q35_VISION, out_hidden_size=5120)),
+        _arch("qwen3_5_vl_moe", "3.6-35b-a3b", "Qwen/Qwen3.6-35B-A3B", _Q36_35B_A3B,
+              dict(_Q35_VISION, out_hidden_size=2048)),
+        _arch("qwen3_5_vl", "3.8-27b", "Qwen/Qwen3.8-27B", _Q36_27B, dict(_Q35_VISION, out_hidden_size=5120)),
         _arch("qwen3_5_vl_moe", "397b-a17b", "Qwen/Qwen3.5-397B-A17B",
               _q35_text(4096, 60, 32, 2, 64, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=1024,
                         shared_expert_intermediate_size=1024),

@@ -1,4 +1,5 @@
-"""Qwen3.5-VL recipes, dense (9B, 27B) and MoE (35B-A3B, 397B-A17B) x (pretrain, sft, peft).
+"""Qwen3.5-VL recipes, dense (9B, 27B) and MoE (35B-A3B, 397B-A17B) x (pretrain, sft, peft), and the later releases
+of the same architecture users fine-tune: Qwen3.6 (27B, 35B-A3B) and Qwen3.8 (27B).
 
 Default layouts start from Megatron-Bridge 0.6.2's H100 recipes for the same sizes
 (megatron/bridge/recipes/qwen_vl/h100/qwen35_vl.py: 9B SFT at TP=4 on 4 GPUs, 27B SFT at TP=4 x PP=4 on 16, 27B LoRA
@@ -18,7 +19,7 @@ from qvl.recipes.registry import recipe
 
 FAMILY = "qwen3_5_vl"
 MOE_FAMILY = "qwen3_5_vl_moe"  # same base recipe; its checkpoints are a family of their own (HF class, bridge)
-MOE_SIZES = ("35b-a3b", "397b-a17b")
+MOE_SIZES = ("35b-a3b", "397b-a17b", "3.6-35b-a3b")
 # Default layout per (size, stage): fits H100 80 GB at 4096-token packs on `gpus` GPUs (tests/recipes plan them).
 LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
     ("9b", "pretrain"): dict(tensor_parallel=4, gpus=4),
@@ -34,6 +35,11 @@ LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
     ("397b-a17b", "pretrain"): dict(tensor_parallel=2, pipeline_parallel=8, expert_parallel=32, gpus=512),
     ("397b-a17b", "sft"): dict(tensor_parallel=2, pipeline_parallel=8, expert_parallel=32, gpus=512),
     ("397b-a17b", "peft"): dict(tensor_parallel=2, pipeline_parallel=4, expert_parallel=16, gpus=128),
+}
+# Qwen3.6 and Qwen3.8 (the family records' releases): the same shapes as Qwen3.5's sizes, so the same layouts.
+SAME_SHAPE = {"3.6-27b": "27b", "3.6-35b-a3b": "35b-a3b", "3.8-27b": "27b"}
+LAYOUTS |= {
+    (size, stage): LAYOUTS[base, stage] for size, base in SAME_SHAPE.items() for stage in ("pretrain", "sft", "peft")
 }
 # Non-layout defaults per (size, stage): the checkpoints' multi-token-prediction layer trains in SFT and PEFT, as in
 # Megatron-Bridge's Qwen3.5-VL recipes (mtp_num_layers 1, mtp_loss_scaling_factor 0.1); pretraining leaves it aside.
@@ -123,3 +129,57 @@ def qwen35_vl_397b_a17b_sft(**overrides: Any) -> ConfigContainer:
 def qwen35_vl_397b_a17b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-397B-A17B (MoE) LoRA fine-tuning."""
     return qwen3_5_vl(size="397b-a17b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="3.6-27b", stage="pretrain", **LAYOUTS["3.6-27b", "pretrain"])
+def qwen36_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3.6-27B continued pretraining."""
+    return qwen3_5_vl(size="3.6-27b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="3.6-27b", stage="sft", **LAYOUTS["3.6-27b", "sft"])
+def qwen36_vl_27b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.6-27B full fine-tuning (MTP trained)."""
+    return qwen3_5_vl(size="3.6-27b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="3.6-27b", stage="peft", **LAYOUTS["3.6-27b", "peft"])
+def qwen36_vl_27b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.6-27B LoRA fine-tuning (MTP trained)."""
+    return qwen3_5_vl(size="3.6-27b", stage="peft", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="pretrain", **LAYOUTS["3.6-35b-a3b", "pretrain"])
+def qwen36_vl_35b_a3b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3.6-35B-A3B (MoE) continued pretraining."""
+    return qwen3_5_vl(size="3.6-35b-a3b", stage="pretrain", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="sft", **LAYOUTS["3.6-35b-a3b", "sft"])
+def qwen36_vl_35b_a3b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.6-35B-A3B (MoE) full fine-tuning (MTP trained)."""
+    return qwen3_5_vl(size="3.6-35b-a3b", stage="sft", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="peft", **LAYOUTS["3.6-35b-a3b", "peft"])
+def qwen36_vl_35b_a3b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.6-35B-A3B (MoE) LoRA fine-tuning (MTP trained)."""
+    return qwen3_5_vl(size="3.6-35b-a3b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="3.8-27b", stage="pretrain", **LAYOUTS["3.8-27b", "pretrain"])
+def qwen38_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
+    """Qwen3.8-27B continued pretraining."""
+    return qwen3_5_vl(size="3.8-27b", stage="pretrain", **overrides)
+
+
+@recipe(family=FAMILY, size="3.8-27b", stage="sft", **LAYOUTS["3.8-27b", "sft"])
+def qwen38_vl_27b_sft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.8-27B full fine-tuning (MTP trained)."""
+    return qwen3_5_vl(size="3.8-27b", stage="sft", **overrides)
+
+
+@recipe(family=FAMILY, size="3.8-27b", stage="peft", **LAYOUTS["3.8-27b", "peft"])
+def qwen38_vl_27b_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.8-27B LoRA fine-tuning (MTP trained)."""
+    return qwen3_5_vl(size="3.8-27b", stage="peft", **overrides)

@@ -122,8 +122,22 @@ def lm_layer_params(model: Any) -> tuple[int, int]:
     return mixers / model.num_layers + dense, expert
 
 
+def mtp_layers(model: Any) -> int:
+    """How many multi-token-prediction layers the model trains (Qwen3.5's one; qvl.training.mtp), else 0."""
+    return int(getattr(model, "mtp_num_layers", None) or 0)
+
+
+def mtp_layer_params(model: Any) -> tuple[int, int]:
+    """(dense, expert) parameters of one multi-token-prediction layer as Megatron-Core builds it: eh_proj (2h -> h),
+    its three norms (enorm, hnorm, final), and one full-attention decoder layer with the model's MLP."""
+    h = model.hidden_size
+    dense, expert = _mlp_params(model)
+    return 2 * h * h + 3 * h + _attention_params(model) + dense, expert
+
+
 def lm_param_counts(model: Any) -> dict[str, int]:
-    """LM parameters by part: embedding, output layer (0 when tied), final norm, decoder dense, experts."""
+    """LM parameters by part: embedding, output layer (0 when tied), final norm, decoder dense, experts, and the
+    multi-token-prediction layers (dense and expert parameters; they share the embedding and output layer)."""
     vocab = padded_vocab(model)
     mlp_dense, expert = _mlp_params(model)
     delta = gated_delta_layers(model)
@@ -135,6 +149,7 @@ def lm_param_counts(model: Any) -> dict[str, int]:
         final_norm=model.hidden_size,
         dense=mixers + mlp_dense * model.num_layers,
         experts=expert * model.num_layers,
+        mtp=sum(mtp_layer_params(model)) * mtp_layers(model),
     )
 
 

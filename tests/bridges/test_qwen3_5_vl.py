@@ -1,7 +1,7 @@
 """Qwen3.5-VL checkpoints as released: config fields `mtp_num_hidden_layers: 1`, `mtp_use_dedicated_embeddings:
 false`, mRoPE section and partial rotary, and a multi-token-prediction head (`mtp.*`) that transformers does not
-build. Dense, MoE with per-expert MTP experts (Qwen3.5) and MoE with packed experts (Qwen3.6) import into
-Megatron-Core's MTP block built from local specs, verify (main and MTP logits against the published MTP head,
+build. Qwen3.5 dense and MoE (per-expert MTP experts), Qwen3.6 (packed experts) and Qwen3.8 tiny checkpoints import
+into Megatron-Core's MTP block built from local specs, verify (main and MTP logits against the published MTP head,
 qvl.bridges.mtp_reference) and export back bit for bit."""
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ from qvl.foundation.distributed import run_on_ranks
 from qvl.foundation.errors import ConversionError
 from tests.bridges import conversion_jobs
 
-# name -> (family, experts packed as Qwen3.6 stores them)
+# name -> (family, release): Qwen3.5 dense and MoE (per-expert MTP experts), Qwen3.6 MoE (experts packed, main layers
+# and MTP) and dense, Qwen3.8 dense (its reasoning_effort template renders verify's prompt)
 CHECKPOINTS = {
-    "dense": ("qwen3_5_vl", False),
-    "moe": ("qwen3_5_vl_moe", False),
-    "moe_packed": ("qwen3_5_vl_moe", True),
+    "dense": ("qwen3_5_vl", None),
+    "moe": ("qwen3_5_vl_moe", None),
+    "moe_3.6": ("qwen3_5_vl_moe", "3.6"),
+    "dense_3.6": ("qwen3_5_vl", "3.6"),
+    "dense_3.8": ("qwen3_5_vl", "3.8"),
 }
 
 
@@ -43,8 +46,8 @@ def converted(tmp_path_factory) -> dict[str, dict]:
     """Each checkpoint written, imported, verified and exported (one set of processes for each stage)."""
     root = tmp_path_factory.mktemp("qwen3_5_mtp")
     hf = {
-        name: str(write_tiny_hf_checkpoint(root / "hf" / name, family, seed=3, packed_experts=packed))
-        for name, (family, packed) in CHECKPOINTS.items()
+        name: str(write_tiny_hf_checkpoint(root / "hf" / name, family, seed=3, release=release))
+        for name, (family, release) in CHECKPOINTS.items()
     }
     run_on_ranks(conversion_jobs.import_all, hf, str(root / "megatron"), cpu=True)
     (reports,) = run_on_ranks(conversion_jobs.verify_all, hf, str(root / "megatron"), cpu=True)
@@ -73,9 +76,9 @@ def test_export_round_trips_every_tensor_bit_for_bit_mtp_included(converted, nam
     original, exported = tensors(converted[name]["hf"]), tensors(converted[name]["export"])
     assert sorted(exported) == sorted(original)
     assert [n for n in original if not torch.equal(original[n], exported[n])] == []
-    names = checkpoint_mtp_names(converted[name]["export"])
-    packed = any(n.endswith("experts.gate_up_proj") for n in names)
-    assert names and packed == CHECKPOINTS[name][1]  # the checkpoint's own expert layout comes back
+    family, release = CHECKPOINTS[name]
+    packed = any(n.endswith("experts.gate_up_proj") for n in exported)
+    assert checkpoint_mtp_names(converted[name]["export"]) and packed == (family.endswith("moe") and release == "3.6")
 
 
 def test_a_config_with_mtp_layers_but_no_tensors_imports_without_them(tmp_path):

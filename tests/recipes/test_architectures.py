@@ -30,8 +30,8 @@ def test_every_family_has_its_sizes_and_config_class():
     assert sizes["qwen2_5_vl"] == ["32b", "3b", "72b", "7b"]
     assert sizes["qwen3_vl"] == ["2b", "32b", "4b", "8b"]
     assert sizes["qwen3_vl_moe"] == ["235b-a22b", "30b-a3b"]
-    assert sizes["qwen3_5_vl"] == ["27b", "9b"]
-    assert sizes["qwen3_5_vl_moe"] == ["35b-a3b", "397b-a17b"]
+    assert sizes["qwen3_5_vl"] == ["27b", "3.6-27b", "3.8-27b", "9b"]  # Qwen3.6 and Qwen3.8: the same classes
+    assert sizes["qwen3_5_vl_moe"] == ["3.6-35b-a3b", "35b-a3b", "397b-a17b"]
     config = hf_config(get_architecture("qwen3_vl_moe", "30b-a3b"))
     assert type(config).__name__ == "Qwen3VLMoeConfig" and config.text_config.num_experts == 128
     assert config.architectures == ["Qwen3VLMoeForConditionalGeneration"]

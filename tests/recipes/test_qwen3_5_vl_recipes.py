@@ -1,5 +1,6 @@
-"""Qwen3.5-VL recipes: what the planner counts that other families do not have (Gated DeltaNet layers, the
-248,320-token vocabulary's logits), and the vision balancing refusal shared with Qwen3-VL."""
+"""Qwen3.5-VL recipes (and Qwen3.6 / Qwen3.8's): what the planner counts that other families do not have (Gated
+DeltaNet layers, the 248,320-token vocabulary's logits), multi-token prediction on by default where Megatron-Bridge
+trains it, and the vision balancing refusal shared with Qwen3-VL."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from qvl.recipes.planner import GIB, plan_config
 from qvl.recipes.registry import all_recipes, get_recipe
 
 
-def test_twelve_recipes_and_the_hybrid_pattern_of_the_published_sizes():
+def test_twenty_one_recipes_and_the_hybrid_pattern_of_the_published_sizes():
     names = {r.name for r in all_recipes() if r.family.startswith("qwen3_5_vl")}
-    assert len(names) == 12 and "qwen35_vl_397b_a17b_peft" in names
+    assert len(names) == 21 and "qwen35_vl_397b_a17b_peft" in names
+    assert {"qwen36_vl_27b_sft", "qwen36_vl_35b_a3b_peft", "qwen38_vl_27b_sft"} <= names  # Qwen3.6 and Qwen3.8
     model = get_recipe("qwen35_vl_27b_sft").fn().model
     assert shapes.gated_delta_layers(model) == 48 and model.num_layers == 64  # 16 x (3 DeltaNet + 1 attention)
     counts = shapes.lm_param_counts(model)
@@ -36,3 +38,26 @@ def test_vision_balance_is_refused_with_the_reason():
         ConfigError, match="vision_balance=True is not supported for qwen3_5_vl.*tensor-parallel itself"
     ):
         get_recipe("qwen35_vl_9b_sft").fn(vision_balance=True)
+
+
+@pytest.mark.parametrize(
+    "name, mtp_layers",
+    [
+        ("qwen35_vl_9b_pretrain", None),  # pretraining leaves the MTP head aside
+        ("qwen35_vl_9b_sft", 1),
+        ("qwen36_vl_35b_a3b_peft", 1),
+        ("qwen38_vl_27b_sft", 1),
+    ],
+)
+def test_mtp_trains_by_default_in_sft_and_peft_at_megatron_bridges_scale(name, mtp_layers):
+    model = get_recipe(name).fn().model
+    assert model.mtp_num_layers == mtp_layers
+    assert mtp_layers is None or model.mtp_loss_scaling_factor == 0.1
+    assert get_recipe(name).fn(mtp=False).model.mtp_num_layers is None
+
+
+def test_mtp_is_refused_for_a_family_without_it_and_with_context_parallelism():
+    with pytest.raises(ConfigError, match="has no multi-token-prediction layers.*drop mtp=true"):
+        get_recipe("qwen3_vl_8b_sft").fn(mtp=True)
+    with pytest.raises(ConfigError, match="mtp=true needs context_parallel=1"):
+        get_recipe("qwen35_vl_9b_sft").fn(context_parallel=2)
