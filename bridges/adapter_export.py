@@ -24,6 +24,7 @@ Megatron's per-head order and drops adapters on the HF vision tower; hence this 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,7 @@ def adapters_of(run: AdapterRun) -> Any:
 
     from qvl.bridges.adapters import QvlDoRA, QvlLoRA
 
-    kind = QvlDoRA if str(run.peft.get("_target_", "")).endswith("QvlDoRA") else QvlLoRA
+    kind = QvlDoRA if is_dora(run.peft) else QvlLoRA
     names = {f.name for f in fields(kind) if f.init}
     return kind(**{k: v for k, v in run.peft.items() if k in names and k != "params_to_save"})
 
@@ -208,8 +209,13 @@ class AdaptedLinear:
     magnitude: torch.Tensor | None = None  # DoRA: [out]
 
 
-def adapted_linears(model: list[Any]) -> list[AdaptedLinear]:
-    """Every adapted linear of a single-rank model, with its adapter tensors."""
+def _weight(param: torch.Tensor) -> torch.Tensor:
+    return param.detach()
+
+
+def adapted_linears(model: list[Any], value: Callable[[torch.Tensor], torch.Tensor] = _weight) -> list[AdaptedLinear]:
+    """Every adapted linear of a single-rank model with its adapter tensors, or what `value` reads from each
+    adapter parameter (the parity check reads their gradients)."""
     from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
     from megatron.bridge.peft.lora_layers import LinearAdapter
 
@@ -222,10 +228,10 @@ def adapted_linears(model: list[Any]) -> list[AdaptedLinear]:
                 AdaptedLinear(
                     weight_name=f"{name}.weight",
                     base=module.to_wrap,
-                    lora_a=adapter.linear_in.weight.detach(),
-                    lora_b=adapter.linear_out.weight.detach(),
+                    lora_a=value(adapter.linear_in.weight),
+                    lora_b=value(adapter.linear_out.weight),
                     scale=adapter.alpha / adapter.dim,
-                    magnitude=None if magnitude is None else magnitude.detach(),
+                    magnitude=None if magnitude is None else value(magnitude),
                 )
             )
         elif isinstance(module, LinearAdapter):
@@ -233,8 +239,8 @@ def adapted_linears(model: list[Any]) -> list[AdaptedLinear]:
                 AdaptedLinear(
                     weight_name=f"{name}.weight",
                     base=module,
-                    lora_a=module.linear_in.weight.detach(),
-                    lora_b=module.linear_out.weight.detach(),
+                    lora_a=value(module.linear_in.weight),
+                    lora_b=value(module.linear_out.weight),
                     scale=module.scale,
                 )
             )
@@ -280,15 +286,26 @@ def hf_module_names(hf_base: Path) -> tuple[Any, dict[str, tuple[int, int]], Any
     return live_name, linears, hf_model
 
 
-def peft_state(bridge: Any, model: list[Any], hf_base: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """(adapter_model.safetensors' tensors, the live HF module names they adapt)."""
+@dataclass(kw_only=True, slots=True)
+class PeftState:
+    """Adapter tensors under `peft`'s state-dict names, and what they adapt."""
+
+    tensors: dict[str, torch.Tensor]
+    modules: list[str]  # the live HF module names adapted
+    # lora_A names that are one Megatron A: the HF modules of one fused projection (q/k/v, gate/up) share it
+    shared_a: list[list[str]]
+
+
+def peft_state(
+    bridge: Any, model: list[Any], hf_base: Path, value: Callable[[torch.Tensor], torch.Tensor] = _weight
+) -> PeftState:
+    """The adapters of a single-rank model (or what `value` reads from their parameters) in peft's layout."""
     from megatron.bridge.peft.utils import is_expert_linear
 
     registry = bridge._model_bridge.mapping_registry()
     live_name, linears, _ = hf_module_names(hf_base)
-    tensors: dict[str, torch.Tensor] = {}
-    modules: list[str] = []
-    for linear in adapted_linears(model):
+    state = PeftState(tensors={}, modules=[], shared_a=[])
+    for linear in adapted_linears(model, value):
         if is_expert_linear(linear.weight_name.removesuffix(".weight")):
             raise ConversionError(
                 f"{linear.weight_name}: MoE expert adapters cannot be written as a peft adapter yet (transformers "
@@ -301,6 +318,7 @@ def peft_state(bridge: Any, model: list[Any], hf_base: Path) -> tuple[dict[str, 
             raise ConversionError(f"{linear.weight_name}: Megatron-Bridge has no mapping for the adapted weight")
         b_rows = rows_as_hf(mapping, linear.lora_b, linear.base)
         magnitudes = rows_as_hf(mapping, linear.magnitude[:, None], linear.base) if linear.magnitude is not None else {}
+        shared = []
         for hf_name, lora_b in b_rows.items():
             module = live_name(hf_name).removesuffix(".weight")
             if module not in linears:
@@ -308,37 +326,58 @@ def peft_state(bridge: Any, model: list[Any], hf_base: Path) -> tuple[dict[str, 
             out_features, in_features = linears[module]
             prefix = f"base_model.model.{module}"
             # The replicated HF tower is built with aligned (padded) MLP widths: cut back to the HF module's.
-            tensors[f"{prefix}.lora_A.weight"] = linear.lora_a[:, :in_features].contiguous()
-            tensors[f"{prefix}.lora_B.weight"] = lora_b[:out_features].contiguous()
+            state.tensors[f"{prefix}.lora_A.weight"] = linear.lora_a[:, :in_features].contiguous()
+            state.tensors[f"{prefix}.lora_B.weight"] = lora_b[:out_features].contiguous()
             if hf_name in magnitudes:
-                tensors[f"{prefix}.lora_magnitude_vector"] = magnitudes[hf_name][:out_features, 0].contiguous()
-            modules.append(module)
-    return tensors, modules
+                state.tensors[f"{prefix}.lora_magnitude_vector"] = magnitudes[hf_name][:out_features, 0].contiguous()
+            state.modules.append(module)
+            shared.append(f"{prefix}.lora_A.weight")
+        if len(shared) > 1:
+            state.shared_a.append(shared)
+    return state
+
+
+def lora_config(*, rank: int, alpha: int, dropout: float, dora: bool, modules: list[str], hf_base: Path) -> Any:
+    """peft's LoraConfig for qvl adapters of `rank` and `alpha` (LoRA, or DoRA) on the HF `modules`."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=sorted(set(modules)),
+        use_dora=dora,
+        bias="none",
+        base_model_name_or_path=str(hf_base),
+    )
+
+
+def is_dora(peft: dict[str, Any]) -> bool:
+    """Whether a run_config.yaml `peft` section is qvl's DoRA."""
+    return str(peft.get("_target_", "")).endswith("QvlDoRA")
 
 
 def write_adapter(run: AdapterRun, bridge: Any, model: list[Any], hf_base: Path, out: Path) -> Path:
     """Write OUT/adapter_config.json and OUT/adapter_model.safetensors (rank 0's model, TP=1, PP=1)."""
-    from peft import LoraConfig
     from safetensors.torch import save_file
 
-    tensors, modules = peft_state(bridge, model, hf_base)
-    if not modules:
+    state = peft_state(bridge, model, hf_base)
+    if not state.modules:
         raise ConversionError(f"{run.path} holds no adapted linear; nothing to export")
-    config = LoraConfig(
-        r=int(run.peft["dim"]),
-        lora_alpha=int(run.peft["alpha"]),
-        lora_dropout=float(run.peft.get("dropout", 0.0)),
-        target_modules=sorted(set(modules)),
-        use_dora=str(run.peft.get("_target_", "")).endswith("QvlDoRA"),
-        bias="none",
-        base_model_name_or_path=str(hf_base),
-    )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    config = lora_config(
+        rank=int(run.peft["dim"]),
+        alpha=int(run.peft["alpha"]),
+        dropout=float(run.peft.get("dropout", 0.0)),
+        dora=is_dora(run.peft),
+        modules=state.modules,
+        hf_base=hf_base,
+    )
     config.save_pretrained(str(out))
     # A fused projection's HF modules share one A: each gets its own copy in the file.
-    save_file({k: v.float().clone() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS))
-    logger.info("wrote %d adapter tensors for %d HF modules to %s", len(tensors), len(set(modules)), out)
+    save_file({k: v.float().clone() for k, v in state.tensors.items()}, str(out / ADAPTER_WEIGHTS))
+    logger.info("wrote %d adapter tensors for %d HF modules to %s", len(state.tensors), len(state.modules), out)
     return out
 
 

@@ -173,12 +173,12 @@ def test_bad_exports_are_one_error_line(peft_run, tmp_path, capsys, tiny_qwen25_
     other = write_tiny_hf_checkpoint(tmp_path / "qwen3_vl", "qwen3_vl")
     line = one_error_line(capsys, ["convert", "export-adapter", checkpoints, str(other), out])
     assert "is a Qwen3-VL checkpoint, but the adapters in" in line and "trained on qwen2_5_vl" in line
-    deeper = write_tiny_hf_checkpoint(tmp_path / "deeper", "qwen2_5_vl")
-    config = json.loads((deeper / "config.json").read_text())
-    config["text_config"]["num_hidden_layers"] = 6
-    (deeper / "config.json").write_text(json.dumps(config))
-    line = one_error_line(capsys, ["convert", "export-adapter", checkpoints, str(deeper), out])
-    assert "has num_layers=6, but the adapters in" in line and "num_layers=4" in line
+    wider = write_tiny_hf_checkpoint(tmp_path / "wider", "qwen2_5_vl")
+    config = json.loads((wider / "config.json").read_text())
+    config["text_config"]["intermediate_size"] = 192
+    (wider / "config.json").write_text(json.dumps(config))
+    line = one_error_line(capsys, ["convert", "export-adapter", checkpoints, str(wider), out])
+    assert "has ffn_hidden_size=192, but the adapters in" in line and "ffn_hidden_size=128" in line
     assert not (tmp_path / "out").exists()
 
 

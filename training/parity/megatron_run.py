@@ -59,6 +59,8 @@ class Recording:
     rank: tuple[int, int, bool] = (0, 0, True)
     # step 1, per conversation of L tokens: (loss of the prediction made at each position [L], learned or not [L])
     token_losses: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # a PEFT recipe's adapters as the reference starts from them (qvl.training.parity.adapters.AdapterRecord)
+    adapters: Any = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -185,10 +187,14 @@ class ParityCallback:
             value = float(loss[0] / loss[1]) if isinstance(loss, (tuple, list)) else float(loss)
         self.recording.steps.append(StepRecord(step=step, loss=value, grad_norm=float(context.grad_norm), lr=self._lr))
         if step == 1:
-            self.recording.grads = export_hf(self.bridge, context.model, grads=True)
+            self.recording.grads = self.export(context.model, grads=True)
 
     def on_train_end(self, context) -> None:
-        self.recording.weights = export_hf(self.bridge, context.model, grads=False)
+        self.recording.weights = self.export(context.model, grads=False)
+
+    def export(self, model: list, *, grads: bool) -> dict[str, torch.Tensor]:
+        """What is compared: every weight (or its gradient) under HF names."""
+        return export_hf(self.bridge, model, grads=grads)
 
 
 def training_config(run: MegatronRun):
@@ -229,13 +235,21 @@ def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
     megatron.import_megatron_bridge()
     from megatron.bridge.training.callbacks import CallbackManager
 
+    from qvl.training.parity.adapters import AdapterParityCallback, adapter_hook, take_adapters
     from qvl.training.train import run_megatron_loop
 
     _, config = training_config(run)
     bridge = auto_bridge_with_weights(run.hf_path, config.model.params_dtype)
     config.model.register_pre_wrap_hook(lambda chunks: bridge.load_hf_weights(chunks) or chunks)
+    adapters = take_adapters(config, run.options)  # a PEFT recipe: its adapters go on after the HF weights
+    if adapters is not None:
+        config.model.register_pre_wrap_hook(adapter_hook(adapters))
     recording = Recording()
-    callback = ParityCallback(bridge, recording)
+    callback = (
+        AdapterParityCallback(bridge, recording, adapters, run.hf_path)
+        if adapters
+        else ParityCallback(bridge, recording)
+    )
     callbacks = CallbackManager()
     for event in ("on_train_start", "on_train_step_start", "on_train_step_end", "on_train_end"):
         callbacks.register(event, getattr(callback, event))

@@ -15,6 +15,7 @@ from qvl.foundation.errors import ConfigError, DataError
 from qvl.foundation.families import family_of_architecture
 from qvl.kernels import switch
 from qvl.recipes.registry import all_recipes
+from qvl.training.parity.adapters import adapter_notes
 from qvl.training.parity.report import ParityReport, compare, gate_note
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ NO_MOE_AUX_LOSS = {"model.moe_aux_loss_coeff": 0.0}
 # The distributed optimizer leaves each data-parallel rank only its shard of the reduced gradients; plain DDP
 # all-reduces them whole, so step 1's gradients can be exported and compared (the update is the same Adam).
 WHOLE_GRADIENTS = {"optimizer.use_distributed_optimizer": False, "ddp.use_distributed_optimizer": False}
+# transformers builds no multi-token-prediction head (Qwen3.5's recipes train one): the check trains the main model.
+NO_MTP = {"mtp": False}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,6 +107,7 @@ def run_parity(spec: ParitySpec) -> ParityReport | None:
     report = compare(qvl, hf, family=family.name, recipe=run.recipe, precision=spec.precision, peak_lr=settings.lr)
     report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec, device)
     report.deliberate += (moe_note(config) if family.moe else []) + run_notes(spec, settings) + gate_note(report)
+    report.deliberate += adapter_notes(qvl.adapters)
     return report
 
 
@@ -142,6 +146,7 @@ def qvl_run(spec: ParitySpec, family, device: str):
         **(WHOLE_GRADIENTS if _data_parallel(spec.options) > 1 else {}),
         **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" and not lean_cross_entropy(device) else {}),
         **(NO_MOE_AUX_LOSS if family.moe else {}),
+        **NO_MTP,
     }
     return MegatronRun(
         recipe=spec.recipe or default_recipe(family.name),
@@ -170,7 +175,8 @@ def reference_run(spec: ParitySpec, family, qvl, config):
         "transformers: the same %d steps with its Trainer, %d conversations per step", spec.steps, len(steps[0])
     )
     output = Path(spec.run_dir) / "transformers"
-    return run_transformers(spec.hf_path, steps, settings, output, bf16=spec.precision == "bf16"), settings
+    bf16 = spec.precision == "bf16"
+    return run_transformers(spec.hf_path, steps, settings, output, bf16=bf16, adapters=qvl.adapters), settings
 
 
 def run_notes(spec: ParitySpec, settings) -> list[str]:

@@ -269,9 +269,16 @@ def samples_per_step(recording: Recording, hf_config, tokenizer, *, seconds_per_
 
 
 def run_transformers(
-    hf_path: Path, steps: list[list[dict]], settings: ReferenceSettings, output_dir: Path, *, bf16: bool = False
+    hf_path: Path,
+    steps: list[list[dict]],
+    settings: ReferenceSettings,
+    output_dir: Path,
+    *,
+    bf16: bool = False,
+    adapters=None,
 ) -> Recording:
-    """Train the HF model on `steps` (each a list of conversations) with transformers' Trainer; what it did."""
+    """Train the HF model on `steps` (each a list of conversations) with transformers' Trainer; what it did.
+    With `adapters` (qvl.training.parity.adapters.AdapterRecord) the model is wrapped by peft with them first."""
     counts = {len(s) for s in steps}
     if len(counts) != 1:
         raise ConfigError(
@@ -279,7 +286,9 @@ def run_transformers(
             "per step, so verify on a dataset whose global batch is all of it (a handful of samples)"
         )
     with _single_process():
-        return _train_reference(hf_path, steps, settings, output_dir, bf16=bf16, accumulation=counts.pop())
+        return _train_reference(
+            hf_path, steps, settings, output_dir, bf16=bf16, accumulation=counts.pop(), adapters=adapters
+        )
 
 
 @contextlib.contextmanager
@@ -296,17 +305,24 @@ def _single_process():
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 
 
-def _train_reference(hf_path, steps, settings, output_dir, *, bf16: bool, accumulation: int) -> Recording:
+def _train_reference(
+    hf_path, steps, settings, output_dir, *, bf16: bool, accumulation: int, adapters=None
+) -> Recording:
     from transformers import AutoModelForImageTextToText
+
+    from qvl.training.parity.adapters import adapter_names, reference_model
 
     cpu = not torch.cuda.is_available()
     # fp32 weights in both precisions: bf16 is autocast, as Megatron's bf16-mixed keeps fp32 main weights
     model = AutoModelForImageTextToText.from_pretrained(str(hf_path), dtype=torch.float32)
+    loss_config = model.config
+    if adapters is not None:
+        model = reference_model(model, adapters)
     record = _TrainerRecord()
     no_decay = megatron_no_decay if settings.weight_decay_rule == "megatron" else None
     trainer = _trainer_class()(
         model=model,
-        compute_loss_func=_per_token_loss(model.config) if settings.loss_average == "token" else None,
+        compute_loss_func=_per_token_loss(loss_config) if settings.loss_average == "token" else None,
         args=training_arguments(settings, accumulation, output_dir, cpu=cpu, bf16=bf16),
         train_dataset=[sample for step in steps for sample in step],
         data_collator=lambda features: features[0],
@@ -314,8 +330,9 @@ def _train_reference(hf_path, steps, settings, output_dir, *, bf16: bool, accumu
         no_decay=no_decay,
     )
     trainer.train()
-    recording = Recording(grads=checkpoint_names(trainer.model, record.grads))
-    recording.weights = checkpoint_names(
+    names = checkpoint_names if adapters is None else lambda _, tensors: adapter_names(tensors, adapters)
+    recording = Recording(grads=names(trainer.model, record.grads))
+    recording.weights = names(
         trainer.model, {n: t.detach().clone().float().cpu() for n, t in trainer.model.state_dict().items()}
     )
     recording.steps = [
@@ -332,7 +349,8 @@ def decay_rules_differ(trainer) -> list[str]:
     from transformers import Trainer
 
     decayed = set(Trainer.get_decay_parameter_names(trainer, trainer.model))
-    return sorted(n for n, p in trainer.model.named_parameters() if (n in decayed) == megatron_no_decay(n, p))
+    trained = ((n, p) for n, p in trainer.model.named_parameters() if p.requires_grad)  # frozen ones never move
+    return sorted(n for n, p in trained if (n in decayed) == megatron_no_decay(n, p))
 
 
 def _per_token_loss(config):

@@ -1,0 +1,81 @@
+"""`qvl verify-training` on PEFT recipes (qvl.training.parity.adapters): a qvl LoRA / DoRA step is the step
+transformers + peft take from the same initial adapters, fp32 on CPU, on Qwen2.5-VL (language model, HF vision tower
+and merger; DoRA on the biased fused qkv) and Qwen3.5-VL (Gated DeltaNet and gated attention, Megatron vision tower).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qvl.training.parity.report import TOLERANCES
+
+STEPS = 3
+OPTIONS = {"seq_length": 200, "lr": 1e-3, "min_lr": 1e-4, "warmup_iters": 1, "weight_decay": 0.1}
+ADAPTERS = {"adapter_rank": 8, "adapter_alpha": 16}
+CASES = {
+    "qwen2_5_vl-lora": ("qwen2_5_vl", "qwen25_vl_3b_peft", {"adapter_targets": "language,vision,merger"}),
+    "qwen2_5_vl-dora": ("qwen2_5_vl", "qwen25_vl_3b_peft", {"adapter": "dora"}),
+    "qwen3_5_vl-lora": ("qwen3_5_vl", "qwen35_vl_9b_peft", {"adapter_targets": "language,vision,merger"}),
+}
+
+
+@pytest.fixture(scope="module")
+def parity_data(tmp_path_factory):
+    """family -> (tiny HF checkpoint, the parity dataset prepared with it)."""
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.training.parity.samples import prepare_parity_dataset
+
+    root = tmp_path_factory.mktemp("parity-peft")
+    data = {}
+    for family in {family for family, _, _ in CASES.values()}:
+        hf = write_tiny_hf_checkpoint(root / family / "hf", family)
+        data[family] = (hf, prepare_parity_dataset(hf, family, root / family, seq_length=OPTIONS["seq_length"]))
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_adapter_gradients_and_trajectory_match_transformers_with_peft(parity_data, tmp_path, case):
+    from qvl.launchers.cli import main
+
+    family, recipe, options = CASES[case]
+    hf, data = parity_data[family]
+    overrides = [f"{k}={v}" for k, v in {**OPTIONS, **ADAPTERS, **options}.items()]
+    args = ["verify-training", str(hf), "--data", str(data), "--recipe", recipe, "--steps", str(STEPS)]
+    args += [
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--report",
+        str(tmp_path / "r.json"),
+        "--plot",
+        str(tmp_path / "p.png"),
+    ]
+    status = main([*args, *overrides])
+    report = json.loads((tmp_path / "r.json").read_text())
+    tol = TOLERANCES["fp32"]
+    assert status == 0 and report["ok"], report["failures"]
+    # the adapters alone, under peft's names: A and B of every adapted HF module (DoRA: and its magnitude)
+    assert report["tensors_compared"] >= 40
+    assert all(".lora_" in name for name in (report["grad_worst"], report["weight_worst"]))
+    assert report["grad_max_rel_diff"] <= tol.grad and report["weight_max_diff"] <= tol.weight * report["peak_lr"]
+    assert report["steps"][-1]["loss_qvl"] < report["steps"][0]["loss_qvl"]  # the adapters learned something
+    notes = " ".join(report["deliberate"])
+    assert ("DoRA" if "dora" in case else "LoRA") + " rank 8, alpha 16" in notes and "tied into one parameter" in notes
+
+
+def test_parallel_layouts_and_dropout_are_refused_for_a_peft_check():
+    from types import SimpleNamespace
+
+    from qvl.foundation.errors import ConfigError
+    from qvl.training.parity.adapters import take_adapters
+
+    def config(dropout: float = 0.0):
+        return SimpleNamespace(peft=SimpleNamespace(dropout=dropout, targets=["language"]))
+
+    assert take_adapters(SimpleNamespace(peft=None), {}) is None
+    with pytest.raises(ConfigError, match=r"runs on one process .*'tensor_parallel': 2"):
+        take_adapters(config(), {"tensor_parallel": 2})
+    with pytest.raises(ConfigError, match=r"adapter_dropout=0.1: the two frameworks draw different dropout masks"):
+        take_adapters(config(0.1), {})
