@@ -23,10 +23,11 @@ import os
 import pathlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from qvl.data.count import TokenCounter, TokenizedSample, load_tokenizer, truncate
+from qvl.data.count import TokenCounter, TokenizedSample, check_template_args, load_tokenizer, truncate
 from qvl.data.ingest import IngestConfig, Rejection, parse_record, to_conversation
 from qvl.data.validate import MediaInfo, ValidateConfig, validate_sample
 from qvl.data.vision import VisionConfig, load_vision_config
@@ -46,6 +47,8 @@ class ChunkConfig:
     tokenizer: pathlib.Path
     seq_length: int
     chat_template: str | None = None
+    template_args: tuple[tuple[str, Any], ...] = ()  # the chat template's switches (enable_thinking, ...)
+    reasoning_loss: bool = True  # assistant reasoning blocks learned with their answers
     system_prompt: str | None = None
     vision_overrides: tuple[tuple[str, int | None], ...] = ()
     truncate: bool = False
@@ -72,7 +75,13 @@ def warm_up(settings: ChunkConfig) -> _Worker:
 @functools.lru_cache(maxsize=2)
 def _worker(settings: ChunkConfig) -> _Worker:
     vision = load_vision_config(settings.tokenizer, settings.family, **dict(settings.vision_overrides))
-    counter = TokenCounter(tokenizer=load_tokenizer(settings.tokenizer, settings.chat_template), vision=vision)
+    counter = TokenCounter(
+        tokenizer=load_tokenizer(settings.tokenizer, settings.chat_template),
+        vision=vision,
+        template_args=settings.template_args,
+        reasoning_loss=settings.reasoning_loss,
+    )
+    check_template_args(counter.tokenizer, settings.template_args, str(settings.tokenizer))
     validate = ValidateConfig(
         media_root=pathlib.Path(settings.media_root),
         vision=vision,

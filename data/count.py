@@ -12,11 +12,13 @@ import logging
 import pathlib
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from qvl.data.validate import MediaInfo, ValidSample
 from qvl.data.vision import VisionConfig, image_grid_thw, video_grid_thw, video_timestamps
+from qvl.foundation.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +27,12 @@ IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 _PAD_RE = re.compile(r"<\|image_pad\|>|<\|video_pad\|>")
 # Loss covers the assistant's content and its closing <|im_end|>, not the role header.
 _ASSISTANT_RE = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.DOTALL)
+# A reasoning block as Qwen3 / 3.5 / 3.8 templates render it, with the blank line that separates it from the answer.
+_REASONING_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+# Names a chat template reads that are not switches: the conversation, and what transformers passes itself.
+_TEMPLATE_INPUTS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "raise_exception", "strftime_now"}
+)
 QWEN3_FPS_FALLBACK = 24.0  # what Qwen3VLProcessor assumes for a video without a frame rate
 
 
@@ -61,11 +69,18 @@ class TokenizedSample:
 
 @dataclass(kw_only=True, slots=True)
 class TokenCounter:
-    """Turns validated samples into TokenizedSamples with a tokenizer (chat template included) and vision rules."""
+    """Turns validated samples into TokenizedSamples with a tokenizer (chat template included) and vision rules.
+
+    `template_args`: the chat template's switches (`enable_thinking`, Qwen3.8's `reasoning_effort`, ...), passed to
+    `apply_chat_template` as the processor would get them; `check_template_args` refuses one the template does not
+    read. `reasoning_loss`: whether an assistant turn's reasoning block (`<think>...</think>`, rendered from its
+    `reasoning_content` by the template) is learned with its answer (True, reasoning-trace SFT) or only read."""
 
     tokenizer: object  # transformers PreTrainedTokenizerFast
     vision: VisionConfig
     add_vision_id: bool = False
+    template_args: tuple[tuple[str, Any], ...] = ()
+    reasoning_loss: bool = True
 
     @property
     def pad_ids(self) -> tuple[int, int]:
@@ -77,7 +92,10 @@ class TokenCounter:
         texts, replacements = [], []
         for sample in samples:
             rendered = self.tokenizer.apply_chat_template(
-                sample.conversation.messages, tokenize=False, add_vision_id=self.add_vision_id
+                sample.conversation.messages,
+                tokenize=False,
+                add_vision_id=self.add_vision_id,
+                **dict(self.template_args),
             )
             media_text = [self._replacement(m) for m in sample.media]
             texts.append(_replace_pads(rendered, [text for text, *_ in media_text]))
@@ -116,6 +134,9 @@ class TokenCounter:
         loss = np.zeros(len(ids_np), dtype=np.uint8)
         for match in _ASSISTANT_RE.finditer(text):
             loss[(starts >= match.start(1)) & (ends <= match.end(1))] = 1
+            if not self.reasoning_loss:  # the reasoning block is read, not learned: its answer alone is
+                for block in _REASONING_RE.finditer(text, match.start(1), match.end(1)):
+                    loss[(starts >= block.start()) & (ends <= block.end())] = 0
         is_pad = _is_pad(ids_np, self.pad_ids)
         loss[is_pad] = 0  # vision tokens are inputs, never targets
         runs = [run for _, media_runs, _, _ in media_text for run in media_runs]
@@ -160,6 +181,25 @@ def _replace_pads(rendered: str, replacements: list[str]) -> str:
         return _PAD_RE.sub(lambda _: next(pieces), rendered)
     except StopIteration:
         raise ValueError("the chat template produced more vision placeholders than the sample has media") from None
+
+
+def template_switches(tokenizer) -> set[str]:
+    """The switches a tokenizer's chat template reads (`enable_thinking`, `reasoning_effort`, `add_vision_id`, ...)."""
+    from jinja2 import Environment, meta
+
+    names = meta.find_undeclared_variables(Environment().parse(tokenizer.chat_template))
+    return set(names) - _TEMPLATE_INPUTS
+
+
+def check_template_args(tokenizer, template_args: tuple[tuple[str, Any], ...], where: str) -> None:
+    """Refuse a template switch the chat template does not read (it would be silently ignored), naming those it does."""
+    known = template_switches(tokenizer)
+    unknown = [name for name, _ in template_args if name not in known]
+    if unknown:
+        raise DataError(
+            f"the chat template of {where} does not read {', '.join(map(repr, unknown))}; its switches: "
+            f"{', '.join(sorted(known)) or 'none'} (a different template: --chat-template FILE)"
+        )
 
 
 def load_tokenizer(hf_path: pathlib.Path, chat_template: str | None = None):

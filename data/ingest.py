@@ -20,6 +20,8 @@ IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 _PLACEHOLDER_RE = re.compile(r"(<image>|<video>)")
 
+# A turn's reasoning (thinking) text, under the names reasoning-trace datasets use; the chat template renders it.
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 # ShareGPT `from` / OpenAI `role` spellings -> chat-template roles.
 ROLE_ALIASES = {
     "human": "user",
@@ -226,7 +228,13 @@ def _to_message(turn, queues: dict, counts: dict, media: list[MediaRef]) -> dict
                 return error
     elif content is not None:
         return f"content of type {type(content).__name__} is neither text nor a list of parts"
-    return {"role": ROLE_ALIASES.get(role.lower(), role), "content": parts}
+    message = {"role": ROLE_ALIASES.get(role.lower(), role), "content": parts}
+    reasoning = next((turn[key] for key in REASONING_KEYS if turn.get(key) is not None), None)
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            return f"reasoning of type {type(reasoning).__name__} is not text"
+        message["reasoning_content"] = reasoning  # the name Qwen's chat templates read
+    return message
 
 
 def _add_part(part, parts: list[dict], queues: dict, counts: dict, media: list[MediaRef]) -> str | None:

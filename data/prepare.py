@@ -27,6 +27,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -64,6 +65,9 @@ class PrepareConfig:
     output: pathlib.Path
     system_prompt: str | None = None
     chat_template: pathlib.Path | None = None
+    # The chat template's switches as `apply_chat_template` takes them (enable_thinking=False, reasoning_effort="low")
+    template_args: dict[str, Any] = field(default_factory=dict)
+    reasoning_loss: bool = True  # learn assistant reasoning blocks (<think>...</think>) with their answers
     min_pixels: int | None = None
     max_pixels: int | None = None
     video_min_pixels: int | None = None
@@ -159,6 +163,8 @@ def _chunk_settings(config: PrepareConfig, work: pathlib.Path) -> chunks.ChunkCo
         tokenizer=pathlib.Path(config.hf_path).resolve(),
         seq_length=config.seq_length,
         chat_template=config.chat_template.read_text() if config.chat_template else None,
+        template_args=tuple(sorted(config.template_args.items())),
+        reasoning_loss=config.reasoning_loss,
         system_prompt=config.system_prompt,
         vision_overrides=tuple(sorted(overrides.items())),
         truncate=config.truncate,
@@ -330,6 +336,8 @@ def _report(config: PrepareConfig, state: _State, lengths: np.ndarray, plan: Pac
     return {
         "family": config.family,
         "seq_length": config.seq_length,
+        "template_args": dict(sorted(config.template_args.items())),
+        "reasoning_loss": config.reasoning_loss,
         "read": state.read,
         "accepted": int(len(lengths)),
         "quarantined": sum(state.reasons.values()),

@@ -35,7 +35,7 @@ def draw_shape(shape: str, colour: str, size: tuple[int, int]) -> Image.Image:
     return image
 
 
-def _conversation(rng: random.Random, index: int, media: Path) -> dict:
+def _conversation(rng: random.Random, index: int, media: Path, reasoning: bool) -> dict:
     shape, colour = rng.choice(SHAPES), rng.choice(tuple(COLOURS))
     name = f"img_{index:03d}.png"
     draw_shape(shape, colour, rng.choice(SIZES)).save(media / name)
@@ -43,6 +43,8 @@ def _conversation(rng: random.Random, index: int, media: Path) -> dict:
         {"from": "human", "value": "<image>\nWhat is in the picture?"},
         {"from": "gpt", "value": f"A {colour} {shape}."},
     ]
+    if reasoning:  # a reasoning trace before the answer, as thinking-model SFT data carries it
+        turns[1]["reasoning"] = f"The outline is a {shape}; the fill is {colour}."
     images = [name]
     if index % 5 == 0:  # a second turn about the same image
         turns += [{"from": "human", "value": "What colour is it?"}, {"from": "gpt", "value": f"It is {colour}."}]
@@ -80,13 +82,16 @@ BAD_SAMPLES = (
 )
 
 
-def write_sample_dataset(out_dir: Path, *, count: int = 48, seed: int = 0, with_bad: bool = True) -> tuple[Path, Path]:
-    """Write `count` conversations (plus the bad ones) as JSONL with their images; returns (jsonl, media_root)."""
+def write_sample_dataset(
+    out_dir: Path, *, count: int = 48, seed: int = 0, with_bad: bool = True, reasoning: bool = False
+) -> tuple[Path, Path]:
+    """Write `count` conversations (plus the bad ones) as JSONL with their images; returns (jsonl, media_root).
+    `reasoning`: each first answer comes with a reasoning trace (rendered by reasoning templates, qvl.data.count)."""
     out_dir = Path(out_dir)
     media = out_dir / "images"
     media.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    samples = [_conversation(rng, i, media) for i in range(count)]
+    samples = [_conversation(rng, i, media, reasoning) for i in range(count)]
     if with_bad:
         samples += [sample for sample, _ in BAD_SAMPLES]
     path = out_dir / "conversations.jsonl"

@@ -46,6 +46,18 @@ def _add_prepare(commands) -> None:
     p.add_argument("--chat-template", type=pathlib.Path, help="Jinja chat template replacing the tokenizer's")
     for name in ("min-pixels", "max-pixels", "video-min-pixels", "video-max-pixels"):
         p.add_argument(f"--{name}", type=int, help=f"override the processor config's {name.replace('-', '_')}")
+    p.add_argument(
+        "--template-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a chat-template switch, e.g. enable_thinking=false or reasoning_effort=low (repeatable)",
+    )
+    p.add_argument(
+        "--no-reasoning-loss",
+        action="store_true",
+        help="read assistant reasoning blocks (<think>...</think>) without learning them; their answers are learned",
+    )
     p.add_argument("--truncate", action="store_true", help="truncate over-long samples instead of quarantining them")
     p.add_argument(
         "--balance-cost",
@@ -110,6 +122,20 @@ def _positive(text: str) -> int:
 
 def _ray_settings(args: argparse.Namespace):
 
+def template_args(pairs: list[str]) -> dict:
+    """--template-arg KEY=VALUE pairs as apply_chat_template kwargs: JSON values (true, 3, "x") or plain text."""
+    parsed = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise DataError(f"--template-arg {pair!r} is not KEY=VALUE; e.g. --template-arg enable_thinking=false")
+        try:
+            parsed[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key] = value
+    return parsed
+
+
     if args.ray is None:
         return None
     if args.ray == "local" or args.ray.startswith("local:"):
@@ -134,6 +160,8 @@ def run_prepare(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         min_pixels=args.min_pixels,
         max_pixels=args.max_pixels,
+        template_args=template_args(args.template_arg),
+        reasoning_loss=not args.no_reasoning_loss,
         video_min_pixels=args.video_min_pixels,
         video_max_pixels=args.video_max_pixels,
         truncate=args.truncate,

@@ -1,7 +1,8 @@
-"""`qvl train` of a Qwen3.5-VL SFT recipe as users run it: a checkpoint with its multi-token-prediction head
-imported, MTP trained by default (scale 0.1) beside the LM on packed data on CPU. Both losses are logged and fall, a
-run stopped after step 3 and resumed reproduces both bit for bit, the exported `mtp.*` tensors have moved; with
-`mtp=false` they export unchanged. A checkpoint without `mtp.*` is refused with the option that fixes it."""
+"""`qvl train` of a Qwen3.5-family SFT recipe as users run it in 2026: a (tiny) Qwen3.8 checkpoint with its
+multi-token-prediction head imported, reasoning-trace data rendered by its template (`reasoning_effort=low`), MTP
+trained by default (scale 0.1) beside the LM on packed data on CPU. Both losses are logged and fall, a run stopped
+after step 3 and resumed reproduces both bit for bit, the exported `mtp.*` tensors have moved; with `mtp=false` they
+export unchanged. A checkpoint without `mtp.*` is refused with the option that fixes it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.training.test_train import ARGS as TRAIN_ARGS
 from tests.training.test_train import STEPS
 
 FAMILY = "qwen3_5_vl"
-ARGS = ["qwen35_vl_9b_sft", *TRAIN_ARGS[1:]]  # test_train's settings, on this family's SFT recipe (MTP on)
+ARGS = ["qwen38_vl_27b_sft", *TRAIN_ARGS[1:]]  # test_train's settings, on a Qwen3.8 SFT recipe (MTP on)
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +28,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     from qvl.data.samples import write_sample_dataset
 
     root = tmp_path_factory.mktemp("train_mtp")
-    jsonl, media = write_sample_dataset(root / "samples")
-    hf = write_tiny_hf_checkpoint(root / "hf", FAMILY)
+    jsonl, media = write_sample_dataset(root / "samples", reasoning=True)
+    hf = write_tiny_hf_checkpoint(root / "hf", FAMILY, release="3.8")
     prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", FAMILY, "--hf-path", str(hf)]
-    qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(root / "data"))
+    prepare += ["--template-arg", "reasoning_effort=low", "--seq-length", "256", "--output", str(root / "data")]
+    qvl_in_process("data", "prepare", *prepare)
     qvl_in_process("convert", "import", str(hf), str(root / "megatron"), "--dtype", "fp32", "--device", "cpu")
     common = [*ARGS, f"data={root / 'data'}", f"hf_path={hf}", f"pretrained_checkpoint={root / 'megatron'}"]
     common += ["--model", "tiny", "--device", "cpu"]
