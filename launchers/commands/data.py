@@ -44,8 +44,6 @@ def _add_prepare(commands) -> None:
     p.add_argument("--output", type=pathlib.Path, required=True)
     p.add_argument("--system-prompt", help="system prompt for samples that have none")
     p.add_argument("--chat-template", type=pathlib.Path, help="Jinja chat template replacing the tokenizer's")
-    for name in ("min-pixels", "max-pixels", "video-min-pixels", "video-max-pixels"):
-        p.add_argument(f"--{name}", type=int, help=f"override the processor config's {name.replace('-', '_')}")
     p.add_argument(
         "--template-arg",
         action="append",
@@ -58,6 +56,8 @@ def _add_prepare(commands) -> None:
         action="store_true",
         help="read assistant reasoning blocks (<think>...</think>) without learning them; their answers are learned",
     )
+    for name in ("min-pixels", "max-pixels", "video-min-pixels", "video-max-pixels"):
+        p.add_argument(f"--{name}", type=int, help=f"override the processor config's {name.replace('-', '_')}")
     p.add_argument("--truncate", action="store_true", help="truncate over-long samples instead of quarantining them")
     p.add_argument(
         "--balance-cost",
@@ -120,8 +120,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _ray_settings(args: argparse.Namespace):
-
 def template_args(pairs: list[str]) -> dict:
     """--template-arg KEY=VALUE pairs as apply_chat_template kwargs: JSON values (true, 3, "x") or plain text."""
     parsed = {}
@@ -135,6 +133,8 @@ def template_args(pairs: list[str]) -> dict:
             parsed[key] = value
     return parsed
 
+
+def _ray_settings(args: argparse.Namespace):
 
     if args.ray is None:
         return None
@@ -158,10 +158,10 @@ def run_prepare(args: argparse.Namespace) -> int:
         output=args.output,
         system_prompt=args.system_prompt,
         chat_template=args.chat_template,
-        min_pixels=args.min_pixels,
-        max_pixels=args.max_pixels,
         template_args=template_args(args.template_arg),
         reasoning_loss=not args.no_reasoning_loss,
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
         video_min_pixels=args.video_min_pixels,
         video_max_pixels=args.video_max_pixels,
         truncate=args.truncate,
