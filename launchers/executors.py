@@ -14,6 +14,7 @@ import functools
 import importlib
 import inspect
 import os
+import re
 import shutil
 import sys
 import tarfile
@@ -27,6 +28,7 @@ from nemo_run.core.execution.launcher import Torchrun
 
 from qvl.foundation import FOLDERS
 from qvl.foundation.errors import LaunchError
+from qvl.foundation.rendezvous import RULES, SLURM_PORT_BASE, SLURM_PORT_SPAN, slurm_exports
 from qvl.kernels.fix_kubeflow_v2_2 import RUNTIME_PATCHES
 
 # Set on a LocalExecutor that runs on the CPU runtime; the task then gets `--device cpu`.
@@ -47,6 +49,10 @@ MEGATRON_ENV: dict[str, str] = {
     # HF tokenizers' thread pool deadlocks in forked dataloader workers.
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+# torchrun's c10d store on a Slurm job's first node listens on the rule's MASTER_PORT (exported by the batch
+# script), not NeMo-Run's fixed 29500, which two jobs sharing a node would both bind. NeMo-Run writes it unquoted.
+RDZV_PORT: Any = "$MASTER_PORT"
 
 # Fields no site file may hold: tokens come from the environment or the kubeconfig, never from YAML.
 SECRET_WORDS = ("token", "password", "secret", "api_key", "apikey", "credential")
@@ -128,6 +134,7 @@ def slurm(
     retries: int = 2,
     exclusive: bool = True,
     env_vars: Optional[dict[str, str]] = None,
+    pass_env: Optional[list[str]] = None,
     package_qvl: bool = True,
     **sbatch: Any,
 ) -> run.SlurmExecutor:
@@ -139,9 +146,12 @@ def slurm(
     `host` submits over SSH (NeMo-Run's SSHTunnel; keys from your ssh-agent or `identity`), and `job_dir` is then
     the experiments folder on the cluster's shared filesystem; without `host`, sbatch runs on this machine and
     `job_dir`, if set, is the experiments folder here (the same as `qvl launch --experiments-dir`). `mounts` are
-    pyxis `src:dst` pairs. Other keywords are SlurmExecutor fields (qos, mem, ...). `package_qvl` (default)
-    sends the qvl source this process runs with the job (QvlSourcePackager); turn it off for an image that
-    already has the qvl you want.
+    pyxis `src:dst` pairs. The job's environment is the compute node's login environment, the submitting shell's
+    PATH, `env_vars`, and what qvl sets (QVL_DEVICE or MEGATRON_ENV, MASTER_ADDR/MASTER_PORT, SLURM_EXPORT_ENV=ALL,
+    this environment's bin/ first on PATH without a container); nothing else of the submitting shell reaches it
+    unless named in `pass_env` (e.g. `[WANDB_API_KEY]`: sbatch copies the value, never written into the script).
+    Other keywords are SlurmExecutor fields (qos, mem, ...). `package_qvl` (default) sends the qvl source this
+    process runs with the job (QvlSourcePackager); turn it off for an image that already has the qvl you want.
 
     Example (a CPU partition without containers)::
 
@@ -160,6 +170,15 @@ def slurm(
         )
     cpu = gpus_per_node == 0
     env = {CPU_DEVICE_ENV: "cpu", "TOKENIZERS_PARALLELISM": "false"} if cpu else dict(MEGATRON_ENV)
+    # Where the ranks meet (qvl.foundation.rendezvous): the first node and a port derived from the job id, the
+    # same for srun-started ranks and for torchrun's c10d store.
+    env |= slurm_exports()
+    # sbatch hands the job only PATH and the named variables (plus SLURM_*); the job's steps then take the batch
+    # script's environment, exports included (sbatch's --export would otherwise be inherited by every srun).
+    env["SLURM_EXPORT_ENV"] = "ALL"
+    sbatch["additional_parameters"] = {"export": _export_list(pass_env)} | dict(
+        sbatch.get("additional_parameters") or {}
+    )
     if not image:  # this environment's `python` and `torchrun` first on PATH in the job
         env |= _interpreter_on_path(always=True)
     per_node = processes_per_node if cpu else gpus_per_node
@@ -181,13 +200,25 @@ def slurm(
         tunnel=_tunnel(host=host, user=user, job_dir=job_dir, identity=identity),
         packager=QvlSourcePackager() if package_qvl else run.Packager(),
         # One CPU process needs no torchrun: the CPU runtime makes a world of one.
-        launcher=None if per_node == 1 and cpu else Torchrun(),
+        launcher=None if per_node == 1 and cpu else Torchrun(rdzv_port=RDZV_PORT),
         # On failure the sbatch script requeues the job (`scontrol requeue`) up to this many times;
         # training resumes from its last checkpoint.
         retries=retries,
         env_vars=env | dict(env_vars or {}),
         **sbatch,
     )
+
+
+def _export_list(names: Optional[list[str]]) -> str:
+    """sbatch's --export: PATH (NeMo-Run's first srun runs `hostname` found on it) and the named variables."""
+    names = list(names or [])
+    bad = [name for name in names if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name))]
+    if bad:
+        raise LaunchError(
+            f"pass_env={names}: {', '.join(map(str, bad))} is not a variable name; list names only (the values come "
+            "from the submitting shell), e.g. pass_env: [WANDB_API_KEY, HF_TOKEN], and put fixed values in env_vars"
+        )
+    return ",".join(dict.fromkeys(["PATH", *names]))
 
 
 def _tunnel(*, host: str, user: str, job_dir: str, identity: str) -> run.SSHTunnel | run.LocalTunnel:
@@ -403,6 +434,22 @@ def world_shape(executor: run.Executor) -> tuple[int, int]:
     if isinstance(executor, run.SlurmExecutor):
         return executor.nodes, executor.nproc_per_node()
     return executor.nnodes(), executor.nproc_per_node()
+
+
+def rendezvous_rule(executor: run.Executor) -> str:
+    """How the executor's ranks find each other, in the words of qvl.foundation.rendezvous (for `--dryrun`)."""
+    nodes, per_node = world_shape(executor)
+    if isinstance(executor, run.SlurmExecutor):
+        if executor.launcher is None:
+            return f"slurm ({nodes} node(s) x 1 process): {RULES['slurm']}"
+        return (
+            f"env ({nodes} node(s) x {per_node} processes): torchrun on each node meets the others at "
+            f"$head_node_ip:$MASTER_PORT (c10d; MASTER_PORT as in the slurm rule: {SLURM_PORT_BASE} + SLURM_JOB_ID "
+            f"% {SLURM_PORT_SPAN}), then {RULES['env']}"
+        )
+    if executor.launcher is None:
+        return f"single: {RULES['single']}"
+    return f"env ({nodes} node(s) x {per_node} processes): {RULES['env']}"
 
 
 def per_node_setting(executor: run.Executor) -> str:

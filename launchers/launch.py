@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -33,8 +34,10 @@ from qvl.launchers.preflight import (
     check_accepted,
     check_container_runtime,
     check_mounts,
+    check_nemo_run_paths,
     check_recipe_gpus,
     check_required,
+    check_slurm_request,
     check_ssh_job_dir,
     check_world_size,
     experiments_home,
@@ -138,6 +141,21 @@ def build_executor(kind: str, settings: dict[str, Any], *, dryrun: bool = False)
             "the kubernetes executor needs a kubeconfig ($KUBECONFIG or ~/.kube/config) or an in-cluster "
             f"service account to submit ({err}); `--dryrun` prints the TrainJob without one"
         ) from err
+
+
+# A Slurm job runs in `<job folder>/code` (NeMo-Run's `srun --chdir`, in a container `/nemo_run/code`): a recipe
+# run without --run-dir goes beside it, to `<job folder>/run`, never into the shipped code.
+SLURM_RUN_DIR = "../run"
+
+
+def place_run_dir(job: Job, executor) -> None:
+    """Give a recipe job on Slurm without `--run-dir` the job folder's `run/` (SLURM_RUN_DIR)."""
+    import nemo_run as run
+
+    if job.recipe_fn is None or "--run-dir" in job.train_flags or not isinstance(executor, run.SlurmExecutor):
+        return
+    job.train_flags += ["--run-dir", SLURM_RUN_DIR]
+    job.argv += ["--run-dir", SLURM_RUN_DIR]
 
 
 def validate(job: Job, executor) -> None:
@@ -247,9 +265,12 @@ def _shell_value(key: str, value: str) -> str:
 def resolved_config(job: Job, executor) -> dict[str, Any]:
     """The config the execution side will build: `qvl train`'s own preparation, run here with the job's flags
     and the executor's device (or, where it cannot be built here, the recipe's arguments and why)."""
+    from qvl.launchers.executors import rendezvous_rule
+
     summary: dict[str, Any] = {
         "recipe": job.recipe,
         "command": "qvl " + shlex.join(task_argv(job, executor)),
+        "rendezvous": rendezvous_rule(executor),
         "layout": to_plain(job.layout),
     }
     if job.recipe_fn is None:
@@ -304,9 +325,12 @@ def launch(
     settings = executor_settings(kind, site_file=site_file, overrides=job.overrides.executor)
     executor = build_executor(kind, settings, dryrun=dryrun)
     experiments_dir = experiments_home(executor, experiments_dir)
+    place_run_dir(job, executor)
     validate(job, executor)
+    check_nemo_run_paths(executor, task_argv(job, executor))
     if not dryrun:
         check_container_runtime(executor)
+        check_slurm_request(executor)
         if job.recipe_fn is not None:
             build_job_config(job, executor)  # every key checked here, before the job waits in a queue
     name = name or f"qvl-{recipe}".replace("_", "-")
@@ -351,8 +375,30 @@ def check_succeeded(exp, result: dict[str, Any]) -> None:
     """Fail (one line: state, id, log) when a job that was waited for did not succeed."""
     for job, state, ident in zip(exp.jobs, result["states"], result["job_ids"], strict=True):
         if state != "SUCCEEDED":
-            logs = sorted(Path(job.executor.job_dir).glob(f"log*{ident}*")) or [Path(job.executor.job_dir)]
+            folder = Path(job.executor.job_dir)
+            logs = sorted(folder.glob(f"log*{ident}*")) or [folder]
+            failed = failed_tasks(sorted(folder.glob(f"*{ident}*"))) if ident else ""
             raise LaunchError(
-                f"{result['executor']} job {ident or job.id} ({job.id}) ended {state}; its log: {logs[-1]} "
+                f"{result['executor']} job {ident or job.id} ({job.id}) ended {state}{failed}; its log: {logs[-1]} "
                 f"(or NEMORUN_HOME={Path(result['folder']).parents[2]} nemo experiment logs {result['experiment']} 0)"
             )
+
+
+# srun's own words for a task that ended badly (Slurm 22.05): "srun: error: node2: task 1: Exited with exit code 2"
+_SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
+
+
+def failed_tasks(paths: Sequence[Path]) -> str:
+    """ ", first on NODE (task N: what srun said)" for the task srun saw fail first in a job's logs ("" if none):
+    with --kill-on-bad-exit the other ranks are then killed, so the first non-kill failure names the culprit."""
+    errors = []
+    for path in paths:
+        try:
+            errors += _SRUN_TASK_ERROR.findall(path.read_text(errors="replace"))
+        except OSError:
+            continue
+    culprits = [e for e in errors if not e[2].startswith(("Killed", "Terminated"))] or errors
+    if not culprits:
+        return ""
+    node, task, what = culprits[0]
+    return f", first on {node} (task {task}: {what.strip().rstrip('.')})"

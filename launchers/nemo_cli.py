@@ -45,8 +45,8 @@ from nemo_run.cli.cli_parser import CLIException  # noqa: E402
 from nemo_run.config import get_nemorun_home  # noqa: E402
 
 from qvl.launchers import executors  # noqa: E402
-from qvl.launchers.launch import DEMO_JOB, TRAINJOB_PATCHES, resolve_job, validate  # noqa: E402
-from qvl.launchers.preflight import experiments_home  # noqa: E402
+from qvl.launchers.launch import DEMO_JOB, SLURM_RUN_DIR, TRAINJOB_PATCHES, resolve_job, validate  # noqa: E402
+from qvl.launchers.preflight import check_nemo_run_paths, check_slurm_request, experiments_home  # noqa: E402
 from qvl.recipes.registry import all_recipes  # noqa: E402
 
 SITE_CONFIG_ENV = "QVL_EXECUTOR_CONFIG"
@@ -69,9 +69,13 @@ class CheckedRunContext(run.cli.RunContext):
     def _execute_task(self, fn: Callable, task_args: list[str]) -> None:
         try:
             executor = getattr(self, "executor", None)
+            task_args = with_default_output_dir(task_args, executor)
             check_task(self.parse_fn(fn, task_args), executor)
             if executor is not None:  # NeMo-Run's experiments live in $NEMORUN_HOME; a local tunnel must agree
                 experiments_home(executor, get_nemorun_home(), flag="NEMORUN_HOME")
+                check_nemo_run_paths(executor)
+                if not self.dryrun:
+                    check_slurm_request(executor)
         except (QvlError, CLIException) as err:
             # As `qvl` does: one line naming the value and the fix, exit status 2 (NeMo-Run would print its
             # own context dump and exit 1).
@@ -79,6 +83,14 @@ class CheckedRunContext(run.cli.RunContext):
             raise SystemExit(2) from None
         with patches.applied(TRAINJOB_PATCHES):  # a Kubeflow Trainer v2.2+ TrainJob gets runtimePatches
             super()._execute_task(fn, task_args)
+
+
+def with_default_output_dir(task_args: list[str], executor: Optional[run.Executor]) -> list[str]:
+    """On Slurm, `output_dir` defaults to the job folder's `run/` (beside the job's code folder, as `qvl launch`)."""
+    given = any(arg.split("=", 1)[0].lstrip("-").replace("-", "_") == "output_dir" for arg in task_args)
+    if given or not isinstance(executor, run.SlurmExecutor):
+        return task_args
+    return [*task_args, f"output_dir={SLURM_RUN_DIR}"]
 
 
 def _one_line(err: Exception) -> str:

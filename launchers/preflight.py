@@ -6,6 +6,7 @@ launch fails on the laptop in a second instead of in the queue an hour later.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -203,3 +204,95 @@ def check_container_runtime(executor: Any) -> None:
             "cluster's srun does not have: remove container_image to run the job in this Python environment "
             "(on a filesystem the compute nodes share), or ask the admins for pyxis/enroot"
         )
+
+
+def check_slurm_request(executor: Any) -> None:
+    """Fail before sbatch on what this cluster would refuse or never start: a partition it does not have, more
+    nodes than the partition holds, an account the user has no association with, more processes per node than a
+    CPU partition's nodes have cores. Only where sbatch runs here (a local tunnel) and Slurm's clients answer."""
+    import nemo_run as run
+
+    from qvl.launchers.executors import is_cpu, per_node_setting, world_shape
+
+    if not (isinstance(executor, run.SlurmExecutor) and isinstance(executor.tunnel, run.LocalTunnel)):
+        return
+    if not shutil.which("scontrol"):
+        return
+    partitions = _slurm_partitions()
+    if not partitions:
+        return  # no controller answered: sbatch will say so
+    name = executor.partition or next((n for n, p in partitions.items() if p.get("Default") == "YES"), None)
+    if name is None:
+        return
+    if name not in partitions:
+        raise LaunchError(
+            f"partition={name} does not exist on this cluster; use one of {', '.join(sorted(partitions))} "
+            "(`sinfo -s` lists them) in the site file or run.executor.partition=..."
+        )
+    nodes, per_node = world_shape(executor)
+    total = int(partitions[name].get("TotalNodes", 0) or 0)
+    if total and nodes > total:
+        raise LaunchError(
+            f"nodes={nodes} is more than partition {name} has ({total}); use nodes<={total} or a larger partition"
+        )
+    if is_cpu(executor):
+        cores = _slurm_out(["sinfo", "-h", "-N", "-p", name, "-o", "%c"]).split()
+        fewest = min(map(int, cores)) if cores else 0
+        if fewest and per_node > fewest:
+            raise LaunchError(
+                f"{per_node_setting(executor)}={per_node} is more than the {fewest} CPUs of a node in partition "
+                f"{name}; use {per_node_setting(executor)}<={fewest}"
+            )
+    _check_slurm_account(executor.account)
+
+
+def _check_slurm_account(account: str | None) -> None:
+    if not account or not shutil.which("sacctmgr"):
+        return
+    user = getpass.getuser()
+    shown = _slurm_out(["sacctmgr", "-n", "-P", "show", "assoc", f"where user={user}", "format=Account"])
+    accounts = sorted(set(shown.split()))
+    if accounts and account not in accounts:
+        raise LaunchError(
+            f"account={account} is not a Slurm account of user {user}; use one of {', '.join(accounts)} "
+            f"(`sacctmgr show assoc user={user}`) in the site file or run.executor.account=..."
+        )
+
+
+def _slurm_partitions() -> dict[str, dict[str, str]]:
+    """Every partition's settings as `scontrol -o show partition` prints them ({} when Slurm does not answer)."""
+    partitions = {}
+    for line in _slurm_out(["scontrol", "-o", "show", "partition"]).splitlines():
+        fields = dict(word.split("=", 1) for word in line.split() if "=" in word)
+        if "PartitionName" in fields:
+            partitions[fields["PartitionName"]] = fields
+    return partitions
+
+
+def _slurm_out(argv: list[str]) -> str:
+    """stdout of a Slurm client command, "" where it fails (the check it serves is then skipped)."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def check_nemo_run_paths(executor: Any, texts: Sequence[str] = ()) -> None:
+    """Fail when a container-less Slurm job's script would hold `/nemo_run`: NeMo-Run 0.11.1 replaces every such
+    substring by the job folder (nemo_run/core/execution/slurm.py ~1106, meant for the container's mount), which
+    rewrites a path like /scratch/nemo_run/... and the job fails in seconds without a word from qvl."""
+    import nemo_run as run
+
+    if not isinstance(executor, run.SlurmExecutor) or executor.container_image:
+        return
+    candidates = [("the experiments folder (NEMORUN_HOME, --experiments-dir or job_dir)", executor.tunnel.job_dir)]
+    candidates += [(f"env_vars {key}", value) for key, value in executor.env_vars.items()]
+    candidates += [("the argument", text) for text in texts]
+    for what, text in candidates:
+        if "/nemo_run" in str(text):
+            raise LaunchError(
+                f"{what} {text} contains `/nemo_run`, which NeMo-Run replaces by the job folder everywhere in the "
+                "sbatch script of a job without a container; use a path without it (e.g. "
+                f"{str(text).replace('/nemo_run', '/nemo-run')})"
+            )

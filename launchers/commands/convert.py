@@ -9,6 +9,9 @@ import json
 import sys
 from pathlib import Path
 
+from qvl.foundation.errors import ConversionError
+from qvl.launchers.os_errors import os_errors_as
+
 # The --dtype names of qvl.bridges.convert.DTYPES (tests/launchers/test_cli.py holds them equal). The command
 # table imports every command module for each `qvl` call, so this one imports torch and the converter only when
 # a convert command runs.
@@ -23,6 +26,9 @@ def _ranks(args: argparse.Namespace):
     )
 
 
+AGAIN = "then run the same command again: it writes the checkpoint anew"
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -32,15 +38,16 @@ def run_import(args: argparse.Namespace) -> int:
     from qvl.foundation.distributed import run_on_ranks
 
     # One process streams the checkpoint; it loads at any layout, and --tp/--pp are checked against the model.
-    (result,) = run_on_ranks(
-        convert.import_on_rank,
-        args.hf_path,
-        args.out_dir,
-        args.dtype,
-        args.tp,
-        args.pp,
-        cpu=True if args.device == "cpu" else None,
-    )
+    with os_errors_as(ConversionError, where=args.out_dir, then=AGAIN):
+        (result,) = run_on_ranks(
+            convert.import_on_rank,
+            args.hf_path,
+            args.out_dir,
+            args.dtype,
+            args.tp,
+            args.pp,
+            cpu=True if args.device == "cpu" else None,
+        )
     print(
         f"wrote Megatron checkpoint {args.out_dir} ({args.dtype}; loads at any TP/PP, checked for TP={args.tp}, "
         f"PP={args.pp}) in {result['seconds']:.1f} s; peak RSS {_gib(result['peak_rss_bytes'])}"
@@ -52,7 +59,8 @@ def run_export(args: argparse.Namespace) -> int:
     from qvl.bridges import convert
 
     convert.refuse_adapters(Path(args.megatron_dir))  # in this process: one clear line before any rank starts
-    results = _ranks(args)(convert.export_on_rank, args.megatron_dir, args.out_hf_dir)
+    with os_errors_as(ConversionError, where=args.out_hf_dir, then=AGAIN):
+        results = _ranks(args)(convert.export_on_rank, args.megatron_dir, args.out_hf_dir)
     print(
         f"wrote HF checkpoint {args.out_hf_dir} in {results[0]['seconds']:.1f} s; "
         f"peak RSS {_gib(max(r['peak_rss_bytes'] for r in results))}"

@@ -14,8 +14,10 @@ from collections.abc import Callable, Iterator
 from qvl.data.parallel import RayConfig
 from qvl.data.prepare import PrepareConfig, prepare
 from qvl.data.stats import load_report, plot_lengths_and_fill, report_rows
+from qvl.data.write import partial_dir
 from qvl.foundation.errors import DataError, QvlError
 from qvl.foundation.families import FAMILIES
+from qvl.launchers.os_errors import os_errors_as
 
 
 def register(subparsers) -> None:
@@ -180,8 +182,11 @@ def run_prepare(args: argparse.Namespace) -> int:
         if not path.exists():
             raise DataError(f"{flag} {path} does not exist; pass an existing path")
     progress = _no_progress if args.quiet else _rich_progress(console) if console.is_terminal else _line_progress
+    partial = partial_dir(config.output)
+    resume = f"then run the same command again: it resumes from {partial}/"
     try:
-        report = prepare(config, progress=progress)
+        with os_errors_as(DataError, where=partial, then=resume):
+            report = prepare(config, progress=progress)
     except QvlError:
         raise
     except (ValueError, OSError) as err:  # e.g. an unreadable input file: one line, the traceback with -v

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 
 import yaml
 
+from qvl.foundation.errors import LaunchError
 from qvl.launchers.launch import DEMO_JOB, EXECUTORS, launch
+from qvl.launchers.os_errors import os_errors_as
 
 
 def run_launch(args: argparse.Namespace) -> int:
@@ -18,7 +21,10 @@ def run_launch(args: argparse.Namespace) -> int:
 
     console = Console()
     # NeMo-Run prints its progress and experiment summary on stdout; with --json stdout is the result alone.
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+    where = args.experiments_dir or os.environ.get("NEMORUN_HOME") or "~/.nemo_run"
+    again = "then run the same command again (a job that was already submitted shows in `nemo experiment list`)"
+    stdout = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with stdout, os_errors_as(LaunchError, where=where, then=again):
         result = launch(
             args.recipe,
             args.overrides,

@@ -11,6 +11,7 @@ from typing import Any
 
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import FAMILIES
+from qvl.launchers.os_errors import os_errors_as
 from qvl.recipes.overrides import parse_overrides
 from qvl.recipes.planner import GEMM_EFFICIENCY, GIB, plan_recipe
 from qvl.recipes.registry import all_recipes, get_recipe
@@ -243,7 +244,12 @@ def run_train(args: argparse.Namespace) -> int:
         device=args.device,
         stop_after=args.stop_after,
     )
-    run_training(request)
+    # A full or vanished checkpoint folder fails inside Megatron's save (wrapped per rank by torch's distributed
+    # checkpoint); the line names the folder and that the same command resumes from the last saved step.
+    checkpoints = request.overrides.get("checkpoint_dir") or request.run_dir / "checkpoints"
+    resume = f"then run the same command again: it resumes from the last checkpoint in {checkpoints}"
+    with os_errors_as(ConfigError, where=checkpoints, then=resume):
+        run_training(request)
     losses = read_losses(request.run_dir)
     if losses:
         first, last = losses[min(losses)], losses[max(losses)]

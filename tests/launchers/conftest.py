@@ -1,26 +1,53 @@
-"""Fixtures for the launcher tests: a real single-node Slurm (tests marked `slurm`)."""
+"""Fixtures for the launcher tests: real Slurm clusters (tests marked `slurm`; the two-node one also `multinode`)."""
 
 from __future__ import annotations
 
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from tests.launchers.slurm_cluster import SlurmCluster, Unavailable, start_cluster
+from tests.launchers.slurm_cluster import Munge, SlurmCluster, Unavailable, start_cluster, start_two_node_cluster
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> SlurmCluster:
-    """Slurm with accounting on this node, for the whole session (~5 s to start once installed); skips with the
-    reason where it cannot run (not root, no apt-get, a failed install or daemon)."""
+def munge_daemon() -> Munge:
+    """The machine's one munged, shared by every cluster of the session; skips where Slurm cannot run here."""
+    root = Path(tempfile.mkdtemp(prefix="qvl-munge-"))
     try:
-        cluster = start_cluster()
+        munge = Munge(root).start()
+    except Unavailable as why:
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.skip(f"no real Slurm here: {why}")
+    try:
+        yield munge
+    finally:
+        munge.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _serve(start, munge: Munge):
+    try:
+        cluster = start(munge)
     except Unavailable as why:
         pytest.skip(f"no real Slurm here: {why}")
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("SLURM_CONF", str(cluster.conf))  # sbatch/sacct run by NeMo-Run in this process find it
-            yield cluster
+        # Not SLURM_CONF for the whole session: both clusters may be up at once; each test module points its
+        # tests at its own (`cluster.env`, SLURM_CONF).
+        yield cluster
     finally:
         cluster.stop()
         shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(munge_daemon) -> SlurmCluster:
+    """Slurm with accounting on this node, for the whole session (~5 s to start once installed)."""
+    yield from _serve(start_cluster, munge_daemon)
+
+
+@pytest.fixture(scope="session")
+def two_node_cluster(munge_daemon) -> SlurmCluster:
+    """Slurm with two nodes, `node1` and `node2`, each in a network namespace of its own (~12 s to start)."""
+    yield from _serve(start_two_node_cluster, munge_daemon)

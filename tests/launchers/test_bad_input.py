@@ -86,7 +86,9 @@ def test_dryrun_prints_the_config_the_job_builds(tmp_path):
     job = resolve_job(RECIPE, pairs)
     reparsed = parse_overrides(job.argv[2:]).as_dict()
     assert reparsed == {"lr": 1e-4, "freeze": (), "train.train_iters": 7}  # freeze=none: nothing frozen
-    request = TrainRequest(recipe=RECIPE, overrides=reparsed, run_dir=Path("runs/train"))
+    # On Slurm without --run-dir the job writes to its job folder's run/, beside code/ where it runs.
+    assert job.argv[-2:] != ["--run-dir", "../run"] and result["config"]["command"].endswith(" --run-dir ../run")
+    request = TrainRequest(recipe=RECIPE, overrides=reparsed, run_dir=Path("../run"))
     _, config = prepare_config(request, cpu=False)
     assert to_plain(config, depth=2) == printed
 

@@ -167,3 +167,11 @@ def test_executor_factories_take_defaults_from_the_site_file(nemo_cli, tmp_path,
     config.nodes = 4  # what `run.executor.nodes=4` does
     executor = fdl.build(config)
     assert isinstance(executor, run.SlurmExecutor) and (executor.account, executor.nodes) == ("acct", 4)
+
+
+def test_on_slurm_output_dir_defaults_to_the_job_folder_beside_its_code(nemo_cli):
+    """As `qvl launch`: a Slurm job without output_dir writes its run to `<job folder>/run`, not into code/."""
+    slurm = executors.slurm(account="a", partition="p", gpus_per_node=0)
+    assert nemo_cli.with_default_output_dir(["recipe.lr=1e-4"], slurm) == ["recipe.lr=1e-4", "output_dir=../run"]
+    assert nemo_cli.with_default_output_dir(["output_dir=/lustre/a"], slurm) == ["output_dir=/lustre/a"]
+    assert nemo_cli.with_default_output_dir(["recipe.lr=1e-4"], executors.local(gpus=0)) == ["recipe.lr=1e-4"]

@@ -128,3 +128,50 @@ def test_the_real_slurm_fixture_skips_with_the_reason_where_it_cannot_install(mo
         slurm_cluster.Unavailable, match=r"no apt-get to install slurm-wlm munge slurmdbd mariadb-server"
     ):
         slurm_cluster.install_packages()
+
+
+def test_the_job_environment_is_named_and_the_rendezvous_is_in_the_script(tmp_path):
+    """sbatch sends PATH and the `pass_env` names only (their values never enter the script); the script exports
+    the rendezvous rule's MASTER_ADDR/MASTER_PORT, and torchrun's c10d store listens on that port."""
+    result = launch(
+        "demo", ["steps=2", "run.executor.gpus_per_node=0", "run.executor.nodes=2", "run.executor.pass_env=[WANDB_API_KEY]",
+                 *BARE], kind="slurm", dryrun=True, experiments_dir=str(tmp_path),
+    )  # fmt: skip
+    script = result["request"]
+    assert "#SBATCH --export=PATH,WANDB_API_KEY\n" in script and "export SLURM_EXPORT_ENV=ALL\n" in script
+    assert (
+        "export MASTER_ADDR=$head_node\n" in script
+        and "export MASTER_PORT=$((15000 + SLURM_JOB_ID % 10000))\n" in script
+    )
+    assert result["config"]["rendezvous"].startswith("slurm (2 node(s) x 1 process): srun starts each rank")
+    two = launch(
+        "demo", ["steps=2", "run.executor.gpus_per_node=0", "run.executor.processes_per_node=2",
+                 "run.executor.nodes=2", *BARE], kind="slurm", dryrun=True, experiments_dir=str(tmp_path),
+    )  # fmt: skip
+    assert "--rdzv-endpoint $head_node_ip:$MASTER_PORT " in _srun_line(two["request"])
+    with pytest.raises(LaunchError, match=r"pass_env=\['A=1'\]: A=1 is not a variable name; list names only"):
+        executors.slurm(account="qvl", partition="cpu", pass_env=["A=1"])
+
+
+def test_a_recipe_run_on_slurm_goes_to_the_job_folder_not_its_code(fake_recipe, tmp_path):  # noqa: F811
+    result = launch(FAKE_RECIPE, IMAGED, kind="slurm", dryrun=True, experiments_dir=str(tmp_path))
+    assert (
+        _srun_line(result["request"]).endswith(" --run-dir ../run")
+        and "--container-workdir /nemo_run/code" in result["request"]
+    )
+    given = launch(FAKE_RECIPE, IMAGED, kind="slurm", dryrun=True, experiments_dir=str(tmp_path),
+                   train_flags=["--run-dir", "/lustre/runs/a"])  # fmt: skip
+    assert _srun_line(given["request"]).endswith(" --run-dir /lustre/runs/a")
+
+
+@pytest.mark.parametrize("where", ["experiments", "argument"])
+def test_a_path_nemo_run_would_rewrite_is_refused_in_one_line(tmp_path, where):
+    """Without a container NeMo-Run replaces every `/nemo_run` in the sbatch script by the job folder."""
+    home = tmp_path / "nemo_run" if where == "experiments" else tmp_path
+    output = f"output={tmp_path}/nemo_run/demo" if where == "argument" else "output=.demo"
+    with pytest.raises(LaunchError, match=r"contains `/nemo_run`, which NeMo-Run replaces by the job folder") as err:
+        launch("demo", ["steps=2", output, *BARE], kind="slurm", dryrun=True, experiments_dir=str(home))
+    assert "/nemo-run" in str(err.value) and "\n" not in str(err.value)
+    launch(
+        "demo", ["steps=2", output, *IMAGED], kind="slurm", dryrun=True, experiments_dir=str(home)
+    )  # a container mounts it

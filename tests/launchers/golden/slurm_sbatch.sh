@@ -7,6 +7,7 @@
 # Parameters
 #SBATCH --account=acct
 #SBATCH --exclusive
+#SBATCH --export=PATH
 #SBATCH --gpus-per-node=8
 #SBATCH --job-name=qvl-qvl_test_tiny_sft
 #SBATCH --nodes=2
@@ -36,12 +37,15 @@ export NCCL_NVLS_ENABLE=0
 export TORCH_NCCL_AVOID_RECORD_STREAMS=1
 export NCCL_DEBUG=WARN
 export TOKENIZERS_PARALLELISM=false
+export MASTER_ADDR=$head_node
+export MASTER_PORT=$((15000 + SLURM_JOB_ID % 10000))
+export SLURM_EXPORT_ENV=ALL
 export LOGLEVEL=INFO
 
 
 # Command 1
 
-srun --output /lustre/qvl/experiments/qvl-golden/qvl-golden_1/qvl_test_tiny_sft/log-qvl-qvl_test_tiny_sft_%j_${SLURM_RESTART_COUNT:-0}.out --container-image nvcr.io/nvidia/nemo:25.09 --container-mounts /lustre/data:/data,/lustre/qvl/experiments/qvl-golden/qvl-golden_1/qvl_test_tiny_sft:/nemo_run --container-workdir /nemo_run/code --wait=60 --kill-on-bad-exit=1 torchrun --rdzv-backend c10d --rdzv-endpoint $head_node_ip:29500 --rdzv-id 4759 --nnodes 2 --nproc-per-node 8 --node-rank $SLURM_NODEID --tee 3 -m qvl.launchers.cli train qvl_test_tiny_sft tensor_parallel=4 train.train_iters=5
+srun --output /lustre/qvl/experiments/qvl-golden/qvl-golden_1/qvl_test_tiny_sft/log-qvl-qvl_test_tiny_sft_%j_${SLURM_RESTART_COUNT:-0}.out --container-image nvcr.io/nvidia/nemo:25.09 --container-mounts /lustre/data:/data,/lustre/qvl/experiments/qvl-golden/qvl-golden_1/qvl_test_tiny_sft:/nemo_run --container-workdir /nemo_run/code --wait=60 --kill-on-bad-exit=1 torchrun --rdzv-backend c10d --rdzv-endpoint $head_node_ip:$MASTER_PORT --rdzv-id 4759 --nnodes 2 --nproc-per-node 8 --node-rank $SLURM_NODEID --tee 3 -m qvl.launchers.cli train qvl_test_tiny_sft tensor_parallel=4 train.train_iters=5 --run-dir ../run
 
 exitcode=$?
 
