@@ -7,6 +7,12 @@ trainer's MFU agree):
 - Causal attention over a sub-sequence of s tokens costs s^2/2 score and value products per query channel
   (Bridge's `core_attn_seq_factor / 2`); sub-sequences of a THD pack never attend to each other, so a pack
   costs the sum over its sub-sequences: linear terms grow with tokens, attention with the sum of squares.
+- Qwen3.5's Gated DeltaNet layers are linear attention: their projections (q, k, v, gate z, beta, alpha in; out),
+  the depthwise short convolution over q, k, v and the chunked delta-rule recurrence all grow linearly with the
+  tokens (Bridge's `gdn_layer_flops`: 4 state-sized products per value head per token); only the full-attention
+  layers have the s^2 term. Their attention's output gate doubles the query projection.
+- Multi-token-prediction (MTP) layers add, per token and depth, their eh_proj (2h -> h), three norms, one decoder
+  layer of the last layer's kind (full attention) and one more pass through the output layer (Bridge's MTP terms).
 - The vision tower attends bidirectionally within one temporal frame of one image (`cu_seqlens` is per frame
   in Qwen2-VL, Qwen2.5-VL and Qwen3-VL); Qwen2.5-VL's windowed blocks attend within windows of
   `window_size` pixels instead, except the `fullatt_block_indexes` blocks.
@@ -24,7 +30,7 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -45,7 +51,16 @@ class LMShape:
     num_experts: int | None = None
     moe_router_topk: int | None = None
     moe_ffn_hidden_size: int | None = None
+    moe_shared_ffn_hidden_size: int = 0  # a shared expert every token passes (Qwen3.5-MoE)
     kv_channels: int | None = None  # head dim; hidden_size // num_attention_heads when None (Qwen3 sets 128)
+    attention_output_gate: bool = False  # Qwen3.5: the query projection also yields a gate, twice as wide
+    # Qwen3.5's Gated DeltaNet layers (of num_layers) and their widths
+    gated_delta_layers: int = 0
+    linear_qk_dim: int = 0  # key heads x key head dim (queries the same)
+    linear_num_value_heads: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    mtp_layers: int = 0  # multi-token-prediction depths trained (each a full-attention layer with the model's MLP)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -70,33 +85,74 @@ class VisionShape:
 # --- language model -----------------------------------------------------------------------------------------
 
 
-def lm_linear_flops_per_token(shape: LMShape) -> float:
-    """Forward FLOPs per token of the LM's projections, MLP (or routed experts) and logits."""
+def attention_projection_flops_per_token(shape: LMShape) -> float:
+    """One full-attention layer's projections per token: QKV (the query twice as wide with an output gate), out."""
     h = shape.hidden_size
     head_dim = shape.kv_channels or h // shape.num_attention_heads
     q = head_dim * shape.num_attention_heads
     kv = head_dim * shape.num_query_groups
-    attention = 2 * (h * (q + 2 * kv) + q * h)  # QKV in, output projection out
+    return float(2 * (h * ((2 if shape.attention_output_gate else 1) * q + 2 * kv) + q * h))
+
+
+def gated_delta_flops_per_token(shape: LMShape) -> float:
+    """One Gated DeltaNet layer per token (Megatron-Bridge's gdn_layer_flops): in_proj to q, k, v, z, beta and alpha,
+    the short convolution over q, k, v, the recurrence (4 state-sized products per value head), out_proj."""
+    h, qk, heads = shape.hidden_size, shape.linear_qk_dim, shape.linear_num_value_heads
+    v = heads * shape.linear_value_head_dim
+    in_proj = h * (2 * qk + 2 * v + 2 * heads)
+    conv = shape.linear_conv_kernel * (2 * qk + v)
+    recurrence = 4 * heads * shape.linear_value_head_dim**2
+    return float(2 * (in_proj + conv + recurrence + v * h))
+
+
+def mlp_flops_per_token(shape: LMShape) -> float:
+    """One layer's MLP per token: dense, or the routed experts a token visits plus a shared expert."""
+    h = shape.hidden_size
     expansion = 3 if shape.gated_mlp else 2  # gated: gate + up + down; plain: up + down
-    if shape.num_experts:
-        if not shape.moe_router_topk or not shape.moe_ffn_hidden_size:
-            raise ValueError(
-                f"num_experts={shape.num_experts} needs moe_router_topk and moe_ffn_hidden_size "
-                f"(got {shape.moe_router_topk}, {shape.moe_ffn_hidden_size})"
-            )
-        mlp = 2 * h * shape.moe_ffn_hidden_size * shape.moe_router_topk * expansion
-    else:
-        mlp = 2 * h * shape.ffn_hidden_size * expansion
+    if not shape.num_experts:
+        return float(2 * h * shape.ffn_hidden_size * expansion)
+    if not shape.moe_router_topk or not shape.moe_ffn_hidden_size:
+        raise ValueError(
+            f"num_experts={shape.num_experts} needs moe_router_topk and moe_ffn_hidden_size "
+            f"(got {shape.moe_router_topk}, {shape.moe_ffn_hidden_size})"
+        )
+    routed = shape.moe_ffn_hidden_size * shape.moe_router_topk
+    return float(2 * h * (routed + shape.moe_shared_ffn_hidden_size) * expansion)
+
+
+def full_attention_layers(shape: LMShape) -> int:
+    """Layers with softmax attention: the decoder's other than Gated DeltaNet, and each MTP depth's."""
+    return shape.num_layers - shape.gated_delta_layers + shape.mtp_layers
+
+
+def lm_flops_by_part(shape: LMShape) -> dict[str, float]:
+    """Forward FLOPs per token of each part of the LM (attention projections, Gated DeltaNet, MLP, logits, MTP's
+    own projections and norms), the s^2 attention term left out."""
+    h = shape.hidden_size
     logits = 2 * h * shape.vocab_size
-    return float(shape.num_layers * (attention + mlp) + logits)
+    mtp_own = 2 * (2 * h * h) + 2 * 3 * h  # eh_proj 2h -> h, enorm + hnorm + final norm (as Bridge counts them)
+    return {
+        "attention": (shape.num_layers - shape.gated_delta_layers) * attention_projection_flops_per_token(shape),
+        "gated_delta": shape.gated_delta_layers * gated_delta_flops_per_token(shape),
+        "mlp": shape.num_layers * mlp_flops_per_token(shape),
+        "logits": logits,
+        "mtp": shape.mtp_layers
+        * (mtp_own + attention_projection_flops_per_token(shape) + mlp_flops_per_token(shape) + logits),
+    }
+
+
+def lm_linear_flops_per_token(shape: LMShape) -> float:
+    """Forward FLOPs per token of the LM's projections (attention and Gated DeltaNet), MLP (or routed experts),
+    logits and MTP layers."""
+    return float(sum(lm_flops_by_part(shape).values()))
 
 
 def lm_attention_flops_per_token_squared(shape: LMShape) -> float:
-    """Forward causal-attention FLOPs of a sub-sequence of s tokens, divided by s^2."""
+    """Forward causal-attention FLOPs of a sub-sequence of s tokens, divided by s^2 (full-attention layers only)."""
     head_dim = shape.kv_channels or shape.hidden_size // shape.num_attention_heads
     q = head_dim * shape.num_attention_heads
     # QK^T and attention x V, each 2 * q * s * s/2 FLOPs under the causal mask (Bridge: core_attn_seq_factor / 2).
-    return float(shape.num_layers * 2 * q)
+    return float(full_attention_layers(shape) * 2 * q)
 
 
 def lm_flops_per_sequence(shape: LMShape, lengths: np.ndarray) -> np.ndarray:
@@ -108,6 +164,18 @@ def lm_flops_per_sequence(shape: LMShape, lengths: np.ndarray) -> np.ndarray:
 def lm_flops(shape: LMShape, seq_lengths: Sequence[int]) -> float:
     """Forward FLOPs of one packed sequence made of causal sub-sequences of `seq_lengths` tokens."""
     return float(lm_flops_per_sequence(shape, np.asarray(seq_lengths, dtype=np.int64)).sum())
+
+
+def decoder_layer_flops(shape: LMShape, seq_lengths: Sequence[int]) -> float:
+    """Forward FLOPs of one decoder layer over the sub-sequences, the mean over a hybrid LM's layer kinds (what a
+    pipeline stage of n layers costs n times)."""
+    decoder = replace(shape, vocab_size=0, mtp_layers=0)
+    return lm_flops(decoder, seq_lengths) / shape.num_layers
+
+
+def head_flops(shape: LMShape, seq_lengths: Sequence[int]) -> float:
+    """Forward FLOPs of what follows the decoder on the last pipeline stage: the output layer and the MTP layers."""
+    return lm_flops(shape, seq_lengths) - lm_flops(replace(shape, vocab_size=0, mtp_layers=0), seq_lengths)
 
 
 # --- vision tower -------------------------------------------------------------------------------------------
@@ -223,6 +291,8 @@ def _lm_shape(text: dict) -> LMShape:
     if missing:
         raise ValueError(f"text config lacks {missing}; is this a Qwen-VL config.json?")
     experts = text.get("num_experts")
+    layer_types = text.get("layer_types") or ()
+    heads = text.get("linear_num_value_heads", 0)
     return LMShape(
         hidden_size=text["hidden_size"],
         num_layers=text["num_hidden_layers"],
@@ -234,7 +304,16 @@ def _lm_shape(text: dict) -> LMShape:
         num_experts=experts,
         moe_router_topk=text.get("num_experts_per_tok") if experts else None,
         moe_ffn_hidden_size=text.get("moe_intermediate_size") if experts else None,
+        moe_shared_ffn_hidden_size=(text.get("shared_expert_intermediate_size") or 0) if experts else 0,
         kv_channels=text.get("head_dim"),
+        # Qwen3.5's hybrid configs (linear-attention `layer_types`) have gated attention; a provider says so itself
+        attention_output_gate=text.get("attention_output_gate", "linear_attention" in layer_types),
+        gated_delta_layers=sum(kind == "linear_attention" for kind in layer_types),
+        linear_qk_dim=text.get("linear_num_key_heads", 0) * text.get("linear_key_head_dim", 0),
+        linear_num_value_heads=heads,
+        linear_value_head_dim=text.get("linear_value_head_dim", 0),
+        linear_conv_kernel=text.get("linear_conv_kernel_dim", 4),
+        mtp_layers=text.get("mtp_num_hidden_layers") or 0,
     )
 
 

@@ -9,9 +9,9 @@ Costs are forward FLOPs from `qvl.foundation.cost` for an assumed workload (`Wor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from qvl.foundation.cost import LMShape, VisionShape, lm_flops, vision_flops
+from qvl.foundation.cost import LMShape, VisionShape, decoder_layer_flops, head_flops, vision_flops
 from qvl.foundation.errors import ConfigError
 
 
@@ -85,8 +85,8 @@ class Split:
 def stage_costs(lm: LMShape, vision: VisionShape | None, workload: Workload) -> StageCosts:
     """Per-pack forward FLOPs of one LM layer, the vision tower and the LM head."""
     subs = workload.sub_sequences()
-    one_layer = lm_flops(replace(lm, num_layers=1, vocab_size=0), subs)
-    head = lm_flops(replace(lm, num_layers=0), subs)
+    one_layer = decoder_layer_flops(lm, subs)  # a hybrid LM's mean layer (Gated DeltaNet and attention)
+    head = head_flops(lm, subs)  # output layer and MTP layers
     images = workload.images(vision.spatial_merge_size) if vision else []
     return StageCosts(layer=one_layer, vision=vision_flops(vision, images) if images else 0.0, head=head)
 

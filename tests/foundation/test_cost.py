@@ -206,3 +206,56 @@ def test_shapes_from_hf_config_reads_qwen3_moe_text_fields():
         24,
     )
     assert vision.num_deepstack_mergers == 2 and not vision.gated_mlp and vision.window_size is None
+
+
+# A tiny hybrid (Qwen3.5-style) LM: 4 layers, 3 Gated DeltaNet + 1 gated full attention, one MTP layer.
+HYBRID_TEXT = dict(
+    hidden_size=8,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=4,
+    intermediate_size=16,
+    vocab_size=10,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    linear_num_key_heads=1,
+    linear_key_head_dim=2,
+    linear_num_value_heads=2,
+    linear_value_head_dim=3,
+    linear_conv_kernel_dim=4,
+    mtp_num_hidden_layers=1,
+)
+HYBRID_VISION = dict(depth=1, hidden_size=8, num_heads=2, intermediate_size=16, patch_size=2, spatial_merge_size=2,
+                     temporal_patch_size=2, out_hidden_size=8)  # fmt: skip
+
+
+def test_gated_delta_layers_count_as_linear_attention_and_mtp_as_one_more_layer_by_hand():
+    lm, _ = shapes_from_hf_config({"text_config": HYBRID_TEXT, "vision_config": HYBRID_VISION})
+    assert lm.gated_delta_layers == 3 and lm.attention_output_gate and lm.mtp_layers == 1
+    # Gated full attention per token: Q and its gate 2*8*(2*8), K and V 2*8*(2*4), O 2*8*8 -> 512.
+    attention = 2 * 8 * 16 + 2 * 8 * 8 + 2 * 8 * 8
+    # Gated DeltaNet per token: in_proj 8 -> q 2 + k 2 + v 6 + z 6 + beta 2 + alpha 2 = 20 outputs: 2*8*20 = 320;
+    # conv over q, k, v (10 channels) x 4 taps: 2*40 = 80; recurrence 4 state products x 2 heads x 3 x 3: 2*72 = 144;
+    # out_proj 6 -> 8: 96. No s^2 term.
+    delta = 320 + 80 + 144 + 96
+    mlp = 2 * 8 * 16 * 3  # gate, up, down
+    logits = 2 * 8 * 10
+    # MTP: eh_proj 16 -> 8 (256), three norms (Bridge counts 2 * 3h = 48), one gated attention layer with its MLP,
+    # and the output layer once more.
+    mtp = 256 + 48 + attention + mlp + logits
+    linear = 3 * delta + attention + 4 * mlp + logits + mtp
+    # Softmax attention only in the decoder's full-attention layer and the MTP layer: 2 x 2 * q_size (8) per s^2.
+    squared = 2 * (2 * 8)
+    assert lm_flops(lm, [6]) == linear * 6 + squared * 36
+    assert lm_flops(lm, [2, 4]) == linear * 6 + squared * (4 + 16)  # packed samples never attend to each other
+
+
+def test_a_model_without_mtp_layers_costs_less_by_exactly_their_share():
+    with_mtp, _ = shapes_from_hf_config({"text_config": HYBRID_TEXT, "vision_config": HYBRID_VISION})
+    without, _ = shapes_from_hf_config(
+        {"text_config": {**HYBRID_TEXT, "mtp_num_hidden_layers": 0}, "vision_config": HYBRID_VISION}
+    )
+    from qvl.foundation.cost import lm_flops_by_part
+
+    share = lm_flops_by_part(with_mtp)["mtp"]
+    assert lm_flops(with_mtp, [5]) - lm_flops(without, [5]) == share * 5 + (2 * 8) * 25  # its attention: s^2 term
