@@ -38,7 +38,9 @@ GROUP = "speed-rotary"
 
 class WholePackCuSeqlens(torch.Tensor):
     """The `cu_seqlens` of a pack whose sub-sequences cover it from its first token to its last (qvl's forward step
-    builds them so). Only the type says it: every op on it returns an ordinary tensor."""
+    builds them so). Only the type says it: every op on it returns an ordinary tensor, and eager kernels and custom
+    ops (torch's varlen attention) take it as one. Inside a torch.compile graph Dynamo refuses it as a custom op's
+    input: no compiled region takes the language model's `cu_seqlens`."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # as nn.Parameter: no subclass dispatch
 
