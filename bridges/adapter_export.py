@@ -46,6 +46,11 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # fp32 CPU logit parity of the tiny models is ~1e-6 with trained adapters (the base conversion's is ~3e-7).
 DEFAULT_TOLERANCE = 1e-5
+EXPERTS_REFUSED = (
+    "MoE expert adapters cannot be written as a peft adapter yet (transformers keeps the experts as fused 3-D "
+    "parameters that peft's LoRA does not target by module); pass --merged for a full checkpoint with the adapters "
+    "folded in, or train without experts in adapter_targets"
+)
 # Model dimensions a run's adapters depend on, compared between its run_config.yaml and HF_BASE.
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
 
@@ -136,6 +141,12 @@ def check_base_matches(run: AdapterRun, hf_base: Path) -> Any:
                 f"{name}={trained}; pass the HF checkpoint the run fine-tuned from"
             )
     return provider
+
+
+def check_peft_exportable(run: AdapterRun) -> None:
+    """Refuse, before any model is built, adapters that peft's format cannot hold."""
+    if "experts" in (run.peft.get("targets") or []):
+        raise ConversionError(f"RUN_OR_CHECKPOINT={run.path} adapts MoE experts: {EXPERTS_REFUSED}")
 
 
 def adapters_of(run: AdapterRun) -> Any:
@@ -307,12 +318,7 @@ def peft_state(
     state = PeftState(tensors={}, modules=[], shared_a=[])
     for linear in adapted_linears(model, value):
         if is_expert_linear(linear.weight_name.removesuffix(".weight")):
-            raise ConversionError(
-                f"{linear.weight_name}: MoE expert adapters cannot be written as a peft adapter yet (transformers "
-                "keeps the experts as fused 3-D parameters that peft's LoRA does not target by module); pass "
-                "--merged for a full checkpoint with the adapters folded in, or train without experts in "
-                "adapter_targets"
-            )
+            raise ConversionError(f"{linear.weight_name}: {EXPERTS_REFUSED}")
         mapping = registry.megatron_to_hf_lookup(linear.weight_name)
         if mapping is None:
             raise ConversionError(f"{linear.weight_name}: Megatron-Bridge has no mapping for the adapted weight")
@@ -464,6 +470,8 @@ def export_adapter_on_rank(
 
     hf_base_path = Path(hf_base)
     run = find_adapter_run(Path(run_path))
+    if out:
+        check_peft_exportable(run)
     bridge, model, adapters = build_adapted_model(run, hf_base_path)
     report = ExportReport(adapter=out, merged=merged_out, checked=check, tolerance=tolerance or DEFAULT_TOLERANCE)
     if check:  # qvl's logits first: the merged export folds the adapters in

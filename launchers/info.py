@@ -14,12 +14,12 @@ from packaging.requirements import Requirement
 
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.megatron import have_transformer_engine, import_megatron_bridge
+from qvl.foundation.stack import STACK_FILES
 from qvl.launchers.upstream_report import run_patches
 
 # Distribution names shown by `qvl version`, in stack order.
 VERSION_PACKAGES = ("qvl", "torch", "megatron-core", "megatron-bridge", "transformers", "megatron-energon", "nemo-run")
 REQUIRED_PYTHON = (3, 12)
-STACK_FILES = ("requirements-stack.txt", "requirements-nodeps.txt")
 # Import checks: (module, why qvl needs it). megatron.bridge goes through the runtime's TE stand-in.
 IMPORT_CHECKS = (
     ("megatron.core", "model code, parallelism, checkpoints"),

@@ -35,9 +35,9 @@ from qvl.recipes.overrides import Overrides, apply_config_overrides
 from qvl.recipes.plan_inputs import GPU, GPUS, PlanInputs, plan_inputs
 from qvl.recipes.registry import get_recipe
 from qvl.recipes.shapes import (
+    adapter_counts,
     lm_layer_params,
     lm_param_counts,
-    lora_params_per_layer,
     padded_vocab,
     vision_is_megatron,
     vision_param_count,
@@ -128,6 +128,7 @@ def _stage_params(x: PlanInputs) -> list[StageParams]:
     vision_shard = tp if vision_is_megatron(model) else 1
     peft = cfg.peft is not None
     lm_frozen = model.freeze_language_model or peft
+    adapters = adapter_counts(model, cfg.peft) if peft else None
     layers = x.parallel.stage_layers
     out = []
     for s, n in enumerate(layers):
@@ -141,8 +142,10 @@ def _stage_params(x: PlanInputs) -> list[StageParams]:
                 frozen += vis
             else:
                 train_dense += vis  # a frozen tower with a trainable merger: the merger is small; counted trainable
-        if peft:
-            train_dense += n * lora_params_per_layer(model, cfg.peft.dim) / tp
+        if peft:  # adapters train, on the layers and the tower they adapt; frozen weights hold no gradient
+            share, tower = n / model.num_layers, (adapters.vision + adapters.merger) / vision_shard if s == 0 else 0
+            train_dense += share * adapters.language / tp + tower
+            train_expert += share * adapters.experts / (ep * etp)
         out.append(StageParams(frozen=frozen, trainable_dense=train_dense, trainable_expert=train_expert))
     return out
 
@@ -251,7 +254,7 @@ def plan_config(
 
 def _trainable_total(model: Any, cfg: Any, total: int) -> int:
     if cfg.peft is not None:
-        return lora_params_per_layer(model, cfg.peft.dim) * model.num_layers
+        return adapter_counts(model, cfg.peft).total
     frozen = sum(lm_param_counts(model).values()) if model.freeze_language_model else 0
     if model.freeze_vision_model and model.freeze_vision_projection:
         frozen += vision_param_count(model)

@@ -4,8 +4,10 @@ training benchmark's counts; `tests/recipes/test_planner.py` checks them against
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from qvl.foundation.cost import LMShape, VisionShape, shapes_from_hf_config
@@ -168,15 +170,77 @@ def lm_param_counts(model: Any) -> dict[str, int]:
     )
 
 
-def lora_params_per_layer(model: Any, rank: int) -> float:
-    """LoRA adapter parameters one LM layer gets with Megatron-Bridge's default targets (qkv, proj, fc1, fc2); for
-    a hybrid LM the mean over its layers (Gated DeltaNet layers have no linear_qkv / linear_proj to adapt)."""
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AdapterCounts:
+    """Adapter parameters a PEFT config adds to a model, by where they live (what trains in a PEFT run)."""
+
+    language: int  # attention / Gated DeltaNet, dense MLP and shared-expert linears of every LM layer
+    experts: int  # the routed experts' linears (one adapter per expert, as Megatron-Core's SequentialMLP holds them)
+    vision: int  # the vision tower's blocks
+    merger: int  # the merger and Qwen3-VL's deepstack mergers
+
+    @property
+    def total(self) -> int:
+        return self.language + self.experts + self.vision + self.merger
+
+
+def adapter_counts(model: Any, peft: Any) -> AdapterCounts:
+    """The adapters of Megatron-Bridge's LoRA / DoRA config `peft` (qvl.bridges.adapters: rank `dim`, `targets` by
+    meaning) on `model`: rank x (in + out) per adapted linear, and DoRA's magnitude (out) (tests/recipes/test_planner.py
+    checks them against built models)."""
+    targets = set(getattr(peft, "targets", None) or ["language"])
+    dora = any(kind.__name__ == "DoRA" for kind in type(peft).__mro__)  # Megatron-Bridge's DoRA or qvl's
+    size = functools.partial(_adapter, peft.dim, dora)
+    vision, merger = _vision_adapters(model, size)
+    delta = gated_delta_layers(model)
+    mixers = delta * _delta_adapters(model, size) + (model.num_layers - delta) * _attention_adapters(model, size)
+    dense, experts = _mlp_adapters(model, size)
+    return AdapterCounts(
+        language=mixers + dense * model.num_layers if "language" in targets else 0,
+        experts=experts * model.num_layers if "experts" in targets else 0,
+        vision=vision if "vision" in targets else 0,
+        merger=merger if "merger" in targets else 0,
+    )
+
+
+def _adapter(rank: int, dora: bool, in_features: int, out_features: int) -> int:
+    return rank * (in_features + out_features) + (out_features if dora else 0)
+
+
+def _attention_adapters(model: Any, size: Any) -> int:
     h, d = model.hidden_size, model.kv_channels or model.hidden_size // model.num_attention_heads
     q, kv = model.num_attention_heads * d, model.num_query_groups * d
     gated_q = 2 * q if getattr(model, "attention_output_gate", False) else q
-    experts = getattr(model, "num_moe_experts", None) or 1
-    f = model.moe_ffn_hidden_size if getattr(model, "num_moe_experts", None) else model.ffn_hidden_size
-    gate = 2 if model.gated_linear_unit else 1
-    attention_share = 1 - gated_delta_layers(model) / model.num_layers
-    attention = rank * ((h + gated_q + 2 * kv) + (q + h))
-    return attention * attention_share + rank * experts * ((h + gate * f) + (f + h))
+    return size(h, gated_q + 2 * kv) + size(q, h)  # linear_qkv, linear_proj
+
+
+def _delta_adapters(model: Any, size: Any) -> int:
+    h, heads_v = model.hidden_size, model.linear_num_value_heads
+    qk = model.linear_num_key_heads * model.linear_key_head_dim
+    v = heads_v * model.linear_value_head_dim
+    return size(h, 2 * qk + 2 * v + 2 * heads_v) + size(v, h)  # in_proj (q, k, v, z, beta, alpha), out_proj
+
+
+def _mlp_adapters(model: Any, size: Any) -> tuple[int, int]:
+    """(dense: the MLP or the shared expert, routed experts) adapters of one layer."""
+    h, gate = model.hidden_size, 2 if model.gated_linear_unit else 1
+    experts = getattr(model, "num_moe_experts", None)
+    if not experts:
+        f = model.ffn_hidden_size
+        return size(h, gate * f) + size(f, h), 0
+    shared, f = getattr(model, "moe_shared_expert_intermediate_size", None) or 0, model.moe_ffn_hidden_size
+    dense = size(h, gate * shared) + size(shared, h) if shared else 0
+    return dense, experts * (size(h, gate * f) + size(f, h))
+
+
+def _vision_adapters(model: Any, size: Any) -> tuple[int, int]:
+    """(tower blocks, mergers): every linear of the HF tower built on meta, whose shapes the Megatron tower shares."""
+    import torch
+
+    family = vision_family(model)
+    module = importlib.import_module(f"transformers.models.{family.hf_module}.modeling_{family.hf_module}")
+    with torch.device("meta"):
+        tower = getattr(module, family.vision_tower_class)._from_config(model.vision_config)
+    linears = [(n, m) for n, m in tower.named_modules() if isinstance(m, torch.nn.Linear)]
+    blocks = sum(size(m.in_features, m.out_features) for n, m in linears if n.startswith("blocks."))
+    return blocks, sum(size(m.in_features, m.out_features) for n, m in linears if not n.startswith("blocks."))

@@ -102,6 +102,8 @@ def run_export_adapter(args: argparse.Namespace) -> int:
     # Refusals (not a PEFT run, another base) in this process: one clear line before any rank starts.
     run = adapter_export.find_adapter_run(Path(args.run_or_checkpoint))
     adapter_export.check_base_matches(run, Path(args.hf_base))
+    if not args.merged:
+        adapter_export.check_peft_exportable(run)
     adapter, merged = (None, args.out) if args.merged else (args.out, None)
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         (report,) = run_on_ranks(
@@ -129,6 +131,8 @@ def _print_adapter_report(report: dict) -> None:
     if not report["checked"]:
         return
     print(f"fp32 logits: the adapters move them by up to {report['adapter_effect']:.3g}")
+    if report["adapter_effect"] < 1e-6:
+        print("  note: the adapters do not change the logits (untrained: B is zero), so this comparison sees nothing")
     if report["adapter_max_abs_diff"] is not None:
         print(f"  vs transformers + peft with the adapter: max |diff| {report['adapter_max_abs_diff']:.3g}")
     if report["merged_max_abs_diff"] is not None:

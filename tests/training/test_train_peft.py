@@ -100,6 +100,15 @@ def test_adapters_alone_train_and_the_loss_falls(peft_run):
     trainable = int(peft_run.log.split("Trainable parameters:")[1].split()[0].replace(",", ""))
     total = int(peft_run.log.split("Total parameters:")[1].split()[0].replace(",", ""))
     assert 0 < trainable < total // 2
+    # `qvl plan` of the same recipe counts exactly what the run trained
+    from qvl.recipes.planner import plan_config
+    from qvl.recipes.registry import get_recipe
+
+    options = dict(adapter_targets=targets(peft_run.family), adapter_rank=8, adapter_alpha=16, precision="fp32")
+    cfg = get_recipe(peft_recipe(peft_run.family)).fn(
+        hf_path=str(peft_run.hf), tensor_parallel=1, expert_parallel=1, **options
+    )
+    assert plan_config(cfg, gpus=1).params_trainable == trainable
 
 
 @pytest.mark.slow
@@ -114,7 +123,8 @@ def _export(peft_run: PeftRun, out: Path, merged: Path | None) -> dict:
     from qvl.foundation.distributed import run_on_ranks
 
     (report,) = run_on_ranks(
-        export_adapter_on_rank, str(peft_run.run), str(peft_run.hf), str(out), str(merged) if merged else None,
+        export_adapter_on_rank, str(peft_run.run), str(peft_run.hf), str(out) if out else None,
+        str(merged) if merged else None,
         True, None, cpu=True,
     )  # fmt: skip
     return report
@@ -147,7 +157,7 @@ def test_expert_adapters_are_refused_as_a_peft_adapter_and_fold_into_the_merged_
     from qvl.foundation.distributed import run_on_ranks
     from qvl.foundation.errors import ConversionError
 
-    with pytest.raises(ConversionError, match=r"MoE expert adapters cannot be written as a peft adapter yet"):
+    with pytest.raises(ConversionError, match=r"adapts MoE experts: MoE expert adapters cannot be written as a peft"):
         run_on_ranks(export_adapter_on_rank, str(peft_run.run), str(peft_run.hf), str(tmp_path / "a"), None, False,
                      None, cpu=True)  # fmt: skip
     report = _export(peft_run, None, tmp_path / "merged")
