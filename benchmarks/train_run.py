@@ -189,7 +189,8 @@ def bench_dataset_class():
 
 def train_once(spec: dict) -> dict:
     """Train one variant as `spec` says; returns its raw measurements."""
-    from qvl.foundation import distributed, megatron, patches, runtime
+    from qvl.foundation import distributed, megatron, runtime
+    from qvl.kernels import switch
     from qvl.training.train import TrainRequest, prepare_config
 
     if "MASTER_PORT" not in os.environ:
@@ -231,7 +232,7 @@ def train_once(spec: dict) -> dict:
         callbacks.register("on_train_step_end", profiler.step_end)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with patches.applied("fix-megatron-setup"):  # the pip-installed megatron-core ships its dataset helpers built
+    with switch.applied_for_training(switch.Target.of(config)):  # what `qvl train`'s loop applies on this device
         pretrain(config, forward_step, callbacks=callbacks)
     if anatomy is not None:
         return {"schedule": spec["schedule"], "steps": anatomy.steps}
