@@ -121,6 +121,61 @@ def chunk_gated_delta_rule(
     return torch.cat(pieces, dim=1), None
 
 
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    **_,
+) -> tuple[torch.Tensor, None]:
+    """The gated delta rule token by token in fp32 (transformers' `torch_recurrent_gated_delta_rule`, bit for bit),
+    restarted at every `cu_seqlens` boundary. Slower than the chunked rule, and its decay-gate gradients are
+    within fp32 rounding of the exact ones where the chunked rule's are not: at real models' log-decays (near -18 per
+    token) its gradient of g is ~1e-5 off, and a model's gate parameters sum those into 1e-3 (tests; README
+    "Training parity"). For checks of those gradients (`GatedDeltaNet.use_recurrence`)."""
+    _no_cache(initial_state, output_final_state, "recurrent_gated_delta_rule")
+    if scale is not None and scale != q.shape[-1] ** -0.5:
+        raise GatedDeltaError(f"recurrent_gated_delta_rule: scale={scale} is not 1/sqrt(head_dim); leave it None")
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    pieces = [
+        _recurrence(*(t[:, start:end] for t in (q, k, v, g, beta)))
+        for start, end in sequence_bounds(cu_seqlens, q.shape[1])
+    ]
+    return torch.cat(pieces, dim=1), None
+
+
+def _recurrence(q, k, v, g, beta) -> torch.Tensor:
+    """One sequence [b, s, h, d] from a zero state, in transformers' order of operations (fp32)."""
+    dtype = q.dtype
+    q, k, v, beta, g = (x.transpose(1, 2).contiguous().float() for x in (q, k, v, beta, g))
+    q = q * (1 / q.shape[-1] ** 0.5)
+    state = q.new_zeros(*k.shape[:2], k.shape[-1], v.shape[-1])
+    out = []
+    for t in range(k.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - (state * k[:, :, t, :, None]).sum(dim=-2)) * beta[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        out.append((state * q[:, :, t, :, None]).sum(dim=-2))
+    return torch.stack(out, dim=2).transpose(1, 2).contiguous().to(dtype)
+
+
+def token_by_token(model: list) -> list:
+    """Pre-wrap hook: every GatedDeltaNet of the model chunks on the token-by-token rule where `fla` cannot run
+    (`GatedDeltaNet.use_recurrence`); returns the chunks."""
+    for chunk in model:
+        for module in chunk.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.use_recurrence()
+    return model
+
+
 # Replacement factories for patch group "torch-gated-delta" (qvl.foundation.patches).
 
 
@@ -164,6 +219,13 @@ class GatedDeltaNet(upstream_gdn.GatedDeltaNet):
         if not fla_usable():
             for name in _EAGER_HELPERS:
                 setattr(self, name, types.MethodType(_eager(getattr(_UPSTREAM, name)), self))
+
+    def use_recurrence(self) -> None:
+        """Where `fla` cannot run, compute the delta rule token by token (`recurrent_gated_delta_rule`) instead of in
+        64-token chunks: for checks of the decay-gate gradients (qvl.training.parity); on a GPU with `fla` its own
+        kernels stay, and are what such a check measures."""
+        if not fla_usable():
+            self.gated_delta_rule = recurrent_gated_delta_rule
 
     def forward(self, *args, **kwargs):
         with contextlib.nullcontext() if fla_usable() else patches.applied(PATCH_GROUP):

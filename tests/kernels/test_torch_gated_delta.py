@@ -103,3 +103,88 @@ def test_gradients_equal_transformers_chunked_fallback_and_the_fp64_recurrence()
     for mine, hf, truth in zip(ours, theirs, exact, strict=True):
         assert torch.equal(mine, hf)
         assert (mine - truth).norm() <= 2e-6 * truth.norm()
+
+
+def _strong_decay_inputs(total: int, scale: float, seed: int = 3):
+    """Inputs with log-decays around -`scale` per token (real Qwen3.5 layers reach ~-18; `_inputs` stays in [-1, 0])."""
+    q, k, v, _, beta = _inputs(total, heads=4, dk=16, dv=16, seed=seed)
+    decay = -2 * scale * torch.rand(1, total, 4, generator=torch.Generator().manual_seed(seed + 1))
+    return q, k, v, decay, beta
+
+
+def _rule_grads(rule, inputs, weight, dtype):
+    leaves = [t.to(dtype).clone().requires_grad_(True) for t in inputs]
+    (rule(*leaves).double() * weight).sum().backward()
+    return [t.grad.double() for t in leaves]
+
+
+def test_the_recurrence_is_transformers_bit_for_bit_and_restarts_in_every_packed_piece():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    q, k, v, g, beta = _strong_decay_inputs(100, 18.0)
+    packed, _ = torch_gated_delta.recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor(CU))
+    for (a, b), piece in zip(zip(CU, CU[1:]), _pieces(packed)):
+        alone, _ = torch_recurrent_gated_delta_rule(*(t[:, a:b] for t in (q, k, v, g, beta)), None, False)
+        assert torch.equal(piece, alone)
+
+
+@pytest.mark.parametrize("scale", [0.5, 18.0])
+def test_decay_gate_gradients_at_real_decays_recurrence_exact_chunked_not(scale):
+    """At log-decays near -18 per token the chunked rule's gradient of g is ~1e-5 from the fp64 recurrence (and a
+    model's gate parameters sum such errors into ~1e-3), the token-by-token recurrence's within fp32 rounding."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    inputs, weight = _strong_decay_inputs(150, scale), torch.randn(1, 150, 4, 16).double()
+    exact = _rule_grads(lambda *x: torch_recurrent_gated_delta_rule(*x, None, False)[0], inputs, weight, torch.float64)
+    chunked = _rule_grads(lambda *x: torch_gated_delta.chunk_gated_delta_rule(*x)[0], inputs, weight, torch.float32)
+    recurrent = _rule_grads(
+        lambda *x: torch_gated_delta.recurrent_gated_delta_rule(*x)[0], inputs, weight, torch.float32
+    )
+    error = lambda ours, truth: float((ours - truth).norm() / truth.norm())  # noqa: E731
+    for name, ours_c, ours_r, truth in zip(("q", "k", "v", "g", "beta"), chunked, recurrent, exact, strict=True):
+        assert error(ours_r, truth) < 5e-7, name
+        assert error(ours_c, truth) < 3e-5, name
+    assert error(chunked[3], exact[3]) > 5 * error(recurrent[3], exact[3])  # g: the chunked rule's own error
+
+
+@pytest.mark.gpu
+def test_fla_kernels_agree_with_the_torch_kernels_in_bf16_forward_and_backward():
+    """On CUDA with flash-linear-attention, the kernels Megatron-Core's GatedDeltaNet takes from it (packed conv,
+    l2norm, chunked delta rule with cu_seqlens) against qvl's torch kernels: both within bf16 rounding of the fp64
+    recurrence, fla no further from it than the torch kernels (tests/numerics.py), forward and every gradient."""
+    pytest.importorskip("fla")
+    from fla.modules.convolution import causal_conv1d
+    from fla.modules.l2norm import l2norm
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from tests.numerics import assert_as_close_as_eager
+
+    device, cu = torch.device("cuda"), torch.tensor([0, 300, 700, 1024], dtype=torch.int32)
+    q, k, v, g, beta = (t.to(device) for t in _strong_decay_inputs(1024, 18.0))
+    weight = torch.randn(1, 1024, 4, 16, device=device, dtype=torch.float64)
+
+    def run(delta_rule, norm, dtype):
+        leaves = [t.to(dtype).clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+        qn, kn = norm(leaves[0]), norm(leaves[1])
+        out, _ = delta_rule(qn, kn, *leaves[2:], cu_seqlens=cu.to(device))
+        (out.double() * weight).sum().backward()
+        return [out, *(t.grad for t in leaves)]
+
+    exact = run(torch_gated_delta.recurrent_gated_delta_rule, torch_gated_delta.l2norm, torch.float64)
+    fla = run(chunk_gated_delta_rule, l2norm, torch.bfloat16)
+    torch_kernels = run(torch_gated_delta.chunk_gated_delta_rule, torch_gated_delta.l2norm, torch.bfloat16)
+    for name, fast, eager, truth in zip(("out", "q", "k", "v", "g", "beta"), fla, torch_kernels, exact, strict=True):
+        assert_as_close_as_eager(fast, eager, truth, what=f"fla chunk_gated_delta_rule {name}", slack=2.0)
+    x = torch.randn(1, 1024, 48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    conv_weight = torch.randn(48, 4, device=device, dtype=torch.bfloat16, requires_grad=True)
+    outs = {}
+    for name, conv, dtype in (("fla", causal_conv1d, torch.bfloat16), ("torch", torch_gated_delta.causal_conv1d,
+                                                                       torch.bfloat16), ("exact", torch_gated_delta.causal_conv1d, torch.float64)):  # fmt: skip
+        xi, wi = x.detach().to(dtype).requires_grad_(True), conv_weight.detach().to(dtype).requires_grad_(True)
+        y, _ = conv(xi, wi, activation="silu", cu_seqlens=cu.to(device))
+        y.double().pow(2).sum().backward()
+        outs[name] = (y, xi.grad, wi.grad)
+    for index, what in enumerate(("out", "x grad", "weight grad")):
+        assert_as_close_as_eager(
+            outs["fla"][index], outs["torch"][index], outs["exact"][index], what=f"fla conv {what}"
+        )

@@ -8,9 +8,10 @@ loop makes its own (qvl.kernels.speed_cross_entropy); Megatron-Core's native one
 fp32 (a test below shows it and that the report names it). Then three deliberate breakages, each of which the check
 must catch.
 
-Qwen3.5-VL (dense and MoE): every tensor keeps the fp32 tolerances but the Gated DeltaNet decay-gate parameters,
-judged with the named `gate_grad` / `gate_weight` tolerances (qvl.training.parity.report); the slow test at the
-end shows on an fp64 run of the same step why: both frameworks' fp32 gradients of those are that far from exact.
+Qwen3.5-VL (dense and MoE): every tensor keeps the fp32 tolerances, the Gated DeltaNet decay-gate parameters too
+(named apart in the report, qvl.training.parity.report): both sides run the delta rule token by token on CPU; the
+slow test at the end shows on an fp64 run of the same steps that both sides' gate gradients are then within fp32
+rounding of exact.
 """
 
 from __future__ import annotations
@@ -235,10 +236,10 @@ def test_json_goes_alone_to_stdout(parity_inputs, tmp_path, capsys):
 @pytest.mark.parametrize("family", GATED_DELTA_FAMILIES)
 def test_gate_differences_are_fp32_error_alone(parity_inputs, tmp_path, family):
     """The run once more in fp64 (transformers' model, its fp32 casts made fp64, the exact delta-rule recurrence,
-    AdamW in fp64 at the same learning rates): on the decay-gate parameters transformers' own fp32 step-1
-    gradients are 1e-4..1e-3 off and qvl's no further (measured: at most 1.1x transformers' error on any tensor),
-    and after 3 Adam steps both frameworks' gate weights are 0.2-0.35 lr from fp64; every other tensor is within
-    2e-6 (gradients) and 0.04 lr (weights) of fp64 on both sides: the gate tolerances cover fp32 error alone."""
+    AdamW in fp64 at the same learning rates): with the delta rule token by token on both sides, every tensor's
+    step-1 gradient, the decay-gate parameters' included, is within fp32 rounding of fp64 on both sides (measured:
+    ~5e-7 relative, where the chunked rule leaves ~1e-3 on the gates: docs/parity.md) and qvl within 1.1x
+    transformers' error plus rounding; after 3 Adam steps both sides' weights are within 0.04 lr of fp64."""
     from qvl.training.parity import exact
     from qvl.training.parity.megatron_run import run_megatron
     from qvl.training.parity.report import is_gate_parameter
@@ -254,18 +255,14 @@ def test_gate_differences_are_fp32_error_alone(parity_inputs, tmp_path, family):
     ours, theirs = exact.relative_errors(qvl.grads, truth), exact.relative_errors(hf.grads, truth)
     assert set(ours) == set(theirs) == set(truth)
     gates = [n for n in truth if is_gate_parameter(n)]
-    others = [n for n in truth if not is_gate_parameter(n)]
     assert len(gates) >= 6
-    assert max(theirs[n] for n in gates) > 2e-5  # transformers' fp32 error on them is real, not zero
-    assert all(ours[n] <= 2 * theirs[n] + 1e-6 for n in gates), {n: (ours[n], theirs[n]) for n in gates}
-    assert max(ours[n] for n in gates) <= TOLERANCES["fp32"].gate_grad / 2
-    assert max(ours[n] for n in others) < 5e-6 and max(theirs[n] for n in others) < 5e-6
+    assert max(ours.values()) < 5e-6 and max(theirs.values()) < 5e-6, (max(ours.values()), max(theirs.values()))
+    assert all(ours[n] <= 1.1 * theirs[n] + 2e-6 for n in gates), {n: (ours[n], theirs[n]) for n in gates}
     # final weights, in units of the peak lr: each fp32 side's distance to the fp64 run
     ours_w, theirs_w = (_weight_errors(w, weights, settings.lr) for w in (qvl.weights, hf.weights))
-    assert max(ours_w[n] for n in gates) <= TOLERANCES["fp32"].gate_weight / 2
-    assert max(theirs_w[n] for n in gates) > 0.05  # Adam makes transformers' own gate error step-sized too
-    assert max(ours_w[n] for n in others) < TOLERANCES["fp32"].weight / 2
-    assert max(theirs_w[n] for n in others) < TOLERANCES["fp32"].weight / 2
+    assert (
+        max(ours_w.values()) < TOLERANCES["fp32"].weight / 2 and max(theirs_w.values()) < TOLERANCES["fp32"].weight / 2
+    )
 
 
 def _weight_errors(weights, exact_weights, lr: float) -> dict[str, float]:

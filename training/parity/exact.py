@@ -62,6 +62,30 @@ def fp64_model(hf_path):
     return exact_delta_rule(model)
 
 
+def recurrent_reference(model):
+    """The model with every Gated DeltaNet's delta rule transformers' own token-by-token recurrence (fp32), not its
+    chunked fallback: the reference side of a parity check, whose decay-gate gradients are then within fp32
+    rounding of exact (the chunked rule's are ~1e-3 off; kernels' tests, `benchmarks.bench_gate_gradients`)."""
+    for module in model.modules():
+        if hasattr(module, "chunk_gated_delta_rule"):
+            module.chunk_gated_delta_rule = _transformers_recurrence
+    return model
+
+
+def _transformers_recurrence(
+    query, key, value, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs
+):
+    """transformers' `torch_recurrent_gated_delta_rule` called as its modules call the chunked rule (which also
+    takes `cu_seqlens`: the reference runs each conversation alone, so there is none)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    if kwargs.get("cu_seqlens") is not None:
+        raise ValueError("the parity reference runs conversations one by one; a packed (cu_seqlens) call is not one")
+    return torch_recurrent_gated_delta_rule(
+        query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel
+    )
+
+
 def exact_delta_rule(model):
     """The model with every Gated DeltaNet's delta rule the exact token-by-token recurrence (in its dtype)."""
     for module in model.modules():

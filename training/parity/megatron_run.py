@@ -235,12 +235,16 @@ def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
     megatron.import_megatron_bridge()
     from megatron.bridge.training.callbacks import CallbackManager
 
+    from qvl.kernels import torch_gated_delta  # Megatron-Core's GatedDeltaNet
     from qvl.training.parity.adapters import AdapterParityCallback, adapter_hook, take_adapters
     from qvl.training.train import run_megatron_loop
 
     _, config = training_config(run)
     bridge = auto_bridge_with_weights(run.hf_path, config.model.params_dtype)
     config.model.register_pre_wrap_hook(lambda chunks: bridge.load_hf_weights(chunks) or chunks)
+    # Gated DeltaNet: the delta rule token by token where fla cannot run, as the reference runs it (its decay-gate
+    # gradients are then within fp32 rounding of exact on both sides; qvl.kernels.torch_gated_delta)
+    config.model.register_pre_wrap_hook(torch_gated_delta.token_by_token)
     adapters = take_adapters(config, run.options)  # a PEFT recipe: its adapters go on after the HF weights
     if adapters is not None:
         config.model.register_pre_wrap_hook(adapter_hook(adapters))

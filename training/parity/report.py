@@ -4,11 +4,12 @@ Tolerances are stated per precision. fp32 on CPU: what the two frameworks' diffe
 (measured on the tiny models of every family, README "Training parity"); bf16: the width of bf16 rounding over a
 few steps, for a GPU run (an estimate from bf16's 8-bit mantissa, not measured here).
 
-One named exception: the decay-gate parameters of a Gated DeltaNet (Qwen3.5-VL's `linear_attn.A_log`, `dt_bias`,
-`in_proj_a`) have fp32 gradients far less accurate than every other weight's in either framework. Measured against
-an fp64 run of the same step (qvl.training.parity.exact, README "Training parity"): transformers' fp32 gradients
-of them are up to 8.5e-4 relative off, qvl's up to 3.1e-4, every other tensor within 2e-6 on both sides. They
-are judged with `gate_grad` and `gate_weight`; every other tensor keeps `grad` and `weight`.
+The decay-gate parameters of a Gated DeltaNet (Qwen3.5-VL's `linear_attn.A_log`, `dt_bias`, `in_proj_a`) are named
+and reported apart, `gate_grad` / `gate_weight`. In fp32 they keep the common tolerances: both sides run the delta
+rule token by token (where fla cannot run), whose gate gradients are within fp32 rounding of exact; the chunked rule
+the frameworks use for speed is ~1e-3 off on them (measured against fp64, qvl.training.parity.exact; the kernel
+tests show why), so a check with it on both sides would compare one algorithm's error with itself. In bf16 (a GPU
+run, fla's chunked kernels on qvl's side) they keep a wider bound.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ class Tolerances:
     grad_norm: float  # max relative difference of a step's gradient norm (before clipping)
     grad: float  # max over tensors of |g_qvl - g_hf| / (|g_hf| + 1e-6 |G_hf|), step 1, after clipping
     weight: float  # max |difference| of a final weight, in units of the peak learning rate
-    gate_grad: float  # `grad` for GATE_PARAMETERS: their fp32 gradients are ill-conditioned (module docstring)
+    gate_grad: float  # `grad` for GATE_PARAMETERS (module docstring)
     gate_weight: float  # `weight` for GATE_PARAMETERS: Adam turns their gradient noise into update noise
 
 
 TOLERANCES = {
     "fp32": Tolerances(
-        token_loss=1e-5, step_loss=1e-5, grad_norm=1e-5, grad=1e-4, weight=0.1, gate_grad=3e-3, gate_weight=1.0
+        token_loss=1e-5, step_loss=1e-5, grad_norm=1e-5, grad=1e-4, weight=0.1, gate_grad=1e-4, gate_weight=0.1
     ),
     "bf16": Tolerances(
         token_loss=5e-2, step_loss=2e-2, grad_norm=5e-2, grad=1e-1, weight=1.0, gate_grad=1e-1, gate_weight=1.0
@@ -244,9 +245,9 @@ def gate_note(report: ParityReport) -> list[str]:
     tol = report.tolerances
     return [
         f"gate parameters: the Gated DeltaNet's decay gate ({', '.join(f.rstrip('.') for f in GATE_PARAMETERS)}; {report.gate_tensors} "
-        f"tensors) was judged with its own tolerance, gradients {tol.gate_grad:.0e} relative and final weights "
-        f"{tol.gate_weight:g} x lr (every other tensor {tol.grad:.0e} and {tol.weight:g} x lr): their fp32 gradients "
-        "are ill-conditioned in both frameworks (measured against fp64: README, Training parity). This run: "
+        f"tensors), judged with gradients {tol.gate_grad:.0e} relative and final weights {tol.gate_weight:g} x lr "
+        f"(every other tensor {tol.grad:.0e} and {tol.weight:g} x lr); both sides ran the delta rule token by token "
+        "where fla cannot run (the chunked rule's gate gradients are ~1e-3 from exact: docs/parity.md). This run: "
         f"{report.gate_grad_max_rel_diff:.1e} at {report.gate_grad_worst}, final weights "
         f"{report.gate_weight_max_diff / report.peak_lr:.3f} x lr at {report.gate_weight_worst}."
     ]

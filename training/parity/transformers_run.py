@@ -311,10 +311,12 @@ def _train_reference(
     from transformers import AutoModelForImageTextToText
 
     from qvl.training.parity.adapters import adapter_names, reference_model
+    from qvl.training.parity.exact import recurrent_reference
 
     cpu = not torch.cuda.is_available()
     # fp32 weights in both precisions: bf16 is autocast, as Megatron's bf16-mixed keeps fp32 main weights
     model = AutoModelForImageTextToText.from_pretrained(str(hf_path), dtype=torch.float32)
+    model = recurrent_reference(model)  # Gated DeltaNet: the token-by-token delta rule, as qvl's side runs it
     loss_config = model.config
     if adapters is not None:
         model = reference_model(model, adapters)
