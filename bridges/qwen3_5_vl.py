@@ -48,7 +48,7 @@ from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention import Qwen3VLS
 from megatron.bridge.models.qwen_vl.qwen35_vl_provider import Qwen35VLModelProvider, Qwen35VLMoEModelProvider
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tensor_model_parallel_region
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlockSubmodules,
     MultiTokenPredictionLayer,
@@ -81,9 +81,23 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
             self.weight.sequence_parallel = True  # its gradient is reduced over the TP group like TE's norms'
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._scaled(x, self.weight)
+
+    def _scaled(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
+        return (normed * (1.0 + weight.float())).type_as(x)
+
+
+class GatedDeltaOutNorm(ZeroCenteredRMSNorm):
+    """The Gated DeltaNet's output norm (per value head, one weight for all heads). Under tensor parallelism each
+    rank normalises its own value heads, so its weight's gradient is that rank's part: summed over the TP group in
+    backward here. Megatron-Core 0.19.2 sums the q/k norms' partial gradients in finalize_model_grads, matched by
+    name, but not this one (megatron/core/distributed/finalize_model_grads.py ~452): at TP=2 its gradient was half
+    off (the parity check at TP=2, tests/training/test_parity_parallel.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._scaled(x, copy_to_tensor_model_parallel_region(self.weight))  # identity; all-reduce in backward
 
 
 def _zero_centred_norms(layer: ModuleSpec) -> ModuleSpec:
@@ -101,7 +115,7 @@ def _gated_delta_layer(attention_layer: ModuleSpec) -> ModuleSpec:
     layer.submodules.self_attention = ModuleSpec(
         module=GatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(
-            in_proj=ColumnParallelLinear, out_norm=ZeroCenteredRMSNorm, out_proj=RowParallelLinear
+            in_proj=ColumnParallelLinear, out_norm=GatedDeltaOutNorm, out_proj=RowParallelLinear
         ),
     )
     return layer

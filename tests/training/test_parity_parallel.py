@@ -1,6 +1,7 @@
-"""Training parity through qvl's parallel paths: tensor parallel 2, pipeline parallel 2, and data parallel 2 with
-the vision work balanced over the replicas, each on two gloo processes, against transformers' single-process
-Trainer on the same conversations (README "Training parity"). Tiny Qwen2.5-VL, fp32, the parity sample set."""
+"""Training parity through qvl's parallel paths: tensor parallel 2, pipeline parallel 2, and data parallel 2 (with
+the vision work balanced over the replicas for Qwen2.5-VL), each on two gloo processes, against transformers'
+single-process Trainer on the same conversations (README "Training parity"). Tiny Qwen2.5-VL and Qwen3.5-VL (its
+Gated DeltaNet layers split over TP, its hybrid layer pattern over PP), fp32, the parity sample set."""
 
 from __future__ import annotations
 
@@ -17,16 +18,18 @@ LAYOUTS = {
     "pp2": {"pipeline_parallel": 2},
     "dp2_vision_balance": {"vision_balance": True},
 }
+# Qwen3.5-VL: its Megatron vision tower is split over TP itself, so data parallelism without vision balancing
+QWEN3_5_LAYOUTS = {"tp2": {"tensor_parallel": 2}, "pp2": {"pipeline_parallel": 2}, "dp2": {}}
 
 
-def parity_on_ranks(hf_path: str, data: str, root: str) -> dict:
+def parity_on_ranks(hf_path: str, data: str, root: str, layouts: dict | None = None) -> dict:
     """On each rank: every layout's parity run in turn (one spawn and one Megatron import for all three)."""
     from megatron.core import parallel_state
 
     from qvl.training.parity.run import ParitySpec, run_parity
 
     reports = {}
-    for name, options in LAYOUTS.items():
+    for name, options in (layouts or LAYOUTS).items():
         parallel_state.destroy_model_parallel()  # Megatron-Bridge sets the layout up itself
         spec = ParitySpec(
             hf_path=Path(hf_path),
@@ -65,3 +68,25 @@ def test_parallel_layout_takes_the_single_process_transformers_step(reports, lay
     assert [r["step"] for r in report["steps"]] == list(range(1, STEPS + 1))
     if layout.startswith("dp2"):
         assert any("data parallel: 2 replicas" in note for note in report["deliberate"])
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_reports(tmp_path_factory) -> dict:
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.foundation.distributed import run_on_ranks
+    from qvl.training.parity.samples import prepare_parity_dataset
+
+    root = tmp_path_factory.mktemp("parity_parallel_qwen3_5")
+    hf = write_tiny_hf_checkpoint(root / "hf", "qwen3_5_vl")
+    data = prepare_parity_dataset(hf, "qwen3_5_vl", root, seq_length=SEQ_LENGTH)
+    ranks = run_on_ranks(parity_on_ranks, str(hf), str(data), str(root), QWEN3_5_LAYOUTS, world_size=2, cpu=True)
+    return ranks[0]
+
+
+@pytest.mark.parametrize("layout", list(QWEN3_5_LAYOUTS))
+def test_qwen3_5_parallel_layout_takes_the_single_process_transformers_step(qwen3_5_reports, layout):
+    report = qwen3_5_reports[layout]
+    assert report["ok"], report["failures"]
+    assert report["conversations"] == 4 and report["tensors_compared"] > 50 and not report["mask_mismatches"]
+    assert report["gate_tensors"] >= 6  # the decay gates too, at the common tolerances
+    assert [r["step"] for r in report["steps"]] == list(range(1, STEPS + 1))
