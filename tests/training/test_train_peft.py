@@ -206,8 +206,8 @@ def test_export_adapter_command_writes_and_checks_the_adapter(peft_run, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("peft_run", ["qwen2_5_vl"], indirect=True)
-@pytest.mark.parametrize("layout", ["tensor_parallel=2", "pipeline_parallel=2"])
-def test_lora_at_tp2_and_pp2_gives_the_single_process_losses(peft_run, layout, tmp_path):
+@pytest.mark.parametrize("layout", ["tensor_parallel=2", "pipeline_parallel=2", "data_parallel=2"])
+def test_lora_at_tp2_pp2_and_dp2_gives_the_single_process_losses(peft_run, layout, tmp_path):
     """Two gloo processes under torchrun from the same converted checkpoint and the same initial adapters (drawn per
     module, whatever the layout: qvl.bridges.adapters.initialize_independent_of_layout) give one process's losses
     within fp32 rounding."""
@@ -225,7 +225,8 @@ def test_lora_at_tp2_and_pp2_gives_the_single_process_losses(peft_run, layout, t
         "--master_port",
         str(free_port()),
     ]
-    command = [*torchrun, "-m", "qvl.launchers.cli", "train", *peft_run.args, layout, "--run-dir", str(tmp_path)]
+    extra = [] if layout == "data_parallel=2" else [layout]  # two processes and no model parallelism: DP=2
+    command = [*torchrun, "-m", "qvl.launchers.cli", "train", *peft_run.args, *extra, "--run-dir", str(tmp_path)]
     out = subprocess.run(command, capture_output=True, text=True)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     one, two = read_losses(peft_run.run), read_losses(tmp_path)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from qvl.foundation.errors import ConfigError
+from qvl.training.parity import decay
 from qvl.training.parity.megatron_run import ParityCallback, _gradient
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,9 @@ class AdapterParityCallback(ParityCallback):
     def export(self, model: list, *, grads: bool) -> dict[str, torch.Tensor]:
         value = (lambda p: _gradient(p).detach().clone()) if grads else (lambda p: p.detach().clone())
         return {k: v.float() for k, v in self._state(model, value).tensors.items()}
+
+    def export_decay(self, model: list, decay_of: dict[torch.Tensor, float]) -> dict[str, float]:
+        return decay.by_name(self._state(model, decay.as_markers(decay_of)).tensors)
 
     def _state(self, model: list, value: Callable[[torch.Tensor], torch.Tensor]):
         from megatron.core.utils import unwrap_model

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from qvl.foundation import megatron, runtime
+from qvl.training.parity import decay
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class Recording:
     token_losses: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # a PEFT recipe's adapters as the reference starts from them (qvl.training.parity.adapters.AdapterRecord)
     adapters: Any = None
+    # HF name -> the weight decay the optimizer this framework built applies to it (qvl.training.parity.decay)
+    decay: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,8 +144,14 @@ def export_hf(bridge, model: list, *, grads: bool) -> dict[str, torch.Tensor]:
     gradient of 1e-4 came back 2e-4 off relative, which looked like a training difference)."""
     if not grads:
         return _export(bridge, model, None)
+    return export_values(bridge, model, lambda p: _gradient(p).double())
+
+
+def export_values(bridge, model: list, value_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`value_of(parameter)` in each parameter's place, through the linear part of the bridge's mappings (see
+    `export_hf`), under HF names."""
     tasks = bridge.get_conversion_tasks(model)
-    exported = _export(bridge, model, _with_weights(tasks, lambda p: _gradient(p).double()), torch.float64)
+    exported = _export(bridge, model, _with_weights(tasks, lambda p: value_of(p).double()), torch.float64)
     offsets = _export(bridge, model, _with_weights(tasks, lambda p: torch.zeros_like(p, dtype=torch.float64)), None)
     return {name: (tensor - offsets[name].double()).float() for name, tensor in exported.items()}
 
@@ -174,6 +183,7 @@ class ParityCallback:
             ps.get_tensor_model_parallel_rank(),
             ps.is_pipeline_last_stage(ignore_virtual=True),
         )
+        self.recording.decay = self.export_decay(context.model, decay.megatron_decay(context.optimizer))
 
     def on_train_step_start(self, context) -> None:
         self._lr = float(context.optimizer.param_groups[0]["lr"])
@@ -195,6 +205,10 @@ class ParityCallback:
     def export(self, model: list, *, grads: bool) -> dict[str, torch.Tensor]:
         """What is compared: every weight (or its gradient) under HF names."""
         return export_hf(self.bridge, model, grads=grads)
+
+    def export_decay(self, model: list, decay_of: dict[torch.Tensor, float]) -> dict[str, float]:
+        """Each compared tensor's weight decay in the built optimizer, exported like the weights."""
+        return decay.by_name(export_values(self.bridge, model, decay.as_markers(decay_of)))
 
 
 def training_config(run: MegatronRun):

@@ -15,6 +15,7 @@ from qvl.foundation.errors import ConfigError, DataError
 from qvl.foundation.families import family_of_architecture
 from qvl.kernels import switch
 from qvl.recipes.registry import all_recipes
+from qvl.training.parity import decay
 from qvl.training.parity.adapters import adapter_notes
 from qvl.training.parity.report import ParityReport, compare, gate_note
 
@@ -108,6 +109,7 @@ def run_parity(spec: ParitySpec) -> ParityReport | None:
     report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec, device)
     report.deliberate += (moe_note(config) if family.moe else []) + run_notes(spec, settings) + gate_note(report)
     report.deliberate += adapter_notes(qvl.adapters)
+    report.failures += decay.failure(qvl.decay, hf.decay)  # read from both optimizers: visible at any step count
     return report
 
 
@@ -122,6 +124,7 @@ def check_spec(spec: ParitySpec):
             f"warmup_iters={spec.options['warmup_iters']} does not fit {spec.steps} steps (Megatron-Bridge would cap it "
             "to a fraction of a step that transformers' schedulers cannot express); pass warmup_iters < --steps"
         )
+    check_updates(spec)
     family = checkpoint_family(spec.hf_path)
     device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if spec.precision == "bf16" and device == "cpu":
@@ -130,6 +133,21 @@ def check_spec(spec: ParitySpec):
         )
     dataset_report(spec.data)
     return family, device
+
+
+def check_updates(spec: ParitySpec) -> None:
+    """Refuse a multi-step check with a single optimizer update: Megatron's warm-up starts at lr 0, and Adam's first
+    update is lr x sign(gradient) whatever its size, so the final weights and the loss trajectory could not show a
+    gradient scaled wrong, the schedule or Adam's state (step 1's losses and gradients alone: --steps 1)."""
+    warmup = int(spec.options.get("warmup_iters", 1 if spec.steps > 1 else 0))
+    updates = spec.steps - (1 if warmup > 0 else 0)
+    if spec.steps > 1 and updates < 2:
+        raise ConfigError(
+            f"--steps {spec.steps} with warmup_iters={warmup} makes {updates} optimizer update (the warm-up starts at "
+            "lr 0), and Adam's first update is lr x sign(gradient), so the final weights and losses cannot show a "
+            f"gradient's size, the schedule or Adam's state; use --steps {spec.steps + 2 - updates} or more, or "
+            "--steps 1 for step 1's losses and gradients alone"
+        )
 
 
 def qvl_run(spec: ParitySpec, family, device: str):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from qvl.foundation.errors import ConfigError, DataError
+from qvl.training.parity import decay
 from qvl.training.parity.megatron_run import Recording, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -342,6 +343,10 @@ def _train_reference(
         for s, norm, lr in zip(sorted(record.losses), record.grad_norms, record.lrs)
     ]
     recording.decay_rules_differ = decay_rules_differ(trainer)
+    # the decay of every tensor as the Trainer's optimizer holds it, named as the weights are
+    markers = decay.as_markers(decay.torch_decay(trainer.optimizer))
+    params = trainer.model.named_parameters(remove_duplicate=False)
+    recording.decay = decay.by_name(names(trainer.model, {n: markers(p) for n, p in params}))
     recording.token_losses = record.token_losses
     return recording
 
