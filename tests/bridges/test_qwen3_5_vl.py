@@ -102,3 +102,17 @@ def test_import_refuses_the_count_mismatch_before_building_anything(tmp_path):
     with pytest.raises(ConversionError, match="set text_config.mtp_num_hidden_layers to 1"):
         run_on_ranks(convert.import_on_rank, str(hf), str(tmp_path / "out"), "fp32", cpu=True)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(tensor_parallel=2), dict(pipeline_parallel=2)])
+def test_mtp_logits_verify_at_tensor_and_pipeline_parallel_two(converted, layout, tmp_path):
+    """The MTP block split over two TP ranks (dense and MoE), or on the last of two pipeline stages (its own copy of
+    the embedding there): the same logits as the published head's."""
+    names = ["dense", "moe"] if "tensor_parallel" in layout else ["dense"]
+    hf = {name: str(converted[name]["hf"]) for name in names}
+    root = converted[names[0]]["hf"].parent.parent / "megatron"
+    reports = [r for r in run_on_ranks(conversion_jobs.verify_all, hf, str(root), cpu=True, **layout) if r]
+    for name in names:
+        report = next(r[name] for r in reports if r.get(name))
+        assert report["ok"] and report["mtp_max_abs_diff"] <= 1e-6 and report["tensors_different"] == [], report
