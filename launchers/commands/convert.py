@@ -88,6 +88,11 @@ def run_verify(args: argparse.Namespace) -> int:
             f"top-1 agreement {report['top1_agreement']:.1%} over {report['tokens']} tokens "
             f"(tolerance {report['tolerance']:.3g})"
         )
+        if report.get("mtp_max_abs_diff") is not None:  # Qwen3.5's multi-token-prediction head
+            print(
+                f"MTP logits vs the published MTP head: max |diff| {report['mtp_max_abs_diff']:.3g}, "
+                f"top-1 agreement {report['mtp_top1_agreement']:.1%}"
+            )
         print(f"export: {report['tensors_compared']} tensors compared, {len(report['tensors_different'])} different")
         for name in report["tensors_different"][:20]:
             print(f"  differs: {name}")
