@@ -49,15 +49,16 @@ from megatron.bridge.models.qwen_vl.qwen35_vl_provider import Qwen35VLModelProvi
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tensor_model_parallel_region
+from megatron.core.transformer import multi_token_prediction as upstream_mtp
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlockSubmodules,
-    MultiTokenPredictionLayer,
     MultiTokenPredictionLayerSubmodules,
     get_mtp_num_layers_to_build,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.utils import make_viewless_tensor
 from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 
 from qvl.bridges.fixes import mrope_section
@@ -66,6 +67,7 @@ from qvl.bridges.qwen3_vl import Qwen3VLModel
 from qvl.bridges.unconverted import recorded_tensor_names
 from qvl.foundation.megatron import have_transformer_engine
 from qvl.kernels.local_specs import local_gpt_layer_spec
+from qvl.kernels.packed_shift import shift_in_sequences
 from qvl.kernels.torch_gated_delta import GatedDeltaNet
 
 
@@ -139,6 +141,35 @@ def local_hybrid_block_spec(config, vp_stage: int | None = None, pp_rank: int | 
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     layers = [delta_layer if pattern[i] else attention_layer for i in range(offset, offset + count)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
+
+
+class MultiTokenPredictionLayer(upstream_mtp.MultiTokenPredictionLayer):
+    """Megatron-Core's MTP layer; in a packed (THD) micro-batch on one context-parallel rank its next-token ids and
+    positions are shifted inside each sample on the device (qvl.kernels.packed_shift) instead of by upstream's
+    `roll_tensor`, which reads every sample's bounds back to the host, twice per micro-batch. The same tensors
+    (tests/training/test_mtp.py)."""
+
+    def _get_embeddings(
+        self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None, padding_mask=None
+    ):
+        cp = self.cp_group.size() if self.cp_group is not None else 1
+        if packed_seq_params is None or padding_mask is not None or cp > 1:
+            return super()._get_embeddings(
+                input_ids, position_ids, embedding, hidden_states, packed_seq_params, padding_mask
+            )
+        # upstream's body with the shift replaced (megatron/core/transformer/multi_token_prediction.py ~1109-1160)
+        cu_seqlens = packed_seq_params.cu_seqlens_q
+        input_ids, position_ids = (
+            shift_in_sequences(input_ids, cu_seqlens),
+            shift_in_sequences(position_ids, cu_seqlens),
+        )
+        decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)
+        if self.config.mtp_detach_heads:
+            decoder_input = decoder_input.detach()
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        if not hidden_states.requires_grad:  # after a detach (mtp_detach_heads), as upstream keeps the graph
+            hidden_states.requires_grad_(True)
+        return input_ids, position_ids, padding_mask, decoder_input, hidden_states
 
 
 def local_mtp_block_spec(config, vp_stage: int | None = None) -> MultiTokenPredictionBlockSubmodules | None:

@@ -28,6 +28,7 @@ import torch
 
 from qvl.foundation import patches
 from qvl.kernels import fix_mtp_loss
+from qvl.kernels.packed_shift import shift_in_sequences
 
 MTP_LOSS = "mtp loss"  # the reporting key, beside Megatron-Bridge's "lm loss"
 
@@ -55,14 +56,6 @@ def states_kept(config: Any) -> contextlib.AbstractContextManager:
     """Around a forward of a model with MTP layers: patch group "fix-mtp-loss", so the MTP states reach
     `losses_with_mtp` (qvl.kernels.fix_mtp_loss); nothing without MTP layers. Only the forward needs it."""
     return patches.applied(fix_mtp_loss.GROUP) if mtp_depths(config) else contextlib.nullcontext()
-
-
-def shift_in_sequences(tensor: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """`tensor` [b, s] moved one position left inside every packed sub-sequence (`cu_seqlens`, or the whole row),
-    the last position of each piece set to zero; no host read of `cu_seqlens`."""
-    shifted = torch.roll(tensor, shifts=-1, dims=-1)
-    ends = cu_seqlens[1:].long() - 1 if cu_seqlens is not None else torch.tensor([tensor.shape[-1] - 1])
-    return shifted.index_fill(-1, ends.to(tensor.device), 0)
 
 
 def losses_with_mtp(

@@ -9,15 +9,29 @@ import pytest
 import torch
 
 from qvl.foundation import distributed
+from qvl.kernels.packed_shift import shift_in_sequences
 from qvl.training import mtp
 
 
 def test_shift_stays_inside_each_packed_sample():
     tokens = torch.tensor([[10, 11, 12, 20, 21, 30, 31, 32, 33]])
     cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
-    shifted = mtp.shift_in_sequences(tokens, cu)
+    shifted = shift_in_sequences(tokens, cu)
     assert shifted.tolist() == [[11, 12, 0, 21, 0, 31, 32, 33, 0]]  # no position sees the next sample's token
-    assert mtp.shift_in_sequences(tokens, None).tolist() == [[11, 12, 20, 21, 30, 31, 32, 33, 0]]
+    assert shift_in_sequences(tokens, None).tolist() == [[11, 12, 20, 21, 30, 31, 32, 33, 0]]
+    positions = torch.arange(9).expand(3, 1, 9)  # mRoPE positions [3, b, s] shift the same way
+    assert shift_in_sequences(positions, cu)[2].tolist() == [[1, 2, 0, 4, 0, 6, 7, 8, 0]]
+
+
+def test_the_shift_is_megatron_cores_packed_roll_without_its_host_loop():
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    cu = torch.tensor([0, 5, 75, 76, 100], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    for tensor in (torch.randint(0, 500, (1, 100)), torch.arange(100).expand(3, 1, 100)):
+        rolled, _ = roll_tensor(tensor, shifts=-1, dims=-1, packed_seq_params=packed)
+        assert torch.equal(shift_in_sequences(tensor, cu), rolled)
 
 
 def test_loss_adds_the_scaled_mtp_sum_and_reports_it_token_weighted():
