@@ -250,7 +250,7 @@ def _check_slurm_account(account: str | None) -> None:
     if not account or not shutil.which("sacctmgr"):
         return
     user = getpass.getuser()
-    shown = _slurm_out(["sacctmgr", "-n", "-P", "show", "assoc", f"where user={user}", "format=Account"])
+    shown = _slurm_out(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user}", "format=Account"])
     accounts = sorted(set(shown.split()))
     if accounts and account not in accounts:
         raise LaunchError(

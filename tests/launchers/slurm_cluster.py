@@ -385,6 +385,8 @@ class SlurmCluster:
             "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
             "SelectType=select/cons_tres\nSelectTypeParameters=CR_Core\nReturnToService=2\n"
             "MpiDefault=none\nJobRequeue=1\nKillWait=5\nMinJobAge=300\nInactiveLimit=0\n"
+            # A pending job (a requeued one let start now) is looked at every 2 s, not every 60.
+            "SchedulerParameters=sched_interval=2\n"
             f"AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=127.0.0.1\n"
             f"AccountingStoragePort={self.ports['slurmdbd']}\nAccountingStorageEnforce=associations\n"
             f"{node_lines}PartitionName={PARTITION} Nodes={names} Default=YES MaxTime=INFINITE State=UP\n"

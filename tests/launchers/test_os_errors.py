@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,33 @@ def test_a_rank_failure_inside_a_distributed_checkpoint_is_found_and_worded():
 def test_each_os_error_says_what_where_and_the_way_on(code, words):
     line = describe_os_error(OSError(code, os.strerror(code), "/data/out/a.bin"), where="/data/out", then="then x")
     assert line.startswith(words) and line.endswith("; then x") and "\n" not in line
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_training_saves_a_checkpoint_names_the_folder(
+    small_disk, tiny_qwen25_checkpoint, tiny_dataset, tiny_qwen25_megatron, tmp_path
+):
+    """torch's distributed checkpoint hides the OS error (its zip writer raises `unexpected pos`); the line still
+    says the checkpoint folder is full and that the same command resumes."""
+    disk = small_disk("512k")  # the tiny model's checkpoint with its optimizer state is several MB
+    argv = [
+        str(Path(sys.executable).with_name("qvl")),
+        "train",
+        "qwen25_vl_3b_sft",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+    ]
+    argv += [
+        f"data={tiny_dataset}",
+        f"hf_path={tiny_qwen25_checkpoint}",
+        f"pretrained_checkpoint={tiny_qwen25_megatron}",
+    ]
+    argv += ["train_iters=1", "warmup_iters=0", "global_batch_size=1", "micro_batch_size=1", "seq_length=256"]
+    argv += ["save_interval=1", f"checkpoint_dir={disk / 'ckpt'}", "--run-dir", str(tmp_path / "run")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
+    assert errors[0].startswith(f"error: no space left on the device at {disk / 'ckpt'} (ENOSPC)"), errors[0]
+    assert errors[0].endswith(f"it resumes from the last checkpoint in {disk / 'ckpt'}"), errors[0]

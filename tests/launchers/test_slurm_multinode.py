@@ -149,6 +149,9 @@ def test_qvl_launch_one_process_per_node_trains_data_parallel_across_both_nodes(
     assert sorted(read_losses(run_dir)) == [1, 2]  # stopped after step 2 as asked
     # torch_dist: one file per rank, so both ranks (one per node) wrote their shard.
     assert _shards(run_dir / "checkpoints" / f"iter_{STOP:07d}") == ["__0_0.distcp", "__1_0.distcp"]
+    # The job imported the qvl packed with it: its code folder (shipped without __pycache__) now has bytecode.
+    code = Path(result["folder"]) / RECIPE / "code"
+    assert list((code / "qvl" / "training").glob("__pycache__/train.*.pyc"))
 
 
 def test_the_job_environment_is_the_site_file_and_what_qvl_needs(jobs, two_node_cluster, inputs):
@@ -245,3 +248,27 @@ def test_ray_prepare_across_both_nodes_writes_the_bytes_of_a_local_prepare(jobs,
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == files
     assert [f for f in files if f not in skip and (local / f).read_bytes() != (out / f).read_bytes()] == []
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob(f"ray-{job_id}"))  # the job removed Ray's folder
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("run.executor.nodes=3", "nodes=3 is more than partition cpu has (2); use nodes<=2"),
+        ("run.executor.partition=gpu", "partition=gpu does not exist on this cluster; use one of cpu"),
+        ("run.executor.account=nobody", "account=nobody is not a Slurm account of user root; use one of"),
+        ("run.executor.processes_per_node=CPUS+1", "is more than the CPUS CPUs of a node in partition cpu"),
+    ],
+)
+def test_a_request_this_cluster_cannot_run_is_refused_before_sbatch(
+    two_node_cluster, inputs, monkeypatch, capsys, override, words
+):
+    from tests.launchers.test_bad_input import one_error_line
+
+    cpus = os.cpu_count() or 1  # what each test node declares
+    override, words = override.replace("CPUS+1", str(cpus + 1)), words.replace("CPUS", str(cpus))
+    monkeypatch.setenv("SLURM_CONF", str(two_node_cluster.conf))
+    queued = two_node_cluster.run(["sacct", "-n", "-X", "-P", "-o", "JobID"]).stdout.split()
+    argv = ["launch", "demo", "steps=2", override, "--executor", "slurm", "--executor-config", str(inputs["site"])]
+    line = one_error_line(capsys, [*argv, "--experiments-dir", str(inputs["root"] / "exp-refused")])
+    assert words in line, line
+    assert two_node_cluster.run(["sacct", "-n", "-X", "-P", "-o", "JobID"]).stdout.split() == queued
