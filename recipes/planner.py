@@ -38,6 +38,8 @@ from qvl.recipes.shapes import (
     adapter_counts,
     lm_layer_params,
     lm_param_counts,
+    mtp_layer_params,
+    mtp_layers,
     padded_vocab,
     vision_is_megatron,
     vision_param_count,
@@ -135,6 +137,10 @@ def _stage_params(x: PlanInputs) -> list[StageParams]:
         dense = n * dense_layer / tp + (parts["embedding"] / tp if s == 0 else 0)
         dense += (parts["output"] or (parts["embedding"] if len(layers) > 1 else 0)) / tp if s == len(layers) - 1 else 0
         expert = n * expert_layer / (ep * etp)
+        if s == len(layers) - 1 and mtp_layers(model):  # MTP layers, and their copy of the embedding past stage 0
+            mtp_dense, mtp_expert = mtp_layer_params(model)
+            dense += mtp_layers(model) * mtp_dense / tp + (parts["embedding"] / tp if len(layers) > 1 else 0)
+            expert += mtp_layers(model) * mtp_expert / (ep * etp)
         frozen, train_dense, train_expert = (dense + expert, 0.0, 0.0) if lm_frozen else (0.0, dense, expert)
         if s == 0:
             vis = vision / vision_shard
@@ -184,7 +190,11 @@ def _stage_activations(x: PlanInputs, stage: int, weight_bytes: int) -> float:
         acts += vision_activation_bytes(model, vision, patches, recompute=vision_recompute)
         acts += tokens * 2 * lm.hidden_size
     if stage == pp - 1:  # the final norm's output, fp32 (same source), and what the loss keeps per logit
-        acts += tokens * (4 * lm.hidden_size + _loss_bytes_per_logit(x, weight_bytes) * padded_vocab(model)) / tp
+        head = tokens * (4 * lm.hidden_size + _loss_bytes_per_logit(x, weight_bytes) * padded_vocab(model)) / tp
+        # each MTP depth: its eh_proj input (2h), one more decoder layer and one more pass through the loss
+        mtp = tokens * 2 * lm.hidden_size * weight_bytes / tp
+        mtp += layer_activation_bytes(model, lm, tokens, recompute=recompute, modules=modules) + head
+        acts += head + mtp_layers(model) * mtp
     acts *= _in_flight(x, stage)
     if recompute == "full":  # one layer rebuilt at a time for backward
         acts += layer_activation_bytes(model, lm, tokens, recompute=None, modules=[])
