@@ -62,6 +62,18 @@ COMMANDS = {
         "run.executor.gpus=0",
         "--dryrun",
     ],
+    # NEMORUN_HOME below contains /nemo_run, which NeMo-Run rewrites in a container-less sbatch script.
+    "mangled": [
+        "pretrain",
+        "--factory",
+        "demo",
+        "recipe.steps=2",
+        "run.executor=slurm",
+        "run.executor.account=a",
+        "run.executor.partition=p",
+        "run.executor.gpus_per_node=0",
+        "--dryrun",
+    ],
 }
 
 
@@ -118,6 +130,14 @@ def test_nemo_qvl_dryrun_of_a_factory(nemo_runs):
     assert code == 0, out
     assert "Dry run for task qvl.launchers.nemo_cli:pretrain" in out
     assert "demo(steps=2)" in out and "QVL_DEVICE" in out
+
+
+@pytest.mark.slow
+def test_nemo_qvl_refuses_a_nemorun_home_that_nemo_run_would_rewrite_in_one_line(nemo_runs):
+    code, out = nemo_runs["mangled"]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert "contains `/nemo_run`, which NeMo-Run replaces by the job folder" in errors[0], errors[0]
 
 
 def test_every_registered_recipe_becomes_a_factory(fake_recipe, nemo_cli):
