@@ -49,16 +49,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def install_packages() -> None:
-    """apt-get the Slurm packages where they are missing; `Unavailable` where that cannot be done here."""
-    if all(shutil.which(d) for d in DAEMONS) and shutil.which("mariadb-install-db"):
+def install_packages(
+    packages: tuple[str, ...] = PACKAGES, commands: tuple[str, ...] = (*DAEMONS, "mariadb-install-db")
+) -> None:
+    """apt-get `packages` where one of `commands` is missing; `Unavailable` where that cannot be done here."""
+    if all(shutil.which(command) for command in commands):
         return
+    what = "Slurm is" if packages == PACKAGES else f"{', '.join(c for c in commands if not shutil.which(c))} is"
     if os.geteuid() != 0:
-        raise Unavailable(f"Slurm is not installed and the tests do not run as root to apt-get {' '.join(PACKAGES)}")
+        raise Unavailable(f"{what} not installed and the tests do not run as root to apt-get {' '.join(packages)}")
     if not shutil.which("apt-get"):
-        raise Unavailable(f"Slurm is not installed and there is no apt-get to install {' '.join(PACKAGES)}")
+        raise Unavailable(f"{what} not installed and there is no apt-get to install {' '.join(packages)}")
     env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-    for args in (["update", "-q"], ["install", "-y", "-q", "--no-install-recommends", *PACKAGES]):
+    for args in (["update", "-q"], ["install", "-y", "-q", "--no-install-recommends", *packages]):
         done = subprocess.run(["apt-get", *args], env=env, capture_output=True, text=True)
         if done.returncode:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -178,9 +181,7 @@ class NodeNetwork:
 
     def create(self, names: list[str]) -> list[Node]:
         """One namespace per node name, each with a veth on the bridge; the nodes, addresses .11, .12, ..."""
-        for tool in ("ip", "nsenter", "unshare"):
-            if not shutil.which(tool):
-                raise Unavailable(f"two Slurm nodes need `{tool}` (iproute2 / util-linux)")
+        install_packages(("iproute2", "util-linux"), ("ip", "nsenter", "unshare"))
         self.subnet = self.subnet or _unused_subnet()
         prefix = self.subnet.prefixlen
         self._ip("link", "add", self.bridge, "type", "bridge")

@@ -120,3 +120,13 @@ def test_a_full_disk_while_training_saves_a_checkpoint_names_the_folder(
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
     assert errors[0].startswith(f"error: no space left on the device at {disk / 'ckpt'} (ENOSPC)"), errors[0]
     assert errors[0].endswith(f"it resumes from the last checkpoint in {disk / 'ckpt'}"), errors[0]
+
+
+def test_an_experiments_folder_on_a_read_only_filesystem_is_one_line_for_launch(small_disk, capsys):
+    disk = small_disk("1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    argv = ["launch", "demo", "steps=1", "--executor", "slurm", "run.executor.account=a", "run.executor.partition=p"]
+    line = one_error_line(capsys, [*argv, "run.executor.gpus_per_node=0", "--experiments-dir", str(disk), "--dryrun"])
+    assert line.startswith(f"error: read-only filesystem at {disk}") and "(EROFS)" in line, line
+    assert line.endswith("then run the same command again (a job that was already submitted shows in `nemo "
+                         "experiment list`)"), line  # fmt: skip
