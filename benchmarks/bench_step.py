@@ -232,7 +232,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
     from benchmarks.step_census import Census, WidthMap
     from qvl.foundation import distributed, megatron, runtime
     from qvl.kernels import switch
-    from qvl.training.train import TrainRequest, prepare_config
+    from qvl.training.loop import TrainRequest, prepare_config
 
     spec = json.loads(spec_path.read_text())
     config = StepConfig(**{**spec["config"], "image_grid": tuple(spec["config"]["image_grid"])})
@@ -260,7 +260,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
     if not spec["baseline"] and not spec.get("eager_regions"):  # what CUDA runs compiled (benchmarks.compiled_regions)
         code.enter_context(cuda_compiled_regions(census))
     _, cfg = prepare_config(TrainRequest(recipe=config.recipe, overrides=overrides, run_dir=out / "run"))
-    if not spec["baseline"]:  # what a training loop on a CUDA device applies (qvl.training.train.run_megatron_loop)
+    if not spec["baseline"]:  # what a training loop on a CUDA device applies (qvl.training.loop.run_megatron_loop)
         code.enter_context(switch.applied_for_training(switch.Target.of(cfg, device="cuda")))
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.logger.tensorboard_dir = None

@@ -298,7 +298,7 @@ def planned_packs_per_second(setup: Setup, hf_path: pathlib.Path, data: pathlib.
     from qvl.foundation import megatron
     from qvl.recipes.planner import plan_config
     from qvl.recipes.split import Workload
-    from qvl.training.train import TrainRequest, prepare_config
+    from qvl.training.loop import TrainRequest, prepare_config
 
     megatron.import_megatron_bridge()
     spec = json.loads(variant_spec(setup, hf_path, data, seq_length, "packed").read_text())

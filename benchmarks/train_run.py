@@ -191,7 +191,7 @@ def train_once(spec: dict) -> dict:
     """Train one variant as `spec` says; returns its raw measurements."""
     from qvl.foundation import distributed, megatron, runtime
     from qvl.kernels import switch
-    from qvl.training.train import TrainRequest, prepare_config
+    from qvl.training.loop import TrainRequest, prepare_config
 
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed.free_port())

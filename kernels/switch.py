@@ -2,7 +2,7 @@
 config and the machine it runs on.
 
 The machine is the run's target, not necessarily this one: a plan made on a laptop for an H100 asks what the H100's
-run applies (`Target.of(config, device="cuda")`). The training loop (qvl.training.train.run_megatron_loop), the
+run applies (`Target.of(config, device="cuda")`). The training loop (qvl.training.loop.run_megatron_loop), the
 planner, the parity check, the step census and `qvl doctor --patches` all ask `decide`, so "is qvl's cross-entropy
 on?" has one answer.
 

@@ -179,7 +179,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _summarise(results: dict, out: Path, console, table_cls) -> None:
-    from qvl.training.train import read_losses
+    from qvl.training.loop import read_losses
 
     data = json.loads((out / "data" / "report.json").read_text())
     losses = read_losses(out / "train")

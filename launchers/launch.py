@@ -285,7 +285,7 @@ def resolved_config(job: Job, executor) -> dict[str, Any]:
 def build_job_config(job: Job, executor) -> Any:
     """Build the job's ConfigContainer here exactly as `qvl train` will there, which checks every dotted key."""
     from qvl.launchers.executors import is_cpu
-    from qvl.training.train import TrainRequest, prepare_config
+    from qvl.training.loop import TrainRequest, prepare_config
 
     flags = dict(zip(job.train_flags[::2], job.train_flags[1::2], strict=False))
     run_dir = Path(flags.get("--run-dir", "runs/train"))

@@ -12,7 +12,7 @@ _LOOP = ("train", "read_losses")
 
 def __getattr__(name: str) -> Any:
     if name in _LOOP:  # loaded on use: it brings torch and Megatron-Bridge's training loop
-        from qvl.training import train as loop
+        from qvl.training import loop
 
         return getattr(loop, name)
     raise AttributeError(f"module 'qvl.training' has no attribute {name!r}")

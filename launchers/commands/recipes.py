@@ -234,7 +234,7 @@ def print_plan(name: str, plan: Any) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from qvl.training.train import TrainRequest, read_losses, run_training  # torch
+    from qvl.training.loop import TrainRequest, read_losses, run_training  # torch
 
     request = TrainRequest(
         recipe=args.recipe,

@@ -222,7 +222,7 @@ def test_padded_tower_trains_resumes_bit_exactly_and_exports_unpadded(misaligned
 
     from qvl.bridges.convert import copy_hf_side_files
     from qvl.data.samples import write_sample_dataset
-    from qvl.training.train import read_losses
+    from qvl.training.loop import read_losses
     from tests.run_qvl import qvl_in_process as qvl
 
     jsonl, media = write_sample_dataset(tmp_path / "samples", count=16, with_bad=False)

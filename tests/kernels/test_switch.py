@@ -119,7 +119,7 @@ def test_the_training_loop_runs_under_the_groups_the_switch_decides(monkeypatch)
     megatron.import_megatron_bridge()
     from megatron.bridge.training import pretrain as pretrain_module
 
-    from qvl.training.train import run_megatron_loop
+    from qvl.training.loop import run_megatron_loop
 
     seen = []
     monkeypatch.setattr(pretrain_module, "pretrain", lambda config, step, callbacks: seen.append(set(patches._APPLIED)))

@@ -76,7 +76,7 @@ def test_one_value_grammar(text, value):
 def test_dryrun_prints_the_config_the_job_builds(tmp_path):
     from qvl.launchers.site import to_plain
     from qvl.recipes.overrides import parse_overrides
-    from qvl.training.train import TrainRequest, prepare_config
+    from qvl.training.loop import TrainRequest, prepare_config
 
     pairs = ["lr=1e-4", "freeze=none", "train.train_iters=7"]
     result = launch(RECIPE, [*pairs, *SLURM], kind="slurm", dryrun=True, experiments_dir=str(tmp_path))
@@ -177,7 +177,7 @@ def test_fine_tune_without_pretrained_checkpoint_is_refused(capsys, tmp_path):
 
 
 def test_stop_after_is_not_logged_as_a_failure():
-    from qvl.training.train import _CleanExitFilter
+    from qvl.training.loop import _CleanExitFilter
 
     def record(error: BaseException) -> logging.LogRecord:
         return logging.LogRecord("megatron.bridge.training.pretrain", logging.ERROR, "", 0, "Pretrain failed", (),

@@ -202,7 +202,7 @@ def test_local_run_of_a_tiny_recipe_executes_on_cpu(tmp_path):
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.samples import write_sample_dataset
     from qvl.launchers.cli import main
-    from qvl.training.train import read_losses
+    from qvl.training.loop import read_losses
 
     jsonl, media = write_sample_dataset(tmp_path / "samples", count=16, with_bad=False)
     hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen2_5_vl")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from qvl.training.train import read_losses
+from qvl.training.loop import read_losses
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.slow]
 

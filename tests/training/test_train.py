@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qvl.training.train import read_losses
+from qvl.training.loop import read_losses
 from tests.run_qvl import qvl, qvl_in_process
 
 STEPS = 6
@@ -86,7 +86,7 @@ def test_trained_checkpoint_exports_to_hf_that_transformers_loads(runs, dataset,
 
 def test_dotted_overrides_set_config_fields_and_unknown_ones_are_named(tmp_path, cpu_runtime):
     from qvl.foundation.errors import ConfigError
-    from qvl.training.train import TrainRequest, prepare_config
+    from qvl.training.loop import TrainRequest, prepare_config
 
     request = TrainRequest(
         recipe="qwen25_vl_3b_pretrain",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qvl.training.train import read_losses
+from qvl.training.loop import read_losses
 from tests.bridges.test_qwen3_5_vl import tensors
 from tests.run_qvl import qvl_in_process
 from tests.training.test_train import ARGS as TRAIN_ARGS
@@ -83,7 +83,7 @@ def test_mtp_on_for_a_checkpoint_without_an_mtp_head_names_the_fix(tmp_path, cpu
 
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.foundation.errors import ConfigError
-    from qvl.training.train import TrainRequest, prepare_config
+    from qvl.training.loop import TrainRequest, prepare_config
 
     hf = write_tiny_hf_checkpoint(tmp_path / "hf", FAMILY)
     weights = load_file(str(hf / "model.safetensors"))

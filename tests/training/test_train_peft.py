@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qvl.foundation.families import FAMILIES
-from qvl.training.train import read_losses
+from qvl.training.loop import read_losses
 from tests.run_qvl import qvl_in_process
 
 STEPS = 4

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qvl.training.train import read_losses
+from qvl.training.loop import read_losses
 from tests.run_qvl import qvl_in_process
 from tests.training.test_train import ARGS as TRAIN_ARGS
 from tests.training.test_train import STEPS

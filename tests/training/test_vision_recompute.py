@@ -62,7 +62,7 @@ def test_a_layout_that_fits_only_with_it_is_told_so():
 
 def test_qwen3_vl_is_refused_with_the_option_that_recomputes_its_tower(tmp_path, cpu_runtime):
     from qvl.foundation.errors import ConfigError
-    from qvl.training.train import TrainRequest, prepare_config
+    from qvl.training.loop import TrainRequest, prepare_config
 
     request = TrainRequest(
         recipe="qwen3_vl_2b_pretrain", overrides={"vision_recompute": True}, run_dir=tmp_path, model="tiny"

@@ -213,7 +213,7 @@ class ParityCallback:
 
 def training_config(run: MegatronRun):
     """The recipe's ConfigContainer for a parity run: the HF checkpoint's weights, no checkpoint written or read."""
-    from qvl.training.train import TrainRequest, prepare_config
+    from qvl.training.loop import TrainRequest, prepare_config
 
     options = {
         # one process unless asked: the recipe's layout is for its published size, not the checkpoint at hand
@@ -250,8 +250,8 @@ def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
     from megatron.bridge.training.callbacks import CallbackManager
 
     from qvl.kernels import torch_gated_delta  # Megatron-Core's GatedDeltaNet
+    from qvl.training.loop import run_megatron_loop
     from qvl.training.parity.adapters import AdapterParityCallback, adapter_hook, take_adapters
-    from qvl.training.train import run_megatron_loop
 
     _, config = training_config(run)
     bridge = auto_bridge_with_weights(run.hf_path, config.model.params_dtype)
