@@ -16,7 +16,7 @@ import sys
 from benchmarks.run import standalone
 
 GOAL_CPU_S = 5.0
-RECIPE = "qwen25_vl_7b_sft"
+RECIPE = "qwen2_5_vl_7b_sft"
 DRYRUN = [
     "-m", "qvl.launchers.cli", "launch", RECIPE, "data=/lustre/data/llava-4k", "hf_path=/lustre/hf/Qwen2.5-VL-7B",
     "pretrained_checkpoint=/lustre/ckpt/qwen25-7b", "--executor", "slurm", "run.executor.account=ml",

@@ -6,7 +6,7 @@ decay gate `-exp(A_log) * softplus(a + dt_bias)`, rotary and softmax upcast to `
 plain `.double()` would keep) and its delta rule the exact token-by-token recurrence: one causal-LM backward over
 200 random text tokens. The Gated DeltaNet's decay-gate parameters (`A_log`, `dt_bias`, `in_proj_a`) come out
 orders of magnitude further from the fp64 gradient than every other weight: that is the floor any fp32
-training-parity check on them has to allow (README: Training parity; qvl's own side of the same comparison is
+training-parity check on them has to allow (docs/parity.md; qvl's own side of the same comparison is
 `tests/training/test_parity.py::test_gate_gradients_differ_by_fp32_error_alone`). CPU, ~15 s.
 """
 

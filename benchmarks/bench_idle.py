@@ -1,6 +1,6 @@
 """Where a training step's time goes: 2, 4, 6 and 8 packs per step in ONE run, one process, one allocator setting.
 
-`python -m benchmarks.bench_idle [--model qwen25_vl_3b] [--layers 12] [--out .bench/idle]` (`gpu.sh run idle`).
+`python -m benchmarks.bench_idle [--model qwen2_5_vl_3b] [--layers 12] [--out .bench/idle]` (`gpu.sh run idle`).
 
 An earlier estimate of the per-step fixed cost (benchmarks/RESULTS.md: 1.43 s) was a two-point fit across two
 processes with different allocator settings. Here one `pretrain()` run of the RESULTS.md configuration (Qwen2.5-VL-3B
@@ -137,7 +137,7 @@ def table(results: dict) -> str:
 def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     """benchmarks.run entry: the RESULTS.md configuration on a GPU; the tiny model on CPU (a harness check)."""
     tiny = quick or not torch.cuda.is_available()
-    setup = bench_train.default_setup("tiny" if tiny else "qwen25_vl_3b", out_dir / "bench_idle")
+    setup = bench_train.default_setup("tiny" if tiny else "qwen2_5_vl_3b", out_dir / "bench_idle")
     setup.seq_lengths, setup.padded = setup.seq_lengths[:1], False
     results = benchmark(setup, sizes=(1, 2) if tiny else (2, 4, 6, 8), steps_per_size=2 if tiny else 4)
     if tiny:
@@ -149,7 +149,7 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=list(bench_train.MODELS), default="qwen25_vl_3b" if gpu else "tiny")
+    parser.add_argument("--model", choices=list(bench_train.MODELS), default="qwen2_5_vl_3b" if gpu else "tiny")
     parser.add_argument("--layers", type=int, help="cut the language model to K layers (default 12 on a GPU)")
     parser.add_argument("--sizes", type=int, nargs="+", help="packs per step, in growing order (default 2 4 6 8)")
     parser.add_argument("--steps-per-size", type=int, default=4, help="steps at each size (the first is left out)")

@@ -1,4 +1,4 @@
-"""Training benchmark at real model shapes: `python -m benchmarks.bench_train --model qwen25_vl_3b` (`make bench-train`).
+"""Training benchmark at real model shapes: `python -m benchmarks.bench_train --model qwen2_5_vl_3b` (`make bench-train`).
 
 It builds a real-shape model from the published HF config with random weights (no download; `--layers K` cuts the
 language model's depth, the vision tower stays whole), writes a LLaVA-like synthetic dataset (JPEG images at
@@ -37,9 +37,9 @@ logger = logging.getLogger(__name__)
 
 # --model -> (pretrain recipe, family, published size); "tiny" is the tiny random model of qvl.bridges.tiny_model.
 MODELS = {
-    "tiny": ("qwen25_vl_3b_pretrain", "qwen2_5_vl", None),
+    "tiny": ("qwen2_5_vl_3b_pretrain", "qwen2_5_vl", None),
     "qwen2_vl_2b": ("qwen2_vl_2b_pretrain", "qwen2_vl", "2b"),
-    "qwen25_vl_3b": ("qwen25_vl_3b_pretrain", "qwen2_5_vl", "3b"),
+    "qwen2_5_vl_3b": ("qwen2_5_vl_3b_pretrain", "qwen2_5_vl", "3b"),
     "qwen3_vl_2b": ("qwen3_vl_2b_pretrain", "qwen3_vl", "2b"),
     "qwen3_vl_4b": ("qwen3_vl_4b_pretrain", "qwen3_vl", "4b"),
 }
@@ -395,7 +395,7 @@ def checks(results: dict) -> list[dict]:
 def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     """benchmarks.run entry: the tiny model on CPU (or quick), else Qwen2.5-VL-3B shapes at 4k and 8k on the GPU."""
     tiny = quick or not torch.cuda.is_available()
-    setup = default_setup("tiny" if tiny else "qwen25_vl_3b", out_dir / "bench_train")
+    setup = default_setup("tiny" if tiny else "qwen2_5_vl_3b", out_dir / "bench_train")
     results = benchmark(setup)
     if tiny and not quick:
         results["why"] = "no CUDA GPU: the tiny model on CPU (harness check, not a speed figure)"
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", choices=list(MODELS), default="tiny" if not torch.cuda.is_available() else "qwen25_vl_3b"
+        "--model", choices=list(MODELS), default="tiny" if not torch.cuda.is_available() else "qwen2_5_vl_3b"
     )
     parser.add_argument("--layers", type=int, help="cut the language model to K layers (the ViT stays whole)")
     parser.add_argument(

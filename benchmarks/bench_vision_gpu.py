@@ -32,7 +32,7 @@ from qvl.training.vision_balance import assign_images, plan_vision_balance
 
 TOWERS = {
     "qwen2_vl_2b": ("qwen2_vl", "2b"),
-    "qwen25_vl_3b": ("qwen2_5_vl", "3b"),
+    "qwen2_5_vl_3b": ("qwen2_5_vl", "3b"),
 }  # HF towers (Qwen3-VL's is Megatron's)
 TINY = {"depth": 2, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "out_hidden_size": 64}
 GOAL_RATIO = 1.15  # the measured share ratio within 15% of what the FLOP model predicts
@@ -245,12 +245,12 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     """benchmarks.run entry: CUDA only (the tiny CPU run is the test's)."""
     if not torch.cuda.is_available():
         return {"skipped": "needs a CUDA GPU (`--tiny` runs the harness on CPU)"}
-    return benchmark("qwen25_vl_3b", tiny=False, packs=4 if quick else 16, repeats=3, out=out_dir)
+    return benchmark("qwen2_5_vl_3b", tiny=False, packs=4 if quick else 16, repeats=3, out=out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=list(TOWERS), default="qwen25_vl_3b")
+    parser.add_argument("--model", choices=list(TOWERS), default="qwen2_5_vl_3b")
     parser.add_argument("--packs", type=int, default=16, help="8192-token packs of images to time")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per set (median)")
     parser.add_argument("--tiny", action="store_true", help="a two-block tower on CPU (harness check)")

@@ -35,22 +35,22 @@ class StepConfig:
 CONFIGS = {
     c.name: c
     for c in (
-        StepConfig(name="qwen25_vl_3b_12l", family="qwen2_5_vl", size="3b", recipe="qwen25_vl_3b_pretrain", layers=12),
-        StepConfig(name="qwen25_vl_3b", family="qwen2_5_vl", size="3b", recipe="qwen25_vl_3b_pretrain"),
+        StepConfig(name="qwen2_5_vl_3b_12l", family="qwen2_5_vl", size="3b", recipe="qwen2_5_vl_3b_pretrain", layers=12),
+        StepConfig(name="qwen2_5_vl_3b", family="qwen2_5_vl", size="3b", recipe="qwen2_5_vl_3b_pretrain"),
         StepConfig(name="qwen2_vl_2b", family="qwen2_vl", size="2b", recipe="qwen2_vl_2b_pretrain"),
         StepConfig(name="qwen3_vl_4b", family="qwen3_vl", size="4b", recipe="qwen3_vl_4b_pretrain",
                    vision_recompute=False),
         # tests: the RESULTS.md configuration with one pack per step (counts per pack), and the same structure at
         # 2 LM layers, 4 ViT blocks, 2 short packs
-        StepConfig(name="results_one_pack", family="qwen2_5_vl", size="3b", recipe="qwen25_vl_3b_pretrain",
+        StepConfig(name="results_one_pack", family="qwen2_5_vl", size="3b", recipe="qwen2_5_vl_3b_pretrain",
                    layers=12, packs=1),
-        StepConfig(name="tiny", family="qwen2_5_vl", size="3b", recipe="qwen25_vl_3b_pretrain", layers=2,
+        StepConfig(name="tiny", family="qwen2_5_vl", size="3b", recipe="qwen2_5_vl_3b_pretrain", layers=2,
                    vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
                    text_tokens=60),
     )
 }  # fmt: skip
-RESULTS_CONFIG = "qwen25_vl_3b_12l"
-DEFAULT_CONFIGS = ("qwen25_vl_3b_12l", "qwen25_vl_3b", "qwen2_vl_2b", "qwen3_vl_4b")
+RESULTS_CONFIG = "qwen2_5_vl_3b_12l"
+DEFAULT_CONFIGS = ("qwen2_5_vl_3b_12l", "qwen2_5_vl_3b", "qwen2_vl_2b", "qwen3_vl_4b")
 
 # Tiny widths: every one maps to one real width and none equals a dimension the model keeps (heads, KV heads, patch
 # sizes, merge units), so shapes map back unambiguously. Head dims stay even (rotary), mRoPE sections sum to half.

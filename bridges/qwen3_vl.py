@@ -44,7 +44,7 @@ from qvl.foundation import patches
 from qvl.foundation.megatron import have_transformer_engine
 from qvl.kernels import speed_qwen3_vl_sync_free, speed_qwen3_vl_tower, torch_qwen3_vl_vision
 from qvl.kernels.local_specs import local_gpt_layer_spec
-from qvl.kernels.speed_qwen3_vl_sync_free import TakesVisionLayout
+from qvl.kernels.speed_qwen3_vl_sync_free import TakesVisionPlacement
 from qvl.kernels.speed_sync_free import HostBatch
 from qvl.kernels.tower_inputs import MegatronTowerInputs
 
@@ -90,7 +90,7 @@ def _adopt(module: torch.nn.Module | None, cls: type) -> None:
         module.__class__ = cls
 
 
-class Qwen3VLModel(upstream_model.Qwen3VLModel, TakesVisionLayout):
+class Qwen3VLModel(upstream_model.Qwen3VLModel, TakesVisionPlacement):
     """Megatron-Bridge's Qwen3-VL model, with a local-module vision tower where TE is absent, whose forward also takes
     the host facts of a micro-batch from qvl's step."""
 
@@ -130,10 +130,10 @@ class Qwen3VLModel(upstream_model.Qwen3VLModel, TakesVisionLayout):
         host_batch: HostBatch | None = None,
         **kwargs,
     ):
-        """Upstream's forward; for a packed micro-batch on one CP rank whose `host_batch` holds its vision layout,
+        """Upstream's forward; for a packed micro-batch on one CP rank whose `host_batch` holds its vision placement,
         the same result with the vision rows addressed by index (qvl.kernels.speed_qwen3_vl_sync_free)."""
-        layout = None if host_batch is None else host_batch.vision_layout
-        indexed = layout is not None and speed_qwen3_vl_sync_free.takes_indexed_path(
+        placement = None if host_batch is None else host_batch.vision_placement
+        indexed = placement is not None and speed_qwen3_vl_sync_free.takes_indexed_path(
             self,
             input_ids=input_ids,
             position_ids=position_ids,
@@ -167,7 +167,7 @@ class Qwen3VLModel(upstream_model.Qwen3VLModel, TakesVisionLayout):
             )
         return speed_qwen3_vl_sync_free.indexed_forward(
             self,
-            layout,
+            placement,
             input_ids=input_ids,
             position_ids=position_ids,
             labels=labels,

@@ -182,8 +182,10 @@ class QwenVLPackedTaskEncoder(DefaultTaskEncoder[PackRecord, PackedSample, Packe
         seconds = [x for s in subs for x in s.get("second_per_grid_ts", [])]
         if not entries:
             return None, grids, seconds
-        patches = [self._video_patches(self._frames(sample, e), grid) for e, grid in zip(entries, grids, strict=True)]
-        return torch.cat(patches), grids, seconds
+        vision_patches = [
+            self._video_patches(self._frames(sample, e), grid) for e, grid in zip(entries, grids, strict=True)
+        ]
+        return torch.cat(vision_patches), grids, seconds
 
     def _frames(self, sample: PackRecord, entry: dict) -> list[Image.Image]:
         if entry["kind"] == "frames":

@@ -33,7 +33,7 @@ class RayConfig:
     temp_dir: pathlib.Path | None = None  # for a local cluster only (its sockets and logs)
 
 
-class Executor:
+class WorkerPool:
     """Runs `fn(*job)` for every job, calling `on_result` with each result as it finishes (any order)."""
 
     workers: int = 1
@@ -47,7 +47,7 @@ class Executor:
         pass
 
 
-class ProcessExecutor(Executor):
+class ProcessPool(WorkerPool):
     """N worker processes on this machine.
 
     On Linux they are forked, so each starts with what the driver has already loaded (the tokenizer, the
@@ -82,7 +82,7 @@ class ProcessExecutor(Executor):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-class RayExecutor(Executor):
+class RayPool(WorkerPool):
     """Ray tasks (one CPU each) on a cluster's nodes; the workers need the same qvl and the same paths."""
 
     def __init__(self, settings: RayConfig):
@@ -124,13 +124,13 @@ class RayExecutor(Executor):
 
 
 @contextlib.contextmanager
-def executor(workers: int | None, ray: RayConfig | None) -> Iterator[Executor]:
-    """The executor for `--workers N` (default: every core) or `--ray`; closed on exit."""
+def worker_pool(workers: int | None, ray: RayConfig | None) -> Iterator[WorkerPool]:
+    """The worker pool for `--workers N` (default: every core) or `--ray`; closed on exit."""
     if ray is not None:
-        chosen: Executor = RayExecutor(ray)
+        chosen: WorkerPool = RayPool(ray)
     else:
         workers = workers or len(os.sched_getaffinity(0))
-        chosen = ProcessExecutor(workers) if workers > 1 else Executor()
+        chosen = ProcessPool(workers) if workers > 1 else WorkerPool()
     logger.info("preparing with %s", chosen.name)
     try:
         yield chosen

@@ -106,7 +106,7 @@ class _State:
     reasons: collections.Counter = field(default_factory=collections.Counter)
     read: int = 0
     truncated: int = 0
-    executor: str = ""
+    workers: str = ""
     reused: dict[str, int] = field(default_factory=lambda: {"chunks": 0, "shards": 0})  # finished by an earlier run
     media: int = 0  # images and videos in accepted samples
     vision_patches: int = 0  # their patches (t x h x w of every grid): what the planner's workload reads
@@ -129,8 +129,8 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
     workers = config.workers
     if total is not None and workers != 1:  # more processes than chunks would only cost their start-up
         workers = max(1, min(workers or len(os.sched_getaffinity(0)), -(-total // config.chunk_size)))
-    with parallel.executor(workers, config.ray) as pool:
-        state.executor = pool.name
+    with parallel.worker_pool(workers, config.ray) as pool:
+        state.workers = pool.name
         n_chunks = _timed(state, "validate_count", lambda: _process(config, settings, pool, state, total, progress))
         samples = _merge(config, work, n_chunks, state)
         plan = _timed(state, "pack", lambda: _pack(samples, config))
@@ -197,7 +197,7 @@ def count_records(path: pathlib.Path) -> int | None:
         return sum(1 for line in f if line.strip())
 
 
-def _process(config: PrepareConfig, settings, pool: parallel.Executor, state: _State, total, progress) -> int:
+def _process(config: PrepareConfig, settings, pool: parallel.WorkerPool, state: _State, total, progress) -> int:
     """Validate and count every chunk not already on disk; return the number of chunks."""
     n_chunks = 0
 
@@ -349,7 +349,7 @@ def _report(config: PrepareConfig, state: _State, lengths: np.ndarray, plan: Pac
         "packed_sequences": plan.n_packs,
         "packing_efficiency": round(plan.efficiency(lengths), 6),
         "packs_per_shard": config.packs_per_shard,
-        "executor": state.executor,
+        "workers": state.workers,
         "time_s": state.timings,  # wall time per driver stage, filled in as stages finish
         "worker_cpu_s": {k: round(v, 4) for k, v in state.cpu.items()},  # summed over workers (this run's chunks)
         "reused": state.reused,  # chunks and shards an earlier, interrupted run of the same command finished

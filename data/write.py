@@ -117,7 +117,7 @@ MIN_PACKS_PER_SHARD = 16
 
 def auto_packs_per_shard(n_packs: int) -> int:
     """Packs per shard when none is asked for: 256, or fewer for a dataset of under 64 such shards, so that its
-    writing (and Energon's indexing) spreads over the workers; a function of the pack count alone, so every executor
+    writing (and Energon's indexing) spreads over the workers; a function of the pack count alone, so every worker pool
     writes the same shards."""
     return max(MIN_PACKS_PER_SHARD, min(MAX_PACKS_PER_SHARD, -(-n_packs // SPREAD_SHARDS)))
 

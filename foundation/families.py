@@ -7,7 +7,7 @@ this file compares family names), the tiny debug flavour every test and the demo
 its bridge and recipes. Sizes (2B, 7B, ...) are not families: they are rows of `qvl.recipes.architectures`.
 
 Adding a family is one `Family(...)` below, plus its bridge module (if Megatron-Bridge has none or it needs fixes)
-and its recipe module; see the README's "Adding a model family" for what Qwen3.5-VL, the last one added, took.
+and its recipe module; see docs/recipes.md, "Adding a model family", for what Qwen3.5-VL, the last one added, took.
 """
 
 from __future__ import annotations

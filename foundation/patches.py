@@ -386,14 +386,14 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="nemo_run.cli.api:RunContext", attribute="_execute_task",
                 used_in="qvl.launchers.nemo_cli", version=NEMO_RUN,
                 why="`nemo qvl` checks the task (layout vs executor, overrides) before NeMo-Run executes it"),
-    PrivateRead(target="nemo_run.run.experiment:Experiment", attribute="_exp_dir", used_in="qvl.launchers.launch",
+    PrivateRead(target="nemo_run.run.experiment:Experiment", attribute="_exp_dir", used_in="qvl.launchers.jobs",
                 version=NEMO_RUN, why="where the experiment keeps its files, shown to the user and removed on dry runs"),
-    PrivateRead(target="nemo_run.run.experiment:Experiment", attribute="_id", used_in="qvl.launchers.launch",
+    PrivateRead(target="nemo_run.run.experiment:Experiment", attribute="_id", used_in="qvl.launchers.jobs",
                 version=NEMO_RUN, why="the experiment id for `nemo experiment status/logs/cancel`"),
-    PrivateRead(target="nemo_run.run.job:Job", attribute="_dryrun_info", used_in="qvl.launchers.launch",
+    PrivateRead(target="nemo_run.run.job:Job", attribute="_dryrun_info", used_in="qvl.launchers.jobs",
                 version=NEMO_RUN, why="the rendered sbatch script / manifest of a dry run"),
     PrivateRead(target="nemo_run.core.execution.kubeflow:KubeflowExecutor", attribute="_trainjob_name",
-                used_in="qvl.launchers.launch", version=NEMO_RUN, why="the TrainJob name launch() will use"),
+                used_in="qvl.launchers.jobs", version=NEMO_RUN, why="the TrainJob name launch() will use"),
 )  # fmt: skip
 
 _Q3 = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl"

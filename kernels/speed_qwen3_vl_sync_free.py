@@ -14,14 +14,14 @@ runs (`find_vision_id_index`: a `nonzero`, two boolean selections, three `.tolis
 in that order.
 
 qvl's loader has the pack's tokens and grids on the host: the step computes there the placeholder positions and,
-for a pack with both kinds, the order of its images and videos (`host_vision_layout`: the grid in token order, each
+for a pack with both kinds, the order of its images and videos (`host_vision_placement`: the grid in token order, each
 one's pixel rows, and the tower's precomputed inputs put in that order), copies them to the device with the batch
 and passes them to the model's forward (in its `host_batch`). qvl's Qwen3-VL model, a subclass of upstream's, then
 runs `indexed_forward` for a packed (THD) micro-batch: `index_copy_` and the pixels gathered by those row ranges,
 the tower given the loader's inputs (qvl.kernels.speed_qwen3_vl_tower), and its decoder, qvl's subclass too, adds
 the deepstack features at those indices (`add_deepstack_at`: `index_select` / `index_copy_`): sizes known from
 shapes, values and gradients bitwise the masked version's (tests/kernels/test_speed_qwen3_vl_sync_free.py). A call
-without a layout, or on a path qvl's step does not take (context parallelism, sequence parallelism over
+without a placement, or on a path qvl's step does not take (context parallelism, sequence parallelism over
 tensor-parallel ranks, a pipeline stage without embeddings, caller-given masks), runs upstream's forward unchanged.
 """
 
@@ -43,8 +43,8 @@ class VisionPositionsMismatch(QvlError, ValueError):
     """Host-computed vision positions or order that do not fit the micro-batch's grids or vision features."""
 
 
-class TakesVisionLayout:
-    """A Qwen3-VL model class whose forward takes the step's `VisionLayout` (qvl.bridges.qwen3_vl.Qwen3VLModel): the
+class TakesVisionPlacement:
+    """A Qwen3-VL model class whose forward takes the step's `VisionPlacement` (qvl.bridges.qwen3_vl.Qwen3VLModel): the
     step computes one for its micro-batches."""
 
 
@@ -78,24 +78,24 @@ class VisionOrder:
 
 
 @dataclass(kw_only=True, slots=True)
-class VisionLayout:
+class VisionPlacement:
     """Where a micro-batch's vision features go, computed on the host from its tokens and grids."""
 
     positions: torch.Tensor  # [vision tokens] int64: their flat indices into the [b*s] tokens, ascending
     order: VisionOrder | None = None  # with both images and videos: the tower's inputs in token order
 
-    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> VisionLayout:
-        """The same layout with its tensors on `device`."""
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> VisionPlacement:
+        """The same placement with its tensors on `device`."""
         order = None if self.order is None else self.order.to(device, non_blocking=non_blocking)
-        return VisionLayout(positions=self.positions.to(device, non_blocking=non_blocking), order=order)
+        return VisionPlacement(positions=self.positions.to(device, non_blocking=non_blocking), order=order)
 
-    def pin_memory(self) -> VisionLayout:
+    def pin_memory(self) -> VisionPlacement:
         """Page-locked copies, so that `to(cuda, non_blocking=True)` overlaps."""
         order = None if self.order is None else self.order.pin_memory()
-        return VisionLayout(positions=self.positions.pin_memory(), order=order)
+        return VisionPlacement(positions=self.positions.pin_memory(), order=order)
 
     def has_tower_inputs(self) -> bool:
-        """Whether the layout holds the tower's inputs for the token-order grid of a pack with both kinds."""
+        """Whether the placement holds the tower's inputs for the token-order grid of a pack with both kinds."""
         return self.order is not None and self.order.tower_inputs is not None
 
 
@@ -196,12 +196,12 @@ def _pieces_by_grid(inputs: MegatronTowerInputs) -> list[tuple]:
 
 def host_vision_positions(model: Any, host_tokens: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
     """The vision placeholder positions of a micro-batch, computed from its host tokens, where `model`'s forward takes
-    them (`TakesVisionLayout`, on the stage that embeds); None elsewhere. The tokens that count are those of the
+    them (`TakesVisionPlacement`, on the stage that embeds); None elsewhere. The tokens that count are those of the
     pixels given, as upstream's `reorganize_inputs` masks."""
     from megatron.core.utils import unwrap_model
 
     vlm = unwrap_model(model)
-    if not isinstance(vlm, TakesVisionLayout) or not vlm.pre_process or host_tokens.shape[0] != 1:
+    if not isinstance(vlm, TakesVisionPlacement) or not vlm.pre_process or host_tokens.shape[0] != 1:
         return None
     token_ids = [
         token_id
@@ -211,15 +211,15 @@ def host_vision_positions(model: Any, host_tokens: torch.Tensor, kwargs: dict) -
     return vision_token_positions(host_tokens, token_ids) if token_ids else None
 
 
-def host_vision_layout(model: Any, batch: Any, kwargs: dict) -> VisionLayout | None:
-    """The vision layout of a micro-batch (a qvl PackedBatch on the host, and the model inputs made of it), where
+def host_vision_placement(model: Any, batch: Any, kwargs: dict) -> VisionPlacement | None:
+    """The vision placement of a micro-batch (a qvl PackedBatch on the host, and the model inputs made of it), where
     `model`'s forward takes one (as `host_vision_positions`); None elsewhere. With both images and videos it holds
     their token order and, where the loader computed the tower's inputs per kind, those inputs in that order."""
     from megatron.core.utils import unwrap_model
 
     positions = host_vision_positions(model, batch.tokens, kwargs)
     if positions is None or kwargs.get("pixel_values") is None or kwargs.get("pixel_values_videos") is None:
-        return None if positions is None else VisionLayout(positions=positions)
+        return None if positions is None else VisionPlacement(positions=positions)
     vlm = unwrap_model(model)
     order = vision_order(
         batch.tokens,
@@ -232,7 +232,7 @@ def host_vision_layout(model: Any, batch: Any, kwargs: dict) -> VisionLayout | N
     per_kind = [getattr(batch, name, None) for name in ("image_tower_inputs", "video_tower_inputs")]
     if all(isinstance(inputs, MegatronTowerInputs) for inputs in per_kind):
         order = replace(order, tower_inputs=tower_inputs_in_order(*per_kind, order.pixel_rows))
-    return VisionLayout(positions=positions, order=order)
+    return VisionPlacement(positions=positions, order=order)
 
 
 def takes_indexed_path(
@@ -351,7 +351,7 @@ def _embeddings(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, vi
 
 def indexed_forward(
     model: Any,
-    layout: VisionLayout,
+    placement: VisionPlacement,
     *,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
@@ -369,16 +369,16 @@ def indexed_forward(
     **kwargs: Any,
 ):
     """Upstream's forward for a packed micro-batch on one CP rank (`takes_indexed_path`), the vision rows addressed
-    by `layout`'s positions and the images and videos put in token order by its order; `kwargs` go to the language
+    by `placement`'s positions and the images and videos put in token order by its order; `kwargs` go to the language
     model as upstream passes its own."""
-    positions = layout.positions
+    positions = placement.positions
     torch.cuda.nvtx.range_push("Qwen3VLModel.forward.pre_process")
     data, grid, tower_inputs = _vision_inputs(
         model,
         input_ids,
         (pixel_values, image_grid_thw, image_tower_inputs),
         (pixel_values_videos, video_grid_thw, video_tower_inputs),
-        layout.order,
+        placement.order,
     )
     vision_embeds, deepstack = _vision_features(model, data, grid, tower_inputs)
     decoder_input = _embeddings(model, input_ids, positions, vision_embeds)

@@ -37,7 +37,7 @@ import torch
 
 from qvl.foundation.errors import QvlError
 from qvl.kernels.speed_hf_vision import tower_kwargs
-from qvl.kernels.speed_qwen3_vl_sync_free import VisionLayout
+from qvl.kernels.speed_qwen3_vl_sync_free import VisionPlacement
 from qvl.kernels.tower_inputs import MegatronTowerInputs, TowerInputs
 
 GROUP = "speed-sync-free"
@@ -60,10 +60,10 @@ class HostBatch:
     image_grid_thw: torch.Tensor | None  # [n_images, 3], on the host
     video_grid_thw: torch.Tensor | None  # [n_videos, 3], on the host
     # The tower's inputs for the model's `image_grid_thw` / `video_grid_thw`, on the model's device; None where the
-    # loader gave none (or, for Qwen3-VL, where `vision_layout` holds those of the token-order grid)
+    # loader gave none (or, for Qwen3-VL, where `vision_placement` holds those of the token-order grid)
     image_tower_inputs: TowerInputs | MegatronTowerInputs | None = None
     video_tower_inputs: TowerInputs | MegatronTowerInputs | None = None
-    vision_layout: VisionLayout | None = None  # Qwen3-VL: where the vision rows go, on the model's device
+    vision_placement: VisionPlacement | None = None  # Qwen3-VL: where the vision rows go, on the model's device
 
 
 def check_placeholders(host: HostBatch, *, image_token_id: int, video_token_id: int, merge: int) -> None:

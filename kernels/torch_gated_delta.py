@@ -137,8 +137,8 @@ def recurrent_gated_delta_rule(
     """The gated delta rule token by token in fp32 (transformers' `torch_recurrent_gated_delta_rule`, bit for bit),
     restarted at every `cu_seqlens` boundary. Slower than the chunked rule, and its decay-gate gradients are
     within fp32 rounding of the exact ones where the chunked rule's are not: at real models' log-decays (near -18 per
-    token) its gradient of g is ~1e-5 off, and a model's gate parameters sum those into 1e-3 (tests; README
-    "Training parity"). For checks of those gradients (`GatedDeltaNet.use_recurrence`)."""
+    token) its gradient of g is ~1e-5 off, and a model's gate parameters sum those into 1e-3 (tests;
+    docs/parity.md). For checks of those gradients (`GatedDeltaNet.use_recurrence`)."""
     _no_cache(initial_state, output_final_state, "recurrent_gated_delta_rule")
     if scale is not None and scale != q.shape[-1] ** -0.5:
         raise GatedDeltaError(f"recurrent_gated_delta_rule: scale={scale} is not 1/sqrt(head_dim); leave it None")

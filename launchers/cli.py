@@ -12,10 +12,10 @@ import warnings
 from qvl.foundation.errors import QvlError
 
 # The command table: one module per command group, each exposing `register(subparsers)` and setting
-# `func(args) -> int` on the parsers it adds. Library code never parses arguments or prints.
+# `func(args) -> int` on the parsers it adds (commands/ holds those whose work lives in lower floors). Library code never parses arguments or prints.
 COMMAND_MODULES = (
-    "qvl.launchers.commands.info",  # version, doctor
-    "qvl.launchers.commands.demo",  # demo
+    "qvl.launchers.info",  # version, doctor
+    "qvl.launchers.demo",  # demo
     "qvl.launchers.commands.data",  # data prepare | stats
     "qvl.launchers.commands.convert",  # convert import | export | verify | export-adapter
     "qvl.launchers.commands.recipes",  # recipes, plan, train

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from qvl.data.samples import write_sample_dataset
 from qvl.foundation.errors import ConfigError
-from qvl.foundation.families import get_family
+from qvl.foundation.families import FAMILIES, get_family
 from qvl.recipes.registry import all_recipes
 
 FAMILY = "qwen2_5_vl"  # the default; `qvl demo --family F` runs any family record's tiny model
@@ -28,8 +28,8 @@ class DemoRecipes:
     """What the demo trains (the family's smallest SFT recipe, tiny) and plans (its next size, real shape)."""
 
     family: str
-    train: str
-    plan: str
+    trained: str  # the recipe trained, tiny
+    planned: str  # the recipe planned, real shape
     plan_size: str
     plan_gpus: int
 
@@ -42,10 +42,10 @@ def demo_recipes(family: str) -> DemoRecipes:
     planned = sft[1] if len(sft) > 1 else sft[0]
     return DemoRecipes(
         family=family,
-        train=sft[0].name,
-        plan=planned.name,
+        trained=sft[0].name,
+        planned=planned.name,
         plan_size=planned.size.upper(),
-        plan_gpus=int(planned.layout.get("gpus", 8)),
+        plan_gpus=planned.gpus or 8,
     )
 
 
@@ -74,7 +74,7 @@ def _stages(out: Path, device: list[str], steps: int, recipes: DemoRecipes) -> l
     hf, data, mega, run, export = out / "hf", out / "data", out / "megatron", out / "train", out / "export"
     samples = out / "samples"
     train = [
-        recipes.train,
+        recipes.trained,
         f"data={data}",
         f"hf_path={hf}",
         f"pretrained_checkpoint={mega}",
@@ -119,7 +119,7 @@ def _stages(out: Path, device: list[str], steps: int, recipes: DemoRecipes) -> l
         ),
         Stage(
             name=f"plan ({recipes.plan_size} SFT, {recipes.plan_gpus} x H100)",
-            args=["plan", recipes.plan, "--gpus", str(recipes.plan_gpus), "--gpu", "h100"],
+            args=["plan", recipes.planned, "--gpus", str(recipes.plan_gpus), "--gpu", "h100"],
         ),
         Stage(
             name="train (SFT, tiny)",
@@ -236,3 +236,14 @@ def _plot_losses(losses: dict[int, float], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def register(subparsers) -> None:
+    """Add `qvl demo`."""
+    demo = subparsers.add_parser("demo", help="run the pipeline end to end with a tiny model (CPU or GPU)")
+    demo.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces the CPU runtime")
+    demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    demo.add_argument("--family", choices=list(FAMILIES), default=FAMILY, help=f"model family (default {FAMILY})")
+    demo.add_argument("--output", default=".demo", help="where artifacts go (default .demo/)")
+    demo.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (progress on stderr)")
+    demo.set_defaults(func=run_demo)

@@ -45,9 +45,9 @@ from nemo_run.cli.cli_parser import CLIException  # noqa: E402
 from nemo_run.config import get_nemorun_home  # noqa: E402
 
 from qvl.launchers import executors  # noqa: E402
-from qvl.launchers.launch import DEMO_JOB, SLURM_RUN_DIR, TRAINJOB_PATCHES, resolve_job, validate  # noqa: E402
+from qvl.launchers.jobs import DEMO_JOB, SLURM_RUN_DIR, TRAINJOB_PATCHES, resolve_job, validate  # noqa: E402
 from qvl.launchers.preflight import check_nemo_run_paths, check_slurm_request, experiments_home  # noqa: E402
-from qvl.recipes.registry import all_recipes  # noqa: E402
+from qvl.recipes.registry import all_recipes, old_name  # noqa: E402
 
 SITE_CONFIG_ENV = "QVL_EXECUTOR_CONFIG"
 
@@ -185,7 +185,9 @@ def _register_recipe_factories() -> None:
         run.cli.factory(_factory(target, demo), target=target, name=DEMO_JOB)
     for info in all_recipes():
         target = pretrain if info.stage == "pretrain" else finetune
-        run.cli.factory(_factory(target, _typed_recipe(info)), target=target, name=info.name)
+        typed = _typed_recipe(info)
+        for name in filter(None, (info.name, old_name(info.name))):  # the old spelling keeps working
+            run.cli.factory(_factory(target, typed), target=target, name=name)
 
 
 _TYPED_RECIPES: dict[Callable, str] = {}

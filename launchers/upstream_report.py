@@ -2,7 +2,7 @@
 answer for a recipe and device (qvl.kernels.switch); `--markdown` writes docs/upstream.md.
 
     qvl doctor --patches                                   # this machine, any model
-    qvl doctor --patches --recipe qwen25_vl_3b_sft --device cuda --json
+    qvl doctor --patches --recipe qwen2_5_vl_3b_sft --device cuda --json
     qvl doctor --patches --markdown > docs/upstream.md     # the committed table (tests/launchers/test_upstream_report.py)
 """
 

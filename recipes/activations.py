@@ -74,25 +74,27 @@ def hf_tower_bytes_per_patch(vision: VisionShape) -> tuple[float, float]:
     return per_block, outside * vision.hidden_size + pixels
 
 
-def vision_activation_bytes(model: Any, vision: VisionShape, patches: float, *, recompute: bool = False) -> float:
+def vision_activation_bytes(
+    model: Any, vision: VisionShape, vision_patches: float, *, recompute: bool = False
+) -> float:
     """Bytes the vision tower keeps for backward over `patches` patches of one micro-batch; `recompute`: the HF
     tower's blocks keep their inputs only (`vision_recompute`), plus one block's working set while it reruns."""
     if model.freeze_vision_model:
-        return 0.0 if model.freeze_vision_projection else patches * 2 * vision.hidden_size  # merger input
+        return 0.0 if model.freeze_vision_projection else vision_patches * 2 * vision.hidden_size  # merger input
     width, ffn = vision.hidden_size, vision.intermediate_size
     if not vision_is_megatron(model):
         per_block, outside = hf_tower_bytes_per_patch(vision)
         if recompute:
-            return patches * (2 * width * vision.depth + per_block + outside)
-        return patches * (per_block * vision.depth + outside)
+            return vision_patches * (2 * width * vision.depth + per_block + outside)
+        return vision_patches * (per_block * vision.depth + outside)
     shard = model.tensor_model_parallel_size
     per_patch = 8 * width + (8 * width + (6 if vision.gated_mlp else 4) * ffn) / shard
     if model.recompute_granularity == "full":
         per_patch = 2 * width
-    return patches * per_patch * vision.depth
+    return vision_patches * per_patch * vision.depth
 
 
-def vision_balance_buffer_bytes(vision: VisionShape, patches: float, tp: int) -> float:
+def vision_balance_buffer_bytes(vision: VisionShape, vision_patches: float, tp: int) -> float:
     """Bytes `vision_balance` adds on one stage-0 rank per micro-batch (mean; the busiest rank is within ~1.15x).
 
     Pixels received for the images it encodes (float32, at most its 1/TP share: images of its own replica
@@ -100,8 +102,8 @@ def vision_balance_buffer_bytes(vision: VisionShape, patches: float, tp: int) ->
     replica (bf16), and the gradients returned in backward (bf16, 1/TP share).
     """
     pixel = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2 * 4
-    rows = patches / tp / vision.spatial_merge_size**2
-    return patches / tp * pixel + rows * vision.out_hidden_size * 2 * (1 + tp + 1)
+    rows = vision_patches / tp / vision.spatial_merge_size**2
+    return vision_patches / tp * pixel + rows * vision.out_hidden_size * 2 * (1 + tp + 1)
 
 
 def vision_shares(model: Any, costs: StageCosts, first_stage_layers: int) -> dict[str, float]:

@@ -358,7 +358,7 @@ def _check_vision_balance(arch: Architecture, o: RecipeOptions) -> None:
         raise ConfigError(
             f"vision_balance=True is not supported for {arch.family} yet: its vision tower is Megatron's, "
             "tensor-parallel itself (each rank holds 1/TP of its weights), so no rank can encode an image alone, "
-            "and its deepstack features enter decoder layers the balanced step does not reach (README: "
+            "and its deepstack features enter decoder layers the balanced step does not reach (docs/recipes.md: "
             "'Vision work over the DP x TP grid'); drop vision_balance"
         )
 
@@ -426,13 +426,14 @@ DENSE_LARGE_SETTINGS: dict[tuple[str, str], dict] = {
 
 
 def family_recipe(
-    *, arch: Architecture, stage: str, layout: dict[str, int], settings: dict, overrides: dict
+    *, arch: Architecture, stage: str, planned: dict[str, int], settings: dict, overrides: dict
 ) -> ConfigContainer:
-    """What every family's base recipe does: stage defaults, the size's layout and settings, the caller's overrides."""
+    """What every family's base recipe does: stage defaults, the size's planned layout (`gpus` is the registry's) and
+    settings, the caller's overrides."""
     run = f"{arch.family}-{arch.size}-{stage}"
     defaults = {
         **STAGE_DEFAULTS[stage],
-        **{k: v for k, v in layout.items() if k != "gpus"},
+        **{k: v for k, v in planned.items() if k != "gpus"},
         **settings,
         "hf_path": arch.hub_id,
         "checkpoint_dir": f"experiments/{run}/checkpoints",

@@ -176,18 +176,18 @@ def _stage_activations(x: PlanInputs, stage: int, weight_bytes: int) -> float:
     tp, pp, cp = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel
     recompute, modules = model.recompute_granularity, list(model.recompute_modules or [])
     tokens = x.tokens
-    patches = sum(x.workload.images(vision.spatial_merge_size)) * cfg.train.micro_batch_size / cp
+    vision_patches = sum(x.workload.images(vision.spatial_merge_size)) * cfg.train.micro_batch_size / cp
     qvl_options = getattr(cfg, "qvl", None)
     balanced = bool(getattr(qvl_options, "vision_balance", False))
     vision_recompute = bool(getattr(qvl_options, "vision_recompute", False))
     layers = x.parallel.stage_layers[stage]
     acts = layer_activation_bytes(model, lm, tokens, recompute=recompute, modules=modules) * layers
     if stage == 0 and balanced:  # this rank keeps the activations of its 1/TP share of the images only
-        acts += vision_activation_bytes(model, vision, patches / tp, recompute=vision_recompute)
+        acts += vision_activation_bytes(model, vision, vision_patches / tp, recompute=vision_recompute)
         acts += tokens * 2 * lm.hidden_size
-        acts += vision_balance_buffer_bytes(vision, patches, tp)
+        acts += vision_balance_buffer_bytes(vision, vision_patches, tp)
     elif stage == 0:
-        acts += vision_activation_bytes(model, vision, patches, recompute=vision_recompute)
+        acts += vision_activation_bytes(model, vision, vision_patches, recompute=vision_recompute)
         acts += tokens * 2 * lm.hidden_size
     if stage == pp - 1:  # the final norm's output, fp32 (same source), and what the loss keeps per logit
         head = tokens * (4 * lm.hidden_size + _loss_bytes_per_logit(x, weight_bytes) * padded_vocab(model)) / tp

@@ -9,8 +9,9 @@ from qvl.recipes.base import DENSE_LARGE_SETTINGS, ConfigContainer, family_recip
 from qvl.recipes.registry import recipe
 
 FAMILY = "qwen2_5_vl"
-# Default layout per (size, stage): fits H100 80 GB at 4096-token packs on `gpus` GPUs (tests/recipes plan them).
-LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
+# Per (size, stage): the default parallel layout and the GPU count it was planned for (`gpus`); it fits H100 80 GB
+# at 4096-token packs on that many GPUs (tests/recipes plan them).
+DEFAULTS: dict[tuple[str, str], dict[str, int]] = {
     ("3b", "pretrain"): dict(tensor_parallel=1, gpus=8),
     ("3b", "sft"): dict(tensor_parallel=1, gpus=8),
     ("3b", "peft"): dict(tensor_parallel=1, gpus=1),
@@ -27,84 +28,84 @@ LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
 SETTINGS = DENSE_LARGE_SETTINGS
 
 
-def qwen25_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
+def qwen2_5_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
     """Base recipe: Qwen2.5-VL at `size` trained at `stage`, with the size's default layout under `overrides`."""
     return family_recipe(
         arch=get_architecture(FAMILY, size),
         stage=stage,
-        layout=LAYOUTS[size, stage],
+        planned=DEFAULTS[size, stage],
         settings=SETTINGS.get((size, stage), {}),
         overrides=overrides,
     )
 
 
-@recipe(family=FAMILY, size="3b", stage="pretrain", **LAYOUTS["3b", "pretrain"])
-def qwen25_vl_3b_pretrain(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="3b", stage="pretrain", **DEFAULTS["3b", "pretrain"])
+def qwen2_5_vl_3b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-3B continued pretraining."""
-    return qwen25_vl(size="3b", stage="pretrain", **overrides)
+    return qwen2_5_vl(size="3b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="3b", stage="sft", **LAYOUTS["3b", "sft"])
-def qwen25_vl_3b_sft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="3b", stage="sft", **DEFAULTS["3b", "sft"])
+def qwen2_5_vl_3b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-3B full fine-tuning."""
-    return qwen25_vl(size="3b", stage="sft", **overrides)
+    return qwen2_5_vl(size="3b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="3b", stage="peft", **LAYOUTS["3b", "peft"])
-def qwen25_vl_3b_peft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="3b", stage="peft", **DEFAULTS["3b", "peft"])
+def qwen2_5_vl_3b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-3B LoRA fine-tuning."""
-    return qwen25_vl(size="3b", stage="peft", **overrides)
+    return qwen2_5_vl(size="3b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="7b", stage="pretrain", **LAYOUTS["7b", "pretrain"])
-def qwen25_vl_7b_pretrain(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="7b", stage="pretrain", **DEFAULTS["7b", "pretrain"])
+def qwen2_5_vl_7b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-7B continued pretraining."""
-    return qwen25_vl(size="7b", stage="pretrain", **overrides)
+    return qwen2_5_vl(size="7b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="7b", stage="sft", **LAYOUTS["7b", "sft"])
-def qwen25_vl_7b_sft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="7b", stage="sft", **DEFAULTS["7b", "sft"])
+def qwen2_5_vl_7b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-7B full fine-tuning."""
-    return qwen25_vl(size="7b", stage="sft", **overrides)
+    return qwen2_5_vl(size="7b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="7b", stage="peft", **LAYOUTS["7b", "peft"])
-def qwen25_vl_7b_peft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="7b", stage="peft", **DEFAULTS["7b", "peft"])
+def qwen2_5_vl_7b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-7B LoRA fine-tuning."""
-    return qwen25_vl(size="7b", stage="peft", **overrides)
+    return qwen2_5_vl(size="7b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="32b", stage="pretrain", **LAYOUTS["32b", "pretrain"])
-def qwen25_vl_32b_pretrain(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="32b", stage="pretrain", **DEFAULTS["32b", "pretrain"])
+def qwen2_5_vl_32b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-32B continued pretraining."""
-    return qwen25_vl(size="32b", stage="pretrain", **overrides)
+    return qwen2_5_vl(size="32b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="32b", stage="sft", **LAYOUTS["32b", "sft"])
-def qwen25_vl_32b_sft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="32b", stage="sft", **DEFAULTS["32b", "sft"])
+def qwen2_5_vl_32b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-32B full fine-tuning."""
-    return qwen25_vl(size="32b", stage="sft", **overrides)
+    return qwen2_5_vl(size="32b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="32b", stage="peft", **LAYOUTS["32b", "peft"])
-def qwen25_vl_32b_peft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="32b", stage="peft", **DEFAULTS["32b", "peft"])
+def qwen2_5_vl_32b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-32B LoRA fine-tuning."""
-    return qwen25_vl(size="32b", stage="peft", **overrides)
+    return qwen2_5_vl(size="32b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="72b", stage="pretrain", **LAYOUTS["72b", "pretrain"])
-def qwen25_vl_72b_pretrain(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="72b", stage="pretrain", **DEFAULTS["72b", "pretrain"])
+def qwen2_5_vl_72b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-72B continued pretraining."""
-    return qwen25_vl(size="72b", stage="pretrain", **overrides)
+    return qwen2_5_vl(size="72b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="72b", stage="sft", **LAYOUTS["72b", "sft"])
-def qwen25_vl_72b_sft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="72b", stage="sft", **DEFAULTS["72b", "sft"])
+def qwen2_5_vl_72b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-72B full fine-tuning."""
-    return qwen25_vl(size="72b", stage="sft", **overrides)
+    return qwen2_5_vl(size="72b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="72b", stage="peft", **LAYOUTS["72b", "peft"])
-def qwen25_vl_72b_peft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="72b", stage="peft", **DEFAULTS["72b", "peft"])
+def qwen2_5_vl_72b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen2.5-VL-72B LoRA fine-tuning."""
-    return qwen25_vl(size="72b", stage="peft", **overrides)
+    return qwen2_5_vl(size="72b", stage="peft", **overrides)

@@ -9,8 +9,9 @@ from qvl.recipes.base import DENSE_LARGE_SETTINGS, ConfigContainer, family_recip
 from qvl.recipes.registry import recipe
 
 FAMILY = "qwen2_vl"
-# Default layout per (size, stage): fits H100 80 GB at 4096-token packs on `gpus` GPUs (tests/recipes plan them).
-LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
+# Per (size, stage): the default parallel layout and the GPU count it was planned for (`gpus`); it fits H100 80 GB
+# at 4096-token packs on that many GPUs (tests/recipes plan them).
+DEFAULTS: dict[tuple[str, str], dict[str, int]] = {
     ("2b", "pretrain"): dict(tensor_parallel=1, gpus=8),
     ("2b", "sft"): dict(tensor_parallel=1, gpus=8),
     ("2b", "peft"): dict(tensor_parallel=1, gpus=1),
@@ -29,61 +30,61 @@ def qwen2_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
     return family_recipe(
         arch=get_architecture(FAMILY, size),
         stage=stage,
-        layout=LAYOUTS[size, stage],
+        planned=DEFAULTS[size, stage],
         settings=SETTINGS.get((size, stage), {}),
         overrides=overrides,
     )
 
 
-@recipe(family=FAMILY, size="2b", stage="pretrain", **LAYOUTS["2b", "pretrain"])
+@recipe(family=FAMILY, size="2b", stage="pretrain", **DEFAULTS["2b", "pretrain"])
 def qwen2_vl_2b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-2B continued pretraining."""
     return qwen2_vl(size="2b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="2b", stage="sft", **LAYOUTS["2b", "sft"])
+@recipe(family=FAMILY, size="2b", stage="sft", **DEFAULTS["2b", "sft"])
 def qwen2_vl_2b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-2B full fine-tuning."""
     return qwen2_vl(size="2b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="2b", stage="peft", **LAYOUTS["2b", "peft"])
+@recipe(family=FAMILY, size="2b", stage="peft", **DEFAULTS["2b", "peft"])
 def qwen2_vl_2b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-2B LoRA fine-tuning."""
     return qwen2_vl(size="2b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="7b", stage="pretrain", **LAYOUTS["7b", "pretrain"])
+@recipe(family=FAMILY, size="7b", stage="pretrain", **DEFAULTS["7b", "pretrain"])
 def qwen2_vl_7b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-7B continued pretraining."""
     return qwen2_vl(size="7b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="7b", stage="sft", **LAYOUTS["7b", "sft"])
+@recipe(family=FAMILY, size="7b", stage="sft", **DEFAULTS["7b", "sft"])
 def qwen2_vl_7b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-7B full fine-tuning."""
     return qwen2_vl(size="7b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="7b", stage="peft", **LAYOUTS["7b", "peft"])
+@recipe(family=FAMILY, size="7b", stage="peft", **DEFAULTS["7b", "peft"])
 def qwen2_vl_7b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-7B LoRA fine-tuning."""
     return qwen2_vl(size="7b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="72b", stage="pretrain", **LAYOUTS["72b", "pretrain"])
+@recipe(family=FAMILY, size="72b", stage="pretrain", **DEFAULTS["72b", "pretrain"])
 def qwen2_vl_72b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-72B continued pretraining."""
     return qwen2_vl(size="72b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="72b", stage="sft", **LAYOUTS["72b", "sft"])
+@recipe(family=FAMILY, size="72b", stage="sft", **DEFAULTS["72b", "sft"])
 def qwen2_vl_72b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-72B full fine-tuning."""
     return qwen2_vl(size="72b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="72b", stage="peft", **LAYOUTS["72b", "peft"])
+@recipe(family=FAMILY, size="72b", stage="peft", **DEFAULTS["72b", "peft"])
 def qwen2_vl_72b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-72B LoRA fine-tuning."""
     return qwen2_vl(size="72b", stage="peft", **overrides)

@@ -20,8 +20,9 @@ from qvl.recipes.registry import recipe
 FAMILY = "qwen3_5_vl"
 MOE_FAMILY = "qwen3_5_vl_moe"  # same base recipe; its checkpoints are a family of their own (HF class, bridge)
 MOE_SIZES = ("35b-a3b", "397b-a17b", "3.6-35b-a3b")
-# Default layout per (size, stage): fits H100 80 GB at 4096-token packs on `gpus` GPUs (tests/recipes plan them).
-LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
+# Per (size, stage): the default parallel layout and the GPU count it was planned for (`gpus`); it fits H100 80 GB
+# at 4096-token packs on that many GPUs (tests/recipes plan them).
+DEFAULTS: dict[tuple[str, str], dict[str, int]] = {
     ("9b", "pretrain"): dict(tensor_parallel=4, gpus=4),
     ("9b", "sft"): dict(tensor_parallel=4, gpus=4),
     ("9b", "peft"): dict(tensor_parallel=1, gpus=1),
@@ -38,13 +39,13 @@ LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
 }
 # Qwen3.6 and Qwen3.8 (the family records' releases): the same shapes as Qwen3.5's sizes, so the same layouts.
 SAME_SHAPE = {"3.6-27b": "27b", "3.6-35b-a3b": "35b-a3b", "3.8-27b": "27b"}
-LAYOUTS |= {
-    (size, stage): LAYOUTS[base, stage] for size, base in SAME_SHAPE.items() for stage in ("pretrain", "sft", "peft")
+DEFAULTS |= {
+    (size, stage): DEFAULTS[base, stage] for size, base in SAME_SHAPE.items() for stage in ("pretrain", "sft", "peft")
 }
 # Non-layout defaults per (size, stage): the checkpoints' multi-token-prediction layer trains in SFT and PEFT, as in
 # Megatron-Bridge's Qwen3.5-VL recipes (mtp_num_layers 1, mtp_loss_scaling_factor 0.1); pretraining leaves it aside.
 SETTINGS: dict[tuple[str, str], dict] = {
-    (size, stage): dict(mtp=True) for size, _ in LAYOUTS for stage in ("sft", "peft")
+    (size, stage): dict(mtp=True) for size, _ in DEFAULTS for stage in ("sft", "peft")
 }
 
 
@@ -53,133 +54,133 @@ def qwen3_5_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
     return family_recipe(
         arch=get_architecture(MOE_FAMILY if size in MOE_SIZES else FAMILY, size),
         stage=stage,
-        layout=LAYOUTS[size, stage],
+        planned=DEFAULTS[size, stage],
         settings=SETTINGS.get((size, stage), {}),
         overrides=overrides,
     )
 
 
-@recipe(family=FAMILY, size="9b", stage="pretrain", **LAYOUTS["9b", "pretrain"])
-def qwen35_vl_9b_pretrain(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="9b", stage="pretrain", **DEFAULTS["9b", "pretrain"])
+def qwen3_5_vl_9b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-9B continued pretraining."""
     return qwen3_5_vl(size="9b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="9b", stage="sft", **LAYOUTS["9b", "sft"])
-def qwen35_vl_9b_sft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="9b", stage="sft", **DEFAULTS["9b", "sft"])
+def qwen3_5_vl_9b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-9B full fine-tuning."""
     return qwen3_5_vl(size="9b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="9b", stage="peft", **LAYOUTS["9b", "peft"])
-def qwen35_vl_9b_peft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="9b", stage="peft", **DEFAULTS["9b", "peft"])
+def qwen3_5_vl_9b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-9B LoRA fine-tuning."""
     return qwen3_5_vl(size="9b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="27b", stage="pretrain", **LAYOUTS["27b", "pretrain"])
-def qwen35_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="27b", stage="pretrain", **DEFAULTS["27b", "pretrain"])
+def qwen3_5_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-27B continued pretraining."""
     return qwen3_5_vl(size="27b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="27b", stage="sft", **LAYOUTS["27b", "sft"])
-def qwen35_vl_27b_sft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="27b", stage="sft", **DEFAULTS["27b", "sft"])
+def qwen3_5_vl_27b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-27B full fine-tuning."""
     return qwen3_5_vl(size="27b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="27b", stage="peft", **LAYOUTS["27b", "peft"])
-def qwen35_vl_27b_peft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="27b", stage="peft", **DEFAULTS["27b", "peft"])
+def qwen3_5_vl_27b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-27B LoRA fine-tuning."""
     return qwen3_5_vl(size="27b", stage="peft", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="35b-a3b", stage="pretrain", **LAYOUTS["35b-a3b", "pretrain"])
-def qwen35_vl_35b_a3b_pretrain(**overrides: Any) -> ConfigContainer:
+@recipe(family=MOE_FAMILY, size="35b-a3b", stage="pretrain", **DEFAULTS["35b-a3b", "pretrain"])
+def qwen3_5_vl_35b_a3b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-35B-A3B (MoE) continued pretraining."""
     return qwen3_5_vl(size="35b-a3b", stage="pretrain", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="35b-a3b", stage="sft", **LAYOUTS["35b-a3b", "sft"])
-def qwen35_vl_35b_a3b_sft(**overrides: Any) -> ConfigContainer:
+@recipe(family=MOE_FAMILY, size="35b-a3b", stage="sft", **DEFAULTS["35b-a3b", "sft"])
+def qwen3_5_vl_35b_a3b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-35B-A3B (MoE) full fine-tuning."""
     return qwen3_5_vl(size="35b-a3b", stage="sft", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="35b-a3b", stage="peft", **LAYOUTS["35b-a3b", "peft"])
-def qwen35_vl_35b_a3b_peft(**overrides: Any) -> ConfigContainer:
+@recipe(family=MOE_FAMILY, size="35b-a3b", stage="peft", **DEFAULTS["35b-a3b", "peft"])
+def qwen3_5_vl_35b_a3b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-35B-A3B (MoE) LoRA fine-tuning."""
     return qwen3_5_vl(size="35b-a3b", stage="peft", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="397b-a17b", stage="pretrain", **LAYOUTS["397b-a17b", "pretrain"])
-def qwen35_vl_397b_a17b_pretrain(**overrides: Any) -> ConfigContainer:
+@recipe(family=MOE_FAMILY, size="397b-a17b", stage="pretrain", **DEFAULTS["397b-a17b", "pretrain"])
+def qwen3_5_vl_397b_a17b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-397B-A17B (MoE) continued pretraining."""
     return qwen3_5_vl(size="397b-a17b", stage="pretrain", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="397b-a17b", stage="sft", **LAYOUTS["397b-a17b", "sft"])
-def qwen35_vl_397b_a17b_sft(**overrides: Any) -> ConfigContainer:
+@recipe(family=MOE_FAMILY, size="397b-a17b", stage="sft", **DEFAULTS["397b-a17b", "sft"])
+def qwen3_5_vl_397b_a17b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-397B-A17B (MoE) full fine-tuning."""
     return qwen3_5_vl(size="397b-a17b", stage="sft", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="397b-a17b", stage="peft", **LAYOUTS["397b-a17b", "peft"])
-def qwen35_vl_397b_a17b_peft(**overrides: Any) -> ConfigContainer:
+@recipe(family=MOE_FAMILY, size="397b-a17b", stage="peft", **DEFAULTS["397b-a17b", "peft"])
+def qwen3_5_vl_397b_a17b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-397B-A17B (MoE) LoRA fine-tuning."""
     return qwen3_5_vl(size="397b-a17b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="3.6-27b", stage="pretrain", **LAYOUTS["3.6-27b", "pretrain"])
-def qwen36_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="3.6-27b", stage="pretrain", **DEFAULTS["3.6-27b", "pretrain"])
+def qwen3_6_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3.6-27B continued pretraining."""
     return qwen3_5_vl(size="3.6-27b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="3.6-27b", stage="sft", **LAYOUTS["3.6-27b", "sft"])
-def qwen36_vl_27b_sft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="3.6-27b", stage="sft", **DEFAULTS["3.6-27b", "sft"])
+def qwen3_6_vl_27b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3.6-27B full fine-tuning (MTP trained)."""
     return qwen3_5_vl(size="3.6-27b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="3.6-27b", stage="peft", **LAYOUTS["3.6-27b", "peft"])
-def qwen36_vl_27b_peft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="3.6-27b", stage="peft", **DEFAULTS["3.6-27b", "peft"])
+def qwen3_6_vl_27b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3.6-27B LoRA fine-tuning (MTP trained)."""
     return qwen3_5_vl(size="3.6-27b", stage="peft", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="pretrain", **LAYOUTS["3.6-35b-a3b", "pretrain"])
-def qwen36_vl_35b_a3b_pretrain(**overrides: Any) -> ConfigContainer:
+@recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="pretrain", **DEFAULTS["3.6-35b-a3b", "pretrain"])
+def qwen3_6_vl_35b_a3b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3.6-35B-A3B (MoE) continued pretraining."""
     return qwen3_5_vl(size="3.6-35b-a3b", stage="pretrain", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="sft", **LAYOUTS["3.6-35b-a3b", "sft"])
-def qwen36_vl_35b_a3b_sft(**overrides: Any) -> ConfigContainer:
+@recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="sft", **DEFAULTS["3.6-35b-a3b", "sft"])
+def qwen3_6_vl_35b_a3b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3.6-35B-A3B (MoE) full fine-tuning (MTP trained)."""
     return qwen3_5_vl(size="3.6-35b-a3b", stage="sft", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="peft", **LAYOUTS["3.6-35b-a3b", "peft"])
-def qwen36_vl_35b_a3b_peft(**overrides: Any) -> ConfigContainer:
+@recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="peft", **DEFAULTS["3.6-35b-a3b", "peft"])
+def qwen3_6_vl_35b_a3b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3.6-35B-A3B (MoE) LoRA fine-tuning (MTP trained)."""
     return qwen3_5_vl(size="3.6-35b-a3b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="3.8-27b", stage="pretrain", **LAYOUTS["3.8-27b", "pretrain"])
-def qwen38_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="3.8-27b", stage="pretrain", **DEFAULTS["3.8-27b", "pretrain"])
+def qwen3_8_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3.8-27B continued pretraining."""
     return qwen3_5_vl(size="3.8-27b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="3.8-27b", stage="sft", **LAYOUTS["3.8-27b", "sft"])
-def qwen38_vl_27b_sft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="3.8-27b", stage="sft", **DEFAULTS["3.8-27b", "sft"])
+def qwen3_8_vl_27b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3.8-27B full fine-tuning (MTP trained)."""
     return qwen3_5_vl(size="3.8-27b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="3.8-27b", stage="peft", **LAYOUTS["3.8-27b", "peft"])
-def qwen38_vl_27b_peft(**overrides: Any) -> ConfigContainer:
+@recipe(family=FAMILY, size="3.8-27b", stage="peft", **DEFAULTS["3.8-27b", "peft"])
+def qwen3_8_vl_27b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3.8-27B LoRA fine-tuning (MTP trained)."""
     return qwen3_5_vl(size="3.8-27b", stage="peft", **overrides)

@@ -11,8 +11,9 @@ from qvl.recipes.registry import recipe
 FAMILY = "qwen3_vl"
 MOE_FAMILY = "qwen3_vl_moe"  # same base recipe; its checkpoints are a family of their own (HF class, bridge)
 MOE_SIZES = ("30b-a3b", "235b-a22b")
-# Default layout per (size, stage): fits H100 80 GB at 4096-token packs on `gpus` GPUs (tests/recipes plan them).
-LAYOUTS: dict[tuple[str, str], dict[str, int]] = {
+# Per (size, stage): the default parallel layout and the GPU count it was planned for (`gpus`); it fits H100 80 GB
+# at 4096-token packs on that many GPUs (tests/recipes plan them).
+DEFAULTS: dict[tuple[str, str], dict[str, int]] = {
     ("2b", "pretrain"): dict(tensor_parallel=1, gpus=8),
     ("2b", "sft"): dict(tensor_parallel=1, gpus=8),
     ("2b", "peft"): dict(tensor_parallel=1, gpus=1),
@@ -40,115 +41,115 @@ def qwen3_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
     return family_recipe(
         arch=get_architecture(MOE_FAMILY if size in MOE_SIZES else FAMILY, size),
         stage=stage,
-        layout=LAYOUTS[size, stage],
+        planned=DEFAULTS[size, stage],
         settings=SETTINGS.get((size, stage), {}),
         overrides=overrides,
     )
 
 
-@recipe(family=FAMILY, size="2b", stage="pretrain", **LAYOUTS["2b", "pretrain"])
+@recipe(family=FAMILY, size="2b", stage="pretrain", **DEFAULTS["2b", "pretrain"])
 def qwen3_vl_2b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-2B continued pretraining."""
     return qwen3_vl(size="2b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="2b", stage="sft", **LAYOUTS["2b", "sft"])
+@recipe(family=FAMILY, size="2b", stage="sft", **DEFAULTS["2b", "sft"])
 def qwen3_vl_2b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-2B full fine-tuning."""
     return qwen3_vl(size="2b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="2b", stage="peft", **LAYOUTS["2b", "peft"])
+@recipe(family=FAMILY, size="2b", stage="peft", **DEFAULTS["2b", "peft"])
 def qwen3_vl_2b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-2B LoRA fine-tuning."""
     return qwen3_vl(size="2b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="4b", stage="pretrain", **LAYOUTS["4b", "pretrain"])
+@recipe(family=FAMILY, size="4b", stage="pretrain", **DEFAULTS["4b", "pretrain"])
 def qwen3_vl_4b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-4B continued pretraining."""
     return qwen3_vl(size="4b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="4b", stage="sft", **LAYOUTS["4b", "sft"])
+@recipe(family=FAMILY, size="4b", stage="sft", **DEFAULTS["4b", "sft"])
 def qwen3_vl_4b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-4B full fine-tuning."""
     return qwen3_vl(size="4b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="4b", stage="peft", **LAYOUTS["4b", "peft"])
+@recipe(family=FAMILY, size="4b", stage="peft", **DEFAULTS["4b", "peft"])
 def qwen3_vl_4b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-4B LoRA fine-tuning."""
     return qwen3_vl(size="4b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="8b", stage="pretrain", **LAYOUTS["8b", "pretrain"])
+@recipe(family=FAMILY, size="8b", stage="pretrain", **DEFAULTS["8b", "pretrain"])
 def qwen3_vl_8b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-8B continued pretraining."""
     return qwen3_vl(size="8b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="8b", stage="sft", **LAYOUTS["8b", "sft"])
+@recipe(family=FAMILY, size="8b", stage="sft", **DEFAULTS["8b", "sft"])
 def qwen3_vl_8b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-8B full fine-tuning."""
     return qwen3_vl(size="8b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="8b", stage="peft", **LAYOUTS["8b", "peft"])
+@recipe(family=FAMILY, size="8b", stage="peft", **DEFAULTS["8b", "peft"])
 def qwen3_vl_8b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-8B LoRA fine-tuning."""
     return qwen3_vl(size="8b", stage="peft", **overrides)
 
 
-@recipe(family=FAMILY, size="32b", stage="pretrain", **LAYOUTS["32b", "pretrain"])
+@recipe(family=FAMILY, size="32b", stage="pretrain", **DEFAULTS["32b", "pretrain"])
 def qwen3_vl_32b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-32B continued pretraining."""
     return qwen3_vl(size="32b", stage="pretrain", **overrides)
 
 
-@recipe(family=FAMILY, size="32b", stage="sft", **LAYOUTS["32b", "sft"])
+@recipe(family=FAMILY, size="32b", stage="sft", **DEFAULTS["32b", "sft"])
 def qwen3_vl_32b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-32B full fine-tuning."""
     return qwen3_vl(size="32b", stage="sft", **overrides)
 
 
-@recipe(family=FAMILY, size="32b", stage="peft", **LAYOUTS["32b", "peft"])
+@recipe(family=FAMILY, size="32b", stage="peft", **DEFAULTS["32b", "peft"])
 def qwen3_vl_32b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-32B LoRA fine-tuning."""
     return qwen3_vl(size="32b", stage="peft", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="30b-a3b", stage="pretrain", **LAYOUTS["30b-a3b", "pretrain"])
+@recipe(family=MOE_FAMILY, size="30b-a3b", stage="pretrain", **DEFAULTS["30b-a3b", "pretrain"])
 def qwen3_vl_30b_a3b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-30B-A3B (MoE) continued pretraining."""
     return qwen3_vl(size="30b-a3b", stage="pretrain", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="30b-a3b", stage="sft", **LAYOUTS["30b-a3b", "sft"])
+@recipe(family=MOE_FAMILY, size="30b-a3b", stage="sft", **DEFAULTS["30b-a3b", "sft"])
 def qwen3_vl_30b_a3b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-30B-A3B (MoE) full fine-tuning."""
     return qwen3_vl(size="30b-a3b", stage="sft", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="30b-a3b", stage="peft", **LAYOUTS["30b-a3b", "peft"])
+@recipe(family=MOE_FAMILY, size="30b-a3b", stage="peft", **DEFAULTS["30b-a3b", "peft"])
 def qwen3_vl_30b_a3b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-30B-A3B (MoE) LoRA fine-tuning."""
     return qwen3_vl(size="30b-a3b", stage="peft", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="235b-a22b", stage="pretrain", **LAYOUTS["235b-a22b", "pretrain"])
+@recipe(family=MOE_FAMILY, size="235b-a22b", stage="pretrain", **DEFAULTS["235b-a22b", "pretrain"])
 def qwen3_vl_235b_a22b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-235B-A22B (MoE) continued pretraining."""
     return qwen3_vl(size="235b-a22b", stage="pretrain", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="235b-a22b", stage="sft", **LAYOUTS["235b-a22b", "sft"])
+@recipe(family=MOE_FAMILY, size="235b-a22b", stage="sft", **DEFAULTS["235b-a22b", "sft"])
 def qwen3_vl_235b_a22b_sft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-235B-A22B (MoE) full fine-tuning."""
     return qwen3_vl(size="235b-a22b", stage="sft", **overrides)
 
 
-@recipe(family=MOE_FAMILY, size="235b-a22b", stage="peft", **LAYOUTS["235b-a22b", "peft"])
+@recipe(family=MOE_FAMILY, size="235b-a22b", stage="peft", **DEFAULTS["235b-a22b", "peft"])
 def qwen3_vl_235b_a22b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-235B-A22B (MoE) LoRA fine-tuning."""
     return qwen3_vl(size="235b-a22b", stage="peft", **overrides)

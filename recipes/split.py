@@ -31,8 +31,8 @@ class Workload:
 
     def images(self, merge: int) -> list[int]:
         """Patches of each image in one pack (an LM image token is merge**2 patches)."""
-        patches = self.vision_token_fraction * self.seq_length * merge * merge
-        n = int(patches // self.patches_per_image)
+        vision_patches = self.vision_token_fraction * self.seq_length * merge * merge
+        n = int(vision_patches // self.patches_per_image)
         return [self.patches_per_image] * n
 
 
@@ -43,12 +43,12 @@ def workload_of_dataset(report: dict, *, seq_length: int, merge: int) -> Workloa
     samples, tokens = report.get("accepted", 0), report.get("total_tokens", 0)
     if not samples or not tokens or "vision_patches" not in report:
         return None
-    media, patches = report.get("media", 0), report["vision_patches"]
+    media, vision_patches = report.get("media", 0), report["vision_patches"]
     return Workload(
         seq_length=seq_length,
         sample_tokens=max(round(tokens / samples), 1),
-        vision_token_fraction=patches / merge**2 / tokens,
-        patches_per_image=max(round(patches / media), 1) if media else 1,
+        vision_token_fraction=vision_patches / merge**2 / tokens,
+        patches_per_image=max(round(vision_patches / media), 1) if media else 1,
     )
 
 

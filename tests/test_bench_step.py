@@ -14,7 +14,7 @@ import torch
 from benchmarks import bench_step, step_model
 from benchmarks.step_census import Census, WidthMap, _aligned, gemm_flops
 
-# The census's headline figures, pinned: (recorded, relative band). The RESULTS.md configuration (qwen25_vl_3b_12l: 12
+# The census's headline figures, pinned: (recorded, relative band). The RESULTS.md configuration (qwen2_5_vl_3b_12l: 12
 # LM layers, 8 packs of 4k) takes about 15 minutes on 2 cores, too long for the suite, so its structure at 2 LM
 # layers, 4 ViT blocks and 2 short packs (`tiny`, which the fixture below counts anyway) is pinned instead; both sets
 # are recorded in benchmarks/README.md ("What the suite pins"). A change that moves a figure out of its band fails

@@ -10,7 +10,7 @@ import pytest
 from benchmarks import bench_vision_gpu
 
 
-@pytest.mark.parametrize("model", ["qwen25_vl_3b", "qwen2_vl_2b"])
+@pytest.mark.parametrize("model", ["qwen2_5_vl_3b", "qwen2_vl_2b"])
 def test_tiny_vision_share_benchmark_writes_its_figures(tmp_path, model):
     args = ["--tiny", "--model", model, "--packs", "2", "--repeats", "1", "--out", str(tmp_path)]
     assert bench_vision_gpu.main(args) == 0

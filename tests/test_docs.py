@@ -137,7 +137,7 @@ def missing_repo_paths(args: list[str]) -> list[str]:
 def qvl_problems(args: list[str], recipes: set[str]) -> list[str]:
     """What is wrong with `qvl ARGS` as qvl's `main()` would parse it: unknown command, option, choice or key."""
     from qvl.launchers.cli import build_parser
-    from qvl.launchers.launch import DEMO_JOB, DEMO_PARAMS
+    from qvl.launchers.jobs import DEMO_JOB, DEMO_PARAMS
     from qvl.recipes.overrides import parse_overrides
 
     parser, errors = build_parser(), io.StringIO()
@@ -164,7 +164,7 @@ def qvl_problems(args: list[str], recipes: set[str]) -> list[str]:
 
 def nemo_problems(args: list[str], recipes: set[str]) -> list[str]:
     """What is wrong with `nemo qvl ENTRYPOINT --factory RECIPE key=value ...`."""
-    from qvl.launchers.launch import DEMO_JOB, DEMO_PARAMS
+    from qvl.launchers.jobs import DEMO_JOB, DEMO_PARAMS
     from qvl.recipes.options import option_names
 
     if args[:1] != ["qvl"] or len(args) < 2 or args[1] not in nemo_entrypoints():
@@ -246,14 +246,14 @@ def test_the_check_finds_what_a_reader_would_trip_over():
     def check(text: str) -> list[str]:
         return command_problems(Command(page="x.md", line=1, text=text), recipes)
 
-    assert check("qvl plan qwen25_vl_7b_sft --gpus 8 tensor_parallel=2") == []
-    assert check("qvl plna qwen25_vl_7b_sft")  # no such command
-    assert check("qvl plan qwen25_vl_7b_sft --gpu-count 8")  # no such option
-    assert check("qvl plan qwen25_vl_9b_sft")  # no such recipe
-    assert "did you mean tensor_parallel" in " ".join(check("qvl train qwen25_vl_3b_sft tensorparallel=2"))
+    assert check("qvl plan qwen2_5_vl_7b_sft --gpus 8 tensor_parallel=2") == []
+    assert check("qvl plna qwen2_5_vl_7b_sft")  # no such command
+    assert check("qvl plan qwen2_5_vl_7b_sft --gpu-count 8")  # no such option
+    assert check("qvl plan qwen2_5_vl_9b_sft")  # no such recipe
+    assert "did you mean tensor_parallel" in " ".join(check("qvl train qwen2_5_vl_3b_sft tensorparallel=2"))
     assert check("qvl convert import a b --dtype int8")  # a choice the option does not offer
-    assert check("qvl launch qwen25_vl_3b_sft --executor-config docs/examples/missing.yaml")
-    assert check("nemo qvl finetune --factory qwen25_vl_3b_sft recipe.tensorparallel=2")
+    assert check("qvl launch qwen2_5_vl_3b_sft --executor-config docs/examples/missing.yaml")
+    assert check("nemo qvl finetune --factory qwen2_5_vl_3b_sft recipe.tensorparallel=2")
     assert check("make tests") and check("python -m benchmarks.bench_nothing") and check("bash benchmarks/no.sh")
     assert check("FOO=1 qvl version && qvl doctor | tee doctor.txt") == []
 

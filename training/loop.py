@@ -180,8 +180,8 @@ def train(
 
     The same path `qvl train` takes, for notebooks and scripts:
 
-        >>> from qvl.recipes.qwen2_5_vl import qwen25_vl_3b_sft
-        >>> config = qwen25_vl_3b_sft(hf_path=..., data=..., pretrained_checkpoint=...)
+        >>> from qvl.recipes.qwen2_5_vl import qwen2_5_vl_3b_sft
+        >>> config = qwen2_5_vl_3b_sft(hf_path=..., data=..., pretrained_checkpoint=...)
         >>> config.train.train_iters = 50
         >>> train(config, run_dir="runs/sft")      # losses in runs/sft/losses.jsonl (read_losses)
 

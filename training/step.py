@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from qvl.data.count import IGNORE_INDEX
-from qvl.kernels.speed_qwen3_vl_sync_free import host_vision_layout
+from qvl.kernels.speed_qwen3_vl_sync_free import host_vision_placement
 from qvl.kernels.speed_rotary import mark_whole_pack
 from qvl.kernels.speed_sync_free import HostBatch, LossCheck, masked_loss
 from qvl.training import mtp
@@ -81,18 +81,20 @@ def host_batch(model: Any, batch: Any, kwargs: dict, device: torch.device) -> Ho
     device back (qvl.kernels.speed_sync_free): its tokens and grids, the tower's inputs for the grids the model is
     given and, for Qwen3-VL, the vision rows as indices and a pack's images and videos in token order with the
     tower's inputs for that order (qvl.kernels.speed_qwen3_vl_sync_free); tensors the forward uses on `device`."""
-    layout = host_vision_layout(model, batch, kwargs)
-    if layout is not None:
-        layout = (layout.pin_memory() if pinned_copies(device) else layout).to(device, non_blocking=True)
-    # with images and videos in one layout the tower is given the token-order grid: its inputs, not each kind's
-    per_kind = {} if layout is not None and layout.has_tower_inputs() else tower_inputs_by_kind(batch, kwargs, device)
+    placement = host_vision_placement(model, batch, kwargs)
+    if placement is not None:
+        placement = (placement.pin_memory() if pinned_copies(device) else placement).to(device, non_blocking=True)
+    # with images and videos in one placement the tower is given the token-order grid: its inputs, not each kind's
+    per_kind = (
+        {} if placement is not None and placement.has_tower_inputs() else tower_inputs_by_kind(batch, kwargs, device)
+    )
     return HostBatch(
         tokens=batch.tokens,
         image_grid_thw=getattr(batch, "image_grid_thw", None),
         video_grid_thw=getattr(batch, "video_grid_thw", None),
         image_tower_inputs=per_kind.get("image_grid_thw"),
         video_tower_inputs=per_kind.get("video_grid_thw"),
-        vision_layout=layout,
+        vision_placement=placement,
     )
 
 

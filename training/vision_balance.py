@@ -215,16 +215,16 @@ def _counts(images: np.ndarray, key: np.ndarray, sizes: np.ndarray, world: int) 
     return np.bincount(key[images], weights=sizes[images], minlength=world).astype(np.int64).tolist()
 
 
-def routes_for(plan: VisionAssignment, rank: int, patches: np.ndarray, merge_unit: int) -> Routes:
+def routes_for(plan: VisionAssignment, rank: int, vision_patches: np.ndarray, merge_unit: int) -> Routes:
     """`rank`'s row indices and counts for moving pixels out, embeddings back to every TP rank, gradients home."""
     world, replica_of = plan.world_size, plan.replica_of_rank()
     mine = int(replica_of[rank])
-    rows = patches // merge_unit
+    rows = vision_patches // merge_unit
     crossing = replica_of[plan.dest] != plan.replica  # encoded outside its replica: its pixels must move
     ids = np.arange(len(plan.dest))
     # Pixels: starts of each image's patches in its replica's pixel_values (replica-local order).
     first = np.r_[0, np.cumsum(np.bincount(plan.replica, minlength=len(plan.members)))][plan.replica]
-    global_start = np.cumsum(np.r_[0, patches])[:-1]
+    global_start = np.cumsum(np.r_[0, vision_patches])[:-1]
     patch_start = global_start - global_start[first]
     local = ids[(plan.dest == rank) & ~crossing]
     out = _grouped(ids[(plan.home == rank) & crossing], plan.dest)
@@ -243,10 +243,10 @@ def routes_for(plan: VisionAssignment, rank: int, patches: np.ndarray, merge_uni
     carried = received[plan.home[received] == rank]
     returned = _grouped(ids[plan.dest == rank], plan.home)
     return Routes(
-        local_pixel_rows=_image_rows(local, patch_start, patches),
-        pixel_send_rows=_image_rows(out, patch_start, patches),
-        pixel_send=_counts(out, plan.dest, patches, world),
-        pixel_recv=_counts(into, plan.home, patches, world),
+        local_pixel_rows=_image_rows(local, patch_start, vision_patches),
+        pixel_send_rows=_image_rows(out, patch_start, vision_patches),
+        pixel_send=_counts(out, plan.dest, vision_patches, world),
+        pixel_recv=_counts(into, plan.home, vision_patches, world),
         encode_order=encode_order,
         fan_send_rows=fan_send_rows,
         fan_send=[int(rows[f].sum()) for f in fan_images],
@@ -260,7 +260,12 @@ def routes_for(plan: VisionAssignment, rank: int, patches: np.ndarray, merge_uni
 
 
 def bytes_sent(
-    plan: VisionAssignment, patches: np.ndarray, shape: VisionShape, *, pixel_bytes: int = 4, embed_bytes: int = 2
+    plan: VisionAssignment,
+    vision_patches: np.ndarray,
+    shape: VisionShape,
+    *,
+    pixel_bytes: int = 4,
+    embed_bytes: int = 2,
 ) -> np.ndarray:
     """Bytes each rank sends for one micro-batch: pixels out, embeddings to other ranks, gradients home.
 
@@ -270,9 +275,11 @@ def bytes_sent(
     replica_of = plan.replica_of_rank()
     pixel_width = shape.in_channels * shape.temporal_patch_size * shape.patch_size**2 * pixel_bytes
     embed_width = shape.out_hidden_size * embed_bytes
-    rows = patches // merge_unit
+    rows = vision_patches // merge_unit
     crossing = replica_of[plan.dest] != plan.replica
-    sent = np.bincount(plan.home[crossing], weights=patches[crossing] * pixel_width, minlength=world).astype(float)
+    sent = np.bincount(plan.home[crossing], weights=vision_patches[crossing] * pixel_width, minlength=world).astype(
+        float
+    )
     # Each embedding goes from its encoder to every TP rank of its replica but the encoder itself.
     copies = np.asarray([len(plan.members[r]) for r in plan.replica]) - (~crossing)
     sent += np.bincount(plan.dest, weights=rows * copies * embed_width, minlength=world)
@@ -415,9 +422,9 @@ def _flops(per_rank: np.ndarray) -> str:
 
 
 def _check_rows(encoded: torch.Tensor, grid: torch.Tensor, merge_unit: int) -> None:
-    patches = int(grid.prod(dim=1).sum())
-    if encoded.shape[0] * merge_unit != patches:
+    vision_patches = int(grid.prod(dim=1).sum())
+    if encoded.shape[0] * merge_unit != vision_patches:
         raise ValueError(
-            f"vision_fn returned {encoded.shape[0]} rows for {patches} patches; it must return one row per "
+            f"vision_fn returned {encoded.shape[0]} rows for {vision_patches} patches; it must return one row per "
             f"{merge_unit} patches (the spatial merge unit), images in input order"
         )

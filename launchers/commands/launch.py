@@ -11,7 +11,7 @@ import sys
 import yaml
 
 from qvl.foundation.errors import LaunchError
-from qvl.launchers.launch import DEMO_JOB, EXECUTORS, launch
+from qvl.launchers.jobs import DEMO_JOB, EXECUTORS, launch
 from qvl.launchers.os_errors import os_errors_as
 
 

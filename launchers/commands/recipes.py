@@ -81,7 +81,7 @@ def recipe_rows(family: str | None = None) -> list[dict[str, Any]]:
                 "TP": lay.get("tensor_parallel", 1),
                 "PP": lay.get("pipeline_parallel", 1),
                 "EP": lay.get("expert_parallel", 1),
-                "planned GPUs": lay.get("gpus"),
+                "planned GPUs": info.gpus,
                 "summary": info.summary,
             }
         )
@@ -119,7 +119,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     overrides = parse_overrides(args.overrides).as_dict()
     info = get_recipe(args.recipe)
-    gpus = info.layout.get("gpus", 8) if args.gpus is None else args.gpus
+    gpus = (info.gpus or 8) if args.gpus is None else args.gpus
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus} must be at least 1, e.g. --gpus 8")
     given = {

@@ -1,7 +1,8 @@
-"""`qvl verify-training HF_PATH --data DIR`: is qvl's training step the one transformers takes? (README "Training
-parity"). Trains a few steps of the recipe on Megatron-Bridge (packed) and with transformers' Trainer (unpacked)
-from the same checkpoint and samples; prints per-step losses and gradient norms of both, the per-token loss,
-gradient and final-weight differences, and the conventions that differ on purpose; exit 1 above tolerance."""
+"""`qvl verify-training HF_PATH --data DIR`: is qvl's training step the one transformers takes? (docs/parity.md)
+
+Trains a few steps of the recipe on Megatron-Bridge (packed) and with transformers' Trainer (unpacked) from the same
+checkpoint and samples; prints per-step losses and gradient norms of both, the per-token loss, gradient and
+final-weight differences, and the conventions that differ on purpose; exit 1 above tolerance."""
 
 from __future__ import annotations
 

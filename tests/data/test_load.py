@@ -100,7 +100,7 @@ def test_training_at_a_dp_size_the_dataset_was_not_planned_for_is_refused(planne
     import sys
 
     output, _, _, _ = planned
-    command = [sys.executable, "-m", "qvl.launchers.cli", "train", "qwen25_vl_3b_pretrain", f"data={output}"]
+    command = [sys.executable, "-m", "qvl.launchers.cli", "train", "qwen2_5_vl_3b_pretrain", f"data={output}"]
     args = ["train_iters=1", "global_batch_size=4", "seq_length=256", "--model", "tiny", "--device", "cpu"]
     done = subprocess.run([*command, *args, "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr[-3000:]

@@ -37,7 +37,7 @@ def _files(directory: pathlib.Path) -> dict[str, str]:
 def one_process(synthetic_dataset, hf_paths, tmp_path_factory):
     output = tmp_path_factory.mktemp("one") / "ds"
     report = prepare(_config(synthetic_dataset, hf_paths, output, workers=1))
-    assert report["executor"] == "1 process" and report["packed_sequences"] >= 3
+    assert report["workers"] == "1 process" and report["packed_sequences"] >= 3
     return _files(output), report
 
 
@@ -49,7 +49,7 @@ def _same_counts(report: dict, reference: dict) -> None:
 def test_two_workers_build_the_same_bytes(synthetic_dataset, hf_paths, one_process, tmp_path):
     output = tmp_path / "ds"
     report = prepare(_config(synthetic_dataset, hf_paths, output, workers=2))
-    assert report["executor"] == "2 worker processes"
+    assert report["workers"] == "2 worker processes"
     _same_counts(report, one_process[1])
     assert _files(output) == one_process[0]
 
@@ -62,7 +62,7 @@ def test_a_local_ray_cluster_builds_the_same_bytes(synthetic_dataset, hf_paths, 
     output = tmp_path_factory.mktemp("ray") / "ds"
     settings = RayConfig(num_cpus=2, temp_dir=tmp_path_factory.mktemp("rt"))
     report = prepare(_config(synthetic_dataset, hf_paths, output, ray=settings))
-    assert report["executor"] == "Ray (2 CPUs)"
+    assert report["workers"] == "Ray (2 CPUs)"
     assert not ray.is_initialized()  # the cluster qvl started is shut down again
     _same_counts(report, one_process[1])
     assert _files(output) == one_process[0]

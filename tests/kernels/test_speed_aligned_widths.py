@@ -229,7 +229,7 @@ def test_padded_tower_trains_resumes_bit_exactly_and_exports_unpadded(misaligned
     data = tmp_path / "data"
     qvl("data", "prepare", "--input", str(jsonl), "--media-root", str(media), "--family", "qwen2_5_vl",
          "--hf-path", str(misaligned_checkpoint), "--seq-length", "256", "--output", str(data))  # fmt: skip
-    common = ["qwen25_vl_3b_pretrain", "train_iters=4", "global_batch_size=2", "micro_batch_size=1", "seq_length=256",
+    common = ["qwen2_5_vl_3b_pretrain", "train_iters=4", "global_batch_size=2", "micro_batch_size=1", "seq_length=256",
               "warmup_iters=1", "lr=1e-3", "save_interval=100", "log_interval=1", f"data={data}",
               f"hf_path={misaligned_checkpoint}", "--model", "tiny", "--device", "cpu"]  # fmt: skip
     qvl("train", *common, "--run-dir", str(tmp_path / "full"))

@@ -23,7 +23,7 @@ from qvl.bridges.tiny_model import tiny_hf_config
 from qvl.foundation import patches
 from qvl.foundation.families import TINY_TOKEN_IDS
 from qvl.kernels import speed_qwen3_vl_sync_free, speed_qwen3_vl_tower, speed_rotary
-from qvl.kernels.speed_qwen3_vl_sync_free import VisionLayout
+from qvl.kernels.speed_qwen3_vl_sync_free import VisionPlacement
 from qvl.kernels.tower_inputs import tower_inputs_for_config
 from tests.kernels.test_speed_sync_free import (
     IMAGE_GRIDS,
@@ -204,13 +204,16 @@ def inputs_of(batch) -> dict:
     return model_inputs(batch, torch.device("cpu"))[0]
 
 
-def with_host_batch(model, batch, kwargs, layout: VisionLayout | None = None) -> dict:
+def with_host_batch(model, batch, kwargs, placement: VisionPlacement | None = None) -> dict:
     """`kwargs` and the host batch qvl's forward step passes with them (its vision layout replaced by `layout`)."""
     from qvl.training.step import host_batch
 
     host = host_batch(model, batch, kwargs, torch.device("cpu"))
-    assert host.vision_layout is not None and host.vision_layout.positions.dtype == torch.int64
-    return {**kwargs, "host_batch": host if layout is None else dataclasses.replace(host, vision_layout=layout)}
+    assert host.vision_placement is not None and host.vision_placement.positions.dtype == torch.int64
+    return {
+        **kwargs,
+        "host_batch": host if placement is None else dataclasses.replace(host, vision_placement=placement),
+    }
 
 
 def loss_and_grads(model, kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -354,17 +357,17 @@ def test_placeholders_that_do_not_fit_the_grids_are_refused(model, grids):
     batch = pack(model, "interleaved")
     setattr(batch, grids, getattr(batch, grids)[:-1])  # one grid fewer than the placeholders say
     with pytest.raises(speed_qwen3_vl_sync_free.VisionPositionsMismatch, match="do not fit"):
-        speed_qwen3_vl_sync_free.host_vision_layout(model, batch, inputs_of(batch))
+        speed_qwen3_vl_sync_free.host_vision_placement(model, batch, inputs_of(batch))
 
 
-def test_a_layout_without_order_leaves_the_reordering_to_upstream(model):
+def test_a_placement_without_order_leaves_the_reordering_to_upstream(model):
     """Given positions without a host order: `reorganize_inputs` orders the pixels (its two boolean masks), the
     language model still takes the indices: the same results."""
     batch = pack(model, "interleaved")
     kwargs = inputs_of(batch)
     losses, grads, _ = loss_and_grads(model, kwargs)
-    layout = speed_qwen3_vl_sync_free.host_vision_layout(model, batch, kwargs)
-    given = with_host_batch(model, batch, kwargs, VisionLayout(positions=layout.positions))
+    placement = speed_qwen3_vl_sync_free.host_vision_placement(model, batch, kwargs)
+    given = with_host_batch(model, batch, kwargs, VisionPlacement(positions=placement.positions))
     got, got_grads, indexed_ops = loss_and_grads(model, given)
     assert indexed_ops == 2  # the two boolean selections of upstream's scan of the tokens (find_vision_id_index)
     assert torch.equal(got, losses)
@@ -386,7 +389,7 @@ def test_indexed_forward_under_full_recompute(model, monkeypatch):
         kwargs = inputs_of(batch)
         losses, grads, _ = loss_and_grads(model, kwargs)
         given = with_host_batch(model, batch, kwargs)
-        positions = given["host_batch"].vision_layout.positions
+        positions = given["host_batch"].vision_placement.positions
         got, got_grads, indexed_ops = loss_and_grads(model, given)
     finally:
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = saved
@@ -398,15 +401,17 @@ def test_indexed_forward_under_full_recompute(model, monkeypatch):
     assert all(torch.equal(got_grads[name], grads[name]) for name in grads)
 
 
-def test_without_a_layout_upstreams_path_runs(model):
+def test_without_a_placement_upstreams_path_runs(model):
     """A layout is computed only for a model whose forward takes one (qvl's), and used only where the forward is
-    given one: without a host batch, or with one without a layout, upstream's masked path runs."""
+    given one: without a host batch, or with one without a placement, upstream's masked path runs."""
     batch = pack(model, "interleaved")
     kwargs = inputs_of(batch)
-    assert speed_qwen3_vl_sync_free.host_vision_layout(types.SimpleNamespace(pre_process=True), batch, kwargs) is None
+    assert (
+        speed_qwen3_vl_sync_free.host_vision_placement(types.SimpleNamespace(pre_process=True), batch, kwargs) is None
+    )
     expected = loss_and_grads(model, kwargs)
     given = with_host_batch(model, batch, kwargs)
-    without_layout = {**given, "host_batch": dataclasses.replace(given["host_batch"], vision_layout=None)}
+    without_layout = {**given, "host_batch": dataclasses.replace(given["host_batch"], vision_placement=None)}
     got = loss_and_grads(model, without_layout)
     assert got[2] == expected[2] > 0  # upstream's masked indexing ran
     assert torch.equal(got[0], expected[0])
@@ -415,8 +420,8 @@ def test_without_a_layout_upstreams_path_runs(model):
 def test_positions_that_do_not_fit_the_features_are_refused(model):
     batch = pack(model, "images")
     kwargs = inputs_of(batch)
-    positions = speed_qwen3_vl_sync_free.host_vision_layout(model, batch, kwargs).positions
-    given = with_host_batch(model, batch, kwargs, VisionLayout(positions=positions[1:]))
+    positions = speed_qwen3_vl_sync_free.host_vision_placement(model, batch, kwargs).positions
+    given = with_host_batch(model, batch, kwargs, VisionPlacement(positions=positions[1:]))
     with pytest.raises(speed_qwen3_vl_sync_free.VisionPositionsMismatch, match=f"for {positions.numel() - 1} vision"):
         model(**given)
 

@@ -154,7 +154,7 @@ def train_with_and_without_fusion(hf_path: str) -> dict:
     distributed.init_distributed(tensor_parallel=1)
     initial, out = None, {}
     for fused in (True, False):
-        cfg = get_recipe("qwen25_vl_3b_sft").fn(hf_path=hf_path, precision="fp32", tensor_parallel=1)
+        cfg = get_recipe("qwen2_5_vl_3b_sft").fn(hf_path=hf_path, precision="fp32", tensor_parallel=1)
         fusion_by_recipe = cfg.model.gradient_accumulation_fusion
         cfg.model.gradient_accumulation_fusion = fused
         cfg.model.finalize()

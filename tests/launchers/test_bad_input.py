@@ -15,10 +15,10 @@ import pytest
 from qvl.foundation.errors import ConfigError, ConversionError, LaunchError
 from qvl.foundation.layout import ModelFacts, ParallelLayout, check_layout
 from qvl.launchers.cli import main
-from qvl.launchers.launch import launch, resolve_job
+from qvl.launchers.jobs import launch, resolve_job
 from qvl.recipes.overrides import parse_value
 
-RECIPE = "qwen25_vl_7b_sft"  # 28 attention heads, 4 KV heads, 28 layers
+RECIPE = "qwen2_5_vl_7b_sft"  # 28 attention heads, 4 KV heads, 28 layers
 SLURM = [
     "run.executor.account=acct",
     "run.executor.partition=batch",
@@ -143,8 +143,8 @@ def test_qvl_recipes_into_a_pipe_keeps_whole_names_in_natural_size_order():
         capture_output=True, text=True, check=True, env={"COLUMNS": "80", "PATH": ""},
     ).stdout  # fmt: skip
     names = [line.split()[0] for line in out.splitlines()[1:]]
-    assert "…" not in out and "qwen25_vl_32b_sft" in names
-    assert [n.split("_")[2] for n in names[::3]] == ["3b", "7b", "32b", "72b"]
+    assert "…" not in out and "qwen2_5_vl_32b_sft" in names
+    assert [n.removeprefix("qwen2_5_vl_").split("_")[0] for n in names[::3]] == ["3b", "7b", "32b", "72b"]
 
 
 def test_qvl_recipes_and_plan_json(capsys):
@@ -172,7 +172,7 @@ def test_kubernetes_dryrun_needs_no_kubeconfig(tmp_path, monkeypatch):
 
 
 def test_fine_tune_without_pretrained_checkpoint_is_refused(capsys, tmp_path):
-    line = one_error_line(capsys, ["train", "qwen25_vl_3b_sft", "--model", "tiny", "--run-dir", str(tmp_path)])
+    line = one_error_line(capsys, ["train", "qwen2_5_vl_3b_sft", "--model", "tiny", "--run-dir", str(tmp_path)])
     assert "pretrained_checkpoint is not set; pass pretrained_checkpoint=DIR" in line and "qvl convert import" in line
 
 
@@ -205,7 +205,7 @@ def test_malformed_site_file(capsys, tmp_path):
         (["plan", RECIPE, "micro_batch_size=-1"], "micro_batch_size=-1 must be at least 1"),
         (["plan", RECIPE, "lr=fast"], "lr='fast' must be a number"),
         (["plan", RECIPE, "--gpus", "0"], "--gpus 0 must be at least 1"),
-        (["plan", "qwen25_vl_7b_stf"], "no recipe named 'qwen25_vl_7b_stf'; did you mean qwen25_vl_7b_sft"),
+        (["plan", "qwen2_5_vl_7b_stf"], "no recipe named 'qwen2_5_vl_7b_stf'; did you mean qwen2_5_vl_7b_sft"),
         (["plan", RECIPE, "tensor_parallel"], "override 'tensor_parallel' is not key=value"),
         (["launch", RECIPE, "--dryrun", "run.executor.nodez=2", *SLURM, "--executor", "slurm"], "has no setting nodez"),
     ],
@@ -216,13 +216,13 @@ def test_bad_sizes_and_names(capsys, argv, message):
 
 def test_missing_dataset_and_unwritable_run_dir(capsys, tmp_path):
     line = one_error_line(
-        capsys, ["train", "qwen25_vl_3b_pretrain", "--model", "tiny", f"data={tmp_path / 'nope'}", "--run-dir",
+        capsys, ["train", "qwen2_5_vl_3b_pretrain", "--model", "tiny", f"data={tmp_path / 'nope'}", "--run-dir",
                  str(tmp_path / "run")],
     )  # fmt: skip
     assert f"data={tmp_path / 'nope'} does not exist" in line
     blocker = tmp_path / "file"
     blocker.write_text("")
-    line = one_error_line(capsys, ["train", "qwen25_vl_3b_pretrain", "--run-dir", str(blocker / "run")])
+    line = one_error_line(capsys, ["train", "qwen2_5_vl_3b_pretrain", "--run-dir", str(blocker / "run")])
     assert f"--run-dir={blocker / 'run'} cannot be written" in line
 
 
@@ -241,7 +241,7 @@ def test_truncated_megatron_checkpoint_is_refused(capsys, tmp_path):
     with pytest.raises(ConversionError, match=r"__0_0.distcp is truncated \(1000 of \d+ bytes\)"):
         check_megatron_checkpoint(ckpt, "pretrained_checkpoint")
     line = one_error_line(
-        capsys, ["train", "qwen25_vl_3b_sft", "--model", "tiny", f"pretrained_checkpoint={ckpt}", "--run-dir",
+        capsys, ["train", "qwen2_5_vl_3b_sft", "--model", "tiny", f"pretrained_checkpoint={ckpt}", "--run-dir",
                  str(tmp_path / "run")],
     )  # fmt: skip
     assert "is truncated" in line and "copy or write the checkpoint again" in line

@@ -41,9 +41,9 @@ def test_every_family_has_a_demo_its_tiny_sft_and_a_planned_size():
     from qvl.recipes.registry import get_recipe
 
     assert demo_recipes("qwen2_5_vl") == demo_recipes("qwen2_5_vl").__class__(
-        family="qwen2_5_vl", train="qwen25_vl_3b_sft", plan="qwen25_vl_7b_sft", plan_size="7B", plan_gpus=8
+        family="qwen2_5_vl", trained="qwen2_5_vl_3b_sft", planned="qwen2_5_vl_7b_sft", plan_size="7B", plan_gpus=8
     )
     for family in FAMILIES:
         recipes = demo_recipes(family)
-        assert get_recipe(recipes.train).family == get_recipe(recipes.plan).family == family
-        assert get_recipe(recipes.train).stage == "sft" and recipes.plan_gpus >= 1
+        assert get_recipe(recipes.trained).family == get_recipe(recipes.planned).family == family
+        assert get_recipe(recipes.trained).stage == "sft" and recipes.plan_gpus >= 1

@@ -19,7 +19,7 @@ import yaml
 
 from qvl.foundation.errors import LaunchError, QvlError
 from qvl.launchers import cli
-from qvl.launchers.launch import launch, resolve_job
+from qvl.launchers.jobs import launch, resolve_job
 from qvl.launchers.site import load_site_config
 from qvl.recipes import registry
 from tests.launchers.crd_schema import TRAINER_RELEASES, trainjob_errors
@@ -197,7 +197,7 @@ def test_dryrun_of_a_recipe_needing_a_cluster_checkpoint_prints_its_arguments(fa
 
 @pytest.mark.slow
 def test_local_run_of_a_tiny_recipe_executes_on_cpu(tmp_path):
-    """The real thing: NeMo-Run's LocalExecutor runs `qvl train qwen25_vl_3b_pretrain --model tiny` on a packed
+    """The real thing: NeMo-Run's LocalExecutor runs `qvl train qwen2_5_vl_3b_pretrain --model tiny` on a packed
     sample dataset (CPU runtime, Megatron-Bridge's loop) and the experiment succeeds."""
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.samples import write_sample_dataset
@@ -240,7 +240,7 @@ def test_local_run_of_a_tiny_recipe_executes_on_cpu(tmp_path):
         "run.executor.gpus=0",
     ]
     result = launch(
-        "qwen25_vl_3b_pretrain",
+        "qwen2_5_vl_3b_pretrain",
         pairs,
         train_flags=["--model", "tiny", "--run-dir", str(run_dir)],
         kind="local",

@@ -36,7 +36,7 @@ COMMANDS = {
     "real": [
         "finetune",
         "--factory",
-        "qwen25_vl_7b_sft",
+        "qwen2_5_vl_7b_sft",
         "recipe.tensor_parallel=4",
         "recipe.lr=1e-4",
         "overrides=['train.train_iters=7']",
@@ -48,7 +48,7 @@ COMMANDS = {
     "misspelt": [
         "finetune",
         "--factory",
-        "qwen25_vl_7b_sft",
+        "qwen2_5_vl_7b_sft",
         "recipe.tensorparalel=2",
         "run.executor=local",
         "--dryrun",
@@ -150,6 +150,18 @@ def test_every_registered_recipe_becomes_a_factory(fake_recipe, nemo_cli):
     params = inspect.signature(task.recipe.__fn_or_cls__).parameters
     assert params["tensor_parallel"].annotation == Optional[int] and params["lr"].annotation == Optional[float]
     assert parse_factory(nemo_cli.pretrain, "", nemo_cli.pretrain, "demo").recipe.__fn_or_cls__ is nemo_cli.demo
+
+
+def test_a_recipes_old_spelling_is_a_factory_too(fake_recipe, nemo_cli):
+    from nemo_run.cli.cli_parser import parse_factory
+
+    registry.recipe(family="qvl_test", size="tiny", stage="sft", name="qwen9_9_vl_tiny_sft")(tiny_sft)
+    try:
+        nemo_cli._register_recipe_factories()
+        task = parse_factory(nemo_cli.finetune, "", nemo_cli.finetune, "qwen99_vl_tiny_sft")
+        assert nemo_cli._recipe_name(task.recipe.__fn_or_cls__) == "qwen9_9_vl_tiny_sft"
+    finally:
+        registry._RECIPES.pop("qwen9_9_vl_tiny_sft", None)
 
 
 def test_recipe_command_is_the_qvl_command_line(fake_recipe, nemo_cli, monkeypatch):

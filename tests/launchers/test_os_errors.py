@@ -102,7 +102,7 @@ def test_a_full_disk_while_training_saves_a_checkpoint_names_the_folder(
     argv = [
         str(Path(sys.executable).with_name("qvl")),
         "train",
-        "qwen25_vl_3b_sft",
+        "qwen2_5_vl_3b_sft",
         "--model",
         "tiny",
         "--device",

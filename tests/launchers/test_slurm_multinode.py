@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.slow]
 
 QVL = str(Path(sys.executable).with_name("qvl"))
 NEMO = str(Path(sys.executable).with_name("nemo"))
-RECIPE = "qwen25_vl_3b_sft"
+RECIPE = "qwen2_5_vl_3b_sft"
 STEPS, STOP = 3, 2
 TRAIN = {"global_batch_size": 4, "micro_batch_size": 1, "seq_length": 256, "warmup_iters": 1, "save_interval": STOP}
 # A two-node CPU partition; what a job may take from the submitting shell is named, nothing else.

@@ -18,7 +18,7 @@ import pytest
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 QVL = str(Path(sys.executable).with_name("qvl"))
-# A CPU partition without pyxis: what the README's bare-Slurm example shows.
+# A CPU partition without pyxis: what docs/launching.md's bare-Slurm example shows.
 CPU_SITE = "slurm:\n  account: qvl\n  partition: cpu\n  gpus_per_node: 0\n  exclusive: false\n"
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from qvl.foundation.errors import LaunchError
 from qvl.launchers import executors
-from qvl.launchers.launch import launch, resolve_job, validate
+from qvl.launchers.jobs import launch, resolve_job, validate
 from tests.launchers.test_launch import FAKE_RECIPE, IMAGE, fake_recipe  # noqa: F401  (fixture)
 
 BARE = ["run.executor.account=qvl", "run.executor.partition=cpu"]

@@ -42,7 +42,7 @@ def test_every_group_is_listed_with_its_kind_condition_and_entries(capsys):
 
 
 def test_a_recipe_gets_the_answer_for_its_model(capsys):
-    code, out, _ = _doctor(capsys, "--recipe", "qwen25_vl_3b_sft", "--device", "cpu", "--json")
+    code, out, _ = _doctor(capsys, "--recipe", "qwen2_5_vl_3b_sft", "--device", "cpu", "--json")
     groups = {g["group"]: g["on"] for g in json.loads(out)["groups"]}
     assert code == 0
     assert groups["speed-hf-vision"] is True and groups["torch-qwen3-vl-vision"] is False

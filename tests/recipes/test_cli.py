@@ -33,19 +33,19 @@ def test_qvl_recipes_lists_every_recipe(capsys):
     assert main(["recipes", "--family", "qwen3_vl_moe"]) == 0
     out = capsys.readouterr().out
     assert "qwen3_vl_235b_a22b_peft" in out and "qwen3_vl_30b_a3b_sft" in out
-    assert "qwen25_vl" not in out and "qwen3_vl_8b" not in out
+    assert "qwen2_5_vl" not in out and "qwen3_vl_8b" not in out
 
 
 def test_qvl_plan_prints_memory_split_flops_and_mfu(capsys):
-    assert main(["plan", "qwen25_vl_72b_sft", "--gpus", "64"]) == 0
+    assert main(["plan", "qwen2_5_vl_72b_sft", "--gpus", "64"]) == 0
     out = capsys.readouterr().out
     for text in ("params GiB", "optimizer GiB", "activations GiB", "pipeline split", "MFU estimate", "FLOPs per step"):
         assert text in out
 
 
 def test_qvl_plan_refuses_and_suggests(capsys):
-    assert main(["plan", "qwen25_vl_7b_sft", "--gpus", "2"]) == 1
+    assert main(["plan", "qwen2_5_vl_7b_sft", "--gpus", "2"]) == 1
     out = capsys.readouterr().out
     assert "refused" in out and "offload" in out
-    assert main(["plan", "qwen25_vl_7b_sft", "tensor_parallel=3"]) == 2
+    assert main(["plan", "qwen2_5_vl_7b_sft", "tensor_parallel=3"]) == 2
     assert "tensor_parallel=3" in capsys.readouterr().err

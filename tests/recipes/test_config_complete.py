@@ -31,7 +31,7 @@ def test_megatron_bridges_own_validation_attaches_vision_recompute(tiny_dataset,
 
     from qvl.bridges.tiny_model import tiny_hf_config
 
-    config = _config("qwen25_vl_3b_sft", tiny_dataset, tiny_qwen25_checkpoint, vision_recompute=True)
+    config = _config("qwen2_5_vl_3b_sft", tiny_dataset, tiny_qwen25_checkpoint, vision_recompute=True)
     _validate(config)
     _validate(config)  # validated twice (qvl train checks before pretrain() does): the hook runs once
     tower = AutoModel.from_config(tiny_hf_config("qwen2_5_vl")).visual
@@ -46,7 +46,7 @@ def test_a_dataset_for_another_family_is_refused(tiny_dataset, tiny_hf_dirs):
 
 
 def test_packs_longer_than_the_recipes_seq_length_are_refused(tiny_dataset, tiny_qwen25_checkpoint):
-    config = _config("qwen25_vl_3b_sft", tiny_dataset, tiny_qwen25_checkpoint)
+    config = _config("qwen2_5_vl_3b_sft", tiny_dataset, tiny_qwen25_checkpoint)
     config.model.seq_length = 128  # the pack plan was made for 256 tokens
     with pytest.raises(DataError, match=r"up to 256 tokens, longer than the recipe's seq_length=128.*--seq-length 128"):
         _validate(config)
@@ -58,7 +58,7 @@ def test_a_dp_plan_for_another_layout_is_refused(tiny_dataset, tiny_qwen25_check
     report = json.loads((planned / "report.json").read_text())
     report["dp_plan"] = {"data_parallel": 4, "global_batch_size": 8, "packs_per_rank_per_step": 2}
     (planned / "report.json").write_text(json.dumps(report))
-    config = _config("qwen25_vl_3b_sft", planned, tiny_qwen25_checkpoint, global_batch_size=8)
+    config = _config("qwen2_5_vl_3b_sft", planned, tiny_qwen25_checkpoint, global_batch_size=8)
     with pytest.raises(DataError, match="this run trains at data_parallel=1.*planned for data_parallel=4"):
         _validate(config)
 

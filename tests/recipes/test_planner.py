@@ -24,11 +24,11 @@ def test_parameter_counts_equal_megatron_models_built_on_cpu(cpu_runtime, tiny_h
     try:
         for family, name in [
             ("qwen2_vl", "qwen2_vl_2b_sft"),
-            ("qwen2_5_vl", "qwen25_vl_3b_sft"),
+            ("qwen2_5_vl", "qwen2_5_vl_3b_sft"),
             ("qwen3_vl", "qwen3_vl_2b_sft"),
             ("qwen3_vl_moe", "qwen3_vl_30b_a3b_sft"),
-            ("qwen3_5_vl", "qwen35_vl_9b_sft"),  # hybrid: Gated DeltaNet + gated attention layers
-            ("qwen3_5_vl_moe", "qwen35_vl_35b_a3b_sft"),  # + a gated shared expert
+            ("qwen3_5_vl", "qwen3_5_vl_9b_sft"),  # hybrid: Gated DeltaNet + gated attention layers
+            ("qwen3_5_vl_moe", "qwen3_5_vl_35b_a3b_sft"),  # + a gated shared expert
         ]:
             cfg = get_recipe(name).fn(
                 hf_path=str(tiny_hf_dirs[family]), precision="fp32", tensor_parallel=1, expert_parallel=1
@@ -44,7 +44,7 @@ def test_parameter_counts_equal_megatron_models_built_on_cpu(cpu_runtime, tiny_h
 
 
 def test_published_sizes_count_like_the_released_checkpoints():
-    cfg = get_recipe("qwen25_vl_7b_sft").fn()
+    cfg = get_recipe("qwen2_5_vl_7b_sft").fn()
     # The released checkpoint's 8,292,166,656 plus the zero padding the model is built with (qvl.kernels.speed_aligned_widths):
     # 36 more gate and up rows (with biases) and down columns in each of the 32 vision blocks.
     padding = 32 * (2 * 36 * (1280 + 1) + 1280 * 36)
@@ -53,20 +53,20 @@ def test_published_sizes_count_like_the_released_checkpoints():
 
 def test_weight_and_optimizer_bytes_follow_megatron_lm_formula():
     # megatron/training/theoretical_memory_usage.py: 6 + 12/DP bytes per parameter with the distributed optimizer
-    cfg = get_recipe("qwen25_vl_7b_sft").fn()
+    cfg = get_recipe("qwen2_5_vl_7b_sft").fn()
     one, four = plan_config(cfg, gpus=2), plan_config(cfg, gpus=8)
     p1, p4 = one.stages[0], four.stages[0]
     params_per_gpu = p1.params / 2
     assert p1.grads == pytest.approx(4 * params_per_gpu) and p1.optimizer == pytest.approx(12 * params_per_gpu)
     assert p4.optimizer == pytest.approx(p1.optimizer / 4) and p4.params == p1.params
-    offload = plan_config(get_recipe("qwen25_vl_7b_sft").fn(optimizer_offload=0.6), gpus=8).stages[0]
+    offload = plan_config(get_recipe("qwen2_5_vl_7b_sft").fn(optimizer_offload=0.6), gpus=8).stages[0]
     assert offload.optimizer == pytest.approx(0.4 * p4.optimizer)
 
 
 def test_frozen_and_lora_parameters_carry_no_optimizer_state():
-    frozen = plan_config(get_recipe("qwen25_vl_7b_sft").fn(freeze="language,vision,projector"), gpus=8)
+    frozen = plan_config(get_recipe("qwen2_5_vl_7b_sft").fn(freeze="language,vision,projector"), gpus=8)
     assert frozen.stages[0].optimizer == 0 and frozen.params_trainable == 0
-    lora = plan_config(get_recipe("qwen25_vl_7b_peft").fn(), gpus=1)
+    lora = plan_config(get_recipe("qwen2_5_vl_7b_peft").fn(), gpus=1)
     assert 0 < lora.params_trainable < 0.01 * lora.params_total
     assert lora.stages[0].optimizer < 0.1 * lora.stages[0].params  # rank-32 adapters: ~0.9% of the weights
 
@@ -84,14 +84,14 @@ def test_activations_shrink_with_recompute_sequence_and_context_parallel():
     assert longer == pytest.approx(2 * none, rel=0.05)
 
 
-def test_published_config_qwen25_vl_7b_sft_tp2_fits_80gb():
-    plan = plan_recipe("qwen25_vl_7b_sft", {}, gpus=8, gpu="h100")
+def test_published_config_qwen2_5_vl_7b_sft_tp2_fits_80gb():
+    plan = plan_recipe("qwen2_5_vl_7b_sft", {}, gpus=8, gpu="h100")
     assert plan.fits and plan.layout["tensor_parallel"] == 2 and plan.worst.total < 80 * GIB
     assert 0.2 < plan.mfu < 0.7
 
 
 def test_a_config_that_does_not_fit_is_refused_with_changes_that_fit():
-    plan = plan_recipe("qwen25_vl_7b_sft", {}, gpus=2, gpu="h100")
+    plan = plan_recipe("qwen2_5_vl_7b_sft", {}, gpus=2, gpu="h100")
     assert not plan.fits and "does not fit" in plan.problems[0]
     assert any("offload" in s for s in plan.suggestions)
     for suggestion in plan.suggestions:  # each suggestion is itself a plan that fits
@@ -102,10 +102,10 @@ def test_suggestions_keep_the_users_dotted_fields():
     # A dotted field (here a longer sequence) is part of what must fit: each suggestion is re-planned with it.
     # Without it, 60% optimizer offload looks enough (74.2 GiB); with it, that needs 82 GiB.
     dotted = {"model.seq_length": 5120}
-    plan = plan_recipe("qwen25_vl_7b_sft", dotted, gpus=2, gpu="h100")
+    plan = plan_recipe("qwen2_5_vl_7b_sft", dotted, gpus=2, gpu="h100")
     assert not plan.fits and plan.suggestions
     assert not any(s.startswith("optimizer_offload=0.6") for s in plan.suggestions)
-    info = get_recipe("qwen25_vl_7b_sft")
+    info = get_recipe("qwen2_5_vl_7b_sft")
     for suggestion in plan.suggestions:
         label, gib = suggestion.rsplit(" (", 1)
         change = parse_overrides(label.split(" (")[0].split()).options
@@ -114,16 +114,16 @@ def test_suggestions_keep_the_users_dotted_fields():
 
 
 def test_layouts_that_do_not_divide_are_refused_naming_the_values():
-    plan = plan_recipe("qwen25_vl_7b_sft", {"tensor_parallel": 4}, gpus=6, suggest=False)
+    plan = plan_recipe("qwen2_5_vl_7b_sft", {"tensor_parallel": 4}, gpus=6, suggest=False)
     assert "--gpus 6" in plan.problems[0] and "4, 8" in plan.problems[0]
-    plan = plan_recipe("qwen25_vl_7b_sft", {"global_batch_size": 90}, gpus=8, suggest=False)
+    plan = plan_recipe("qwen2_5_vl_7b_sft", {"global_batch_size": 90}, gpus=8, suggest=False)
     assert "global_batch_size=90" in plan.problems[0] and "global_batch_size=88" in plan.problems[0]
-    plan = plan_recipe("qwen25_vl_7b_sft", {"precision": "fp8-delayed"}, gpus=8, gpu="a100", suggest=False)
+    plan = plan_recipe("qwen2_5_vl_7b_sft", {"precision": "fp8-delayed"}, gpus=8, gpu="a100", suggest=False)
     assert any("FP8" in p for p in plan.problems)
 
 
 def test_flops_are_the_cost_models_times_three():
-    cfg = get_recipe("qwen25_vl_7b_sft").fn()
+    cfg = get_recipe("qwen2_5_vl_7b_sft").fn()
     workload = Workload(seq_length=4096, sample_tokens=1024, vision_token_fraction=0.5, patches_per_image=1024)
     plan = plan_config(cfg, gpus=8, workload=workload)
     lm, vision = shapes.model_shapes(cfg.model)
@@ -135,12 +135,12 @@ def test_every_default_layout_fits_its_planned_gpus():
     from qvl.recipes.registry import all_recipes
 
     for info in all_recipes():
-        plan = plan_recipe(info.name, {}, gpus=info.layout["gpus"], suggest=False)
+        plan = plan_recipe(info.name, {}, gpus=info.gpus, suggest=False)
         assert plan.fits, (info.name, plan.problems)
 
 
 def test_pipeline_split_puts_less_lm_work_on_the_vision_stage():
-    plan = plan_recipe("qwen25_vl_72b_sft", {}, gpus=64)
+    plan = plan_recipe("qwen2_5_vl_72b_sft", {}, gpus=64)
     layers = [s.layers for s in plan.stages]
     assert layers[0] < max(layers) and sum(layers) == 80
     flops = plan.stage_flops
@@ -149,7 +149,7 @@ def test_pipeline_split_puts_less_lm_work_on_the_vision_stage():
 
 def test_vision_balance_cuts_the_vision_share_and_the_tower_activations_by_tp():
     def plan(**kw):
-        return plan_config(get_recipe("qwen25_vl_7b_sft").fn(tensor_parallel=4, **kw), gpus=8)
+        return plan_config(get_recipe("qwen2_5_vl_7b_sft").fn(tensor_parallel=4, **kw), gpus=8)
 
     replicated, balanced = plan(), plan(vision_balance=True)
     share = balanced.vision_share
@@ -160,13 +160,13 @@ def test_vision_balance_cuts_the_vision_share_and_the_tower_activations_by_tp():
     assert odds[0] == pytest.approx(4 * odds[1])
     # The tower's activations shrink to a quarter; the moved pixels and embeddings cost less than that saves.
     saved = replicated.stages[0].activations - balanced.stages[0].activations
-    tower = activations.vision_activation_bytes(get_recipe("qwen25_vl_7b_sft").fn().model, *_vision_and_patches())
+    tower = activations.vision_activation_bytes(get_recipe("qwen2_5_vl_7b_sft").fn().model, *_vision_and_patches())
     assert 0 < saved < 0.75 * tower
     assert "vision_balance" not in plan_config(get_recipe("qwen3_vl_8b_sft").fn(), gpus=8).vision_share
 
 
 def _vision_and_patches():
-    cfg = get_recipe("qwen25_vl_7b_sft").fn(tensor_parallel=4)
+    cfg = get_recipe("qwen2_5_vl_7b_sft").fn(tensor_parallel=4)
     _, vision = shapes.model_shapes(cfg.model)
     workload = Workload(seq_length=cfg.model.seq_length)
     return vision, sum(workload.images(vision.spatial_merge_size)) * cfg.train.micro_batch_size
@@ -191,7 +191,7 @@ def _saved_bytes(tower, grid: list[list[int]]) -> tuple[int, int]:
     return sum(storages.values()), patches
 
 
-def test_hf_vision_tower_bytes_match_what_the_published_qwen25_vl_tower_saves():
+def test_hf_vision_tower_bytes_match_what_the_published_qwen2_5_vl_tower_saves():
     """The planner's per-patch bytes for the replicated HF tower against a measurement of the published Qwen2.5-VL
     ViT (1280 wide, SwiGLU 3420) in bf16: towers of 2 and 3 blocks, the difference per block."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -219,7 +219,7 @@ def test_the_plan_starts_from_the_prepared_datasets_workload(tiny_dataset):
 
     report = json.loads((tiny_dataset / "report.json").read_text())
     assert report["media"] > 0 and report["vision_patches"] > 0  # counted while preparing
-    cfg = get_recipe("qwen25_vl_7b_sft").fn(data=str(tiny_dataset))
+    cfg = get_recipe("qwen2_5_vl_7b_sft").fn(data=str(tiny_dataset))
     expected = workload_of_dataset(report, seq_length=cfg.model.seq_length, merge=2)
     assert expected.sample_tokens == round(report["total_tokens"] / report["accepted"])
     from_data = plan_config(cfg, gpus=8)
@@ -236,7 +236,7 @@ def test_the_loss_keeps_what_the_cross_entropy_in_use_keeps():
 
     from qvl.kernels.switch import Target
 
-    cfg = get_recipe("qwen25_vl_3b_sft").fn(tensor_parallel=1, pipeline_parallel=2)
+    cfg = get_recipe("qwen2_5_vl_3b_sft").fn(tensor_parallel=1, pipeline_parallel=2)
 
     def last_stage(fusion: bool, **packages: bool) -> float:
         cfg.model.cross_entropy_loss_fusion = fusion

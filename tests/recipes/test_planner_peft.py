@@ -61,5 +61,5 @@ def test_frozen_weights_hold_no_gradients_or_optimizer_state_in_the_plan():
 
 @pytest.mark.parametrize("name", [r.name for r in all_recipes() if r.stage == "peft"])
 def test_every_peft_recipe_plans(name):
-    plan = plan_config(get_recipe(name).fn(), gpus=int(get_recipe(name).layout.get("gpus", 8)))
+    plan = plan_config(get_recipe(name).fn(), gpus=get_recipe(name).gpus or 8)
     assert 0 < plan.params_trainable < plan.params_total

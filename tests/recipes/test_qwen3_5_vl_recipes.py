@@ -14,16 +14,16 @@ from qvl.recipes.registry import all_recipes, get_recipe
 
 def test_twenty_one_recipes_and_the_hybrid_pattern_of_the_published_sizes():
     names = {r.name for r in all_recipes() if r.family.startswith("qwen3_5_vl")}
-    assert len(names) == 21 and "qwen35_vl_397b_a17b_peft" in names
-    assert {"qwen36_vl_27b_sft", "qwen36_vl_35b_a3b_peft", "qwen38_vl_27b_sft"} <= names  # Qwen3.6 and Qwen3.8
-    model = get_recipe("qwen35_vl_27b_sft").fn().model
+    assert len(names) == 21 and "qwen3_5_vl_397b_a17b_peft" in names
+    assert {"qwen3_6_vl_27b_sft", "qwen3_6_vl_35b_a3b_peft", "qwen3_8_vl_27b_sft"} <= names  # Qwen3.6 and Qwen3.8
+    model = get_recipe("qwen3_5_vl_27b_sft").fn().model
     assert shapes.gated_delta_layers(model) == 48 and model.num_layers == 64  # 16 x (3 DeltaNet + 1 attention)
     counts = shapes.lm_param_counts(model)
     assert counts["embedding"] == counts["output"] == 248_320 * 5120  # untied, the vocabulary padded by TP already
 
 
 def test_planner_counts_deltanet_state_and_the_vocabulary_logits():
-    cfg = get_recipe("qwen35_vl_9b_sft").fn()
+    cfg = get_recipe("qwen3_5_vl_9b_sft").fn()
     model = cfg.model
     # fla's chunked kernel keeps a fp32 [value heads, key dim, value dim] state every 64 tokens: 2 MiB per chunk at 9B
     state_per_token = 4 * model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim / 64
@@ -37,16 +37,16 @@ def test_vision_balance_is_refused_with_the_reason():
     with pytest.raises(
         ConfigError, match="vision_balance=True is not supported for qwen3_5_vl.*tensor-parallel itself"
     ):
-        get_recipe("qwen35_vl_9b_sft").fn(vision_balance=True)
+        get_recipe("qwen3_5_vl_9b_sft").fn(vision_balance=True)
 
 
 @pytest.mark.parametrize(
     "name, mtp_layers",
     [
-        ("qwen35_vl_9b_pretrain", None),  # pretraining leaves the MTP head aside
-        ("qwen35_vl_9b_sft", 1),
-        ("qwen36_vl_35b_a3b_peft", 1),
-        ("qwen38_vl_27b_sft", 1),
+        ("qwen3_5_vl_9b_pretrain", None),  # pretraining leaves the MTP head aside
+        ("qwen3_5_vl_9b_sft", 1),
+        ("qwen3_6_vl_35b_a3b_peft", 1),
+        ("qwen3_8_vl_27b_sft", 1),
     ],
 )
 def test_mtp_trains_by_default_in_sft_and_peft_at_megatron_bridges_scale(name, mtp_layers):
@@ -60,4 +60,4 @@ def test_mtp_is_refused_for_a_family_without_it_and_with_context_parallelism():
     with pytest.raises(ConfigError, match="has no multi-token-prediction layers.*drop mtp=true"):
         get_recipe("qwen3_vl_8b_sft").fn(mtp=True)
     with pytest.raises(ConfigError, match="mtp=true needs context_parallel=1"):
-        get_recipe("qwen35_vl_9b_sft").fn(context_parallel=2)
+        get_recipe("qwen3_5_vl_9b_sft").fn(context_parallel=2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qvl.recipes.registry import STAGES, all_recipes, get_recipe
+from qvl.recipes.registry import STAGES, all_recipes, current_name, get_recipe, old_name
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def test_registry_covers_every_family_size_and_stage(recipes):
     }
     for family, sizes in expected.items():
         assert by_family[family] == {(s, st) for s in sizes for st in STAGES}
-    assert all(info.layout["gpus"] >= 1 and info.summary for info in recipes.values())
+    assert all(info.gpus >= 1 and "gpus" not in info.layout and info.summary for info in recipes.values())
 
 
 def test_every_recipe_returns_a_config_container_with_its_default_layout(recipes):
@@ -44,7 +44,7 @@ def test_every_recipe_returns_a_config_container_with_its_default_layout(recipes
 
 
 def test_overrides_reach_megatron_fields():
-    cfg = get_recipe("qwen25_vl_7b_sft").fn(
+    cfg = get_recipe("qwen2_5_vl_7b_sft").fn(
         tensor_parallel=4,
         recompute="full",
         recompute_layers=2,
@@ -74,12 +74,12 @@ def test_moe_defaults_are_explicit_not_the_providers_frozen_defaults():
 
 
 def test_pipeline_split_is_set_from_the_model():
-    cfg = get_recipe("qwen25_vl_72b_sft").fn()
+    cfg = get_recipe("qwen2_5_vl_72b_sft").fn()
     first, last = cfg.model.num_layers_in_first_pipeline_stage, cfg.model.num_layers_in_last_pipeline_stage
     assert first < 80 // 4 and first + last + 2 * ((80 - first - last) // 2) == 80
-    cfg = get_recipe("qwen25_vl_72b_sft").fn(pipeline_split="20,20")
+    cfg = get_recipe("qwen2_5_vl_72b_sft").fn(pipeline_split="20,20")
     assert (cfg.model.num_layers_in_first_pipeline_stage, cfg.model.num_layers_in_last_pipeline_stage) == (20, 20)
-    cfg = get_recipe("qwen25_vl_72b_sft").fn(pipeline_split="uniform")
+    cfg = get_recipe("qwen2_5_vl_72b_sft").fn(pipeline_split="uniform")
     assert cfg.model.num_layers_in_first_pipeline_stage is None
 
 
@@ -100,7 +100,7 @@ def test_pipeline_split_is_set_from_the_model():
 )
 def test_bad_arguments_fail_naming_value_and_fix(overrides, message):
     with pytest.raises((ValueError, TypeError), match=message):
-        get_recipe("qwen25_vl_7b_sft").fn(**overrides)
+        get_recipe("qwen2_5_vl_7b_sft").fn(**overrides)
 
 
 def test_packed_dataset_config_refuses_a_missing_dataset(tmp_path):
@@ -119,7 +119,7 @@ def test_packed_dataset_config_refuses_a_missing_dataset(tmp_path):
     ("family", "name"),
     [
         ("qwen2_vl", "qwen2_vl_2b_peft"),
-        ("qwen2_5_vl", "qwen25_vl_3b_sft"),
+        ("qwen2_5_vl", "qwen2_5_vl_3b_sft"),
         ("qwen3_vl", "qwen3_vl_2b_pretrain"),
         ("qwen3_vl_moe", "qwen3_vl_30b_a3b_sft"),
     ],
@@ -133,9 +133,9 @@ def test_vision_balance_reaches_the_training_config_and_its_yaml(tmp_path):
     from qvl.recipes.base import QvlConfigContainer
     from qvl.recipes.overrides import parse_overrides
 
-    assert not get_recipe("qwen25_vl_7b_sft").fn().qvl.vision_balance
+    assert not get_recipe("qwen2_5_vl_7b_sft").fn().qvl.vision_balance
     assert get_recipe("qwen2_vl_7b_sft").fn(**parse_overrides(["vision_balance=true"]).as_dict()).qvl.vision_balance
-    cfg = get_recipe("qwen25_vl_7b_sft").fn(vision_balance=True)
+    cfg = get_recipe("qwen2_5_vl_7b_sft").fn(vision_balance=True)
     cfg.to_yaml(str(tmp_path / "run_config.yaml"))  # what Megatron-Bridge writes beside every checkpoint
     loaded = QvlConfigContainer.from_yaml(str(tmp_path / "run_config.yaml"))
     assert isinstance(loaded, QvlConfigContainer) and loaded.qvl.vision_balance is True
@@ -144,3 +144,15 @@ def test_vision_balance_reaches_the_training_config_and_its_yaml(tmp_path):
 def test_vision_balance_is_refused_for_qwen3_vl():
     with pytest.raises(ValueError, match="not supported for qwen3_vl yet.*drop vision_balance"):
         get_recipe("qwen3_vl_8b_sft").fn(vision_balance=True)
+
+
+def test_old_recipe_spellings_keep_working_with_a_note(recipes, caplog):
+    renamed = [name for name in recipes if old_name(name)]
+    assert {name.split("_vl_")[0] for name in renamed} == {"qwen2_5", "qwen3_5", "qwen3_6", "qwen3_8"}
+    for name in renamed:
+        assert current_name(old_name(name)) == name and old_name(name) not in recipes
+    with caplog.at_level("WARNING", logger="qvl"):
+        assert get_recipe("qwen25_vl_3b_sft") is recipes["qwen2_5_vl_3b_sft"]
+        assert get_recipe("qwen35_vl_9b_peft") is recipes["qwen3_5_vl_9b_peft"]
+    assert "'qwen25_vl_3b_sft' is now 'qwen2_5_vl_3b_sft'" in caplog.text
+    assert old_name("qwen3_vl_4b_sft") is None and current_name("qwen3_vl_4b_sft") == "qwen3_vl_4b_sft"

@@ -1,4 +1,4 @@
-"""Training parity with transformers (README "Training parity"): a qvl training step on Megatron-Bridge is the step
+"""Training parity with transformers (docs/parity.md): a qvl training step on Megatron-Bridge is the step
 transformers' Trainer takes on the same conversations unpacked, for every family, fp32 on CPU.
 
 One tiny model per family (its family record's debug flavour), the parity sample set (multi-turn with two images,

@@ -1,6 +1,6 @@
 """Training parity through qvl's parallel paths: tensor parallel 2, pipeline parallel 2, and data parallel 2 (with
 the vision work balanced over the replicas for Qwen2.5-VL), each on two gloo processes, against transformers'
-single-process Trainer on the same conversations (README "Training parity"). Tiny Qwen2.5-VL and Qwen3.5-VL (its
+single-process Trainer on the same conversations (docs/parity.md). Tiny Qwen2.5-VL and Qwen3.5-VL (its
 Gated DeltaNet layers split over TP, its hybrid layer pattern over PP), fp32, the parity sample set."""
 
 from __future__ import annotations

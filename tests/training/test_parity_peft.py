@@ -15,9 +15,9 @@ STEPS = 3
 OPTIONS = {"seq_length": 200, "lr": 1e-3, "min_lr": 1e-4, "warmup_iters": 1, "weight_decay": 0.1}
 ADAPTERS = {"adapter_rank": 8, "adapter_alpha": 16}
 CASES = {
-    "qwen2_5_vl-lora": ("qwen2_5_vl", "qwen25_vl_3b_peft", {"adapter_targets": "language,vision,merger"}),
-    "qwen2_5_vl-dora": ("qwen2_5_vl", "qwen25_vl_3b_peft", {"adapter": "dora"}),
-    "qwen3_5_vl-lora": ("qwen3_5_vl", "qwen35_vl_9b_peft", {"adapter_targets": "language,vision,merger"}),
+    "qwen2_5_vl-lora": ("qwen2_5_vl", "qwen2_5_vl_3b_peft", {"adapter_targets": "language,vision,merger"}),
+    "qwen2_5_vl-dora": ("qwen2_5_vl", "qwen2_5_vl_3b_peft", {"adapter": "dora"}),
+    "qwen3_5_vl-lora": ("qwen3_5_vl", "qwen3_5_vl_9b_peft", {"adapter_targets": "language,vision,merger"}),
 }
 
 

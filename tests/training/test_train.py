@@ -16,7 +16,7 @@ from tests.run_qvl import qvl, qvl_in_process
 
 STEPS = 6
 ARGS = [
-    "qwen25_vl_3b_pretrain",
+    "qwen2_5_vl_3b_pretrain",
     f"train_iters={STEPS}",
     "global_batch_size=2",
     "micro_batch_size=1",
@@ -89,7 +89,7 @@ def test_dotted_overrides_set_config_fields_and_unknown_ones_are_named(tmp_path,
     from qvl.training.loop import TrainRequest, prepare_config
 
     request = TrainRequest(
-        recipe="qwen25_vl_3b_pretrain",
+        recipe="qwen2_5_vl_3b_pretrain",
         overrides={"train.exit_interval": 7, "train_iters": 3},
         run_dir=tmp_path,
         model="tiny",
@@ -111,7 +111,7 @@ def test_pipeline_parallel_2_trains_the_packed_dataset_like_one_stage(dataset, t
 
     data, hf = dataset
     common = [
-        "qwen25_vl_3b_sft",
+        "qwen2_5_vl_3b_sft",
         f"data={data}",
         f"hf_path={hf}",
         f"pretrained_checkpoint={tiny_qwen25_megatron}",

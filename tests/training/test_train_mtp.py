@@ -18,7 +18,7 @@ from tests.training.test_train import ARGS as TRAIN_ARGS
 from tests.training.test_train import STEPS
 
 FAMILY = "qwen3_5_vl"
-ARGS = ["qwen38_vl_27b_sft", *TRAIN_ARGS[1:]]  # test_train's settings, on a Qwen3.8 SFT recipe (MTP on)
+ARGS = ["qwen3_8_vl_27b_sft", *TRAIN_ARGS[1:]]  # test_train's settings, on a Qwen3.8 SFT recipe (MTP on)
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +88,9 @@ def test_mtp_on_for_a_checkpoint_without_an_mtp_head_names_the_fix(tmp_path, cpu
     hf = write_tiny_hf_checkpoint(tmp_path / "hf", FAMILY)
     weights = load_file(str(hf / "model.safetensors"))
     save_file({k: v for k, v in weights.items() if not k.startswith("mtp.")}, str(hf / "model.safetensors"))
-    request = TrainRequest(recipe="qwen35_vl_9b_sft", overrides={"hf_path": str(hf)}, run_dir=tmp_path, device="cpu")
+    request = TrainRequest(recipe="qwen3_5_vl_9b_sft", overrides={"hf_path": str(hf)}, run_dir=tmp_path, device="cpu")
     with pytest.raises(ConfigError, match=r"holds 0 MTP layer.*train with mtp=false"):
         prepare_config(request)
     off = {"hf_path": str(hf), "mtp": False, "tensor_parallel": 1}
-    off = TrainRequest(recipe="qwen35_vl_9b_sft", overrides=off, run_dir=tmp_path)
+    off = TrainRequest(recipe="qwen3_5_vl_9b_sft", overrides=off, run_dir=tmp_path)
     assert prepare_config(off)[1].model.mtp_num_layers is None

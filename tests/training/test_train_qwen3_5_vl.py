@@ -14,7 +14,7 @@ from tests.training.test_train import ARGS as TRAIN_ARGS
 from tests.training.test_train import STEPS
 
 FAMILY = "qwen3_5_vl"
-ARGS = ["qwen35_vl_9b_pretrain", *TRAIN_ARGS[1:]]  # test_train's settings, on this family's recipe
+ARGS = ["qwen3_5_vl_9b_pretrain", *TRAIN_ARGS[1:]]  # test_train's settings, on this family's recipe
 
 
 @pytest.fixture(scope="module")

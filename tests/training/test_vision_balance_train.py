@@ -288,7 +288,7 @@ def test_pipeline_parallel_2_with_vision_balance_trains_like_one_stage(
     last stage must not join its collectives); the losses equal a one-process PP=1 run's, as in test_train.py:
     from one converted checkpoint (a pretrain recipe's random init differs between PP=1 and PP=2)."""
     data, hf = one_replica_dataset
-    common = ["qwen25_vl_3b_sft", f"pretrained_checkpoint={tiny_qwen25_megatron}", *common_args(data, hf)[1:]]
+    common = ["qwen2_5_vl_3b_sft", f"pretrained_checkpoint={tiny_qwen25_megatron}", *common_args(data, hf)[1:]]
     torchrun_train(*common, "pipeline_parallel=2", "vision_balance=true", "--run-dir", str(tmp_path / "pp2"))
     qvl_in_process("train", *common, "vision_balance=true", "--run-dir", str(tmp_path / "pp1"))
     one, two = read_losses(tmp_path / "pp1"), read_losses(tmp_path / "pp2")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-FAMILIES = {"qwen2_vl": "qwen2_vl_2b_sft", "qwen2_5_vl": "qwen25_vl_3b_sft"}
+FAMILIES = {"qwen2_vl": "qwen2_vl_2b_sft", "qwen2_5_vl": "qwen2_5_vl_3b_sft"}
 # Per DP replica: images (t, h, w patches) of its one packed sequence; replica 1 of the DP=2 layout has none.
 IMAGES = ([[1, 8, 8], [1, 8, 12], [1, 4, 8], [1, 12, 8], [1, 4, 4]], [])
 TEXT_TOKENS = 24

@@ -45,9 +45,9 @@ def test_planner_counts_block_inputs_only_with_vision_recompute():
     from qvl.recipes.split import Workload
 
     workload = Workload(seq_length=4096, sample_tokens=600, vision_token_fraction=0.6, patches_per_image=1300)
-    plain = plan_config(get_recipe("qwen25_vl_3b_pretrain").fn(seq_length=4096), gpus=1, workload=workload)
+    plain = plan_config(get_recipe("qwen2_5_vl_3b_pretrain").fn(seq_length=4096), gpus=1, workload=workload)
     recomputed = plan_config(
-        get_recipe("qwen25_vl_3b_pretrain").fn(seq_length=4096, vision_recompute=True), gpus=1, workload=workload
+        get_recipe("qwen2_5_vl_3b_pretrain").fn(seq_length=4096, vision_recompute=True), gpus=1, workload=workload
     )
     assert recomputed.worst.activations < 0.7 * plain.worst.activations  # 36 LM layers keep theirs
     assert recomputed.worst.params == plain.worst.params
@@ -56,7 +56,7 @@ def test_planner_counts_block_inputs_only_with_vision_recompute():
 def test_a_layout_that_fits_only_with_it_is_told_so():
     from qvl.recipes.planner import plan_recipe
 
-    plan = plan_recipe("qwen25_vl_32b_sft", {"vision_recompute": False}, gpus=16)
+    plan = plan_recipe("qwen2_5_vl_32b_sft", {"vision_recompute": False}, gpus=16)
     assert not plan.fits and plan.suggestions[0].startswith("vision_recompute=true (")
 
 
@@ -69,7 +69,7 @@ def test_qwen3_vl_is_refused_with_the_option_that_recomputes_its_tower(tmp_path,
     )
     with pytest.raises(ConfigError, match="recompute=full"):
         prepare_config(request, cpu=True)
-    request.recipe, request.run_dir = "qwen25_vl_3b_pretrain", tmp_path / "qwen25"  # its own tiny checkpoint
+    request.recipe, request.run_dir = "qwen2_5_vl_3b_pretrain", tmp_path / "qwen25"  # its own tiny checkpoint
     _, config = prepare_config(request, cpu=True)
     assert config.qvl.vision_recompute
     from transformers import AutoModel

@@ -1,7 +1,7 @@
 """An fp64 reference of a parity run's first step: transformers' model in float64 on the same conversations.
 
 Where fp32 gradients of the two frameworks differ by more than summation order (the Gated DeltaNet's decay-gate
-parameters of Qwen3.5-VL, README "Training parity"), the question is which side is off. This computes step 1's
+parameters of Qwen3.5-VL, docs/parity.md), the question is which side is off. This computes step 1's
 gradients once more with every fp32 cast of transformers' modelling code turned into an fp64 one (its RMSNorms,
 gate, rotary and softmax upcast to `torch.float32` explicitly, which a plain `.double()` model would keep) and
 its delta rule as the exact token-by-token recurrence, with the step's per-token loss normalisation and the

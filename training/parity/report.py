@@ -1,7 +1,7 @@
 """Comparing the two recordings: per-token losses, step-1 gradients, per-step losses and norms, final weights.
 
 Tolerances are stated per precision. fp32 on CPU: what the two frameworks' different summation orders leave
-(measured on the tiny models of every family, README "Training parity"); bf16: the width of bf16 rounding over a
+(measured on the tiny models of every family, docs/parity.md); bf16: the width of bf16 rounding over a
 few steps, for a GPU run (an estimate from bf16's 8-bit mantissa, not measured here).
 
 The decay-gate parameters of a Gated DeltaNet (Qwen3.5-VL's `linear_attn.A_log`, `dt_bias`, `in_proj_a`) are named

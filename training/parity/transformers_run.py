@@ -30,7 +30,7 @@ SCHEDULES = {"cosine": "cosine_with_min_lr", "constant": "constant_with_warmup"}
 
 
 @dataclass(kw_only=True, slots=True)
-class ReferenceSettings:
+class ReferenceConfig:
     """The recipe's optimizer, schedule and clipping, as transformers' TrainingArguments will get them."""
 
     steps: int
@@ -49,9 +49,7 @@ class ReferenceSettings:
     loss_average: str = "token"
 
 
-def reference_settings(
-    config, *, weight_decay_rule: str = "megatron", loss_average: str = "token"
-) -> ReferenceSettings:
+def reference_settings(config, *, weight_decay_rule: str = "megatron", loss_average: str = "token") -> ReferenceConfig:
     """What a Megatron-Bridge ConfigContainer's optimizer and scheduler do, for the Trainer."""
     optimizer, scheduler = config.optimizer, config.scheduler
     if scheduler.lr_decay_style not in SCHEDULES:
@@ -70,7 +68,7 @@ def reference_settings(
             f"Megatron-Bridge capped the warm-up to {scheduler.lr_warmup_steps} samples ({warmup:.2f} steps), which "
             "transformers' schedulers cannot express; pass warmup_iters=N with N smaller than the steps verified"
         )
-    return ReferenceSettings(
+    return ReferenceConfig(
         steps=config.train.train_iters,
         lr=optimizer.lr,
         min_lr=optimizer.min_lr or 0.0,
@@ -227,7 +225,7 @@ def _trainer_class():
     return ReferenceTrainer
 
 
-def training_arguments(settings: ReferenceSettings, accumulation: int, output_dir: Path, *, cpu: bool, bf16: bool):
+def training_arguments(settings: ReferenceConfig, accumulation: int, output_dir: Path, *, cpu: bool, bf16: bool):
     """TrainingArguments with the recipe's optimizer, schedule and clipping, one conversation per micro-batch."""
     from transformers import TrainingArguments
 
@@ -272,7 +270,7 @@ def samples_per_step(recording: Recording, hf_config, tokenizer, *, seconds_per_
 def run_transformers(
     hf_path: Path,
     steps: list[list[dict]],
-    settings: ReferenceSettings,
+    settings: ReferenceConfig,
     output_dir: Path,
     *,
     bf16: bool = False,

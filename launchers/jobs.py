@@ -65,7 +65,7 @@ class Job:
     argv: list[str]
     layout: ParallelLayout
     recipe_fn: Any = None
-    registered_layout: dict[str, int] = field(default_factory=dict)
+    registered_gpus: int | None = None  # the GPU count the recipe's layout was planned for
     model: ModelFacts | None = None  # what the layout must divide (None for the demo job)
     train_flags: list[str] = field(default_factory=list)
 
@@ -102,7 +102,7 @@ def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = 
         argv=["train", recipe, *overrides.texts, *train_flags],
         layout=layout_from_settings({} if tiny else info.layout, overrides.options),
         recipe_fn=info.fn,
-        registered_layout=dict(info.layout),
+        registered_gpus=info.gpus,
         model=None if tiny else recipe_model_facts(info, overrides.options.get("hf_path")),
         train_flags=list(train_flags),
     )
@@ -174,7 +174,7 @@ def validate(job: Job, executor) -> None:
         overridden = any(key in job.overrides.options for key in LAYOUT_KEYS)
         check_recipe_gpus(
             job.recipe,
-            job.registered_layout.get("gpus"),
+            job.registered_gpus,
             nodes=nodes,
             per_node=per_node,
             per_node_name=per_node_name,
