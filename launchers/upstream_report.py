@@ -9,7 +9,9 @@ answer for a recipe and device (qvl.kernels.switch); `--markdown` writes docs/up
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from dataclasses import asdict
 from typing import Any
 
@@ -25,7 +27,9 @@ def target_for(recipe: str | None, device: str | None) -> switch.Target:
     if recipe is not None:
         from qvl.recipes.registry import get_recipe  # imports Megatron-Bridge through the recipe modules
 
-        config = get_recipe(recipe).fn()
+        # Building the config may log (a handler another caller put on stdout, e.g. Rich's); stdout is the report's.
+        with contextlib.redirect_stdout(sys.stderr):
+            config = get_recipe(recipe).fn()
     return switch.Target.of(config, device=device)
 
 

@@ -227,15 +227,18 @@ def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: s
     """Megatron-Bridge's `pretrain()` / `finetune()` with what every qvl run needs around it: the patch groups the
     switch decides for this config on this process's device (qvl.kernels.switch: exact resume with torch Adam, the
     wheel's prebuilt dataset helpers, the faster paths where TE and Apex are absent, ...), applied for the loop only;
-    qvl's rendezvous rule; and no rerun-state singleton left behind by a forward step that ran earlier in this process
-    (a test, a notebook): `pretrain()` asserts there is none."""
+    qvl's rendezvous rule; and no rerun-state singleton or MoE metrics tracker left behind by a run earlier in this
+    process (a test, a notebook): `pretrain()` asserts there is no rerun state, and the tracker sizes its per-layer
+    entries by the first MoE model it saw, so a later model with more layers (or MTP layers) would index past them."""
     from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     if loop == "pretrain":
         from megatron.bridge.training.pretrain import pretrain as run_loop
     else:
         from megatron.bridge.training.finetune import finetune as run_loop
     destroy_rerun_state_machine()
+    destroy_moe_metrics_tracker()
     # One rule for every launch (torchrun, srun starting each rank, one process), set for this loop only: the
     # process group outlives the loop and holds the port, so a process started afterwards from here must not
     # inherit it.

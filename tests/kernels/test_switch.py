@@ -103,14 +103,18 @@ def test_applied_for_training_undoes_what_it_applied_and_keeps_what_was_there():
 
     megatron.import_megatron_bridge()  # some targets live in modules that need its stand-ins
     target = Target(device="cuda", hf_vision_tower=False)
+    before = {g for g in patches.GROUPS if patches.is_applied(g)}  # what earlier tests left on, process-wide
+    was_rotary = "speed-rotary" in before
     patches.apply("speed-rotary")  # as a model built earlier in the process would have
     try:
         with switch.applied_for_training(target):
             assert all(patches.is_applied(g) for g in switch.training_groups(target))
-        assert patches.is_applied("speed-rotary")
-        assert not any(patches.is_applied(g) for g in switch.training_groups(target) if g != "speed-rotary")
+        after = {g for g in patches.GROUPS if patches.is_applied(g)}
+        assert after == before | {"speed-rotary"}
+        assert set(switch.training_groups(target)) - before - {"speed-rotary"}  # the check had groups to undo
     finally:
-        patches.undo("speed-rotary")
+        if not was_rotary:
+            patches.undo("speed-rotary")
 
 
 def test_the_training_loop_runs_under_the_groups_the_switch_decides(monkeypatch):

@@ -151,7 +151,7 @@ def test_qvl_launch_one_process_per_node_trains_data_parallel_across_both_nodes(
     assert _shards(run_dir / "checkpoints" / f"iter_{STOP:07d}") == ["__0_0.distcp", "__1_0.distcp"]
     # The job imported the qvl packed with it: its code folder (shipped without __pycache__) now has bytecode.
     code = Path(result["folder"]) / RECIPE / "code"
-    assert list((code / "qvl" / "training").glob("__pycache__/train.*.pyc"))
+    assert list((code / "qvl" / "training").glob("__pycache__/loop.*.pyc"))
 
 
 def test_the_job_environment_is_the_site_file_and_what_qvl_needs(jobs, two_node_cluster, inputs):
