@@ -23,9 +23,9 @@ $(STAMP): launchers/requirements-stack.txt launchers/requirements-nodeps.txt pyp
 	  echo "creating $(VENV) with $(PYTHON312)"; "$(PYTHON312)" -m venv $(VENV); \
 	fi
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -r launchers/requirements-stack.txt
-	$(PY) -m pip install -q --no-deps -r launchers/requirements-nodeps.txt
-	$(PY) -m pip install --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q --no-compile -r launchers/requirements-stack.txt
+	$(PY) -m pip install -q --no-compile --no-deps -r launchers/requirements-nodeps.txt
+	$(PY) -m pip install --no-compile --no-build-isolation -e '.[test]'
 	@touch $@
 
 test: $(STAMP)

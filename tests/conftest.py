@@ -121,3 +121,19 @@ def tiny_qwen25_megatron(tiny_qwen25_checkpoint, tmp_path_factory):
     command = ["convert", "import", str(tiny_qwen25_checkpoint), str(out), "--dtype", "fp32", "--device", "cpu"]
     assert main(command) == 0, "qvl convert import of the tiny checkpoint failed (error line in captured stderr)"
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_census(tmp_path_factory) -> dict:
+    """One training step of the census's tiny config counted by `benchmarks.bench_step.census`, before qvl's step
+    fixes (baseline) and after, once per session for the tests that read it. Each is trained in a child process;
+    the two run at once (two processes, most of each is importing Megatron-Bridge)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks import bench_step
+
+    out = tmp_path_factory.mktemp("census")
+    with ThreadPoolExecutor(2) as pool:
+        runs = {mode: pool.submit(bench_step.census, "tiny", out / mode, baseline=mode == "before")
+                for mode in ("before", "after")}  # fmt: skip
+        return {mode: run.result() for mode, run in runs.items()}

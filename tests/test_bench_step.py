@@ -49,10 +49,9 @@ def test_a_host_sync_names_its_caller_not_the_census():
     assert all("test_bench_step.py:" in site and site.endswith(caller) for site in sites), sites
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("census")
-    return {mode: bench_step.census("tiny", out / mode, baseline=mode == "before") for mode in ("before", "after")}
+@pytest.fixture
+def tiny(tiny_census) -> dict:
+    return tiny_census
 
 
 @pytest.mark.slow

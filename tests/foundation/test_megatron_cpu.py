@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qvl.foundation import distributed
+from qvl.foundation.distributed import start_ranks
 from tests.foundation import parallel_scenarios as scenarios
 
 
@@ -57,7 +58,7 @@ def parallel_results(tmp_path_factory):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(scenarios.two_process_worker, args=(2, port, str(out)), nprocs=2)
+    start_ranks(scenarios.two_process_worker, (2, port, str(out)), 2)
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     return reference, ranks
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qvl.foundation import megatron
+from qvl.foundation.distributed import start_ranks
 
 VOCAB = 96
 TOKENS, BATCH = 11, 2
@@ -109,7 +110,7 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_two_tensor_parallel_ranks_equal_upstream_bitwise_and_the_whole_vocabulary(tmp_path, free_port):
-    torch.multiprocessing.spawn(_two_rank_worker, args=(free_port, str(tmp_path)), nprocs=2)
+    start_ranks(_two_rank_worker, (free_port, str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for result in ranks:
         assert torch.equal(result["lean"][0], result["upstream"][0])

@@ -318,12 +318,10 @@ def test_a_nan_loss_stops_training_after_one_read_per_step(cpu_runtime):
 
 
 @pytest.mark.slow
-def test_the_step_census_finds_no_host_read_inside_a_micro_batch(tmp_path):
+def test_the_step_census_finds_no_host_read_inside_a_micro_batch(tiny_census):
     """One training step of the tiny census config (Megatron-Bridge's loop, qvl's step, the code path a CUDA device
     takes): no host read in the language model, the vision tower or the loss; at most 10 in the whole step."""
-    from benchmarks import bench_step
-
-    result = bench_step.census("tiny", tmp_path)
+    result = tiny_census["after"]
     regions, sites = result["regions"], result["sync_sites"]
     assert [regions[r]["host_syncs"] for r in ("lm", "vision", "loss")] == [0, 0, 0], sites
     assert result["step"]["host_syncs"] <= 10, sites

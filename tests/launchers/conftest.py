@@ -8,7 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.launchers.slurm_cluster import Munge, SlurmCluster, Unavailable, start_cluster, start_two_node_cluster
+from tests.launchers.slurm_cluster import (
+    Munge,
+    SlurmCluster,
+    Unavailable,
+    install_ahead,
+    start_cluster,
+    start_two_node_cluster,
+)
+
+
+def pytest_collection_finish(session):
+    """Where Slurm tests are selected and Slurm is not installed yet, its packages install while earlier tests run."""
+    marked = [item for item in session.items if "slurm" in item.keywords]
+    if marked:
+        install_ahead(two_nodes=any("multinode" in item.keywords for item in marked))
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ namespaces, so a job sees two hosts with their own addresses on one shared files
 
 from __future__ import annotations
 
+import concurrent.futures
 import ipaddress
 import os
 import secrets
@@ -49,10 +50,36 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def install_packages(
-    packages: tuple[str, ...] = PACKAGES, commands: tuple[str, ...] = (*DAEMONS, "mariadb-install-db")
-) -> None:
+SLURM_COMMANDS = (*DAEMONS, "mariadb-install-db")
+NETWORK = (("iproute2", "util-linux"), ("ip", "nsenter", "unshare"))  # the two-node cluster's namespaces
+_STARTED: dict[tuple[str, ...], concurrent.futures.Future] = {}  # installs started ahead, by their packages
+
+
+def install_ahead(*, two_nodes: bool) -> None:
+    """Start installing what the Slurm tests need in a thread, where it is missing and root may apt-get, so the
+    download and unpacking overlap the tests that run before them (~95 s on a fresh machine); `install_packages`
+    waits for it. Called once the session knows Slurm tests are selected."""
+    wanted = [(PACKAGES, SLURM_COMMANDS)] + ([NETWORK] if two_nodes else [])
+    wanted = [(p, c) for p, c in wanted if not all(shutil.which(command) for command in c)]
+    if not wanted or os.geteuid() != 0 or not shutil.which("apt-get") or _STARTED:
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="apt-get")
+    for packages, commands in wanted:  # one after the other: apt-get holds the dpkg lock
+        _STARTED[packages] = pool.submit(_apt_get, packages, commands)
+    pool.shutdown(wait=False)
+
+
+def install_packages(packages: tuple[str, ...] = PACKAGES, commands: tuple[str, ...] = SLURM_COMMANDS) -> None:
     """apt-get `packages` where one of `commands` is missing; `Unavailable` where that cannot be done here."""
+    started = _STARTED.get(packages)
+    if started is not None:
+        started.exception()  # waits; a failure is found again below, with its reason
+    if all(shutil.which(command) for command in commands):
+        return
+    _apt_get(packages, commands)
+
+
+def _apt_get(packages: tuple[str, ...], commands: tuple[str, ...]) -> None:
     if all(shutil.which(command) for command in commands):
         return
     what = "Slurm is" if packages == PACKAGES else f"{', '.join(c for c in commands if not shutil.which(c))} is"
@@ -181,7 +208,7 @@ class NodeNetwork:
 
     def create(self, names: list[str]) -> list[Node]:
         """One namespace per node name, each with a veth on the bridge; the nodes, addresses .11, .12, ..."""
-        install_packages(("iproute2", "util-linux"), ("ip", "nsenter", "unshare"))
+        install_packages(*NETWORK)
         self.subnet = self.subnet or _unused_subnet()
         prefix = self.subnet.prefixlen
         self._ip("link", "add", self.bridge, "type", "bridge")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from qvl.foundation.cost import VisionShape
+from qvl.foundation.distributed import start_ranks
 from qvl.training.vision_balance import assign_images, bytes_sent, plan_vision_balance, routes_for
 
 # A tiny Qwen2.5-VL-like tower: SwiGLU blocks, 56-px windows (2 x 2 merged units), block 1 full attention.
@@ -219,7 +220,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(two_process_worker, args=(port, str(out)), nprocs=2)
+    start_ranks(two_process_worker, (port, str(out)), 2)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
