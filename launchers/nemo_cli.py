@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from qvl.foundation import patches
 from qvl.foundation.errors import LaunchError, QvlError
+from qvl.foundation.megatron import import_megatron_bridge
 from qvl.launchers.cli import main, quiet_logging
 from qvl.launchers.info import run_version
 from qvl.launchers.site import load_site_config
@@ -48,6 +49,10 @@ from qvl.launchers import executors  # noqa: E402
 from qvl.launchers.jobs import DEMO_JOB, SLURM_RUN_DIR, TRAINJOB_PATCHES, resolve_job, validate  # noqa: E402
 from qvl.launchers.preflight import check_nemo_run_paths, check_slurm_request, experiments_home  # noqa: E402
 from qvl.recipes.registry import all_recipes, old_name  # noqa: E402
+
+# `nemo` loads every `nemo_run.cli` entry point, Megatron-Bridge's own (`lm`) among them, which imports it without
+# the stand-ins a machine without Transformer Engine needs: Megatron-Bridge is imported here first, with them.
+import_megatron_bridge()
 
 SITE_CONFIG_ENV = "QVL_EXECUTOR_CONFIG"
 

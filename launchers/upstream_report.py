@@ -25,11 +25,11 @@ def target_for(recipe: str | None, device: str | None) -> switch.Target:
     """The switch's target for `recipe` (its config: the model's parts; None: any model) on `device`."""
     config = None
     if recipe is not None:
-        from qvl.recipes.registry import get_recipe  # imports Megatron-Bridge through the recipe modules
+        from qvl.recipes.registry import get_recipe
 
         # Building the config may log (a handler another caller put on stdout, e.g. Rich's); stdout is the report's.
         with contextlib.redirect_stdout(sys.stderr):
-            config = get_recipe(recipe).fn()
+            config = get_recipe(recipe).fn()  # imports Megatron-Bridge
     return switch.Target.of(config, device=device)
 
 

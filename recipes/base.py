@@ -22,7 +22,7 @@ from qvl.foundation.families import get_family
 from qvl.foundation.layout import ParallelLayout, check_layout
 from qvl.foundation.megatron import import_megatron_bridge
 from qvl.recipes.architectures import Architecture, load_hf_config
-from qvl.recipes.options import FREEZABLE, PRECISIONS, STAGE_DEFAULTS, RecipeOptions, make_options
+from qvl.recipes.options import FREEZABLE, PRECISIONS, RecipeOptions, check_data_folder
 from qvl.recipes.split import Workload, balanced_split, counts, parse_split, split_from_counts, stage_costs
 
 import_megatron_bridge()
@@ -107,16 +107,8 @@ class QvlConfigContainer(ConfigContainer):
 
 def check_dataset(dataset: Any) -> None:
     """Refuse a missing dataset, or a folder that `qvl data prepare` did not write, naming the option to fix."""
-    if not isinstance(dataset, QvlPackedDatasetConfig):
-        return
-    if dataset.path is None:
-        raise ConfigError("no dataset: pass data=DIR, a directory written by `qvl data prepare`")
-    if not Path(dataset.path).is_dir():
-        raise DataError(f"data={dataset.path} does not exist; pass the --output folder of `qvl data prepare`")
-    if not (Path(dataset.path) / ".nv-meta").is_dir():
-        raise DataError(
-            f"data={dataset.path} is not a qvl packed dataset (no .nv-meta/); write one with `qvl data prepare`"
-        )
+    if isinstance(dataset, QvlPackedDatasetConfig):
+        check_data_folder(dataset.path)
 
 
 def check_dataset_matches_recipe(config: Any) -> None:
@@ -412,31 +404,3 @@ def split_of(model: Any) -> list[int]:
 
 
 __all__ = ["ConfigContainer", "QvlPackedDatasetConfig", "build_config", "build_model", "split_of", "split_from_counts"]
-
-
-# Non-layout defaults per (size, stage) for the large dense models (Qwen2-VL, Qwen2.5-VL). Their stage 0 holds
-# several packs in flight, each with its images' replicated HF vision activations: about 2.8 MB per patch
-# (activations.HF_TOWER_BYTES, measured), so the tower recomputes its blocks; at 72B the LM recomputes too.
-DENSE_LARGE_SETTINGS: dict[tuple[str, str], dict] = {
-    ("32b", "pretrain"): dict(vision_recompute=True),
-    ("32b", "sft"): dict(vision_recompute=True),
-    ("72b", "pretrain"): dict(recompute="full", vision_recompute=True),
-    ("72b", "sft"): dict(recompute="full", vision_recompute=True),
-}
-
-
-def family_recipe(
-    *, arch: Architecture, stage: str, planned: dict[str, int], settings: dict, overrides: dict
-) -> ConfigContainer:
-    """What every family's base recipe does: stage defaults, the size's planned layout (`gpus` is the registry's) and
-    settings, the caller's overrides."""
-    run = f"{arch.family}-{arch.size}-{stage}"
-    defaults = {
-        **STAGE_DEFAULTS[stage],
-        **{k: v for k, v in planned.items() if k != "gpus"},
-        **settings,
-        "hf_path": arch.hub_id,
-        "checkpoint_dir": f"experiments/{run}/checkpoints",
-        "tensorboard_dir": f"experiments/{run}/tensorboard",
-    }
-    return build_config(arch=arch, stage=stage, options=make_options(defaults, overrides))

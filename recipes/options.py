@@ -7,9 +7,10 @@ import types
 import typing
 from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
 from typing import Any
 
-from qvl.foundation.errors import ConfigError
+from qvl.foundation.errors import ConfigError, DataError
 
 # qvl precision name -> Megatron-Bridge mixed-precision recipe (training/mixed_precision.py); fp32 = none.
 PRECISIONS = {
@@ -216,3 +217,13 @@ STAGE_DEFAULTS: dict[str, dict] = {
     # LoRA: adapters only (the base weights are frozen by the PEFT transform), adapter-sized LR.
     "peft": dict(lr=1e-4, min_lr=1e-5, warmup_iters=50, global_batch_size=128),
 }
+
+
+def check_data_folder(path: str | Path | None) -> None:
+    """Refuse a missing dataset, or a folder that `qvl data prepare` did not write, naming the option to fix."""
+    if path is None:
+        raise ConfigError("no dataset: pass data=DIR, a directory written by `qvl data prepare`")
+    if not Path(path).is_dir():
+        raise DataError(f"data={path} does not exist; pass the --output folder of `qvl data prepare`")
+    if not (Path(path) / ".nv-meta").is_dir():
+        raise DataError(f"data={path} is not a qvl packed dataset (no .nv-meta/); write one with `qvl data prepare`")

@@ -20,9 +20,10 @@ from a roofline: GEMM efficiency, pipeline bubble, unoverlapped TP/EP/DP communi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from qvl.foundation.cost import LMShape, lm_flops
 from qvl.foundation.errors import ConfigError
 from qvl.kernels.switch import Target
 from qvl.recipes.activations import (
@@ -88,6 +89,7 @@ class MemoryPlan:
     # replica's images) and "vision_balance" (each image once over the DP x TP grid); which one runs: vision_balance.
     vision_share: dict[str, float] = field(default_factory=dict)
     vision_balance: bool = False
+    mtp_share: float = 0.0  # share of a step's forward FLOPs in the multi-token-prediction layers (0 without MTP)
 
     @property
     def worst(self) -> StageMemory:
@@ -259,7 +261,14 @@ def plan_config(
         problems=problems,
         vision_share=vision_shares(model, costs, x.parallel.stage_layers[0]),
         vision_balance=bool(getattr(getattr(cfg, "qvl", None), "vision_balance", False)),
+        mtp_share=mtp_flops(x.lm, x.workload) * mbs / sum(fwd),
     )
+
+
+def mtp_flops(lm: LMShape, workload: Workload) -> float:
+    """Forward FLOPs of one pack in the MTP layers (their own projections and norms, attention, MLP and logits)."""
+    subs = workload.sub_sequences()
+    return lm_flops(lm, subs) - lm_flops(replace(lm, mtp_layers=0), subs)
 
 
 def _trainable_total(model: Any, cfg: Any, total: int) -> int:

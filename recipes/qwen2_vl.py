@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qvl.recipes.architectures import get_architecture
-from qvl.recipes.base import DENSE_LARGE_SETTINGS, ConfigContainer, family_recipe  # base imports Megatron-Bridge safely
+from qvl.recipes.family import DENSE_LARGE_SETTINGS, family_recipe
 from qvl.recipes.registry import recipe
+
+if TYPE_CHECKING:
+    from megatron.bridge.training.config import ConfigContainer
 
 FAMILY = "qwen2_vl"
 # Per (size, stage): the default parallel layout and the GPU count it was planned for (`gpus`); it fits H100 80 GB

@@ -11,11 +11,14 @@ Megatron-Bridge's 397B pretraining recipe does). Every default is planned to fit
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qvl.recipes.architectures import get_architecture
-from qvl.recipes.base import ConfigContainer, family_recipe  # base imports Megatron-Bridge safely
+from qvl.recipes.family import family_recipe
 from qvl.recipes.registry import recipe
+
+if TYPE_CHECKING:
+    from megatron.bridge.training.config import ConfigContainer
 
 FAMILY = "qwen3_5_vl"
 MOE_FAMILY = "qwen3_5_vl_moe"  # same base recipe; its checkpoints are a family of their own (HF class, bridge)

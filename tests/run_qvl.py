@@ -47,3 +47,19 @@ def qvl_in_process(*args: str) -> str:
                 patches.undo(group)
     assert code == 0, out.getvalue()[-4000:]
     return out.getvalue()
+
+
+def qvl_on_two_ranks(*args: str) -> str:
+    """`qvl ARGS` on two gloo ranks (what `torchrun --nproc_per_node 2 -m qvl.launchers.cli ARGS` runs), forked from
+    the session's server that has Megatron imported (qvl.foundation.distributed.start_ranks): for runs whose
+    launcher is not what a test checks. Returns both ranks' output, rank 0's first."""
+    from qvl.foundation.distributed import run_on_ranks
+
+    return "".join(run_on_ranks(_qvl_on_rank, list(args), world_size=2, cpu=True))
+
+
+def _qvl_on_rank(args: list[str]) -> str:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()  # Megatron-Bridge sets the run's layout up itself
+    return qvl_in_process(*args)

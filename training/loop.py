@@ -22,7 +22,7 @@ from qvl.foundation import megatron, runtime
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.rendezvous import rendezvous_environment
 from qvl.kernels import switch
-from qvl.recipes.options import check_option_names
+from qvl.recipes.options import check_data_folder, check_option_names
 from qvl.recipes.overrides import Overrides, apply_config_overrides
 from qvl.recipes.registry import get_recipe
 from qvl.training.mtp import MTP_LOSS
@@ -153,6 +153,9 @@ def _reduced(loss) -> float:
 def run_training(request: TrainRequest) -> Path:
     """`qvl train`: the recipe's config with the request's settings, trained by `train`."""
     check_writable("--run-dir", request.run_dir)
+    data = Overrides.of(request.overrides).options.get("data")
+    if data is not None:  # before Megatron-Bridge's import (~15 s of CPU): a rank without its dataset ends at once
+        check_data_folder(data)
     cpu = request.device == "cpu" or not torch.cuda.is_available()
     if cpu:  # switched on before any of Megatron is built, as train() would
         runtime.activate(force=True)

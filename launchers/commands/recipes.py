@@ -166,6 +166,7 @@ def plan_dict(name: str, plan: Any) -> dict[str, Any]:
         "mfu": plan.mfu,
         "vision_share": dict(plan.vision_share),
         "vision_balance": plan.vision_balance,
+        "mtp_share": plan.mtp_share,
         "problems": list(plan.problems),
         "suggestions": list(plan.suggestions),
     }
@@ -223,6 +224,8 @@ def print_plan(name: str, plan: Any) -> None:
     if plan.vision_share:
         shares = ", ".join(f"{mode} {share:.1%}" for mode, share in plan.vision_share.items())
         console.print(f"vision share of a stage-0 rank's FLOPs: {shares} (vision_balance={plan.vision_balance})")
+    if plan.mtp_share:
+        console.print(f"multi-token prediction share of a step's FLOPs: {plan.mtp_share:.1%}")
     for problem in plan.problems:
         console.print(f"[red]refused:[/] {problem}")
     if plan.suggestions:

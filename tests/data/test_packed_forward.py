@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from qvl.foundation import distributed
+from tests.tiny_megatron import tiny_megatron_model
 
 
 def _image_spans(
@@ -32,8 +33,6 @@ def _image_spans(
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5_vl", "qwen3_5_vl_moe"])
 def test_packed_forward_equals_per_sample_forward(family, tmp_path, cpu_runtime):
-    from qvl.bridges.convert import auto_bridge_with_weights
-    from qvl.bridges.fixes import fix_provider
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.load import build_packed_datasets
     from qvl.data.samples import write_sample_dataset
@@ -65,11 +64,8 @@ def test_packed_forward_equals_per_sample_forward(family, tmp_path, cpu_runtime)
     )
     distributed.init_distributed()
     try:
-        bridge = auto_bridge_with_weights(hf, torch.float32)
-        provider = bridge.to_megatron_provider(load_weights=True)
-        fix_provider(provider, bridge.hf_pretrained.config)
-        provider.finalize()
-        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0].eval()
+        model, _ = tiny_megatron_model(family, hf=hf, speed=False)
+        model.eval()
         config = types.SimpleNamespace(
             path=str(tmp_path / "data"), hf_path=str(hf), family=family, micro_batch_size=1, num_workers=0
         )
@@ -82,7 +78,7 @@ def test_packed_forward_equals_per_sample_forward(family, tmp_path, cpu_runtime)
             packed = model(**{k: v for k, v in kwargs.items() if k not in ("labels", "loss_mask")})[0]
             tokens, grids, pixels = batch.tokens[0], batch.image_grid_thw, batch.pixel_values
             rows = torch.cat([torch.zeros(1, dtype=torch.long), grids.prod(-1).cumsum(0)]).tolist()
-            spans = _image_spans(tokens, cu, grids, merge=2, image_token=provider.image_token_id)
+            spans = _image_spans(tokens, cu, grids, merge=2, image_token=model.config.image_token_id)
             for (a, b), (i, j) in zip(zip(cu[:-1], cu[1:]), spans):
                 alone = model(
                     input_ids=tokens[a:b][None],

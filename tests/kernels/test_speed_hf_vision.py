@@ -15,6 +15,7 @@ from qvl.foundation import patches
 from qvl.kernels import compiled, speed_hf_vision
 from qvl.kernels.tower_inputs import tower_inputs_for_config
 from tests.numerics import assert_as_close_as_eager
+from tests.tiny_megatron import tiny_megatron_model
 
 HF_TOWER_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 # Two images and a two-frame video grid: several windows per image, a partial window at the edges.
@@ -330,8 +331,6 @@ def test_lean_tower_matches_transformers_on_cuda_bf16(family):
 def test_loader_tower_inputs_reach_the_megatron_models_tower(tmp_path, cpu_runtime):
     """The loader computes each micro-batch's tower inputs in its workers; the training step's host batch hands them
     to the HF tower inside qvl's Qwen2.5-VL, whose output is unchanged (upstream's forward deriving them itself)."""
-    from qvl.bridges.convert import auto_bridge_with_weights
-    from qvl.bridges.providers import apply_provider_fixes
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.load import build_packed_datasets
     from qvl.data.prepare import PrepareConfig, prepare
@@ -348,16 +347,13 @@ def test_loader_tower_inputs_reach_the_megatron_models_tower(tmp_path, cpu_runti
     )
     distributed.init_distributed()
     try:
-        bridge = auto_bridge_with_weights(hf, torch.float32)
-        provider = bridge.to_megatron_provider(load_weights=True)
-        apply_provider_fixes(provider, bridge.hf_pretrained.config)
-        provider.finalize()
-        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0].eval()
+        model, hf_config = tiny_megatron_model("qwen2_5_vl", hf=hf)
+        model.eval()
         assert patches.is_applied(speed_hf_vision.GROUP)  # the build's pre-wrap hook applied the lean tower
         config = dict(path=str(tmp_path / "data"), hf_path=str(hf), family="qwen2_5_vl", micro_batch_size=1)
         loader, _, _ = build_packed_datasets(type("DatasetConfig", (), {**config, "num_workers": 0}), None)
         batch = next(iter(loader))
-        expected = tower_inputs_for_config(batch.image_grid_thw, bridge.hf_pretrained.config.vision_config)
+        expected = tower_inputs_for_config(batch.image_grid_thw, hf_config.vision_config)
         assert torch.equal(batch.image_tower_inputs.window_index, expected.window_index)
         assert batch.image_tower_inputs.max_window_seqlen == expected.max_window_seqlen
         kwargs, _ = model_inputs(batch, torch.device("cpu"))

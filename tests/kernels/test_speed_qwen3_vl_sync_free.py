@@ -35,6 +35,7 @@ from tests.kernels.test_speed_sync_free import (
     _video,
     _vision,
 )
+from tests.tiny_megatron import tiny_megatron_model
 
 FAMILY = "qwen3_vl"
 MODALITIES = {  # the pixel fields a micro-batch keeps
@@ -114,17 +115,13 @@ class HostReads:
 @pytest.fixture(scope="module")
 def model():
     """The tiny Qwen3-VL family record's Megatron model (one deepstack layer), built by qvl's provider in fp32."""
-    from qvl.bridges.providers import provider_from_hf
     from qvl.foundation import distributed, runtime
 
     runtime.activate(force=True)
     distributed.init_distributed()
     try:
-        provider = provider_from_hf(tiny_hf_config(FAMILY))
-        provider.gradient_accumulation_fusion = False  # no DDP wrapper here, so no main_grad to accumulate into
-        provider.finalize()
-        torch.manual_seed(0)
-        built = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
+        # no DDP wrapper here, so no main_grad to accumulate into
+        built, _ = tiny_megatron_model(FAMILY, gradient_accumulation_fusion=False)
         assert built.vision_transformer_config.deepstack_visual_indexes  # the deepstack path is exercised
         with torch.no_grad():  # norms at 1 and biases at 0 would hide a mix-up: perturb them
             for param in built.parameters():

@@ -13,6 +13,7 @@ from qvl.bridges.tiny_model import tiny_hf_config
 from qvl.kernels import speed_qwen3_vl_tower
 from qvl.kernels.tower_inputs import MegatronTowerInputs, tower_inputs_for_config
 from tests.kernels.test_speed_hf_vision import HostReads
+from tests.tiny_megatron import tiny_megatron_model
 
 # Several images of different grids (square, wide, tall, the smallest) and a three-frame video, in one tower call.
 GRIDS = torch.tensor([[1, 8, 12], [1, 4, 4], [3, 4, 8], [1, 10, 6], [1, 2, 2]])
@@ -21,16 +22,12 @@ GRIDS = torch.tensor([[1, 8, 12], [1, 4, 4], [3, 4, 8], [1, 10, 6], [1, 2, 2]])
 @pytest.fixture(scope="module")
 def tower():
     """The tiny Qwen3-VL family record's Megatron vision tower, built by qvl's provider (local specs, fp32)."""
-    from qvl.bridges.providers import provider_from_hf
     from qvl.foundation import distributed, runtime
 
     runtime.activate(force=True)
     distributed.init_distributed()
     try:
-        provider = provider_from_hf(tiny_hf_config("qwen3_vl"))
-        provider.finalize()
-        torch.manual_seed(0)
-        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
+        model, _ = tiny_megatron_model("qwen3_vl")
         (vision,) = speed_qwen3_vl_tower.megatron_vision_towers(model)
         assert type(vision).__module__ == "qvl.bridges.qwen3_vl"  # qvl's tower class
         with torch.no_grad():  # norms at 1 and biases at 0 would hide a mix-up: perturb them
@@ -177,8 +174,6 @@ def test_megatron_tower_inputs_refuse_a_device_grid():
 def test_loader_tower_inputs_reach_the_qwen3_vl_models_tower(tmp_path, cpu_runtime):
     """The loader computes each micro-batch's Megatron tower inputs in its workers; the training step's host batch
     hands them to the tower inside qvl's Qwen3-VL model, whose loss is bitwise upstream's forward's."""
-    from qvl.bridges.convert import auto_bridge_with_weights
-    from qvl.bridges.providers import apply_provider_fixes
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.load import build_packed_datasets
     from qvl.data.prepare import PrepareConfig, prepare
@@ -198,17 +193,13 @@ def test_loader_tower_inputs_reach_the_qwen3_vl_models_tower(tmp_path, cpu_runti
     parallel_state.destroy_model_parallel()  # whatever an earlier test of this process left
     distributed.init_distributed()
     try:
-        bridge = auto_bridge_with_weights(hf, torch.float32)
-        provider = bridge.to_megatron_provider(load_weights=True)
-        apply_provider_fixes(provider, bridge.hf_pretrained.config)
-        provider.gradient_accumulation_fusion = False  # no DDP wrapper here, so no main_grad to accumulate into
-        provider.finalize()
-        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
+        # no DDP wrapper here, so no main_grad to accumulate into
+        model, hf_config = tiny_megatron_model("qwen3_vl", hf=hf, gradient_accumulation_fusion=False)
         config = dict(path=str(tmp_path / "data"), hf_path=str(hf), family="qwen3_vl", micro_batch_size=1)
         loader, _, _ = build_packed_datasets(type("DatasetConfig", (), {**config, "num_workers": 0}), None)
         batch = next(iter(loader))
         assert isinstance(batch.image_tower_inputs, MegatronTowerInputs)
-        expected = tower_inputs_for_config(batch.image_grid_thw, bridge.hf_pretrained.config.vision_config)
+        expected = tower_inputs_for_config(batch.image_grid_thw, hf_config.vision_config)
         assert torch.equal(batch.image_tower_inputs.pos_embed_weight, expected.pos_embed_weight)
         kwargs, _ = model_inputs(batch, torch.device("cpu"))
         (vision,) = speed_qwen3_vl_tower.megatron_vision_towers(model)

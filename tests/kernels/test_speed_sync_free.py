@@ -18,6 +18,7 @@ import torch
 
 from qvl.foundation import distributed, megatron, patches
 from qvl.foundation.families import FAMILIES, TINY_TOKEN_IDS, get_family
+from tests.tiny_megatron import tiny_megatron_model
 
 IMAGE_GRIDS = [(1, 4, 6), (1, 6, 4)]
 VIDEO_GRID = (2, 4, 4)
@@ -189,8 +190,6 @@ def _loss_and_grads(model, kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_forward_with_loader_positions_equals_upstream_bitwise(family, tmp_path, cpu_runtime):
-    from qvl.bridges.convert import auto_bridge_with_weights
-    from qvl.bridges.fixes import fix_provider
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.kernels import speed_rotary, speed_sync_free
     from qvl.training.step import host_batch, model_inputs
@@ -198,13 +197,9 @@ def test_forward_with_loader_positions_equals_upstream_bitwise(family, tmp_path,
     hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
     distributed.init_distributed()
     try:
-        bridge = auto_bridge_with_weights(hf, torch.float32)
-        provider = bridge.to_megatron_provider(load_weights=True)
-        fix_provider(provider, bridge.hf_pretrained.config)
-        provider.finalize()
-        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0]
+        model, hf_config = tiny_megatron_model(family, hf=hf, speed=False)
         patch_dim = math.prod(model.visual.patch_embed.proj.weight.shape[1:])
-        batch = _batch(family, bridge.hf_pretrained.config, patch_dim)
+        batch = _batch(family, hf_config, patch_dim)
         assert type(model).__module__ == f"qvl.bridges.{family}"  # qvl's model class, built by qvl's provider
         kwargs, _ = model_inputs(batch, torch.device("cpu"))
         assert kwargs["position_ids"] is not None and "pixel_values_videos" in kwargs

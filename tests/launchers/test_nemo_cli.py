@@ -26,7 +26,7 @@ SITE_CONFIG_ENV = "QVL_EXECUTOR_CONFIG"
 
 @pytest.fixture
 def nemo_cli(monkeypatch):
-    """qvl.launchers.nemo_cli, imported (if not yet) without the recipe modules, which import all of Megatron."""
+    """qvl.launchers.nemo_cli, imported (if not yet) with only the stand-in recipes registered."""
     monkeypatch.setattr(registry, "RECIPE_MODULES", ())
     return importlib.import_module("qvl.launchers.nemo_cli")
 

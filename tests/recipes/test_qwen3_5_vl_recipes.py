@@ -61,3 +61,16 @@ def test_mtp_is_refused_for_a_family_without_it_and_with_context_parallelism():
         get_recipe("qwen3_vl_8b_sft").fn(mtp=True)
     with pytest.raises(ConfigError, match="mtp=true needs context_parallel=1"):
         get_recipe("qwen3_5_vl_9b_sft").fn(context_parallel=2)
+
+
+def test_the_plan_reports_the_mtp_share_of_a_step():
+    """One MTP depth of the 9B is one attention layer, its MLP, its own projections and a second 248k-vocabulary
+    output layer, against 32 decoder layers, the output layer and the vision tower: about a seventh of the FLOPs."""
+    cfg = get_recipe("qwen3_5_vl_9b_sft").fn()
+    share = plan_config(cfg, gpus=4).mtp_share
+    model = cfg.model
+    h, vocab = model.hidden_size, shapes.padded_vocab(model)
+    assert 2 * h * vocab / (model.num_layers * 2 * h * model.ffn_hidden_size * 3) > 0.2  # why the share is large
+    assert 0.08 < share < 0.2, share
+    assert plan_config(get_recipe("qwen3_5_vl_9b_sft").fn(mtp=False), gpus=4).mtp_share == 0.0
+    assert plan_config(get_recipe("qwen3_5_vl_9b_pretrain").fn(), gpus=4).mtp_share == 0.0

@@ -11,6 +11,7 @@ import torch
 from qvl.foundation import distributed
 from qvl.kernels.packed_shift import shift_in_sequences
 from qvl.training import mtp
+from tests.tiny_megatron import tiny_megatron_model
 
 
 def test_shift_stays_inside_each_packed_sample():
@@ -56,8 +57,6 @@ def test_no_mtp_layers_change_nothing():
 
 @pytest.mark.parametrize("family", ["qwen3_5_vl", pytest.param("qwen3_5_vl_moe", marks=pytest.mark.slow)])
 def test_a_packs_mtp_loss_is_the_sum_of_its_samples_run_alone(family, tmp_path, cpu_runtime):
-    from qvl.bridges.convert import auto_bridge_with_weights
-    from qvl.bridges.fixes import fix_provider
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.load import build_packed_datasets
     from qvl.data.samples import write_sample_dataset
@@ -70,12 +69,10 @@ def test_a_packs_mtp_loss_is_the_sum_of_its_samples_run_alone(family, tmp_path, 
     assert main(["data", "prepare", *prepare, "--seq-length", "512", "--output", str(tmp_path / "data")]) == 0
     distributed.init_distributed()
     try:
-        bridge = auto_bridge_with_weights(hf, torch.float32)
-        provider = bridge.to_megatron_provider(load_weights=True)
-        fix_provider(provider, bridge.hf_pretrained.config)
-        provider.finalize()
-        assert provider.mtp_num_layers == 1
-        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)[0].eval()
+        model, _ = tiny_megatron_model(family, hf=hf, speed=False)
+        provider = model.config  # the provider is the model's TransformerConfig
+        model.eval()
+        assert model.config.mtp_num_layers == 1
         config = types.SimpleNamespace(
             path=str(tmp_path / "data"), hf_path=str(hf), family=family, micro_batch_size=1, num_workers=0
         )

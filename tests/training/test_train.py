@@ -4,15 +4,14 @@ uninterrupted loss curve exactly, and the trained checkpoint exports to HF that 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from qvl.training.loop import read_losses
-from tests.run_qvl import qvl, qvl_in_process
+from tests.run_qvl import qvl, qvl_in_process, qvl_on_two_ranks
 
 STEPS = 6
 ARGS = [
@@ -105,10 +104,8 @@ def test_dotted_overrides_set_config_fields_and_unknown_ones_are_named(tmp_path,
 
 @pytest.mark.slow
 def test_pipeline_parallel_2_trains_the_packed_dataset_like_one_stage(dataset, tiny_qwen25_megatron, tmp_path):
-    """PP=2 (two gloo processes under torchrun) from the same converted checkpoint gives PP=1's losses:
-    packed batches are padded to seq_length for the fixed-shape stage-to-stage buffers."""
-    from qvl.foundation.distributed import free_port
-
+    """PP=2 (two gloo processes) from the same converted checkpoint gives PP=1's losses: packed batches are padded
+    to seq_length for the fixed-shape stage-to-stage buffers."""
     data, hf = dataset
     common = [
         "qwen2_5_vl_3b_sft",
@@ -123,31 +120,27 @@ def test_pipeline_parallel_2_trains_the_packed_dataset_like_one_stage(dataset, t
         "cpu",
     ]
     qvl_in_process("train", *common, "--run-dir", str(tmp_path / "pp1"))
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-    ]
-    out = subprocess.run(
-        [
-            *torchrun,
-            "-m",
-            "qvl.launchers.cli",
-            "train",
-            *common,
-            "pipeline_parallel=2",
-            "--run-dir",
-            str(tmp_path / "pp2"),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    qvl_on_two_ranks("train", *common, "pipeline_parallel=2", "--run-dir", str(tmp_path / "pp2"))
     one, two = read_losses(tmp_path / "pp1"), read_losses(tmp_path / "pp2")
     assert sorted(two) == [1, 2]
     for step in one:
         assert two[step] == pytest.approx(one[step], abs=1e-5)
+
+
+def test_a_training_loop_starts_without_the_moe_metrics_of_an_earlier_run(monkeypatch):
+    """Megatron-Core's MoE metrics tracker sizes its per-layer entries by the first MoE model of the process; a
+    later run with more layers (or MTP layers) would index past them, so each loop starts without one."""
+    from qvl.foundation import megatron
+
+    megatron.import_megatron_bridge()
+    from megatron.bridge.training import pretrain as pretrain_module
+    from megatron.core.transformer.moe import moe_logging
+
+    from qvl.training.loop import run_megatron_loop
+
+    earlier = moe_logging.get_moe_metrics_tracker()
+    earlier.record("load_balancing_loss", torch.tensor(1.0), layer_number=1, num_layers=4)
+    seen = []
+    monkeypatch.setattr(pretrain_module, "pretrain", lambda *a, **k: seen.append(moe_logging.get_moe_metrics_tracker()))
+    run_megatron_loop(SimpleNamespace(model=SimpleNamespace(), peft=None), forward_step=None, callbacks=None)
+    assert seen and seen[0] is not earlier and not seen[0].metrics

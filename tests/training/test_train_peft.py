@@ -17,7 +17,7 @@ import pytest
 
 from qvl.foundation.families import FAMILIES
 from qvl.training.loop import read_losses
-from tests.run_qvl import qvl_in_process
+from tests.run_qvl import qvl_in_process, qvl_on_two_ranks
 
 STEPS = 4
 ARGS = [
@@ -208,28 +208,12 @@ def test_export_adapter_command_writes_and_checks_the_adapter(peft_run, tmp_path
 @pytest.mark.parametrize("peft_run", ["qwen2_5_vl"], indirect=True)
 @pytest.mark.parametrize("layout", ["tensor_parallel=2", "pipeline_parallel=2", "data_parallel=2"])
 def test_lora_at_tp2_pp2_and_dp2_gives_the_single_process_losses(peft_run, layout, tmp_path):
-    """Two gloo processes under torchrun from the same converted checkpoint and the same initial adapters (drawn per
+    """Two gloo processes from the same converted checkpoint and the same initial adapters (drawn per
     module, whatever the layout: qvl.bridges.adapters.initialize_independent_of_layout): at TP=2 and PP=2 one
     process's losses within fp32 rounding; at DP=2 (the dataset has no DP plan, so each replica reads other packs
     than one process's step does) the adapters train and the loss falls."""
-    import subprocess
-    import sys
-
-    from qvl.foundation.distributed import free_port
-
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-    ]
     extra = [] if layout == "data_parallel=2" else [layout]  # two processes and no model parallelism: DP=2
-    command = [*torchrun, "-m", "qvl.launchers.cli", "train", *peft_run.args, *extra, "--run-dir", str(tmp_path)]
-    out = subprocess.run(command, capture_output=True, text=True)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    qvl_on_two_ranks("train", *peft_run.args, *extra, "--run-dir", str(tmp_path))
     one, two = read_losses(peft_run.run), read_losses(tmp_path)
     assert sorted(two) == list(range(1, STEPS + 1))
     if layout == "data_parallel=2":

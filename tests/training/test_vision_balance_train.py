@@ -8,17 +8,15 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from qvl.training.loop import read_losses
-from tests.run_qvl import qvl_in_process
+from tests.run_qvl import qvl_in_process, qvl_on_two_ranks
 from tests.training.test_train import ARGS
 
-pytestmark = pytest.mark.slow  # training runs on two gloo processes (spawned, and under torchrun for PP=2)
+pytestmark = pytest.mark.slow  # training runs on two gloo ranks forked from one server (start_ranks)
 
 IMAGES_PER_SAMPLE = 3
 # Per step, (rank 0's packs, rank 1's packs) in micro-batch order: step 1 gives rank 0 both image packs,
@@ -120,28 +118,6 @@ def one_replica_plan(data: Path, out: Path) -> Path:
     report["dp_plan"].update(data_parallel=1, packs_per_rank_per_step=4)
     (out / "report.json").write_text(json.dumps(report))
     return out
-
-
-def torchrun_train(*args: str) -> str:
-    """`qvl -v train ARGS` on two gloo processes; returns the output (debug logs included)."""
-    from qvl.foundation.distributed import free_port
-
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "qvl.launchers.cli",
-        "-v",
-        "train",
-    ]
-    out = subprocess.run([*torchrun, *args], capture_output=True, text=True)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    return out.stdout + out.stderr
 
 
 def common_args(data: Path, hf: Path) -> list[str]:
@@ -289,7 +265,7 @@ def test_pipeline_parallel_2_with_vision_balance_trains_like_one_stage(
     from one converted checkpoint (a pretrain recipe's random init differs between PP=1 and PP=2)."""
     data, hf = one_replica_dataset
     common = ["qwen2_5_vl_3b_sft", f"pretrained_checkpoint={tiny_qwen25_megatron}", *common_args(data, hf)[1:]]
-    torchrun_train(*common, "pipeline_parallel=2", "vision_balance=true", "--run-dir", str(tmp_path / "pp2"))
+    qvl_on_two_ranks("train", *common, "pipeline_parallel=2", "vision_balance=true", "--run-dir", str(tmp_path / "pp2"))
     qvl_in_process("train", *common, "vision_balance=true", "--run-dir", str(tmp_path / "pp1"))
     one, two = read_losses(tmp_path / "pp1"), read_losses(tmp_path / "pp2")
     assert sorted(two) == sorted(one) == list(range(1, len(SKEW) + 1))
