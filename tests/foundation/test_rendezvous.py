@@ -106,7 +106,9 @@ _JOIN = textwrap.dedent(
         total = dist.get_world_size()
         t = __import__("torch").tensor([meeting.rank + 1])
         dist.all_reduce(t)
-        print(meeting.mode, meeting.rank, total, int(t))
+        # one write per line: torchrun's workers share its stdout, and print() writes each piece on its own
+        sys.stdout.write(f"{meeting.mode} {meeting.rank} {total} {int(t)}\\n")
+        sys.stdout.flush()
         dist.destroy_process_group()
     """
 )
