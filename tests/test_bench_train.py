@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 
+@pytest.mark.slow  # more than ~20 s on 2 cores
 def test_tiny_training_benchmark_writes_every_figure(tmp_path):
     from benchmarks import bench_train
 

@@ -35,6 +35,7 @@ def _layout(entry) -> tuple:
 CASES = [(family, "bf16") for family in FAMILIES] + [("qwen3_vl_moe", "fp32")]
 
 
+@pytest.mark.slow  # more than ~20 s on 2 cores
 def test_streamed_checkpoint_equals_megatron_bridge_import(tmp_path):
     hf_paths = {family: str(write_tiny_hf_checkpoint(tmp_path / "hf" / family, family, seed=3)) for family in FAMILIES}
     jobs = [(hf_paths[family], str(tmp_path / "out" / f"{family}-{dtype}"), dtype) for family, dtype in CASES]

@@ -163,6 +163,7 @@ def test_doctor_passes_here_and_names_the_fix_when_something_is_missing(monkeypa
     assert check.status == "fail" and check.fix == "pip install --no-deps 'megatron-bridge==0.6.2'"
 
 
+@pytest.mark.slow  # more than ~20 s on 2 cores
 def test_nemo_cli_namespace_is_registered():
     (entry,) = [ep for ep in metadata.entry_points(group="nemo_run.cli") if ep.name == "qvl"]
     assert entry.value == "qvl.launchers.nemo_cli"

@@ -79,6 +79,7 @@ def reports(parity_inputs, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # `qvl verify-training` of every family: ~35 s on 2 cores
 @pytest.mark.parametrize("family", PARITY_FAMILIES)
 def test_gradients_and_trajectory_match_transformers(reports, family):
     status, report, plot = reports[family]
@@ -105,6 +106,7 @@ def test_gradients_and_trajectory_match_transformers(reports, family):
     assert plot.stat().st_size > 1000
 
 
+@pytest.mark.slow  # reads the `qvl verify-training` reports above
 def test_report_names_the_deliberate_differences(reports):
     notes = " ".join(reports["qwen2_5_vl"][1]["deliberate"])
     # Qwen2.5-VL's vision blocks use RMSNorm modules named norm1/norm2: transformers' Trainer would decay them.
