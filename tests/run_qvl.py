@@ -55,10 +55,11 @@ def qvl_on_two_ranks(*args: str) -> str:
     launcher is not what a test checks. Returns both ranks' output, rank 0's first."""
     from qvl.foundation.distributed import run_on_ranks
 
-    return "".join(run_on_ranks(_qvl_on_rank, list(args), world_size=2, cpu=True))
+    return "".join(run_on_ranks(qvl_on_rank, list(args), world_size=2, cpu=True))
 
 
-def _qvl_on_rank(args: list[str]) -> str:
+def qvl_on_rank(args: list[str]) -> str:
+    """`qvl ARGS` on a rank of `run_on_ranks` (its process group up): Megatron-Bridge sets the layout up itself."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()  # Megatron-Bridge sets the run's layout up itself

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from qvl.training.loop import read_losses
-from tests.run_qvl import qvl_in_process, qvl_on_two_ranks
+from tests.run_qvl import qvl_in_process, qvl_on_rank, qvl_on_two_ranks
 from tests.training.test_train import ARGS
 
 pytestmark = pytest.mark.slow  # training runs on two gloo ranks forked from one server (start_ranks)
@@ -140,15 +140,8 @@ def common_args(data: Path, hf: Path) -> list[str]:
 
 
 def train_on_ranks(runs: dict[str, list[str]]) -> dict[str, str]:
-    """On each of two spawned gloo ranks: `qvl -v train ARGS` for every run in turn (one Megatron import per rank
-    for all of them, where a torchrun per run would start three interpreters); returns each run's log on this rank."""
-    from megatron.core import parallel_state
-
-    logs = {}
-    for name, args in runs.items():
-        parallel_state.destroy_model_parallel()  # Megatron-Bridge sets each run's layout up itself
-        logs[name] = qvl_in_process("-v", "train", *args)
-    return logs
+    """On each of two gloo ranks: `qvl -v train ARGS` for every run in turn; returns each run's log on this rank."""
+    return {name: qvl_on_rank(["-v", "train", *args]) for name, args in runs.items()}
 
 
 @pytest.fixture(scope="module")
