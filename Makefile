@@ -12,6 +12,9 @@ STAMP := $(VENV)/.qvl-bootstrapped
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.12*/bin/python3 2>/dev/null | sort -V -r); do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v "$$p"; break; }; done)
 PYTEST_ARGS ?=
+# Two pytest-xdist workers (the build machines have 2 cores; one worker alone keeps about one busy). Test files
+# stay whole on a worker, and the files sharing a fixture built once share it (tests/conftest.py).
+TEST_WORKERS ?= 2
 
 .PHONY: venv test demo bench bench-train clean-venv
 
@@ -33,7 +36,7 @@ $(STAMP): launchers/requirements-stack.txt launchers/requirements-nodeps.txt pyp
 	@touch $@
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/qvl demo

@@ -343,7 +343,7 @@ def summarize(raw: dict, config, *, gpu_peak_flops: float | None) -> dict:
     }
     for name in ("megatron_bridge", "qvl_cost_model", "six_n"):
         rate = sum(f[name] for f in flops) / seconds
-        result[f"tflops_{name}"] = round(rate / 1e12, 3)
+        result[f"tflops_{name}"] = float(f"{rate / 1e12:.4g}")  # significant digits: a tiny CPU run is ~0.001
         result[f"mfu_{name}"] = round(rate / gpu_peak_flops, 4) if gpu_peak_flops else None
     return result
 

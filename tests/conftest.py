@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -18,13 +19,69 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# Under pytest-xdist (`make test` runs two workers, `--dist loadfile`) a test file runs whole on one worker, so its
+# module fixtures are built once. These files also share one: each group's files run on the same worker.
+SHARE_A_WORKER = {
+    # the machine's one munged serves both Slurm clusters (tests/launchers/conftest.py)
+    "munge_daemon": ("tests/launchers/test_slurm_real.py", "tests/launchers/test_slurm_multinode.py"),
+    "tiny_census": ("tests/test_bench_step.py", "tests/kernels/test_speed_sync_free.py"),
+}
+# The groups a worker takes second (each worker starts at once; the Slurm tests may first wait for the packages
+# installing in the background); the rest go by their number of slow tests, most first.
+SECOND = "munge_daemon"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # an xdist worker: the order in which the groups are handed out
+        _order_for_workers(items)
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason='needs a CUDA GPU (on a GPU machine: make test PYTEST_ARGS="-m gpu")')
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def worker_group(nodeid: str) -> str:
+    """The scope a test is handed out in: its file, or the group its file shares a fixture with."""
+    path = nodeid.split("::")[0]
+    return next((name for name, files in SHARE_A_WORKER.items() if path in files), path)
+
+
+def _order_for_workers(items) -> None:
+    for item in items:
+        shared = {name for name in SHARE_A_WORKER if name in item.fixturenames}
+        if shared and worker_group(item.nodeid) not in shared:
+            raise pytest.UsageError(f"{item.path.name} uses {shared.pop()}: add it to SHARE_A_WORKER in {__file__}")
+    slow = collections.Counter(worker_group(item.nodeid) for item in items if "slow" in item.keywords)
+    order = sorted(dict.fromkeys(worker_group(item.nodeid) for item in items), key=lambda name: -slow[name])
+    if SECOND in order:
+        order.remove(SECOND)
+        order.insert(min(1, len(order)), SECOND)
+    rank = {name: i for i, name in enumerate(order)}
+    items.sort(key=lambda item: rank[worker_group(item.nodeid)])  # stable: a file keeps its order
+
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # pytest-xdist is optional: one process runs the tests in file order
+    pass
+else:
+
+    class SharedFileScheduling(LoadFileScheduling):
+        """`--dist loadfile`, with the files of a SHARE_A_WORKER group as one scope, in collection order."""
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(config, log):
+        return SharedFileScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 # The CPU runtime's groups stay as it set them: qvl.foundation.runtime tracks them (activate / deactivate).

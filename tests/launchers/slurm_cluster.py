@@ -20,6 +20,7 @@ namespaces, so a job sees two hosts with their own addresses on one shared files
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import ipaddress
 import os
 import secrets
@@ -52,6 +53,7 @@ def _free_port() -> int:
 
 SLURM_COMMANDS = (*DAEMONS, "mariadb-install-db")
 NETWORK = (("iproute2", "util-linux"), ("ip", "nsenter", "unshare"))  # the two-node cluster's namespaces
+APT_LOCK = Path(tempfile.gettempdir()) / "qvl-tests-apt-get.lock"
 _STARTED: dict[tuple[str, ...], concurrent.futures.Future] = {}  # installs started ahead, by their packages
 
 
@@ -80,6 +82,15 @@ def install_packages(packages: tuple[str, ...] = PACKAGES, commands: tuple[str, 
 
 
 def _apt_get(packages: tuple[str, ...], commands: tuple[str, ...]) -> None:
+    if all(shutil.which(command) for command in commands):
+        return
+    # Each pytest-xdist worker may start the install: one apt-get at a time, the others then find it done.
+    with open(APT_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _apt_get_locked(packages, commands)
+
+
+def _apt_get_locked(packages: tuple[str, ...], commands: tuple[str, ...]) -> None:
     if all(shutil.which(command) for command in commands):
         return
     what = "Slurm is" if packages == PACKAGES else f"{', '.join(c for c in commands if not shutil.which(c))} is"
@@ -412,7 +423,7 @@ class SlurmCluster:
             # No cgroups inside a container: track processes by parentage, bind nothing.
             "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
             "SelectType=select/cons_tres\nSelectTypeParameters=CR_Core\nReturnToService=2\n"
-            "MpiDefault=none\nJobRequeue=1\nKillWait=5\nMinJobAge=300\nInactiveLimit=0\n"
+            "MpiDefault=none\nJobRequeue=1\nKillWait=5\nMinJobAge=3600\nInactiveLimit=0\n"
             # A pending job (a requeued one let start now) is looked at every 2 s, not every 60.
             "SchedulerParameters=sched_interval=2\n"
             f"AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=127.0.0.1\n"
