@@ -20,6 +20,8 @@ def run_launch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
+    if args.resolve and not args.dryrun:
+        raise LaunchError("--resolve goes with --dryrun (a submit always builds the config first); add --dryrun")
     # NeMo-Run prints its progress and experiment summary on stdout; with --json stdout is the result alone.
     where = args.experiments_dir or os.environ.get("NEMORUN_HOME") or "~/.nemo_run"
     again = "then run the same command again (a job that was already submitted shows in `nemo experiment list`)"
@@ -32,6 +34,7 @@ def run_launch(args: argparse.Namespace) -> int:
             kind=args.executor,
             site_file=args.executor_config,
             dryrun=args.dryrun,
+            resolve=args.resolve,
             name=args.name,
             experiments_dir=args.experiments_dir,
             wait=args.wait or None,
@@ -42,7 +45,7 @@ def run_launch(args: argparse.Namespace) -> int:
     if args.dryrun:  # written raw: the script must survive copy-paste, so no wrapping or markup
         console.rule(f"{result['executor']} request (dry run, nothing submitted)")
         sys.stdout.write(result["request"].rstrip("\n") + "\n")
-        console.rule("resolved config")
+        console.rule("resolved config" if args.resolve else "what the job runs (--resolve adds its config)")
         sys.stdout.write(yaml.safe_dump(result["config"], sort_keys=False))
         return 0
     home = f"NEMORUN_HOME={args.experiments_dir} " if args.experiments_dir else ""
@@ -83,7 +86,13 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--dryrun",
         action="store_true",
-        help="print the sbatch script / TrainJob manifest / local command and the config; submit nothing",
+        help="print the sbatch script / TrainJob manifest / local command and what the job runs; submit nothing",
+    )
+    parser.add_argument(
+        "--resolve",
+        action="store_true",
+        help="with --dryrun: also build the job's config here, as `qvl train` will, and print it (imports "
+        "Megatron-Bridge: ~15 s)",
     )
     parser.add_argument(
         "--model", choices=("tiny",), help="passed to `qvl train`: a tiny random model of the recipe's family"

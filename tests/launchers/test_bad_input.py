@@ -79,7 +79,7 @@ def test_dryrun_prints_the_config_the_job_builds(tmp_path):
     from qvl.training.loop import TrainRequest, prepare_config
 
     pairs = ["lr=1e-4", "freeze=none", "train.train_iters=7"]
-    result = launch(RECIPE, [*pairs, *SLURM], kind="slurm", dryrun=True, experiments_dir=str(tmp_path))
+    result = launch(RECIPE, [*pairs, *SLURM], kind="slurm", dryrun=True, resolve=True, experiments_dir=str(tmp_path))
     printed = result["config"]["config"]
     assert printed["optimizer"]["lr"] == 1e-4 and printed["train"]["train_iters"] == 7
     # The execution side runs `qvl train RECIPE <the same texts>`, parsed by the same grammar.

@@ -102,6 +102,7 @@ def test_slurm_sbatch_matches_golden(fake_recipe, tmp_path):
         ],
         kind="slurm",
         dryrun=True,
+        resolve=True,
         experiments_dir=str(tmp_path),
         exp_id="qvl-golden_1",
     )
@@ -189,10 +190,33 @@ def test_dryrun_of_a_recipe_needing_a_cluster_checkpoint_prints_its_arguments(fa
         ["hf_path=/lustre/ckpt", "run.executor.gpus=0"],
         kind="local",
         dryrun=True,
+        resolve=True,
         experiments_dir=str(tmp_path),
     )
     assert result["config"]["arguments"] == {"hf_path": "/lustre/ckpt"}
     assert "not built here (FileNotFoundError" in result["config"]["config"]
+
+
+def test_a_plain_dryrun_prints_what_the_job_runs_without_building_its_config(fake_recipe, tmp_path, monkeypatch):
+    """Building the config imports Megatron-Bridge (~15 s); `--dryrun` alone leaves it to `--resolve`."""
+    from qvl.launchers import jobs
+
+    monkeypatch.setattr(jobs, "build_job_config", lambda *a: pytest.fail("a plain dry run built the config"))
+    pairs = ["tensor_parallel=4", "train.train_iters=5", "run.executor.nodes=2", *SLURM]
+    result = launch(fake_recipe, pairs, kind="slurm", dryrun=True, experiments_dir=str(tmp_path))
+    assert result["config"]["arguments"] == {"tensor_parallel": 4}
+    assert result["config"]["config_overrides"] == {"train.train_iters": 5}
+    assert result["config"]["layout"]["tensor_parallel"] == 4 and "--resolve" in result["config"]["config"]
+    assert "srun" in result["request"] and result["config"]["rendezvous"].startswith("slurm (2 node(s)")
+
+
+def test_resolve_without_dryrun_is_one_line(capsys):
+    from qvl.launchers.cli import main
+
+    assert main(["launch", "demo", "--resolve"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --resolve goes with --dryrun (a submit always builds the config first); add --dryrun"
+    )
 
 
 @pytest.mark.slow
