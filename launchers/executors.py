@@ -22,9 +22,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-import nemo_run as run
-from nemo_run.core.execution.kubeflow import KubeflowExecutor
-from nemo_run.core.execution.launcher import Torchrun
+from qvl.foundation.megatron import gc_paused
+
+with gc_paused():  # NeMo-Run imports torch, Kubernetes' and Lepton's clients: most of a dry run's CPU
+    import nemo_run as run
+    from nemo_run.core.execution.kubeflow import KubeflowExecutor
+    from nemo_run.core.execution.launcher import Torchrun
 
 from qvl.foundation import FOLDERS
 from qvl.foundation.errors import LaunchError

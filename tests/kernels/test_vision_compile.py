@@ -4,13 +4,14 @@ bf16 against transformers' tower; Megatron-Core's SwiGLU fusion against its eage
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from qvl.foundation import patches
+from qvl.foundation import patches, runtime
 from qvl.foundation.errors import ConfigError
 from qvl.kernels import speed_hf_vision
 from qvl.kernels.tower_inputs import tower_inputs_for_config
@@ -36,7 +37,7 @@ def _compiled_against_eager(tower, after_each_run=lambda: None):
     x, inputs = pixels(tower), tower_inputs_for_config(GRIDS, tower.config)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    with patches.applied(speed_hf_vision.GROUP), opaque_varlen_attention():
+    with _cpu_runtime_off(), patches.applied(speed_hf_vision.GROUP), opaque_varlen_attention():
         eager = _tower_step(tower, x, GRIDS, inputs)
         after_each_run()
         for block in tower.blocks:
@@ -45,6 +46,22 @@ def _compiled_against_eager(tower, after_each_run=lambda: None):
         after_each_run()
     assert all(block._compiled_call_impl is not None for block in tower.blocks)
     return eager, compiled
+
+
+@contextlib.contextmanager
+def _cpu_runtime_off():
+    """Blocks are compiled on CUDA only and the CPU runtime runs on CPU only; an earlier test of this process may
+    have left the runtime on (as a training run does), and Dynamo tracing through its TorchFunctionMode breaks
+    vision recompute's saved-tensor check."""
+    was_on, training = runtime.is_active(), patches.is_applied("cpu-training")
+    runtime.deactivate()
+    try:
+        yield
+    finally:
+        if was_on:
+            runtime.activate(force=True)
+        if training:
+            runtime.enable_bridge_training()
 
 
 @pytest.mark.slow  # Inductor compiles the block's forward and backward with gcc: 20-90 s on two shared cores

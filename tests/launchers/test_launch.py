@@ -207,7 +207,7 @@ def test_a_plain_dryrun_prints_what_the_job_runs_without_building_its_config(fak
     assert result["config"]["arguments"] == {"tensor_parallel": 4}
     assert result["config"]["config_overrides"] == {"train.train_iters": 5}
     assert result["config"]["layout"]["tensor_parallel"] == 4 and "--resolve" in result["config"]["config"]
-    assert "srun" in result["request"] and result["config"]["rendezvous"].startswith("slurm (2 node(s)")
+    assert "srun" in result["request"] and result["config"]["rendezvous"].startswith("env (2 node(s) x 8 processes")
 
 
 def test_resolve_without_dryrun_is_one_line(capsys):
@@ -372,11 +372,13 @@ def test_bad_overrides_are_refused(fake_recipe, recipe, overrides, message):
         launch(recipe, overrides + SLURM, kind="slurm", dryrun=True)
 
 
-def test_unknown_config_field_is_refused_in_a_dry_run(fake_recipe, tmp_path):
+def test_unknown_config_field_is_refused_where_the_config_is_built(fake_recipe, tmp_path):
+    """`--dryrun --resolve` builds the config as a submit does (before sbatch), so both refuse a misspelt field."""
     with pytest.raises(
         QvlError, match=r"override train.train_iterz: train \(TrainSection\) has no field 'train_iterz'"
     ):
-        launch(fake_recipe, ["train.train_iterz=5", *SLURM], kind="slurm", dryrun=True, experiments_dir=str(tmp_path))
+        launch(fake_recipe, ["train.train_iterz=5", *SLURM], kind="slurm", dryrun=True, resolve=True,
+               experiments_dir=str(tmp_path))  # fmt: skip
 
 
 # ---- site file and the qvl CLI ----
