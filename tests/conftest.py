@@ -11,10 +11,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Under pytest-xdist each worker is one of the cores' worth of tests: torch (and every process a test starts)
-# computes on one thread, so the workers and the ranks they start do not spin threads against each other.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _cuda_available() -> bool:
