@@ -2,8 +2,9 @@
 
 `python -m benchmarks.bench_dryrun [--out .bench]`. Each figure is one fresh process (the command as a user runs it),
 timed by the CPU it and its children used (user + system), so a busy machine inflates it less than wall time. The
-breakdown runs the same process up to a point: the `qvl` command line's imports, Megatron-Bridge's import (which
-building the recipe's ConfigContainer needs), and the dry run itself.
+breakdown: the `qvl` command line's imports, the dry run itself (NeMo-Run renders the sbatch script; most of its
+CPU is importing NeMo-Run, which imports torch), and, for comparison, Megatron-Bridge's import and the dry run with
+`--resolve`, which builds and prints the job's ConfigContainer and so imports Megatron-Bridge.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ STAGES = {
     "python_and_qvl_cli": ["-c", "import qvl.launchers.cli"],
     "megatron_bridge_import": ["-c", "from qvl.foundation import megatron; megatron.import_megatron_bridge()"],
     "dryrun_7b_sft": DRYRUN,
+    "dryrun_resolve_7b_sft": [*DRYRUN, "--resolve"],
 }
 
 
