@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import weakref
 from typing import Any
 
 import torch
@@ -33,7 +32,8 @@ from qvl.foundation import patches
 
 logger = logging.getLogger(__name__)
 GROUP = "speed-optimizer"
-_COPY_PAIRS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (model shards, main shards)
+# (model shards, main shards) of an optimizer, kept on the optimizer itself: derived once, gone with it.
+_PAIRS_ATTRIBUTE = "_qvl_copy_pairs"
 
 
 def applied() -> contextlib.AbstractContextManager:
@@ -92,38 +92,38 @@ def foreach_main_to_model_copy(original):
 
 
 def _copy_pairs(optimizer) -> tuple[list, list] | None:
-    """(model-buffer shards, main shards) as upstream's copy_group_params pairs them, made once per optimizer;
-    None where upstream's path does more than copy (FSDP, quantized parameters, precision-aware optimizer)."""
-    if optimizer in _COPY_PAIRS:
-        return _COPY_PAIRS[optimizer]
+    """(model-buffer shards, main shards) as upstream's copy_group_params pairs them, derived once per optimizer and
+    kept on it; None where upstream's path does more than copy (FSDP, quantized parameters, precision-aware
+    optimizer)."""
+    if not hasattr(optimizer, _PAIRS_ATTRIBUTE):
+        setattr(optimizer, _PAIRS_ATTRIBUTE, _derive_copy_pairs(optimizer))
+    return getattr(optimizer, _PAIRS_ATTRIBUTE)
+
+
+def _derive_copy_pairs(optimizer) -> tuple[list, list] | None:
     ddp, config = optimizer.ddp_config, optimizer.config
-    special = (
+    if (
         optimizer.is_stub_optimizer
         or ddp.use_megatron_fsdp
         or ddp.fp8_param_gather
         or ddp.fp4_param_gather
         or config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-    )
-    pairs = None if special else ([], [])
+    ):
+        return None
+    targets, sources = [], []
     groups = [(optimizer.shard_fp32_from_float16_groups, optimizer.model_float16_groups),
               (optimizer.shard_fp32_groups, optimizer.model_fp32_groups)]  # fmt: skip
-    for shard_groups, model_groups in groups if pairs is not None else []:
+    for shard_groups, model_groups in groups:
         for shard_group, model_group in zip(shard_groups, model_groups, strict=True):
             for main, param in zip(shard_group, model_group, strict=True):
                 if optimizer._is_distopt_quantized_param(param):
-                    pairs = None
-                    break
+                    return None
                 world = optimizer._get_model_param_range_map(param)["gbuf_world_in_bucket"]
                 buffer_index, _, bucket = optimizer.model_param_gbuf_map[param]
                 flat = optimizer.buffers[buffer_index].buckets[bucket].param_data.view(-1)
-                pairs[0].append(flat[world.start : world.end])
-                pairs[1].append(main)
-            if pairs is None:
-                break
-        if pairs is None:
-            break
-    _COPY_PAIRS[optimizer] = pairs
-    return pairs
+                targets.append(flat[world.start : world.end])
+                sources.append(main)
+    return targets, sources
 
 
 def fused_adam(original):

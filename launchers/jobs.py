@@ -274,10 +274,10 @@ def resolved_config(job: Job, executor, *, build: bool = False) -> dict[str, Any
         "command": "qvl " + shlex.join(task_argv(job, executor)),
         "rendezvous": rendezvous_rule(executor),
         "layout": to_plain(job.layout),
+        "arguments": job.overrides.options,
     }
     if job.recipe_fn is None:
-        return summary | {"arguments": job.overrides.options}
-    summary["arguments"] = job.overrides.options
+        return summary
     if job.overrides.config:
         summary["config_overrides"] = job.overrides.config
     if not build:

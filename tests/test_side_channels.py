@@ -29,9 +29,8 @@ ALLOWED = {
     ("foundation/patches.py", "_APPLIED"),
     # Registries filled by decorators at import (`@recipe`), read by name lookups: the code's own table.
     ("recipes/registry.py", "_RECIPES"),
-    # Caches of what is derived once from a long-lived object (an optimizer's shard views; a recipe's typed NeMo-Run
-    # entry point), keyed by that object; nothing of a batch goes through them.
-    ("kernels/speed_optimizer.py", "_COPY_PAIRS"),
+    # A cache of what is derived once from a long-lived object (a recipe's typed NeMo-Run entry point), keyed by
+    # that object; nothing of a batch goes through it.
     ("launchers/nemo_cli.py", "_TYPED_RECIPES"),
 }
 
