@@ -32,7 +32,7 @@ ARGS = [
     "adapter_rank=8",
     "adapter_alpha=16",
 ]
-RESUMED = ("qwen2_5_vl", "qwen3_5_vl")
+RESUMED = tuple(FAMILIES)  # every family stops after step 2 and resumes
 WITH_EXPERTS = ("qwen3_5_vl_moe",)
 
 
