@@ -246,6 +246,7 @@ def activate(*, force: bool = False) -> bool:
     A no-op where CUDA is available, unless `force=True` (used by tests of the runtime itself).
     """
     if is_active():
+        patches.apply("cpu-runtime")  # idempotent; puts back redirections undone through the registry directly
         return True
     if torch.cuda.is_available() and not force:
         logger.info("CUDA is available: the CPU runtime stays off")

@@ -134,6 +134,21 @@ def cpu_runtime():
 
 
 @pytest.fixture
+def cpu_runtime_off():
+    """The CPU runtime switched off for one test and put back as found: a worker runs many test files, and an earlier
+    one may have left the runtime on for the process (as every training run does)."""
+    from qvl.foundation import patches, runtime
+
+    was_on, training = runtime.is_active(), patches.is_applied("cpu-training")
+    runtime.deactivate()
+    yield
+    if was_on:
+        runtime.activate(force=True)
+    if training:
+        runtime.enable_bridge_training()
+
+
+@pytest.fixture
 def free_port() -> int:
     from qvl.foundation.distributed import free_port
 

@@ -65,7 +65,7 @@ def test_leaving_the_context_restores_every_patched_name(group):
             patches.apply(group)
 
 
-def test_apply_and_undo_are_idempotent_and_unknown_groups_are_refused():
+def test_apply_and_undo_are_idempotent_and_unknown_groups_are_refused(cpu_runtime_off):
     original = patches.load("torch.cuda:current_device")
     patches.apply("cpu-runtime")
     patches.apply("cpu-runtime")

@@ -4,14 +4,13 @@ bf16 against transformers' tower; Megatron-Core's SwiGLU fusion against its eage
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from qvl.foundation import patches, runtime
+from qvl.foundation import patches
 from qvl.foundation.errors import ConfigError
 from qvl.kernels import speed_hf_vision
 from qvl.kernels.tower_inputs import tower_inputs_for_config
@@ -37,7 +36,7 @@ def _compiled_against_eager(tower, after_each_run=lambda: None):
     x, inputs = pixels(tower), tower_inputs_for_config(GRIDS, tower.config)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    with _cpu_runtime_off(), patches.applied(speed_hf_vision.GROUP), opaque_varlen_attention():
+    with patches.applied(speed_hf_vision.GROUP), opaque_varlen_attention():
         eager = _tower_step(tower, x, GRIDS, inputs)
         after_each_run()
         for block in tower.blocks:
@@ -48,24 +47,9 @@ def _compiled_against_eager(tower, after_each_run=lambda: None):
     return eager, compiled
 
 
-@contextlib.contextmanager
-def _cpu_runtime_off():
-    """Blocks are compiled on CUDA only and the CPU runtime runs on CPU only; an earlier test of this process may
-    have left the runtime on (as a training run does), and Dynamo tracing through its TorchFunctionMode breaks
-    vision recompute's saved-tensor check."""
-    was_on, training = runtime.is_active(), patches.is_applied("cpu-training")
-    runtime.deactivate()
-    try:
-        yield
-    finally:
-        if was_on:
-            runtime.activate(force=True)
-        if training:
-            runtime.enable_bridge_training()
-
-
 @pytest.mark.slow  # Inductor compiles the block's forward and backward with gcc: 20-90 s on two shared cores
-def test_the_compiled_block_is_one_graph_and_matches_the_eager_block_on_cpu():
+def test_the_compiled_block_is_one_graph_and_matches_the_eager_block_on_cpu(cpu_runtime_off):
+    # Dynamo tracing through the CPU runtime's TorchFunctionMode breaks vision recompute's saved-tensor check
     """The whole Qwen2.5-VL block (norms, rotary, attention, SwiGLU, residuals) compiles as one graph inside vision
     recompute; outputs and gradients equal the eager tower's within fp32 reordering."""
     (eager, eager_grads), (compiled, compiled_grads) = _compiled_against_eager(
@@ -78,7 +62,7 @@ def test_the_compiled_block_is_one_graph_and_matches_the_eager_block_on_cpu():
 
 
 @pytest.mark.slow
-def test_with_main_grad_linears_the_block_breaks_at_each_linear_and_still_matches():
+def test_with_main_grad_linears_the_block_breaks_at_each_linear_and_still_matches(cpu_runtime_off):
     """As in training with weight-gradient accumulation (qvl.kernels.torch_wgrad_accum): each linear sets
     `grad_added_to_main_grad` on its weight in backward, which Megatron-Core's DDP clears as each step starts. Traced
     with the flag clear, Dynamo breaks the block's graph at each linear; results and `main_grad`s stay the eager ones."""
