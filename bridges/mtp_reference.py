@@ -165,38 +165,43 @@ def load_mtp_head(hf_model, hf_path: Path) -> Qwen35MtpHead:
 
 
 def hf_logits_with_mtp(hf_model, head: Qwen35MtpHead, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(main logits, MTP logits at depth 1), each [b, s, V] in fp32: position i of the MTP logits predicts token
-    i + 2 from the main model's state at i and token i + 1 (the last position sees token id 0, as Megatron-Core's
-    rolled input does)."""
+    """(main logits, MTP logits at depth 1), each [b, s, V] in fp32, without gradients (`logits_with_mtp`)."""
+    with torch.no_grad():
+        main, mtp = logits_with_mtp(hf_model, head, inputs)
+    return main.float(), mtp.float()
+
+
+def logits_with_mtp(hf_model, head: Qwen35MtpHead, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(main logits, MTP logits at depth 1), each [b, s, V]: position i of the MTP logits predicts token i + 2 from
+    the main model's state at i and token i + 1 (the last position sees token id 0, as Megatron-Core's rolled input
+    does). Differentiable: the MTP loss reaches the main model, the shared embedding and the output head."""
     from transformers.masking_utils import create_causal_mask
 
     model = hf_model.model
     ids = inputs["input_ids"]
-    with torch.no_grad():
-        embeddings = model.get_input_embeddings()(ids)
-        positions = model.compute_3d_position_ids(
-            input_ids=ids,
-            inputs_embeds=embeddings,
-            image_grid_thw=inputs.get("image_grid_thw"),
-            video_grid_thw=inputs.get("video_grid_thw"),
-            attention_mask=inputs.get("attention_mask"),
-            mm_token_type_ids=inputs.get("mm_token_type_ids"),
-        )
-        hidden = model(**inputs, position_ids=positions).last_hidden_state  # after the final norm
-        main = hf_model.lm_head(hidden)
-        language_model = model.language_model
-        if positions is None:
-            positions = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, ids.shape[0], -1)
-        rotary = language_model.rotary_emb(hidden, positions)
-        mask = create_causal_mask(
-            config=language_model.config,
-            inputs_embeds=hidden,
-            attention_mask=inputs.get("attention_mask"),
-            past_key_values=None,
-        )
-        next_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0)
-        mtp = hf_model.lm_head(head(hidden, model.get_input_embeddings()(next_ids), rotary, mask))
-    return main.float(), mtp.float()
+    embed = model.get_input_embeddings()
+    positions = model.compute_3d_position_ids(
+        input_ids=ids,
+        inputs_embeds=embed(ids).detach(),  # read for its shape and device only
+        image_grid_thw=inputs.get("image_grid_thw"),
+        video_grid_thw=inputs.get("video_grid_thw"),
+        attention_mask=inputs.get("attention_mask"),
+        mm_token_type_ids=inputs.get("mm_token_type_ids"),
+    )
+    hidden = model(**inputs, position_ids=positions).last_hidden_state  # after the final norm
+    language_model = model.language_model
+    if positions is None:
+        positions = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(3, ids.shape[0], -1)
+    rotary = language_model.rotary_emb(hidden, positions)
+    mask = create_causal_mask(
+        config=language_model.config,
+        inputs_embeds=hidden,
+        attention_mask=inputs.get("attention_mask"),
+        past_key_values=None,
+    )
+    next_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0)
+    mtp = hf_model.lm_head(head(hidden, embed(next_ids), rotary, mask))
+    return hf_model.lm_head(hidden), mtp
 
 
 def mtp_layers_in_checkpoint(hf_path: Path, configured: int) -> int:

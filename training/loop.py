@@ -138,14 +138,14 @@ class _LossRecorder:
         if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
             return
         # train_state.step still counts completed steps before this one: record 1-based iterations
-        record = {"step": context.state.train_state.step + 1, "loss": _reduced(context.loss_dict.get("lm loss"))}
+        record = {"step": context.state.train_state.step + 1, "loss": reduced_loss(context.loss_dict.get("lm loss"))}
         if MTP_LOSS in context.loss_dict:
-            record["mtp_loss"] = _reduced(context.loss_dict[MTP_LOSS])
+            record["mtp_loss"] = reduced_loss(context.loss_dict[MTP_LOSS])
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
 
-def _reduced(loss) -> float:
+def reduced_loss(loss) -> float:
     """A reported loss as one number: (sum, tokens) pairs divided."""
     return float(loss[0] / loss[1]) if isinstance(loss, (tuple, list)) else float(loss)
 

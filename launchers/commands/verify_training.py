@@ -50,12 +50,30 @@ def _table(report) -> str:
         f"tokens (tolerance {tol.token_loss:.0e})",
         f"gradients (step 1, {report.tensors_compared} tensors by HF name): max rel diff "
         f"{report.grad_max_rel_diff:.1e} at {report.grad_worst} (tolerance {tol.grad:.0e})",
+        *_mtp_lines(report),
         f"final weights: max |diff| {report.weight_max_diff:.1e} = {report.weight_max_diff / report.peak_lr:.3f} x "
         f"peak lr at {report.weight_worst} (tolerance {tol.weight} x lr)",
         "deliberate differences:",
         *[f"  - {note}" for note in report.deliberate],
     ]
     return "\n".join(lines)
+
+
+def _mtp_lines(report) -> list[str]:
+    """The MTP losses per step, where the multi-token-prediction head trained."""
+    if all(r.mtp_loss_qvl is None and r.mtp_loss_hf is None for r in report.steps):
+        return []
+    losses = ", ".join(
+        f"step {r.step} {r.mtp_loss_qvl:.6f} / {r.mtp_loss_hf:.6f}"
+        if r.mtp_loss_qvl is not None and r.mtp_loss_hf is not None
+        else f"step {r.step} only one side"
+        for r in report.steps
+    )
+    worst = max(r.mtp_loss_diff for r in report.steps)
+    return [
+        f"MTP loss (qvl / hf): {losses}; max |diff| {worst:.1e} (tolerance {report.tolerances.step_loss:.0e}); "
+        f"{report.mtp_tensors} of the tensors above are the MTP head's"
+    ]
 
 
 def run_verify_training(args: argparse.Namespace) -> int:

@@ -98,6 +98,15 @@ def test_gradients_and_trajectory_match_transformers(reports, family):
     assert report["gate_grad_max_rel_diff"] <= tol.gate_grad
     assert report["gate_weight_max_diff"] <= tol.gate_weight * report["peak_lr"]
     assert any(note.startswith("gate parameters:") for note in report["deliberate"]) == gated
+    # Qwen3.5's recipes train the checkpoint's multi-token-prediction head: both sides trained it, its loss was
+    # compared at every step and its tensors by name.
+    mtp_losses = [(r["mtp_loss_qvl"], r["mtp_loss_hf"]) for r in steps]
+    if gated:
+        assert report["mtp_tensors"] >= 10 and all(ours is not None and ref is not None for ours, ref in mtp_losses)
+        assert max(r["mtp_loss_diff"] for r in steps) <= tol.step_loss and mtp_losses[-1][0] < mtp_losses[0][0]
+        assert any(note.startswith("multi-token prediction: both sides") for note in report["deliberate"])
+    else:
+        assert report["mtp_tensors"] == 0 and mtp_losses == [(None, None)] * STEPS
     # The schedule: warm-up from 0 over one step, then cosine decay; both frameworks stepped at the same rates.
     assert [r["lr_qvl"] for r in steps] == pytest.approx([0.0, 1e-3, 5.5e-4])
     assert [r["lr_hf"] for r in steps] == pytest.approx([0.0, 1e-3, 5.5e-4])
@@ -213,6 +222,16 @@ def test_a_deliberate_breakage_fails_the_check(parity_inputs, tmp_path, family, 
     assert any(failure in f for f in report.failures), report.failures
 
 
+def test_mtp_targets_one_token_early_fail_the_check(parity_inputs, tmp_path, monkeypatch):
+    """The MTP head taught the next token (its targets left unshifted) instead of the one after: the check names the
+    MTP loss."""
+    import qvl.training.mtp
+
+    monkeypatch.setattr(qvl.training.mtp, "shift_in_sequences", lambda tensor, cu_seqlens: tensor)
+    report = run(parity_inputs, tmp_path, "qwen3_5_vl", steps=1)
+    assert any("MTP loss differs" in f for f in report.failures), report.failures
+
+
 def test_json_goes_alone_to_stdout(parity_inputs, tmp_path, capsys):
     """`--json` prints the report and nothing else on stdout (Megatron's and the Trainer's output go to stderr)."""
     from qvl.launchers.cli import main
@@ -248,7 +267,8 @@ def test_gate_differences_are_fp32_error_alone(parity_inputs, tmp_path, family):
     from qvl.training.parity.run import ParitySpec, check_spec, qvl_run, reference_run
 
     hf_path, data = parity_inputs[family]
-    spec = ParitySpec(hf_path=hf_path, data=data, run_dir=tmp_path, steps=STEPS, options=OPTIONS)
+    # the main model alone: the fp64 trajectory (qvl.training.parity.exact) has no multi-token-prediction head
+    spec = ParitySpec(hf_path=hf_path, data=data, run_dir=tmp_path, steps=STEPS, options={**OPTIONS, "mtp": False})
     record, device = check_spec(spec)
     qvl, config = run_megatron(qvl_run(spec, record, device))
     hf, settings = reference_run(spec, record, qvl, config)

@@ -1,7 +1,8 @@
 """Training parity through qvl's parallel paths: tensor parallel 2, pipeline parallel 2, and data parallel 2 (with
 the vision work balanced over the replicas for Qwen2.5-VL), each on two gloo processes, against transformers'
 single-process Trainer on the same conversations (docs/parity.md). Tiny Qwen2.5-VL and Qwen3.5-VL (its
-Gated DeltaNet layers split over TP, its hybrid layer pattern over PP), fp32, the parity sample set."""
+Gated DeltaNet layers split over TP, its hybrid layer pattern over PP, its MTP head trained), fp32, the parity sample
+set."""
 
 from __future__ import annotations
 
@@ -89,4 +90,6 @@ def test_qwen3_5_parallel_layout_takes_the_single_process_transformers_step(qwen
     assert report["ok"], report["failures"]
     assert report["conversations"] == 4 and report["tensors_compared"] > 50 and not report["mask_mismatches"]
     assert report["gate_tensors"] >= 6  # the decay gates too, at the common tolerances
+    # the recipe's multi-token-prediction head trained and compared through the layout as well
+    assert report["mtp_tensors"] >= 10 and all(r["mtp_loss_qvl"] is not None for r in report["steps"])
     assert [r["step"] for r in report["steps"]] == list(range(1, STEPS + 1))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from qvl.foundation import megatron, runtime
+from qvl.training.mtp import MTP_LOSS, LossesWithMtp
 from qvl.training.parity import decay
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class StepRecord:
     loss: float  # learned-token mean over the global batch
     grad_norm: float  # before clipping
     lr: float
+    mtp_loss: float | None = None  # learned-token mean of the MTP loss over the global batch (MTP trained)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,8 +114,11 @@ class RecordingForwardStep:
         output, loss_func = forward_step(state, iterator, model, return_schedule_plan, loss_check=loss_check)
         if step == 1 and self.recording.rank[2]:  # earlier pipeline stages return activations, not losses
             record = self.recording.micro_batches[-1]
-            record.token_losses = output.detach().reshape(-1).clone()
-            record.loss_mask = loss_func.args[0].detach().reshape(-1).clone()
+            main, main_loss = (
+                (output.main, loss_func.args[0]) if isinstance(output, LossesWithMtp) else (output, loss_func)
+            )
+            record.token_losses = main.detach().reshape(-1).clone()
+            record.loss_mask = main_loss.args[0].detach().reshape(-1).clone()
         return output, loss_func
 
 
@@ -168,6 +173,13 @@ def _export(bridge, model: list, tasks: list | None, dtype=torch.float32) -> dic
     return {name: tensor.detach().clone().to(dtype or tensor.dtype) for name, tensor in exported}
 
 
+def _mean_loss(loss_dict: dict | None, key: str) -> float | None:
+    """A loss the loop reported under `key`, as one number; None where absent (earlier pipeline stages)."""
+    from qvl.training.loop import reduced_loss
+
+    return reduced_loss(loss_dict[key]) if loss_dict and key in loss_dict else None
+
+
 class ParityCallback:
     """Megatron-Bridge callback recording losses, gradient norms, learning rates, step-1 grads, final weights."""
 
@@ -190,12 +202,18 @@ class ParityCallback:
 
     def on_train_step_end(self, context) -> None:
         step = context.state.train_state.step + 1  # train_state.step still counts the steps before this one
-        loss = context.loss_dict.get("lm loss") if context.loss_dict else None
-        if loss is None:  # only the last pipeline stage holds the reduced loss
+        value = _mean_loss(context.loss_dict, "lm loss")
+        if value is None:  # only the last pipeline stage holds the reduced loss
             value = float("nan")
-        else:
-            value = float(loss[0] / loss[1]) if isinstance(loss, (tuple, list)) else float(loss)
-        self.recording.steps.append(StepRecord(step=step, loss=value, grad_norm=float(context.grad_norm), lr=self._lr))
+        self.recording.steps.append(
+            StepRecord(
+                step=step,
+                loss=value,
+                grad_norm=float(context.grad_norm),
+                lr=self._lr,
+                mtp_loss=_mean_loss(context.loss_dict, MTP_LOSS),
+            )
+        )
         if step == 1:
             self.recording.grads = self.export(context.model, grads=True)
 

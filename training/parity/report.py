@@ -62,10 +62,21 @@ class StepRow:
     grad_norm_hf: float
     lr_qvl: float
     lr_hf: float
+    mtp_loss_qvl: float | None = None  # with the MTP head trained: its learned-token mean loss
+    mtp_loss_hf: float | None = None
 
     @property
     def loss_diff(self) -> float:
         return abs(self.loss_qvl - self.loss_hf)
+
+    @property
+    def mtp_loss_diff(self) -> float:
+        """|difference| of the MTP losses; inf where only one side trained the head, 0 where neither did."""
+        if self.mtp_loss_qvl is None and self.mtp_loss_hf is None:
+            return 0.0
+        if self.mtp_loss_qvl is None or self.mtp_loss_hf is None:
+            return float("inf")
+        return abs(self.mtp_loss_qvl - self.mtp_loss_hf)
 
     @property
     def grad_norm_rel_diff(self) -> float:
@@ -92,6 +103,7 @@ class ParityReport:
     weight_worst: str
     peak_lr: float
     gate_tensors: int = 0  # GATE_PARAMETERS tensors compared with the gate tolerances
+    mtp_tensors: int = 0  # the multi-token-prediction head's tensors (`mtp.*`) among those compared
     gate_grad_max_rel_diff: float = 0.0
     gate_grad_worst: str = ""
     gate_weight_max_diff: float = 0.0
@@ -106,7 +118,13 @@ class ParityReport:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["steps"] = [
-            {**asdict(r), "loss_diff": r.loss_diff, "grad_norm_rel_diff": r.grad_norm_rel_diff} for r in self.steps
+            {
+                **asdict(r),
+                "loss_diff": r.loss_diff,
+                "mtp_loss_diff": r.mtp_loss_diff,
+                "grad_norm_rel_diff": r.grad_norm_rel_diff,
+            }
+            for r in self.steps
         ]
         return {**out, "ok": self.ok}
 
@@ -175,6 +193,8 @@ def compare(qvl: Recording, hf: Recording, *, family: str, recipe: str, precisio
             grad_norm_hf=b.grad_norm,
             lr_qvl=a.lr,
             lr_hf=b.lr,
+            mtp_loss_qvl=a.mtp_loss,
+            mtp_loss_hf=b.mtp_loss,
         )
         for a, b in zip(qvl.steps, hf.steps, strict=True)
     ]
@@ -195,6 +215,7 @@ def compare(qvl: Recording, hf: Recording, *, family: str, recipe: str, precisio
         weight_worst=weights[False][1],
         peak_lr=peak_lr,
         gate_tensors=sum(map(is_gate_parameter, compared)),
+        mtp_tensors=sum(name.startswith("mtp.") for name in compared),
         gate_grad_max_rel_diff=grads[True][0],
         gate_grad_worst=grads[True][1],
         gate_weight_max_diff=weights[True][0],
@@ -226,6 +247,9 @@ def _failures(r: ParityReport, tol: Tolerances, missing: list[str]) -> list[str]
     ]
     for row in r.steps:
         checks.append((row.loss_diff <= tol.step_loss, f"step {row.step} loss differs by {row.loss_diff:.3g}"))
+        checks.append(
+            (row.mtp_loss_diff <= tol.step_loss, f"step {row.step} MTP loss differs by {row.mtp_loss_diff:.3g}")
+        )
         checks.append(
             (
                 row.grad_norm_rel_diff <= tol.grad_norm,

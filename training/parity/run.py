@@ -15,6 +15,7 @@ from qvl.foundation.errors import ConfigError, DataError
 from qvl.foundation.families import family_of_architecture
 from qvl.kernels import switch
 from qvl.recipes.registry import all_recipes
+from qvl.training import mtp
 from qvl.training.parity import decay
 from qvl.training.parity.adapters import adapter_notes
 from qvl.training.parity.report import ParityReport, compare, gate_note
@@ -33,7 +34,8 @@ NO_MOE_AUX_LOSS = {"model.moe_aux_loss_coeff": 0.0}
 # The distributed optimizer leaves each data-parallel rank only its shard of the reduced gradients; plain DDP
 # all-reduces them whole, so step 1's gradients can be exported and compared (the update is the same Adam).
 WHOLE_GRADIENTS = {"optimizer.use_distributed_optimizer": False, "ddp.use_distributed_optimizer": False}
-# transformers builds no multi-token-prediction head (Qwen3.5's recipes train one): the check trains the main model.
+# transformers builds no multi-token-prediction head; the check trains the published one beside it
+# (qvl.training.parity.mtp) where the recipe trains MTP, except with adapters or a per-conversation reference loss.
 NO_MTP = {"mtp": False}
 
 
@@ -108,7 +110,7 @@ def run_parity(spec: ParitySpec) -> ParityReport | None:
     report = compare(qvl, hf, family=family.name, recipe=run.recipe, precision=spec.precision, peak_lr=settings.lr)
     report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec, device)
     report.deliberate += (moe_note(config) if family.moe else []) + run_notes(spec, settings) + gate_note(report)
-    report.deliberate += adapter_notes(qvl.adapters)
+    report.deliberate += adapter_notes(qvl.adapters) + mtp_note(config, spec)
     report.failures += decay.failure(qvl.decay, hf.decay)  # read from both optimizers: visible at any step count
     return report
 
@@ -155,6 +157,7 @@ def qvl_run(spec: ParitySpec, family, device: str):
     from qvl.training.parity.megatron_run import MegatronRun
 
     dataset = dataset_report(spec.data)
+    recipe = spec.recipe or default_recipe(family.name)
     defaults = {
         "precision": PRECISION_OPTIONS[spec.precision],
         "seq_length": int(dataset["seq_length"]),
@@ -164,10 +167,10 @@ def qvl_run(spec: ParitySpec, family, device: str):
         **(WHOLE_GRADIENTS if _data_parallel(spec.options) > 1 else {}),
         **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" and not lean_cross_entropy(device) else {}),
         **(NO_MOE_AUX_LOSS if family.moe else {}),
-        **NO_MTP,
+        **(NO_MTP if not mtp_comparable(spec, recipe) else {}),
     }
     return MegatronRun(
-        recipe=spec.recipe or default_recipe(family.name),
+        recipe=recipe,
         hf_path=Path(spec.hf_path),
         data=Path(spec.data),
         run_dir=Path(spec.run_dir) / "qvl",
@@ -177,6 +180,41 @@ def qvl_run(spec: ParitySpec, family, device: str):
         device=device,
         batch_hook=spec.batch_hook,
     )
+
+
+def mtp_comparable(spec: ParitySpec, recipe: str) -> bool:
+    """Whether the reference can train the MTP head as qvl's recipe does: a full-model recipe (adapters leave the
+    head to a later round) and the token-weighted loss the MTP term is defined with."""
+    stage = next((r.stage for r in all_recipes() if r.name == recipe), None)
+    return stage != "peft" and spec.loss_average == "token"
+
+
+def mtp_scale(config) -> float:
+    """The MTP loss scale per layer qvl's step applied (qvl.training.mtp), 0 where no MTP layer trained."""
+    depths = mtp.mtp_depths(config.model)
+    return config.model.mtp_loss_scaling_factor / depths if depths else 0.0
+
+
+def mtp_note(config, spec: ParitySpec) -> list[str]:
+    """Whether the multi-token-prediction head trained and was compared."""
+    if mtp.mtp_depths(config.model):
+        return [
+            f"multi-token prediction: both sides trained the checkpoint's MTP head (scale "
+            f"{config.model.mtp_loss_scaling_factor}); transformers builds none, so the reference is the published "
+            "module (qvl.bridges.mtp_reference) on transformers' model; its losses, gradients and weights are compared."
+        ]
+    if not mtp_layers_of(spec.hf_path):
+        return []
+    return [
+        "multi-token prediction: the checkpoint's MTP head was not trained on either side (mtp=false: the check "
+        "trains it with full-model recipes and --loss-average token only)."
+    ]
+
+
+def mtp_layers_of(hf_path: Path) -> int:
+    from qvl.bridges.mtp_reference import checkpoint_mtp_names, mtp_layer_count
+
+    return mtp_layer_count(checkpoint_mtp_names(hf_path))
 
 
 def reference_run(spec: ParitySpec, family, qvl, config):
@@ -194,7 +232,10 @@ def reference_run(spec: ParitySpec, family, qvl, config):
     )
     output = Path(spec.run_dir) / "transformers"
     bf16 = spec.precision == "bf16"
-    return run_transformers(spec.hf_path, steps, settings, output, bf16=bf16, adapters=qvl.adapters), settings
+    hf = run_transformers(
+        spec.hf_path, steps, settings, output, bf16=bf16, adapters=qvl.adapters, mtp_scale=mtp_scale(config)
+    )
+    return hf, settings
 
 
 def run_notes(spec: ParitySpec, settings) -> list[str]:

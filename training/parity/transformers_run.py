@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from qvl.foundation.errors import ConfigError, DataError
 from qvl.training.parity import decay
 from qvl.training.parity.megatron_run import Recording, StepRecord
+from qvl.training.parity.mtp import OutputsWithMtp, mtp_token_loss_sum, named_as_checkpoint, with_mtp_head
 
 logger = logging.getLogger(__name__)
 IGNORE = -100  # transformers' label for "not learned"
@@ -171,6 +173,7 @@ class _TrainerRecord:
     lrs: list[float] = field(default_factory=list)
     token_losses: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # step 1: (losses, mask)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    mtp: dict[int, list] = field(default_factory=dict)  # step -> [sum of the MTP token losses, their count]
 
 
 def _trainer_class():
@@ -179,8 +182,8 @@ def _trainer_class():
     class ReferenceTrainer(Trainer):
         """transformers' Trainer, recording what it does; only the weight-decay rule may be Megatron's."""
 
-        def __init__(self, *args, record: _TrainerRecord, no_decay=None, **kwargs):
-            self.record, self.no_decay = record, no_decay
+        def __init__(self, *args, record: _TrainerRecord, no_decay=None, mtp_scale: float = 0.0, **kwargs):
+            self.record, self.no_decay, self.mtp_scale = record, no_decay, mtp_scale
             super().__init__(*args, **kwargs)
             self.add_callback(_GradientRecorder(record))
 
@@ -190,12 +193,18 @@ def _trainer_class():
             return [n for n, p in model.named_parameters() if not self.no_decay(n, p)]
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            labels = inputs["labels"][0, 1:]  # read first: with a compute_loss_func the Trainer pops them
+            all_labels = inputs["labels"]  # read first: with a compute_loss_func the Trainer pops them
+            labels = all_labels[0, 1:]
             loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
             step = self.state.global_step + 1
             # per conversation, the Trainer divides by the accumulation steps after this (training_step)
             share = 1 if self.compute_loss_func else self.current_gradient_accumulation_steps
             self.record.losses[step] = self.record.losses.get(step, 0.0) + float(loss.detach()) / share
+            if isinstance(outputs, OutputsWithMtp):  # qvl.training.mtp's loss: over the step's main learned tokens
+                mtp_sum, mtp_tokens = mtp_token_loss_sum(outputs.mtp_logits, all_labels)
+                loss = loss + self.mtp_scale * mtp_sum / num_items_in_batch
+                total = self.record.mtp.setdefault(step, [0.0, 0])
+                total[0], total[1] = total[0] + float(mtp_sum.detach()), total[1] + mtp_tokens
             if step == 1:
                 ce = torch.nn.functional.cross_entropy(
                     outputs.logits[0, :-1].float(), labels.clamp(min=0), reduction="none"
@@ -275,9 +284,11 @@ def run_transformers(
     *,
     bf16: bool = False,
     adapters=None,
+    mtp_scale: float = 0.0,
 ) -> Recording:
     """Train the HF model on `steps` (each a list of conversations) with transformers' Trainer; what it did.
-    With `adapters` (qvl.training.parity.adapters.AdapterRecord) the model is wrapped by peft with them first."""
+    With `adapters` (qvl.training.parity.adapters.AdapterRecord) the model is wrapped by peft with them first; with
+    `mtp_scale` > 0 the checkpoint's MTP head trains beside it at that loss scale (qvl.training.parity.mtp)."""
     counts = {len(s) for s in steps}
     if len(counts) != 1:
         raise ConfigError(
@@ -286,7 +297,14 @@ def run_transformers(
         )
     with _single_process():
         return _train_reference(
-            hf_path, steps, settings, output_dir, bf16=bf16, accumulation=counts.pop(), adapters=adapters
+            hf_path,
+            steps,
+            settings,
+            output_dir,
+            bf16=bf16,
+            accumulation=counts.pop(),
+            adapters=adapters,
+            mtp_scale=mtp_scale,
         )
 
 
@@ -305,7 +323,7 @@ _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "
 
 
 def _train_reference(
-    hf_path, steps, settings, output_dir, *, bf16: bool, accumulation: int, adapters=None
+    hf_path, steps, settings, output_dir, *, bf16: bool, accumulation: int, adapters=None, mtp_scale: float = 0.0
 ) -> Recording:
     from transformers import AutoModelForImageTextToText
 
@@ -319,6 +337,8 @@ def _train_reference(
     loss_config = model.config
     if adapters is not None:
         model = reference_model(model, adapters)
+    if mtp_scale:
+        model = with_mtp_head(model, hf_path)
     record = _TrainerRecord()
     no_decay = megatron_no_decay if settings.weight_decay_rule == "megatron" else None
     trainer = _trainer_class()(
@@ -329,15 +349,18 @@ def _train_reference(
         data_collator=lambda features: features[0],
         record=record,
         no_decay=no_decay,
+        mtp_scale=mtp_scale,
     )
     trainer.train()
     names = checkpoint_names if adapters is None else lambda _, tensors: adapter_names(tensors, adapters)
+    if mtp_scale:
+        names = partial(named_as_checkpoint, main_names=names)
     recording = Recording(grads=names(trainer.model, record.grads))
     recording.weights = names(
         trainer.model, {n: t.detach().clone().float().cpu() for n, t in trainer.model.state_dict().items()}
     )
     recording.steps = [
-        StepRecord(step=s, loss=record.losses[s], grad_norm=norm, lr=lr)
+        StepRecord(step=s, loss=record.losses[s], grad_norm=norm, lr=lr, mtp_loss=_mean(record.mtp.get(s)))
         for s, norm, lr in zip(sorted(record.losses), record.grad_norms, record.lrs)
     ]
     recording.decay_rules_differ = decay_rules_differ(trainer)
@@ -349,13 +372,18 @@ def _train_reference(
     return recording
 
 
+def _mean(total: list | None) -> float | None:
+    return None if total is None else total[0] / max(total[1], 1)
+
+
 def decay_rules_differ(trainer) -> list[str]:
     """The parameters transformers' own Trainer rule decays and Megatron's does not, or the other way round."""
     from transformers import Trainer
 
     decayed = set(Trainer.get_decay_parameter_names(trainer, trainer.model))
     trained = ((n, p) for n, p in trainer.model.named_parameters() if p.requires_grad)  # frozen ones never move
-    return sorted(n for n, p in trained if (n in decayed) == megatron_no_decay(n, p))
+    # named as in the HF model (an MTP run wraps it: qvl.training.parity.mtp)
+    return sorted(n.removeprefix("main.") for n, p in trained if (n in decayed) == megatron_no_decay(n, p))
 
 
 def _per_token_loss(config):
