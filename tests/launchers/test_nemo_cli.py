@@ -33,12 +33,14 @@ def nemo_cli(monkeypatch):
 
 COMMANDS = {
     "help": ["finetune", "--help"],
-    "real": [
+    "real": [  # a PEFT recipe with adapter options (the SFT factories take theirs alike: "misspelt" below)
         "finetune",
         "--factory",
-        "qwen2_5_vl_7b_sft",
+        "qwen2_5_vl_7b_peft",
         "recipe.tensor_parallel=4",
         "recipe.lr=1e-4",
+        "recipe.adapter_rank=32",
+        "recipe.adapter_targets=language,vision",
         "overrides=['train.train_iters=7']",
         "run.executor=local",
         "run.executor.gpus=0",
@@ -110,6 +112,7 @@ def test_nemo_qvl_takes_recipe_options_of_a_real_recipe(nemo_runs):
     code, out = nemo_runs["real"]
     assert code == 0, out
     assert "tensor_parallel=4" in out and "lr=0.0001" in out, out[-3000:]
+    assert "adapter_rank=32" in out and "adapter_targets='language,vision'" in out, out[-3000:]
 
 
 @pytest.mark.slow
