@@ -200,7 +200,10 @@ def logits_with_mtp(hf_model, head: Qwen35MtpHead, inputs: dict) -> tuple[torch.
         past_key_values=None,
     )
     next_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0)
-    mtp = hf_model.lm_head(head(hidden, embed(next_ids), rotary, mask))
+    # the table without transformers' `padding_idx`: Megatron-Core's embedding has none, and the filler id 0 at each
+    # last position reaches the table's row 0 through the MTP layer's MoE load-balancing loss (not through a target)
+    next_embeddings = torch.nn.functional.embedding(next_ids, embed.weight)
+    mtp = hf_model.lm_head(head(hidden, next_embeddings, rotary, mask))
     return hf_model.lm_head(hidden), mtp
 
 

@@ -122,7 +122,9 @@ def test_report_names_the_deliberate_differences(reports):
     assert "weight decay" in notes and "visual.blocks.0.norm1.weight" in notes
     assert "accepts_loss_kwargs=False" in notes and "calculate_per_token_loss=True" in notes
     assert "cross-entropy" not in notes  # the recipe's fused cross-entropy (qvl's) is exact in fp32
-    assert "moe_aux_loss_coeff=0" in " ".join(reports["qwen3_vl_moe"][1]["deliberate"])
+    # the MoE families: Megatron-Core's load-balancing loss on both sides, compared through the router gradients
+    assert "both sides added Megatron-Core's aux_loss" in " ".join(reports["qwen3_vl_moe"][1]["deliberate"])
+    assert "both sides added Megatron-Core's global_aux_loss" in " ".join(reports["qwen3_5_vl_moe"][1]["deliberate"])
 
 
 def test_bad_input_is_one_error_line(tmp_path, capsys):
@@ -232,6 +234,16 @@ def test_mtp_targets_one_token_early_fail_the_check(parity_inputs, tmp_path, mon
     assert any("MTP loss differs" in f for f in report.failures), report.failures
 
 
+def test_a_load_balancing_loss_twice_as_large_fails_the_check(parity_inputs, tmp_path, monkeypatch):
+    """qvl's side with Megatron-Core's load-balancing loss doubled: the router gradients give it away."""
+    from megatron.core.transformer.moe import router
+
+    upstream = router.switch_load_balancing_loss_func
+    monkeypatch.setattr(router, "switch_load_balancing_loss_func", lambda *a, **k: 2 * upstream(*a, **k))
+    report = run(parity_inputs, tmp_path, "qwen3_vl_moe", steps=1)
+    assert any(f.startswith("gradient of") and "mlp.gate.weight" in f for f in report.failures), report.failures
+
+
 def test_json_goes_alone_to_stdout(parity_inputs, tmp_path, capsys):
     """`--json` prints the report and nothing else on stdout (Megatron's and the Trainer's output go to stderr)."""
     from qvl.launchers.cli import main
@@ -267,8 +279,10 @@ def test_gate_differences_are_fp32_error_alone(parity_inputs, tmp_path, family):
     from qvl.training.parity.run import ParitySpec, check_spec, qvl_run, reference_run
 
     hf_path, data = parity_inputs[family]
-    # the main model alone: the fp64 trajectory (qvl.training.parity.exact) has no multi-token-prediction head
-    spec = ParitySpec(hf_path=hf_path, data=data, run_dir=tmp_path, steps=STEPS, options={**OPTIONS, "mtp": False})
+    # the language-model loss alone: the fp64 trajectory (qvl.training.parity.exact) has no multi-token-prediction
+    # head and no load-balancing loss
+    options = {**OPTIONS, "mtp": False, "model.moe_aux_loss_coeff": 0.0}
+    spec = ParitySpec(hf_path=hf_path, data=data, run_dir=tmp_path, steps=STEPS, options=options)
     record, device = check_spec(spec)
     qvl, config = run_megatron(qvl_run(spec, record, device))
     hf, settings = reference_run(spec, record, qvl, config)

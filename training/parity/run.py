@@ -28,8 +28,9 @@ PRECISION_OPTIONS = {"fp32": "fp32", "bf16": "bf16-mixed"}
 # place (qvl.kernels.speed_cross_entropy: no Transformer Engine or Apex) the recipe's default is exact; elsewhere an fp32
 # check turns the fusion off unless asked.
 EXACT_CROSS_ENTROPY = {"model.cross_entropy_loss_fusion": False}
-# Megatron adds its MoE load-balancing loss over each pack; transformers' Qwen3-VL-MoE adds its own only when called
-# with output_router_logits=True, over each conversation: the check compares the language-model loss alone.
+# Megatron adds its MoE load-balancing loss over each pack; transformers' own (output_router_logits=True) is another
+# definition, so the reference adds Megatron's on transformers' routers (qvl.training.parity.moe_aux) where it can:
+# one process, a full-model recipe, the token-weighted loss. Elsewhere the check compares the language-model loss alone.
 NO_MOE_AUX_LOSS = {"model.moe_aux_loss_coeff": 0.0}
 # The distributed optimizer leaves each data-parallel rank only its shard of the reduced gradients; plain DDP
 # all-reduces them whole, so step 1's gradients can be exported and compared (the update is the same Adam).
@@ -166,7 +167,7 @@ def qvl_run(spec: ParitySpec, family, device: str):
         "warmup_iters": 1 if spec.steps > 1 else 0,
         **(WHOLE_GRADIENTS if _data_parallel(spec.options) > 1 else {}),
         **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" and not lean_cross_entropy(device) else {}),
-        **(NO_MOE_AUX_LOSS if family.moe else {}),
+        **(NO_MOE_AUX_LOSS if family.moe and not moe_aux_comparable(spec, recipe) else {}),
         **(NO_MTP if not mtp_comparable(spec, recipe) else {}),
     }
     return MegatronRun(
@@ -187,6 +188,21 @@ def mtp_comparable(spec: ParitySpec, recipe: str) -> bool:
     head to a later round) and the token-weighted loss the MTP term is defined with."""
     stage = next((r.stage for r in all_recipes() if r.name == recipe), None)
     return stage != "peft" and spec.loss_average == "token"
+
+
+def moe_aux_comparable(spec: ParitySpec, recipe: str) -> bool:
+    """Whether the reference can add Megatron's load-balancing loss as qvl's side does (qvl.training.parity.moe_aux):
+    as for MTP, and on one process (the routers' counts are reduced over the ranks otherwise)."""
+    single = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+    return single and mtp_comparable(spec, recipe)
+
+
+def moe_aux(config) -> tuple[str, float] | None:
+    """(load-balancing type, coefficient) where qvl's run added Megatron's MoE load-balancing loss, else None."""
+    model = config.model
+    if not getattr(model, "num_moe_experts", None) or not model.moe_aux_loss_coeff:
+        return None
+    return model.moe_router_load_balancing_type, float(model.moe_aux_loss_coeff)
 
 
 def mtp_scale(config) -> float:
@@ -221,7 +237,12 @@ def reference_run(spec: ParitySpec, family, qvl, config):
     """transformers' side: the conversations qvl's loop consumed, unpacked, through the Trainer."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from qvl.training.parity.transformers_run import reference_settings, run_transformers, samples_per_step
+    from qvl.training.parity.transformers_run import (
+        pack_slots,
+        reference_settings,
+        run_transformers,
+        samples_per_step,
+    )
 
     settings = reference_settings(config, weight_decay_rule=spec.weight_decay_rule, loss_average=spec.loss_average)
     hf_config = AutoConfig.from_pretrained(str(spec.hf_path))
@@ -233,7 +254,15 @@ def reference_run(spec: ParitySpec, family, qvl, config):
     output = Path(spec.run_dir) / "transformers"
     bf16 = spec.precision == "bf16"
     hf = run_transformers(
-        spec.hf_path, steps, settings, output, bf16=bf16, adapters=qvl.adapters, mtp_scale=mtp_scale(config)
+        spec.hf_path,
+        steps,
+        settings,
+        output,
+        bf16=bf16,
+        adapters=qvl.adapters,
+        mtp_scale=mtp_scale(config),
+        moe_aux=moe_aux(config),
+        slots=pack_slots(qvl),
     )
     return hf, settings
 
@@ -289,16 +318,20 @@ def cross_entropy_note(config, spec: ParitySpec, device: str) -> list[str]:
 
 def moe_note(config) -> list[str]:
     """The MoE load-balancing loss each framework adds, and what this run compared."""
-    coefficient = config.model.moe_aux_loss_coeff
-    state = (
-        "this check set model.moe_aux_loss_coeff=0 to compare the language-model loss alone"
-        if not coefficient
-        else f"it was on in this run (moe_aux_loss_coeff={coefficient}), so the router gradients differ"
-    )
+    on = moe_aux(config)
+    if on is None:
+        return [
+            "MoE load balancing: Megatron adds its auxiliary loss (the recipe's moe_aux_loss_coeff) over each pack's "
+            "tokens; this check set model.moe_aux_loss_coeff=0 to compare the language-model loss alone (the "
+            "reference adds Megatron's loss on one process, with full-model recipes and --loss-average token)."
+        ]
+    kind, coefficient = on
     return [
-        "MoE load balancing: Megatron adds its auxiliary loss (the recipe's moe_aux_loss_coeff) over each pack's "
-        "tokens; transformers' Qwen3-VL-MoE adds router_aux_loss_coef x its own only when called with "
-        f"output_router_logits=True, over each conversation; {state}."
+        f"MoE load balancing: both sides added Megatron-Core's {kind} (moe_aux_loss_coeff={coefficient:g}) over each "
+        "pack's tokens and every MoE layer; the reference computes it on transformers' routers from each pack's "
+        "expert counts (qvl.training.parity.moe_aux), since transformers' own router_aux_loss_coef loss is another "
+        "definition (all layers pooled, per conversation). Under calculate_per_token_loss Megatron-Core weighs it by "
+        "the pack's tokens over the step's learned tokens. The router gradients are compared with every tensor."
     ]
 
 

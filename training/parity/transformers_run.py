@@ -23,6 +23,7 @@ import torch
 from qvl.foundation.errors import ConfigError, DataError
 from qvl.training.parity import decay
 from qvl.training.parity.megatron_run import Recording, StepRecord
+from qvl.training.parity.moe_aux import MoeAuxReference, PackSlot
 from qvl.training.parity.mtp import OutputsWithMtp, mtp_token_loss_sum, named_as_checkpoint, with_mtp_head
 
 logger = logging.getLogger(__name__)
@@ -182,8 +183,12 @@ def _trainer_class():
     class ReferenceTrainer(Trainer):
         """transformers' Trainer, recording what it does; only the weight-decay rule may be Megatron's."""
 
-        def __init__(self, *args, record: _TrainerRecord, no_decay=None, mtp_scale: float = 0.0, **kwargs):
+        def __init__(
+            self, *args, record: _TrainerRecord, no_decay=None, mtp_scale: float = 0.0, moe_aux=None, slots=None,
+            **kwargs,
+        ):  # fmt: skip
             self.record, self.no_decay, self.mtp_scale = record, no_decay, mtp_scale
+            self.moe_aux, self.slots, self.seen = moe_aux, slots, 0  # Megatron's load-balancing loss, if on
             super().__init__(*args, **kwargs)
             self.add_callback(_GradientRecorder(record))
 
@@ -195,6 +200,10 @@ def _trainer_class():
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             all_labels = inputs["labels"]  # read first: with a compute_loss_func the Trainer pops them
             labels = all_labels[0, 1:]
+            index, self.seen = self.seen, self.seen + 1  # the conversation's place in the (sequential) dataset
+            if self.moe_aux is not None and index % self.args.gradient_accumulation_steps == 0:
+                step = slice(index, index + self.args.gradient_accumulation_steps)
+                self.moe_aux.count_step(model, self.train_dataset[step], self.slots[step])
             loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
             step = self.state.global_step + 1
             # per conversation, the Trainer divides by the accumulation steps after this (training_step)
@@ -205,6 +214,8 @@ def _trainer_class():
                 loss = loss + self.mtp_scale * mtp_sum / num_items_in_batch
                 total = self.record.mtp.setdefault(step, [0.0, 0])
                 total[0], total[1] = total[0] + float(mtp_sum.detach()), total[1] + mtp_tokens
+            if self.moe_aux is not None:
+                loss = loss + self.moe_aux.term(self.slots[index], num_items_in_batch)
             if step == 1:
                 ce = torch.nn.functional.cross_entropy(
                     outputs.logits[0, :-1].float(), labels.clamp(min=0), reduction="none"
@@ -266,6 +277,18 @@ def training_arguments(settings: ReferenceConfig, accumulation: int, output_dir:
     )
 
 
+def pack_slots(recording: Recording) -> list[list[PackSlot]]:
+    """For each optimizer step, where each of its conversations (in `samples_per_step` order) sat: its pack's index
+    in the step and the pack's token count."""
+    steps: dict[int, list[PackSlot]] = {}
+    packs: dict[int, int] = {}
+    for record in recording.micro_batches:
+        pack = packs[record.step] = packs.get(record.step, -1) + 1
+        slot = PackSlot(pack=pack, tokens=int(record.batch.tokens.shape[1]))
+        steps.setdefault(record.step, []).extend([slot] * (len(record.batch.cu_seqlens_q) - 1))
+    return [steps[s] for s in sorted(steps)]
+
+
 def samples_per_step(recording: Recording, hf_config, tokenizer, *, seconds_per_grid: bool) -> list[list[dict]]:
     """For each optimizer step of qvl's run, its conversations unpacked, in the order the loop consumed them."""
     steps: dict[int, list[dict]] = {}
@@ -285,10 +308,14 @@ def run_transformers(
     bf16: bool = False,
     adapters=None,
     mtp_scale: float = 0.0,
+    moe_aux: tuple[str, float] | None = None,
+    slots: list[list[PackSlot]] | None = None,
 ) -> Recording:
     """Train the HF model on `steps` (each a list of conversations) with transformers' Trainer; what it did.
     With `adapters` (qvl.training.parity.adapters.AdapterRecord) the model is wrapped by peft with them first; with
-    `mtp_scale` > 0 the checkpoint's MTP head trains beside it at that loss scale (qvl.training.parity.mtp)."""
+    `mtp_scale` > 0 the checkpoint's MTP head trains beside it at that loss scale (qvl.training.parity.mtp); with
+    `moe_aux` (Megatron's load-balancing type and coefficient) and each conversation's pack `slots`, Megatron-Core's
+    load-balancing loss is added on transformers' routers (qvl.training.parity.moe_aux)."""
     counts = {len(s) for s in steps}
     if len(counts) != 1:
         raise ConfigError(
@@ -305,6 +332,8 @@ def run_transformers(
             accumulation=counts.pop(),
             adapters=adapters,
             mtp_scale=mtp_scale,
+            moe_aux=moe_aux,
+            slots=[slot for step in slots for slot in step] if slots else None,
         )
 
 
@@ -323,8 +352,9 @@ _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "
 
 
 def _train_reference(
-    hf_path, steps, settings, output_dir, *, bf16: bool, accumulation: int, adapters=None, mtp_scale: float = 0.0
-) -> Recording:
+    hf_path, steps, settings, output_dir, *, bf16: bool, accumulation: int, adapters=None, mtp_scale=0.0, moe_aux=None,
+    slots=None,
+) -> Recording:  # fmt: skip
     from transformers import AutoModelForImageTextToText
 
     from qvl.training.parity.adapters import adapter_names, reference_model
@@ -339,6 +369,7 @@ def _train_reference(
         model = reference_model(model, adapters)
     if mtp_scale:
         model = with_mtp_head(model, hf_path)
+    aux = None if moe_aux is None else MoeAuxReference.attach(model, kind=moe_aux[0], coeff=moe_aux[1])
     record = _TrainerRecord()
     no_decay = megatron_no_decay if settings.weight_decay_rule == "megatron" else None
     trainer = _trainer_class()(
@@ -350,6 +381,8 @@ def _train_reference(
         record=record,
         no_decay=no_decay,
         mtp_scale=mtp_scale,
+        moe_aux=aux,
+        slots=slots,
     )
     trainer.train()
     names = checkpoint_names if adapters is None else lambda _, tensors: adapter_names(tensors, adapters)
