@@ -489,3 +489,11 @@ def start_two_node_cluster(munge: Munge) -> SlurmCluster:
         network.remove()
         raise
     return SlurmCluster(root=root, munge=munge, cluster="qvltest2", nodes=nodes, network=network).start()
+
+
+if __name__ == "__main__":  # `make test` starts this while it builds the environment (Makefile `slurm-ahead`)
+    try:
+        for packages, commands in ((PACKAGES, SLURM_COMMANDS), NETWORK):
+            _apt_get(packages, commands)
+    except Unavailable as why:  # the fixtures find the same reason again and skip with it
+        print(f"Slurm's packages were not installed ahead: {why}")
