@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qvl.foundation.errors import ConfigError
+
 # Megatron-Core's load-balancing types this reference reproduces
 KINDS = ("aux_loss", "global_aux_loss")
 
@@ -59,7 +61,10 @@ class MoeAuxReference:
     def attach(cls, model: torch.nn.Module, *, kind: str, coeff: float) -> MoeAuxReference:
         routers = [m for m in model.modules() if is_router(m)]
         if kind not in KINDS or not routers:
-            raise ValueError(f"no reference for moe_router_load_balancing_type={kind!r} on {type(model).__name__}")
+            raise ConfigError(
+                f"model.moe_router_load_balancing_type={kind!r}: the check reproduces {' and '.join(KINDS)} on "
+                f"transformers' routers only; pass model.moe_aux_loss_coeff=0 to compare without it"
+            )
         ref = cls(
             kind=kind,
             coeff=coeff,

@@ -28,7 +28,6 @@ from qvl.bridges.mtp_reference import (
     to_disk_layout,
 )
 
-IGNORE = -100  # transformers' label for "not learned"
 _PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
@@ -62,11 +61,12 @@ def with_mtp_head(model: torch.nn.Module, hf_path: Path) -> WithMtpHead:
     return WithMtpHead(model, head, packed_experts=packed_experts(Path(hf_path)))
 
 
-def mtp_token_loss_sum(mtp_logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+def mtp_token_loss_sum(
+    mtp_logits: torch.Tensor, labels: torch.Tensor, learned: torch.Tensor
+) -> tuple[torch.Tensor, int]:
     """(sum of the MTP token losses, how many there are) of one conversation: position i's target is token i + 2,
-    learned where its HF label is."""
-    targets = labels[:, 2:]
-    learned = targets != IGNORE
+    learned where `learned` (from its HF labels) says so."""
+    targets, learned = labels[:, 2:], learned[:, 2:]
     losses = torch.nn.functional.cross_entropy(
         mtp_logits[:, :-2].float().flatten(0, 1), targets.clamp(min=0).flatten(), reduction="none"
     )

@@ -210,7 +210,7 @@ def _trainer_class():
             share = 1 if self.compute_loss_func else self.current_gradient_accumulation_steps
             self.record.losses[step] = self.record.losses.get(step, 0.0) + float(loss.detach()) / share
             if isinstance(outputs, OutputsWithMtp):  # qvl.training.mtp's loss: over the step's main learned tokens
-                mtp_sum, mtp_tokens = mtp_token_loss_sum(outputs.mtp_logits, all_labels)
+                mtp_sum, mtp_tokens = mtp_token_loss_sum(outputs.mtp_logits, all_labels, all_labels != IGNORE)
                 loss = loss + self.mtp_scale * mtp_sum / num_items_in_batch
                 total = self.record.mtp.setdefault(step, [0.0, 0])
                 total[0], total[1] = total[0] + float(mtp_sum.detach()), total[1] + mtp_tokens
