@@ -20,24 +20,35 @@ def qvl(*args: str) -> str:
 def qvl_in_process(*args: str) -> str:
     """`qvl ARGS` through the same `main()` in this process, for runs whose process is not what a test checks:
     no new interpreter importing torch, Megatron and transformers again (most of a tiny run's time on 2 cores).
-    Returns what it printed and logged (records with their tracebacks), as `qvl` would show it. The process is
-    left as found: a CPU runtime, process group or upstream patch group the command started is ended (later tests
-    may expect none of them)."""
-    import torch
-
-    from qvl.foundation import distributed, patches, runtime
+    Returns what it printed and logged (records with their tracebacks), as `qvl` would show it; the process is left
+    as found (`left_as_found`)."""
     from qvl.launchers.cli import main
 
-    was_active, was_initialized = runtime.is_active(), torch.distributed.is_initialized()
-    applied_before = {group for group in patches.GROUPS if patches.is_applied(group)}
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     logging.getLogger().addHandler(handler)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with left_as_found(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             code = main(list(args))
     finally:
         logging.getLogger().removeHandler(handler)
+    assert code == 0, out.getvalue()[-4000:]
+    return out.getvalue()
+
+
+@contextlib.contextmanager
+def left_as_found():
+    """Ends what the block started that later tests may expect absent: a CPU runtime, a process group, an upstream
+    patch group."""
+    import torch
+
+    from qvl.foundation import distributed, patches, runtime
+
+    was_active, was_initialized = runtime.is_active(), torch.distributed.is_initialized()
+    applied_before = {group for group in patches.GROUPS if patches.is_applied(group)}
+    try:
+        yield
+    finally:
         if torch.distributed.is_initialized() and not was_initialized:
             distributed.destroy_distributed()
         if not was_active:
@@ -45,8 +56,6 @@ def qvl_in_process(*args: str) -> str:
         for group in reversed(patches.GROUPS):
             if group not in applied_before:
                 patches.undo(group)
-    assert code == 0, out.getvalue()[-4000:]
-    return out.getvalue()
 
 
 def qvl_on_two_ranks(*args: str) -> str:

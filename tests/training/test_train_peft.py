@@ -1,8 +1,8 @@
 """Every family's PEFT recipe (LoRA, no Transformer Engine) through `qvl train` on CPU, and its adapters out of qvl.
 
 For each family's smallest `*_peft` recipe on its tiny model: Megatron-Bridge's loop trains the adapters alone (the
-loss falls, the base weights stay frozen), a run stopped after step 2 and resumed reproduces the uninterrupted losses
-bit for bit (Qwen2.5-VL and Qwen3.5-VL), and `qvl convert export-adapter` writes a `peft` adapter that transformers +
+loss falls, the base weights stay frozen), the run resumed from its step-2 checkpoint through the Python API reproduces
+its losses bit for bit, and `qvl convert export-adapter` writes a `peft` adapter that transformers +
 peft load with no missing or unexpected key and whose logits equal qvl's within 1e-5 (fp32), and a merged checkpoint
 that matches too. The runs adapt the language model, the vision tower and the merger; Qwen3.5-VL-MoE adapts its
 experts as well, whose adapters `peft` cannot take yet (refused in one line) but fold into the merged checkpoint, and
@@ -11,6 +11,7 @@ a second Qwen3.5-VL-MoE run without expert adapters exports as a `peft` adapter 
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,22 +19,24 @@ import pytest
 
 from qvl.foundation.families import FAMILIES
 from qvl.training.loop import read_losses
-from tests.run_qvl import qvl_in_process, qvl_on_two_ranks
+from tests.run_qvl import left_as_found, qvl_in_process, qvl_on_two_ranks
 
 STEPS = 4
-ARGS = [
-    f"train_iters={STEPS}",
-    "global_batch_size=2",
-    "micro_batch_size=1",
-    "seq_length=256",
-    "warmup_iters=1",
-    "lr=1e-2",
-    "save_interval=100",
-    "log_interval=1",
-    "adapter_rank=8",
-    "adapter_alpha=16",
-]
-RESUMED = ("qwen2_5_vl", "qwen3_5_vl")  # all six passed once (8464245); two keep the suite under 20 min
+# The recipe options of every run (as `qvl train` arguments and as the Python API's keywords); each run also saves
+# after step 2, where the resumed runs start.
+OPTIONS = {
+    "train_iters": STEPS,
+    "global_batch_size": 2,
+    "micro_batch_size": 1,
+    "seq_length": 256,
+    "warmup_iters": 1,
+    "lr": 1e-2,
+    "save_interval": 2,
+    "log_interval": 1,
+    "adapter_rank": 8,
+    "adapter_alpha": 16,
+}
+ARGS = [f"{name}={value}" for name, value in OPTIONS.items()]
 WITH_EXPERTS = ("qwen3_5_vl_moe",)
 
 
@@ -53,7 +56,7 @@ class PeftRun:
     family: str
     hf: Path
     run: Path  # the uninterrupted run
-    resumed: Path | None  # stopped after step 2, then resumed
+    resumed: Path | None  # resumed from the run's step-2 checkpoint
     log: str
     args: list[str]  # the `qvl train` arguments of the run
 
@@ -82,12 +85,35 @@ def peft_run(request, tmp_path_factory) -> PeftRun:
     common = [peft_recipe(family), *ARGS, f"data={data}", f"hf_path={hf}", f"pretrained_checkpoint={megatron}"]
     common += [f"adapter_targets={targets(family)}", "--model", "tiny", "--device", "cpu"]
     log = qvl_in_process("train", *common, "--run-dir", str(root / "full"))
-    resumed = None
-    if family in RESUMED:
-        resumed = root / "resumed"
-        qvl_in_process("train", *common, "--run-dir", str(resumed), "--stop-after", "2")
-        qvl_in_process("train", *common, "--run-dir", str(resumed))  # the same command again resumes from step 2
+    resumed = _resume_through_python(family, root / "full", root / "resumed", hf=hf, data=data, megatron=megatron)
     return PeftRun(family=family, hf=hf, run=root / "full", resumed=resumed, log=log, args=common)
+
+
+def _resume_through_python(family: str, run: Path, resumed: Path, *, hf: Path, data: Path, megatron: Path) -> Path:
+    """The run as a job stopped after step 2 leaves it (its step-2 checkpoint, as that job would have written it),
+    resumed by the Python API (`qvl.training.train` on the recipe function's ConfigContainer): steps 3 and 4."""
+    from qvl.recipes.registry import get_recipe
+    from qvl.training import train
+
+    _copy_step(run / "checkpoints", resumed / "checkpoints", step=2)
+    config = get_recipe(peft_recipe(family)).fn(
+        **OPTIONS, data=str(data), hf_path=str(hf), pretrained_checkpoint=str(megatron),
+        adapter_targets=targets(family), tensor_parallel=1, pipeline_parallel=1, expert_parallel=1,
+        precision="fp32", sequence_parallel=False, checkpoint_dir=str(resumed / "checkpoints"),
+        tensorboard_dir=str(resumed / "tensorboard"),
+    )  # fmt: skip
+    with left_as_found():
+        train(config, run_dir=resumed, device="cpu")
+    return resumed
+
+
+def _copy_step(checkpoints: Path, into: Path, *, step: int) -> None:
+    """A checkpoints folder holding `step` alone: its model/optimizer folder, its dataloader state, its trackers."""
+    name = f"iter_{step:07d}"
+    shutil.copytree(checkpoints / name, into / name)
+    shutil.copytree(checkpoints / "energon" / name, into / "energon" / name)
+    shutil.copy(checkpoints / name / "train_state.pt", into / "latest_train_state.pt")
+    (into / "latest_checkpointed_iteration.txt").write_text(str(step))
 
 
 @pytest.mark.slow
@@ -113,10 +139,12 @@ def test_adapters_alone_train_and_the_loss_falls(peft_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("peft_run", RESUMED, indirect=True)
-def test_a_stopped_and_resumed_run_reproduces_the_losses_exactly(peft_run):
-    assert (peft_run.resumed / "checkpoints" / "iter_0000002").is_dir()
-    assert read_losses(peft_run.resumed) == read_losses(peft_run.run)  # floats compared exactly
+@pytest.mark.parametrize("peft_run", list(FAMILIES), indirect=True)
+def test_a_run_resumed_from_its_step_2_checkpoint_reproduces_the_losses_exactly(peft_run):
+    """Through the Python API, so its ConfigContainer is also checked to train exactly as `qvl train`'s does."""
+    resumed, run = read_losses(peft_run.resumed), read_losses(peft_run.run)
+    assert sorted(resumed) == [3, 4], resumed  # loaded step 2, trained on
+    assert resumed == {step: run[step] for step in (3, 4)}  # floats compared exactly
 
 
 def _export(peft_run: PeftRun, out: Path, merged: Path | None) -> dict:
