@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from qvl.foundation.errors import OptionalPackageUnavailable
-from qvl.foundation.patches import STAND_INS, StandIn
+from qvl.foundation.patch_entries import StandIn
+from qvl.foundation.patches import STAND_INS
 
 
 def _placeholder_class(package: str, name: str, advice: str) -> type:

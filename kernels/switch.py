@@ -22,7 +22,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from qvl.foundation import patches
+from qvl.foundation import patch_entries, patches
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import family_of_vision_config
 from qvl.foundation.megatron import have_transformer_engine
@@ -166,7 +166,7 @@ def decide(target: Target) -> tuple[Decision, ...]:
         decisions.append(
             Decision(
                 group=rule.group,
-                kind=patches.kind_of(rule.group),
+                kind=patch_entries.kind_of(rule.group),
                 scope=rule.scope,
                 condition=rule.condition,
                 on=on,

@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from qvl.foundation import patches
+from qvl.foundation import patch_entries, patches
 from qvl.kernels import switch
 
 MARKDOWN_COMMAND = "qvl doctor --patches --markdown > docs/upstream.md"
@@ -33,7 +33,7 @@ def target_for(recipe: str | None, device: str | None) -> switch.Target:
     return switch.Target.of(config, device=device)
 
 
-def _forks_by_upstream() -> dict[str, patches.Fork]:
+def _forks_by_upstream() -> dict[str, patch_entries.Fork]:
     return {fork.upstream: fork for fork in patches.FORKS}
 
 
@@ -54,7 +54,7 @@ def report(target: switch.Target) -> dict[str, Any]:
             for p in patches.PATCHES
             if p.group == decision.group
         ]
-        groups.append({**asdict(decision), "kind_meaning": patches.KINDS[decision.kind], "entries": entries})
+        groups.append({**asdict(decision), "kind_meaning": patch_entries.KINDS[decision.kind], "entries": entries})
     return {
         "target": asdict(target),
         "groups": groups,
@@ -88,7 +88,7 @@ def markdown() -> str:
         "",
         "## Kinds",
         "",
-        *_table(("kind", "meaning"), list(patches.KINDS.items())),
+        *_table(("kind", "meaning"), list(patch_entries.KINDS.items())),
         "",
         "## Groups",
         "",

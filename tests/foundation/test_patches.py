@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from qvl.foundation import patches
+from qvl.foundation import patch_entries, patches
 from qvl.foundation.megatron import import_megatron_bridge
 
 
@@ -19,21 +19,21 @@ def _megatron_bridge():
 
 @pytest.mark.parametrize("patch", patches.PATCHES, ids=lambda p: p.target)
 def test_every_patch_target_exists_with_its_parameters(patch):
-    owner, name = patches.owner_and_name(patch.target)
+    owner, name = patch_entries.owner_and_name(patch.target)
     if patch.absent_ok and not hasattr(owner, name):  # an optional package's name: the module must still use it
         uses = inspect.getsource(owner).count(name)  # its import and at least one use
         assert uses >= 2, f"{patch.target} is no longer used ({patch.version} did)"
         return
     assert hasattr(owner, name), f"{patch.target} is gone ({patch.version} had it): {patch.why}"
     if patch.params is not None:
-        names = patches.signature_names(getattr(owner, name))
+        names = patch_entries.signature_names(getattr(owner, name))
         assert names[: len(patch.params)] == patch.params, f"{patch.target} now takes {names}"
-    assert callable(patches.load(patch.replacement)), patch.replacement
+    assert callable(patch_entries.load(patch.replacement)), patch.replacement
 
 
 @pytest.mark.parametrize("read", patches.PRIVATE_READS, ids=lambda r: f"{r.target}.{r.attribute}")
 def test_every_private_read_exists(read):
-    owner = patches.load(read.target)
+    owner = patch_entries.load(read.target)
     found = hasattr(owner, read.attribute) or f"self.{read.attribute}" in inspect.getsource(owner)
     assert found, f"{read.target} has no {read.attribute} any more ({read.version}); used in {read.used_in}"
 
@@ -53,26 +53,26 @@ def test_leaving_the_context_restores_every_patched_name(group):
     was_applied = patches.is_applied(group)  # a session fixture's model build applies some for the process
     patches.undo(group)
     try:
-        before = {t: getattr(*patches.owner_and_name(t), absent) for t in targets}
+        before = {t: getattr(*patch_entries.owner_and_name(t), absent) for t in targets}
         with patches.applied(group):
             assert patches.is_applied(group)
-            changed = [t for t in targets if getattr(*patches.owner_and_name(t), absent) is not before[t]]
+            changed = [t for t in targets if getattr(*patch_entries.owner_and_name(t), absent) is not before[t]]
             assert changed == targets
         assert not patches.is_applied(group)
-        assert all(getattr(*patches.owner_and_name(t), absent) is before[t] for t in targets)
+        assert all(getattr(*patch_entries.owner_and_name(t), absent) is before[t] for t in targets)
     finally:
         if was_applied:
             patches.apply(group)
 
 
 def test_apply_and_undo_are_idempotent_and_unknown_groups_are_refused(cpu_runtime_off):
-    original = patches.load("torch.cuda:current_device")
+    original = patch_entries.load("torch.cuda:current_device")
     patches.apply("cpu-runtime")
     patches.apply("cpu-runtime")
-    assert patches.load("torch.cuda:current_device")() == 0
+    assert patch_entries.load("torch.cuda:current_device")() == 0
     patches.undo("cpu-runtime")
     patches.undo("cpu-runtime")
-    assert patches.load("torch.cuda:current_device") is original
+    assert patch_entries.load("torch.cuda:current_device") is original
     with pytest.raises(ValueError, match="no patch group 'cpu'; groups: cpu-runtime"):
         patches.apply("cpu")
 
@@ -171,10 +171,10 @@ def test_every_version_is_a_pin_of_the_stack_and_installed_here():
 
 
 def test_every_group_names_its_kind_first():
-    assert set(patches.KINDS) == {"cpu", "torch", "fix", "speed"}
-    odd = [g for g in patches.GROUPS if patches.kind_of(g) not in patches.KINDS]
-    assert not odd, f"groups not named <kind>-<subject> with a kind of {sorted(patches.KINDS)}: {odd}"
-    assert all(p.kind == patches.kind_of(p.group) for p in patches.PATCHES)
+    assert set(patch_entries.KINDS) == {"cpu", "torch", "fix", "speed"}
+    odd = [g for g in patches.GROUPS if patch_entries.kind_of(g) not in patch_entries.KINDS]
+    assert not odd, f"groups not named <kind>-<subject> with a kind of {sorted(patch_entries.KINDS)}: {odd}"
+    assert all(p.kind == patch_entries.kind_of(p.group) for p in patches.PATCHES)
     assert all(s.kind == "torch" for s in patches.STAND_INS)
 
 
@@ -183,10 +183,10 @@ def test_every_fork_copies_the_upstream_source_it_was_written_against(fork):
     """A stack upgrade that changes an upstream body qvl copies names the copy to re-read (then update the hash)."""
     import hashlib
 
-    source = inspect.getsource(patches.load(fork.upstream))
+    source = inspect.getsource(patch_entries.load(fork.upstream))
     found = hashlib.sha256(source.encode()).hexdigest()[:16]
     assert found == fork.source_sha256, (
         f"{fork.upstream} changed since {fork.version} (source sha256 {found}, was {fork.source_sha256}): re-read "
         f"{fork.copied_in} against it, then set source_sha256={found!r} in qvl.foundation.patches.FORKS"
     )
-    assert callable(patches.load(fork.copied_in)), fork.copied_in
+    assert callable(patch_entries.load(fork.copied_in)), fork.copied_in

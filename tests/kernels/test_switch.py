@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from qvl.foundation import patches
+from qvl.foundation import patch_entries, patches
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import get_family
 from qvl.kernels import switch
@@ -22,7 +22,7 @@ def test_every_group_has_one_rule_with_a_known_kind_and_scope():
     missing = [g for g in patches.GROUPS if g not in groups]
     assert not missing, f"groups without a rule in qvl.kernels.switch.RULES (say when each is on): {missing}"
     assert all(rule.scope in switch.SCOPES for rule in switch.RULES)
-    assert all(patches.kind_of(group) in patches.KINDS for group in patches.GROUPS)
+    assert all(patch_entries.kind_of(group) in patch_entries.KINDS for group in patches.GROUPS)
     assert [d.group for d in switch.decide(Target(device="cpu"))] == list(patches.GROUPS)
 
 
