@@ -9,16 +9,17 @@ weights from the run's checkpoint, and writes:
   to: q/k/v and gate/up split, Qwen3-VL's vision `qkv` and Qwen3.5's `in_proj_qkv` in transformers' order. A (the
   input side) is the same for every HF module a fused one maps to. Checkpoint names become the transformers model's
   module names through transformers' own conversion mapping (Qwen2.5-VL's `model.layers` ->
-  `model.language_model.layers`), since `peft` matches live module names.
+  `model.language_model.layers`), since `peft` matches live module names. MoE experts' adapters become peft's LoRA
+  on transformers' fused 3-D expert parameters (`target_parameters`; qvl.bridges.adapter_experts).
 - with `merged=True`, a full HF checkpoint with the adapters folded into their weights in Megatron's layout (W + s B A;
   DoRA's m (W + s B A) / ||W + s B A||), exported by Megatron-Bridge like any trained model.
 
-the export's check compares logits, fp32: qvl's model with its adapters against transformers + `peft` with the exported
-adapter (loaded with no missing or unexpected key), and against the merged checkpoint.
+The check compares fp32 logits: qvl's model with its adapters against transformers + `peft` with the adapter (loaded
+with no missing or unexpected key), and against the merged checkpoint.
 
 Megatron-Bridge's own `AutoBridge.export_adapter_ckpt` (0.6.2) builds the model without qvl's provider fixes, refuses
 a run's `checkpoints/` folder, writes Qwen2/2.5-VL keys transformers 5 does not name, leaves Qwen3-VL's vision qkv in
-Megatron's per-head order and drops adapters on the HF vision tower; hence this module.
+Megatron's per-head order, drops adapters on the HF vision tower and collapses expert adapters; hence this module.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from qvl.bridges.adapter_experts import FusedExpertFactors, expert_place, expert_tensors, is_expert_parameter
 from qvl.bridges.checkpoints import check_megatron_checkpoint
 from qvl.bridges.convert import auto_bridge_with_weights, copy_hf_side_files, require_qwen_vl
 from qvl.bridges.providers import apply_provider_fixes
@@ -46,11 +48,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # fp32 CPU logit parity of the tiny models is ~1e-6 with trained adapters (the base conversion's is ~3e-7).
 DEFAULT_TOLERANCE = 1e-5
-EXPERTS_REFUSED = (
-    "MoE expert adapters cannot be written as a peft adapter yet (transformers keeps the experts as fused 3-D "
-    "parameters that peft's LoRA does not target by module); pass --merged for a full checkpoint with the adapters "
-    "folded in, or train without experts in adapter_targets"
-)
 # Model dimensions a run's adapters depend on, compared between its run_config.yaml and HF_BASE.
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
 
@@ -141,12 +138,6 @@ def check_base_matches(run: AdapterRun, hf_base: Path) -> Any:
                 f"{name}={trained}; pass the HF checkpoint the run fine-tuned from"
             )
     return provider
-
-
-def check_peft_exportable(run: AdapterRun) -> None:
-    """Refuse, before any model is built, adapters that peft's format cannot hold."""
-    if "experts" in (run.peft.get("targets") or []):
-        raise ConversionError(f"RUN_OR_CHECKPOINT={run.path} adapts MoE experts: {EXPERTS_REFUSED}")
 
 
 def adapters_of(run: AdapterRun) -> Any:
@@ -303,6 +294,7 @@ class PeftState:
 
     tensors: dict[str, torch.Tensor]
     modules: list[str]  # the live HF module names adapted
+    parameters: list[str]  # the live names of the fused 3-D expert parameters adapted (peft's target_parameters)
     # lora_A names that are one Megatron A: the HF modules of one fused projection (q/k/v, gate/up) share it
     shared_a: list[list[str]]
 
@@ -311,14 +303,11 @@ def peft_state(
     bridge: Any, model: list[Any], hf_base: Path, value: Callable[[torch.Tensor], torch.Tensor] = _weight
 ) -> PeftState:
     """The adapters of a single-rank model (or what `value` reads from their parameters) in peft's layout."""
-    from megatron.bridge.peft.utils import is_expert_linear
-
     registry = bridge._model_bridge.mapping_registry()
-    live_name, linears, _ = hf_module_names(hf_base)
-    state = PeftState(tensors={}, modules=[], shared_a=[])
+    live_name, linears, hf_model = hf_module_names(hf_base)
+    state = PeftState(tensors={}, modules=[], parameters=[], shared_a=[])
+    experts: dict[str, FusedExpertFactors] = {}
     for linear in adapted_linears(model, value):
-        if is_expert_linear(linear.weight_name.removesuffix(".weight")):
-            raise ConversionError(f"{linear.weight_name}: {EXPERTS_REFUSED}")
         mapping = registry.megatron_to_hf_lookup(linear.weight_name)
         if mapping is None:
             raise ConversionError(f"{linear.weight_name}: Megatron-Bridge has no mapping for the adapted weight")
@@ -326,7 +315,11 @@ def peft_state(
         magnitudes = rows_as_hf(mapping, linear.magnitude[:, None], linear.base) if linear.magnitude is not None else {}
         shared = []
         for hf_name, lora_b in b_rows.items():
-            module = live_name(hf_name).removesuffix(".weight")
+            if is_expert_parameter(hf_model, live := live_name(hf_name)):
+                place = expert_place(hf_name, linear.weight_name)
+                experts.setdefault(live, FusedExpertFactors()).add(place, linear.lora_a, lora_b)
+                continue
+            module = live.removesuffix(".weight")
             if module not in linears:
                 raise ConversionError(f"{linear.weight_name} maps to {hf_name}, which is no linear of HF_BASE's model")
             out_features, in_features = linears[module]
@@ -340,21 +333,35 @@ def peft_state(
             shared.append(f"{prefix}.lora_A.weight")
         if len(shared) > 1:
             state.shared_a.append(shared)
+    if experts:
+        state.parameters = sorted(experts)
+        config = lora_config(rank=1, alpha=1, dropout=0.0, dora=False, modules=[], parameters=state.parameters)
+        state.tensors |= expert_tensors(experts, hf_model, config)
     return state
 
 
-def lora_config(*, rank: int, alpha: int, dropout: float, dora: bool, modules: list[str], hf_base: Path) -> Any:
-    """peft's LoraConfig for qvl adapters of `rank` and `alpha` (LoRA, or DoRA) on the HF `modules`."""
+def lora_config(
+    *, rank: int, alpha: int, dropout: float, dora: bool, modules: list[str], parameters: list[str] = (),
+    hf_base: Path | None = None,
+) -> Any:  # fmt: skip
+    """peft's LoraConfig for qvl adapters of `rank` and `alpha` (LoRA, or DoRA) on the HF `modules` and fused expert
+    `parameters`. peft's expert-parameter LoRA takes no dropout, so an adapter with experts is written without it
+    (dropout acts in training only: the adapter's outputs are the same)."""
     from peft import LoraConfig
 
+    if parameters and dropout:
+        logger.info(
+            "adapter_config.json: lora_dropout 0 instead of %s (peft's expert-parameter LoRA has none)", dropout
+        )
     return LoraConfig(
         r=rank,
         lora_alpha=alpha,
-        lora_dropout=dropout,
+        lora_dropout=0.0 if parameters else dropout,
         target_modules=sorted(set(modules)),
+        target_parameters=list(parameters) or None,
         use_dora=dora,
         bias="none",
-        base_model_name_or_path=str(hf_base),
+        base_model_name_or_path=str(hf_base) if hf_base else None,
     )
 
 
@@ -378,12 +385,16 @@ def write_adapter(run: AdapterRun, bridge: Any, model: list[Any], hf_base: Path,
         dropout=float(run.peft.get("dropout", 0.0)),
         dora=is_dora(run.peft),
         modules=state.modules,
+        parameters=state.parameters,
         hf_base=hf_base,
     )
     config.save_pretrained(str(out))
     # A fused projection's HF modules share one A: each gets its own copy in the file.
     save_file({k: v.float().clone() for k, v in state.tensors.items()}, str(out / ADAPTER_WEIGHTS))
-    logger.info("wrote %d adapter tensors for %d HF modules to %s", len(state.tensors), len(state.modules), out)
+    logger.info(
+        "wrote %d adapter tensors for %d HF modules and %d expert parameters to %s",
+        len(state.tensors), len(state.modules), len(state.parameters), out,
+    )  # fmt: skip
     return out
 
 
@@ -470,8 +481,6 @@ def export_adapter_on_rank(
 
     hf_base_path = Path(hf_base)
     run = find_adapter_run(Path(run_path))
-    if out:
-        check_peft_exportable(run)
     bridge, model, adapters = build_adapted_model(run, hf_base_path)
     report = ExportReport(adapter=out, merged=merged_out, checked=check, tolerance=tolerance or DEFAULT_TOLERANCE)
     if check:  # qvl's logits first: the merged export folds the adapters in

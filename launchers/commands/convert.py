@@ -107,8 +107,6 @@ def run_export_adapter(args: argparse.Namespace) -> int:
     # Refusals (not a PEFT run, another base) in this process: one clear line before any rank starts.
     run = adapter_export.find_adapter_run(Path(args.run_or_checkpoint))
     adapter_export.check_base_matches(run, Path(args.hf_base))
-    if not args.merged:
-        adapter_export.check_peft_exportable(run)
     adapter, merged = (None, args.out) if args.merged else (args.out, None)
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         (report,) = run_on_ranks(

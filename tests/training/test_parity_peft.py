@@ -1,6 +1,7 @@
 """`qvl verify-training` on PEFT recipes (qvl.training.parity.adapters): a qvl LoRA / DoRA step is the step
 transformers + peft take from the same initial adapters, fp32 on CPU, on Qwen2.5-VL (language model, HF vision tower
-and merger; DoRA on the biased fused qkv) and Qwen3.5-VL (Gated DeltaNet and gated attention, Megatron vision tower).
+and merger; DoRA on the biased fused qkv), Qwen3.5-VL (Gated DeltaNet and gated attention, Megatron vision tower) and
+Qwen3-VL-MoE (every expert's adapters, as peft's LoRA on transformers' fused 3-D expert parameters).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ CASES = {
     "qwen2_5_vl-lora": ("qwen2_5_vl", "qwen2_5_vl_3b_peft", {"adapter_targets": "language,vision,merger"}),
     "qwen2_5_vl-dora": ("qwen2_5_vl", "qwen2_5_vl_3b_peft", {"adapter": "dora"}),
     "qwen3_5_vl-lora": ("qwen3_5_vl", "qwen3_5_vl_9b_peft", {"adapter_targets": "language,vision,merger"}),
+    "qwen3_vl_moe-experts": ("qwen3_vl_moe", "qwen3_vl_30b_a3b_peft", {"adapter_targets": "language,experts"}),
 }
 
 
@@ -63,6 +65,8 @@ def test_adapter_gradients_and_trajectory_match_transformers_with_peft(parity_da
     assert report["steps"][-1]["loss_qvl"] < report["steps"][0]["loss_qvl"]  # the adapters learned something
     notes = " ".join(report["deliberate"])
     assert ("DoRA" if "dora" in case else "LoRA") + " rank 8, alpha 16" in notes and "tied into one parameter" in notes
+    if "experts" in case:  # every MoE layer's gate_up_proj and down_proj, under peft's ParamWrapper names
+        assert "and 8 fused expert parameters" in notes, notes
 
 
 def test_parallel_layouts_and_dropout_are_refused_for_a_peft_check():

@@ -5,8 +5,7 @@ loss falls, the base weights stay frozen), the run resumed from its step-2 check
 its losses bit for bit, and `qvl convert export-adapter` writes a `peft` adapter that transformers +
 peft load with no missing or unexpected key and whose logits equal qvl's within 1e-5 (fp32), and a merged checkpoint
 that matches too. The runs adapt the language model, the vision tower and the merger; Qwen3.5-VL-MoE adapts its
-experts as well, whose adapters `peft` cannot take yet (refused in one line) but fold into the merged checkpoint, and
-a second Qwen3.5-VL-MoE run without expert adapters exports as a `peft` adapter like the other families'.
+experts as well, exported as `peft` LoRA on transformers' fused 3-D expert parameters (`target_parameters`).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ OPTIONS = {
     "adapter_alpha": 16,
 }
 ARGS = [f"{name}={value}" for name, value in OPTIONS.items()]
-WITH_EXPERTS = ("qwen3_5_vl_moe",)
+WITH_EXPERTS = ("qwen3_vl_moe", "qwen3_5_vl_moe")
 
 
 def peft_recipe(family: str) -> str:
@@ -159,14 +158,6 @@ def _export(peft_run: PeftRun, out: Path, merged: Path | None) -> dict:
     return report
 
 
-def _without_experts(peft_run: PeftRun, root: Path) -> PeftRun:
-    """The same run with the MoE experts left unadapted: the adapters a `peft` adapter file can hold."""
-    args = [a for a in peft_run.args if not a.startswith("adapter_targets=")]
-    args.append("adapter_targets=" + targets(peft_run.family).replace(",experts", ""))
-    log = qvl_in_process("train", *args, "--run-dir", str(root / "run"))
-    return PeftRun(family=peft_run.family, hf=peft_run.hf, run=root / "run", resumed=None, log=log, args=args)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("peft_run", list(FAMILIES), indirect=True)
 def test_exported_adapter_loads_into_peft_and_matches_qvl_and_so_does_the_merged_checkpoint(peft_run, tmp_path):
@@ -174,8 +165,6 @@ def test_exported_adapter_loads_into_peft_and_matches_qvl_and_so_does_the_merged
 
     from safetensors import safe_open
 
-    if peft_run.family in WITH_EXPERTS:  # its expert adapters are refused below; the others must load
-        peft_run = _without_experts(peft_run, tmp_path)
     report = _export(peft_run, tmp_path / "adapter", tmp_path / "merged")
     assert report["ok"] and not report["missing_keys"] and not report["unexpected_keys"], report
     assert report["adapter_max_abs_diff"] <= 1e-5 and report["merged_max_abs_diff"] <= 1e-5, report
@@ -185,22 +174,40 @@ def test_exported_adapter_loads_into_peft_and_matches_qvl_and_so_does_the_merged
     modules = config["target_modules"]
     assert all(m.startswith("model.language_model.layers.") or m.startswith("model.visual.") for m in modules)
     assert any(m.endswith(".attn.qkv") for m in modules) and any(".merger." in m for m in modules)
+    # MoE experts: transformers' fused 3-D expert parameters, each layer's gate_up_proj and down_proj
+    parameters = config["target_parameters"] or []
+    layers = {".".join(m.split(".")[:4]) for m in modules if m.startswith("model.language_model.layers.")}
+    expected = sorted(f"{layer}.mlp.experts.{p}" for layer in layers for p in ("gate_up_proj", "down_proj"))
+    assert parameters == (expected if peft_run.family in WITH_EXPERTS else []), parameters
     with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
-        assert len(list(f.keys())) == 2 * len(modules)  # one A and one B per adapted module
+        assert len(list(f.keys())) == 2 * (len(modules) + len(parameters))  # one A and one B per adapted module
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("peft_run", WITH_EXPERTS, indirect=True)
-def test_expert_adapters_are_refused_as_a_peft_adapter_and_fold_into_the_merged_checkpoint(peft_run, tmp_path):
-    from qvl.bridges.adapter_export import export_adapter_on_rank
-    from qvl.foundation.distributed import run_on_ranks
-    from qvl.foundation.errors import ConversionError
+def test_the_peft_comparison_sees_the_expert_adapters(peft_run, tmp_path):
+    """The exported expert adapters with expert 0's and expert 1's factors swapped: transformers + peft with them
+    no longer gives qvl's logits, so the export's 1e-5 check covers every expert's place in peft's layout."""
+    import json
 
-    with pytest.raises(ConversionError, match=r"adapts MoE experts: MoE expert adapters cannot be written as a peft"):
-        run_on_ranks(export_adapter_on_rank, str(peft_run.run), str(peft_run.hf), str(tmp_path / "a"), None, False,
-                     None, cpu=True)  # fmt: skip
-    report = _export(peft_run, None, tmp_path / "merged")
-    assert report["merged_max_abs_diff"] <= 1e-5 and report["adapter_effect"] > 1e-2, report
+    from safetensors.torch import load_file, save_file
+
+    from qvl.bridges import verify
+    from qvl.bridges.adapter_export import max_diff, peft_logits
+
+    _export(peft_run, tmp_path / "adapter", tmp_path / "merged")  # checked against each other in the test above
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    rank = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"]
+    for name in [n for n in tensors if ".experts." in n and n.endswith("lora_B.weight")]:
+        experts = tensors[name.replace("lora_B", "lora_A")].shape[0] // rank  # lora_A is [experts * rank, in]
+        b = tensors[name].reshape(tensors[name].shape[0], -1, experts).clone()  # [out, rank, expert]
+        b[:, :, [0, 1]] = b[:, :, [1, 0]]
+        tensors[name] = b.reshape(tensors[name].shape)
+    save_file(tensors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    inputs = verify.config_inputs(peft_run.hf)
+    swapped, missing, unexpected = peft_logits(peft_run.hf, tmp_path / "adapter", inputs)
+    assert not missing and not unexpected
+    assert max_diff(verify.hf_logits(tmp_path / "merged", inputs), swapped) > 1e-2
 
 
 @pytest.mark.slow

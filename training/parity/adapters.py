@@ -7,6 +7,7 @@ load a pretrained Megatron checkpoint). Before step 1 its adapters are read in p
 fused projection). The reference is transformers' model wrapped by `peft` with the same rank, alpha and method, loaded
 with those initial tensors, and with the A of a fused projection's HF modules tied into one parameter: qvl trains one
 A for q/k/v (gate/up; Qwen3.5's in_proj_qkv/z/b/a), so three independent A's would be another model from step 2 on.
+MoE expert adapters are peft's LoRA on transformers' fused 3-D expert parameters (qvl.bridges.adapter_experts).
 Step 1's gradients and the final weights are compared on the adapters alone, under peft's names.
 """
 
@@ -35,6 +36,7 @@ class AdapterRecord:
     alpha: int
     dora: bool
     modules: list[str]  # the HF modules adapted (live names)
+    parameters: list[str] = field(default_factory=list)  # the fused 3-D expert parameters adapted (live names)
     initial: dict[str, torch.Tensor] = field(default_factory=dict)  # before step 1, under peft's names
     shared_a: list[list[str]] = field(default_factory=list)  # lora_A names that are one qvl parameter
 
@@ -56,8 +58,6 @@ def take_adapters(config: Any, options: dict[str, Any]) -> Any | None:
             f"adapter_dropout={adapters.dropout}: the two frameworks draw different dropout masks; verify with "
             "adapter_dropout=0"
         )
-    if "experts" in getattr(adapters, "targets", ()):
-        raise ConfigError("adapter_targets includes experts, which peft cannot adapt in transformers' model yet")
     return adapters
 
 
@@ -87,6 +87,7 @@ class AdapterParityCallback(ParityCallback):
             alpha=self.adapters.alpha,
             dora=type(self.adapters).__name__ == "QvlDoRA",
             modules=state.modules,
+            parameters=state.parameters,
             initial={k: v.float() for k, v in state.tensors.items()},
             shared_a=state.shared_a,
         )
@@ -113,7 +114,13 @@ def reference_model(model: Any, record: AdapterRecord) -> Any:
     from qvl.bridges.adapter_export import lora_config
 
     config = lora_config(
-        rank=record.rank, alpha=record.alpha, dropout=0.0, dora=record.dora, modules=record.modules, hf_base=Path(".")
+        rank=record.rank,
+        alpha=record.alpha,
+        dropout=0.0,
+        dora=record.dora,
+        modules=record.modules,
+        parameters=record.parameters,
+        hf_base=Path("."),
     )
     peft_model = get_peft_model(model, config)
     loaded = set_peft_model_state_dict(peft_model, record.initial)
@@ -158,8 +165,11 @@ def adapter_notes(record: AdapterRecord | None) -> list[str]:
     if record is None:
         return []
     method = "DoRA" if record.dora else "LoRA"
+    experts = (
+        f" and {len(record.parameters)} fused expert parameters (every expert's pair)" if record.parameters else ""
+    )
     return [
-        f"adapters: {method} rank {record.rank}, alpha {record.alpha} on {len(record.modules)} HF modules; the "
+        f"adapters: {method} rank {record.rank}, alpha {record.alpha} on {len(record.modules)} HF modules{experts}; the "
         "reference (transformers + peft) started from qvl's initial adapters (A drawn per module, B zero), and "
         f"the A of each fused projection's HF modules ({len(record.shared_a)} groups, e.g. q/k/v) was tied into one "
         "parameter, as qvl trains one A for the fused Megatron linear; gradients and weights compared on the "
