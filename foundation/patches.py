@@ -87,6 +87,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch(group="cpu-training", target="megatron.bridge.training.initialize:_set_random_seed",
           replacement=f"{_RUNTIME}:seed_rng_tracker_too", version=MBRIDGE, params=("seed_",),
           why="it registers the model-parallel RNG tracker only when a CUDA device is counted"),
+    Patch(group="cpu-training", target="megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+          replacement=f"{_RUNTIME}:split_sizes_as_numpy", version=MCORE, params=("tensor", "as_numpy", "record_stream"),
+          why="the all-to-all token dispatcher makes its split sizes numpy only when they are CUDA tensors; on CPU they "
+              "stay tensors, which torch.distributed.all_to_all_single refuses: every expert_parallel > 1 step failed"),
     # --- fix-megatron-setup: around every Megatron-Bridge training loop qvl runs, on any device
     Patch(group="fix-megatron-setup", target="megatron.bridge.training.initialize:compile_helpers",
           replacement="qvl.foundation.megatron:prebuilt_dataset_helpers", version=MBRIDGE,

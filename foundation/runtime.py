@@ -210,6 +210,16 @@ def seed_rng_tracker_too(original: Callable[..., Any]) -> Callable[..., Any]:
     return set_random_seed
 
 
+def split_sizes_as_numpy(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()  # what upstream hands all_to_all_single after its device-to-host copy
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
 class _ForkedRngWarningFilter(logging.Filter):
     """Drops the tracker's CPU-RNG-changed warning, which (5) makes true on every fork."""
 

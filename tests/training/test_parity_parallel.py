@@ -1,8 +1,8 @@
 """Training parity through qvl's parallel paths: tensor parallel 2, pipeline parallel 2, and data parallel 2 (with
 the vision work balanced over the replicas for Qwen2.5-VL), each on two gloo processes, against transformers'
 single-process Trainer on the same conversations (docs/parity.md). Tiny Qwen2.5-VL and Qwen3.5-VL (its
-Gated DeltaNet layers split over TP, its hybrid layer pattern over PP, its MTP head trained), fp32, the parity sample
-set."""
+Gated DeltaNet layers split over TP, its hybrid layer pattern over PP, its MTP head trained), and Qwen3-VL-MoE at
+expert parallel 2, fp32, the parity sample set."""
 
 from __future__ import annotations
 
@@ -93,3 +93,24 @@ def test_qwen3_5_parallel_layout_takes_the_single_process_transformers_step(qwen
     # the recipe's multi-token-prediction head trained and compared through the layout as well
     assert report["mtp_tensors"] >= 10 and all(r["mtp_loss_qvl"] is not None for r in report["steps"])
     assert [r["step"] for r in report["steps"]] == list(range(1, STEPS + 1))
+
+
+@pytest.fixture(scope="module")
+def moe_report(tmp_path_factory) -> dict:
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.foundation.distributed import run_on_ranks
+    from qvl.training.parity.samples import prepare_parity_dataset
+
+    root = tmp_path_factory.mktemp("parity_parallel_moe")
+    hf = write_tiny_hf_checkpoint(root / "hf", "qwen3_vl_moe")
+    data = prepare_parity_dataset(hf, "qwen3_vl_moe", root, seq_length=SEQ_LENGTH)
+    layouts = {"ep2": {"expert_parallel": 2}}
+    return run_on_ranks(parity_on_ranks, str(hf), str(data), str(root), layouts, world_size=2, cpu=True)[0]["ep2"]
+
+
+def test_expert_parallel_2_takes_the_single_process_transformers_step(moe_report):
+    """Qwen3-VL-MoE with its experts split over two processes (Megatron-Core's all-to-all token dispatcher on gloo):
+    transformers' step, every expert's weights compared under their HF names."""
+    assert moe_report["ok"], moe_report["failures"]
+    assert moe_report["conversations"] == 4 and moe_report["tensors_compared"] > 50
+    assert [r["step"] for r in moe_report["steps"]] == list(range(1, STEPS + 1))

@@ -267,3 +267,17 @@ def test_lora_at_tp2_pp2_and_dp2_gives_the_single_process_losses(peft_run, layou
         return
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-5), (layout, one, two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", ["qwen3_vl_moe"], indirect=True)
+def test_expert_parallel_2_trains_the_expert_adapters_and_they_export(peft_run, tmp_path):
+    """Two gloo processes at expert_parallel=2 (each holds half the experts and their adapters; the all-to-all token
+    dispatcher runs on CPU): the adapters train, and the run's expert-sharded checkpoint exports as one peft adapter
+    that matches qvl within 1e-5."""
+    qvl_on_two_ranks("train", *peft_run.args, "expert_parallel=2", "--run-dir", str(tmp_path / "run"))
+    losses = read_losses(tmp_path / "run")
+    assert sorted(losses) == list(range(1, STEPS + 1)) and losses[STEPS] < losses[1] - 0.1, losses
+    ep2 = PeftRun(family=peft_run.family, hf=peft_run.hf, run=tmp_path / "run", resumed=None, log="", args=[])
+    report = _export(ep2, tmp_path / "adapter", None)
+    assert report["ok"] and report["adapter_max_abs_diff"] <= 1e-5 and report["adapter_effect"] > 1e-2, report
