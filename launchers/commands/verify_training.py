@@ -51,6 +51,7 @@ def _table(report) -> str:
         f"gradients (step 1, {report.tensors_compared} tensors by HF name): max rel diff "
         f"{report.grad_max_rel_diff:.1e} at {report.grad_worst} (tolerance {tol.grad:.0e})",
         *_mtp_lines(report),
+        *_moe_aux_lines(report),
         f"final weights: max |diff| {report.weight_max_diff:.1e} = {report.weight_max_diff / report.peak_lr:.3f} x "
         f"peak lr at {report.weight_worst} (tolerance {tol.weight} x lr)",
         "deliberate differences:",
@@ -61,19 +62,32 @@ def _table(report) -> str:
 
 def _mtp_lines(report) -> list[str]:
     """The MTP losses per step, where the multi-token-prediction head trained."""
-    if all(r.mtp_loss_qvl is None and r.mtp_loss_hf is None for r in report.steps):
-        return []
-    losses = ", ".join(
-        f"step {r.step} {r.mtp_loss_qvl:.6f} / {r.mtp_loss_hf:.6f}"
-        if r.mtp_loss_qvl is not None and r.mtp_loss_hf is not None
-        else f"step {r.step} only one side"
-        for r in report.steps
+    line = _per_step(report, "mtp_loss", "max |diff|", lambda r: r.mtp_loss_diff)
+    return (
+        [f"MTP loss (qvl / hf): {line}; {report.mtp_tensors} of the tensors above are the MTP head's"] if line else []
     )
-    worst = max(r.mtp_loss_diff for r in report.steps)
-    return [
-        f"MTP loss (qvl / hf): {losses}; max |diff| {worst:.1e} (tolerance {report.tolerances.step_loss:.0e}); "
-        f"{report.mtp_tensors} of the tensors above are the MTP head's"
-    ]
+
+
+def _moe_aux_lines(report) -> list[str]:
+    """The load-balancing loss per step (as Megatron-Core's router logs it), where it was on."""
+    line = _per_step(report, "moe_aux_loss", "max rel diff", lambda r: r.moe_aux_loss_rel_diff)
+    return [f"MoE load-balancing loss, summed over layers and packs (qvl / hf): {line}"] if line else []
+
+
+def _per_step(report, field: str, measure: str, diff) -> str | None:
+    """ "step N ours / theirs, ...; <measure> D (tolerance T)" for a per-step value both sides may record; None where
+    neither side did."""
+    pairs = [(r.step, getattr(r, f"{field}_qvl"), getattr(r, f"{field}_hf")) for r in report.steps]
+    if all(ours is None and theirs is None for _, ours, theirs in pairs):
+        return None
+    values = ", ".join(
+        f"step {step} {ours:.6f} / {theirs:.6f}"
+        if ours is not None and theirs is not None
+        else f"step {step} only one side"
+        for step, ours, theirs in pairs
+    )
+    worst = max(diff(r) for r in report.steps)
+    return f"{values}; {measure} {worst:.1e} (tolerance {report.tolerances.step_loss:.0e})"
 
 
 def run_verify_training(args: argparse.Namespace) -> int:

@@ -107,6 +107,13 @@ def test_gradients_and_trajectory_match_transformers(reports, family):
         assert any(note.startswith("multi-token prediction: both sides") for note in report["deliberate"])
     else:
         assert report["mtp_tensors"] == 0 and mtp_losses == [(None, None)] * STEPS
+    # The MoE families' load-balancing loss: its value as Megatron-Core's router logs it, at every step.
+    balance = [(r["moe_aux_loss_qvl"], r["moe_aux_loss_hf"]) for r in steps]
+    if family.endswith("_moe"):
+        assert all(ours is not None and ref is not None and ref > 0 for ours, ref in balance), balance
+        assert max(r["moe_aux_loss_rel_diff"] for r in steps) <= tol.step_loss
+    else:
+        assert balance == [(None, None)] * STEPS
     # The schedule: warm-up from 0 over one step, then cosine decay; both frameworks stepped at the same rates.
     assert [r["lr_qvl"] for r in steps] == pytest.approx([0.0, 1e-3, 5.5e-4])
     assert [r["lr_hf"] for r in steps] == pytest.approx([0.0, 1e-3, 5.5e-4])
@@ -235,13 +242,15 @@ def test_mtp_targets_one_token_early_fail_the_check(parity_inputs, tmp_path, mon
 
 
 def test_a_load_balancing_loss_twice_as_large_fails_the_check(parity_inputs, tmp_path, monkeypatch):
-    """qvl's side with Megatron-Core's load-balancing loss doubled: the router gradients give it away."""
+    """qvl's side with Megatron-Core's load-balancing loss doubled: the router gradients and the logged value give it
+    away."""
     from megatron.core.transformer.moe import router
 
     upstream = router.switch_load_balancing_loss_func
     monkeypatch.setattr(router, "switch_load_balancing_loss_func", lambda *a, **k: 2 * upstream(*a, **k))
     report = run(parity_inputs, tmp_path, "qwen3_vl_moe", steps=1)
     assert any(f.startswith("gradient of") and "mlp.gate.weight" in f for f in report.failures), report.failures
+    assert any(f == "step 1 load-balancing loss differs by 1 (rel)" for f in report.failures), report.failures
 
 
 def test_json_goes_alone_to_stdout(parity_inputs, tmp_path, capsys):

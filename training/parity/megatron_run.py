@@ -23,6 +23,7 @@ import torch
 from qvl.foundation import megatron, runtime
 from qvl.training.mtp import MTP_LOSS, LossesWithMtp
 from qvl.training.parity import decay
+from qvl.training.parity.moe_aux import LOAD_BALANCING_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class StepRecord:
     grad_norm: float  # before clipping
     lr: float
     mtp_loss: float | None = None  # learned-token mean of the MTP loss over the global batch (MTP trained)
+    # Megatron-Core's load-balancing loss as its router logs it (each MoE layer's loss over the coefficient), summed
+    # over the step's layers and micro-batches; None where the loss is off
+    moe_aux_loss: float | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -173,6 +177,19 @@ def _export(bridge, model: list, tasks: list | None, dtype=torch.float32) -> dic
     return {name: tensor.detach().clone().to(dtype or tensor.dtype) for name, tensor in exported}
 
 
+def _load_balancing_loss(model_config: Any) -> float | None:
+    """The step's load-balancing loss from Megatron-Core's MoE metrics tracker, read before the loop's logging
+    reduces and clears it (one process: the parity check keeps the loss off elsewhere); None where it is off (the
+    loop's logging creates the tracker's entries all the same)."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    if not getattr(model_config, "moe_aux_loss_coeff", 0):
+        return None
+    metrics = get_moe_metrics_tracker().metrics
+    found = [metrics[name].values.sum() for name in LOAD_BALANCING_NAMES if name in metrics]
+    return float(sum(found)) if found else None
+
+
 def _mean_loss(loss_dict: dict | None, key: str) -> float | None:
     """A loss the loop reported under `key`, as one number; None where absent (earlier pipeline stages)."""
     from qvl.training.loop import reduced_loss
@@ -212,6 +229,7 @@ class ParityCallback:
                 grad_norm=float(context.grad_norm),
                 lr=self._lr,
                 mtp_loss=_mean_loss(context.loss_dict, MTP_LOSS),
+                moe_aux_loss=_load_balancing_loss(context.state.cfg.model),
             )
         )
         if step == 1:

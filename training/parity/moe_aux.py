@@ -29,6 +29,8 @@ from qvl.foundation.errors import ConfigError
 
 # Megatron-Core's load-balancing types this reference reproduces
 KINDS = ("aux_loss", "global_aux_loss")
+# The names its router logs them under (MoE metrics tracker)
+LOAD_BALANCING_NAMES = ("load_balancing_loss", "global_load_balancing_loss")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -113,3 +115,8 @@ class MoeAuxReference:
             probs = torch.softmax(logits.float().reshape(-1, self.num_experts), dim=-1)
             total = total + (probs.sum(0) * counts.to(probs.device)).sum()
         return scale * total
+
+    def logged(self, term: torch.Tensor, slot: PackSlot, learned_tokens: torch.Tensor) -> float:
+        """The conversation's share of what Megatron-Core's router logs for its pack: aux(m, layer) / coeff summed
+        over layers, i.e. the term without its T_m / N weight and its coefficient."""
+        return float(term.detach()) * float(learned_tokens) / (slot.tokens * self.coeff)

@@ -51,6 +51,14 @@ def is_gate_parameter(name: str) -> bool:
     return any(fragment in name for fragment in GATE_PARAMETERS)
 
 
+def _paired_diff(ours: float | None, theirs: float | None) -> float:
+    if ours is None and theirs is None:
+        return 0.0
+    if ours is None or theirs is None:
+        return float("inf")
+    return abs(ours - theirs)
+
+
 @dataclass(kw_only=True, slots=True)
 class StepRow:
     """One optimizer step in both frameworks."""
@@ -64,6 +72,8 @@ class StepRow:
     lr_hf: float
     mtp_loss_qvl: float | None = None  # with the MTP head trained: its learned-token mean loss
     mtp_loss_hf: float | None = None
+    moe_aux_loss_qvl: float | None = None  # with the load-balancing loss on: its value as Megatron-Core logs it
+    moe_aux_loss_hf: float | None = None
 
     @property
     def loss_diff(self) -> float:
@@ -72,11 +82,13 @@ class StepRow:
     @property
     def mtp_loss_diff(self) -> float:
         """|difference| of the MTP losses; inf where only one side trained the head, 0 where neither did."""
-        if self.mtp_loss_qvl is None and self.mtp_loss_hf is None:
-            return 0.0
-        if self.mtp_loss_qvl is None or self.mtp_loss_hf is None:
-            return float("inf")
-        return abs(self.mtp_loss_qvl - self.mtp_loss_hf)
+        return _paired_diff(self.mtp_loss_qvl, self.mtp_loss_hf)
+
+    @property
+    def moe_aux_loss_rel_diff(self) -> float:
+        """Relative difference of the load-balancing losses (a sum over layers and packs); inf where only one side
+        has it, 0 where neither does."""
+        return _paired_diff(self.moe_aux_loss_qvl, self.moe_aux_loss_hf) / max(abs(self.moe_aux_loss_hf or 0), 1e-12)
 
     @property
     def grad_norm_rel_diff(self) -> float:
@@ -122,6 +134,7 @@ class ParityReport:
                 **asdict(r),
                 "loss_diff": r.loss_diff,
                 "mtp_loss_diff": r.mtp_loss_diff,
+                "moe_aux_loss_rel_diff": r.moe_aux_loss_rel_diff,
                 "grad_norm_rel_diff": r.grad_norm_rel_diff,
             }
             for r in self.steps
@@ -195,6 +208,8 @@ def compare(qvl: Recording, hf: Recording, *, family: str, recipe: str, precisio
             lr_hf=b.lr,
             mtp_loss_qvl=a.mtp_loss,
             mtp_loss_hf=b.mtp_loss,
+            moe_aux_loss_qvl=a.moe_aux_loss,
+            moe_aux_loss_hf=b.moe_aux_loss,
         )
         for a, b in zip(qvl.steps, hf.steps, strict=True)
     ]
@@ -249,6 +264,12 @@ def _failures(r: ParityReport, tol: Tolerances, missing: list[str]) -> list[str]
         checks.append((row.loss_diff <= tol.step_loss, f"step {row.step} loss differs by {row.loss_diff:.3g}"))
         checks.append(
             (row.mtp_loss_diff <= tol.step_loss, f"step {row.step} MTP loss differs by {row.mtp_loss_diff:.3g}")
+        )
+        checks.append(
+            (
+                row.moe_aux_loss_rel_diff <= tol.step_loss,
+                f"step {row.step} load-balancing loss differs by {row.moe_aux_loss_rel_diff:.3g} (rel)",
+            )
         )
         checks.append(
             (

@@ -331,7 +331,9 @@ def moe_note(config) -> list[str]:
         "pack's tokens and every MoE layer; the reference computes it on transformers' routers from each pack's "
         "expert counts (qvl.training.parity.moe_aux), since transformers' own router_aux_loss_coef loss is another "
         "definition (all layers pooled, per conversation). Under calculate_per_token_loss Megatron-Core weighs it by "
-        "the pack's tokens over the step's learned tokens. The router gradients are compared with every tensor."
+        "the pack's tokens over the step's learned tokens. The router gradients are compared with every tensor, and each "
+        "step's loss as Megatron-Core's router logs it (each layer's loss over the coefficient, summed over layers and "
+        "packs)."
     ]
 
 

@@ -175,6 +175,7 @@ class _TrainerRecord:
     token_losses: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # step 1: (losses, mask)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     mtp: dict[int, list] = field(default_factory=dict)  # step -> [sum of the MTP token losses, their count]
+    moe_aux: dict[int, float] = field(default_factory=dict)  # step -> the load-balancing loss as Megatron logs it
 
 
 def _trainer_class():
@@ -215,7 +216,10 @@ def _trainer_class():
                 total = self.record.mtp.setdefault(step, [0.0, 0])
                 total[0], total[1] = total[0] + float(mtp_sum.detach()), total[1] + mtp_tokens
             if self.moe_aux is not None:
-                loss = loss + self.moe_aux.term(self.slots[index], num_items_in_batch)
+                term = self.moe_aux.term(self.slots[index], num_items_in_batch)
+                loss = loss + term
+                logged = self.moe_aux.logged(term, self.slots[index], num_items_in_batch)
+                self.record.moe_aux[step] = self.record.moe_aux.get(step, 0.0) + logged
             if step == 1:
                 ce = torch.nn.functional.cross_entropy(
                     outputs.logits[0, :-1].float(), labels.clamp(min=0), reduction="none"
@@ -393,7 +397,14 @@ def _train_reference(
         trainer.model, {n: t.detach().clone().float().cpu() for n, t in trainer.model.state_dict().items()}
     )
     recording.steps = [
-        StepRecord(step=s, loss=record.losses[s], grad_norm=norm, lr=lr, mtp_loss=_mean(record.mtp.get(s)))
+        StepRecord(
+            step=s,
+            loss=record.losses[s],
+            grad_norm=norm,
+            lr=lr,
+            mtp_loss=_mean(record.mtp.get(s)),
+            moe_aux_loss=record.moe_aux.get(s),
+        )  # fmt: skip
         for s, norm, lr in zip(sorted(record.losses), record.grad_norms, record.lrs)
     ]
     recording.decay_rules_differ = decay_rules_differ(trainer)
