@@ -120,7 +120,6 @@ def reference_model(model: Any, record: AdapterRecord) -> Any:
         dora=record.dora,
         modules=record.modules,
         parameters=record.parameters,
-        hf_base=Path("."),
     )
     peft_model = get_peft_model(model, config)
     loaded = set_peft_model_state_dict(peft_model, record.initial)
