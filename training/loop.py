@@ -25,10 +25,10 @@ from qvl.kernels import switch
 from qvl.recipes.options import check_data_folder, check_option_names
 from qvl.recipes.overrides import Overrides, apply_config_overrides
 from qvl.recipes.registry import get_recipe
-from qvl.training.mtp import MTP_LOSS
 
 logger = logging.getLogger(__name__)
 LOSSES_FILE = "losses.jsonl"
+LM_LOSS = "lm loss"  # Megatron-Bridge's reporting key of the language-model loss
 # Overrides a CPU run needs: fp32 (no bf16 kernels worth using), no sequence parallelism (needs TE norms).
 CPU_OVERRIDES = {"precision": "fp32", "sequence_parallel": False}
 
@@ -123,12 +123,14 @@ class _CleanExitFilter(logging.Filter):
 
 
 class _LossRecorder:
-    """on_train_step_end callback: append {"step", "loss"} (and "mtp_loss" where multi-token prediction trains,
-    qvl.training.mtp) to RUN_DIR/losses.jsonl from the one rank that holds the reduced loss: first tensor- and
-    data-parallel rank of the last pipeline stage."""
+    """on_train_step_end callback: append {"step", "loss"} and every other value the step reported ("mtp_loss" where
+    multi-token prediction trains, qvl.training.mtp; a preference run's rewards, qvl.training.preference) to
+    RUN_DIR/losses.jsonl from the one rank that holds the reduced loss: first tensor- and data-parallel rank of the
+    last pipeline stage. `main` is the reporting key of the stage's loss ("lm loss" for pretraining and SFT)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, main: str = LM_LOSS):
         self.path = path
+        self.main = main
 
     def __call__(self, context) -> None:
         from megatron.core import parallel_state as ps
@@ -138,9 +140,10 @@ class _LossRecorder:
         if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
             return
         # train_state.step still counts completed steps before this one: record 1-based iterations
-        record = {"step": context.state.train_state.step + 1, "loss": reduced_loss(context.loss_dict.get("lm loss"))}
-        if MTP_LOSS in context.loss_dict:
-            record["mtp_loss"] = reduced_loss(context.loss_dict[MTP_LOSS])
+        record = {"step": context.state.train_state.step + 1, "loss": reduced_loss(context.loss_dict.get(self.main))}
+        for key, value in context.loss_dict.items():
+            if key != self.main:
+                record[key.replace(" ", "_")] = reduced_loss(value)  # "mtp loss" -> "mtp_loss"
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -206,17 +209,17 @@ def train(
     from megatron.bridge.training.callbacks import CallbackManager  # Megatron-Bridge: heavy, loaded on use
 
     import qvl.bridges.registration  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
-    from qvl.training.step import forward_step  # Megatron-Core
 
+    stage = stage_step(config)
     if stop_after:
         config.train.exit_interval = stop_after  # Megatron-Bridge saves a checkpoint and exits
     callbacks = CallbackManager()
-    callbacks.register("on_train_step_end", _LossRecorder(run_dir / LOSSES_FILE))
+    callbacks.register("on_train_step_end", _LossRecorder(run_dir / LOSSES_FILE, main=stage.loss_key))
     clean_exit = _CleanExitFilter()
     pretrain_logger = logging.getLogger("megatron.bridge.training.pretrain")
     pretrain_logger.addFilter(clean_exit)
     try:
-        run_megatron_loop(config, forward_step, callbacks, loop=loop)
+        run_megatron_loop(config, stage.forward_step, callbacks, loop=loop)
     except SystemExit as stop:
         if stop.code not in (0, None):
             raise
@@ -224,6 +227,26 @@ def train(
     finally:
         pretrain_logger.removeFilter(clean_exit)
     return run_dir
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StageStep:
+    """What a training stage hands Megatron-Bridge's loop: its forward step and the reporting key of its loss."""
+
+    forward_step: Any
+    loss_key: str
+
+
+def stage_step(config: Any) -> StageStep:
+    """The forward step a config trains with: a preference stage's (qvl.training.preference) where the config's
+    `qvl.preference` is set, else the language-model step of pretraining, SFT and PEFT (qvl.training.step)."""
+    if getattr(getattr(config, "qvl", None), "preference", None) is not None:
+        from qvl.training.preference import PREFERENCE_LOSS, preference_forward_step  # Megatron-Core
+
+        return StageStep(forward_step=preference_forward_step, loss_key=PREFERENCE_LOSS)
+    from qvl.training.step import forward_step  # Megatron-Core
+
+    return StageStep(forward_step=forward_step, loss_key=LM_LOSS)
 
 
 def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: str = "pretrain") -> None:
