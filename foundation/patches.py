@@ -118,6 +118,14 @@ PATCHES: tuple[Patch, ...] = (
           why="it weights MTP tokens per micro-batch (not token-weighted like the main loss), logs a per-micro-batch "
               "mean through a global tracker and reads packed bounds to the host; qvl.training.mtp computes the "
               "MTP loss from the states instead"),
+    # --- fix-preference-moe-aux: qvl.kernels.fix_preference_moe_aux (around a preference step's forward of an MoE model)
+    Patch(group="fix-preference-moe-aux",
+          target="megatron.core.transformer.moe.router:TopKRouter.attach_and_log_load_balancing_loss",
+          replacement="qvl.kernels.fix_preference_moe_aux:counted_in_pairs", version=MCORE,
+          params=("self", "activation", "aux_loss_coeff", "aux_loss", "aux_loss_name", "reduce_group"),
+          why="with calculate_per_token_loss it multiplies the balancing loss by the micro-batch's tokens, assuming the "
+              "loss counts tokens; a preference loss counts pairs, so the balancing loss would weigh tokens/pairs "
+              "times its SFT weight"),
     # --- fix-peft-without-te: qvl.kernels.fix_peft_without_te.without_te() (around every PEFT transform, where TE is
     # absent: qvl.bridges.adapters' LoRA and DoRA apply it themselves)
     *(

@@ -44,6 +44,7 @@ class Target:
     gated_delta_net: bool | None = None  # Qwen3.5's linear-attention layers
     mtp: bool | None = None  # multi-token-prediction layers trained
     peft: bool | None = None  # adapters (LoRA, DoRA)
+    preference: bool | None = None  # a preference stage (DPO and its variants) of an MoE model
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -73,6 +74,10 @@ class Target:
             else None,
             mtp=bool(getattr(model, "mtp_num_layers", None)) if known else None,
             peft=getattr(config, "peft", None) is not None if known else None,
+            preference=bool(getattr(getattr(config, "qvl", None), "preference", None))
+            and bool(getattr(model, "num_moe_experts", None))
+            if known
+            else None,
         )
 
 
@@ -140,6 +145,9 @@ RULES: tuple[Rule, ...] = (
          on=lambda t: _both(t.gated_delta_net, not (t.device == "cuda" and t.fla))),
     Rule(group="fix-mtp-loss", scope="model", condition="the model trains multi-token-prediction layers",
          on=lambda t: t.mtp),
+    Rule(group="fix-preference-moe-aux", scope="model",
+         condition="a preference stage (DPO) trains an MoE model: its loss counts pairs, not tokens",
+         on=lambda t: t.preference),
     Rule(group="fix-peft-without-te", scope="model",
          condition="the run trains adapters (LoRA, DoRA) and Transformer Engine is not installed",
          on=lambda t: _both(t.peft, not t.transformer_engine)),
