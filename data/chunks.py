@@ -4,10 +4,12 @@ The input is cut by position into chunks of `chunk_size` records; chunk k holds 
 A chunk is processed on its own (parse, canonicalise, validate, count, fit to `seq_length`) by whichever
 process, worker or Ray task gets it, and leaves two files in `WORK/chunks/`:
 
-- `chunk-<k>.bin`: the accepted samples' compact tokens and media, one blob per sample, back to back;
-- `chunk-<k>.npz`: per accepted sample its source index, token length and blob offset/size, its vision grids
-  (for the cost model), plus the chunk's rejections and counters. It is written last, by rename: a chunk whose
-  `.npz` exists is finished, and a rerun skips it.
+- `chunk-<k>.bin`: the accepted items' compact tokens and media, one blob per item, back to back (an SFT item is
+  one sample; a preference item is a pair, its chosen then its rejected side, qvl.data.preference);
+- `chunk-<k>.npz`: per accepted item its source index, token length (both sides of a pair) and first side's
+  length, blob offset/size, its vision grids (a pair's once: its sides share them; for the cost model), plus the
+  chunk's rejections and counters. It is written last, by rename: a chunk whose `.npz` exists is finished, and a
+  rerun skips it.
 
 Because a chunk's files depend only on its records and the settings, 1 process, N workers and Ray give the
 same files, and the driver merges them in chunk order. The driver keeps per sample only a few integers.
@@ -29,6 +31,7 @@ import numpy as np
 
 from qvl.data.count import TokenCounter, TokenizedSample, check_template_args, load_tokenizer, truncate
 from qvl.data.ingest import IngestConfig, Rejection, parse_record, to_conversation
+from qvl.data.preference import count_pairs, preference_keys, to_pair, validate_pair
 from qvl.data.validate import MediaInfo, ValidateConfig, validate_sample
 from qvl.data.vision import VisionConfig, load_vision_config
 
@@ -46,6 +49,7 @@ class ChunkConfig:
     family: str
     tokenizer: pathlib.Path
     seq_length: int
+    kind: str = "sft"  # "sft": conversations; "preference": pairs (qvl.data.preference)
     chat_template: str | None = None
     template_args: tuple[tuple[str, Any], ...] = ()  # the chat template's switches (enable_thinking, ...)
     reasoning_loss: bool = True  # assistant reasoning blocks learned with their answers
@@ -105,33 +109,50 @@ def is_done(work: pathlib.Path, chunk: int) -> bool:
 def process_chunk(settings: ChunkConfig, chunk: int, first_index: int, texts: list[str]) -> dict:
     """Parse, validate, count and fit one chunk; spill its results; return its counters and stage times."""
     worker = _worker(settings)
+    pairs = settings.kind == "preference"
     times = {"ingest": 0.0, "validate": 0.0, "count": 0.0}
     rejections: list[Rejection] = []
     start = time.perf_counter()
-    conversations = []
+    canonical = []
     for index, text in enumerate(texts, start=first_index):
         record = parse_record(index, text)
-        item = record if isinstance(record, Rejection) else to_conversation(index, record, worker.ingest)
-        (rejections if isinstance(item, Rejection) else conversations).append(item)
+        item = record if isinstance(record, Rejection) else _canonical(index, record, worker.ingest, pairs)
+        (rejections if isinstance(item, Rejection) else canonical).append(item)
     times["ingest"] = time.perf_counter() - start
     start = time.perf_counter()
     valid = []
-    for conversation in conversations:
-        item = validate_sample(conversation, worker.validate)
-        (rejections if isinstance(item, Rejection) else valid).append(item)
+    for item in canonical:
+        checked = (validate_pair if pairs else validate_sample)(item, worker.validate)
+        (rejections if isinstance(checked, Rejection) else valid).append(checked)
     times["validate"] = time.perf_counter() - start
     start = time.perf_counter()
     kept, truncated = [], 0
-    for batch_start in range(0, len(valid), settings.count_batch_size):
-        for sample in worker.counter.count(valid[batch_start : batch_start + settings.count_batch_size]):
+    batch_size = max(1, settings.count_batch_size // 2) if pairs else settings.count_batch_size
+    for batch_start in range(0, len(valid), batch_size):
+        batch = valid[batch_start : batch_start + batch_size]
+        if pairs:  # a pair is one item of two samples; truncation does not apply to pairs (prepare refuses it)
+            kept += count_pairs(batch, worker.counter, settings.seq_length, rejections)
+            continue
+        for sample in worker.counter.count(batch):
             fitted = _fit(sample, worker.counter, settings, rejections)
             if fitted is not None:
                 truncated += fitted is not sample
-                kept.append(fitted)
+                kept.append([fitted])
     times["count"] = time.perf_counter() - start
     rejections.sort(key=lambda r: r.index)
     _spill(settings.work, chunk, kept, rejections, read=len(texts), truncated=truncated)
     return {"chunk": chunk, "read": len(texts), "accepted": len(kept), "times": times}
+
+
+def _canonical(index: int, record: dict, config: IngestConfig, pairs: bool):
+    """A record as a PreferencePair (preference datasets) or a Conversation; a record with a rejected side is never
+    read as SFT (its chosen side alone would be trained)."""
+    if pairs:
+        return to_pair(index, record, config)
+    if keys := preference_keys(record):
+        detail = f"record has {', '.join(map(repr, keys))}: a preference pair; prepare it with --kind preference"
+        return Rejection(index=index, reason="preference_record", detail=detail)
+    return to_conversation(index, record, config)
 
 
 def _fit(sample: TokenizedSample, counter: TokenCounter, settings: ChunkConfig, rejections: list):
@@ -146,19 +167,22 @@ def _fit(sample: TokenizedSample, counter: TokenCounter, settings: ChunkConfig, 
     return None
 
 
-def _spill(work, chunk: int, kept: list[TokenizedSample], rejections: list[Rejection], read: int, truncated: int):
-    blobs = [encode_sample(s) for s in kept]
+def _spill(work, chunk: int, kept: list[list[TokenizedSample]], rejections: list[Rejection], read: int, truncated: int):
+    """Write the chunk's files; `kept` holds each item's samples (one, or a pair's two that share their media)."""
+    blobs = [b"".join(encode_sample(s) for s in subs) for subs in kept]
     sizes = np.asarray([len(b) for b in blobs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(blobs) else sizes
-    grids = [g for s in kept for g in list(s.image_grids) + list(s.video_grids)]
-    owners = [k for k, s in enumerate(kept) for _ in range(len(s.image_grids) + len(s.video_grids))]
+    # An item's vision cost is its first sample's media: the tower encodes a pair's shared images once.
+    grids = [g for subs in kept for g in list(subs[0].image_grids) + list(subs[0].video_grids)]
+    owners = [k for k, subs in enumerate(kept) for _ in range(len(subs[0].image_grids) + len(subs[0].video_grids))]
     meta = {"read": read, "truncated": truncated, "rejections": [r.to_json() for r in rejections]}
     _write_atomic(chunk_path(work, chunk, ".bin"), b"".join(blobs))
     summary = io.BytesIO()
     np.savez(
         summary,
-        index=np.asarray([s.index for s in kept], dtype=np.int64),
-        length=np.asarray([s.length for s in kept], dtype=np.int64),
+        index=np.asarray([subs[0].index for subs in kept], dtype=np.int64),
+        length=np.asarray([sum(s.length for s in subs) for subs in kept], dtype=np.int64),
+        first_length=np.asarray([subs[0].length for subs in kept], dtype=np.int64),
         offset=offsets,
         size=sizes,
         grid_thw=np.asarray(grids, dtype=np.int64).reshape(-1, 3),
@@ -210,15 +234,24 @@ def encode_sample(sample: TokenizedSample) -> bytes:
     return len(head).to_bytes(4, "little") + head + arrays
 
 
-def decode_sample(blob: bytes) -> TokenizedSample:
-    """The TokenizedSample `encode_sample` wrote."""
-    size = int.from_bytes(blob[:4], "little")
-    header = json.loads(blob[4 : 4 + size].decode("utf-8", "surrogateescape"))
-    n, n_runs, pos = header["n"], header["runs"], 4 + size
+def decode_samples(blob: bytes) -> list[TokenizedSample]:
+    """The TokenizedSamples of an item's blob (`encode_sample`'s bytes, back to back: one sample, or a pair's two)."""
+    samples, start = [], 0
+    while start < len(blob):
+        sample, start = _decode_at(blob, start)
+        samples.append(sample)
+    return samples
+
+
+def _decode_at(blob: bytes, start: int) -> tuple[TokenizedSample, int]:
+    """The sample whose bytes start at `start`, and where the next one starts."""
+    size = int.from_bytes(blob[start : start + 4], "little")
+    header = json.loads(blob[start + 4 : start + 4 + size].decode("utf-8", "surrogateescape"))
+    n, n_runs, pos = header["n"], header["runs"], start + 4 + size
     ids = np.frombuffer(blob, np.int32, n, pos)
     loss = np.frombuffer(blob, np.uint8, n, pos + 4 * n)
     runs = np.frombuffer(blob, np.int32, n_runs, pos + 5 * n)
-    return TokenizedSample(
+    sample = TokenizedSample(
         index=header["index"],
         ids=ids,
         loss=loss,
@@ -229,6 +262,7 @@ def decode_sample(blob: bytes) -> TokenizedSample:
         media_first_token=header["media_first_token"],
         media=[_media_from_json(m) for m in header["media"]],
     )
+    return sample, pos + 5 * n + 4 * n_runs
 
 
 def _media_json(media: MediaInfo) -> dict:
@@ -265,13 +299,14 @@ class SampleReader:
         self.max_open = max_open
         self._files: dict[int, int] = {}
 
-    def read(self, chunk: int, offset: int, size: int) -> TokenizedSample:
+    def read(self, chunk: int, offset: int, size: int) -> list[TokenizedSample]:
+        """The samples of one spilled item (one, or a pair's chosen and rejected side)."""
         fd = self._files.get(chunk)
         if fd is None:
             if len(self._files) >= self.max_open:
                 os.close(self._files.pop(next(iter(self._files))))
             fd = self._files[chunk] = os.open(chunk_path(self.work, chunk, ".bin"), os.O_RDONLY)
-        return decode_sample(os.pread(fd, size, offset))
+        return decode_samples(os.pread(fd, size, offset))
 
     def close(self) -> None:
         for fd in self._files.values():

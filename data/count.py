@@ -132,7 +132,10 @@ class TokenCounter:
         starts = np.asarray([o[0] for o in offsets], dtype=np.int64)
         ends = np.asarray([o[1] for o in offsets], dtype=np.int64)
         loss = np.zeros(len(ids_np), dtype=np.uint8)
-        for match in _ASSISTANT_RE.finditer(text):
+        spans = list(_ASSISTANT_RE.finditer(text))
+        if sample.conversation.learn_last is not None:  # earlier assistant turns are context, not targets
+            spans = spans[max(0, len(spans) - sample.conversation.learn_last) :]
+        for match in spans:
             loss[(starts >= match.start(1)) & (ends <= match.end(1))] = 1
             if not self.reasoning_loss:  # the reasoning block is read, not learned: its answer alone is
                 for block in _REASONING_RE.finditer(text, match.start(1), match.end(1)):

@@ -50,6 +50,8 @@ class Conversation:
     media: list[MediaRef] = field(default_factory=list)
     placeholder_counts: dict[str, int] = field(default_factory=dict)  # placeholders found in the text
     listed_counts: dict[str, int] = field(default_factory=dict)  # media listed beside the text
+    # Learn only the last N assistant turns (a preference pair's completion; earlier ones are context); None: all.
+    learn_last: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -161,7 +163,7 @@ def to_conversation(index: int, record: dict, config: IngestConfig) -> Conversat
         return Rejection(index=index, reason="bad_format", detail="no 'conversations' or 'messages' list")
     if not isinstance(turns, list):
         return Rejection(index=index, reason="bad_format", detail="'conversations'/'messages' is not a list")
-    listed = _listed_media(record)
+    listed = listed_media(record)
     if isinstance(listed, Rejection):
         return Rejection(index=index, reason=listed.reason, detail=listed.detail)
     conversation = Conversation(index=index, messages=[], media=[])
@@ -182,7 +184,8 @@ def to_conversation(index: int, record: dict, config: IngestConfig) -> Conversat
     return conversation
 
 
-def _listed_media(record: dict) -> list[MediaRef] | Rejection:
+def listed_media(record: dict) -> list[MediaRef] | Rejection:
+    """The images and videos a record lists under `image`/`images` and `video`/`videos`, in that order."""
     media: list[MediaRef] = []
     for kind, keys in (("image", ("image", "images")), ("video", ("video", "videos"))):
         for key in keys:

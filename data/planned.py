@@ -41,8 +41,9 @@ def check_plan(path: pathlib.Path, plan: dict, *, data_parallel: int, global_bat
         )
 
 
-class _PlannedMicroBatches(torch.utils.data.Dataset):
-    """Micro-batch `i` of one rank's plan order (wrapping past the end): what a loader worker encodes."""
+class PackMicroBatches(torch.utils.data.Dataset):
+    """Micro-batch `i` of a list of (pack, shard) read straight from the tar shards (wrapping past the end): what a
+    loader worker encodes, for one rank's plan order or a pass over chosen packs (qvl.training.reference)."""
 
     def __init__(self, path: pathlib.Path, encoder: QwenVLPackedTaskEncoder, packs: list, micro_batch_size: int):
         self.path, self.encoder, self.packs, self.micro_batch_size = path, encoder, packs, micro_batch_size
@@ -121,7 +122,7 @@ class PlannedPackLoader:
             (r["step"], r["slot"], r["pack"], r["shard"]) for r in rows if r["rank"] == rank and r["step"] >= 0
         )
         self.packs = [(pack, shard) for _, _, pack, shard in mine]
-        self.micro_batches = _PlannedMicroBatches(self.path, task_encoder, self.packs, micro_batch_size)
+        self.micro_batches = PackMicroBatches(self.path, task_encoder, self.packs, micro_batch_size)
         self.position = 0  # micro-batches handed out
         self._stream = None
 

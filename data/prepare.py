@@ -36,6 +36,7 @@ from qvl.data.balance import check_global_batch, imbalance, plan_dp_balanced, pl
 from qvl.data.ingest import iter_record_texts
 from qvl.data.pack import PackPlan, balance_by_cost, pack_best_fit_decreasing
 from qvl.data.parallel import RayConfig
+from qvl.data.preference import pair_pack_row, resolve_kind
 from qvl.data.vision import check_family
 from qvl.foundation.cost import lm_flops_per_sequence, shapes_from_hf_config, vision_flops_per_image
 from qvl.foundation.errors import DataError
@@ -63,6 +64,7 @@ class PrepareConfig:
     hf_path: pathlib.Path  # HF dir with the tokenizer, chat template and processor configs
     seq_length: int
     output: pathlib.Path
+    kind: str = "auto"  # "sft", "preference" (pairs, qvl.data.preference) or "auto": the first parseable record's
     system_prompt: str | None = None
     chat_template: pathlib.Path | None = None
     # The chat template's switches as `apply_chat_template` takes them (enable_thinking=False, reasoning_effort="low")
@@ -96,6 +98,7 @@ class _Samples:
     chunk: np.ndarray  # where the sample is spilled: chunk number, byte offset and size in chunk-<k>.bin
     offset: np.ndarray
     size: np.ndarray
+    first_length: np.ndarray  # a pair's chosen side's tokens (an SFT sample's: all of them)
     vision_flops: np.ndarray | None = None  # per sample, when a cost model is asked for
 
 
@@ -119,6 +122,12 @@ def prepare(config: PrepareConfig, progress: Progress = _no_progress) -> dict:
     if config.seq_length < 16:
         raise DataError(f"--seq-length {config.seq_length} is too small; use at least 16 (typically 4096-32768)")
     _check_output(pathlib.Path(config.output))
+    config = dataclasses.replace(config, kind=resolve_kind(config.input, config.kind))
+    if config.kind == "preference" and config.truncate:
+        raise DataError(
+            "--truncate does not apply to preference pairs (a cut answer is not the answer that was ranked); drop it: "
+            "a pair longer than --seq-length is quarantined as pair_too_long"
+        )
     settings = _chunk_settings(config, write.partial_dir(config.output))
     # The tokenizer and processor settings, loaded once (a bad --hf-path fails here, before any work); forked
     # workers start with them, and one process uses them directly.
@@ -162,6 +171,7 @@ def _chunk_settings(config: PrepareConfig, work: pathlib.Path) -> chunks.ChunkCo
         family=config.family,
         tokenizer=pathlib.Path(config.hf_path).resolve(),
         seq_length=config.seq_length,
+        kind=config.kind,
         chat_template=config.chat_template.read_text() if config.chat_template else None,
         template_args=tuple(sorted(config.template_args.items())),
         reasoning_loss=config.reasoning_loss,
@@ -243,7 +253,7 @@ def _merge(config: PrepareConfig, work: pathlib.Path, n_chunks: int, state: _Sta
             for row in meta["rejections"]:
                 state.reasons[row["reason"]] += 1
                 quarantine.write(json.dumps(row, ensure_ascii=False) + "\n")
-            for key in ("index", "length", "offset", "size"):
+            for key in ("index", "length", "offset", "size", "first_length"):
                 columns[key].append(summary[key])
             state.media += len(summary["grid_thw"])
             state.vision_patches += int(summary["grid_thw"].prod(axis=1).sum()) if len(summary["grid_thw"]) else 0
@@ -258,6 +268,7 @@ def _merge(config: PrepareConfig, work: pathlib.Path, n_chunks: int, state: _Sta
         chunk=arrays.get("chunk", empty),
         offset=arrays.get("offset", empty),
         size=arrays.get("size", empty),
+        first_length=arrays.get("first_length", empty),
         vision_flops=arrays.get("vision_flops", np.zeros(0)) if shapes is not None else None,
     )
 
@@ -275,9 +286,11 @@ def _vision_flops(vision_shape, summary: dict) -> np.ndarray:
 
 
 def sample_costs(config: PrepareConfig, samples: _Samples) -> np.ndarray:
-    """Forward FLOPs per accepted sample: the LM over its tokens plus the vision tower over its images."""
+    """Forward FLOPs per accepted sample (a pair: both sides): the LM over each sub-sequence's tokens plus the vision
+    tower over its images (a pair's once)."""
     lm, _ = _cost_shapes(config)
-    return lm_flops_per_sequence(lm, samples.length) + samples.vision_flops
+    first, rest = samples.first_length, samples.length - samples.first_length  # rest: 0 for an SFT sample
+    return lm_flops_per_sequence(lm, first) + lm_flops_per_sequence(lm, rest) + samples.vision_flops
 
 
 def _pack(samples: _Samples, config: PrepareConfig) -> PackPlan:
@@ -336,6 +349,8 @@ def _report(config: PrepareConfig, state: _State, lengths: np.ndarray, plan: Pac
     return {
         "family": config.family,
         "seq_length": config.seq_length,
+        "kind": config.kind,
+        **({"pairs": int(len(lengths))} if config.kind == "preference" else {}),  # accepted pairs
         "template_args": dict(sorted(config.template_args.items())),
         "reasoning_loss": config.reasoning_loss,
         "read": state.read,
@@ -371,7 +386,11 @@ def _shard_jobs(work: pathlib.Path, plan: PackPlan, samples: _Samples, config: w
 def _write(config, work, pool, pad_ids, plan: PackPlan, samples: _Samples, state: _State, report: dict, progress):
     start = time.perf_counter()
     write_config = write.WriteConfig(
-        output=config.output, family=config.family, pad_ids=pad_ids, packs_per_shard=config.packs_per_shard
+        output=config.output,
+        family=config.family,
+        pad_ids=pad_ids,
+        packs_per_shard=config.packs_per_shard,
+        pairs=config.kind == "preference",
     )
     shards = write.shard_packs(plan.n_packs, config.packs_per_shard)
     shard_names = [write.shard_name(s) for s in range(len(shards))]
@@ -384,7 +403,7 @@ def _write(config, work, pool, pad_ids, plan: PackPlan, samples: _Samples, state
     # for a one-process run), at most this machine's cores.
     cores = len(os.sched_getaffinity(0))
     write.write_energon_meta(work, shard_names, workers=max(1, min(cores, pool.workers, len(shard_names))))
-    _write_jsonl(work / "packs.jsonl", _pack_rows(plan, samples, config.packs_per_shard))
+    _write_jsonl(work / "packs.jsonl", _pack_rows(plan, samples, config.packs_per_shard, config.kind))
     report["shards"] = len(shard_names)
     state.timings["write"] = round(time.perf_counter() - start, 4)
     (work / "report.json").write_text(json.dumps(report, indent=2))
@@ -402,15 +421,14 @@ def _write_rejections_only(config: PrepareConfig, work: pathlib.Path, report: di
     raise DataError(f"no sample of {config.input} was accepted; the reasons are in {output / 'quarantine.jsonl'}")
 
 
-def _pack_rows(plan: PackPlan, samples: _Samples, packs_per_shard: int) -> Iterator[dict]:
+def _pack_rows(plan: PackPlan, samples: _Samples, packs_per_shard: int, kind: str) -> Iterator[dict]:
     for k in range(plan.n_packs):
         items = plan.pack(k)
-        row = {
-            "pack": k,
-            "shard": write.shard_name(write.shard_of_pack(k, packs_per_shard)),
-            "samples": samples.index[items].tolist(),
-            "lengths": samples.length[items].tolist(),
-        }
+        row = {"pack": k, "shard": write.shard_name(write.shard_of_pack(k, packs_per_shard))}
+        if kind == "preference":
+            row.update(pair_pack_row(items, samples.index, samples.length, samples.first_length))
+        else:
+            row.update(samples=samples.index[items].tolist(), lengths=samples.length[items].tolist())
         row.update({name: column[k].item() for name, column in plan.columns.items()})
         yield row
 

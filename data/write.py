@@ -9,6 +9,9 @@ byte-identical.
 One tar sample is one pack: `<key>.json` (source indices, lengths, grids, media names), `<key>.ids.npy` and
 `<key>.loss.npy` (the expanded token ids and assistant mask of all sub-samples, concatenated), and the media as
 their original encoded bytes: `<key>.img<j>.<ext>`, `<key>.vid<j>.<ext>` or `<key>.vid<j>_<f>.<ext>` (frames).
+A preference pack holds pairs: each pair's chosen and rejected sub-samples adjacent (chosen first), listed in the
+json's `pairs` ([[chosen_sub, rejected_sub], ...]); the rejected side's media name the chosen side's members, so a
+pair's media bytes are stored once.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class WriteConfig:
     family: str
     pad_ids: tuple[int, int]  # (<|image_pad|>, <|video_pad|>) ids, to expand compact tokens
     packs_per_shard: int = 256
+    pairs: bool = False  # a pack's samples are preference pairs, (chosen, rejected) after one another
 
 
 def partial_dir(output: pathlib.Path) -> pathlib.Path:
@@ -150,7 +154,8 @@ def write_shard_from_spill(work: pathlib.Path, shard: int, packs: list[tuple[int
     if not path.is_file():
         reader = SampleReader(work)
         try:
-            write_shard(work, shard, ((k, [reader.read(*where) for where in subs]) for k, subs in packs), config)
+            items = ((k, [s for where in subs for s in reader.read(*where)]) for k, subs in packs)
+            write_shard(work, shard, items, config)
         finally:
             reader.close()
     return len(packs)
@@ -168,11 +173,13 @@ def pack_members(pack: int, subs: list[TokenizedSample], config: WriteConfig) ->
     """The tar members (name, bytes) of one pack."""
     key = f"{pack:09d}"
     ids, loss, meta_subs, media_members = [], [], [], []
-    for sub in subs:
+    for position, sub in enumerate(subs):
         sub_ids, sub_loss = sub.expand(config.pad_ids)
         ids.append(sub_ids)
         loss.append(sub_loss)
-        meta_subs.append(_sub_meta(sub, len(sub_ids), media_members))
+        # A pair's rejected side (odd position) names its chosen side's media members instead of adding its own.
+        shared = meta_subs[-1]["media"] if config.pairs and position % 2 else None
+        meta_subs.append(_sub_meta(sub, len(sub_ids), media_members, shared))
     meta = {
         "pack": pack,
         "family": config.family,
@@ -180,6 +187,8 @@ def pack_members(pack: int, subs: list[TokenizedSample], config: WriteConfig) ->
         "lengths": [int(len(i)) for i in ids],
         "subs": meta_subs,
     }
+    if config.pairs:
+        meta["pairs"] = [[k, k + 1] for k in range(0, len(subs), 2)]
     yield f"{key}.json", json.dumps(meta, separators=(",", ":")).encode()
     yield f"{key}.ids.npy", _npy(np.concatenate(ids).astype(np.int32))
     yield f"{key}.loss.npy", _npy(np.concatenate(loss).astype(np.uint8))
@@ -187,7 +196,19 @@ def pack_members(pack: int, subs: list[TokenizedSample], config: WriteConfig) ->
         yield f"{key}.{member}", path.read_bytes()
 
 
-def _sub_meta(sub: TokenizedSample, length: int, media_members: list) -> dict:
+def _sub_meta(sub: TokenizedSample, length: int, media_members: list, shared: list[dict] | None = None) -> dict:
+    return {
+        "index": sub.index,
+        "length": length,
+        "image_grid_thw": [list(g) for g in sub.image_grids],
+        "video_grid_thw": [list(g) for g in sub.video_grids],
+        "second_per_grid_ts": sub.video_second_per_grid,
+        "media": _media_meta(sub, media_members) if shared is None else shared,
+    }
+
+
+def _media_meta(sub: TokenizedSample, media_members: list) -> list[dict]:
+    """The sub-sample's media entries; its files join `media_members` as (member name, path)."""
     media = []
     for info in sub.media:
         j = len(media_members)
@@ -203,14 +224,7 @@ def _sub_meta(sub: TokenizedSample, length: int, media_members: list) -> dict:
             name = f"vid{j}{_ext(info.path)}"
             media_members.append((name, info.path))
             media.append({"kind": "video", "member": name, "frame_indices": info.frame_indices, "fps": info.fps})
-    return {
-        "index": sub.index,
-        "length": length,
-        "image_grid_thw": [list(g) for g in sub.image_grids],
-        "video_grid_thw": [list(g) for g in sub.video_grids],
-        "second_per_grid_ts": sub.video_second_per_grid,
-        "media": media,
-    }
+    return media
 
 
 def _ext(path: pathlib.Path) -> str:
