@@ -37,7 +37,7 @@ from qvl.foundation.errors import ConversionError
 logger = logging.getLogger(__name__)
 
 MTP_PREFIX = "mtp."
-_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.")  # HF `mtp.layers.0.` or Megatron `...mtp.layers.0.`
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -94,8 +94,8 @@ def checkpoint_mtp_names(hf_path: Path) -> list[str]:
 
 
 def mtp_layer_count(names: list[str]) -> int:
-    """How many MTP layers the tensor names hold (`mtp.layers.N.*`)."""
-    return len({int(m.group(1)) for m in map(_LAYER.match, names) if m})
+    """How many MTP layers the tensor names hold (HF `mtp.layers.N.*`, Megatron `language_model.mtp.layers.N.*`)."""
+    return len({int(m.group(1)) for m in map(_LAYER.search, names) if m})
 
 
 def read_mtp_tensors(hf_path: Path) -> dict[str, torch.Tensor]:

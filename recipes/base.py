@@ -293,40 +293,63 @@ def build_model(arch: Architecture, o: RecipeOptions) -> Any:
 
 
 def _apply_mtp(model: Any, o: RecipeOptions, name: str) -> None:
-    """Train the checkpoint's multi-token-prediction layers (qvl.training.mtp) or build none; refuse `mtp=true` for a
-    model or an HF checkpoint without them, or whose tensors hold another layer count."""
+    """Train the multi-token-prediction layers (qvl.training.mtp) or build none. `mtp=None` follows the checkpoint
+    training starts from: its head trains where it has one, none is built where it has none, and one info line says
+    which; `mtp=true` on a model or checkpoint without a head is refused, naming `mtp=false`."""
     configured = getattr(model, "mtp_num_layers", None) or 0
-    if not o.mtp:
-        model.mtp_num_layers = None  # the checkpoint's mtp.* stay aside and export unchanged (qvl.bridges.unconverted)
+    model.mtp_num_layers = None  # none built unless trained: the checkpoint's mtp.* export unchanged (unconverted.py)
+    if o.mtp is False:
         return
     if not configured:
-        raise ConfigError(
-            f"mtp=true, but {name} has no multi-token-prediction layers (no mtp_num_hidden_layers in its "
-            "config.json); drop mtp=true"
-        )
-    weights = Path(o.hf_path).is_dir() and any(Path(o.hf_path).glob("*.safetensors"))
-    found = mtp_layer_count(checkpoint_mtp_names(Path(o.hf_path))) if weights else configured
-    if found != configured:
-        raise ConfigError(
-            f"mtp=true, but hf_path={o.hf_path} holds {found} MTP layer(s) of mtp.* tensors where its config.json "
-            f"says mtp_num_hidden_layers={configured}; "
-            + ("train with mtp=false (its MTP head was not saved)" if not found else "fix mtp_num_hidden_layers")
-        )
+        if o.mtp:
+            raise ConfigError(f"mtp=true, but {name} has no multi-token-prediction layers (no mtp_num_hidden_layers "
+                              "in its config.json); train with mtp=false")  # fmt: skip
+        logger.info("multi-token prediction: hf_path=%s has no mtp_num_hidden_layers; training without", o.hf_path)
+        return
+    source, found = _mtp_layers_at_start(o, configured)
+    if found and found != configured:
+        raise ConfigError(f"{source} holds {found} MTP layer(s) where hf_path={o.hf_path}/config.json says "
+                          f"mtp_num_hidden_layers={configured}; fix mtp_num_hidden_layers")  # fmt: skip
+    if o.mtp and not found:
+        raise ConfigError(f"mtp=true, but {source} has no multi-token-prediction weights (its MTP head was not saved "
+                          "or not converted); train with mtp=false")  # fmt: skip
+    if o.mtp is None:  # followed the checkpoint: say which way
+        if not found or o.context_parallel > 1:
+            why = f"an MTP head, but context_parallel={o.context_parallel} cannot train it" if found else "no MTP head"
+            logger.info("multi-token prediction: %s has %s; training without", source, why)
+            return
+        logger.info("multi-token prediction: %s has %d MTP layer(s); training them (mtp=false leaves them aside)",
+                    source, found)  # fmt: skip
+    model.mtp_num_layers = configured
     model.mtp_loss_scaling_factor = o.mtp_loss_scale
+
+
+def _mtp_layers_at_start(o: RecipeOptions, configured: int) -> tuple[str, int]:
+    """(what, MTP layer count) of the weights training starts from: the run's own checkpoint when resuming, else the
+    pretrained Megatron checkpoint, else the HF checkpoint's safetensors; a config alone (a hub id) holds what it
+    says."""
+    for option, path in (("checkpoint_dir", o.checkpoint_dir), ("pretrained_checkpoint", o.pretrained_checkpoint)):
+        if path and (has_checkpoint(Path(path)) or (Path(path) / ".metadata").is_file()):
+            return f"{option}={path}", mtp_layer_count(checkpoint_tensor_names(Path(path), option))
+    if Path(o.hf_path).is_dir() and any(Path(o.hf_path).glob("*.safetensors")):
+        return f"hf_path={o.hf_path}", mtp_layer_count(checkpoint_mtp_names(Path(o.hf_path)))
+    return f"hf_path={o.hf_path}", configured
 
 
 def check_mtp_checkpoint(config: Any) -> None:
     """With MTP layers to train, the pretrained Megatron checkpoint (when not resuming) must hold them: refuse one
-    converted without (an HF checkpoint without mtp.* tensors) before Megatron fails to load it."""
+    converted without (an HF checkpoint without mtp.* tensors) before Megatron fails to load it. The recipe already
+    chose from that checkpoint (`_apply_mtp`); this catches one set later (`checkpoint.pretrained_checkpoint=...`)."""
     if not getattr(config.model, "mtp_num_layers", None) or not config.checkpoint.pretrained_checkpoint:
         return
     if config.checkpoint.load and has_checkpoint(Path(config.checkpoint.load)):
         return
     path = Path(config.checkpoint.pretrained_checkpoint)
-    if not any(".mtp." in name for name in checkpoint_tensor_names(path, "pretrained_checkpoint")):
+    if not mtp_layer_count(checkpoint_tensor_names(path, "pretrained_checkpoint")):
         raise ConfigError(
-            f"mtp=true, but pretrained_checkpoint={path} has no multi-token-prediction weights (it was converted "
-            "from a checkpoint without mtp.* tensors); train with mtp=false"
+            f"the model trains {config.model.mtp_num_layers} multi-token-prediction layer(s), but "
+            f"pretrained_checkpoint={path} has no MTP weights (it was converted from a checkpoint without mtp.* "
+            "tensors); train with mtp=false"
         )
 
 

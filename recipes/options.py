@@ -57,7 +57,8 @@ class RecipeOptions:
     freeze: tuple[str, ...] = ()  # any of vision, projector, language
     # Multi-token prediction (Qwen3.5 / 3.6 / 3.8): train the checkpoint's MTP layers beside the LM, their loss
     # scaled by mtp_loss_scale (Megatron-Bridge's recipes: 0.1); off, the checkpoint's mtp.* export unchanged.
-    mtp: bool = False
+    # None (the SFT and PEFT default of those families) follows the checkpoint: its head trains where it has one.
+    mtp: bool | None = False
     mtp_loss_scale: float = 0.1
     lr: float = 1e-5
     min_lr: float = 1e-6

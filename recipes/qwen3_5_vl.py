@@ -45,10 +45,12 @@ SAME_SHAPE = {"3.6-27b": "27b", "3.6-35b-a3b": "35b-a3b", "3.8-27b": "27b"}
 DEFAULTS |= {
     (size, stage): DEFAULTS[base, stage] for size, base in SAME_SHAPE.items() for stage in ("pretrain", "sft", "peft")
 }
-# Non-layout defaults per (size, stage): the checkpoints' multi-token-prediction layer trains in SFT and PEFT, as in
-# Megatron-Bridge's Qwen3.5-VL recipes (mtp_num_layers 1, mtp_loss_scaling_factor 0.1); pretraining leaves it aside.
+# Non-layout defaults per (size, stage): the checkpoint's multi-token-prediction layer trains in SFT and PEFT where
+# the checkpoint has one, as in Megatron-Bridge's Qwen3.5-VL recipes (mtp_num_layers 1, mtp_loss_scaling_factor 0.1),
+# and none is built where it has none (transformers saves no `mtp.*`); pretraining leaves it aside
+# (qvl.recipes.base._apply_mtp).
 SETTINGS: dict[tuple[str, str], dict] = {
-    (size, stage): dict(mtp=True) for size, _ in DEFAULTS for stage in ("sft", "peft")
+    (size, stage): dict(mtp=None) for size, _ in DEFAULTS for stage in ("sft", "peft")
 }
 
 
@@ -143,13 +145,13 @@ def qwen3_6_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
 
 @recipe(family=FAMILY, size="3.6-27b", stage="sft", **DEFAULTS["3.6-27b", "sft"])
 def qwen3_6_vl_27b_sft(**overrides: Any) -> ConfigContainer:
-    """Qwen3.6-27B full fine-tuning (MTP trained)."""
+    """Qwen3.6-27B full fine-tuning (MTP trained where the checkpoint has a head)."""
     return qwen3_5_vl(size="3.6-27b", stage="sft", **overrides)
 
 
 @recipe(family=FAMILY, size="3.6-27b", stage="peft", **DEFAULTS["3.6-27b", "peft"])
 def qwen3_6_vl_27b_peft(**overrides: Any) -> ConfigContainer:
-    """Qwen3.6-27B LoRA fine-tuning (MTP trained)."""
+    """Qwen3.6-27B LoRA fine-tuning (MTP trained where the checkpoint has a head)."""
     return qwen3_5_vl(size="3.6-27b", stage="peft", **overrides)
 
 
@@ -161,13 +163,13 @@ def qwen3_6_vl_35b_a3b_pretrain(**overrides: Any) -> ConfigContainer:
 
 @recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="sft", **DEFAULTS["3.6-35b-a3b", "sft"])
 def qwen3_6_vl_35b_a3b_sft(**overrides: Any) -> ConfigContainer:
-    """Qwen3.6-35B-A3B (MoE) full fine-tuning (MTP trained)."""
+    """Qwen3.6-35B-A3B (MoE) full fine-tuning (MTP trained where the checkpoint has a head)."""
     return qwen3_5_vl(size="3.6-35b-a3b", stage="sft", **overrides)
 
 
 @recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="peft", **DEFAULTS["3.6-35b-a3b", "peft"])
 def qwen3_6_vl_35b_a3b_peft(**overrides: Any) -> ConfigContainer:
-    """Qwen3.6-35B-A3B (MoE) LoRA fine-tuning (MTP trained)."""
+    """Qwen3.6-35B-A3B (MoE) LoRA fine-tuning (MTP trained where the checkpoint has a head)."""
     return qwen3_5_vl(size="3.6-35b-a3b", stage="peft", **overrides)
 
 
@@ -179,11 +181,11 @@ def qwen3_8_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
 
 @recipe(family=FAMILY, size="3.8-27b", stage="sft", **DEFAULTS["3.8-27b", "sft"])
 def qwen3_8_vl_27b_sft(**overrides: Any) -> ConfigContainer:
-    """Qwen3.8-27B full fine-tuning (MTP trained)."""
+    """Qwen3.8-27B full fine-tuning (MTP trained where the checkpoint has a head)."""
     return qwen3_5_vl(size="3.8-27b", stage="sft", **overrides)
 
 
 @recipe(family=FAMILY, size="3.8-27b", stage="peft", **DEFAULTS["3.8-27b", "peft"])
 def qwen3_8_vl_27b_peft(**overrides: Any) -> ConfigContainer:
-    """Qwen3.8-27B LoRA fine-tuning (MTP trained)."""
+    """Qwen3.8-27B LoRA fine-tuning (MTP trained where the checkpoint has a head)."""
     return qwen3_5_vl(size="3.8-27b", stage="peft", **overrides)

@@ -41,6 +41,18 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
     return found
 
 
+def without_mtp_head(hf: Path, *, in_config: bool = False) -> Path:
+    """The HF checkpoint at `hf` as transformers saves it (its `mtp.*` tensors dropped) or, with `in_config`, as
+    built without an MTP head (no `mtp_num_hidden_layers` in its config either)."""
+    weights = load_file(str(hf / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if not k.startswith("mtp.")}, str(hf / "model.safetensors"))
+    if in_config:
+        config = json.loads((hf / "config.json").read_text())
+        del config["text_config"]["mtp_num_hidden_layers"]
+        (hf / "config.json").write_text(json.dumps(config))
+    return hf
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> dict[str, dict]:
     """Each checkpoint written, imported, verified and exported (one set of processes for each stage)."""
@@ -82,9 +94,7 @@ def test_export_round_trips_every_tensor_bit_for_bit_mtp_included(converted, nam
 
 
 def test_a_config_with_mtp_layers_but_no_tensors_imports_without_them(tmp_path):
-    hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen3_5_vl", seed=1)
-    weights = load_file(str(hf / "model.safetensors"))
-    save_file({k: v for k, v in weights.items() if not k.startswith("mtp.")}, str(hf / "model.safetensors"))
+    hf = without_mtp_head(write_tiny_hf_checkpoint(tmp_path / "hf", "qwen3_5_vl", seed=1))
     assert mtp_layers_in_checkpoint(hf, 1) == 0
 
 

@@ -1,8 +1,10 @@
 """Qwen3.5-VL recipes (and Qwen3.6 / Qwen3.8's): what the planner counts that other families do not have (Gated
-DeltaNet layers, the 248,320-token vocabulary's logits), multi-token prediction on by default where Megatron-Bridge
-trains it, and the vision balancing refusal shared with Qwen3-VL."""
+DeltaNet layers, the 248,320-token vocabulary's logits), multi-token prediction where Megatron-Bridge trains it when
+the checkpoint has a head (none built when it has none), and the vision balancing refusal shared with Qwen3-VL."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -57,10 +59,63 @@ def test_mtp_trains_by_default_in_sft_and_peft_at_megatron_bridges_scale(name, m
 
 
 def test_mtp_is_refused_for_a_family_without_it_and_with_context_parallelism():
-    with pytest.raises(ConfigError, match="has no multi-token-prediction layers.*drop mtp=true"):
+    with pytest.raises(ConfigError, match="has no multi-token-prediction layers.*train with mtp=false"):
         get_recipe("qwen3_vl_8b_sft").fn(mtp=True)
     with pytest.raises(ConfigError, match="mtp=true needs context_parallel=1"):
-        get_recipe("qwen3_5_vl_9b_sft").fn(context_parallel=2)
+        get_recipe("qwen3_5_vl_9b_sft").fn(mtp=True, context_parallel=2)
+    # followed from the checkpoint, the head is left aside where context parallelism cannot train it
+    assert get_recipe("qwen3_5_vl_9b_sft").fn(context_parallel=2).model.mtp_num_layers is None
+
+
+@pytest.fixture(scope="module")
+def headless(tmp_path_factory) -> dict[str, str]:
+    """Tiny Qwen3.5-VL checkpoints without an MTP head: dense and MoE as transformers saves them (no `mtp.*`), and
+    dense built without `mtp_num_hidden_layers`."""
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from tests.bridges.test_qwen3_5_vl import without_mtp_head
+
+    root = tmp_path_factory.mktemp("headless")
+    return {
+        "qwen3_5_vl": str(without_mtp_head(write_tiny_hf_checkpoint(root / "dense", "qwen3_5_vl"))),
+        "qwen3_5_vl_moe": str(without_mtp_head(write_tiny_hf_checkpoint(root / "moe", "qwen3_5_vl_moe"))),
+        "unconfigured": str(without_mtp_head(write_tiny_hf_checkpoint(root / "bare", "qwen3_5_vl"), in_config=True)),
+    }
+
+
+FINE_TUNES = sorted(r.name for r in all_recipes() if r.family.startswith("qwen3_5_vl") and r.stage in ("sft", "peft"))
+
+
+def test_a_checkpoint_without_an_mtp_head_trains_with_every_fine_tuning_recipe_without_options(
+    headless, tmp_path, caplog
+):
+    """As `qvl train RECIPE hf_path=HF --model tiny` prepares it: no MTP layers built, one info line saying why;
+    the same recipes on a checkpoint with a head train it (test_train_mtp.py)."""
+    from qvl.training.loop import TrainRequest, prepare_config
+
+    assert len(FINE_TUNES) == 14
+    for name in FINE_TUNES:
+        hf = headless[get_recipe(name).family]
+        caplog.clear()
+        with caplog.at_level("INFO", logger="qvl.recipes.base"):
+            request = TrainRequest(recipe=name, overrides={"hf_path": hf}, run_dir=tmp_path / name, model="tiny")
+            config = prepare_config(request, cpu=True)[1]
+        assert config.model.mtp_num_layers is None, name
+        lines = [r.getMessage() for r in caplog.records if "multi-token prediction" in r.getMessage()]
+        assert lines == [f"multi-token prediction: hf_path={hf} has no MTP head; training without"], (name, lines)
+    bare = TrainRequest(recipe="qwen3_5_vl_9b_peft", overrides={"hf_path": headless["unconfigured"]},
+                        run_dir=tmp_path / "bare", model="tiny")  # fmt: skip
+    assert prepare_config(bare, cpu=True)[1].model.mtp_num_layers is None
+
+
+def test_mtp_typed_on_a_checkpoint_without_a_head_is_the_one_error_and_names_mtp_false(headless, tmp_path):
+    from qvl.training.loop import TrainRequest, prepare_config
+
+    for hf, found in ((headless["qwen3_5_vl"], "has no multi-token-prediction weights"),
+                      (headless["unconfigured"], "has no multi-token-prediction layers")):  # fmt: skip
+        request = TrainRequest(recipe="qwen3_5_vl_9b_sft", overrides={"hf_path": hf, "mtp": True}, run_dir=tmp_path,
+                               model="tiny")  # fmt: skip
+        with pytest.raises(ConfigError, match=f"mtp=true, but .*{found}.*; train with mtp=false$"):
+            prepare_config(request, cpu=True)
 
 
 def test_the_plan_reports_the_mtp_share_of_a_step():
@@ -74,3 +129,31 @@ def test_the_plan_reports_the_mtp_share_of_a_step():
     assert 0.08 < share < 0.2, share
     assert plan_config(get_recipe("qwen3_5_vl_9b_sft").fn(mtp=False), gpus=4).mtp_share == 0.0
     assert plan_config(get_recipe("qwen3_5_vl_9b_pretrain").fn(), gpus=4).mtp_share == 0.0
+
+
+def fake_megatron_checkpoint(path: Path, names: list[str]) -> Path:
+    """A torch_dist checkpoint folder holding zero tensors of `names` (all the recipe reads is its metadata)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from qvl.bridges.checkpoints import LATEST_FILE
+
+    dcp.save({name: torch.zeros(1) for name in names}, checkpoint_id=str(path / "iter_0000001"), no_dist=True)
+    (path / LATEST_FILE).write_text("1")
+    return path
+
+
+def test_the_checkpoint_training_starts_from_decides_whether_mtp_trains(headless, tmp_path):
+    """The pretrained Megatron checkpoint decides over the HF folder beside it, and a run's own checkpoint (resuming)
+    over both: a head trains where the weights training starts from have one."""
+    layers = ["language_model.decoder.layers.0.mlp.linear_fc1.weight"]
+    with_head = fake_megatron_checkpoint(tmp_path / "with", [*layers, "language_model.mtp.layers.0.enorm.weight"])
+    without = fake_megatron_checkpoint(tmp_path / "without", layers)
+    recipe = get_recipe("qwen3_5_vl_9b_sft").fn
+    common = dict(hf_path=headless["qwen3_5_vl"], tensor_parallel=1, checkpoint_dir=str(tmp_path / "run"))
+    assert recipe(**common, pretrained_checkpoint=str(with_head)).model.mtp_num_layers == 1
+    assert recipe(**common, pretrained_checkpoint=str(without)).model.mtp_num_layers is None
+    with pytest.raises(ConfigError, match=f"mtp=true, but pretrained_checkpoint={without} has no .*mtp=false$"):
+        recipe(**common, pretrained_checkpoint=str(without), mtp=True)
+    resumed = {**common, "checkpoint_dir": str(with_head)}
+    assert recipe(**resumed, pretrained_checkpoint=str(without)).model.mtp_num_layers == 1

@@ -2,17 +2,18 @@
 multi-token-prediction head imported, reasoning-trace data rendered by its template (`reasoning_effort=low`), MTP
 trained by default (scale 0.1) beside the LM on packed data on CPU. Both losses are logged and fall, a run stopped
 after step 3 and resumed reproduces both bit for bit, the exported `mtp.*` tensors have moved; with `mtp=false` they
-export unchanged. A checkpoint without `mtp.*` is refused with the option that fixes it."""
+export unchanged. A checkpoint without `mtp.*` (as transformers saves it) trains without options and builds no MTP
+layer; `mtp=true` on it is refused with the option that fixes it."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from qvl.training.loop import read_losses
-from tests.bridges.test_qwen3_5_vl import tensors
+from tests.bridges.test_qwen3_5_vl import tensors, without_mtp_head
 from tests.run_qvl import qvl_in_process
 from tests.training.test_train import ARGS as TRAIN_ARGS
 from tests.training.test_train import STEPS
@@ -22,7 +23,7 @@ ARGS = ["qwen3_8_vl_27b_sft", *TRAIN_ARGS[1:]]  # test_train's settings, on a Qw
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory) -> dict[str, Any]:
     from qvl.bridges.convert import copy_hf_side_files
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.samples import write_sample_dataset
@@ -41,12 +42,27 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     assert "trained 3 steps" in stopped and "Traceback" not in stopped, stopped[-4000:]
     qvl_in_process("train", *common, "--run-dir", str(root / "resumed"))  # the same command again resumes from 3
     qvl_in_process("train", *common, "mtp=false", "train_iters=2", "--run-dir", str(root / "no_mtp"))
+    # the same recipe, no MTP option, from a checkpoint saved without its head
+    headless = without_mtp_head(write_tiny_hf_checkpoint(root / "hf_headless", FAMILY, release="3.8"))
+    qvl_in_process(
+        "convert", "import", str(headless), str(root / "megatron_headless"), "--dtype", "fp32", "--device", "cpu"
+    )
+    no_head = [
+        *ARGS,
+        f"data={root / 'data'}",
+        f"hf_path={headless}",
+        f"pretrained_checkpoint={root / 'megatron_headless'}",
+    ]
+    headless_output = qvl_in_process(
+        "train", *no_head, "train_iters=2", "--model", "tiny", "--device", "cpu", "--run-dir", str(root / "headless")
+    )
     for run in ("full", "no_mtp"):  # with the converted checkpoint's hf/ folder: config, names, kept-aside mtp.*
         copy_hf_side_files(root / "megatron" / "hf", root / run / "checkpoints" / "hf")
         qvl_in_process(
             "convert", "export", str(root / run / "checkpoints"), str(root / run / "export"), "--device", "cpu"
         )
-    return {"hf": hf, **{run: root / run for run in ("full", "resumed", "no_mtp")}}
+    runs = {run: root / run for run in ("full", "resumed", "no_mtp", "headless")}
+    return {"hf": hf, "headless_output": headless_output, **runs}
 
 
 @pytest.mark.slow
@@ -78,19 +94,7 @@ def test_without_mtp_the_head_exports_unchanged(runs):
     assert read_losses(runs["no_mtp"], "mtp_loss") == {}
 
 
-def test_mtp_on_for_a_checkpoint_without_an_mtp_head_names_the_fix(tmp_path, cpu_runtime):
-    from safetensors.torch import load_file, save_file
-
-    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
-    from qvl.foundation.errors import ConfigError
-    from qvl.training.loop import TrainRequest, prepare_config
-
-    hf = write_tiny_hf_checkpoint(tmp_path / "hf", FAMILY)
-    weights = load_file(str(hf / "model.safetensors"))
-    save_file({k: v for k, v in weights.items() if not k.startswith("mtp.")}, str(hf / "model.safetensors"))
-    request = TrainRequest(recipe="qwen3_5_vl_9b_sft", overrides={"hf_path": str(hf)}, run_dir=tmp_path, device="cpu")
-    with pytest.raises(ConfigError, match=r"holds 0 MTP layer.*train with mtp=false"):
-        prepare_config(request)
-    off = {"hf_path": str(hf), "mtp": False, "tensor_parallel": 1}
-    off = TrainRequest(recipe="qwen3_5_vl_9b_sft", overrides=off, run_dir=tmp_path)
-    assert prepare_config(off)[1].model.mtp_num_layers is None
+@pytest.mark.slow
+def test_a_checkpoint_without_an_mtp_head_trains_without_options(runs):
+    assert sorted(read_losses(runs["headless"])) == [1, 2] and read_losses(runs["headless"], "mtp_loss") == {}
+    assert "has no MTP head; training without" in runs["headless_output"]
