@@ -1,4 +1,5 @@
-"""The Megatron-Bridge dataset hook: train loaders over a `qvl data prepare` dataset for `pretrain()/finetune()`."""
+"""The Megatron-Bridge dataset hooks: train loaders over a `qvl data prepare` dataset for `pretrain()/finetune()`,
+of conversations (`build_packed_datasets`) or of preference pairs (`build_preference_datasets`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from qvl.data.encode import QwenVLPackedTaskEncoder
 from qvl.data.planned import PlannedPackLoader, read_dp_plan
+from qvl.data.preference_encode import PreferenceTaskEncoder
 from qvl.data.write import CRUDE_CONFIG
 
 
@@ -17,15 +19,29 @@ def build_packed_datasets(config: Any, context: Any) -> tuple[Any, None, None]:
     dataset has one else Energon's savable loader in file order (no shuffle buffer, so runs
     repeat exactly). Both resume at the saved stream position through Megatron-Bridge's checkpointing.
     """
+    encoder = QwenVLPackedTaskEncoder(hf_path=pathlib.Path(config.hf_path), family=config.family)
+    return train_loader(config, encoder), None, None
+
+
+def build_preference_datasets(config: Any, context: Any) -> tuple[Any, None, None]:
+    """Megatron-Bridge DatasetProvider hook for a dataset of preference pairs: as `build_packed_datasets`, with
+    batches that say which sub-sequences pair up and, where `config.reference` names a reference folder (None:
+    none), each side's reference log-prob (qvl.data.preference_encode)."""
+    reference = None if config.reference is None else pathlib.Path(config.reference)
+    encoder = PreferenceTaskEncoder(hf_path=pathlib.Path(config.hf_path), family=config.family, reference=reference)
+    return train_loader(config, encoder), None, None
+
+
+def train_loader(config: Any, encoder: QwenVLPackedTaskEncoder) -> Any:
+    """This data-parallel rank's train loader over `config.path` through `encoder` (planned, else Energon's)."""
     from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader
     from megatron.core import parallel_state
     from megatron.energon import WorkerConfig, get_savable_loader
 
     path = pathlib.Path(config.path)
-    encoder = QwenVLPackedTaskEncoder(hf_path=pathlib.Path(config.hf_path), family=config.family)
     rank, world = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     if read_dp_plan(path):
-        planned = PlannedPackLoader(
+        return PlannedPackLoader(
             path,
             encoder,
             rank=rank,
@@ -34,10 +50,9 @@ def build_packed_datasets(config: Any, context: Any) -> tuple[Any, None, None]:
             micro_batch_size=config.micro_batch_size,
             num_workers=config.num_workers,
         )
-        return planned, None, None
     worker = WorkerConfig(rank=rank, world_size=world, num_workers=config.num_workers)
     dataset = energon_train_dataset(path, encoder, micro_batch_size=config.micro_batch_size, worker=worker)
-    return EnergonDataloader(get_savable_loader(dataset, worker_config=worker)), None, None
+    return EnergonDataloader(get_savable_loader(dataset, worker_config=worker))
 
 
 def energon_train_dataset(path: pathlib.Path, encoder: Any, *, micro_batch_size: int, worker: Any) -> Any:

@@ -32,14 +32,15 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
     rows = [
         ("family", report["family"]),
         ("seq_length", f"{report['seq_length']:,}"),
+        ("kind", report.get("kind", "sft")),  # datasets written before preference pairs are SFT
         ("read", f"{report['read']:,}"),
-        ("accepted", f"{report['accepted']:,}"),
+        ("accepted", f"{report['accepted']:,}" + (" pairs" if "pairs" in report else "")),
         ("quarantined", f"{report['quarantined']:,}"),
     ]
     rows += [(f"  {reason}", f"{count:,}") for reason, count in report["quarantined_by_reason"].items()]
     rows += [
         ("truncated", f"{report.get('truncated', 0):,}"),
-        ("total tokens", f"{report['total_tokens']:,}"),
+        ("total tokens", f"{report['total_tokens']:,}" + (" (both sides)" if "pairs" in report else "")),
         ("packed sequences", f"{report['packed_sequences']:,}"),
         ("shards", f"{report.get('shards', 0):,}"),
         ("packing efficiency", f"{100 * report['packing_efficiency']:.2f}%"),

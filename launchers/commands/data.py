@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from qvl.data.parallel import RayConfig
+from qvl.data.preference import KINDS
 from qvl.data.prepare import PrepareConfig, prepare
 from qvl.data.stats import load_report, plot_lengths_and_fill, report_rows
 from qvl.data.write import partial_dir
@@ -31,7 +32,19 @@ def register(subparsers) -> None:
 
 def _add_prepare(commands) -> None:
     p = commands.add_parser("prepare", help="ingest, validate, count, pack and write an Energon dataset")
-    p.add_argument("--input", type=pathlib.Path, required=True, help="LLaVA/ShareGPT or OpenAI-messages JSON/JSONL")
+    p.add_argument(
+        "--input",
+        type=pathlib.Path,
+        required=True,
+        help="JSON/JSONL of conversations (LLaVA/ShareGPT, OpenAI messages) or preference pairs (TRL, RLAIF-V, "
+        "ms-swift, LLaMA-Factory)",
+    )
+    p.add_argument(
+        "--kind",
+        choices=KINDS,
+        default="auto",
+        help="sft: conversations; preference: chosen/rejected pairs, packed together; auto: as the first record is",
+    )
     p.add_argument("--media-root", type=pathlib.Path, required=True, help="directory the media paths are relative to")
     p.add_argument("--family", choices=list(FAMILIES), required=True)
     p.add_argument(
@@ -158,6 +171,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         hf_path=args.hf_path,
         seq_length=args.seq_length,
         output=args.output,
+        kind=args.kind,
         system_prompt=args.system_prompt,
         chat_template=args.chat_template,
         template_args=template_args(args.template_arg),
