@@ -6,17 +6,35 @@ the whole model is built; these checks name the folder, the file and the fix in 
 
 from __future__ import annotations
 
+import logging
+import os
 import pickle
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 from qvl.foundation.errors import ConversionError
+from qvl.foundation.rendezvous import rendezvous
+
+logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+# A checkpoint folder's HF side (config, tokenizer, processor, kept-aside tensors, tensor names): written by
+# `qvl convert import`, kept with a run's checkpoints by `qvl train`, read by export and verify.
+HF_FILES_DIR = "hf"
 
 
 def has_checkpoint(path: Path) -> bool:
     """Whether `path` holds a Megatron checkpoint to resume from (its latest-iteration file)."""
     return (Path(path) / LATEST_FILE).is_file()
+
+
+def checkpoints_of(path: Path) -> Path:
+    """The checkpoint folder of `path`: a `qvl train` run directory's `checkpoints/`, else `path` itself."""
+    path = Path(path)
+    inner = path / "checkpoints"
+    return inner if not has_checkpoint(path) and (inner / LATEST_FILE).is_file() else path
 
 
 def iteration_dir(path: Path, what: str) -> Path:
@@ -93,3 +111,49 @@ def checkpoint_tensor_names(path: Path, what: str = "checkpoint") -> list[str]:
 
     folder = check_megatron_checkpoint(path, what)
     return sorted(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+
+def keep_hf_side(config: Any) -> Path | None:
+    """Keep the HF side files of the checkpoint a run starts from with the run's checkpoints (CHECKPOINTS/hf), so
+    `qvl convert export RUN OUT` and `export-adapter` need nothing copied by hand; returns that folder, or None where
+    the run has none to keep (it logs which flag gives the HF side at export). Rank 0 copies; a resumed run keeps
+    what it has."""
+    save = config.checkpoint.save
+    if not save or rendezvous(os.environ).rank != 0:
+        return None
+    kept = Path(save) / HF_FILES_DIR
+    if (kept / "config.json").is_file():
+        return kept
+    pretrained = config.checkpoint.pretrained_checkpoint
+    if not pretrained:
+        logger.warning(
+            "this run starts from scratch (no pretrained_checkpoint), so its checkpoints keep no HF config; export "
+            "it with `qvl convert export %s OUT --hf HF_DIR`, HF_DIR an HF checkpoint of its architecture",
+            save,
+        )
+        return None
+    source = Path(pretrained) / HF_FILES_DIR
+    if not (source / "config.json").is_file() and not (Path(pretrained) / "config.json").is_file():
+        logger.warning(
+            "pretrained_checkpoint=%s has no %s/ folder (it was not written by `qvl convert import`), so this run "
+            "keeps no HF side files; export it with `qvl convert export %s OUT --hf HF_DIR`, HF_DIR the HF "
+            "checkpoint it was converted from", pretrained, HF_FILES_DIR, save,
+        )  # fmt: skip
+        return None
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".hf-", dir=kept.parent))  # renamed into place whole
+    if (source / "config.json").is_file():
+        shutil.copytree(source, staging, dirs_exist_ok=True)
+    else:  # an HF checkpoint directory itself (Megatron-Bridge loads those as pretrained_checkpoint)
+        from qvl.bridges.convert import write_hf_side  # torch, safetensors
+
+        write_hf_side(Path(pretrained), staging)
+    if kept.exists():  # an empty or partial folder: filled in place
+        shutil.copytree(staging, kept, dirs_exist_ok=True)
+        shutil.rmtree(staging)
+    else:
+        staging.rename(kept)
+    logger.info(
+        "kept the HF side files of %s in %s (config, tokenizer, processor, kept-aside tensors)", pretrained, kept
+    )
+    return kept

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from qvl.bridges.checkpoints import check_megatron_checkpoint, has_checkpoint
+from qvl.bridges.checkpoints import check_megatron_checkpoint, has_checkpoint, keep_hf_side
 from qvl.foundation import megatron, runtime
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.rendezvous import rendezvous_environment
@@ -211,6 +211,7 @@ def train(
     import qvl.bridges.registration  # noqa: F401  (registers qvl's bridges with Megatron-Bridge)
 
     stage = stage_step(config)
+    keep_hf_side(config)  # the pretrained checkpoint's HF side with the run's checkpoints: export needs nothing else
     if stop_after:
         config.train.exit_interval = stop_after  # Megatron-Bridge saves a checkpoint and exits
     callbacks = CallbackManager()
