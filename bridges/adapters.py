@@ -7,7 +7,7 @@ meaning is, and `adapter_config` turns that into Megatron-Bridge's `LoRA` / `DoR
 - the transform runs with Megatron-Bridge's TE flags corrected where TE is absent (qvl.kernels.fix_peft_without_te);
 - a target that matches no module of the model is an error naming the target (upstream only warns);
 - DoRA leaves a linear's own bias out of the magnitude scaling, as the DoRA paper and `peft` do (upstream scales the
-  bias of a linear that adds it itself, e.g. Qwen2's fused qkv).
+  bias of a linear that adds it itself, e.g. Qwen2's fused qkv), and keeps a 2-D output 2-D (the vision merger's).
 """
 
 # ruff: noqa: E402  (Megatron-Bridge must be imported through import_megatron_bridge first, as in qwen3_vl.py)
@@ -173,21 +173,22 @@ class QvlDoRA(_QvlAdapters, DoRA):
 
 
 class BiasOutsideDoRALinear(DoRALinear):
-    """DoRA whose magnitude scales W x + s B A x only: m / ||W + s B A|| (W x + s B A x) + b.
+    """DoRA whose magnitude scales W x + s B A x only: m / ||W + s B A|| (W x + s B A x) + b, at any input rank.
 
     Megatron-Core linears that add their bias themselves (`skip_bias_add=False`, e.g. the fused qkv of Qwen2's
     attention) return W x + b, and upstream's DoRALinear (dora_layers.py, forward) scales that bias too, and adds it
-    once more to its dropout correction; `peft` and the DoRA paper leave the bias alone."""
+    once more to its dropout correction; `peft` and the DoRA paper leave the bias alone. Upstream also shapes the
+    scale `.view(1, 1, -1)`, which makes a 2-D output 3-D (the vision merger's [patches, hidden] became
+    [1, patches, hidden]); the scale stays 1-D here and broadcasts over the output's last dim whatever its rank."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        own_bias = self._added_bias()
-        if own_bias is None:
-            return super().forward(x)
         linear_output, bias, layernorm_output = self.base_linear_forward(x)
         if not self._adapter_enabled:
             return linear_output, bias
+        added = self._added_bias()
+        own_bias = 0.0 if added is None else added
         adapter_output = self.adapter(layernorm_output.contiguous())
-        scale = (self.adapter.get_weight_magnitude() / self._get_weight_norm()).view(1, 1, -1)
+        scale = self.adapter.get_weight_magnitude() / self._get_weight_norm()  # [out]
         output = scale * (linear_output - own_bias + adapter_output) + own_bias
         if self.training and not isinstance(self.adapter.dropout, torch.nn.Identity):
             dropped = self.adapter.dropout(layernorm_output) - layernorm_output
@@ -234,19 +235,20 @@ def initialize_independent_of_layout(chunk: torch.nn.Module, seed: int) -> None:
 def global_name(chunk: torch.nn.Module, name: str) -> str:
     """`name` with this stage's layer indices and this EP rank's expert indices made global (the same module has
     the same name at every layout)."""
-    parts = name.split(".")
+    parts = name.split(".")  # the local path: every module is looked up by it
+    renamed = list(parts)
     for k in range(1, len(parts)):
         if not parts[k].isdigit():
             continue
         owner = chunk.get_submodule(".".join(parts[: k + 1]))
         if parts[k - 1] == "layers" and isinstance(getattr(owner, "layer_number", None), int):
-            parts[k] = str(owner.layer_number - 1)  # Megatron-Core's layer_number is global and 1-based
+            renamed[k] = str(owner.layer_number - 1)  # Megatron-Core's layer_number is global and 1-based
         elif parts[k - 1] == "local_experts":
             experts = chunk.get_submodule(".".join(parts[: k - 1]))
             ep_group, local = getattr(experts, "ep_group", None), getattr(experts, "num_local_experts", None)
             if ep_group is not None and local:
-                parts[k] = str(ep_group.rank() * local + int(parts[k]))
-    return ".".join(parts)
+                renamed[k] = str(ep_group.rank() * local + int(parts[k]))
+    return ".".join(renamed)
 
 
 def trainable_parameters(model: list[Any]) -> int:

@@ -14,7 +14,14 @@ from qvl.foundation.megatron import have_transformer_engine, import_megatron_bri
 
 import_megatron_bridge()
 
-from qvl.bridges.adapters import QvlDoRA, QvlLoRA, adapter_config, check_dora_layout, target_modules  # noqa: E402
+from qvl.bridges.adapters import (  # noqa: E402
+    QvlDoRA,
+    QvlLoRA,
+    adapter_config,
+    check_dora_layout,
+    global_name,
+    target_modules,
+)
 from qvl.kernels import fix_peft_without_te  # noqa: E402
 
 IN, OUT, RANK, ALPHA = 48, 80, 4, 8
@@ -135,6 +142,50 @@ def test_a_target_that_matches_no_module_is_an_error(megatron_state):
         )
 
 
+class _Group:
+    """An expert-parallel group's face as global_name sees it: this process's rank in it."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _moe_stage(*, first_layer: int, ep_rank: int, local_experts: int = 2) -> torch.nn.Module:
+    """A pipeline stage's chunk holding two MoE layers from global layer `first_layer` (Megatron-Core's 1-based
+    layer_number), each with this EP rank's `local_experts` experts, named as Megatron-Core names them."""
+    layers = torch.nn.ModuleList()
+    for k in range(2):
+        experts = torch.nn.Module()
+        experts.ep_group, experts.num_local_experts = _Group(ep_rank), local_experts
+        experts.local_experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(local_experts))
+        mlp = torch.nn.Module()
+        mlp.experts = experts
+        layer = torch.nn.Module()
+        layer.layer_number, layer.mlp = first_layer + k + 1, mlp
+        layers.append(layer)
+    decoder = torch.nn.Module()
+    decoder.layers = layers
+    language = torch.nn.Module()
+    language.decoder = decoder
+    chunk = torch.nn.Module()
+    chunk.language_model = language
+    return chunk
+
+
+@pytest.mark.parametrize(("first_layer", "ep_rank"), [(0, 0), (2, 0), (0, 1), (2, 1)])
+def test_global_name_makes_layer_and_expert_indices_global_at_every_pp_and_ep_layout(first_layer, ep_rank):
+    """PP=2 x EP=2 without processes: the second stage's second layer (local 1, global 3) and EP rank 1's first
+    expert (local 0, global 2); each module is looked up by its local path (the global one does not exist here)."""
+    chunk = _moe_stage(first_layer=first_layer, ep_rank=ep_rank)
+    local = "language_model.decoder.layers.1.mlp.experts.local_experts.0"
+    expected = f"language_model.decoder.layers.{first_layer + 1}.mlp.experts.local_experts.{2 * ep_rank}"
+    assert global_name(chunk, local) == expected
+    assert global_name(chunk, local + ".weight") == expected + ".weight"
+    assert global_name(chunk, "language_model.decoder.layers.0") == f"language_model.decoder.layers.{first_layer}"
+
+
 def _peft_linear(linear, *, dora: bool) -> torch.nn.Module:
     """`peft`'s LoRA / DoRA on an nn.Linear holding `linear`'s weight and bias."""
     from peft import LoraConfig, get_peft_model
@@ -159,9 +210,11 @@ def _same_adapter(peft_model, adapter) -> None:
 
 @pytest.mark.parametrize("method", ["lora", "dora"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_adapted_linear_equals_peft_on_the_same_weights(megatron_state, method, bias):
+@pytest.mark.parametrize("tokens", [(5, 2), (7,)], ids=["3d", "2d"])
+def test_adapted_linear_equals_peft_on_the_same_weights(megatron_state, method, bias, tokens):
     """Forward and adapter gradients of qvl's adapted Megatron linear equal peft's on an nn.Linear (fp32): for DoRA
-    the linear's own bias stays outside the magnitude scaling, as in peft (upstream's DoRALinear scales it)."""
+    the linear's own bias stays outside the magnitude scaling, as in peft (upstream's DoRALinear scales it), and a
+    2-D input (the vision merger's [patches, hidden]) gives a 2-D output (upstream's gives [1, patches, out])."""
     model = adapter_config(family="qwen2_5_vl", method=method, rank=RANK, alpha=ALPHA)(_model(bias=bias))
     wrapped = model.language_model.decoder.layers[0].self_attention.linear_qkv
     with torch.no_grad():  # trained-looking adapters: B non-zero, the magnitude away from ||W||
@@ -170,10 +223,10 @@ def test_adapted_linear_equals_peft_on_the_same_weights(megatron_state, method, 
             wrapped.adapter.weight_magnitude.mul_(torch.linspace(0.5, 1.5, OUT))
     reference = _peft_linear(wrapped.to_wrap, dora=method == "dora")
     _same_adapter(reference, wrapped.adapter)
-    x = torch.randn(5, 2, IN)
+    x = torch.randn(*tokens, IN)
     ours, bias_out = wrapped(x)
     theirs = reference(x)
-    assert bias_out is None
+    assert bias_out is None and ours.shape == (*tokens, OUT)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     grad = torch.randn_like(ours)
     ours.backward(grad)
