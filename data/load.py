@@ -34,9 +34,7 @@ def build_preference_datasets(config: Any, context: Any) -> tuple[Any, None, Non
 
 def train_loader(config: Any, encoder: QwenVLPackedTaskEncoder) -> Any:
     """This data-parallel rank's train loader over `config.path` through `encoder` (planned, else Energon's)."""
-    from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader
     from megatron.core import parallel_state
-    from megatron.energon import WorkerConfig, get_savable_loader
 
     path = pathlib.Path(config.path)
     rank, world = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -50,6 +48,9 @@ def train_loader(config: Any, encoder: QwenVLPackedTaskEncoder) -> Any:
             micro_batch_size=config.micro_batch_size,
             num_workers=config.num_workers,
         )
+    from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader  # Megatron-Bridge
+    from megatron.energon import WorkerConfig, get_savable_loader
+
     worker = WorkerConfig(rank=rank, world_size=world, num_workers=config.num_workers)
     dataset = energon_train_dataset(path, encoder, micro_batch_size=config.micro_batch_size, worker=worker)
     return EnergonDataloader(get_savable_loader(dataset, worker_config=worker))
