@@ -7,6 +7,9 @@ and counted by whichever worker gets it, in this process, in `workers` processes
 results go to disk. The driver keeps five integers per accepted sample (source index, length, where the sample
 is spilled), packs those, and hands shards out to the same workers. Memory is flat in the corpus size.
 
+Preference records (`kind`, qvl.data.preference) go the same way: a pair of a chosen and a rejected conversation is
+one item of the plan, so both sides land in one pack.
+
 Everything is built in `OUT.partial/` under a fingerprint of the input and settings: a run killed at any point
 leaves nothing loadable, and the same command again reuses every finished chunk and shard. The output does not
 depend on how many workers made it. Progress goes through an optional `Progress` hook (the CLI draws bars with

@@ -20,7 +20,7 @@ from qvl.foundation.cost import lm_flops_per_sequence, shapes_from_hf_config, vi
 from qvl.foundation.errors import DataError
 from qvl.launchers.cli import main
 
-from .conftest import write_jsonl
+from .conftest import save_image, write_jsonl
 from .test_balance import TINY_CONFIG
 
 GOOD = 12
@@ -171,3 +171,20 @@ def test_the_command_line_takes_kind_and_stats_shows_pairs(prepared, hf_paths, t
     lines = capsys.readouterr().out.splitlines()
     assert re.search(r"^kind +preference$", "\n".join(lines), re.M)
     assert re.search(rf"^accepted +{GOOD} pairs$", "\n".join(lines), re.M)
+
+
+def test_a_pair_with_a_video_and_an_image_stores_its_frames_once(hf_paths, tmp_path):
+    for f in range(4):
+        save_image(tmp_path / "clip" / f"{f:03d}.jpg", 96, 64, seed=f, fmt="JPEG")
+    save_image(tmp_path / "a.png", 60, 40)
+    question = [{"type": "video"}, {"type": "image"}, {"type": "text", "text": "What moves?"}]
+    record = {"prompt": [{"role": "user", "content": question}], "chosen": "The ball.", "rejected": "The box."}
+    jsonl = write_jsonl(tmp_path / "video.jsonl", [{**record, "videos": ["clip"], "images": ["a.png"], "fps": 2.0}])
+    report = prepare(_config(hf_paths, jsonl, tmp_path, tmp_path / "out", kind="preference"))
+    assert (report["pairs"], report["media"]) == (1, 2)
+    ((meta, members),) = _packs(tmp_path / "out")
+    chosen, rejected = meta["subs"]
+    assert meta["pairs"] == [[0, 1]] and rejected["media"] == chosen["media"]
+    assert [m["kind"] for m in chosen["media"]] == ["frames", "image"]
+    assert rejected["video_grid_thw"] == chosen["video_grid_thw"] != []
+    assert len([n for n in members if n.startswith(("img", "vid"))]) == 4 + 1  # four frames and the image, once
