@@ -15,6 +15,8 @@ from pathlib import Path
 
 from qvl.recipes.overrides import parse_overrides
 
+PLOT_NAME = "parity_loss.png"
+
 
 def _spec(args: argparse.Namespace, run_dir: Path):
     from qvl.training.parity.run import ParitySpec
@@ -90,6 +92,15 @@ def _per_step(report, field: str, measure: str, diff) -> str | None:
     return f"{values}; {measure} {worst:.1e} (tolerance {report.tolerances.step_loss:.0e})"
 
 
+def _plot_path(args: argparse.Namespace) -> Path | None:
+    """Where the loss curves go: --plot, else parity_loss.png beside the --report file, else in --run-dir; never
+    into the current folder unasked."""
+    if args.plot:
+        return Path(args.plot)
+    folder = Path(args.report).parent if args.report else Path(args.run_dir) if args.run_dir else None
+    return folder / PLOT_NAME if folder else None
+
+
 def run_verify_training(args: argparse.Namespace) -> int:
     from qvl.training.parity.report import plot_losses
     from qvl.training.parity.run import run_parity
@@ -99,16 +110,16 @@ def run_verify_training(args: argparse.Namespace) -> int:
         # Megatron prints its progress to stdout; with --json stdout carries the report alone, so it pipes into jq.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             report = run_parity(_spec(args, run_dir))
-    if args.plot:
-        plot_losses(report, args.plot)
+    plot = _plot_path(args)
+    if plot:
+        plot_losses(report, plot)
     if args.report:
         Path(args.report).write_text(json.dumps(report.as_dict(), indent=2))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
         print(_table(report))
-        if args.plot:
-            print(f"loss curves: {args.plot}")
+        print(f"loss curves: {plot}" if plot else "loss curves: pass --plot FILE, --report FILE or --run-dir DIR")
         print("OK" if report.ok else "FAILED:\n" + "\n".join(f"  {f}" for f in report.failures))
     return 0 if report.ok else 1
 
@@ -141,7 +152,9 @@ def register(subparsers) -> None:
     )
     cmd.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces the CPU runtime")
     cmd.add_argument("--run-dir", help="keep both runs' files here (default: a temporary folder)")
-    cmd.add_argument("--plot", default="parity_loss.png", help="PNG of both loss curves (default parity_loss.png)")
+    cmd.add_argument(
+        "--plot", help=f"PNG of both loss curves (default: {PLOT_NAME} beside the --report file, else in --run-dir)"
+    )
     cmd.add_argument("--json", action="store_true", help="print the report as JSON")
     cmd.add_argument("--report", metavar="FILE", help="also write the JSON report to FILE")
     cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe options and config fields")
