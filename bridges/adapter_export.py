@@ -1,10 +1,11 @@
 """A PEFT run's adapters as a Hugging Face `peft` adapter, or folded into a full HF checkpoint, with proof.
 
-`qvl convert export-adapter RUN_OR_CHECKPOINT HF_BASE OUT` builds the Megatron model from HF_BASE with qvl's provider
-fixes (TP=1, PP=1, fp32), wraps it with the run's adapters (its run_config.yaml says which), loads their trained
-weights from the run's checkpoint, and writes:
+`qvl convert export-adapter RUN_OR_CHECKPOINT [HF_BASE] OUT` builds the Megatron model from HF_BASE (by default the
+run's `hf_path`) with qvl's provider fixes (TP=1, PP=1, fp32), wraps it with the run's adapters (its run_config.yaml
+says which), loads their trained weights from the run's checkpoint, and writes:
 - an adapter (`adapter_config.json` + `adapter_model.safetensors`) whose keys and `target_modules` name exactly the
-  transformers model's adapted modules. Each adapter's B (and DoRA's magnitude) goes through the Megatron-Bridge
+  transformers model's adapted modules, `task_type` CAUSAL_LM and `base_model_name_or_path` naming HF_BASE (its hub
+  id where its config has one, else its absolute path). Each adapter's B (and DoRA's magnitude) goes through the Megatron-Bridge
   mapping of the weight it adapts, so a fused Megatron projection comes out in the layout of the HF modules it maps
   to: q/k/v and gate/up split, Qwen3-VL's vision `qkv` and Qwen3.5's `in_proj_qkv` in transformers' order. A (the
   input side) is the same for every HF module a fused one maps to. Checkpoint names become the transformers model's
@@ -14,8 +15,9 @@ weights from the run's checkpoint, and writes:
 - with `merged=True`, a full HF checkpoint with the adapters folded into their weights in Megatron's layout (W + s B A;
   DoRA's m (W + s B A) / ||W + s B A||), exported by Megatron-Bridge like any trained model.
 
-The check compares fp32 logits: qvl's model with its adapters against transformers + `peft` with the adapter (loaded
-with no missing or unexpected key), and against the merged checkpoint.
+The check (qvl.bridges.adapter_check) compares the written files, loaded by transformers + `peft` (with no missing or
+unexpected key) or as the merged checkpoint, with the model the run trained, loaded from its checkpoint as training
+resumes (qvl.bridges.trained), so a defect in this module's own load of the adapters fails it.
 
 Megatron-Bridge's own `AutoBridge.export_adapter_ckpt` (0.6.2) builds the model without qvl's provider fixes, refuses
 a run's `checkpoints/` folder, writes Qwen2/2.5-VL keys transformers 5 does not name, leaves Qwen3-VL's vision qkv in
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 from qvl.bridges.adapter_experts import FusedExpertFactors, expert_place, expert_tensors, is_expert_parameter
-from qvl.bridges.checkpoints import check_megatron_checkpoint
+from qvl.bridges.checkpoints import check_megatron_checkpoint, checkpoints_of
 from qvl.bridges.convert import auto_bridge_with_weights, copy_hf_side_files, require_qwen_vl
 from qvl.bridges.providers import apply_provider_fixes
 from qvl.foundation import patches
@@ -46,8 +48,6 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# fp32 CPU logit parity of the tiny models is ~1e-6 with trained adapters (the base conversion's is ~3e-7).
-DEFAULT_TOLERANCE = 1e-5
 # Model dimensions a run's adapters depend on, compared between its run_config.yaml and HF_BASE.
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
 
@@ -61,6 +61,11 @@ class AdapterRun:
     config: dict[str, Any]
 
     @property
+    def checkpoints(self) -> Path:
+        """The folder to load the run's model from as training resumes (the iteration, where that was passed)."""
+        return self.iteration if self.iteration == Path(self.path) else self.iteration.parent
+
+    @property
     def peft(self) -> dict[str, Any]:
         return self.config["peft"]
 
@@ -69,37 +74,13 @@ class AdapterRun:
         return self.peft["family"]
 
 
-@dataclass(kw_only=True, slots=True)
-class ExportReport:
-    """What the export's check measured (fp32 logits on config-built inputs); `ok` against `tolerance`."""
-
-    adapter: str | None  # the peft adapter folder written, if any
-    merged: str | None  # the merged HF checkpoint written, if any
-    checked: bool
-    adapter_effect: float | None = None  # max |logits with adapters - without|: what the comparison could see
-    adapter_max_abs_diff: float | None = None  # qvl's logits vs transformers + peft with the adapter
-    merged_max_abs_diff: float | None = None  # qvl's logits vs transformers with the merged checkpoint
-    missing_keys: list[str] = field(default_factory=list)  # adapter tensors peft expected and the file lacks
-    unexpected_keys: list[str] = field(default_factory=list)  # file tensors peft has no place for
-    tolerance: float = DEFAULT_TOLERANCE
-
-    @property
-    def ok(self) -> bool:
-        diffs = [d for d in (self.adapter_max_abs_diff, self.merged_max_abs_diff) if d is not None]
-        return all(d <= self.tolerance for d in diffs) and not self.missing_keys and not self.unexpected_keys
-
-    def as_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__} | {"ok": self.ok}
-
-
 def find_adapter_run(path: Path) -> AdapterRun:
     """The PEFT checkpoint in `path` (a `qvl train` run directory, its checkpoints folder, or one iteration)."""
     import_megatron_bridge()
     from megatron.bridge.training.utils.checkpoint_utils import read_run_config
 
     path = Path(path)
-    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    iteration = check_megatron_checkpoint(folder, "RUN_OR_CHECKPOINT")
+    iteration = check_megatron_checkpoint(checkpoints_of(path), "RUN_OR_CHECKPOINT")
     config_file = iteration / "run_config.yaml"
     if not config_file.is_file():
         raise ConversionError(f"RUN_OR_CHECKPOINT={path}: {iteration.name} has no run_config.yaml; pass a PEFT run")
@@ -115,6 +96,32 @@ def find_adapter_run(path: Path) -> AdapterRun:
             "recipe, so which modules they adapt is unknown; train it with a qvl `*_peft` recipe"
         )
     return AdapterRun(path=path, iteration=iteration, config=config)
+
+
+def hf_base_of(run: AdapterRun, hf_base: Path | str | None) -> Path:
+    """HF_BASE, or where none is given the HF checkpoint the run was trained with (its `hf_path`, which
+    run_config.yaml records as the provider's `hf_model_id`) when that is a local folder with weights."""
+    if hf_base:
+        return Path(hf_base)
+    hf_path = run.config.get("model", {}).get("hf_model_id")
+    if hf_path and Path(hf_path).is_dir() and any(Path(hf_path).glob("*.safetensors")):
+        return Path(hf_path)
+    raise ConversionError(
+        f"RUN_OR_CHECKPOINT={run.path}: the run's hf_path={hf_path} is not a local HF checkpoint with weights, so "
+        "the base the adapters apply to is unknown; pass HF_BASE, the HF checkpoint the run fine-tuned from"
+    )
+
+
+def base_model_name(hf_base: Path) -> str:
+    """How adapter_config.json names its base: the hub id HF_BASE's config.json records (`_name_or_path`), else
+    HF_BASE's absolute path (a relative one breaks as soon as the adapter is read from another folder)."""
+    import json
+    import re
+
+    recorded = json.loads((Path(hf_base) / "config.json").read_text()).get("_name_or_path") or ""
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", recorded) and not Path(recorded).exists():
+        return recorded
+    return str(Path(hf_base).resolve())
 
 
 def check_base_matches(run: AdapterRun, hf_base: Path) -> Any:
@@ -297,6 +304,8 @@ class PeftState:
     parameters: list[str]  # the live names of the fused 3-D expert parameters adapted (peft's target_parameters)
     # lora_A names that are one Megatron A: the HF modules of one fused projection (q/k/v, gate/up) share it
     shared_a: list[list[str]]
+    # each adapted Megatron module's HF modules and expert parameters (live names)
+    sources: dict[str, list[str]] = field(default_factory=dict)
 
 
 def peft_state(
@@ -315,7 +324,11 @@ def peft_state(
         magnitudes = rows_as_hf(mapping, linear.magnitude[:, None], linear.base) if linear.magnitude is not None else {}
         shared = []
         for hf_name, lora_b in b_rows.items():
-            if is_expert_parameter(hf_model, live := live_name(hf_name)):
+            live = live_name(hf_name)
+            state.sources.setdefault(linear.weight_name.removesuffix(".weight"), []).append(
+                live.removesuffix(".weight")
+            )
+            if is_expert_parameter(hf_model, live):
                 place = expert_place(hf_name, linear.weight_name)
                 experts.setdefault(live, FusedExpertFactors()).add(place, linear.lora_a, lora_b)
                 continue
@@ -342,11 +355,11 @@ def peft_state(
 
 def lora_config(
     *, rank: int, alpha: int, dropout: float, dora: bool, modules: list[str], parameters: list[str] = (),
-    hf_base: Path | None = None,
+    base: str | None = None, task_type: str | None = None,
 ) -> Any:  # fmt: skip
     """peft's LoraConfig for qvl adapters of `rank` and `alpha` (LoRA, or DoRA) on the HF `modules` and fused expert
-    `parameters`. peft's expert-parameter LoRA takes no dropout, so an adapter with experts is written without it
-    (dropout acts in training only: the adapter's outputs are the same)."""
+    `parameters`, naming the `base` model and `task_type`. peft's expert-parameter LoRA takes no dropout, so an
+    adapter with experts is written without it (dropout acts in training only: the adapter's outputs are the same)."""
     from peft import LoraConfig
 
     if parameters and dropout:
@@ -361,7 +374,8 @@ def lora_config(
         target_parameters=list(parameters) or None,
         use_dora=dora,
         bias="none",
-        base_model_name_or_path=str(hf_base) if hf_base else None,
+        base_model_name_or_path=base,
+        task_type=task_type,
     )
 
 
@@ -370,12 +384,20 @@ def is_dora(peft: dict[str, Any]) -> bool:
     return str(peft.get("_target_", "")).endswith("QvlDoRA")
 
 
-def write_adapter(run: AdapterRun, bridge: Any, model: list[Any], hf_base: Path, out: Path) -> Path:
-    """Write OUT/adapter_config.json and OUT/adapter_model.safetensors (rank 0's model, TP=1, PP=1)."""
+# peft's task for a Qwen-VL generating text (PeftModelForCausalLM: generate() and the forward pass media through).
+TASK_TYPE = "CAUSAL_LM"
+
+
+def write_adapter(
+    run: AdapterRun, bridge: Any, model: list[Any], hf_base: Path, out: Path, *, state: PeftState | None = None,
+    base: str | None = None,
+) -> Path:  # fmt: skip
+    """Write OUT/adapter_config.json and OUT/adapter_model.safetensors (rank 0's model, TP=1, PP=1): the model's
+    adapters, or `state` (a part of them) on `base` (default HF_BASE's name)."""
     from safetensors.torch import save_file
 
-    state = peft_state(bridge, model, hf_base)
-    if not state.modules:
+    state = state or peft_state(bridge, model, hf_base)
+    if not state.modules and not state.parameters:
         raise ConversionError(f"{run.path} holds no adapted linear; nothing to export")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -386,7 +408,8 @@ def write_adapter(run: AdapterRun, bridge: Any, model: list[Any], hf_base: Path,
         dora=is_dora(run.peft),
         modules=state.modules,
         parameters=state.parameters,
-        hf_base=hf_base,
+        base=base or base_model_name(hf_base),
+        task_type=TASK_TYPE,
     )
     config.save_pretrained(str(out))
     # A fused projection's HF modules share one A: each gets its own copy in the file.
@@ -401,9 +424,10 @@ def write_adapter(run: AdapterRun, bridge: Any, model: list[Any], hf_base: Path,
 # --- the adapters folded into the weights ---
 
 
-def merge_adapters(model: list[Any]) -> None:
-    """Fold every adapter into the weight it adapts and put the plain linear back in its place (in Megatron's layout,
-    so Megatron-Bridge exports the result like any trained model)."""
+def merge_adapters(model: list[Any], fold: Callable[[str], bool] = lambda name: True) -> None:
+    """Fold every adapter whose module name `fold` accepts into the weight it adapts, drop the others, and put the
+    plain linear back in its place (in Megatron's layout, so Megatron-Bridge exports the result like any trained
+    model)."""
     from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
     from megatron.bridge.peft.lora_layers import LinearAdapter
 
@@ -413,11 +437,12 @@ def merge_adapters(model: list[Any]) -> None:
                 continue
             linear = adapted_linears([torch.nn.ModuleDict({"m": module})])[0]
             base = linear.base
-            with torch.no_grad():
-                weight = base.weight + linear.scale * (linear.lora_b @ linear.lora_a).to(base.weight.dtype)
-                if linear.magnitude is not None:
-                    weight = weight * (linear.magnitude / torch.linalg.norm(weight, dim=1))[:, None]
-                base.weight.copy_(weight)
+            if fold(name):
+                with torch.no_grad():
+                    weight = base.weight + linear.scale * (linear.lora_b @ linear.lora_a).to(base.weight.dtype)
+                    if linear.magnitude is not None:
+                        weight = weight * (linear.magnitude / torch.linalg.norm(weight, dim=1))[:, None]
+                    base.weight.copy_(weight)
             if isinstance(module, AdapterWrapper):
                 parent_name, _, child = name.rpartition(".")
                 setattr(chunk.get_submodule(parent_name) if parent_name else chunk, child, base)
@@ -425,15 +450,18 @@ def merge_adapters(model: list[Any]) -> None:
                 module.disable_adapter_layers()  # the HF tower's LinearAdapter keeps the weight's own name
 
 
-def write_merged(bridge: Any, model: list[Any], hf_base: Path, out: Path) -> Path:
-    """A full HF checkpoint at OUT with the adapters folded in (consumes `model`'s adapters): HF_BASE's config,
+def write_merged(
+    bridge: Any, model: list[Any], hf_base: Path, out: Path, fold: Callable[[str], bool] = lambda name: True
+) -> Path:
+    """A full HF checkpoint at OUT with the adapters `fold` accepts folded in (consumes `model`'s adapters, dropping
+    the others; qvl.bridges.adapter_vllm folds what vLLM does not serve): HF_BASE's config,
     tokenizer and processor files, the merged weights in HF_BASE's tensor layout (the weights-backed bridge's), and
     the tensors HF_BASE keeps aside from conversion (e.g. Qwen3.5's `mtp.*`) where the model did not export them."""
     import tempfile
 
     from qvl.bridges import unconverted
 
-    merge_adapters(model)
+    merge_adapters(model, fold)
     speed_aligned_widths.mark_hf_widths(model, bridge.hf_pretrained.config)
     with patches.applied(speed_aligned_widths.GROUP):  # padded widths cut back to the checkpoint's
         bridge.save_hf_weights(model, str(out), show_progress=False, merge_adapter_weights=False)
@@ -442,59 +470,3 @@ def write_merged(bridge: Any, model: list[Any], hf_base: Path, out: Path) -> Pat
         unconverted.save_unconverted(Path(hf_base), Path(side))
         unconverted.restore_unconverted(Path(side), Path(out))
     return Path(out)
-
-
-# --- proof ---
-
-
-def peft_logits(hf_base: Path, adapter_dir: Path, inputs: dict) -> tuple[torch.Tensor, list[str], list[str]]:
-    """(logits of transformers + peft with the adapter, fp32; adapter tensors it expected that the file lacks;
-    tensors in the file it has no place for)."""
-    from peft import PeftModel, get_peft_model_state_dict
-    from safetensors import safe_open
-    from transformers import AutoModelForImageTextToText
-
-    base = AutoModelForImageTextToText.from_pretrained(str(hf_base), dtype=torch.float32).eval()
-    model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False).eval()
-    expected = set(get_peft_model_state_dict(model).keys())
-    with safe_open(str(Path(adapter_dir) / ADAPTER_WEIGHTS), framework="pt") as f:
-        written = set(f.keys())
-    with torch.no_grad():
-        logits = model(**inputs).logits.float()
-    return logits, sorted(expected - written), sorted(written - expected)
-
-
-def max_diff(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    """Max |difference| of two logit tensors (ours may carry vocabulary padding)."""
-    return float((ours[..., : reference.shape[-1]] - reference).abs().max())
-
-
-# --- the entry point `qvl convert export-adapter` runs on one rank ---
-
-
-def export_adapter_on_rank(
-    run_path: str, hf_base: str, out: str | None, merged_out: str | None, check: bool, tolerance: float | None
-) -> dict[str, Any]:
-    """Write the run's adapters as a peft adapter to `out` and/or folded into a full HF checkpoint at `merged_out`,
-    each checked against transformers when `check`; the report as a dict (module level, so ranks can import it)."""
-    from qvl.bridges import verify
-
-    hf_base_path = Path(hf_base)
-    run = find_adapter_run(Path(run_path))
-    bridge, model, adapters = build_adapted_model(run, hf_base_path)
-    report = ExportReport(adapter=out, merged=merged_out, checked=check, tolerance=tolerance or DEFAULT_TOLERANCE)
-    if check:  # qvl's logits first: the merged export folds the adapters in
-        inputs = verify.config_inputs(hf_base_path)
-        ours = verify.megatron_logits(model, inputs)
-        with adapters.disable_adapter(model):
-            report.adapter_effect = float((ours - verify.megatron_logits(model, inputs)).abs().max())
-    if out:
-        write_adapter(run, bridge, model, hf_base_path, Path(out))
-        if check:
-            reference, report.missing_keys, report.unexpected_keys = peft_logits(hf_base_path, Path(out), inputs)
-            report.adapter_max_abs_diff = max_diff(ours, reference)
-    if merged_out:
-        write_merged(bridge, model, hf_base_path, Path(merged_out))
-        if check:
-            report.merged_max_abs_diff = max_diff(ours, verify.hf_logits(Path(merged_out), inputs))
-    return report.as_dict()

@@ -19,7 +19,13 @@ from pathlib import Path
 import torch
 
 from qvl.bridges import unconverted, verify
-from qvl.bridges.checkpoints import LATEST_FILE, adapter_settings, check_megatron_checkpoint
+from qvl.bridges.checkpoints import (
+    HF_FILES_DIR,
+    LATEST_FILE,
+    adapter_settings,
+    check_megatron_checkpoint,
+    checkpoints_of,
+)
 from qvl.bridges.consistency import check_hf_checkpoint
 from qvl.bridges.mtp_reference import mtp_layers_in_checkpoint
 from qvl.bridges.providers import auto_bridge, layout_facts
@@ -33,7 +39,6 @@ from qvl.kernels import speed_aligned_widths, torch_wgrad_accum
 
 logger = logging.getLogger(__name__)
 
-HF_FILES_DIR = "hf"
 # Everything in an HF checkpoint directory except the weights: needed to export and to run the model.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -80,7 +85,7 @@ def check_before_verify(hf_path: Path, megatron_dir: Path) -> None:
     """Everything `verify` can refuse before starting ranks: both checkpoints' files and their consistency."""
     require_qwen_vl(Path(hf_path))
     check_hf_checkpoint(Path(hf_path))
-    check_megatron_checkpoint(Path(megatron_dir), "MEGATRON_DIR")
+    check_megatron_checkpoint(checkpoints_of(Path(megatron_dir)), "MEGATRON_DIR")
 
 
 def check_hf_dir(hf_path: Path) -> None:
@@ -102,6 +107,16 @@ def copy_hf_side_files(src: Path, dst: Path) -> None:
         weights = path.name.endswith(_WEIGHT_SUFFIXES) and path.name != unconverted.UNCONVERTED_FILE
         if path.is_file() and not weights and not path.name.endswith(".index.json"):
             shutil.copy2(path, dst / path.name)
+
+
+def write_hf_side(hf_path: Path, side_dir: Path, *, kept_aside: bool = True) -> None:
+    """An HF checkpoint's side files in `side_dir` (a Megatron checkpoint's `hf/`): config, tokenizer and processor,
+    its tensor names (the export writes the same layout back) and, with `kept_aside`, the tensors conversion keeps
+    aside (e.g. Qwen3.5's mtp.*: kept, not dropped)."""
+    copy_hf_side_files(Path(hf_path), Path(side_dir))
+    if kept_aside:
+        unconverted.save_unconverted(Path(hf_path), Path(side_dir))
+    unconverted.save_tensor_names(Path(hf_path), Path(side_dir))
 
 
 def import_checkpoint(
@@ -140,9 +155,7 @@ def import_checkpoint(
         speed_aligned_widths.GROUP
     ):  # HF tensors zero-padded to the aligned widths the provider builds
         save_streaming(bridge, provider, out_dir, hf_tokenizer_path=str(hf_path))
-    copy_hf_side_files(hf_path, out_dir / HF_FILES_DIR)
-    unconverted.save_unconverted(hf_path, out_dir / HF_FILES_DIR)  # e.g. Qwen3.5's mtp.*: kept, not dropped
-    unconverted.save_tensor_names(hf_path, out_dir / HF_FILES_DIR)  # the export writes the same layout back
+    write_hf_side(hf_path, out_dir / HF_FILES_DIR)
     return ConversionResult(
         output=out_dir,
         seconds=time.perf_counter() - started,
@@ -180,17 +193,13 @@ def check_checkpoint_layout(provider) -> None:
         raise ConversionError(f"--tp/--pp: {err}") from err
 
 
-def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:
-    """Megatron checkpoint (written by `import_checkpoint` or training) -> HF safetensors + config (collective)."""
+def export_checkpoint(megatron_dir: Path, out_hf_dir: Path, *, hf_side: Path | None = None) -> ConversionResult:
+    """Megatron checkpoint (written by `import_checkpoint` or training; a run directory names its checkpoints) ->
+    HF safetensors + config (collective). The HF side (config, tokenizer, kept-aside tensors) is the checkpoint's
+    `hf/` folder, or `hf_side` (what `--hf HF_DIR` gives)."""
     started = time.perf_counter()
-    megatron_dir, out_hf_dir = Path(megatron_dir), Path(out_hf_dir)
-    refuse_adapters(megatron_dir)
-    hf_files = megatron_dir / HF_FILES_DIR
-    if not (hf_files / "config.json").is_file():
-        raise ConversionError(
-            f"{megatron_dir} has no {HF_FILES_DIR}/config.json; convert it with `qvl convert import`, "
-            "or copy the original HF config.json and tokenizer files into that folder"
-        )
+    megatron_dir, out_hf_dir = checkpoints_of(Path(megatron_dir)), Path(out_hf_dir)
+    hf_files = check_export_inputs(megatron_dir, hf_side)
     bridge = auto_bridge(hf_files)
     model = load_megatron(bridge, megatron_dir)
     with patches.applied(speed_aligned_widths.GROUP):  # padded widths cut back to the checkpoint's
@@ -210,13 +219,64 @@ def export_checkpoint(megatron_dir: Path, out_hf_dir: Path) -> ConversionResult:
     )
 
 
+def check_export_inputs(megatron_dir: Path, hf_side: Path | None = None) -> Path:
+    """Refuse what export cannot write (a PEFT run's adapters, no HF side); returns the HF side folder it reads."""
+    megatron_dir = checkpoints_of(Path(megatron_dir))
+    refuse_adapters(megatron_dir)
+    hf_files = Path(hf_side) if hf_side else megatron_dir / HF_FILES_DIR
+    if not (hf_files / "config.json").is_file():
+        raise ConversionError(
+            f"{megatron_dir} has no {HF_FILES_DIR}/config.json (a run trained from scratch, or from a checkpoint "
+            "`qvl convert import` did not write); pass --hf HF_DIR, the HF checkpoint it started from or one of its "
+            "architecture"
+        )
+    return hf_files
+
+
+def hf_side_from(hf_path: Path, megatron_dir: Path, side_dir: Path) -> Path:
+    """`--hf HF_DIR` as an HF side folder in `side_dir`: its config, tokenizer, processor and tensor names, and its
+    kept-aside tensors where the run fine-tuned from a checkpoint (a run from scratch never had them)."""
+    require_qwen_vl(Path(hf_path))
+    iteration = check_megatron_checkpoint(checkpoints_of(Path(megatron_dir)), "MEGATRON_DIR")
+    fine_tuned = True
+    if (iteration / "run_config.yaml").is_file():
+        import yaml
+
+        run_config = yaml.safe_load((iteration / "run_config.yaml").read_text()) or {}
+        fine_tuned = bool((run_config.get("checkpoint") or {}).get("pretrained_checkpoint"))
+    write_hf_side(Path(hf_path), Path(side_dir), kept_aside=fine_tuned)
+    return Path(side_dir)
+
+
+def check_export(megatron_dir: Path, out_hf_dir: Path, tolerance: float | None) -> dict | None:
+    """The exported checkpoint's fp32 logits (transformers) against those of the model the run trained, loaded from
+    its checkpoint as training resumes (qvl.bridges.trained), on verify's inputs; the report on the last pipeline
+    stage's first TP rank, None elsewhere (collective)."""
+    from megatron.core import parallel_state
+
+    from qvl.bridges import trained
+
+    files = check_hf_checkpoint(Path(out_hf_dir))
+    if files.tokenizer and files.processor:
+        inputs = verify.reference_inputs(Path(out_hf_dir))
+    else:
+        inputs = verify.config_inputs(Path(out_hf_dir))
+    ours, _ = trained.trained_logits(checkpoints_of(Path(megatron_dir)), inputs)
+    if ours is None or parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None
+    reference = verify.hf_logits(Path(out_hf_dir), inputs)
+    report = verify.build_report(reference, ours, 0, [], tolerance or verify.DEFAULT_TOLERANCE)
+    return report.as_dict() | {"checked_against": "the trained model, loaded from its checkpoint as training resumes"}
+
+
 def refuse_adapters(megatron_dir: Path) -> None:
     """A PEFT run's checkpoint holds its adapters alone: refuse it as a full model, naming the command that exports it."""
-    is_checkpoint = any((Path(megatron_dir) / name).is_file() for name in (LATEST_FILE, ".metadata"))
+    megatron_dir = checkpoints_of(Path(megatron_dir))
+    is_checkpoint = any((megatron_dir / name).is_file() for name in (LATEST_FILE, ".metadata"))
     if is_checkpoint and adapter_settings(megatron_dir):
         raise ConversionError(
             f"{megatron_dir} holds a PEFT run's adapters, not a full model; export them with `qvl convert "
-            "export-adapter RUN_OR_CHECKPOINT HF_BASE OUT` (add --merged for a full HF checkpoint with them merged in)"
+            "export-adapter RUN_OR_CHECKPOINT [HF_BASE] OUT` (add --merged for a full HF checkpoint with them merged in)"
         )
 
 
@@ -249,9 +309,13 @@ def import_on_rank(
     return {"seconds": result.seconds, "peak_rss_bytes": result.peak_rss_bytes}
 
 
-def export_on_rank(megatron_dir: str, out_hf_dir: str) -> dict:
-    result = export_checkpoint(Path(megatron_dir), Path(out_hf_dir))
-    return {"seconds": result.seconds, "peak_rss_bytes": result.peak_rss_bytes}
+def export_on_rank(
+    megatron_dir: str, out_hf_dir: str, hf_side: str | None = None, check: bool = True, tolerance: float | None = None
+) -> dict:
+    """Export, then (with `check`) compare the export with the trained model: the check's report on one rank."""
+    result = export_checkpoint(Path(megatron_dir), Path(out_hf_dir), hf_side=Path(hf_side) if hf_side else None)
+    report = check_export(Path(megatron_dir), Path(out_hf_dir), tolerance) if check else None
+    return {"seconds": result.seconds, "peak_rss_bytes": peak_rss_bytes(), "check": report}
 
 
 def verify_on_rank(hf_path: str, megatron_dir: str, tolerance: float | None, video: bool) -> dict | None:
@@ -259,6 +323,7 @@ def verify_on_rank(hf_path: str, megatron_dir: str, tolerance: float | None, vid
     from megatron.core import parallel_state
 
     # A weights-backed bridge: its export names follow the checkpoint's own layout (e.g. fused MoE experts).
+    megatron_dir = str(checkpoints_of(Path(megatron_dir)))
     files = check_hf_checkpoint(Path(hf_path))
     bridge = auto_bridge_with_weights(Path(hf_path), torch.float32)
     model = load_megatron(bridge, Path(megatron_dir))

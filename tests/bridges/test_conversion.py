@@ -51,12 +51,59 @@ def test_import_verify_export_round_trip(family, hf_paths, imported, tmp_path):
     hf_path = hf_paths[family]
     (report,) = run_on_ranks(conversion_jobs.verify_all, {family: hf_path}, imported, cpu=True)
     _assert_parity(report[family])
-    run_on_ranks(convert.export_on_rank, f"{imported}/{family}", str(tmp_path / "export"), cpu=True)
+    # check=False: the tensors are compared below (the export's logit check has a test of its own)
+    run_on_ranks(convert.export_on_rank, f"{imported}/{family}", str(tmp_path / "export"), None, False, cpu=True)
     original = AutoModelForImageTextToText.from_pretrained(hf_path, dtype=torch.float32).state_dict()
     exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).state_dict()
     assert original.keys() == exported.keys()
     for name, tensor in original.items():
         assert torch.equal(tensor, exported[name]), name
+
+
+def skipped_vision(load):
+    """A defect in an export's load: the vision tower's weights left as built (here: redrawn), not loaded."""
+
+    def loaded(*args, **kwargs):
+        model = load(*args, **kwargs)
+        with torch.no_grad():
+            for name, parameter in model[0].named_parameters():
+                if name.startswith(("vision_model.", "visual.")) and "adapter" not in name:
+                    parameter.normal_(0, 0.02)
+        return model
+
+    return loaded
+
+
+def swapped_experts(load, *, adapters: bool = False):
+    """A defect in an export's load: experts 0 and 1 of every MoE layer swap their weights (or adapters)."""
+
+    def loaded(*args, **kwargs):
+        result = load(*args, **kwargs)
+        model = result[0] if isinstance(result[0], list) else result  # adapter exports' build returns a tuple
+        for name, first in list(model[0].named_parameters()):
+            if ".local_experts.0." in name and ("adapter" in name) == adapters:
+                second = model[0].get_parameter(name.replace(".local_experts.0.", ".local_experts.1."))
+                with torch.no_grad():
+                    held = first.clone()
+                    first.copy_(second)
+                    second.copy_(held)
+        return result
+
+    return loaded
+
+
+def test_export_is_checked_against_the_checkpoint_loaded_as_training_resumes(imported, tmp_path, monkeypatch):
+    """`qvl convert export` compares the written checkpoint (transformers, fp32) with the model loaded from the
+    checkpoint the way training resumes it (qvl.bridges.trained), not with the model the export built: a defect in
+    the export's own load (the vision tower skipped, two experts swapped) writes a wrong checkpoint and fails."""
+    checkpoint = f"{imported}/qwen3_vl_moe"
+    (result,) = run_on_ranks(convert.export_on_rank, checkpoint, str(tmp_path / "ok"), cpu=True)
+    assert result["check"]["ok"] and result["check"]["max_abs_diff"] <= PARITY, result["check"]
+    for defect in (skipped_vision, swapped_experts):
+        monkeypatch.setattr(convert, "load_megatron", defect(convert.load_megatron))
+        (result,) = run_on_ranks(convert.export_on_rank, checkpoint, str(tmp_path / defect.__name__), cpu=True)
+        assert not result["check"]["ok"] and result["check"]["max_abs_diff"] > 1e-3, (defect.__name__, result)
+        monkeypatch.undo()
 
 
 @pytest.mark.slow

@@ -147,7 +147,7 @@ def test_a_run_resumed_from_its_step_2_checkpoint_reproduces_the_losses_exactly(
 
 
 def _export(peft_run: PeftRun, out: Path, merged: Path | None) -> dict:
-    from qvl.bridges.adapter_export import export_adapter_on_rank
+    from qvl.bridges.adapter_check import export_adapter_on_rank
     from qvl.foundation.distributed import run_on_ranks
 
     (report,) = run_on_ranks(
@@ -193,7 +193,7 @@ def test_the_peft_comparison_sees_the_expert_adapters(peft_run, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from qvl.bridges import verify
-    from qvl.bridges.adapter_export import max_diff, peft_logits
+    from qvl.bridges.adapter_check import max_diff, peft_logits
 
     _export(peft_run, tmp_path / "adapter", tmp_path / "merged")  # checked against each other in the test above
     tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
