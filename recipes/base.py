@@ -6,7 +6,7 @@ Family modules (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`) own their sizes' default l
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,19 +16,30 @@ from qvl.bridges.adapters import adapter_config, check_dora_layout
 from qvl.bridges.checkpoints import checkpoint_tensor_names, has_checkpoint
 from qvl.bridges.mtp_reference import checkpoint_mtp_names, mtp_layer_count
 from qvl.bridges.providers import layout_facts, provider_from_hf, recompute_vision_towers
-from qvl.data.planned import check_plan, read_dp_plan
-from qvl.foundation.errors import ConfigError, DataError
+from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import get_family
 from qvl.foundation.layout import ParallelLayout, check_layout
 from qvl.foundation.megatron import import_megatron_bridge
 from qvl.recipes.architectures import Architecture, load_hf_config
-from qvl.recipes.options import FREEZABLE, PRECISIONS, RecipeOptions, check_data_folder
+from qvl.recipes.datasets import (
+    QvlPackedDatasetConfig,
+    build_dataset,
+    check_dataset_matches_recipe,
+    check_reference_matches,
+)
+from qvl.recipes.options import FREEZABLE, PRECISIONS, RecipeOptions
+from qvl.recipes.preference import (
+    ADAPTERS,
+    PreferenceConfig,
+    one_epoch_iters,
+    preference_config,
+)
+from qvl.recipes.registry import ADAPTER_STAGES, PREFERENCE_STAGES
 from qvl.recipes.split import Workload, balanced_split, counts, parse_split, split_from_counts, stage_costs
 
 import_megatron_bridge()
 
 import torch
-from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
 from megatron.bridge.training.config import (
     CheckpointConfig,
     ConfigContainer,
@@ -45,31 +56,6 @@ from megatron.bridge.training.config import (
 logger = logging.getLogger(__name__)
 
 
-# Not slots: Megatron-Bridge's DatasetProvider base is a plain dataclass with a __dict__.
-@dataclass(kw_only=True)
-class QvlPackedDatasetConfig(DatasetProvider):
-    """A `qvl data prepare` dataset: offline-packed THD sequences read by qvl.data.encode's task encoder."""
-
-    path: str | None  # None only while planning; finalize() refuses it
-    hf_path: str  # the checkpoint whose image processor and tokenizer the task encoder loads
-    family: str  # qvl.data family name (qwen2_vl, qwen2_5_vl, qwen3_vl)
-    seq_length: int
-    micro_batch_size: int = 1
-    dataloader_type: str | None = "external"  # energon yields batches itself
-    num_workers: int = 2
-
-    def finalize(self) -> None:
-        """Refuse a missing dataset before any process group or model is built."""
-        super().finalize()
-        check_dataset(self)
-
-    def build_datasets(self, context: DatasetBuildContext) -> tuple[Any, Any, Any]:
-        """Train/valid/test loaders, built by qvl.data.load (wired by the training loop)."""
-        from qvl.data.load import build_packed_datasets  # Energon is imported only when data is loaded
-
-        return build_packed_datasets(self, context)
-
-
 @dataclass(kw_only=True)
 class QvlTrainingConfig:
     """qvl's own training settings, read by its forward step (qvl.training.step)."""
@@ -84,6 +70,9 @@ class QvlTrainingConfig:
     # (qvl.kernels.speed_hf_vision.compile_vision_blocks); eager elsewhere. Off until its bf16 parity tests have run on
     # a GPU (tests/kernels/test_vision_compile.py).
     compile: bool = False
+    # A preference stage's loss and reference (qvl.recipes.preference); None trains the language-model loss (pretraining,
+    # SFT, PEFT). The training loop picks its forward step by it (qvl.training.loop.stage_step).
+    preference: PreferenceConfig | None = None
 
 
 # Not slots: Megatron-Bridge's ConfigContainer is a plain dataclass.
@@ -101,45 +90,9 @@ class QvlConfigContainer(ConfigContainer):
         `qvl train`, `nemo qvl` and a notebook calling those loops with qvl's forward step behave the same."""
         super().validate()
         check_dataset_matches_recipe(self)
+        check_reference_matches(self)
         check_mtp_checkpoint(self)
         attach_qvl_behaviours(self)
-
-
-def check_dataset(dataset: Any) -> None:
-    """Refuse a missing dataset, or a folder that `qvl data prepare` did not write, naming the option to fix."""
-    if isinstance(dataset, QvlPackedDatasetConfig):
-        check_data_folder(dataset.path)
-
-
-def check_dataset_matches_recipe(config: Any) -> None:
-    """Refuse a dataset prepared for another family, with longer packs than the recipe's `seq_length`, or with a
-    DP plan for another data-parallel size or global batch (report.json), naming the fix."""
-    dataset = config.dataset
-    if not isinstance(dataset, QvlPackedDatasetConfig) or dataset.path is None:
-        return
-    path = Path(dataset.path)
-    report = json.loads((path / "report.json").read_text()) if (path / "report.json").is_file() else {}
-    family = report.get("family")
-    if family and family != dataset.family:
-        raise DataError(
-            f"data={path} was prepared for {family}, but this recipe trains {dataset.family}; prepare it again "
-            f"with `qvl data prepare --family {dataset.family} ...` or train a {family} recipe"
-        )
-    packed, recipe_length = report.get("seq_length"), config.model.seq_length
-    if packed and packed > recipe_length:
-        raise DataError(
-            f"data={path} holds packs of up to {packed} tokens, longer than the recipe's seq_length={recipe_length}; "
-            f"train with seq_length={packed} or prepare the data again with --seq-length {recipe_length}"
-        )
-    plan = read_dp_plan(path)
-    if plan and config.data_parallel_size is not None:
-        check_plan(
-            path,
-            plan,
-            data_parallel=config.data_parallel_size,
-            global_batch_size=config.train.global_batch_size,
-            what="this run trains",
-        )
 
 
 def attach_qvl_behaviours(config: Any) -> None:
@@ -171,11 +124,20 @@ def _hf_tower_hook(config: Any, option: str, hook: Any, instead: str) -> None:
 
 def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> ConfigContainer:
     """A complete ConfigContainer for `arch` trained at `stage` with `options`."""
-    o = options
+    o = resolve_steps(options)
     optimizer, scheduler = build_optimizer(o)
     model = build_model(arch, o)
+    preference = None
+    if stage in PREFERENCE_STAGES:
+        preference = preference_config(o, adapters=stage in ADAPTER_STAGES)
+        _check_preference_model(model, o, preference)
     return QvlConfigContainer(
-        qvl=QvlTrainingConfig(vision_balance=o.vision_balance, vision_recompute=o.vision_recompute, compile=o.compile),
+        qvl=QvlTrainingConfig(
+            vision_balance=o.vision_balance,
+            vision_recompute=o.vision_recompute,
+            compile=o.compile,
+            preference=preference,
+        ),
         model=model,
         train=TrainingConfig(
             train_iters=o.train_iters,
@@ -194,13 +156,7 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
             use_distributed_optimizer=True,
             average_in_collective=False,
         ),
-        dataset=QvlPackedDatasetConfig(
-            path=o.data,
-            hf_path=o.hf_path,
-            family=arch.family,
-            seq_length=o.seq_length,
-            micro_batch_size=o.micro_batch_size,
-        ),
+        dataset=build_dataset(arch, o, preference),
         logger=LoggerConfig(
             log_interval=o.log_interval,
             tensorboard_dir=o.tensorboard_dir,
@@ -219,8 +175,38 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
         ),
         rng=RNGConfig(seed=o.seed),
         mixed_precision=PRECISIONS[o.precision],
-        peft=build_adapters(arch, o) if stage == "peft" else None,
+        peft=build_adapters(arch, o) if stage in ADAPTER_STAGES else None,
     )
+
+
+def resolve_steps(o: RecipeOptions) -> RecipeOptions:
+    """`o` with its steps made numbers: train_iters=None is one pass over `data` (1000 without a dataset, when
+    planning), warmup_iters=None a tenth of the training steps."""
+    train_iters = o.train_iters or one_epoch_iters(o.data, o.global_batch_size) or 1000
+    warmup = o.warmup_iters if o.warmup_iters is not None else train_iters // 10
+    if warmup >= train_iters:
+        raise ConfigError(f"warmup_iters={warmup} must be below train_iters={train_iters}; pass a smaller warmup_iters")
+    return dataclasses.replace(o, train_iters=train_iters, warmup_iters=warmup)
+
+
+def _check_preference_model(model: Any, o: RecipeOptions, preference: PreferenceConfig) -> None:
+    # A pair's sides are summed over whole sub-sequences: a context-parallel rank holds a slice of each.
+    if o.context_parallel > 1:
+        raise ConfigError(
+            f"context_parallel={o.context_parallel}: a preference stage sums each side's log-probs over whole packed "
+            "sequences, which context parallelism splits; use context_parallel=1"
+        )
+    if getattr(model, "mtp_num_layers", None):
+        raise ConfigError(
+            "mtp=true: preference stages train the language-model head only (the MTP head's loss has no pair "
+            "objective); drop mtp=true (its weights export unchanged)"
+        )
+    if preference.reference == ADAPTERS and o.pipeline_parallel > 1:
+        raise ConfigError(
+            f"reference=adapters runs the model a second time inside the step, which pipeline_parallel="
+            f"{o.pipeline_parallel} cannot; precompute the reference (`qvl reference RECIPE ...`) or use "
+            "pipeline_parallel=1"
+        )
 
 
 def build_adapters(arch: Architecture, o: RecipeOptions) -> Any:

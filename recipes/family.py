@@ -23,6 +23,25 @@ DENSE_LARGE_SETTINGS: dict[tuple[str, str], dict] = {
 }
 
 
+# A preference stage trains from the stage before it and holds what that stage holds: full DPO what SFT holds (its
+# reference log-probs precomputed, a pair's two sequences inside one pack), DPO on adapters what PEFT holds.
+PREFERENCE_BASE = {"dpo": "sft", "dpo_peft": "peft"}
+# Options a preference stage does not take from its base stage: the MTP head is off for DPO (qvl.recipes.base).
+NOT_FOR_PREFERENCE = ("mtp",)
+
+
+def with_preference_stages(table: dict[tuple[str, str], dict]) -> dict[tuple[str, str], dict]:
+    """A family's per-(size, stage) table (DEFAULTS or SETTINGS) with each size's `dpo` and `dpo_peft` entries, taken
+    from its `sft` and `peft` entries."""
+    added = {
+        (size, preference): {k: v for k, v in table[size, base].items() if k not in NOT_FOR_PREFERENCE}
+        for preference, base in PREFERENCE_BASE.items()
+        for size, stage in table
+        if stage == base
+    }
+    return {**table, **added}
+
+
 def family_recipe(
     *, arch: Architecture, stage: str, planned: dict[str, int], settings: dict, overrides: dict
 ) -> ConfigContainer:

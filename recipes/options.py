@@ -38,7 +38,7 @@ class RecipeOptions:
     seq_length: int = 4096  # packed sequence length (THD, micro-batch 1 of packs)
     global_batch_size: int = 128
     micro_batch_size: int = 1
-    train_iters: int = 1000
+    train_iters: int | None = 1000  # None: one pass over `data` (its packs / global_batch_size), 1000 without data
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     virtual_pipeline: int | None = None
@@ -62,7 +62,7 @@ class RecipeOptions:
     mtp_loss_scale: float = 0.1
     lr: float = 1e-5
     min_lr: float = 1e-6
-    warmup_iters: int = 50
+    warmup_iters: int | None = 50  # None: a tenth of the training steps
     lr_decay_style: str = "cosine"
     weight_decay: float = 0.1
     # PEFT stage (qvl.bridges.adapters): the method, its rank, alpha and dropout, and what it adapts by meaning
@@ -72,6 +72,17 @@ class RecipeOptions:
     adapter_alpha: int = 32
     adapter_dropout: float = 0.0
     adapter_targets: tuple[str, ...] = ("language",)
+    # Preference stages (dpo, dpo_peft; qvl.recipes.preference): the loss (sigmoid, robust, ipo, hinge, simpo), its
+    # beta, label smoothing, RPO's NLL weight, SimPO's margin, a side's log-prob as the sum or the mean over its
+    # tokens, and the reference: a folder `qvl reference` wrote (default DATA/reference) or `adapters` (an adapter
+    # recipe's base model: its adapters switched off).
+    dpo_loss: str = "sigmoid"
+    dpo_beta: float = 0.1
+    dpo_label_smoothing: float = 0.0
+    dpo_nll_weight: float = 0.0
+    simpo_gamma: float = 0.5
+    dpo_logp: str = "sum"
+    reference: str | None = None
     checkpoint_dir: str = "experiments/checkpoints"
     save_interval: int = 500
     pretrained_checkpoint: str | None = None  # converted Megatron checkpoint (`qvl convert import`)
@@ -217,6 +228,10 @@ STAGE_DEFAULTS: dict[str, dict] = {
     "sft": dict(lr=1e-5, min_lr=1e-6, warmup_iters=50, global_batch_size=128),
     # LoRA: adapters only (the base weights are frozen by the PEFT transform), adapter-sized LR.
     "peft": dict(lr=1e-4, min_lr=1e-5, warmup_iters=50, global_batch_size=128),
+    # Preference training (DPO) after SFT, as published (Zephyr, Tulu 3, TRL's examples): a small LR, cosine to zero
+    # after a tenth of the steps of warm-up, one pass over the pairs.
+    "dpo": dict(lr=5e-7, min_lr=0.0, warmup_iters=None, train_iters=None, global_batch_size=64),
+    "dpo_peft": dict(lr=5e-6, min_lr=0.0, warmup_iters=None, train_iters=None, global_batch_size=64),
 }
 
 

@@ -1,11 +1,11 @@
-"""Qwen2-VL recipes (2B, 7B, 72B) x (pretrain, sft, peft): one base recipe, small size/stage functions."""
+"""Qwen2-VL recipes (2B, 7B, 72B) x (pretrain, sft, peft, dpo, dpo_peft): one base recipe, small size/stage functions."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from qvl.recipes.architectures import get_architecture
-from qvl.recipes.family import DENSE_LARGE_SETTINGS, family_recipe
+from qvl.recipes.family import DENSE_LARGE_SETTINGS, family_recipe, with_preference_stages
 from qvl.recipes.registry import recipe
 
 if TYPE_CHECKING:
@@ -25,7 +25,8 @@ DEFAULTS: dict[tuple[str, str], dict[str, int]] = {
     ("72b", "sft"): dict(tensor_parallel=8, pipeline_parallel=4, gpus=64),
     ("72b", "peft"): dict(tensor_parallel=8, gpus=8),
 }
-SETTINGS = DENSE_LARGE_SETTINGS
+SETTINGS = with_preference_stages(DENSE_LARGE_SETTINGS)
+DEFAULTS = with_preference_stages(DEFAULTS)
 
 
 def qwen2_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
@@ -57,6 +58,18 @@ def qwen2_vl_2b_peft(**overrides: Any) -> ConfigContainer:
     return qwen2_vl(size="2b", stage="peft", **overrides)
 
 
+@recipe(family=FAMILY, size="2b", stage="dpo", **DEFAULTS["2b", "dpo"])
+def qwen2_vl_2b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-2B preference training (DPO), full fine-tuning."""
+    return qwen2_vl(size="2b", stage="dpo", **overrides)
+
+
+@recipe(family=FAMILY, size="2b", stage="dpo_peft", **DEFAULTS["2b", "dpo_peft"])
+def qwen2_vl_2b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-2B preference training (DPO) on LoRA adapters."""
+    return qwen2_vl(size="2b", stage="dpo_peft", **overrides)
+
+
 @recipe(family=FAMILY, size="7b", stage="pretrain", **DEFAULTS["7b", "pretrain"])
 def qwen2_vl_7b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-7B continued pretraining."""
@@ -75,6 +88,18 @@ def qwen2_vl_7b_peft(**overrides: Any) -> ConfigContainer:
     return qwen2_vl(size="7b", stage="peft", **overrides)
 
 
+@recipe(family=FAMILY, size="7b", stage="dpo", **DEFAULTS["7b", "dpo"])
+def qwen2_vl_7b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-7B preference training (DPO), full fine-tuning."""
+    return qwen2_vl(size="7b", stage="dpo", **overrides)
+
+
+@recipe(family=FAMILY, size="7b", stage="dpo_peft", **DEFAULTS["7b", "dpo_peft"])
+def qwen2_vl_7b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-7B preference training (DPO) on LoRA adapters."""
+    return qwen2_vl(size="7b", stage="dpo_peft", **overrides)
+
+
 @recipe(family=FAMILY, size="72b", stage="pretrain", **DEFAULTS["72b", "pretrain"])
 def qwen2_vl_72b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-72B continued pretraining."""
@@ -91,3 +116,15 @@ def qwen2_vl_72b_sft(**overrides: Any) -> ConfigContainer:
 def qwen2_vl_72b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen2-VL-72B LoRA fine-tuning."""
     return qwen2_vl(size="72b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="72b", stage="dpo", **DEFAULTS["72b", "dpo"])
+def qwen2_vl_72b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-72B preference training (DPO), full fine-tuning."""
+    return qwen2_vl(size="72b", stage="dpo", **overrides)
+
+
+@recipe(family=FAMILY, size="72b", stage="dpo_peft", **DEFAULTS["72b", "dpo_peft"])
+def qwen2_vl_72b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen2-VL-72B preference training (DPO) on LoRA adapters."""
+    return qwen2_vl(size="72b", stage="dpo_peft", **overrides)

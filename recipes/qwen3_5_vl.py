@@ -1,4 +1,4 @@
-"""Qwen3.5-VL recipes, dense (9B, 27B) and MoE (35B-A3B, 397B-A17B) x (pretrain, sft, peft), and the later releases
+"""Qwen3.5-VL recipes, dense (9B, 27B) and MoE (35B-A3B, 397B-A17B) x (pretrain, sft, peft, dpo, dpo_peft), and the later releases
 of the same architecture users fine-tune: Qwen3.6 (27B, 35B-A3B) and Qwen3.8 (27B).
 
 Default layouts start from Megatron-Bridge 0.6.2's H100 recipes for the same sizes
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from qvl.recipes.architectures import get_architecture
-from qvl.recipes.family import family_recipe
+from qvl.recipes.family import family_recipe, with_preference_stages
 from qvl.recipes.registry import recipe
 
 if TYPE_CHECKING:
@@ -52,6 +52,8 @@ DEFAULTS |= {
 SETTINGS: dict[tuple[str, str], dict] = {
     (size, stage): dict(mtp=None) for size, _ in DEFAULTS for stage in ("sft", "peft")
 }
+DEFAULTS = with_preference_stages(DEFAULTS)
+SETTINGS = with_preference_stages(SETTINGS)
 
 
 def qwen3_5_vl(*, size: str, stage: str, **overrides: Any) -> ConfigContainer:
@@ -83,6 +85,18 @@ def qwen3_5_vl_9b_peft(**overrides: Any) -> ConfigContainer:
     return qwen3_5_vl(size="9b", stage="peft", **overrides)
 
 
+@recipe(family=FAMILY, size="9b", stage="dpo", **DEFAULTS["9b", "dpo"])
+def qwen3_5_vl_9b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-9B preference training (DPO), full fine-tuning."""
+    return qwen3_5_vl(size="9b", stage="dpo", **overrides)
+
+
+@recipe(family=FAMILY, size="9b", stage="dpo_peft", **DEFAULTS["9b", "dpo_peft"])
+def qwen3_5_vl_9b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-9B preference training (DPO) on LoRA adapters."""
+    return qwen3_5_vl(size="9b", stage="dpo_peft", **overrides)
+
+
 @recipe(family=FAMILY, size="27b", stage="pretrain", **DEFAULTS["27b", "pretrain"])
 def qwen3_5_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-27B continued pretraining."""
@@ -99,6 +113,18 @@ def qwen3_5_vl_27b_sft(**overrides: Any) -> ConfigContainer:
 def qwen3_5_vl_27b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-27B LoRA fine-tuning."""
     return qwen3_5_vl(size="27b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="27b", stage="dpo", **DEFAULTS["27b", "dpo"])
+def qwen3_5_vl_27b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-27B preference training (DPO), full fine-tuning."""
+    return qwen3_5_vl(size="27b", stage="dpo", **overrides)
+
+
+@recipe(family=FAMILY, size="27b", stage="dpo_peft", **DEFAULTS["27b", "dpo_peft"])
+def qwen3_5_vl_27b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-27B preference training (DPO) on LoRA adapters."""
+    return qwen3_5_vl(size="27b", stage="dpo_peft", **overrides)
 
 
 @recipe(family=MOE_FAMILY, size="35b-a3b", stage="pretrain", **DEFAULTS["35b-a3b", "pretrain"])
@@ -119,6 +145,18 @@ def qwen3_5_vl_35b_a3b_peft(**overrides: Any) -> ConfigContainer:
     return qwen3_5_vl(size="35b-a3b", stage="peft", **overrides)
 
 
+@recipe(family=MOE_FAMILY, size="35b-a3b", stage="dpo", **DEFAULTS["35b-a3b", "dpo"])
+def qwen3_5_vl_35b_a3b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-35B-A3B (MoE) preference training (DPO), full fine-tuning."""
+    return qwen3_5_vl(size="35b-a3b", stage="dpo", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="35b-a3b", stage="dpo_peft", **DEFAULTS["35b-a3b", "dpo_peft"])
+def qwen3_5_vl_35b_a3b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-35B-A3B (MoE) preference training (DPO) on LoRA adapters."""
+    return qwen3_5_vl(size="35b-a3b", stage="dpo_peft", **overrides)
+
+
 @recipe(family=MOE_FAMILY, size="397b-a17b", stage="pretrain", **DEFAULTS["397b-a17b", "pretrain"])
 def qwen3_5_vl_397b_a17b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-397B-A17B (MoE) continued pretraining."""
@@ -135,6 +173,18 @@ def qwen3_5_vl_397b_a17b_sft(**overrides: Any) -> ConfigContainer:
 def qwen3_5_vl_397b_a17b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3.5-VL-397B-A17B (MoE) LoRA fine-tuning."""
     return qwen3_5_vl(size="397b-a17b", stage="peft", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="397b-a17b", stage="dpo", **DEFAULTS["397b-a17b", "dpo"])
+def qwen3_5_vl_397b_a17b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-397B-A17B (MoE) preference training (DPO), full fine-tuning."""
+    return qwen3_5_vl(size="397b-a17b", stage="dpo", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="397b-a17b", stage="dpo_peft", **DEFAULTS["397b-a17b", "dpo_peft"])
+def qwen3_5_vl_397b_a17b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.5-VL-397B-A17B (MoE) preference training (DPO) on LoRA adapters."""
+    return qwen3_5_vl(size="397b-a17b", stage="dpo_peft", **overrides)
 
 
 @recipe(family=FAMILY, size="3.6-27b", stage="pretrain", **DEFAULTS["3.6-27b", "pretrain"])
@@ -155,6 +205,18 @@ def qwen3_6_vl_27b_peft(**overrides: Any) -> ConfigContainer:
     return qwen3_5_vl(size="3.6-27b", stage="peft", **overrides)
 
 
+@recipe(family=FAMILY, size="3.6-27b", stage="dpo", **DEFAULTS["3.6-27b", "dpo"])
+def qwen3_6_vl_27b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3.6-27B preference training (DPO), full fine-tuning."""
+    return qwen3_5_vl(size="3.6-27b", stage="dpo", **overrides)
+
+
+@recipe(family=FAMILY, size="3.6-27b", stage="dpo_peft", **DEFAULTS["3.6-27b", "dpo_peft"])
+def qwen3_6_vl_27b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.6-27B preference training (DPO) on LoRA adapters."""
+    return qwen3_5_vl(size="3.6-27b", stage="dpo_peft", **overrides)
+
+
 @recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="pretrain", **DEFAULTS["3.6-35b-a3b", "pretrain"])
 def qwen3_6_vl_35b_a3b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3.6-35B-A3B (MoE) continued pretraining."""
@@ -173,6 +235,18 @@ def qwen3_6_vl_35b_a3b_peft(**overrides: Any) -> ConfigContainer:
     return qwen3_5_vl(size="3.6-35b-a3b", stage="peft", **overrides)
 
 
+@recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="dpo", **DEFAULTS["3.6-35b-a3b", "dpo"])
+def qwen3_6_vl_35b_a3b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3.6-35B-A3B (MoE) preference training (DPO), full fine-tuning."""
+    return qwen3_5_vl(size="3.6-35b-a3b", stage="dpo", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="3.6-35b-a3b", stage="dpo_peft", **DEFAULTS["3.6-35b-a3b", "dpo_peft"])
+def qwen3_6_vl_35b_a3b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.6-35B-A3B (MoE) preference training (DPO) on LoRA adapters."""
+    return qwen3_5_vl(size="3.6-35b-a3b", stage="dpo_peft", **overrides)
+
+
 @recipe(family=FAMILY, size="3.8-27b", stage="pretrain", **DEFAULTS["3.8-27b", "pretrain"])
 def qwen3_8_vl_27b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3.8-27B continued pretraining."""
@@ -189,3 +263,15 @@ def qwen3_8_vl_27b_sft(**overrides: Any) -> ConfigContainer:
 def qwen3_8_vl_27b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3.8-27B LoRA fine-tuning (MTP trained where the checkpoint has a head)."""
     return qwen3_5_vl(size="3.8-27b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="3.8-27b", stage="dpo", **DEFAULTS["3.8-27b", "dpo"])
+def qwen3_8_vl_27b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3.8-27B preference training (DPO), full fine-tuning."""
+    return qwen3_5_vl(size="3.8-27b", stage="dpo", **overrides)
+
+
+@recipe(family=FAMILY, size="3.8-27b", stage="dpo_peft", **DEFAULTS["3.8-27b", "dpo_peft"])
+def qwen3_8_vl_27b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3.8-27B preference training (DPO) on LoRA adapters."""
+    return qwen3_5_vl(size="3.8-27b", stage="dpo_peft", **overrides)

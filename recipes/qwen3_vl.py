@@ -1,11 +1,11 @@
-"""Qwen3-VL recipes, dense (2B, 4B, 8B, 32B) and MoE (30B-A3B, 235B-A22B) x (pretrain, sft, peft)."""
+"""Qwen3-VL recipes, dense (2B, 4B, 8B, 32B) and MoE (30B-A3B, 235B-A22B) x (pretrain, sft, peft, dpo, dpo_peft)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from qvl.recipes.architectures import get_architecture
-from qvl.recipes.family import family_recipe
+from qvl.recipes.family import family_recipe, with_preference_stages
 from qvl.recipes.registry import recipe
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ DEFAULTS: dict[tuple[str, str], dict[str, int]] = {
     ("235b-a22b", "sft"): dict(tensor_parallel=4, pipeline_parallel=8, expert_parallel=8, gpus=256),
     ("235b-a22b", "peft"): dict(tensor_parallel=4, pipeline_parallel=2, expert_parallel=8, gpus=64),
 }
+DEFAULTS = with_preference_stages(DEFAULTS)
 SETTINGS: dict[tuple[str, str], dict] = {}  # non-layout defaults per (size, stage); none needed yet
 
 
@@ -68,6 +69,18 @@ def qwen3_vl_2b_peft(**overrides: Any) -> ConfigContainer:
     return qwen3_vl(size="2b", stage="peft", **overrides)
 
 
+@recipe(family=FAMILY, size="2b", stage="dpo", **DEFAULTS["2b", "dpo"])
+def qwen3_vl_2b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-2B preference training (DPO), full fine-tuning."""
+    return qwen3_vl(size="2b", stage="dpo", **overrides)
+
+
+@recipe(family=FAMILY, size="2b", stage="dpo_peft", **DEFAULTS["2b", "dpo_peft"])
+def qwen3_vl_2b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-2B preference training (DPO) on LoRA adapters."""
+    return qwen3_vl(size="2b", stage="dpo_peft", **overrides)
+
+
 @recipe(family=FAMILY, size="4b", stage="pretrain", **DEFAULTS["4b", "pretrain"])
 def qwen3_vl_4b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-4B continued pretraining."""
@@ -84,6 +97,18 @@ def qwen3_vl_4b_sft(**overrides: Any) -> ConfigContainer:
 def qwen3_vl_4b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-4B LoRA fine-tuning."""
     return qwen3_vl(size="4b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="4b", stage="dpo", **DEFAULTS["4b", "dpo"])
+def qwen3_vl_4b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-4B preference training (DPO), full fine-tuning."""
+    return qwen3_vl(size="4b", stage="dpo", **overrides)
+
+
+@recipe(family=FAMILY, size="4b", stage="dpo_peft", **DEFAULTS["4b", "dpo_peft"])
+def qwen3_vl_4b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-4B preference training (DPO) on LoRA adapters."""
+    return qwen3_vl(size="4b", stage="dpo_peft", **overrides)
 
 
 @recipe(family=FAMILY, size="8b", stage="pretrain", **DEFAULTS["8b", "pretrain"])
@@ -104,6 +129,18 @@ def qwen3_vl_8b_peft(**overrides: Any) -> ConfigContainer:
     return qwen3_vl(size="8b", stage="peft", **overrides)
 
 
+@recipe(family=FAMILY, size="8b", stage="dpo", **DEFAULTS["8b", "dpo"])
+def qwen3_vl_8b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-8B preference training (DPO), full fine-tuning."""
+    return qwen3_vl(size="8b", stage="dpo", **overrides)
+
+
+@recipe(family=FAMILY, size="8b", stage="dpo_peft", **DEFAULTS["8b", "dpo_peft"])
+def qwen3_vl_8b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-8B preference training (DPO) on LoRA adapters."""
+    return qwen3_vl(size="8b", stage="dpo_peft", **overrides)
+
+
 @recipe(family=FAMILY, size="32b", stage="pretrain", **DEFAULTS["32b", "pretrain"])
 def qwen3_vl_32b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-32B continued pretraining."""
@@ -120,6 +157,18 @@ def qwen3_vl_32b_sft(**overrides: Any) -> ConfigContainer:
 def qwen3_vl_32b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-32B LoRA fine-tuning."""
     return qwen3_vl(size="32b", stage="peft", **overrides)
+
+
+@recipe(family=FAMILY, size="32b", stage="dpo", **DEFAULTS["32b", "dpo"])
+def qwen3_vl_32b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-32B preference training (DPO), full fine-tuning."""
+    return qwen3_vl(size="32b", stage="dpo", **overrides)
+
+
+@recipe(family=FAMILY, size="32b", stage="dpo_peft", **DEFAULTS["32b", "dpo_peft"])
+def qwen3_vl_32b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-32B preference training (DPO) on LoRA adapters."""
+    return qwen3_vl(size="32b", stage="dpo_peft", **overrides)
 
 
 @recipe(family=MOE_FAMILY, size="30b-a3b", stage="pretrain", **DEFAULTS["30b-a3b", "pretrain"])
@@ -140,6 +189,18 @@ def qwen3_vl_30b_a3b_peft(**overrides: Any) -> ConfigContainer:
     return qwen3_vl(size="30b-a3b", stage="peft", **overrides)
 
 
+@recipe(family=MOE_FAMILY, size="30b-a3b", stage="dpo", **DEFAULTS["30b-a3b", "dpo"])
+def qwen3_vl_30b_a3b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-30B-A3B (MoE) preference training (DPO), full fine-tuning."""
+    return qwen3_vl(size="30b-a3b", stage="dpo", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="30b-a3b", stage="dpo_peft", **DEFAULTS["30b-a3b", "dpo_peft"])
+def qwen3_vl_30b_a3b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-30B-A3B (MoE) preference training (DPO) on LoRA adapters."""
+    return qwen3_vl(size="30b-a3b", stage="dpo_peft", **overrides)
+
+
 @recipe(family=MOE_FAMILY, size="235b-a22b", stage="pretrain", **DEFAULTS["235b-a22b", "pretrain"])
 def qwen3_vl_235b_a22b_pretrain(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-235B-A22B (MoE) continued pretraining."""
@@ -156,3 +217,15 @@ def qwen3_vl_235b_a22b_sft(**overrides: Any) -> ConfigContainer:
 def qwen3_vl_235b_a22b_peft(**overrides: Any) -> ConfigContainer:
     """Qwen3-VL-235B-A22B (MoE) LoRA fine-tuning."""
     return qwen3_vl(size="235b-a22b", stage="peft", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="235b-a22b", stage="dpo", **DEFAULTS["235b-a22b", "dpo"])
+def qwen3_vl_235b_a22b_dpo(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-235B-A22B (MoE) preference training (DPO), full fine-tuning."""
+    return qwen3_vl(size="235b-a22b", stage="dpo", **overrides)
+
+
+@recipe(family=MOE_FAMILY, size="235b-a22b", stage="dpo_peft", **DEFAULTS["235b-a22b", "dpo_peft"])
+def qwen3_vl_235b_a22b_dpo_peft(**overrides: Any) -> ConfigContainer:
+    """Qwen3-VL-235B-A22B (MoE) preference training (DPO) on LoRA adapters."""
+    return qwen3_vl(size="235b-a22b", stage="dpo_peft", **overrides)

@@ -23,7 +23,9 @@ RECIPE_MODULES: tuple[str, ...] = tuple(dict.fromkeys(f.recipe_module for f in F
 
 log = logging.getLogger(__name__)
 
-STAGES = ("pretrain", "sft", "peft")
+STAGES = ("pretrain", "sft", "peft", "dpo", "dpo_peft")
+ADAPTER_STAGES = ("peft", "dpo_peft")  # the stages that train adapters (LoRA, DoRA) on a frozen model
+PREFERENCE_STAGES = ("dpo", "dpo_peft")  # the stages that train on preference pairs (qvl.recipes.preference)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -85,7 +85,7 @@ def prepare_config(request: TrainRequest, *, cpu: bool | None = None, tiny_dir: 
 def check_inputs(info, config, run_dir: Path) -> None:
     """Refuse, before any model is built, what Megatron-Bridge would only find after: no pretrained checkpoint
     for a fine-tune, a missing or truncated checkpoint, a missing dataset, an unwritable run directory."""
-    from qvl.recipes.base import check_dataset, check_dataset_matches_recipe  # imports Megatron-Bridge
+    from qvl.recipes.datasets import check_dataset, check_dataset_matches_recipe  # imports Megatron-Bridge
 
     check_writable("--run-dir", run_dir)
     if config.checkpoint.save:  # checkpoint.save=none trains without saving

@@ -14,9 +14,9 @@ from qvl.recipes.planner import GIB, plan_config
 from qvl.recipes.registry import all_recipes, get_recipe
 
 
-def test_twenty_one_recipes_and_the_hybrid_pattern_of_the_published_sizes():
+def test_thirty_five_recipes_and_the_hybrid_pattern_of_the_published_sizes():
     names = {r.name for r in all_recipes() if r.family.startswith("qwen3_5_vl")}
-    assert len(names) == 21 and "qwen3_5_vl_397b_a17b_peft" in names
+    assert len(names) == 7 * 5 and "qwen3_5_vl_397b_a17b_dpo_peft" in names  # 7 sizes x 5 stages
     assert {"qwen3_6_vl_27b_sft", "qwen3_6_vl_35b_a3b_peft", "qwen3_8_vl_27b_sft"} <= names  # Qwen3.6 and Qwen3.8
     model = get_recipe("qwen3_5_vl_27b_sft").fn().model
     assert shapes.gated_delta_layers(model) == 48 and model.num_layers == 64  # 16 x (3 DeltaNet + 1 attention)

@@ -28,9 +28,13 @@ def test_registry_covers_every_family_size_and_stage(recipes):
 
 
 def test_every_recipe_returns_a_config_container_with_its_default_layout(recipes):
+    from qvl.foundation.megatron import import_megatron_bridge
+
+    import_megatron_bridge()  # with qvl's stand-ins, whichever test of this worker ran first
     from megatron.bridge.training.config import ConfigContainer
 
     from qvl.recipes.base import QvlPackedDatasetConfig
+    from qvl.recipes.registry import ADAPTER_STAGES, PREFERENCE_STAGES
 
     for info in recipes.values():
         cfg = info.fn()
@@ -39,7 +43,8 @@ def test_every_recipe_returns_a_config_container_with_its_default_layout(recipes
         assert cfg.model.pipeline_model_parallel_size == info.layout.get("pipeline_parallel", 1)
         assert cfg.model.expert_model_parallel_size == info.layout.get("expert_parallel", 1)
         assert isinstance(cfg.dataset, QvlPackedDatasetConfig) and cfg.dataset.family == info.family
-        assert (cfg.peft is not None) == (info.stage == "peft"), info.name
+        assert (cfg.peft is not None) == (info.stage in ADAPTER_STAGES), info.name
+        assert (cfg.qvl.preference is not None) == (info.stage in PREFERENCE_STAGES), info.name
         assert cfg.model.seq_length == cfg.dataset.seq_length == 4096
 
 
