@@ -174,3 +174,38 @@ def test_an_sft_pack_is_refused(dataset, hf_paths, monkeypatch):
     monkeypatch.setattr(preference_encode.PreferenceTaskEncoder, "encode_sample", without_pairs)
     with pytest.raises(DataError, match=f"pack {rows[0]['pack']} holds SFT conversations.*--kind preference"):
         _first_pack(output, rows, encoder)[0]
+
+
+def test_energons_savable_loader_restores_the_same_preference_batches(dataset, hf_paths):
+    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+
+    from qvl.data.write import CRUDE_CONFIG
+
+    output, _, _, reference = dataset
+    encoder = _encoder(hf_paths, reference)
+
+    def loader():
+        worker = WorkerConfig(rank=0, world_size=1, num_workers=0)
+        dataset = get_train_dataset(
+            output,
+            batch_size=2,
+            shuffle_buffer_size=None,
+            max_samples_per_sequence=None,
+            worker_config=worker,
+            task_encoder=encoder,
+            dataset_config=CRUDE_CONFIG,
+        )
+        return get_savable_loader(dataset, worker_config=worker)
+
+    def summary(batch) -> tuple:
+        return batch.packs, batch.pairs.tolist(), batch.reference_logps.tolist(), batch.tokens.tolist()
+
+    first = loader()
+    stream = iter(first)
+    next(stream)
+    state = first.save_state_rank()
+    expected = [summary(next(stream)) for _ in range(3)]
+    restored = loader()
+    restored.restore_state_rank(state)
+    stream = iter(restored)
+    assert [summary(next(stream)) for _ in range(3)] == expected
