@@ -130,12 +130,12 @@ class ReferenceTable:
         if not file.is_file():
             raise DataError(f"reference={path} has no {TABLE}; compute it with `qvl reference RECIPE ...`")
         with np.load(file) as table:
-            pack, sub, logp, tokens = (table[k] for k in ("pack", "sub", "logp", "tokens"))
+            order = np.lexsort((table["sub"], table["pack"]))  # rows grouped by pack, whatever order they were kept in
+            pack, sub, logp, tokens = (table[k][order] for k in ("pack", "sub", "logp", "tokens"))
         rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         starts = np.flatnonzero(np.r_[True, pack[1:] != pack[:-1]]) if len(pack) else np.zeros(0, np.int64)
         for start, end in zip(starts, np.r_[starts[1:], len(pack)]):
-            order = np.argsort(sub[start:end])
-            rows[int(pack[start])] = (logp[start:end][order], tokens[start:end][order])
+            rows[int(pack[start])] = (logp[start:end], tokens[start:end])
         return cls(rows=rows)
 
     def for_pack(self, pack: int, subs: int) -> tuple[np.ndarray, np.ndarray]:
