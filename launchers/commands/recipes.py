@@ -1,4 +1,5 @@
-"""`qvl recipes` (list every recipe), `qvl plan RECIPE [key=value ...] --gpus N --gpu h100` and `qvl train RECIPE`."""
+"""`qvl recipes` (list every recipe), `qvl plan RECIPE [key=value ...] --gpus N --gpu h100`, `qvl train RECIPE` and
+`qvl reference RECIPE` (a preference recipe's reference log-probs)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,20 @@ def register(subparsers: Any) -> None:
         help="save a checkpoint and exit after N steps (resume by running the same command again)",
     )
     train.set_defaults(func=run_train)
+    reference = subparsers.add_parser(
+        "reference",
+        help="a preference recipe's reference log-probs, computed once over its dataset before `qvl train`",
+    )
+    reference.add_argument("recipe", help="a dpo or dpo_peft recipe (`qvl recipes` lists them)")
+    reference.add_argument(
+        "overrides", nargs="*", help="the same key=value arguments as the `qvl train` that follows (data, hf_path, ...)"
+    )
+    reference.add_argument(
+        "--model", choices=("tiny",), default=None, help="a tiny random model of the recipe's family"
+    )
+    reference.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces qvl's CPU runtime")
+    reference.add_argument("--run-dir", default="runs/train", help="where --model tiny writes its checkpoint")
+    reference.set_defaults(func=run_reference)
 
 
 RECIPE_COLUMNS = ("recipe", "family", "size", "stage", "TP", "PP", "EP", "planned GPUs", "summary")
@@ -257,4 +272,20 @@ def run_train(args: argparse.Namespace) -> int:
     if losses:
         first, last = losses[min(losses)], losses[max(losses)]
         print(f"trained {len(losses)} steps: loss {first:.3f} -> {last:.3f}; run directory {request.run_dir}")
+    return 0
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    from qvl.training.loop import TrainRequest  # torch
+    from qvl.training.reference import run_reference as compute  # torch
+
+    request = TrainRequest(
+        recipe=args.recipe,
+        overrides=parse_overrides(args.overrides).as_dict(),
+        run_dir=Path(args.run_dir),
+        model=args.model,
+        device=args.device,
+    )
+    out = compute(request)
+    print(f"reference log-probs in {out}; `qvl train {args.recipe} ...` with the same arguments reads them")
     return 0
