@@ -43,6 +43,23 @@ class VisionPositionsMismatch(QvlError, ValueError):
     """Host-computed vision positions or order that do not fit the micro-batch's grids or vision features."""
 
 
+class VisionTowerOutputError(QvlError, RuntimeError):
+    """A vision tower whose output is not one row per merged patch of its input: a defect of the model, not the data."""
+
+
+def check_tower_rows(tower: torch.nn.Module, outputs: Sequence[torch.Tensor], pixel_rows: int, merged: int) -> None:
+    """Refuse tower `outputs` (its embeddings, and Qwen3-VL's deepstack features) other than [pixel_rows / merged,
+    hidden] (shapes only, no host read), naming the tower: the data checks then see only what the data decides."""
+    expected = pixel_rows // merged
+    for embeds in outputs:
+        if embeds.dim() != 2 or embeds.shape[0] != expected:
+            raise VisionTowerOutputError(
+                f"the vision tower ({type(tower).__name__}) returned embeddings of shape {list(embeds.shape)} for "
+                f"{pixel_rows} patches, where [{expected}, hidden] (one row per {merged} patches) is due; the model "
+                "is at fault, not the data: look at what wraps or patches the tower (its mergers' linears first)"
+            )
+
+
 class TakesVisionPlacement:
     """A Qwen3-VL model class whose forward takes the step's `VisionPlacement` (qvl.bridges.qwen3_vl.Qwen3VLModel): the
     step computes one for its micro-batches."""
@@ -317,7 +334,9 @@ def _vision_features(
     if grid is None or grid.shape[0] == 0:
         return None, None
     if data.shape[0] > 0:
-        return model.vision_model(hidden_states=data, grid_thw=grid, tower_inputs=tower_inputs)
+        embeds, deepstack = model.vision_model(hidden_states=data, grid_thw=grid, tower_inputs=tower_inputs)
+        check_tower_rows(model.vision_model, [embeds, *(deepstack or ())], data.shape[0], model.square_merge_size)
+        return embeds, deepstack
     dtype, device = model.config.params_dtype, data.device
     empty = torch.zeros((0, model.config.hidden_size), device=device, dtype=dtype)
     hidden = model.language_model.config.hidden_size
@@ -334,8 +353,8 @@ def _embeddings(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, vi
     if vision_embeds is not None:
         if vision_embeds.shape[0] != positions.numel():
             raise VisionPositionsMismatch(
-                f"the vision tower gave {vision_embeds.shape[0]} embeddings for {positions.numel()} vision "
-                "placeholder tokens; the packed batch's grids and placeholders disagree: prepare the dataset again "
+                f"the packed batch's grids give {vision_embeds.shape[0]} vision embeddings for {positions.numel()} "
+                "vision placeholder tokens; its grids and placeholder tokens disagree: prepare the dataset again "
                 "with `qvl data prepare` for this checkpoint's processor"
             )
         combined = combined.transpose(0, 1).contiguous()  # [b, s, h], as upstream masks it

@@ -37,7 +37,7 @@ import torch
 
 from qvl.foundation.errors import QvlError
 from qvl.kernels.speed_hf_vision import tower_kwargs
-from qvl.kernels.speed_qwen3_vl_sync_free import VisionPlacement
+from qvl.kernels.speed_qwen3_vl_sync_free import VisionPlacement, check_tower_rows
 from qvl.kernels.tower_inputs import MegatronTowerInputs, TowerInputs
 
 GROUP = "speed-sync-free"
@@ -92,6 +92,7 @@ def _vision_embeddings(
     `inputs` for `grid`, transformers takes them instead of computing them from the device grid."""
     given = tower_kwargs(inputs) if isinstance(inputs, TowerInputs) else {}
     output = model.visual(pixels.type(model.visual.dtype), grid_thw=grid, **given).pooler_output
+    check_tower_rows(model.visual, [output], pixels.shape[0], model.visual.spatial_merge_size**2)
     return output.to(like.device, like.dtype)
 
 

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from qvl.data.count import IGNORE_INDEX
-from qvl.kernels.speed_qwen3_vl_sync_free import host_vision_placement
+from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows, host_vision_placement
 from qvl.kernels.speed_rotary import mark_whole_pack
-from qvl.kernels.speed_sync_free import HostBatch, LossCheck, masked_loss
+from qvl.kernels.speed_sync_free import HostBatch, LossCheck, PlaceholderMismatchError, masked_loss
 from qvl.training import mtp
 
 # Batch fields passed to the model when present (Qwen2-VL / Qwen2.5-VL / Qwen3-VL forward arguments).
@@ -181,9 +181,10 @@ def balanced_vision_inputs(model: Any, kwargs: dict) -> dict:
         image_mask, video_mask = vlm.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds)
         n_image, n_video = int(image_mask.sum()), int(video_mask.sum())
         if embeds.shape[0] != n_image + n_video:
-            raise ValueError(
-                f"the vision tower gave {embeds.shape[0]} embeddings for {n_image} image and {n_video} "
-                "video placeholder tokens; the packed batch's grids and placeholders disagree"
+            raise PlaceholderMismatchError(
+                f"the packed batch's grids give {embeds.shape[0]} vision embeddings for {n_image} image and {n_video} "
+                "video placeholder tokens; its grids and placeholder tokens disagree: prepare the dataset again with "
+                "`qvl data prepare` for this checkpoint's processor"
             )
         # masked_scatter keeps even an empty `embeds` in the graph: its backward (an all_to_all) is collective too.
         embeds = embeds.to(inputs_embeds.dtype)
@@ -203,7 +204,7 @@ def _balanced_vision_embeddings(vlm: Any, kwargs: dict) -> torch.Tensor | None:
     pixels = [kwargs.pop(name, None) for name in ("pixel_values", "pixel_values_videos")]
     grids = [kwargs[grid] for grid, p in zip(("image_grid_thw", "video_grid_thw"), pixels) if p is not None]
     pixels = [p for p in pixels if p is not None]
-    return balanced_vision_forward(
+    embeds = balanced_vision_forward(
         lambda rows, grid: torch.cat(vlm.get_image_features(rows, grid, return_dict=True).pooler_output),
         torch.cat(pixels) if pixels else None,
         torch.cat(grids) if grids else torch.zeros(0, 3, dtype=torch.long, device=kwargs["input_ids"].device),
@@ -215,6 +216,9 @@ def _balanced_vision_embeddings(vlm: Any, kwargs: dict) -> torch.Tensor | None:
         grad_scale=tower_grad_scale(vlm.visual, parallel_state.get_tensor_model_parallel_world_size()),
         pixel_dtype=torch.float32,  # what qvl.data.encode's image processor yields, on every rank
     )
+    if embeds is not None:
+        check_tower_rows(vlm.visual, [embeds], sum(p.shape[0] for p in pixels), vlm.visual.spatial_merge_size**2)
+    return embeds
 
 
 def tower_grad_scale(tower: torch.nn.Module, tensor_parallel: int) -> int:

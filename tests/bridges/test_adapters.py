@@ -283,3 +283,36 @@ def test_bf16_adapter_forward_and_backward_on_cuda_against_the_unadapted_layer(m
         assert relative_error(wrapped.adapter.linear_in.weight.grad, layer.lora_A["default"].weight.grad) <= BF16_BOUND
     finally:
         distributed.destroy_distributed()
+
+
+def test_dora_on_the_merger_keeps_the_forward_and_a_tower_of_the_wrong_shape_is_named(cpu_runtime):
+    """Qwen3-VL's tiny model with DoRA on the language model and the mergers (2-D [patches, hidden] inputs): at init
+    (B = 0, magnitude = ||W||) qvl's forward of a packed batch with images and a video is the unadapted one bit for
+    bit. With upstream's DoRALinear on the mergers (its `.view(1, 1, -1)` makes their output 3-D) the forward stops
+    naming the vision tower as the fault, not the data."""
+    from megatron.bridge.peft.dora_layers import DoRALinear
+
+    from qvl.kernels.speed_qwen3_vl_sync_free import VisionTowerOutputError
+    from tests.kernels.test_speed_qwen3_vl_sync_free import FAMILY, inputs_of, pack, with_host_batch
+    from tests.tiny_megatron import tiny_megatron_model
+
+    distributed.init_distributed()
+    try:
+        model, _ = tiny_megatron_model(FAMILY, gradient_accumulation_fusion=False)
+        batch = pack(model, "both")
+        kwargs = with_host_batch(model, batch, inputs_of(batch))
+        with torch.no_grad():
+            unadapted = model(**kwargs)
+        targets = ("language", "merger")
+        adapter_config(family=FAMILY, method="dora", targets=targets, rank=RANK, alpha=ALPHA)(model, training=True)
+        mergers = [m for n, m in model.named_modules() if "merger" in n and isinstance(m, DoRALinear)]
+        assert len(mergers) >= 2 and all(type(m).__name__ == "BiasOutsideDoRALinear" for m in mergers)
+        with torch.no_grad():
+            assert torch.equal(model(**kwargs), unadapted)
+            for merger in mergers:
+                merger.__class__ = DoRALinear
+            with pytest.raises(VisionTowerOutputError, match=r"the vision tower \(\w+\) returned .* shape \[1, ") as e:
+                model(**kwargs)
+        assert "not the data" in str(e.value) and "prepare the dataset" not in str(e.value)
+    finally:
+        distributed.destroy_distributed()
