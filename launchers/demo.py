@@ -128,7 +128,7 @@ def _stages(out: Path, device: list[str], steps: int, recipes: DemoRecipes) -> l
         ),
         Stage(
             name="export Megatron -> HF",
-            args=["convert", "export", str(run / "checkpoints"), str(export), *device],
+            args=["convert", "export", str(run), str(export), *device],  # the run keeps its HF side
             artifact=export,
         ),
         Stage(
@@ -150,7 +150,6 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from qvl.bridges.convert import copy_hf_side_files
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
 
     # --json: the summary alone on stdout, progress and the table on stderr
@@ -163,8 +162,6 @@ def run_demo(args: argparse.Namespace) -> int:
     console.print(f"[bold]qvl demo[/]: tiny {recipes.family} end to end in {out}")
     results: dict = {"output": str(out)}
     for stage in _stages(out, device, args.steps, recipes):
-        if stage.name == "export Megatron -> HF":  # the training checkpoint carries no HF config: add it
-            copy_hf_side_files(out / "hf", out / "train" / "checkpoints" / "hf")
         console.print(f"[cyan]>[/] {stage.name}: qvl {' '.join(stage.args[:2])} ...")
         started = time.perf_counter()
         stage.output = _qvl(stage.args, out / f"{stage.name.split()[0]}-{len(results)}.log")

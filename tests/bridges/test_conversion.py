@@ -19,6 +19,7 @@ from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
 from qvl.foundation.distributed import run_on_ranks
 from qvl.foundation.families import FAMILIES
 from tests.bridges import conversion_jobs
+from tests.bridges.load_defects import skipped_vision, swapped_experts
 
 PARITY = 1e-6
 
@@ -58,38 +59,6 @@ def test_import_verify_export_round_trip(family, hf_paths, imported, tmp_path):
     assert original.keys() == exported.keys()
     for name, tensor in original.items():
         assert torch.equal(tensor, exported[name]), name
-
-
-def skipped_vision(load):
-    """A defect in an export's load: the vision tower's weights left as built (here: redrawn), not loaded."""
-
-    def loaded(*args, **kwargs):
-        model = load(*args, **kwargs)
-        with torch.no_grad():
-            for name, parameter in model[0].named_parameters():
-                if name.startswith(("vision_model.", "visual.")) and "adapter" not in name:
-                    parameter.normal_(0, 0.02)
-        return model
-
-    return loaded
-
-
-def swapped_experts(load, *, adapters: bool = False):
-    """A defect in an export's load: experts 0 and 1 of every MoE layer swap their weights (or adapters)."""
-
-    def loaded(*args, **kwargs):
-        result = load(*args, **kwargs)
-        model = result[0] if isinstance(result[0], list) else result  # adapter exports' build returns a tuple
-        for name, first in list(model[0].named_parameters()):
-            if ".local_experts.0." in name and ("adapter" in name) == adapters:
-                second = model[0].get_parameter(name.replace(".local_experts.0.", ".local_experts.1."))
-                with torch.no_grad():
-                    held = first.clone()
-                    first.copy_(second)
-                    second.copy_(held)
-        return result
-
-    return loaded
 
 
 def test_export_is_checked_against_the_checkpoint_loaded_as_training_resumes(imported, tmp_path, monkeypatch):

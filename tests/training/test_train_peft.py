@@ -2,9 +2,12 @@
 
 For each family's smallest `*_peft` recipe on its tiny model: Megatron-Bridge's loop trains the adapters alone (the
 loss falls, the base weights stay frozen), the run resumed from its step-2 checkpoint through the Python API reproduces
-its losses bit for bit, and `qvl convert export-adapter` writes a `peft` adapter that transformers +
-peft load with no missing or unexpected key and whose logits equal qvl's within 1e-5 (fp32), and a merged checkpoint
-that matches too. The runs adapt the language model, the vision tower and the merger; Qwen3.5-VL-MoE adapts its
+its losses bit for bit, and `qvl convert export-adapter` (HF_BASE left to the run) writes a `peft` adapter that
+transformers + peft load with no missing or unexpected key and whose logits equal the trained model's within 1e-5
+(fp32; the trained model loaded from the run's checkpoint as training resumes), a merged checkpoint that matches too,
+and with `--for vllm` what vLLM serves exactly (a base with the adapters it would not serve folded in, and an adapter
+of the rest) that matches as well. A defect put into the export's own load of the run (vision adapters skipped, two
+experts' adapters swapped), also after TP=2, PP=2 and EP=2 runs, fails the export's check. The runs adapt the language model, the vision tower and the merger; Qwen3.5-VL-MoE adapts its
 experts as well, exported as `peft` LoRA on transformers' fused 3-D expert parameters (`target_parameters`).
 """
 
@@ -18,6 +21,7 @@ import pytest
 
 from qvl.foundation.families import FAMILIES
 from qvl.training.loop import read_losses
+from tests.bridges.load_defects import skipped_vision_adapters, swapped_expert_adapters
 from tests.run_qvl import left_as_found, qvl_in_process, qvl_on_two_ranks
 
 STEPS = 4
@@ -146,16 +150,25 @@ def test_a_run_resumed_from_its_step_2_checkpoint_reproduces_the_losses_exactly(
     assert resumed == {step: run[step] for step in (3, 4)}  # floats compared exactly
 
 
-def _export(peft_run: PeftRun, out: Path, merged: Path | None) -> dict:
+def _export(peft_run: PeftRun, out: Path | None, merged: Path | None = None) -> dict:
+    """`qvl convert export-adapter RUN OUT` (HF_BASE: the run's hf_path), checked against the trained model."""
     from qvl.bridges.adapter_check import export_adapter_on_rank
     from qvl.foundation.distributed import run_on_ranks
 
     (report,) = run_on_ranks(
-        export_adapter_on_rank, str(peft_run.run), str(peft_run.hf), str(out) if out else None,
-        str(merged) if merged else None,
+        export_adapter_on_rank, str(peft_run.run), None, str(out) if out else None, str(merged) if merged else None,
         True, None, cpu=True,
     )  # fmt: skip
     return report
+
+
+def _export_with(monkeypatch, defect, peft_run: PeftRun, out: Path) -> dict:
+    """The export with `defect` put into its own load of the run's adapters (tests/bridges/load_defects.py)."""
+    from qvl.bridges import adapter_export
+
+    with monkeypatch.context() as patched:
+        patched.setattr(adapter_export, "load_adapter_weights", defect(adapter_export.load_adapter_weights))
+        return _export(peft_run, out)
 
 
 @pytest.mark.slow
@@ -169,7 +182,9 @@ def test_exported_adapter_loads_into_peft_and_matches_qvl_and_so_does_the_merged
     assert report["ok"] and not report["missing_keys"] and not report["unexpected_keys"], report
     assert report["adapter_max_abs_diff"] <= 1e-5 and report["merged_max_abs_diff"] <= 1e-5, report
     assert report["adapter_effect"] > 1e-2, "trained adapters must move the logits, or the comparison sees nothing"
+    assert (peft_run.run / "checkpoints" / "hf" / "config.json").is_file()  # `qvl train` kept the HF side
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(peft_run.hf.resolve()) and config["task_type"] == "CAUSAL_LM"
     # exactly the transformers model's module names, the language model's and the vision tower's
     modules = config["target_modules"]
     assert all(m.startswith("model.language_model.layers.") or m.startswith("model.visual.") for m in modules)
@@ -211,6 +226,43 @@ def test_the_peft_comparison_sees_the_expert_adapters(peft_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("peft_run", list(FAMILIES), indirect=True)
+def test_what_vllm_serves_exactly_loads_in_peft_and_matches_the_trained_model(peft_run, tmp_path):
+    """`export-adapter --for vllm`: the groups vLLM would not serve as trained (the vision tower, its qkv, the merger,
+    Qwen3.5's Gated DeltaNet, MoE experts) folded into OUT/base, the language model's attention and MLP adapters in
+    OUT/adapter on that base; transformers + peft with both give the trained model's logits within 1e-5."""
+    import json
+
+    from qvl.bridges.adapter_vllm import export_vllm_on_rank
+    from qvl.foundation.distributed import run_on_ranks
+
+    out = tmp_path / "vllm"
+    (report,) = run_on_ranks(export_vllm_on_rank, str(peft_run.run), None, str(out), True, None, cpu=True)
+    assert report["ok"] and report["max_abs_diff"] <= 1e-5 and report["adapter_effect"] > 1e-2, report
+    served = {g["group"]: g["served"] for g in report["groups"]}
+    folded = {"vision tower", "vision attention qkv", "merger"}
+    folded |= {"Gated DeltaNet"} if peft_run.family.startswith("qwen3_5") else set()
+    folded |= {"MoE experts"} if peft_run.family in WITH_EXPERTS else set()
+    assert {g for g, s in served.items() if not s} == folded and served["language attention"], report["groups"]
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    modules = config["target_modules"]
+    assert all(m.startswith("model.language_model.layers.") and ".linear_attn." not in m for m in modules), modules
+    assert not config["target_parameters"] and config["base_model_name_or_path"] == str((out / "base").resolve())
+    assert report["max_lora_rank"] == 8 and report["serve"].endswith("--max-lora-rank 8")
+    assert json.loads((out / "vllm.json").read_text())["groups"] == report["groups"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", ["qwen3_vl_moe"], indirect=True)
+def test_a_defect_in_the_exports_load_of_the_run_fails_its_check(peft_run, tmp_path, monkeypatch):
+    """The export's own load of the run's adapters skips the vision and merger adapters, or swaps two experts'
+    adapters: the files match the model the exporter built, but not the trained model, and the check says so."""
+    for defect in (skipped_vision_adapters, swapped_expert_adapters):
+        report = _export_with(monkeypatch, defect, peft_run, tmp_path / defect.__name__)
+        assert not report["ok"] and report["adapter_max_abs_diff"] > 1e-3, (defect.__name__, report)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("peft_run", ["qwen2_5_vl"], indirect=True)
 def test_bad_exports_are_one_error_line(peft_run, tmp_path, capsys, tiny_qwen25_megatron):
     """A PEFT run exported as a full model, a full model exported as adapters, adapters applied to another family or
@@ -243,17 +295,20 @@ def test_bad_exports_are_one_error_line(peft_run, tmp_path, capsys, tiny_qwen25_
 def test_export_adapter_command_writes_and_checks_the_adapter(peft_run, tmp_path, capsys):
     from qvl.launchers.cli import main
 
-    argv = ["convert", "export-adapter", str(peft_run.run), str(peft_run.hf), str(tmp_path / "a"), "--device", "cpu"]
-    assert main(argv) == 0
+    # no HF_BASE: the run's hf_path
+    assert main(["convert", "export-adapter", str(peft_run.run), str(tmp_path / "a"), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "wrote peft adapter" in out and "vs transformers + peft with the adapter: max |diff|" in out
     assert out.rstrip().endswith("(tolerance 1e-05)") and "OK" in out
+    # vLLM's view, always: what it would not serve, and the option that serves exactly what was trained
+    assert "vision tower (" in out and "NOT served: ignored unless vllm serve --enable-tower-connector-lora" in out
+    assert "language attention (" in out and "the same command with --for vllm" in out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("peft_run", ["qwen2_5_vl"], indirect=True)
 @pytest.mark.parametrize("layout", ["tensor_parallel=2", "pipeline_parallel=2", "data_parallel=2"])
-def test_lora_at_tp2_pp2_and_dp2_gives_the_single_process_losses(peft_run, layout, tmp_path):
+def test_lora_at_tp2_pp2_and_dp2_gives_the_single_process_losses(peft_run, layout, tmp_path, monkeypatch):
     """Two gloo processes from the same converted checkpoint and the same initial adapters (drawn per
     module, whatever the layout: qvl.bridges.adapters.initialize_independent_of_layout): at TP=2 and PP=2 one
     process's losses within fp32 rounding; at DP=2 (the dataset has no DP plan, so each replica reads other packs
@@ -267,17 +322,71 @@ def test_lora_at_tp2_pp2_and_dp2_gives_the_single_process_losses(peft_run, layou
         return
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-5), (layout, one, two)
+    # the TP- or PP-sharded checkpoint exports as the trained model; a load that skips the vision adapters does not
+    sharded = PeftRun(family=peft_run.family, hf=peft_run.hf, run=tmp_path, resumed=None, log="", args=[])
+    report = _export(sharded, tmp_path / "adapter")
+    assert report["ok"] and report["adapter_max_abs_diff"] <= 1e-5 and report["adapter_effect"] > 1e-2, report
+    report = _export_with(monkeypatch, skipped_vision_adapters, sharded, tmp_path / "defect")
+    assert not report["ok"] and report["adapter_max_abs_diff"] > 1e-3, report
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("peft_run", ["qwen3_vl_moe"], indirect=True)
-def test_expert_parallel_2_trains_the_expert_adapters_and_they_export(peft_run, tmp_path):
+def test_expert_parallel_2_trains_the_expert_adapters_and_they_export(peft_run, tmp_path, monkeypatch):
     """Two gloo processes at expert_parallel=2 (each holds half the experts and their adapters; the all-to-all token
     dispatcher runs on CPU): the adapters train, and the run's expert-sharded checkpoint exports as one peft adapter
-    that matches qvl within 1e-5."""
+    that matches the trained model within 1e-5; swapping two experts' adapters in the export's load fails it."""
     qvl_on_two_ranks("train", *peft_run.args, "expert_parallel=2", "--run-dir", str(tmp_path / "run"))
     losses = read_losses(tmp_path / "run")
     assert sorted(losses) == list(range(1, STEPS + 1)) and losses[STEPS] < losses[1] - 0.1, losses
     ep2 = PeftRun(family=peft_run.family, hf=peft_run.hf, run=tmp_path / "run", resumed=None, log="", args=[])
     report = _export(ep2, tmp_path / "adapter", None)
+    assert report["ok"] and report["adapter_max_abs_diff"] <= 1e-5 and report["adapter_effect"] > 1e-2, report
+    report = _export_with(monkeypatch, swapped_expert_adapters, ep2, tmp_path / "defect")
+    assert not report["ok"] and report["adapter_max_abs_diff"] > 1e-3, report
+    # resumed from its step-2 checkpoint at EP=2: the same losses, bit for bit
+    resumed = _resumed_on_two_ranks(peft_run, tmp_path / "run", "expert_parallel=2", tmp_path / "resumed")
+    assert resumed == {step: losses[step] for step in (3, 4)}
+
+
+def _resumed_on_two_ranks(peft_run: PeftRun, run: Path, layout: str, resumed: Path) -> dict[int, float]:
+    """The losses of `run` (two processes at `layout`) resumed from its step-2 checkpoint at the same layout."""
+    _copy_step(run / "checkpoints", resumed / "checkpoints", step=2)
+    qvl_on_two_ranks("train", *peft_run.args, layout, "--run-dir", str(resumed))
+    return read_losses(resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", ["qwen3_vl"], indirect=True)
+@pytest.mark.parametrize("layout", ["tensor_parallel=2", "pipeline_parallel=2"])
+def test_qwen3_vl_lora_at_tp2_and_pp2_gives_the_single_process_losses(peft_run, layout, tmp_path):
+    """As Qwen2.5-VL's above, for the Megatron vision tower with deepstack mergers: two gloo processes give one
+    process's losses within fp32 rounding. (The MoE family's layouts are below: PP=2 and EP=2; MoE at TP=2 trains
+    only with sequence parallelism, which needs Transformer Engine or Apex and CUDA.)"""
+    qvl_on_two_ranks("train", *peft_run.args, layout, "--run-dir", str(tmp_path))
+    one, two = read_losses(peft_run.run), read_losses(tmp_path)
+    assert sorted(two) == list(range(1, STEPS + 1))
+    assert all(two[step] == pytest.approx(one[step], rel=1e-5) for step in one), (layout, one, two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", ["qwen3_vl_moe"], indirect=True)
+def test_expert_adapters_at_pipeline_parallel_2_train_resume_exactly_and_export(peft_run, tmp_path):
+    """Two gloo processes at pipeline_parallel=2 with expert adapters (each stage names its layers and experts
+    globally: qvl.bridges.adapters.global_name): step 1 is the single process's, the run resumed from its step-2
+    checkpoint at PP=2 reproduces its losses bit for bit, and the stage-sharded checkpoint exports as one peft
+    adapter that matches qvl within 1e-5. (PP=2 x EP=2 takes four processes; global_name's indices at that layout
+    are tested without processes in tests/bridges/test_adapters.py.)"""
+    qvl_on_two_ranks("train", *peft_run.args, "pipeline_parallel=2", "--run-dir", str(tmp_path / "run"))
+    one, two = read_losses(peft_run.run), read_losses(tmp_path / "run")
+    assert sorted(two) == list(range(1, STEPS + 1)) and two[STEPS] < two[1] - 0.1, two
+    assert two[1] == pytest.approx(one[1], rel=1e-6)
+    # From step 2 on not within fp32 rounding: at PP > 1 qvl's step pads every pack to seq_length with a pad
+    # sub-sequence (training/step.py, model_inputs), whose tokens the routers count in the load-balancing loss
+    # (measured 5.4e-5 at step 4; with model.moe_aux_loss_coeff=0, one process's losses within 2e-7)
+    assert all(two[step] == pytest.approx(one[step], rel=2e-4) for step in one), (one, two)
+    resumed = _resumed_on_two_ranks(peft_run, tmp_path / "run", "pipeline_parallel=2", tmp_path / "resumed")
+    assert resumed == {step: two[step] for step in (3, 4)}  # floats compared exactly
+    pp2 = PeftRun(family=peft_run.family, hf=peft_run.hf, run=tmp_path / "run", resumed=None, log="", args=[])
+    report = _export(pp2, tmp_path / "adapter", None)
     assert report["ok"] and report["adapter_max_abs_diff"] <= 1e-5 and report["adapter_effect"] > 1e-2, report
