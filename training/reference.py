@@ -125,9 +125,11 @@ def _no_datasets(*_: Any, **__: Any) -> tuple[None, None, None]:
 
 
 def _teardown(should_destroy: bool) -> None:
-    from megatron.core import parallel_state
+    # What Megatron-Bridge's loop tears down when it ends (its _finish_train): the model-parallel groups and the
+    # micro-batch calculator too, so a `qvl train` in the same process (a notebook, a test) can initialise its own
+    from megatron.bridge.training.initialize import destroy_global_state
 
-    parallel_state.destroy_model_parallel()
+    destroy_global_state()
     if should_destroy and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
