@@ -146,6 +146,8 @@ def _forward_pass(config: Any, model: list, run: ReferenceRun) -> None:
     mine = packs[dp_rank::dp]
     done = _done_packs(rows_file)
     torch.distributed.barrier()  # every rank of the replica read the same rows before the writer appends
+    if writer:
+        _drop_torn_line(rows_file)
     todo = [pack for pack in mine if pack[0] not in done]
     logger.info("reference pass: %d of this replica's %d packs to go (%d done before)", len(todo), len(mine),
                 len(mine) - len(todo))  # fmt: skip
@@ -230,6 +232,15 @@ def _done_packs(rows_file: Path) -> set[int]:
         except (json.JSONDecodeError, KeyError):
             continue
     return done
+
+
+def _drop_torn_line(rows_file: Path) -> None:
+    """Cut a line a killed pass left half-written, so the rows appended next start on a line of their own."""
+    if not rows_file.is_file():
+        return
+    text = rows_file.read_bytes()
+    if text and not text.endswith(b"\n"):
+        rows_file.write_bytes(text[: text.rfind(b"\n") + 1])
 
 
 def _pack_batches(data: Path, config: Any, packs: list[tuple[int, str]]) -> Iterator[Any]:
