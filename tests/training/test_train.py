@@ -70,12 +70,12 @@ def test_stopped_and_resumed_run_reproduces_the_loss_curve_exactly(runs):
 def test_trained_checkpoint_exports_to_hf_that_transformers_loads(runs, dataset, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    from qvl.bridges.convert import copy_hf_side_files
-
     _, hf = dataset
-    checkpoints = runs["full"] / "checkpoints"
-    copy_hf_side_files(hf, checkpoints / "hf")
-    qvl_in_process("convert", "export", str(checkpoints), str(tmp_path / "export"), "--device", "cpu")
+    # a run from scratch keeps no HF side: --hf gives it; the export is checked against the trained model
+    out = qvl_in_process(
+        "convert", "export", str(runs["full"]), str(tmp_path / "export"), "--hf", str(hf), "--device", "cpu"
+    )
+    assert "checked against the trained model" in out and "\nOK\n" in out, out[-2000:]
     trained = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).state_dict()
     initial = AutoModelForImageTextToText.from_pretrained(str(hf), dtype=torch.float32).state_dict()
     assert trained.keys() == initial.keys()
