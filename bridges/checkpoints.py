@@ -1,7 +1,8 @@
-"""Checks of a Megatron torch_dist checkpoint's files, before anything loads it.
+"""Checks of a Megatron torch_dist checkpoint's files, before anything loads it, and the HF side a run keeps.
 
 A missing, half-copied or truncated checkpoint otherwise fails deep inside torch.distributed.checkpoint after
-the whole model is built; these checks name the folder, the file and the fix in a second.
+the whole model is built; these checks name the folder, the file and the fix in a second. `keep_hf_side` copies the
+pretrained checkpoint's `hf/` folder next to a run's checkpoints, so the run exports in one command.
 """
 
 from __future__ import annotations
