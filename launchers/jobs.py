@@ -54,6 +54,7 @@ CLI_MODULE = "qvl.launchers.cli"  # what `python -m` runs on the execution side:
 DEMO_JOB = "demo"  # built-in tiny job: `qvl demo --steps N --output DIR`
 DEMO_PARAMS = ("steps", "output")
 EXECUTORS = ("local", "slurm", "kubernetes")
+TASKS = ("train", "reference")  # the `qvl` commands a recipe job runs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,10 +76,14 @@ class Job:
         return "--model" in self.train_flags
 
 
-def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = ()) -> Job:
+def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = (), task: str = "train") -> Job:
     """Look `recipe` up and sort its overrides; the argv is what `qvl` runs on the execution side.
 
-    `train_flags` are `qvl train` options passed through (`--model tiny`, `--run-dir DIR`)."""
+    `train_flags` are `qvl train` options passed through (`--model tiny`, `--run-dir DIR`); `task` is the `qvl`
+    command the job runs with them: `train`, or `reference` (a preference recipe's reference pass, at the layout and on
+    the GPUs its training will use)."""
+    if task not in TASKS:
+        raise LaunchError(f"task {task!r} is not one of {', '.join(TASKS)}")
     if recipe == DEMO_JOB:
         overrides = parse_overrides(pairs, options=DEMO_PARAMS, executor=True)
         if overrides.config:
@@ -99,7 +104,7 @@ def resolve_job(recipe: str, pairs: Sequence[str], train_flags: Sequence[str] = 
     return Job(
         recipe=recipe,
         overrides=overrides,
-        argv=["train", recipe, *overrides.texts, *train_flags],
+        argv=[task, recipe, *overrides.texts, *train_flags],
         layout=layout_from_settings({} if tiny else info.layout, overrides.options),
         recipe_fn=info.fn,
         registered_gpus=info.gpus,
@@ -324,13 +329,14 @@ def launch(
     experiments_dir: str | None = None,
     exp_id: str | None = None,
     wait: bool | None = None,
+    task: str = "train",
 ) -> dict[str, Any]:
     """Resolve, validate and run (or dry-run) `recipe`; returns what happened for the CLI to print.
 
     A dry run prints the request and what the job runs; with `resolve` also the config it builds.
     With `wait` (the default on this machine) a job that does not succeed raises LaunchError naming its state and
     log; any refusal by the scheduler (sbatch, the Kubernetes API) does too."""
-    job = resolve_job(recipe, pairs, train_flags)
+    job = resolve_job(recipe, pairs, train_flags, task=task)
     settings = executor_settings(kind, site_file=site_file, overrides=job.overrides.executor)
     executor = build_executor(kind, settings, dryrun=dryrun)
     experiments_dir = experiments_home(executor, experiments_dir)

@@ -36,7 +36,7 @@ REPO_FOLDERS = (*LAYERS, "docs", "tests", "benchmarks", "notebooks")
 SHELL_OPERATORS = {"&&", "||", "|", ";", "&", "(", ")", "$(", "$((", "))"}
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 # `qvl` commands whose key=value pairs go through the override grammar (qvl.recipes.overrides).
-OVERRIDE_COMMANDS = ("train", "plan", "launch", "verify-training")
+OVERRIDE_COMMANDS = ("train", "plan", "launch", "verify-training", "reference")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ def run_launch(args: argparse.Namespace) -> int:
             name=args.name,
             experiments_dir=args.experiments_dir,
             wait=args.wait or None,
+            task="reference" if args.reference else "train",
         )
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1, default=str) + "\n")
@@ -99,6 +100,11 @@ def register(subparsers) -> None:
     )
     parser.add_argument(
         "--run-dir", help="passed to `qvl train`: checkpoints, losses, tensorboard on the execution side"
+    )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="run `qvl reference` (a preference recipe's reference log-probs, at its layout) instead of `qvl train`",
     )
     parser.add_argument(
         "--wait",

@@ -431,3 +431,18 @@ def test_train_flags_pass_through_and_tiny_models_drop_the_registered_layout(fak
 
 def test_demo_job_argv():
     assert resolve_job("demo", ["steps=3"]).argv == ["demo", "--steps", "3"]
+
+
+def test_a_preference_recipes_reference_pass_launches_like_its_training(tmp_path):
+    """`qvl launch RECIPE ... --reference`: the job runs `qvl reference` with the same arguments, at the same layout."""
+    job = resolve_job("qwen2_5_vl_3b_dpo", ["data=/lustre/pairs", "tensor_parallel=2"], ["--run-dir", "runs/x"],
+                      task="reference")  # fmt: skip
+    assert job.argv == ["reference", "qwen2_5_vl_3b_dpo", "data=/lustre/pairs", "tensor_parallel=2", "--run-dir",
+                        "runs/x"]  # fmt: skip
+    assert job.layout.tensor_parallel == 2
+    pairs = ["data=/lustre/pairs", "run.executor.gpus=0"]
+    result = launch("qwen2_5_vl_3b_dpo", pairs, kind="local", dryrun=True, experiments_dir=str(tmp_path),
+                    task="reference")  # fmt: skip
+    assert "-m qvl.launchers.cli reference qwen2_5_vl_3b_dpo data=/lustre/pairs" in result["request"]
+    with pytest.raises(LaunchError, match="task 'eval' is not one of train, reference"):
+        resolve_job("qwen2_5_vl_3b_dpo", [], task="eval")
