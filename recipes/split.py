@@ -37,16 +37,19 @@ class Workload:
 
 
 def workload_of_dataset(report: dict, *, seq_length: int, merge: int) -> Workload | None:
-    """The workload a `qvl data prepare` report.json describes (mean sample length, vision token share, patches
-    per image or video), for a model whose LM image token is merge**2 patches; None for a report without the
-    vision counts (written before they were kept) or without samples."""
+    """The workload a `qvl data prepare` report.json describes (mean sub-sequence length, the tower's patches per LM
+    token, patches per image or video), for a model whose LM image token is merge**2 patches; None for a report
+    without the vision counts (written before they were kept) or without samples."""
     samples, tokens = report.get("accepted", 0), report.get("total_tokens", 0)
     if not samples or not tokens or "vision_patches" not in report:
         return None
+    # a preference dataset accepts pairs: two sub-sequences each, whose shared images the tower encodes once (the
+    # report counts them once)
+    sides = 2 if report.get("kind") == "preference" else 1
     media, vision_patches = report.get("media", 0), report["vision_patches"]
     return Workload(
         seq_length=seq_length,
-        sample_tokens=max(round(tokens / samples), 1),
+        sample_tokens=max(round(tokens / (samples * sides)), 1),
         vision_token_fraction=vision_patches / merge**2 / tokens,
         patches_per_image=max(round(vision_patches / media), 1) if media else 1,
     )
