@@ -71,7 +71,7 @@ def _mtp_lines(report) -> list[str]:
 
 
 def _moe_aux_lines(report) -> list[str]:
-    """The load-balancing loss per step (as Megatron-Core's router logs it), where it was on."""
+    """The load-balancing loss per step (as the routers add it, coefficient included), where it was on."""
     line = _per_step(report, "moe_aux_loss", "max rel diff", lambda r: r.moe_aux_loss_rel_diff)
     return [f"MoE load-balancing loss, summed over layers and packs (qvl / hf): {line}"] if line else []
 

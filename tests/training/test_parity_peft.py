@@ -67,6 +67,39 @@ def test_adapter_gradients_and_trajectory_match_transformers_with_peft(parity_da
     assert ("DoRA" if "dora" in case else "LoRA") + " rank 8, alpha 16" in notes and "tied into one parameter" in notes
     if "experts" in case:  # every MoE layer's gate_up_proj and down_proj, under peft's ParamWrapper names
         assert "and 8 fused expert parameters" in notes, notes
+    # MoE: the load-balancing loss at the recipe's coefficient on both sides, its value compared at every step
+    balance = [(r["moe_aux_loss_qvl"], r["moe_aux_loss_hf"]) for r in report["steps"]]
+    if family.endswith("_moe"):
+        assert "MoE load balancing: both sides added" in notes and "moe_aux_loss_coeff=0.001" in notes, notes
+        assert all(ours is not None and ref is not None and ref > 0 for ours, ref in balance), balance
+        assert max(r["moe_aux_loss_rel_diff"] for r in report["steps"]) <= tol.step_loss
+    else:
+        assert balance == [(None, None)] * STEPS
+
+
+@pytest.mark.slow
+def test_a_reference_with_half_the_load_balancing_coefficient_fails_the_check(parity_data, tmp_path, monkeypatch):
+    """The PEFT reference adding Megatron-Core's load-balancing loss at half the recipe's coefficient: the loss's
+    value, compared with its coefficient, names it at step 1 (the adapters' gradients, which the frozen routers' loss
+    steers, differ too: 3e-3 relative on the tiny model; a value compared over the coefficient would not)."""
+    from qvl.training.parity.moe_aux import MoeAuxReference
+    from qvl.training.parity.run import ParitySpec, run_parity
+
+    attach = MoeAuxReference.attach.__func__
+    halved = lambda cls, model, *, kind, coeff: attach(cls, model, kind=kind, coeff=coeff / 2)  # noqa: E731
+    monkeypatch.setattr(MoeAuxReference, "attach", classmethod(halved))
+    family, recipe, options = CASES["qwen3_vl_moe-experts"]
+    hf, data = parity_data[family]
+    spec = ParitySpec(
+        hf_path=hf,
+        data=data,
+        run_dir=tmp_path,
+        recipe=recipe,
+        steps=1,
+        options={**OPTIONS, **ADAPTERS, **options, "warmup_iters": 0},
+    )
+    report = run_parity(spec)
+    assert "step 1 load-balancing loss differs by 1 (rel)" in report.failures, report.failures
 
 
 def test_parallel_layouts_and_dropout_are_refused_for_a_peft_check():

@@ -178,16 +178,18 @@ def _export(bridge, model: list, tasks: list | None, dtype=torch.float32) -> dic
 
 
 def _load_balancing_loss(model_config: Any) -> float | None:
-    """The step's load-balancing loss from Megatron-Core's MoE metrics tracker, read before the loop's logging
-    reduces and clears it (one process: the parity check keeps the loss off elsewhere); None where it is off (the
-    loop's logging creates the tracker's entries all the same)."""
+    """The step's load-balancing loss as the routers add it, coefficient included, from Megatron-Core's MoE metrics
+    tracker (which holds it over the coefficient), read before the loop's logging reduces and clears it (one process:
+    the parity check keeps the loss off elsewhere); None where it is off (the loop's logging creates the tracker's
+    entries all the same)."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    if not getattr(model_config, "moe_aux_loss_coeff", 0):
+    coefficient = getattr(model_config, "moe_aux_loss_coeff", 0)
+    if not coefficient:
         return None
     metrics = get_moe_metrics_tracker().metrics
     found = [metrics[name].values.sum() for name in LOAD_BALANCING_NAMES if name in metrics]
-    return float(sum(found)) if found else None
+    return float(sum(found)) * coefficient if found else None
 
 
 def _mean_loss(loss_dict: dict | None, key: str) -> float | None:

@@ -117,6 +117,7 @@ class MoeAuxReference:
         return scale * total
 
     def logged(self, term: torch.Tensor, slot: PackSlot, learned_tokens: torch.Tensor) -> float:
-        """The conversation's share of what Megatron-Core's router logs for its pack: aux(m, layer) / coeff summed
-        over layers, i.e. the term without its T_m / N weight and its coefficient."""
-        return float(term.detach()) * float(learned_tokens) / (slot.tokens * self.coeff)
+        """The conversation's share of the loss Megatron-Core's routers add for its pack, coefficient included:
+        aux(m, layer) summed over layers, i.e. the term without its T_m / N weight. (Megatron-Core logs it over the
+        coefficient, which would hide a wrong coefficient; qvl's side is read with it too.)"""
+        return float(term.detach()) * float(learned_tokens) / slot.tokens

@@ -72,7 +72,7 @@ class StepRow:
     lr_hf: float
     mtp_loss_qvl: float | None = None  # with the MTP head trained: its learned-token mean loss
     mtp_loss_hf: float | None = None
-    moe_aux_loss_qvl: float | None = None  # with the load-balancing loss on: its value as Megatron-Core logs it
+    moe_aux_loss_qvl: float | None = None  # with the load-balancing loss on: as the routers add it (x coeff)
     moe_aux_loss_hf: float | None = None
 
     @property

@@ -30,7 +30,8 @@ PRECISION_OPTIONS = {"fp32": "fp32", "bf16": "bf16-mixed"}
 EXACT_CROSS_ENTROPY = {"model.cross_entropy_loss_fusion": False}
 # Megatron adds its MoE load-balancing loss over each pack; transformers' own (output_router_logits=True) is another
 # definition, so the reference adds Megatron's on transformers' routers (qvl.training.parity.moe_aux) where it can:
-# one process, a full-model recipe, the token-weighted loss. Elsewhere the check compares the language-model loss alone.
+# one process and the token-weighted loss, full-model and PEFT recipes alike. Elsewhere the check compares the
+# language-model loss alone.
 NO_MOE_AUX_LOSS = {"model.moe_aux_loss_coeff": 0.0}
 # The distributed optimizer leaves each data-parallel rank only its shard of the reduced gradients; plain DDP
 # all-reduces them whole, so step 1's gradients can be exported and compared (the update is the same Adam).
@@ -167,7 +168,7 @@ def qvl_run(spec: ParitySpec, family, device: str):
         "warmup_iters": 1 if spec.steps > 1 else 0,
         **(WHOLE_GRADIENTS if _data_parallel(spec.options) > 1 else {}),
         **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" and not lean_cross_entropy(device) else {}),
-        **(NO_MOE_AUX_LOSS if family.moe and not moe_aux_comparable(spec, recipe) else {}),
+        **(NO_MOE_AUX_LOSS if family.moe and not moe_aux_comparable(spec) else {}),
         **(NO_MTP if not mtp_comparable(spec, recipe) else {}),
     }
     return MegatronRun(
@@ -190,11 +191,12 @@ def mtp_comparable(spec: ParitySpec, recipe: str) -> bool:
     return stage != "peft" and spec.loss_average == "token"
 
 
-def moe_aux_comparable(spec: ParitySpec, recipe: str) -> bool:
+def moe_aux_comparable(spec: ParitySpec) -> bool:
     """Whether the reference can add Megatron's load-balancing loss as qvl's side does (qvl.training.parity.moe_aux):
-    as for MTP, and on one process (the routers' counts are reduced over the ranks otherwise)."""
+    the token-weighted loss it is defined with, on one process (the routers' counts are reduced over the ranks
+    otherwise); with adapters too, at the recipe's coefficient (frozen routers still steer the adapters' gradients)."""
     single = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
-    return single and mtp_comparable(spec, recipe)
+    return single and spec.loss_average == "token"
 
 
 def moe_aux(config) -> tuple[str, float] | None:
@@ -323,7 +325,7 @@ def moe_note(config) -> list[str]:
         return [
             "MoE load balancing: Megatron adds its auxiliary loss (the recipe's moe_aux_loss_coeff) over each pack's "
             "tokens; this check set model.moe_aux_loss_coeff=0 to compare the language-model loss alone (the "
-            "reference adds Megatron's loss on one process, with full-model recipes and --loss-average token)."
+            "reference adds Megatron's loss on one process, with --loss-average token)."
         ]
     kind, coefficient = on
     return [
@@ -331,9 +333,9 @@ def moe_note(config) -> list[str]:
         "pack's tokens and every MoE layer; the reference computes it on transformers' routers from each pack's "
         "expert counts (qvl.training.parity.moe_aux), since transformers' own router_aux_loss_coef loss is another "
         "definition (all layers pooled, per conversation). Under calculate_per_token_loss Megatron-Core weighs it by "
-        "the pack's tokens over the step's learned tokens. The router gradients are compared with every tensor, and each "
-        "step's loss as Megatron-Core's router logs it (each layer's loss over the coefficient, summed over layers and "
-        "packs)."
+        "the pack's tokens over the step's learned tokens. The router gradients are compared with every tensor (with "
+        "adapters, the adapters' gradients it steers), and each step's loss as the routers add it, coefficient "
+        "included (each layer's, summed over layers and packs), so a coefficient off on either side fails."
     ]
 
 

@@ -175,7 +175,7 @@ class _TrainerRecord:
     token_losses: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # step 1: (losses, mask)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     mtp: dict[int, list] = field(default_factory=dict)  # step -> [sum of the MTP token losses, their count]
-    moe_aux: dict[int, float] = field(default_factory=dict)  # step -> the load-balancing loss as Megatron logs it
+    moe_aux: dict[int, float] = field(default_factory=dict)  # step -> the load-balancing loss, coefficient included
 
 
 def _trainer_class():
