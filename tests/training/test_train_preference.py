@@ -86,7 +86,7 @@ def preference_run(request, tmp_path_factory) -> PreferenceRun:
     qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(root / "data"))
     packs = json.loads((root / "data" / "report.json").read_text())["packed_sequences"]
     common = [*ARGS, f"global_batch_size={packs}", f"data={root / 'data'}", f"hf_path={hf}",
-              f"pretrained_checkpoint={megatron}", "--device", "cpu"]  # fmt: skip
+              f"pretrained_checkpoint={megatron}", "--model", "tiny", "--device", "cpu"]  # fmt: skip
     full = recipe(family, "dpo")
     qvl_in_process("reference", full, *common)
     qvl_in_process("train", full, *common, "--run-dir", str(root / "full"))
@@ -111,7 +111,8 @@ def _resume_through_python(name: str, run: Path, resumed: Path, common: list[str
     config = get_recipe(name).fn(
         **OPTIONS, global_batch_size=int(options["global_batch_size"]), data=options["data"],
         hf_path=options["hf_path"], pretrained_checkpoint=options["pretrained_checkpoint"], precision="fp32",
-        sequence_parallel=False, checkpoint_dir=str(into), tensorboard_dir=str(resumed / "tensorboard"),
+        tensor_parallel=1, pipeline_parallel=1, expert_parallel=1, sequence_parallel=False,
+        checkpoint_dir=str(into), tensorboard_dir=str(resumed / "tensorboard"),
     )  # fmt: skip
     with left_as_found():
         train(config, run_dir=resumed, device="cpu")
