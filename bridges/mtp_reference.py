@@ -14,9 +14,11 @@ model, the norms zero-centred (`(1 + w)`) like every Qwen3.5 norm, and the layer
 (mRoPE included). `Qwen35MtpHead` is that module, built from transformers' own decoder-layer and norm classes of
 the checkpoint, so the comparison shares nothing with Megatron-Core's MTP block but the weights.
 
-Token embeddings: the MTP input at a vision placeholder is the placeholder token's embedding, as Megatron-Core's
-`MultiTokenPredictionLayer` computes it (vLLM merges the vision features there instead); text positions, which
-are what the MTP loss trains, are the same either way.
+Token embeddings: where token i + 1 is an image or video placeholder, the MTP input is that position's vision
+features, the row the main model's language model takes there (vision merged), as vLLM's drafter and SGLang feed it,
+not the placeholder token's embedding (Megatron-Core's `MultiTokenPredictionLayer`, which qvl's MTP layer replaces
+there: qvl.bridges.mtp_inputs). It matters beyond the placeholders: the MTP layer's attention sees every earlier
+position's input, so the text after an image predicts differently (tests/bridges/test_mtp_as_served.py).
 
 On disk the MoE MTP experts are per expert (`mtp.layers.0.mlp.experts.3.gate_proj.weight`, Qwen3.5) or packed
 (`mtp.layers.0.mlp.experts.gate_up_proj` [E, 2I, H], gate first, Qwen3.6); both load here.
@@ -173,8 +175,9 @@ def hf_logits_with_mtp(hf_model, head: Qwen35MtpHead, inputs: dict) -> tuple[tor
 
 def logits_with_mtp(hf_model, head: Qwen35MtpHead, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(main logits, MTP logits at depth 1), each [b, s, V]: position i of the MTP logits predicts token i + 2 from
-    the main model's state at i and token i + 1 (the last position sees token id 0, as Megatron-Core's rolled input
-    does). Differentiable: the MTP loss reaches the main model, the shared embedding and the output head."""
+    the main model's state at i and token i + 1, its vision features where it is a placeholder (the last position
+    sees token id 0, as Megatron-Core's rolled input does). Differentiable: the MTP loss reaches the main model, the
+    shared embedding, the vision tower and the output head."""
     from transformers.masking_utils import create_causal_mask
 
     model = hf_model.model
@@ -188,7 +191,14 @@ def logits_with_mtp(hf_model, head: Qwen35MtpHead, inputs: dict) -> tuple[torch.
         attention_mask=inputs.get("attention_mask"),
         mm_token_type_ids=inputs.get("mm_token_type_ids"),
     )
-    hidden = model(**inputs, position_ids=positions).last_hidden_state  # after the final norm
+    merged = {}  # the language model's input: token embeddings with the vision features at the placeholders
+    hook = model.language_model.register_forward_pre_hook(
+        lambda _, args, kwargs: merged.update(embeddings=kwargs["inputs_embeds"]), with_kwargs=True
+    )
+    try:
+        hidden = model(**inputs, position_ids=positions).last_hidden_state  # after the final norm
+    finally:
+        hook.remove()
     language_model = model.language_model
     if positions is None:
         positions = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(3, ids.shape[0], -1)
@@ -203,6 +213,9 @@ def logits_with_mtp(hf_model, head: Qwen35MtpHead, inputs: dict) -> tuple[torch.
     # the table without transformers' `padding_idx`: Megatron-Core's embedding has none, and the filler id 0 at each
     # last position reaches the table's row 0 through the MTP layer's MoE load-balancing loss (not through a target)
     next_embeddings = torch.nn.functional.embedding(next_ids, embed.weight)
+    vision = torch.isin(next_ids, torch.tensor([hf_model.config.image_token_id, hf_model.config.video_token_id]))
+    merged_ahead = torch.nn.functional.pad(merged["embeddings"][:, 1:], (0, 0, 0, 1))
+    next_embeddings = torch.where(vision.unsqueeze(-1), merged_ahead.to(next_embeddings.dtype), next_embeddings)
     mtp = hf_model.lm_head(head(hidden, next_embeddings, rotary, mask))
     return hf_model.lm_head(hidden), mtp
 

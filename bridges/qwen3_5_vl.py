@@ -45,10 +45,16 @@ from megatron.bridge.models.conversion.param_mapping import (
 )
 from megatron.bridge.models.qwen_vl import qwen35_vl_bridge as upstream_bridge
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention import Qwen3VLSelfAttention
+from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.text_model import Qwen3VLGPTModel
 from megatron.bridge.models.qwen_vl.qwen35_vl_provider import Qwen35VLModelProvider, Qwen35VLMoEModelProvider
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 from megatron.core.transformer import multi_token_prediction as upstream_mtp
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlockSubmodules,
@@ -62,9 +68,11 @@ from megatron.core.utils import make_viewless_tensor
 from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 
 from qvl.bridges.fixes import mrope_section
+from qvl.bridges.mtp_inputs import NextTokenInputs, VisionRowsLink, vision_rows_link
 from qvl.bridges.providers import provider_as
 from qvl.bridges.qwen3_vl import Qwen3VLModel
 from qvl.bridges.unconverted import recorded_tensor_names
+from qvl.foundation.errors import ConversionError
 from qvl.foundation.megatron import have_transformer_engine
 from qvl.kernels.local_specs import local_gpt_layer_spec
 from qvl.kernels.packed_shift import shift_in_sequences
@@ -144,10 +152,24 @@ def local_hybrid_block_spec(config, vp_stage: int | None = None, pp_rank: int | 
 
 
 class MultiTokenPredictionLayer(upstream_mtp.MultiTokenPredictionLayer):
-    """Megatron-Core's MTP layer; in a packed (THD) micro-batch on one context-parallel rank its next-token ids and
-    positions are shifted inside each sample on the device (qvl.kernels.packed_shift) instead of by upstream's
-    `roll_tensor`, which reads every sample's bounds back to the host, twice per micro-batch. The same tensors
-    (tests/training/test_mtp.py)."""
+    """Megatron-Core's MTP layer, which takes the next token's input as served: given the main decoder's input
+    (`main_decoder_input`, from `Qwen35VLGPTModel`), the vision features where the token ahead is an image or video
+    placeholder, not the placeholder's embedding (qvl.bridges.mtp_inputs). In a packed (THD) micro-batch on one
+    context-parallel rank its next-token ids and positions are shifted inside each sample on the device
+    (qvl.kernels.packed_shift) instead of by upstream's `roll_tensor`, which reads every sample's bounds back to the
+    host, twice per micro-batch. The same tensors (tests/training/test_mtp.py)."""
+
+    def forward(self, *args, embedding=None, main_decoder_input: torch.Tensor | None = None, **kwargs):
+        """Upstream's forward, the next tokens embedded by `NextTokenInputs` where the main input is given."""
+        if main_decoder_input is not None:
+            embedding = NextTokenInputs(
+                embedding,
+                main_decoder_input,
+                depth=self.layer_number,  # the k-th MTP layer reads the tokens k ahead
+                vision_token_ids=(self.config.image_token_id, self.config.video_token_id),
+                sequence_parallel_group=self.tp_group if self.config.sequence_parallel else None,
+            )
+        return super().forward(*args, embedding=embedding, **kwargs)
 
     def _get_embeddings(
         self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None, padding_mask=None
@@ -179,6 +201,8 @@ def local_mtp_block_spec(config, vp_stage: int | None = None) -> MultiTokenPredi
     Megatron-Core's get_gpt_mtp_block_spec, whose norms would not be zero-centred."""
     if not config.mtp_num_layers or get_mtp_num_layers_to_build(config, vp_stage=vp_stage) == 0:
         return None
+    if config.mtp_use_repeated_layer and config.mtp_num_layers > 1:  # one layer at every depth: no depth to read
+        raise ConversionError("mtp_use_repeated_layer=True is not supported for Qwen3.5 MTP; set it to False")
     layer = ModuleSpec(
         module=MultiTokenPredictionLayer,
         submodules=MultiTokenPredictionLayerSubmodules(
@@ -190,6 +214,67 @@ def local_mtp_block_spec(config, vp_stage: int | None = None) -> MultiTokenPredi
         ),
     )
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)
+
+
+class Qwen35VLGPTModel(Qwen3VLGPTModel):
+    """Megatron-Bridge's Qwen3-VL language model whose MTP layers read the main decoder's input, vision features
+    merged (qvl.bridges.mtp_inputs): as an argument where this stage has it, else sent from the first pipeline stage
+    over `mtp_vision_link` (set where pipeline_parallel > 1)."""
+
+    mtp_vision_link: VisionRowsLink | None = None
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, **kwargs):
+        """Upstream's forward; on the first of several pipeline stages, the vision rows sent to the MTP stage."""
+        if self.mtp_vision_link is not None and self.pre_process and decoder_input is not None:
+            decoder_input = self.mtp_vision_link.send(
+                decoder_input,
+                input_ids,
+                dtype=self.config.params_dtype,
+                vision_token_ids=self._vision_token_ids(),
+                sequence_parallel_group=self._sequence_parallel_group(),
+            )
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input, **kwargs)
+
+    def _postprocess(self, hidden_states, *args, input_ids=None, decoder_input=None, extra_block_kwargs=None, **kw):
+        # GPTModel._postprocess spreads `extra_block_kwargs` into the MTP block's arguments, and the block hands its
+        # own `extra_block_kwargs` to every MTP layer (megatron/core/transformer/multi_token_prediction.py ~1826)
+        if self.mtp_process:
+            main = self._main_input(decoder_input, input_ids, hidden_states)
+            if main is not None:
+                extra_block_kwargs = {**(extra_block_kwargs or {}), "extra_block_kwargs": {"main_decoder_input": main}}
+        return super()._postprocess(hidden_states, *args, input_ids=input_ids, decoder_input=decoder_input,
+                                    extra_block_kwargs=extra_block_kwargs, **kw)  # fmt: skip
+
+    def _main_input(self, decoder_input, input_ids, hidden_states) -> torch.Tensor | None:
+        """The main decoder's input [s, b, h], whole over sequence-parallel ranks: this stage's, or the vision rows
+        the first stage sent (zeros elsewhere: the MTP layer reads only those)."""
+        if decoder_input is not None:
+            group = self._sequence_parallel_group()
+            if group is None:
+                return decoder_input
+            return gather_from_sequence_parallel_region(decoder_input, tensor_parallel_output_grad=False, group=group)
+        if self.mtp_vision_link is None or input_ids is None:
+            return None
+        like = hidden_states.new_empty(0, hidden_states.shape[-1], dtype=self.config.params_dtype)  # [0, h]
+        return self.mtp_vision_link.receive(input_ids, like, self._vision_token_ids())
+
+    def _vision_token_ids(self) -> tuple[int, int]:
+        return self.config.image_token_id, self.config.video_token_id
+
+    def _sequence_parallel_group(self):
+        return self.pg_collection.tp if self.config.sequence_parallel else None
+
+
+def _with_mtp_inputs(model: Qwen3VLModel) -> Qwen3VLModel:
+    """`model` with its language model a `Qwen35VLGPTModel` (a subclass adding methods only, as
+    qvl.bridges.qwen3_vl._adopt does) and, where the MTP layers are on a later pipeline stage than the vision
+    tower, the link between the two stages' ends."""
+    language = model.language_model
+    language.__class__ = Qwen35VLGPTModel
+    pp = language.pg_collection.pp
+    if language.config.mtp_num_layers and pp.size() > 1 and (model.pre_process or language.mtp_process):
+        language.mtp_vision_link = vision_rows_link(pp, first=bool(model.pre_process))
+    return model
 
 
 class _LocalLanguageSpec:
@@ -223,7 +308,7 @@ class _LocalLanguageSpec:
                 freeze_vision_model=self.freeze_vision_model,
                 freeze_vision_projection=self.freeze_vision_projection,
             )
-        return model
+        return _with_mtp_inputs(model)
 
 
 @dataclasses.dataclass

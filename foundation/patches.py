@@ -308,6 +308,15 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="megatron.bridge.models.qwen_vl.qwen3_vl_provider:Qwen3VLModelProvider",
                 attribute="_pg_collection", used_in="qvl.bridges.qwen3_vl", version=MBRIDGE,
                 why="the provider's process groups, passed to the model as upstream's provide() does"),
+    PrivateRead(target="megatron.core.models.gpt.gpt_model:GPTModel", attribute="_postprocess",
+                used_in="qvl.bridges.qwen3_5_vl", version=MCORE,
+                why="Qwen3.5's language model overrides it to hand its MTP layers the main decoder's input (vision "
+                    "features merged, as vLLM feeds the MTP head: qvl.bridges.mtp_inputs); it spreads its "
+                    "extra_block_kwargs into the MTP block, which hands its own to every MTP layer"),
+    PrivateRead(target="megatron.core.transformer.multi_token_prediction:MultiTokenPredictionLayer",
+                attribute="_get_embeddings", used_in="qvl.bridges.qwen3_5_vl", version=MCORE,
+                why="qvl's MTP layer shifts a pack's next-token ids on the device; its `embedding(input_ids=, "
+                    "position_ids=)` call is where the vision features come in (qvl.bridges.mtp_inputs)"),
     PrivateRead(target="transformers:PreTrainedModel", attribute="_from_config",
                 used_in="qvl.bridges.qwen2_vl, qvl.recipes.planner", version=TRANSFORMERS,
                 why="builds a vision tower from its sub-config (on meta in the planner) as transformers does itself"),
@@ -362,6 +371,8 @@ FORKS: tuple[Fork, ...] = (
          source_sha256="3b0683bc80d5b20a", version=MBRIDGE),
     Fork(upstream=f"{_Q3}.attention:apply_rotary_pos_emb_absolute", copied_in="qvl.kernels.speed_rotary:rotary_absolute",
          source_sha256="2e338b98e8c0458f", version=MBRIDGE),
+    Fork(upstream="megatron.core.transformer.multi_token_prediction:MultiTokenPredictionLayer._get_embeddings", copied_in="qvl.bridges.qwen3_5_vl:MultiTokenPredictionLayer._get_embeddings",
+         source_sha256="0de994b5131c0a3d", version=MCORE),
     Fork(upstream="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params", copied_in="qvl.kernels.speed_optimizer:foreach_main_to_model_copy",
          source_sha256="80e4f4d1fa99e747", version=MCORE),
     Fork(upstream="megatron.core.utils:local_multi_tensor_l2_norm", copied_in="qvl.kernels.speed_optimizer:foreach_l2_norm",

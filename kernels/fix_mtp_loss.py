@@ -15,8 +15,9 @@ it in the backward (`MTPLossAutoScaler`). That function:
 While this group is applied, `process_mtp_loss` returns the states as they are, every depth included: the model's
 output layer then sees them all. qvl's step passes the model an output processor that computes each depth's
 per-token losses beside the main ones (qvl.training.mtp), and its loss function weighs and logs them like the
-main loss; `qvl convert verify` reads the MTP logits after the main ones. The MTP layers themselves (embedding of
-the next token, projection, decoder layer, norm) are Megatron-Core's, unchanged.
+main loss; `qvl convert verify` reads the MTP logits after the main ones. The MTP layers themselves (projection,
+decoder layer, norm) are Megatron-Core's; their next-token input is qvl's MTP layer's (the vision features at image
+and video placeholders, as served: qvl.bridges.mtp_inputs).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 shifted inside every packed sub-sequence, token-weighted and logged as the main loss is.
 
 Qwen3.5 / 3.6 / 3.8 checkpoints carry one MTP layer (qvl.bridges.mtp_reference). Megatron-Core runs it in the
-model's forward; with patch group "fix-mtp-loss" applied around the forward (`states_kept`,
+model's forward, on the next token's input as vLLM serves it (vision features at image and video placeholders,
+qvl.bridges.mtp_inputs); with patch group "fix-mtp-loss" applied around the forward (`states_kept`,
 qvl.kernels.fix_mtp_loss) its states reach the output layer beside the main ones, and the step passes the model
 `losses_with_mtp` as its output processor (Megatron-Core's `GPTModel._postprocess(output_processor=...)`), so the
 model returns `LossesWithMtp` instead of the main losses alone. Then, per micro-batch:

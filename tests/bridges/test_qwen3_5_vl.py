@@ -118,7 +118,8 @@ def test_import_refuses_the_count_mismatch_before_building_anything(tmp_path):
 @pytest.mark.parametrize("layout", [dict(tensor_parallel=2), dict(pipeline_parallel=2)])
 def test_mtp_logits_verify_at_tensor_and_pipeline_parallel_two(converted, layout, tmp_path):
     """The MTP block split over two TP ranks (dense and MoE), or on the last of two pipeline stages (its own copy of
-    the embedding there): the same logits as the published head's."""
+    the embedding there, the vision features sent from the first stage: qvl.bridges.mtp_inputs): the same logits as
+    the published head's, on inputs with images and a video."""
     names = ["dense", "moe"] if "tensor_parallel" in layout else ["dense"]
     hf = {name: str(converted[name]["hf"]) for name in names}
     root = converted[names[0]]["hf"].parent.parent / "megatron"
