@@ -24,7 +24,6 @@ ARGS = ["qwen3_8_vl_27b_sft", *TRAIN_ARGS[1:]]  # test_train's settings, on a Qw
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Any]:
-    from qvl.bridges.convert import copy_hf_side_files
     from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
     from qvl.data.samples import write_sample_dataset
 
@@ -56,11 +55,8 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     headless_output = qvl_in_process(
         "train", *no_head, "train_iters=2", "--model", "tiny", "--device", "cpu", "--run-dir", str(root / "headless")
     )
-    for run in ("full", "no_mtp"):  # with the converted checkpoint's hf/ folder: config, names, kept-aside mtp.*
-        copy_hf_side_files(root / "megatron" / "hf", root / run / "checkpoints" / "hf")
-        qvl_in_process(
-            "convert", "export", str(root / run / "checkpoints"), str(root / run / "export"), "--device", "cpu"
-        )
+    for run in ("full", "no_mtp"):  # nothing copied: the run kept the import's hf/ (config, names, kept-aside mtp.*)
+        qvl_in_process("convert", "export", str(root / run), str(root / run / "export"), "--device", "cpu")
     runs = {run: root / run for run in ("full", "resumed", "no_mtp", "headless")}
     return {"hf": hf, "headless_output": headless_output, **runs}
 
