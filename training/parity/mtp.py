@@ -8,7 +8,9 @@ returns both heads' logits. The loss the Trainer minimises is then what qvl's st
     (sum of the main head's token losses + scale x sum of the MTP token losses) / the step's main learned tokens
 
 with the MTP target of position i the token at i + 2 of the same conversation, learned where that token is learned
-(HF labels), and `scale` the recipe's `mtp_loss_scaling_factor` / MTP layers. Gradients and final weights of the
+(HF labels), and `scale` the recipe's `mtp_loss_scaling_factor` / MTP layers. Where token i + 1 is an image or video
+placeholder the head reads its vision features, as vLLM serves it and qvl's MTP layer trains it
+(qvl.bridges.mtp_inputs), so the MTP loss's gradient reaches the vision tower on both sides. Gradients and final weights of the
 head are compared under the checkpoint's `mtp.*` names, as qvl's bridge exports them.
 """
 
