@@ -1,7 +1,8 @@
 """`qvl demo [--family F]`: the whole pipeline end to end with a tiny model (Qwen2.5-VL by default), on CPU or a GPU.
 
 prepare data -> convert HF to Megatron (+ verify) -> plan -> train (SFT from the converted checkpoint)
--> export to HF -> verify the export against the trained checkpoint. Every stage is the `qvl` command a
+-> export to HF -> verify the export against the trained checkpoint; with `--stage dpo` then the stage after SFT
+(`preference_stages`: pairs, the reference pass, DPO from the SFT run, its export). Every stage is the `qvl` command a
 user would type, run as a subprocess; the summary table says where each artifact is.
 """
 
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qvl.data.preference_samples import write_preference_samples
 from qvl.data.samples import write_sample_dataset
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import FAMILIES, get_family
@@ -146,6 +148,62 @@ def _stages(out: Path, device: list[str], steps: int, recipes: DemoRecipes) -> l
     ]
 
 
+PAIRS = 24  # good pairs of the sample (a few broken ones follow, to show the quarantine)
+
+
+def dpo_recipe(family: str) -> str:
+    """The family's smallest full-model DPO recipe (trained at the tiny size)."""
+    return next(info.name for info in all_recipes() if info.family == family and info.stage == "dpo")
+
+
+def preference_stages(out: Path, device: list[str], steps: int, recipes: DemoRecipes) -> list[Stage]:
+    """The DPO stages, from the SFT run in `out/train` (written by the SFT stages before them)."""
+    jsonl, media = write_preference_samples(out / "pairs", format="trl", count=PAIRS)
+    hf, data, sft, run, export = out / "hf", out / "pairs-data", out / "train", out / "dpo", out / "dpo-export"
+    recipe = [
+        dpo_recipe(recipes.family),
+        f"data={data}",
+        f"hf_path={hf}",
+        f"pretrained_checkpoint={sft / 'checkpoints'}",
+        "seq_length=256",
+        "micro_batch_size=1",
+    ]
+    # a tiny random model moves visibly at a larger LR and beta than published DPO's (5e-7, 0.1)
+    training = [f"train_iters={steps}", "global_batch_size=8", "warmup_iters=0", "lr=1e-3", "dpo_beta=0.5",
+                f"save_interval={steps}", "log_interval=1"]  # fmt: skip
+    prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", recipes.family, "--hf-path", str(hf)]
+    return [
+        Stage(
+            name="prepare pairs",
+            args=["data", "prepare", *prepare, "--seq-length", "256", "--output", str(data)],
+            artifact=data,
+        ),
+        Stage(
+            name="reference (the SFT model)",
+            args=["reference", *recipe, "--model", "tiny", *device],
+            artifact=data / "reference",
+        ),
+        Stage(
+            name="train (DPO, tiny)",
+            args=["train", *recipe, *training, "--model", "tiny", "--run-dir", str(run), *device],
+            artifact=run,
+        ),
+        Stage(name="export DPO -> HF", args=["convert", "export", str(run), str(export), *device], artifact=export),
+        Stage(
+            name="verify DPO export",
+            args=[
+                "convert",
+                "verify",
+                str(export),
+                str(run / "checkpoints"),
+                "--report",
+                str(out / "verify-dpo-export.json"),
+                *device,
+            ],
+        ),  # fmt: skip
+    ]
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -161,7 +219,10 @@ def run_demo(args: argparse.Namespace) -> int:
     write_tiny_hf_checkpoint(out / "hf", recipes.family)
     console.print(f"[bold]qvl demo[/]: tiny {recipes.family} end to end in {out}")
     results: dict = {"output": str(out)}
-    for stage in _stages(out, device, args.steps, recipes):
+    stages = _stages(out, device, args.steps, recipes)
+    if args.stage == "dpo":  # the stage after SFT, from the SFT run
+        stages += preference_stages(out, device, args.steps, recipes)
+    for stage in stages:
         console.print(f"[cyan]>[/] {stage.name}: qvl {' '.join(stage.args[:2])} ...")
         started = time.perf_counter()
         stage.output = _qvl(stage.args, out / f"{stage.name.split()[0]}-{len(results)}.log")
@@ -169,10 +230,20 @@ def run_demo(args: argparse.Namespace) -> int:
         results[stage.name] = {"seconds": round(stage.seconds, 1), "artifact": str(stage.artifact or "")}
         if stage.name.startswith("verify"):
             results[stage.name]["report"] = json.loads(Path(stage.args[stage.args.index("--report") + 1]).read_text())
+    if args.stage == "dpo":
+        results["dpo"] = read_records(out / "dpo")
+        results["pairs"] = json.loads((out / "pairs-data" / "report.json").read_text())
     _summarise(results, out, console, Table)
     if args.json:
         print(json.dumps(results, indent=2, default=str))
     return 0 if all(r["report"]["ok"] for k, r in results.items() if k.startswith("verify")) else 1
+
+
+def read_records(run: Path) -> list[dict]:
+    """Every step's record of a run's losses.jsonl (a DPO run's carries its rewards), in step order."""
+    path = run / "losses.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return sorted({row["step"]: row for row in rows}.values(), key=lambda row: row["step"])
 
 
 def _summarise(results: dict, out: Path, console, table_cls) -> None:
@@ -208,8 +279,15 @@ def summary_table(results: dict, out: Path, data: dict, losses: dict[int, float]
             detail = f"max diff {r['max_abs_diff']:.1g}, {r['tensors_compared']} tensors " + (
                 "ok" if r["ok"] else "DIFFER"
             )
+        elif name.startswith("train (DPO") and results.get("dpo"):
+            first, last = results["dpo"][0], results["dpo"][-1]
+            detail = (f"loss {first['loss']:.3f} -> {last['loss']:.3f}, reward accuracy "
+                      f"{first['reward_accuracy']:.2f} -> {last['reward_accuracy']:.2f}")  # fmt: skip
         elif name.startswith("train") and losses:
             detail = f"loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f}, {len(losses)} steps"
+        elif name.startswith("prepare pairs") and results.get("pairs"):
+            pairs = results["pairs"]
+            detail = f"{pairs['accepted']} pairs, {pairs['quarantined']} quarantined"
         elif name.startswith("prepare"):
             detail = f"{data.get('accepted')} accepted, {data.get('quarantined')} quarantined"
         artifact = Path(result["artifact"]) if result["artifact"] else None
@@ -242,5 +320,12 @@ def register(subparsers) -> None:
     demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     demo.add_argument("--family", choices=list(FAMILIES), default=FAMILY, help=f"model family (default {FAMILY})")
     demo.add_argument("--output", default=".demo", help="where artifacts go (default .demo/)")
+    demo.add_argument(
+        "--stage",
+        choices=("sft", "dpo"),
+        default="sft",
+        help="sft: the pipeline through SFT (default); dpo: then preference pairs, the reference pass, DPO and its "
+        "export",
+    )
     demo.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (progress on stderr)")
     demo.set_defaults(func=run_demo)

@@ -47,3 +47,19 @@ def test_every_family_has_a_demo_its_tiny_sft_and_a_planned_size():
         recipes = demo_recipes(family)
         assert get_recipe(recipes.trained).family == get_recipe(recipes.planned).family == family
         assert get_recipe(recipes.trained).stage == "sft" and recipes.plan_gpus >= 1
+
+
+def test_the_dpo_stages_are_commands_qvl_parses_and_train_from_the_sft_run(tmp_path):
+    """`qvl demo --stage dpo`'s stages: each a `qvl` command its parser takes, reading the SFT stages' outputs."""
+    from qvl.launchers.cli import build_parser
+    from qvl.launchers.demo import demo_recipes, preference_stages
+
+    out = tmp_path / ".demo"
+    stages = preference_stages(out, ["--device", "cpu"], 4, demo_recipes("qwen3_vl"))
+    assert [s.name for s in stages][:3] == ["prepare pairs", "reference (the SFT model)", "train (DPO, tiny)"]
+    for stage in stages:
+        build_parser().parse_args(stage.args)
+    reference, train = stages[1].args, stages[2].args
+    assert reference[:2] == ["reference", "qwen3_vl_2b_dpo"] and train[:2] == ["train", "qwen3_vl_2b_dpo"]
+    assert f"pretrained_checkpoint={out / 'train' / 'checkpoints'}" in reference and set(reference[2:6]) <= set(train)
+    assert (out / "pairs" / "pairs-trl.jsonl").is_file()  # the sample pairs the prepare stage reads
