@@ -12,6 +12,12 @@ Dynamo or Inductor cannot compile (a torch or Triton version it was not written 
 and runs eagerly from then on, so training goes on at eager speed instead of stopping. `TORCHDYNAMO_DISABLE=1`
 (torch's own switch) runs every region eagerly. The step census (benchmarks/compiled_regions.py) counts each region
 as the kernels Inductor generates for it.
+
+Shapes: a region is compiled with every size symbolic (`dynamic=True`: packs differ in length), unless its function is
+marked `@first_dim_dynamic`, which keeps every size but the first dimension of each tensor argument static. With
+symbolic inner sizes Inductor's kernels split a flat index by sizes known only at run time (integer divisions in
+every element); a region that broadcasts over heads or rotates halves of a head (the vision rotary, 480 us per call
+on an H100 for ~100 MB, benchmarks/RESULTS.md) pays for them, a flat elementwise one (the MLP activation) does not.
 """
 
 from __future__ import annotations
@@ -48,18 +54,32 @@ def runs_compiled(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and compile_usable() and not torch.compiler.is_compiling()
 
 
+def first_dim_dynamic(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark `fn` so that its compiled region takes only its tensor arguments' first dimension (tokens, patches) as
+    dynamic, every other size as the constant it is (heads, head dim: divisions by constants in the kernels)."""
+    fn.qvl_first_dim_dynamic = True
+    return fn
+
+
 class CompiledRegion:
-    """`fn` compiled as one graph with dynamic shapes (packs differ in length); eager from the first failure to
-    compile on, with a warning."""
+    """`fn` compiled as one graph with dynamic shapes (packs differ in length: every size symbolic, or only each
+    tensor's first dimension where `fn` is `first_dim_dynamic`); eager from the first failure to compile on, with a
+    warning."""
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
-        self.graph = torch.compile(fn, dynamic=True, fullgraph=True)
+        self.first_dim_only = getattr(fn, "qvl_first_dim_dynamic", False)
+        # dynamic=None with the first dimensions marked below: those symbolic, the rest static
+        self.graph = torch.compile(fn, dynamic=None if self.first_dim_only else True, fullgraph=True)
         self.eager = False
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.eager:
+            if self.first_dim_only:
+                for arg in (*args, *kwargs.values()):
+                    if isinstance(arg, torch.Tensor) and arg.dim():
+                        torch._dynamo.maybe_mark_dynamic(arg, 0)
             try:
                 return self.graph(*args, **kwargs)
             except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as error:

@@ -9,9 +9,10 @@ the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `sp
   then the weight in the input dtype as HF does. Bitwise equal to HF's on CPU (fp32 and bf16, tests); passing the
   weight into `F.rms_norm` instead is not (a quarter of bf16 elements differ by one ulp). On CUDA with Triton the
   same function is one compiled region (one rounding to bf16 instead of two: within bf16 rounding, a `gpu` test).
-- `fused_rotary`: the same fp32 rotate-half math, q and k stacked so each step is one kernel for both; on CUDA one
-  `torch.compile`d region (Inductor fuses the stack, casts, halves and products into one kernel each way, fp32 in
-  registers; the step census counts it so, benchmarks/compiled_regions.py); elsewhere eager, bitwise HF's.
+- `fused_rotary`: the same fp32 rotate-half math as one elementwise pass over q and one over k (the halves swapped
+  by index, rotate-half's negation carried by the sine), on CUDA one `torch.compile`d region with only the patch
+  dimension dynamic (one kernel each way, fp32 in registers; the step census counts it so,
+  benchmarks/compiled_regions.py); elsewhere eager, bitwise HF's.
 
 - `lean_attention`: the attention's forward without transformers' permutes to `[1, heads, tokens, dim]` and back
   and without its device max of the block lengths (qvl passes them from the host); bitwise transformers'.
@@ -63,26 +64,30 @@ def fused_rms_norm(original):
     return forward
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
+@compiled.first_dim_dynamic
 def rotary_fp32(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' `apply_rotary_pos_emb_vision` math (fp32 rotate-half, results in the inputs' dtypes), q and k
-    stacked so that each step is one kernel for both (the same elementwise math: bitwise transformers' on CPU)."""
+    """transformers' `apply_rotary_pos_emb_vision` math (fp32 rotate-half, results in the inputs' dtypes), bitwise on
+    CPU, as one elementwise pass each over q and k in their own layout.
+
+    transformers' `(x * cos) + (rotate_half(x) * sin)` with `rotate_half(x) = cat(-x2, x1)` is, element by element,
+    `x * cos + swap(x) * signed_sin`: `swap` exchanges the two halves of the head dimension (an index, not a copy,
+    once compiled) and `signed_sin` is the sine negated over the first half (`(-a) * b` and `a * (-b)` are the same
+    IEEE product). The earlier form stacked q and k into one new tensor and concatenated the halves: Inductor's kernel
+    for it, with every size symbolic, split each element's index by sizes known only at run time and ran ~10x under
+    the H100's memory bandwidth (benchmarks/RESULTS.md, 2026-11-26). Here only the patch count is dynamic
+    (`first_dim_dynamic`); `benchmarks/bench_rotary_gpu.py` measures both forms."""
     cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
-    if q.dtype != k.dtype or q.shape != k.shape:
-        return _rotary_one(q, cos, sin), _rotary_one(k, cos, sin)
-    qk = _rotary_one(torch.stack((q, k)), cos, sin)
-    return qk[0], qk[1]
+    first_half = torch.arange(sin.shape[-1], device=sin.device) < sin.shape[-1] // 2
+    signed_sin = torch.where(first_half, -sin, sin)
+    return _rotary_one(q, cos, signed_sin), _rotary_one(k, cos, signed_sin)
 
 
-def _rotary_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotary_one(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     xf = x.float()
-    return ((xf * cos) + (_rotate_half(xf) * sin)).to(x.dtype)
+    swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1)
+    return ((xf * cos) + (swapped * signed_sin)).to(x.dtype)
 
 
 def fused_rotary(original):

@@ -106,6 +106,40 @@ def test_eager_rotary_is_transformers_bit_for_bit(family, dtype):
     assert all(torch.equal(a, b) for a, b in zip(lean_grads, grads))
 
 
+@pytest.mark.slow  # three Inductor compilations for the CPU (~30 s on 2 cores)
+def test_compiled_rotary_is_as_close_to_fp64_as_eager_and_compiles_once_for_every_patch_count():
+    from torch._dynamo.utils import counters
+
+    from benchmarks.bench_rotary_gpu import exact_rotary
+
+    region = compiled.CompiledRegion(speed_hf_vision.rotary_fp32)  # what CUDA runs, compiled here for the CPU
+    graphs = counters["stats"]["unique_graphs"]
+    for n in (64, 96, 160):  # packs differ in patches: one graph, the patch count symbolic
+        qkv = torch.randn(n, 3, 4, 40, dtype=torch.bfloat16, requires_grad=True)
+        q, k, _ = qkv.unbind(1)  # the fused projection's strided views, as the lean attention passes them
+        angles = torch.randn(n, 20).repeat(1, 2)
+        fast, eager = (
+            region(q, k, angles.cos(), angles.sin()),
+            speed_hf_vision.rotary_fp32(q, k, angles.cos(), angles.sin()),
+        )
+        exact_qkv = qkv.detach().double().requires_grad_()
+        eq, ek, _ = exact_qkv.unbind(1)
+        exact = exact_rotary(eq, ek, angles.double().cos(), angles.double().sin())
+        upstream = [torch.randn_like(e) for e in exact]
+        for name, fast_out, eager_out, exact_out in zip("qk", fast, eager, exact, strict=True):
+            assert_as_close_as_eager(fast_out, eager_out, exact_out, what=f"rotary {name}, {n} patches")
+        exact_grads = torch.autograd.grad(exact, (eq, ek), upstream)
+        as_bf16 = [u.bfloat16() for u in upstream]
+        fast_grads = torch.autograd.grad(fast, (q, k), as_bf16)
+        eager_grads = torch.autograd.grad(eager, (q, k), as_bf16)
+        for name, a, b, c in zip("qk", fast_grads, eager_grads, exact_grads, strict=True):
+            assert_as_close_as_eager(a, b, c, what=f"rotary gradient of {name}, {n} patches")
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    qkv = torch.randn(64, 3, 2, 40, dtype=torch.bfloat16)  # another head count: heads are a constant of the graph
+    region(*qkv.unbind(1)[:2], angles[:64].cos(), angles[:64].sin())
+    assert counters["stats"]["unique_graphs"] == graphs + 2
+
+
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
 def test_prepared_inputs_equal_what_the_tower_derives(family):
     tower = tiny_tower(family)

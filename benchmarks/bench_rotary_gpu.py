@@ -1,0 +1,232 @@
+"""The HF vision tower's rotary (Qwen2-VL / Qwen2.5-VL) on a GPU: bytes moved per second, forward and backward.
+
+On an H100 (benchmarks/RESULTS.md, 2026-11-26) the compiled vision rotary region took 480 us per forward call for
+about 100 MB, some 10x under the memory bandwidth, and 3x longer than its own backward. This benchmark times, at the
+census shapes (10,240 patches x 16 heads x 80, bf16; q and k the fused qkv projection's strided views, as the lean
+attention hands them over; cos and sin fp32 per patch), each of:
+- `eager`: transformers' `apply_rotary_pos_emb_vision`;
+- `stacked_all_dynamic`: the region as it ran on 2026-11-26 (q and k stacked, rotate-half by `cat`, every size
+  symbolic);
+- `swapped_all_dynamic`: qvl's formulation now (`qvl.kernels.speed_hf_vision.rotary_fp32`: one pass per tensor, the
+  halves swapped by index, the sign in the sine) with every size symbolic;
+- `region`: the same as qvl runs it (`qvl.kernels.compiled.CompiledRegion`: only the patch count dynamic).
+Each figure is the device time per call over `--repeats` calls after warm-up (CUPTI's kernel intervals: the host's
+time between calls does not count), with the kernels each call ran; bytes are what the op must read and write
+(forward: q, k, cos, sin read, both outputs written; backward: the output gradients, cos, sin read, the input
+gradients written), over the GPU's nominal HBM bandwidth. Each variant's result is also held to an fp64 reference
+(norm-wise; tests/numerics.py). The goal (issue 38): the region at >= 60% of HBM bandwidth both ways.
+
+`python -m benchmarks.bench_rotary_gpu` on a GPU (`bash benchmarks/gpu.sh run rotary`); `--tiny` runs small
+shapes on the CPU, eagerly (the harness check of the suite and of `gpu.sh rehearse`): no speed figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.step_anatomy import busy_seconds, device_intervals
+
+GOAL_BANDWIDTH_SHARE = 0.60
+# Nominal HBM bandwidth, bytes/s, by the planner's GPU kinds (vendor data sheets: H100 SXM HBM3, H200 HBM3e, A100 SXM).
+HBM_BYTES_PER_S = {"h100": 3.35e12, "h200": 4.8e12, "a100": 2.039e12}
+SHAPES = {"census": dict(patches=10240, heads=16, dim=80), "tiny": dict(patches=256, heads=4, dim=40)}
+
+
+def rotary_stacked(q, k, cos, sin):
+    """qvl's vision rotary as it ran on the H100 on 2026-11-26 (kept here to measure against): q and k stacked into
+    one tensor, rotate-half by concatenation, fp32."""
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    x = torch.stack((q, k)).float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    out = ((x * cos) + (rotated * sin)).to(q.dtype)
+    return out[0], out[1]
+
+
+def variants(device: torch.device) -> dict[str, Callable]:
+    """The rotaries to time, by name; on the CPU every one runs eagerly (no speed figure there)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+
+    from qvl.kernels import compiled
+    from qvl.kernels.speed_hf_vision import rotary_fp32
+
+    eager = apply_rotary_pos_emb_vision  # transformers' own: this process applies no patch group
+    if device.type != "cuda":
+        return {"eager": eager, "stacked_all_dynamic": rotary_stacked, "swapped_all_dynamic": rotary_fp32,
+                "region": rotary_fp32}  # fmt: skip
+    return {
+        "eager": eager,
+        "stacked_all_dynamic": torch.compile(rotary_stacked, dynamic=True, fullgraph=True),
+        "swapped_all_dynamic": torch.compile(rotary_fp32, dynamic=True, fullgraph=True),
+        "region": compiled.CompiledRegion(rotary_fp32),
+    }
+
+
+def inputs(shape: dict, device: torch.device, seed: int = 0):
+    """q and k as views of one fused qkv projection output, cos and sin as the tower computes them (fp32)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    patches, heads, dim = shape["patches"], shape["heads"], shape["dim"]
+    qkv = torch.randn(patches, 3, heads, dim, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    angles = (torch.rand(patches, dim // 2, generator=gen) * 64).repeat(1, 2).to(device)
+    return qkv, angles.cos(), angles.sin()
+
+
+def bytes_moved(shape: dict) -> dict[str, int]:
+    """Bytes the op must move each way: bf16 q, k and their results, fp32 cos and sin."""
+    tensor = shape["patches"] * shape["heads"] * shape["dim"] * 2
+    tables = 2 * shape["patches"] * shape["dim"] * 4
+    return {"forward": 4 * tensor + tables, "backward": 4 * tensor + tables}
+
+
+def _device_seconds(work: Callable[[], None], device: torch.device) -> tuple[float, int]:
+    """(seconds the device was busy during `work`, kernels it ran): CUPTI's kernel intervals on CUDA, so the host's
+    own time between calls (a compiled function's guards, autograd) does not count; wall seconds on the CPU."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        work()
+        return time.perf_counter() - start, 0
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    with profiler:
+        work()
+        torch.cuda.synchronize()
+    intervals = device_intervals(profiler)
+    return busy_seconds(intervals), len(intervals)
+
+
+def measure(fn: Callable, shape: dict, device: torch.device, repeats: int) -> dict:
+    """Device seconds per forward call and per backward call of `fn`, and kernels per call (two warm-up calls
+    first, which also compile)."""
+    qkv, cos, sin = inputs(shape, device)
+    for _ in range(2):
+        q, k, _ = qkv.unbind(1)
+        outputs = fn(q, k, cos, sin)
+        torch.autograd.grad(outputs, (q, k), [torch.ones_like(o) for o in outputs])
+    calls = [qkv.unbind(1)[:2] for _ in range(repeats)]
+    results: list = []
+    forward, forward_kernels = _device_seconds(lambda: results.extend(fn(q, k, cos, sin) for q, k in calls), device)
+    grads = [torch.ones_like(o) for o in results[0]]
+
+    def backward() -> None:
+        for (q, k), outputs in zip(calls, results, strict=True):
+            torch.autograd.grad(outputs, (q, k), grads)
+
+    backward_s, backward_kernels = _device_seconds(backward, device)
+    return {"forward_s": forward / repeats, "backward_s": backward_s / repeats,
+            "kernels_per_call": {"forward": forward_kernels / repeats, "backward": backward_kernels / repeats}}  # fmt: skip
+
+
+def exact_rotary(q, k, cos, sin):
+    """transformers' rotate-half math in fp64 (the reference)."""
+    half = q.shape[-1] // 2
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    rotate = lambda x: torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # noqa: E731
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def fp64_errors(fn: Callable, shape: dict, device: torch.device) -> dict[str, float]:
+    """Norm-wise relative error of `fn`'s outputs and input gradients against the fp64 evaluation of the same math."""
+    qkv, cos, sin = inputs(shape, device, seed=1)
+    q, k, _ = qkv.unbind(1)
+    exact_qkv = qkv.detach().double().requires_grad_()
+    eq, ek, _ = exact_qkv.unbind(1)
+    outputs, exact = fn(q, k, cos, sin), exact_rotary(eq, ek, cos.double(), sin.double())
+    weights = [torch.randn_like(e) for e in exact]  # a random upstream gradient
+    grads = torch.autograd.grad(outputs, (q, k), [w.to(o.dtype) for w, o in zip(weights, outputs, strict=True)])
+    exact_grads = torch.autograd.grad(exact, (eq, ek), weights)
+    error = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    return {
+        "forward": max(error(a, b) for a, b in zip(outputs, exact, strict=True)),
+        "backward": max(error(a, b) for a, b in zip(grads, exact_grads, strict=True)),
+    }
+
+
+def gpu_bandwidth() -> tuple[str | None, float | None]:
+    """The planner's GPU kind for this device and its nominal HBM bytes/s (None off the known GPUs and on CPU)."""
+    if not torch.cuda.is_available():
+        return None, None
+    name = torch.cuda.get_device_name().lower()
+    kind = next((k for k in HBM_BYTES_PER_S if k in name), None)
+    return kind, HBM_BYTES_PER_S.get(kind)
+
+
+def benchmark(shape_name: str, repeats: int, device: torch.device) -> dict:
+    """Every variant's times, bandwidths and fp64 errors, and the goal checks of the region."""
+    shape = SHAPES[shape_name]
+    moved = bytes_moved(shape)
+    kind, peak = gpu_bandwidth() if device.type == "cuda" else (None, None)
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "gpu_kind": kind,
+               "hbm_bytes_per_s": peak, "shape": shape, "bytes": moved, "variants": {}, "checks": []}  # fmt: skip
+    for name, fn in variants(device).items():
+        row = measure(fn, shape, device, repeats)
+        for way in ("forward", "backward"):
+            row[f"{way}_us"] = round(row.pop(f"{way}_s") * 1e6, 2)
+            row[f"{way}_bytes_per_s"] = round(moved[way] / (row[f"{way}_us"] / 1e6))
+            row[f"{way}_bandwidth_share"] = round(row[f"{way}_bytes_per_s"] / peak, 3) if peak else None
+        row["fp64_error"] = {way: float(f"{value:.3g}") for way, value in fp64_errors(fn, shape, device).items()}
+        results["variants"][name] = row
+    region, eager = results["variants"]["region"], results["variants"]["eager"]
+    for way in ("forward", "backward"):
+        share = region[f"{way}_bandwidth_share"]
+        if share is not None:
+            results["checks"].append({"figure": f"vision rotary region {way}: share of HBM bandwidth", "value": share,
+                                      "goal": f">= {GOAL_BANDWIDTH_SHARE}", "met": share >= GOAL_BANDWIDTH_SHARE})  # fmt: skip
+        fast, slow = region["fp64_error"][way], eager["fp64_error"][way]
+        results["checks"].append({"figure": f"vision rotary region {way}: fp64 error / eager's", "value":
+                                  round(fast / slow, 3) if slow else None, "goal": "<= 1.25",
+                                  "met": fast <= 1.25 * slow + 1e-6})  # fmt: skip
+    return results
+
+
+def table(results: dict) -> str:
+    """One line per variant."""
+    lines = [f"vision rotary on {results['device']}, {results['shape']}, bytes {results['bytes']}"]
+    for name, row in results["variants"].items():
+        lines.append(
+            f"  {name:20s} fwd {row['forward_us']:9.1f} us ({row['forward_bandwidth_share']} of HBM)  "
+            f"bwd {row['backward_us']:9.1f} us ({row['backward_bandwidth_share']} of HBM)  fp64 error {row['fp64_error']}"
+        )
+    lines += [
+        f"  {'MET ' if c['met'] else 'FAIL'} {c['figure']}: {c['value']} (goal {c['goal']})" for c in results["checks"]
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; writes OUT/bench_rotary_gpu.json."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per variant (median)")
+    parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU, eagerly (harness check)")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench"))
+    args = parser.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        print("error: the census shapes need a CUDA GPU; pass --tiny to check the harness on CPU", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.tiny else "cuda")
+    results = benchmark("tiny" if args.tiny else "census", args.repeats, device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_rotary_gpu.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+    print(f"wrote {args.out / 'bench_rotary_gpu.json'}")
+    return 0
+
+
+def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
+    """benchmarks.run entry: the census shapes on CUDA; on CPU, a result saying it needs a GPU."""
+    if not torch.cuda.is_available():
+        results = {"why": "needs a CUDA GPU (the compiled region runs on CUDA only)", "variants": {}, "checks": []}
+    else:
+        results = benchmark("census", 5 if quick else 20, torch.device("cuda"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_rotary_gpu.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())
