@@ -154,8 +154,9 @@ def _forward_pass(config: Any, model: list, run: ReferenceRun) -> None:
     for chunk in model:
         chunk.eval()
     forward_backward = get_forward_backward_func()
-    per_call = max(1, 2 * config.model.pipeline_model_parallel_size)  # micro-batches in flight per schedule call
-    started, last_line, tokens = time.perf_counter(), time.perf_counter(), 0
+    # micro-batches per schedule call: enough to fill the pipeline, few enough to append rows often
+    per_call = 8 * config.model.pipeline_model_parallel_size
+    started, last_line, tokens, timed_packs = None, time.perf_counter(), 0, 0
     if writer:
         rows_file.parent.mkdir(parents=True, exist_ok=True)
     batches = _pack_batches(run.data, config, todo)
@@ -172,13 +173,16 @@ def _forward_pass(config: Any, model: list, run: ReferenceRun) -> None:
                 micro_batch_size=1,
                 forward_only=True,
             )
-        tokens += sum(int(b.tokens.numel()) for b in group)
         if writer:
             _append_rows(rows_file, results)
+        if started is None:  # the rate leaves out the first call: loader workers starting, first kernels
+            started = time.perf_counter()
+        else:
+            tokens, timed_packs = tokens + sum(int(b.tokens.numel()) for b in group), timed_packs + len(group)
         if time.perf_counter() - last_line > PROGRESS_EVERY_S or first + per_call >= len(todo):
-            elapsed = time.perf_counter() - started
+            elapsed = max(time.perf_counter() - started, 1e-9)
             logger.info("reference pass: %d / %d packs, %.2f packs/s, %.0f tokens/s per replica",
-                        min(first + per_call, len(todo)), len(todo), (first + len(group)) / elapsed,
+                        min(first + per_call, len(todo)), len(todo), timed_packs / elapsed,
                         tokens / elapsed)  # fmt: skip
             last_line = time.perf_counter()
     torch.distributed.barrier()
@@ -209,9 +213,10 @@ def _collect(layout: Any, loss_mask: torch.Tensor, subs: int, pack: torch.Tensor
 
     if isinstance(output_tensor, tuple):
         output_tensor, loss_mask = output_tensor
-    logps = side_logps(output_tensor, loss_mask, layout)[:subs].double().cpu()
+    # kept on the device: the rows are read once per schedule call (`_append_rows`), not once per micro-batch
+    logps = side_logps(output_tensor, loss_mask, layout)[:subs].double()
     zero = output_tensor.new_zeros(())
-    row = {"pack": pack, "logp": logps, "tokens": layout.tokens[:subs].double().cpu()}
+    row = {"pack": pack, "logp": logps, "tokens": layout.tokens[:subs].double()}
     return zero, torch.tensor(1, dtype=torch.int), row
 
 
