@@ -190,6 +190,17 @@ PATCHES: tuple[Patch, ...] = (
           why="the native fused cross-entropy keeps an fp32 softmax of the logits for backward (twice the bf16 "
               "logits), moves ~17 GB per 4k pack over Qwen's vocabulary and rounds the logits' gradient to bf16 in "
               "fp32 training; qvl's keeps the logits, recomputes the softmax (~4.7 GB) and keeps their dtype"),
+    # --- speed-cuda-graphs: qvl.kernels.speed_cuda_graphs (around every training loop on CUDA)
+    Patch(group="speed-cuda-graphs", target="megatron.bridge.training.setup:initialize_megatron",
+          replacement="qvl.kernels.speed_cuda_graphs:with_layer_graphs", version=MBRIDGE, params=("cfg",),
+          why="without TE the step is bound by the host (an H100 idle 31% of the step, ~17k launches); before "
+              "Megatron is initialised the language model's config asks for Megatron-Core's own per-layer CUDA "
+              "graphs (cuda_graph_impl='local'), so the RNG tracker is graph-safe and the layers build graph managers"),
+    Patch(group="speed-cuda-graphs", target="megatron.core.transformer.cuda_graphs:ArgMetadata",
+          replacement="qvl.kernels.speed_cuda_graphs:keeping_whole_pack", version=MCORE, params=("arg",),
+          why="the graphs' static input buffers are plain tensors and its type check (_check_supported_type) refuses "
+              "tensor subclasses: qvl's WholePackCuSeqlens (the rotary's no-host-read path) would fail it, and a plain "
+              "buffer would send the rotary to upstream's loop of host reads, which a capture cannot hold"),
     # --- torch-wgrad-accum: from building a model whose provider qvl fixed, any device without Apex (process-wide)
     Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:_grad_accum_fusion_available",
           replacement="qvl.kernels.torch_wgrad_accum:available", version=MCORE,

@@ -129,6 +129,10 @@ RULES: tuple[Rule, ...] = (
     Rule(group="speed-rotary", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
     Rule(group="speed-sync-free", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
     Rule(group="speed-cross-entropy", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
+    Rule(group="speed-cuda-graphs", scope="training",
+         condition="the run's device is CUDA and neither Transformer Engine nor Apex is installed (the layers then "
+                   "read nothing back to the host, qvl's whole-pack rotary among them, so they can be captured)",
+         on=lambda t: t.device == "cuda" and t.torch_adam),
     # read when a model's layers are built and its config validated (before the loop): applied from the first
     # provider qvl fixes for the rest of the process (qvl.kernels.torch_wgrad_accum.provide_kernels)
     Rule(group="torch-wgrad-accum", scope="training", condition="Apex is not installed",

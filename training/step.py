@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from qvl.data.count import IGNORE_INDEX
+from qvl.kernels.speed_cuda_graphs import GraphShapes, fixed_size_cu_seqlens, graph_shapes
 from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows, host_vision_placement
 from qvl.kernels.speed_rotary import mark_whole_pack
 from qvl.kernels.speed_sync_free import HostBatch, LossCheck, PlaceholderMismatchError, masked_loss
@@ -18,12 +19,17 @@ from qvl.training import mtp
 _VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
-def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) -> tuple[dict, torch.Tensor]:
+def model_inputs(
+    batch: Any, device: torch.device, pad_to: int | None = None, graph_shapes: GraphShapes | None = None
+) -> tuple[dict, torch.Tensor]:
     """Keyword arguments for the model's forward and the loss mask, from a qvl PackedBatch.
 
     `pad_to`: pipeline parallelism sends activations between stages in buffers of a fixed
     `seq_length`, so a shorter pack is padded to it with one extra sub-sequence of pad tokens that
     attends only to itself and carries no loss.
+    `graph_shapes`: where the language model's layers replay as CUDA graphs (qvl.kernels.speed_cuda_graphs), every
+    pack is padded so, its `cu_seqlens` made a fixed-size tensor (inert zero-length sub-sequences at the end) and its
+    `max_seqlen` the same for all.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -31,6 +37,7 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
     # Megatron's cross-entropy has no ignore index: learn nothing where labels are IGNORE_INDEX.
     loss_mask = (to_device(batch.loss_mask, device) > 0) & (labels != IGNORE_INDEX)
     cu = to_device(batch.cu_seqlens_q.to(torch.int32), device)
+    pad_to = graph_shapes.tokens if graph_shapes is not None else pad_to
     padding = 0 if pad_to is None else pad_to - tokens.shape[1]
     if padding < 0:
         raise ValueError(
@@ -43,6 +50,9 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
         loss_mask = torch.nn.functional.pad(loss_mask, (0, padding), value=False)
         cu = torch.cat([cu, cu.new_tensor([pad_to])])
     cu = mark_whole_pack(cu)  # it ends at the pack's last token: no host read in the rotary (kernels/speed_rotary.py)
+    max_seqlen = max(batch.max_seqlen, padding)
+    if graph_shapes is not None:
+        cu, max_seqlen = fixed_size_cu_seqlens(cu, graph_shapes.slots), graph_shapes.max_seqlen
     kwargs = {
         "input_ids": tokens,
         "labels": labels.clamp(min=0),
@@ -53,8 +63,8 @@ def model_inputs(batch: Any, device: torch.device, pad_to: int | None = None) ->
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
-            max_seqlen_q=max(batch.max_seqlen, padding),
-            max_seqlen_kv=max(batch.max_seqlen, padding),
+            max_seqlen_q=max_seqlen,
+            max_seqlen_kv=max_seqlen,
         ),
     }
     for name in _VISUAL_FIELDS:
@@ -126,7 +136,7 @@ def forward_step(
     model_config = state.cfg.model
     pad_to = model_config.seq_length if model_config.pipeline_model_parallel_size > 1 else None
     batch = next(data_iterator)
-    kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to)
+    kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to, graph_shapes=graph_shapes(state.cfg))
     if state.cfg.qvl.vision_balance:
         kwargs = balanced_vision_inputs(model, kwargs)
     # with MTP layers the model also returns their per-token losses (qvl.training.mtp)

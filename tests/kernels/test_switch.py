@@ -37,7 +37,7 @@ def test_the_answer_is_the_targets_not_this_machines():
     bare_gpu = Target(device="cuda", hf_vision_tower=True, gated_delta_net=False, mtp=False, peft=False)
     assert switch.training_groups(bare_gpu) == (
         "fix-megatron-setup", "fix-adam-resume", "speed-optimizer", "speed-rotary", "speed-sync-free",
-        "speed-cross-entropy", "torch-wgrad-accum", "speed-hf-vision",
+        "speed-cross-entropy", "speed-cuda-graphs", "torch-wgrad-accum", "speed-hf-vision",
     )  # fmt: skip
     with_te = dataclasses.replace(bare_gpu, transformer_engine=True)
     assert not switch.is_on("speed-cross-entropy", with_te) and not switch.is_on("fix-adam-resume", with_te)
@@ -46,6 +46,10 @@ def test_the_answer_is_the_targets_not_this_machines():
     cpu = dataclasses.replace(bare_gpu, device="cpu")
     assert switch.training_groups(cpu)[0] == "cpu-training" and switch.is_on("cpu-runtime", cpu)
     assert not switch.is_on("cpu-runtime", bare_gpu)
+    # CUDA graphs: on a CUDA device only, and only where qvl's layers read nothing back (no TE, no Apex)
+    assert switch.is_on("speed-cuda-graphs", bare_gpu) and not switch.is_on("speed-cuda-graphs", cpu)
+    assert not switch.is_on("speed-cuda-graphs", with_te)
+    assert not switch.is_on("speed-cuda-graphs", dataclasses.replace(bare_gpu, apex=True))
     qwen35 = dataclasses.replace(bare_gpu, hf_vision_tower=False, gated_delta_net=True)
     assert switch.is_on("torch-gated-delta", qwen35) and switch.is_on("torch-qwen3-vl-vision", qwen35)
     assert not switch.is_on("torch-gated-delta", dataclasses.replace(qwen35, fla=True))  # fla's Triton kernels

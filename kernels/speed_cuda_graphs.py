@@ -1,0 +1,151 @@
+"""The language model's layers replayed as CUDA graphs at the fixed shapes offline packing gives (patch group
+"speed-cuda-graphs" of qvl.foundation.patches; on CUDA only, qvl.kernels.switch).
+
+Why: without Transformer Engine a training step is bound by the host. On an H100 (benchmarks/RESULTS.md,
+2026-11-26) the GPU sat idle 31% of the step while the host launched ~17k kernels; each of the language model's
+layers launches some forty kernels per pack each way. A CUDA graph replays a layer's forward (or backward) as one
+launch.
+
+How: Megatron-Core's own per-layer graphs (`cuda_graph_impl="local"`, megatron/core/transformer/cuda_graphs.py)
+need no Transformer Engine. The first training step runs eagerly and records the order of the layers' forwards and
+backwards; at its end (Megatron-Core's schedules call `create_cudagraphs`) each layer's forward and backward is
+captured once, into one memory pool; later micro-batches copy their inputs into the graphs' static buffers and
+replay. Weight gradients go into `main_grad` inside the backward graphs. A graph replays only what it captured: every
+micro-batch must give each layer the same shapes and the same non-tensor arguments (else Megatron-Core asserts that
+no captured graph matches). qvl's forward step makes them so (`graph_shapes`, qvl.training.step.model_inputs):
+- tokens: every pack padded to `seq_length` (one extra sub-sequence of pad tokens, no loss), as for pipeline stages;
+- `cu_seqlens`: a fixed-size device tensor, `slots + 1` entries: the pack's bounds, then its last bound repeated
+  (`fixed_size_cu_seqlens`): zero-length sub-sequences at the end, which attention skips and the whole-pack rotary
+  never reads; `slots` is the dataset's fullest pack plus the pad sub-sequence;
+- `max_seqlen`: `seq_length` for every pack (the flash kernel's grid grows with it: a little more work per call).
+
+What changes upstream (the registry's entries of this group):
+- `megatron.bridge.training.setup:initialize_megatron` (`with_layer_graphs`): before Megatron is initialised, the
+  language model's config asks for whole-layer graphs; Megatron-Bridge's initialize then seeds a graph-safe RNG
+  tracker from it, and the layers build their graph managers when the model is built. On a machine without CUDA it
+  changes nothing (the step census applies the groups of a CUDA run on the CPU).
+- `megatron.core.transformer.cuda_graphs:ArgMetadata` (`keeping_whole_pack`): the static input buffers Megatron-Core
+  allocates are plain tensors, and its type check refuses tensor subclasses; qvl's `WholePackCuSeqlens` (the rotary's
+  no-host-read path, qvl.kernels.speed_rotary) keeps its type in the buffer.
+
+Not graphed: the HF vision tower (its patch count differs from pack to pack), the embedding and output layer, the
+loss and the optimizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qvl.foundation.errors import ConfigError, QvlError
+from qvl.kernels.speed_rotary import WholePackCuSeqlens, mark_whole_pack
+
+logger = logging.getLogger(__name__)
+
+GROUP = "speed-cuda-graphs"
+WARMUP_STEPS = 2  # eager runs of each layer before its capture (Megatron-Core's cuda_graph_warmup_steps)
+
+
+class TooManySubSequencesError(QvlError):
+    """A pack has more sub-sequences than the graphs' fixed `cu_seqlens` holds."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class GraphShapes:
+    """What every micro-batch gives the graphed layers: `tokens` per pack, `cu_seqlens` of `slots + 1` entries, and
+    `max_seqlen`."""
+
+    tokens: int
+    slots: int
+    max_seqlen: int
+
+
+def graphs_requested(model_config: Any) -> bool:
+    """Whether `model_config` (the language model's TransformerConfig) replays its layers as Megatron-Core's graphs."""
+    return getattr(model_config, "cuda_graph_impl", "none") == "local"
+
+
+def graph_shapes(config: Any) -> GraphShapes | None:
+    """The fixed shapes of a run whose layers are graphed (a ConfigContainer), None for an eager run."""
+    if not graphs_requested(config.model):
+        return None
+    seq_length = config.model.seq_length
+    path = getattr(config.dataset, "path", None)
+    if path is None:
+        raise ConfigError(
+            "speed-cuda-graphs needs an offline-packed dataset (its fullest pack fixes cu_seqlens' size); "
+            "set dataset.path to a `qvl data prepare` folder"
+        )
+    return GraphShapes(tokens=seq_length, slots=most_sub_sequences(str(path)) + 1, max_seqlen=seq_length)
+
+
+@functools.cache
+def most_sub_sequences(dataset: str) -> int:
+    """The most sub-sequences any pack of a `qvl data prepare` folder holds (its packs.jsonl)."""
+    packs = pathlib.Path(dataset) / "packs.jsonl"
+    if not packs.is_file():
+        raise ConfigError(f"{dataset} has no packs.jsonl; prepare it with `qvl data prepare` for speed-cuda-graphs")
+    with packs.open() as rows:
+        return max(len(json.loads(row)["lengths"]) for row in rows if row.strip())
+
+
+def fixed_size_cu_seqlens(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:
+    """`cu_seqlens` ([n + 1], on its device) as `slots + 1` entries: its last bound repeated after it. The extra
+    sub-sequences have length zero: attention skips them, and nothing is read back to the host to make them."""
+    extra = slots + 1 - cu_seqlens.shape[0]
+    if extra < 0:
+        raise TooManySubSequencesError(
+            f"a pack of {cu_seqlens.shape[0] - 1} sub-sequences exceeds the CUDA graphs' {slots} slots; "
+            "train on the dataset the run was configured with (its fullest pack sets the slots)"
+        )
+    if not extra:
+        return cu_seqlens
+    padded = torch.cat([cu_seqlens, cu_seqlens[-1:].expand(extra)])  # an op on a WholePackCuSeqlens: a plain tensor
+    return mark_whole_pack(padded) if isinstance(cu_seqlens, WholePackCuSeqlens) else padded
+
+
+def layer_graph_settings() -> dict[str, Any]:
+    """The TransformerConfig fields that make Megatron-Core capture each whole layer as graphs of its own."""
+    return {"cuda_graph_impl": "local", "cuda_graph_modules": [], "cuda_graph_warmup_steps": WARMUP_STEPS}
+
+
+def with_layer_graphs(original):
+    """Patch factory for Megatron-Bridge's `initialize_megatron` as setup() calls it: the language model's config set
+    for whole-layer CUDA graphs first (where CUDA is; the step census runs a CUDA run's groups on the CPU)."""
+
+    @functools.wraps(original)
+    def initialize_megatron(cfg, *args, **kwargs):
+        if torch.cuda.is_available() and not graphs_requested(cfg.model):
+            if getattr(cfg.model, "pipeline_model_parallel_size", 1) > 1:
+                logger.warning("speed-cuda-graphs: pipeline parallelism keeps the layers eager")
+            else:
+                for name, value in layer_graph_settings().items():
+                    setattr(cfg.model, name, value)
+                logger.info("speed-cuda-graphs: the language model's layers replay as CUDA graphs from step 2")
+        return original(cfg, *args, **kwargs)
+
+    return initialize_megatron
+
+
+def keeping_whole_pack(original):
+    """Patch factory for Megatron-Core's `ArgMetadata`: a `WholePackCuSeqlens` argument is recorded as a tensor (the
+    supported-type check) whose static buffer is a `WholePackCuSeqlens` again."""
+
+    class ArgMetadata(original):
+        def __init__(self, arg):
+            super().__init__(arg)
+            self.whole_pack = isinstance(arg, WholePackCuSeqlens)
+            if self.whole_pack:
+                self.type = torch.Tensor
+
+        def zeros_like(self):
+            buffer = super().zeros_like()
+            return buffer.as_subclass(WholePackCuSeqlens) if self.whole_pack else buffer
+
+    return ArgMetadata

@@ -1,0 +1,115 @@
+"""The patch group speed-cuda-graphs (qvl.kernels.speed_cuda_graphs): the language model's layers replayed as
+Megatron-Core's CUDA graphs at fixed shapes. On the CPU: the fixed-size `cu_seqlens` (extra entries inert), that a
+pack given the graphs' fixed shapes trains exactly as it does eagerly (outputs and gradients), that Megatron-Core's
+graph buffers keep qvl's whole-pack type, and that the group asks for graphs only where CUDA is. The graphs themselves
+run on a GPU (tests/test_bench_train.py, `gpu`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+
+import pytest
+import torch
+
+from qvl.foundation import distributed, megatron, patches
+from qvl.foundation.errors import ConfigError
+from qvl.kernels import speed_cuda_graphs, speed_rotary, speed_sync_free
+from qvl.kernels.speed_cuda_graphs import GraphShapes, TooManySubSequencesError, fixed_size_cu_seqlens
+from qvl.kernels.speed_rotary import WholePackCuSeqlens, mark_whole_pack
+from tests.kernels.test_speed_sync_free import _batch, _loss_and_grads
+from tests.tiny_megatron import tiny_megatron_model
+
+
+def test_fixed_size_cu_seqlens_end_with_zero_length_sub_sequences():
+    cu = mark_whole_pack(torch.tensor([0, 3, 7, 10], dtype=torch.int32))
+    fixed = fixed_size_cu_seqlens(cu, slots=6)
+    assert fixed.tolist() == [0, 3, 7, 10, 10, 10, 10] and fixed.dtype == torch.int32
+    assert isinstance(fixed, WholePackCuSeqlens)  # still the whole pack: the rotary's one-pass path
+    assert fixed_size_cu_seqlens(cu, slots=3) is cu  # already the fixed size
+    assert type(fixed_size_cu_seqlens(cu.as_subclass(torch.Tensor), slots=4)) is torch.Tensor
+    with pytest.raises(TooManySubSequencesError, match="a pack of 3 sub-sequences exceeds the CUDA graphs' 2 slots"):
+        fixed_size_cu_seqlens(cu, slots=2)
+
+
+def test_graph_shapes_come_from_the_fullest_pack_of_the_dataset(tmp_path):
+    rows = [{"lengths": [100, 200]}, {"lengths": [50, 50, 50, 50, 30]}, {"lengths": [4000]}]
+    (tmp_path / "packs.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    model = types.SimpleNamespace(cuda_graph_impl="local", seq_length=4096)
+    config = types.SimpleNamespace(model=model, dataset=types.SimpleNamespace(path=str(tmp_path)))
+    # five sub-sequences at most, and the pad sub-sequence a short pack gets
+    assert speed_cuda_graphs.graph_shapes(config) == GraphShapes(tokens=4096, slots=6, max_seqlen=4096)
+    assert speed_cuda_graphs.graph_shapes(types.SimpleNamespace(model=types.SimpleNamespace(seq_length=8))) is None
+    config.dataset.path = None
+    with pytest.raises(ConfigError, match="needs an offline-packed dataset"):
+        speed_cuda_graphs.graph_shapes(config)
+
+
+def test_layer_graphs_are_asked_for_only_where_cuda_is(monkeypatch):
+    seen = []
+    initialize = speed_cuda_graphs.with_layer_graphs(lambda cfg, **kwargs: seen.append(dict(vars(cfg.model))))
+    config = lambda pp: types.SimpleNamespace(  # noqa: E731
+        model=types.SimpleNamespace(cuda_graph_impl="none", pipeline_model_parallel_size=pp)
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the step census: a CUDA run's groups on the CPU
+    initialize(config(1), restart_store=None)
+    assert seen.pop()["cuda_graph_impl"] == "none"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    initialize(config(1))
+    assert seen.pop() == {"pipeline_model_parallel_size": 1, **speed_cuda_graphs.layer_graph_settings()}
+    initialize(config(2))  # pipeline stages keep their layers eager
+    assert seen.pop()["cuda_graph_impl"] == "none"
+
+
+def test_graph_buffers_keep_the_whole_pack_type():
+    megatron.import_megatron_bridge()
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import cuda_graphs
+
+    cu = mark_whole_pack(torch.tensor([0, 5, 8], dtype=torch.int32))
+    with pytest.raises(AssertionError, match="not supported"):  # upstream refuses the subclass
+        cuda_graphs._check_supported_type(cuda_graphs.ArgMetadata(cu))
+    with patches.applied(speed_cuda_graphs.GROUP):
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8, max_seqlen_kv=8)
+        metas = cuda_graphs.tree_map(lambda a: cuda_graphs.ArgMetadata(a) if torch.is_tensor(a) else a, params)
+        for meta in (metas.cu_seqlens_q, metas.cu_seqlens_kv):
+            cuda_graphs._check_supported_type(meta)
+        buffers = cuda_graphs.tree_map(lambda m: m.zeros_like() if isinstance(m, cuda_graphs.ArgMetadata) else m, metas)
+        hidden = cuda_graphs.ArgMetadata(torch.ones(8, 1, 4))
+    assert type(buffers.cu_seqlens_q) is WholePackCuSeqlens and buffers.cu_seqlens_q.shape == (3,)
+    assert buffers.cu_seqlens_q.dtype == torch.int32 and buffers.max_seqlen_q == 8
+    assert hidden.type is torch.Tensor and type(hidden.zeros_like()) is torch.Tensor  # other tensors as upstream's
+    assert cuda_graphs.ArgMetadata.__name__ == "ArgMetadata" and not patches.is_applied(speed_cuda_graphs.GROUP)
+
+
+def test_a_pack_at_the_graphs_fixed_shapes_trains_as_it_does_eagerly(tmp_path, cpu_runtime):
+    """The inputs the graphs capture (the pack padded to seq_length, cu_seqlens of a fixed size, one max_seqlen)
+    give the eager forward's per-token losses on the pack's tokens and its gradients (fp32)."""
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.training.step import host_batch, model_inputs
+
+    family = "qwen2_5_vl"
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
+    distributed.init_distributed()
+    try:
+        model, hf_config = tiny_megatron_model(family, hf=hf, speed=False)
+        batch = _batch(family, hf_config, math.prod(model.visual.patch_embed.proj.weight.shape[1:]))
+        tokens, subs = batch.tokens.shape[1], batch.cu_seqlens_q.shape[0] - 1
+        shapes = GraphShapes(tokens=tokens + 13, slots=subs + 4, max_seqlen=tokens + 13)
+        cpu = torch.device("cpu")
+        results = []
+        with patches.applied(speed_rotary.GROUP, speed_sync_free.GROUP):  # the whole-pack rotary, as on a GPU
+            for graph_shapes in (None, shapes):
+                kwargs, _ = model_inputs(batch, cpu, graph_shapes=graph_shapes)
+                results.append(_loss_and_grads(model, {**kwargs, "host_batch": host_batch(model, batch, kwargs, cpu)}))
+                params = kwargs["packed_seq_params"]
+        assert params.cu_seqlens_q.shape == (subs + 5,) and isinstance(params.cu_seqlens_q, WholePackCuSeqlens)
+        assert params.max_seqlen_q == tokens + 13 and kwargs["input_ids"].shape == (1, tokens + 13)
+        (eager_losses, eager_grads), (fixed_losses, fixed_grads) = results
+        torch.testing.assert_close(fixed_losses[:, :tokens], eager_losses, rtol=1e-5, atol=1e-6)
+        assert fixed_grads.keys() == eager_grads.keys()
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(fixed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        distributed.destroy_distributed()
