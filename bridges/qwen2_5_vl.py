@@ -4,8 +4,10 @@ Megatron-Bridge 0.6.2's `Qwen25VLBridge` (megatron/bridge/models/qwen_vl/qwen25_
 right; qvl keeps its mapping table and its model, and changes one method: `Qwen25VLModel.forward` takes the host
 facts of a micro-batch from qvl's loader (`host_batch`, qvl.kernels.speed_sync_free.HostBatch) and, given them,
 runs without reading the device back (the loader's mRoPE positions, the vision features placed and checked on the
-host, the tower given its precomputed inputs). Qwen2-VL's model (qvl.bridges.qwen2_vl) inherits it. The provider
-fields upstream leaves at defaults are corrected by qvl.bridges.fixes, as for every family.
+host, the tower given its precomputed inputs, each distinct image encoded once); given each distinct image's pixels
+once (`vision_sources`, qvl.kernels.tower_inputs.VisionSources), upstream's forward gets them expanded back.
+Qwen2-VL's model (qvl.bridges.qwen2_vl) inherits it. The provider fields upstream leaves at defaults are corrected by
+qvl.bridges.fixes, as for every family.
 """
 
 # ruff: noqa: E402  (Megatron-Bridge must be imported through import_megatron_bridge first, as in qwen3_vl.py)
@@ -27,10 +29,16 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from qvl.bridges.providers import freeze_as_configured, provider_as
 from qvl.kernels import speed_sync_free
 from qvl.kernels.speed_sync_free import HostBatch
+from qvl.kernels.tower_inputs import VisionSources
 
 
 class Qwen25VLModel(upstream_model.Qwen25VLModel):
     """Megatron-Bridge's Qwen2.5-VL model whose forward also takes the loader's host facts of a micro-batch."""
+
+    @property
+    def square_merge_size(self) -> int:
+        """Patches per vision feature row (the name Megatron-Bridge's Qwen3-VL model gives it)."""
+        return self.config.vision_config.spatial_merge_size**2
 
     def forward(
         self,
@@ -53,12 +61,16 @@ class Qwen25VLModel(upstream_model.Qwen25VLModel):
         inference_params=None,
         loss_mask: torch.Tensor | None = None,
         host_batch: HostBatch | None = None,
+        vision_sources: VisionSources | None = None,
     ) -> torch.Tensor:
         """Upstream's forward; for a packed micro-batch of qvl's loader with its `host_batch`, the same result
-        without host reads (qvl.kernels.speed_sync_free.loader_positions_forward)."""
+        without host reads (qvl.kernels.speed_sync_free.loader_positions_forward). `vision_sources`: the pixels hold
+        each distinct image once (qvl.training.step.model_inputs)."""
         if not speed_sync_free.takes_loader_positions(
             host_batch, input_ids=input_ids, position_ids=position_ids, packed_seq_params=packed_seq_params
         ):
+            if vision_sources is not None:
+                pixel_values, pixel_values_videos = vision_sources.expanded(pixel_values, pixel_values_videos)
             return super().forward(
                 input_ids=input_ids,
                 attention_mask=attention_mask,

@@ -12,8 +12,9 @@ tables and forward pass are right, so qvl keeps them and changes only module con
 - the patch mergers use exact GELU as HF does (upstream uses the blocks' tanh approximation);
 - the model's forward, its vision tower's forward and its decoder's deepstack addition also take the host facts
   of a micro-batch from qvl's step (the vision rows as indices, the images' and videos' token order, the tower's
-  precomputed inputs) and, given them, run without reading the device back (qvl.kernels.speed_qwen3_vl_sync_free,
-  qvl.kernels.speed_qwen3_vl_tower); without them they are upstream's.
+  precomputed inputs, each distinct image encoded once) and, given them, run without reading the device back
+  (qvl.kernels.speed_qwen3_vl_sync_free, qvl.kernels.speed_qwen3_vl_tower); without them they are upstream's, the
+  pixels of a micro-batch given each distinct image once (`vision_sources`) expanded back for it.
 Mapping tables: inherited unchanged from Megatron-Bridge's Qwen3VLBridge / Qwen3VLMoEBridge.
 """
 
@@ -46,7 +47,7 @@ from qvl.kernels import speed_qwen3_vl_sync_free, speed_qwen3_vl_tower, torch_qw
 from qvl.kernels.local_specs import local_gpt_layer_spec
 from qvl.kernels.speed_qwen3_vl_sync_free import TakesVisionPlacement
 from qvl.kernels.speed_sync_free import HostBatch
-from qvl.kernels.tower_inputs import MegatronTowerInputs
+from qvl.kernels.tower_inputs import MegatronTowerInputs, VisionSources
 
 
 class Qwen3VLVisionModel(upstream_vision.Qwen3VLVisionModel):
@@ -128,10 +129,12 @@ class Qwen3VLModel(upstream_model.Qwen3VLModel, TakesVisionPlacement):
         runtime_gather_output: bool | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
         host_batch: HostBatch | None = None,
+        vision_sources: VisionSources | None = None,
         **kwargs,
     ):
         """Upstream's forward; for a packed micro-batch on one CP rank whose `host_batch` holds its vision placement,
-        the same result with the vision rows addressed by index (qvl.kernels.speed_qwen3_vl_sync_free)."""
+        the same result with the vision rows addressed by index (qvl.kernels.speed_qwen3_vl_sync_free).
+        `vision_sources`: the pixels hold each distinct image once (qvl.training.step.model_inputs)."""
         placement = None if host_batch is None else host_batch.vision_placement
         indexed = placement is not None and speed_qwen3_vl_sync_free.takes_indexed_path(
             self,
@@ -143,6 +146,8 @@ class Qwen3VLModel(upstream_model.Qwen3VLModel, TakesVisionPlacement):
             video_input_mask=video_input_mask,
         )
         if not indexed:
+            if vision_sources is not None:
+                pixel_values, pixel_values_videos = vision_sources.expanded(pixel_values, pixel_values_videos)
             return super().forward(
                 input_ids,
                 position_ids=position_ids,

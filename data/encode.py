@@ -6,10 +6,18 @@ sub-sequence boundary, per-sub-sequence 3-D mRoPE `position_ids` [3, 1, T], and 
 (`pixel_values` + `image_grid_thw`, `pixel_values_videos` + `video_grid_thw` [+ `second_per_grid_ts`]).
 Images go through the family's HF image processor (PIL backend); video frames are resized with PIL and
 patchified like the HF video processor (grids exact, interpolation may differ slightly from torchvision's).
+
+A tar member that several placeholders of a pack name (a preference pair's sides share their images) is decoded
+once. With `deduplicate_vision` (the preference encoder's default; off for SFT) a micro-batch also says which of
+its images are the same (`image_sources` / `video_sources`: each one's distinct index; the same tar member within a
+pack, or the same bytes across packs) and its tower inputs are those of the distinct grid: the step then gives the
+tower each distinct image once (qvl.training.step, qvl.kernels.tower_inputs.VisionSources). The pixels keep one entry
+per placeholder, as without it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -26,7 +34,13 @@ from qvl.data.count import IGNORE_INDEX, IMAGE_PAD, VIDEO_PAD
 from qvl.data.mrope import RopeConfig, packed_position_ids
 from qvl.data.vision import VisionConfig, check_family, load_vision_config
 from qvl.foundation.families import get_family
-from qvl.kernels.tower_inputs import MegatronTowerInputs, TowerInputs, tower_inputs_for_config
+from qvl.kernels.tower_inputs import (
+    MegatronTowerInputs,
+    TowerInputs,
+    distinct_rows,
+    first_occurrences,
+    tower_inputs_for_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +70,9 @@ class PackedSample(Sample):
     video_grid_thw: torch.Tensor  # [n_videos, 3]
     second_per_grid_ts: torch.Tensor  # [n_videos] (Qwen2.5-VL)
     source_indices: list[int] = field(default_factory=list)
+    # With deduplicate_vision: a content key per image / video (equal keys: the same pixels); else empty
+    image_keys: list[str] = field(default_factory=list)
+    video_keys: list[str] = field(default_factory=list)
 
 
 @edataclass
@@ -80,6 +97,11 @@ class PackedBatch(Batch):
     # micro-batch without that modality.
     image_tower_inputs: TowerInputs | MegatronTowerInputs | None = None
     video_tower_inputs: TowerInputs | MegatronTowerInputs | None = None
+    # With deduplicate_vision, where an image (video) repeats in the micro-batch: int64 [n_images] each one's distinct
+    # index, numbered in order of first occurrence; the tower inputs above are then the distinct grid's. None where
+    # nothing repeats (or without deduplicate_vision).
+    image_sources: torch.Tensor | None = None
+    video_sources: torch.Tensor | None = None
 
 
 @stateless
@@ -116,8 +138,17 @@ class QwenVLPackedTaskEncoder(DefaultTaskEncoder[PackRecord, PackedSample, Packe
     cookers = [Cooker(cook_pack)]
     decoder = None  # members arrive as raw bytes; images keep their original encoding until here
 
-    def __init__(self, *, hf_path: pathlib.Path, family: str, tokens_per_second: int | None = None, **vision_overrides):
+    def __init__(
+        self,
+        *,
+        hf_path: pathlib.Path,
+        family: str,
+        tokens_per_second: int | None = None,
+        deduplicate_vision: bool = False,
+        **vision_overrides,
+    ):
         super().__init__()
+        self.deduplicate_vision = deduplicate_vision
         from transformers import AutoTokenizer
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -145,8 +176,8 @@ class QwenVLPackedTaskEncoder(DefaultTaskEncoder[PackRecord, PackedSample, Packe
         ids = sample.ids.astype(np.int64)
         sub_ids = np.split(ids, np.cumsum(lengths)[:-1])
         labels = shifted_labels(ids, sample.loss, lengths)
-        pixel_values, image_grids = self._images(sample, subs)
-        pixel_values_videos, video_grids, seconds = self._videos(sample, subs)
+        pixel_values, image_grids, image_keys = self._images(sample, subs)
+        pixel_values_videos, video_grids, seconds, video_keys = self._videos(sample, subs)
         return PackedSample.derive_from(
             sample,
             tokens=torch.from_numpy(ids),
@@ -160,32 +191,48 @@ class QwenVLPackedTaskEncoder(DefaultTaskEncoder[PackRecord, PackedSample, Packe
             video_grid_thw=torch.tensor(video_grids, dtype=torch.long).reshape(-1, 3),
             second_per_grid_ts=torch.tensor(seconds, dtype=torch.float32),
             source_indices=list(sample.meta["samples"]),
+            image_keys=image_keys,
+            video_keys=video_keys,
         )
 
-    def _images(self, sample: PackRecord, subs: list[dict]) -> tuple[torch.Tensor | None, list]:
+    def _images(self, sample: PackRecord, subs: list[dict]) -> tuple[torch.Tensor | None, list, list[str]]:
+        """The pack's image pixels (one entry per placeholder, each distinct member decoded once), grids and keys."""
         members = [m["member"] for s in subs for m in s["media"] if m["kind"] == "image"]
         grids = [g for s in subs for g in s["image_grid_thw"]]
         if not members:
-            return None, grids
-        images = [Image.open(io.BytesIO(sample.media[m])).convert("RGB") for m in members]
+            return None, grids, []
+        distinct = {member: index for index, member in enumerate(dict.fromkeys(members))}
+        images = [Image.open(io.BytesIO(sample.media[m])).convert("RGB") for m in distinct]
         out = self.image_processor(images=images, return_tensors="pt")
-        if out["image_grid_thw"].tolist() != grids:
+        sources = torch.tensor([distinct[m] for m in members], dtype=torch.long)
+        processed = out["image_grid_thw"][sources]
+        if processed.tolist() != grids:
             raise ValueError(
-                f"pack {sample.__key__}: image grids {out['image_grid_thw'].tolist()} differ from the written {grids}; "
+                f"pack {sample.__key__}: image grids {processed.tolist()} differ from the written {grids}; "
                 "the dataset was prepared with other processor settings than this --tokenizer dir"
             )
-        return out["pixel_values"], grids
+        keys = {m: _content_key(sample.media[m]) for m in distinct} if self.deduplicate_vision else {}
+        pixels = _per_placeholder(out["pixel_values"], sources, processed)
+        return pixels, grids, [keys[m] for m in members] if keys else []
 
-    def _videos(self, sample: PackRecord, subs: list[dict]) -> tuple[torch.Tensor | None, list, list]:
+    def _videos(self, sample: PackRecord, subs: list[dict]) -> tuple[torch.Tensor | None, list, list, list[str]]:
+        """The pack's video pixels (one entry per placeholder, each distinct video decoded once), grids, seconds per
+        grid and keys."""
         entries = [m for s in subs for m in s["media"] if m["kind"] != "image"]
         grids = [g for s in subs for g in s["video_grid_thw"]]
         seconds = [x for s in subs for x in s.get("second_per_grid_ts", [])]
         if not entries:
-            return None, grids, seconds
-        vision_patches = [
-            self._video_patches(self._frames(sample, e), grid) for e, grid in zip(entries, grids, strict=True)
-        ]
-        return torch.cat(vision_patches), grids, seconds
+            return None, grids, seconds, []
+        identities = [_video_identity(e, grid) for e, grid in zip(entries, grids, strict=True)]
+        firsts: dict[tuple, tuple[dict, list]] = {}
+        for identity, entry, grid in zip(identities, entries, grids):
+            firsts.setdefault(identity, (entry, grid))
+        distinct = {identity: index for index, identity in enumerate(firsts)}
+        patches = [self._video_patches(self._frames(sample, e), grid) for e, grid in firsts.values()]
+        sources = torch.tensor([distinct[i] for i in identities], dtype=torch.long)
+        keys = {i: _video_key(sample, i) for i in distinct} if self.deduplicate_vision else {}
+        pixels = _per_placeholder(torch.cat(patches), sources, torch.tensor(grids, dtype=torch.long))
+        return pixels, grids, seconds, [keys[i] for i in identities] if keys else []
 
     def _frames(self, sample: PackRecord, entry: dict) -> list[Image.Image]:
         if entry["kind"] == "frames":
@@ -215,6 +262,8 @@ class QwenVLPackedTaskEncoder(DefaultTaskEncoder[PackRecord, PackedSample, Packe
 
     @stateless
     def batch(self, samples: list[PackedSample]) -> PackedBatch:
+        image_sources = self._sources([s.image_keys for s in samples])
+        video_sources = self._sources([s.video_keys for s in samples])
         lengths = [int(s.tokens.numel()) for s in samples]
         offsets = np.r_[0, np.cumsum(lengths)[:-1]]
         cu = torch.cat([samples[0].cu_seqlens[:1]] + [s.cu_seqlens[1:] + int(o) for s, o in zip(samples, offsets)])
@@ -234,20 +283,64 @@ class QwenVLPackedTaskEncoder(DefaultTaskEncoder[PackRecord, PackedSample, Packe
             video_grid_thw=torch.cat([s.video_grid_thw for s in samples]),
             second_per_grid_ts=torch.cat([s.second_per_grid_ts for s in samples]),
             source_indices=[s.source_indices for s in samples],
-            image_tower_inputs=self._tower_inputs([s.image_grid_thw for s in samples]),
-            video_tower_inputs=self._tower_inputs([s.video_grid_thw for s in samples]),
+            image_tower_inputs=self._tower_inputs([s.image_grid_thw for s in samples], image_sources),
+            video_tower_inputs=self._tower_inputs([s.video_grid_thw for s in samples], video_sources),
+            image_sources=image_sources,
+            video_sources=video_sources,
         )
 
-    def _tower_inputs(self, grids: list[torch.Tensor]) -> TowerInputs | MegatronTowerInputs | None:
-        """The vision tower's inputs for one micro-batch's grids, once, on the host (None: nothing to compute)."""
+    def _sources(self, keys: list[list[str]]) -> torch.Tensor | None:
+        """Each image's (video's) distinct index in the micro-batch from its packs' content keys, numbered in order of
+        first occurrence; None without deduplicate_vision or where nothing repeats."""
+        flat = [key for pack in keys for key in pack]
+        index: dict[str, int] = {}
+        sources = [index.setdefault(key, len(index)) for key in flat]
+        if not self.deduplicate_vision or len(index) == len(flat):
+            return None
+        return torch.tensor(sources, dtype=torch.long)
+
+    def _tower_inputs(
+        self, grids: list[torch.Tensor], sources: torch.Tensor | None
+    ) -> TowerInputs | MegatronTowerInputs | None:
+        """The vision tower's inputs for one micro-batch's grids (its distinct ones where `sources` says which),
+        once, on the host (None: nothing to compute)."""
         grid = torch.cat(grids)
         if self.tower_config is None or not grid.numel():
             return None
-        return tower_inputs_for_config(grid, self.tower_config)
+        return tower_inputs_for_config(grid if sources is None else grid[first_occurrences(sources)], self.tower_config)
 
     @stateless
     def encode_batch(self, batch: PackedBatch) -> PackedBatch:
         return batch
+
+
+def _per_placeholder(pixels: torch.Tensor, sources: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    """The pixel rows of each placeholder ([sum of `grids`' patches]) from those of each distinct item once
+    (`pixels`, in order of first occurrence; `sources` each placeholder's distinct index)."""
+    if torch.equal(sources, torch.arange(len(sources))):
+        return pixels
+    _, expanded = distinct_rows(sources, grids.reshape(-1, 3).prod(-1))
+    return pixels.index_select(0, expanded)
+
+
+def _content_key(*payloads: bytes | str) -> str:
+    """A digest of a medium's bytes: equal keys, the same pixels (blake2b: fast, and collisions are not a concern)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for payload in payloads:
+        digest.update(payload.encode() if isinstance(payload, str) else payload)
+    return digest.hexdigest()
+
+
+def _video_identity(entry: dict, grid: list[int]) -> tuple:
+    """What makes two video entries of a pack the same video: its members, chosen frames and grid."""
+    members = tuple(entry["members"]) if entry["kind"] == "frames" else (entry["member"],)
+    return (entry["kind"], members, tuple(entry.get("frame_indices", ())), tuple(grid))
+
+
+def _video_key(sample: PackRecord, identity: tuple) -> str:
+    """The content key of a video entry (`_video_identity`): its members' bytes, its frames and grid."""
+    kind, members, frames, grid = identity
+    return _content_key(*(sample.media[m] for m in members), json.dumps([kind, frames, grid]))
 
 
 def _cat_or_none(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -3,7 +3,9 @@
 A pack of a preference dataset (`qvl data prepare --kind preference`) holds whole pairs, each pair's chosen and
 rejected sub-sequences adjacent, chosen first, listed in its json's `pairs`. `PreferenceTaskEncoder` encodes it as
 the SFT encoder does (tokens, labels learning only each side's completion, mRoPE positions, vision inputs: every image
-placeholder gets its pixel_values, a pair's shared image twice) and adds, per micro-batch:
+placeholder gets its pixel_values, a pair's shared image decoded once and given twice, and `image_sources` /
+`video_sources` say so: the step gives the tower each distinct image of the micro-batch once, qvl.data.encode's
+`deduplicate_vision`) and adds, per micro-batch:
 
 - `pairs`: int64 [n_pairs, 2], the (chosen, rejected) sub-sequence indices within the micro-batch's concatenated
   `cu_seqlens_q`;
@@ -54,7 +56,8 @@ class PreferenceTaskEncoder(QwenVLPackedTaskEncoder):
     """Energon TaskEncoder for preference datasets: SFT's packed batches plus `pairs` and the reference columns.
 
     `reference`: a folder written by the reference pass (`REF/logps.npz`), loaded once; None for a run that needs
-    none (SimPO, or adapters switched off). A pack without rows in it fails in one line naming the pack."""
+    none (SimPO, or adapters switched off). A pack without rows in it fails in one line naming the pack.
+    `deduplicate_vision`: each distinct image of a micro-batch encoded once (qvl.data.encode), on by default."""
 
     def __init__(
         self,
@@ -63,9 +66,16 @@ class PreferenceTaskEncoder(QwenVLPackedTaskEncoder):
         family: str,
         reference: pathlib.Path | None = None,
         tokens_per_second: int | None = None,
+        deduplicate_vision: bool = True,
         **vision_overrides,
     ):
-        super().__init__(hf_path=hf_path, family=family, tokens_per_second=tokens_per_second, **vision_overrides)
+        super().__init__(
+            hf_path=hf_path,
+            family=family,
+            tokens_per_second=tokens_per_second,
+            deduplicate_vision=deduplicate_vision,
+            **vision_overrides,
+        )
         self.reference = None if reference is None else ReferenceTable.load(reference)
 
     @stateless

@@ -23,6 +23,13 @@ the deepstack features at those indices (`add_deepstack_at`: `index_select` / `i
 shapes, values and gradients bitwise the masked version's (tests/kernels/test_speed_qwen3_vl_sync_free.py). A call
 without a placement, or on a path qvl's step does not take (context parallelism, sequence parallelism over
 tensor-parallel ranks, a pipeline stage without embeddings, caller-given masks), runs upstream's forward unchanged.
+
+Where the step gives each distinct image (video) of the micro-batch once (the loader's `image_sources`: a preference
+pair's sides share their images), `host_vision_placement` orders the tower's work by distinct item (`distinct_order`:
+the distinct images, then the distinct videos, with their tower inputs) and says where each placeholder's feature
+rows are in the tower's output (`VisionOrder.feature_rows`): the embeddings and every deepstack feature are gathered
+by that index before they are placed, so the tower runs once per distinct item and the backward of the gather sums
+the gradients of every placeholder of an item into that one pass. Images and videos may be mixed.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Any
 import torch
 
 from qvl.foundation.errors import QvlError
-from qvl.kernels.tower_inputs import MegatronTowerInputs
+from qvl.kernels.tower_inputs import MegatronTowerInputs, first_occurrences
 
 IMAGES, VIDEOS = 0, 1  # the pixel tensor a row range of `VisionOrder.pixel_rows` is in
 
@@ -67,31 +74,43 @@ class TakesVisionPlacement:
 
 @dataclass(kw_only=True, slots=True)
 class VisionOrder:
-    """A micro-batch's images and videos in token order, computed on the host: what upstream's `reorganize_inputs`
-    computes from the device tokens and grids."""
+    """A micro-batch's images and videos in the order the tower encodes them, computed on the host: token order, what
+    upstream's `reorganize_inputs` computes from the device tokens and grids; or, where the model is given each
+    distinct item once, the distinct images then the distinct videos, and where each placeholder's features are."""
 
-    grid_thw: torch.Tensor  # [images + videos, 3]: their grids in token order (the tower's `grid_thw`)
-    pixel_rows: tuple[tuple[int, int, int], ...]  # (IMAGES or VIDEOS, first row, end row) of each, in token order
+    grid_thw: torch.Tensor  # [images + videos, 3]: their grids in the tower's order (its `grid_thw`)
+    pixel_rows: tuple[tuple[int, int, int], ...]  # (IMAGES or VIDEOS, first row, end row) of each, in that order
     pixel_counts: tuple[int, int]  # the image and video pixel rows the grids account for
     tower_inputs: MegatronTowerInputs | None = None  # the tower's inputs for `grid_thw`, where the loader gave them
+    # int64 [vision tokens]: each placeholder's row in the tower's output, in token order; None: the output is in
+    # token order already
+    feature_rows: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> VisionOrder:
         """The same order with its tensors on `device`."""
-        inputs = self.tower_inputs
-        return replace(
-            self,
-            grid_thw=self.grid_thw.to(device, non_blocking=non_blocking),
-            tower_inputs=None if inputs is None else inputs.to(device, non_blocking=non_blocking),
-        )
+        return self._mapped(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> VisionOrder:
         """Page-locked copies, so that `to(cuda, non_blocking=True)` overlaps."""
-        inputs = self.tower_inputs
+        return self._mapped(lambda t: t.pin_memory())
+
+    def _mapped(self, function: Any) -> VisionOrder:
+        inputs, rows = self.tower_inputs, self.feature_rows
         return replace(
             self,
-            grid_thw=self.grid_thw.pin_memory(),
-            tower_inputs=None if inputs is None else inputs.pin_memory(),
+            grid_thw=function(self.grid_thw),
+            tower_inputs=None if inputs is None else function(inputs),
+            feature_rows=None if rows is None else function(rows),
         )
+
+    def placed(
+        self, embeds: torch.Tensor | None, deepstack: list[torch.Tensor] | None
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+        """The tower's embeddings and deepstack features with one row per placeholder, in token order."""
+        if self.feature_rows is None or embeds is None:
+            return embeds, deepstack
+        gathered = [features.index_select(0, self.feature_rows) for features in deepstack or ()]
+        return embeds.index_select(0, self.feature_rows), gathered if deepstack is not None else None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,10 +191,11 @@ def _order_mismatch(found: str) -> VisionPositionsMismatch:
 
 
 def tower_inputs_in_order(
-    images: MegatronTowerInputs, videos: MegatronTowerInputs, pixel_rows: Sequence[tuple[int, int, int]]
+    images: MegatronTowerInputs | None, videos: MegatronTowerInputs | None, pixel_rows: Sequence[tuple[int, int, int]]
 ) -> MegatronTowerInputs:
     """The tower inputs of the images' and videos' grids in the order of `pixel_rows` (`VisionOrder`'s): each grid's
-    pieces moved as they are (every field is computed grid by grid), the blocks counted again for the new order."""
+    pieces moved as they are (every field is computed grid by grid), the blocks counted again for the new order
+    (None: a kind without items)."""
     from transformers.vision_utils import get_vision_cu_seqlens
 
     pieces = (_pieces_by_grid(images), _pieces_by_grid(videos))
@@ -197,8 +217,10 @@ def tower_inputs_in_order(
     )
 
 
-def _pieces_by_grid(inputs: MegatronTowerInputs) -> list[tuple]:
+def _pieces_by_grid(inputs: MegatronTowerInputs | None) -> list[tuple]:
     """(grid, position-table corners, their weights, rotary position ids) of each grid of `inputs`."""
+    if inputs is None:
+        return []
     per_frame = [h * w for _, h, w in inputs.grids]
     per_grid = [t * h * w for t, h, w in inputs.grids]
     return list(
@@ -235,6 +257,8 @@ def host_vision_placement(model: Any, batch: Any, kwargs: dict) -> VisionPlaceme
     from megatron.core.utils import unwrap_model
 
     positions = host_vision_positions(model, batch.tokens, kwargs)
+    if positions is not None and kwargs.get("vision_sources") is not None:
+        return VisionPlacement(positions=positions, order=distinct_order(unwrap_model(model), batch, kwargs))
     if positions is None or kwargs.get("pixel_values") is None or kwargs.get("pixel_values_videos") is None:
         return None if positions is None else VisionPlacement(positions=positions)
     vlm = unwrap_model(model)
@@ -250,6 +274,55 @@ def host_vision_placement(model: Any, batch: Any, kwargs: dict) -> VisionPlaceme
     if all(isinstance(inputs, MegatronTowerInputs) for inputs in per_kind):
         order = replace(order, tower_inputs=tower_inputs_in_order(*per_kind, order.pixel_rows))
     return VisionPlacement(positions=positions, order=order)
+
+
+def distinct_order(vlm: Any, batch: Any, kwargs: dict) -> VisionOrder:
+    """The tower's order for a micro-batch whose model inputs hold each distinct image (video) once
+    (qvl.training.step.model_inputs, from the loader's `image_sources` / `video_sources`): the distinct images, then
+    the distinct videos, their tower inputs in that order, and each placeholder's rows in the tower's output."""
+    kinds = []  # per kind: (grid of every item, each item's distinct index, the loader's tower inputs)
+    for pixels, grid, sources, inputs in (
+        ("pixel_values", "image_grid_thw", "image_sources", "image_tower_inputs"),
+        ("pixel_values_videos", "video_grid_thw", "video_sources", "video_tower_inputs"),
+    ):
+        given = kwargs.get(pixels) is not None
+        items = getattr(batch, grid).reshape(-1, 3) if given else torch.zeros(0, 3, dtype=torch.long)
+        distinct = getattr(batch, sources, None) if given else None
+        kinds.append((items, torch.arange(len(items)) if distinct is None else distinct, getattr(batch, inputs, None)))
+    in_tokens = vision_order(
+        batch.tokens,
+        kinds[IMAGES][0],
+        kinds[VIDEOS][0],
+        image_token_id=vlm.image_token_id,
+        video_token_id=vlm.video_token_id,
+        square_merge_size=vlm.square_merge_size,
+    )
+    grids, pixel_rows, counts, first_feature = [], [], [0, 0], []
+    features = 0  # rows of the tower's output before this kind's
+    for kind, (items, sources, _) in enumerate(kinds):
+        distinct = items[first_occurrences(sources)]
+        patches = distinct.prod(-1)
+        for rows in patches.tolist():
+            pixel_rows.append((kind, counts[kind], counts[kind] + rows))
+            counts[kind] += rows
+        per_feature = patches // vlm.square_merge_size
+        first_feature.append(features + per_feature.cumsum(0) - per_feature)
+        features += int(per_feature.sum())
+        grids.append(distinct)
+    taken, feature_rows = [0, 0], []
+    for kind, start, end in in_tokens.pixel_rows:  # each item in token order takes its distinct item's rows
+        first = int(first_feature[kind][kinds[kind][1][taken[kind]]])
+        feature_rows.append(torch.arange(first, first + (end - start) // vlm.square_merge_size))
+        taken[kind] += 1
+    per_kind = [inputs if counts[kind] else None for kind, (*_, inputs) in enumerate(kinds)]
+    complete = all(isinstance(inputs, MegatronTowerInputs) for kind, inputs in enumerate(per_kind) if counts[kind])
+    return VisionOrder(
+        grid_thw=torch.cat(grids),
+        pixel_rows=tuple(pixel_rows),
+        pixel_counts=(counts[IMAGES], counts[VIDEOS]),
+        tower_inputs=tower_inputs_in_order(*per_kind, pixel_rows) if complete else None,
+        feature_rows=torch.cat(feature_rows) if feature_rows else torch.zeros(0, dtype=torch.long),
+    )
 
 
 def takes_indexed_path(
@@ -297,9 +370,10 @@ def _vision_inputs(
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils import reorganize_inputs
 
     (image_pixels, image_grid, _), (video_pixels, video_grid, _) = images, videos
-    if image_pixels is not None and video_pixels is not None and order is not None:
+    mixed = image_pixels is not None and video_pixels is not None
+    if order is not None and (mixed or order.feature_rows is not None):
         return _pixels_in_token_order(image_pixels, video_pixels, order), order.grid_thw, order.tower_inputs
-    if image_pixels is not None and video_pixels is not None:  # re-ordered into token order, reading the grids
+    if mixed:  # re-ordered into token order, reading the grids
         data, grid, _ = reorganize_inputs(
             input_ids=input_ids,
             pixel_values=image_pixels,
@@ -315,11 +389,15 @@ def _vision_inputs(
     return pixels, grid, inputs if isinstance(inputs, MegatronTowerInputs) else None
 
 
-def _pixels_in_token_order(images: torch.Tensor, videos: torch.Tensor, order: VisionOrder) -> torch.Tensor:
-    """Upstream's concatenation of each image's and video's pixel rows in token order, the rows known on the host."""
-    if (images.shape[0], videos.shape[0]) != order.pixel_counts:
+def _pixels_in_token_order(
+    images: torch.Tensor | None, videos: torch.Tensor | None, order: VisionOrder
+) -> torch.Tensor:
+    """Upstream's concatenation of each image's and video's pixel rows in token order (or the order's own), the rows
+    known on the host."""
+    given = tuple(0 if pixels is None else pixels.shape[0] for pixels in (images, videos))
+    if given != order.pixel_counts:
         raise VisionPositionsMismatch(
-            f"the micro-batch has {images.shape[0]} image and {videos.shape[0]} video pixel rows, its grids "
+            f"the micro-batch has {given[IMAGES]} image and {given[VIDEOS]} video pixel rows, its grids "
             f"{order.pixel_counts[IMAGES]} and {order.pixel_counts[VIDEOS]}; prepare the dataset again with "
             "`qvl data prepare` for this checkpoint's processor"
         )
@@ -400,6 +478,8 @@ def indexed_forward(
         placement.order,
     )
     vision_embeds, deepstack = _vision_features(model, data, grid, tower_inputs)
+    if placement.order is not None:  # each distinct image encoded once: every placeholder gets its rows
+        vision_embeds, deepstack = placement.order.placed(vision_embeds, deepstack)
     decoder_input = _embeddings(model, input_ids, positions, vision_embeds)
     model.language_model.rotary_pos_emb.is_thd_format = True
     torch.cuda.nvtx.range_pop()

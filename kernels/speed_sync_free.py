@@ -16,6 +16,8 @@ qvl's forward step hands qvl's model a `HostBatch` (what the loader computed on 
 forward; `loader_positions_forward` is that forward with those three changes, the tower given the loader's inputs
 (qvl.kernels.tower_inputs). A call without one runs upstream's forward. Megatron-Bridge's Qwen3-VL forward
 (modelling_qwen3_vl/model.py) uses explicit [3, b, s] positions as given, so there the loader's need nothing more.
+Where the step gives each distinct image of the micro-batch once (the host batch's `image_sources`, a
+`DistinctVision`), the tower encodes those and `index_select` gives every placeholder its image's rows.
 
 Megatron-Bridge's `masked_next_token_loss` checks every micro-batch's loss for NaN and Inf through the rerun state
 machine (megatron/core/rerun_state_machine.py `validate_result`), two host reads per micro-batch. Megatron-Bridge's
@@ -38,7 +40,7 @@ import torch
 from qvl.foundation.errors import QvlError
 from qvl.kernels.speed_hf_vision import tower_kwargs
 from qvl.kernels.speed_qwen3_vl_sync_free import VisionPlacement, check_tower_rows
-from qvl.kernels.tower_inputs import MegatronTowerInputs, TowerInputs
+from qvl.kernels.tower_inputs import DistinctVision, MegatronTowerInputs, TowerInputs
 
 GROUP = "speed-sync-free"
 
@@ -64,6 +66,10 @@ class HostBatch:
     image_tower_inputs: TowerInputs | MegatronTowerInputs | None = None
     video_tower_inputs: TowerInputs | MegatronTowerInputs | None = None
     vision_placement: VisionPlacement | None = None  # Qwen3-VL: where the vision rows go, on the model's device
+    # Where the model is given each distinct image (video) of the micro-batch once: their grid, for which the tower
+    # inputs above are, and each placeholder feature row's row in the tower's output, on the model's device
+    image_sources: DistinctVision | None = None
+    video_sources: DistinctVision | None = None
 
 
 def check_placeholders(host: HostBatch, *, image_token_id: int, video_token_id: int, merge: int) -> None:
@@ -85,14 +91,25 @@ def check_placeholders(host: HostBatch, *, image_token_id: int, video_token_id: 
 
 
 def _vision_embeddings(
-    model, pixels: torch.Tensor, grid: torch.Tensor, inputs: Any, like: torch.Tensor
+    model, pixels: torch.Tensor, grid: torch.Tensor, inputs: Any, distinct: DistinctVision | None, like: torch.Tensor
 ) -> torch.Tensor:
     """The tower's output for `pixels`: what `get_image_features` / `get_video_features` return, concatenated (they
     split it by grid only for Megatron-Bridge's forward to concatenate the pieces again). With the loader's tower
-    `inputs` for `grid`, transformers takes them instead of computing them from the device grid."""
+    `inputs` for `grid`, transformers takes them instead of computing them from the device grid. Given each
+    `distinct` image once, the tower encodes those (its inputs are theirs) and every placeholder gets its rows."""
+    if distinct is not None:
+        if pixels.shape[0] != distinct.patches:
+            raise PlaceholderMismatchError(
+                f"the model was given {pixels.shape[0]} pixel rows for distinct images of {distinct.patches} "
+                "patches; give it the pixels and host batch of one micro-batch (qvl.training.step.model_inputs and "
+                "host_batch)"
+            )
+        grid = distinct.grid_thw
     given = tower_kwargs(inputs) if isinstance(inputs, TowerInputs) else {}
     output = model.visual(pixels.type(model.visual.dtype), grid_thw=grid, **given).pooler_output
     check_tower_rows(model.visual, [output], pixels.shape[0], model.visual.spatial_merge_size**2)
+    if distinct is not None:
+        output = distinct.features(output)
     return output.to(like.device, like.dtype)
 
 
@@ -119,12 +136,12 @@ def _embeddings(
         video_token_id=model.config.video_token_id,
         merge=model.visual.spatial_merge_size,
     )
-    for pixels, grid, inputs, token_id in (
-        (pixel_values, image_grid_thw, host.image_tower_inputs, model.config.image_token_id),
-        (pixel_values_videos, video_grid_thw, host.video_tower_inputs, model.config.video_token_id),
+    for pixels, grid, inputs, distinct, token_id in (
+        (pixel_values, image_grid_thw, host.image_tower_inputs, host.image_sources, model.config.image_token_id),
+        (pixel_values_videos, video_grid_thw, host.video_tower_inputs, host.video_sources, model.config.video_token_id),
     ):
         if pixels is not None:
-            embeds = _vision_embeddings(model, pixels, grid, inputs, inputs_embeds)
+            embeds = _vision_embeddings(model, pixels, grid, inputs, distinct, inputs_embeds)
             inputs_embeds = inputs_embeds.masked_scatter((input_ids == token_id).unsqueeze(-1), embeds)
     inputs_embeds = inputs_embeds.transpose(1, 0)  # [s, b, h]
     if model.config.sequence_parallel:

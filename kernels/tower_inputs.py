@@ -16,6 +16,13 @@ ids (`rot_pos_emb`, `.item()` twice and a loop over the device grid), the packed
 whose longest block is a 0-d device tensor) and the split sizes of its output (`.tolist()`). `MegatronTowerInputs`
 holds them, computed here with the same arithmetic in the same order, so that the tower's forward and backward are
 bitwise upstream's; `qvl.kernels.speed_qwen3_vl_tower` hands them to the tower.
+
+A micro-batch may show the tower one image several times (a preference pair's sides name the same image): the loader
+marks each image's distinct index (`image_sources`, qvl.data.encode), the step gives the model each distinct image's
+pixels once with `VisionSources` (each placeholder's pixel rows among them, for a path that takes one entry per
+placeholder) and, for qvl's forwards, `DistinctVision` (the distinct grid the tower encodes and, per placeholder
+feature row, its row in the tower's output): the tower runs once per distinct image and an `index_select` hands its
+rows to every placeholder, whose backward sums their gradients into the one pass.
 """
 
 from __future__ import annotations
@@ -191,3 +198,83 @@ def tower_inputs_for_config(grid_thw: torch.Tensor, vision_config: Any) -> Tower
         patch_size=int(get("patch_size")),
         window_size=None if window_size is None else int(window_size),
     )
+
+
+def distinct_rows(sources: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For items of `sizes` rows each ([n], host) whose distinct index is `sources` ([n] int64, numbered in order of
+    first occurrence): the rows of the items' concatenation that hold each distinct item once (`taken`), and each
+    item's rows in that distinct concatenation (`expanded`, as many as the items' rows)."""
+    sources, sizes = sources.long(), sizes.long()
+    starts = sizes.cumsum(0) - sizes
+    first = first_occurrences(sources)
+    distinct_sizes = sizes[first]
+    distinct_starts = distinct_sizes.cumsum(0) - distinct_sizes
+    taken = torch.repeat_interleave(starts[first] - distinct_starts, distinct_sizes)
+    taken += torch.arange(taken.numel())
+    expanded = torch.repeat_interleave(distinct_starts[sources] - starts, sizes)
+    expanded += torch.arange(expanded.numel())
+    return taken, expanded
+
+
+def first_occurrences(sources: torch.Tensor) -> torch.Tensor:
+    """The index of each distinct item's first occurrence, in distinct order (`sources` numbered in that order)."""
+    first = torch.zeros(int(sources.max()) + 1 if sources.numel() else 0, dtype=torch.long)
+    return first.scatter_reduce_(0, sources.long(), torch.arange(len(sources)), reduce="amin", include_self=False)
+
+
+@dataclass(kw_only=True, slots=True)
+class VisionSources:
+    """Where each placeholder's pixel rows are among a micro-batch's distinct pixels, per kind (None: that kind is
+    given whole); the step passes it with the distinct pixels, so that any path can expand them back."""
+
+    image_rows: torch.Tensor | None = None  # int64 [image pixel rows, one entry per placeholder]
+    video_rows: torch.Tensor | None = None  # int64 [video pixel rows, one entry per placeholder]
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> VisionSources:
+        """The same sources with every tensor on `device`."""
+        return _tensors_mapped(self, lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> VisionSources:
+        """Page-locked copies, so `to(cuda, non_blocking=True)` overlaps."""
+        return _tensors_mapped(self, torch.Tensor.pin_memory)
+
+    def expanded(
+        self, pixel_values: torch.Tensor | None, pixel_values_videos: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The pixels with one entry per placeholder, as the loader's batch has them (a gather on the device)."""
+        return _gathered(pixel_values, self.image_rows), _gathered(pixel_values_videos, self.video_rows)
+
+
+def _gathered(rows: torch.Tensor | None, index: torch.Tensor | None) -> torch.Tensor | None:
+    return rows if rows is None or index is None else rows.index_select(0, index)
+
+
+@dataclass(kw_only=True, slots=True)
+class DistinctVision:
+    """One kind's distinct images (or videos) of a micro-batch, for a forward that encodes each once: the grid the
+    tower is given and, for each placeholder feature row, its row in the tower's output."""
+
+    grid_thw: torch.Tensor  # [distinct, 3]
+    patches: int  # the pixel rows of the distinct grid (what the tower must be given)
+    feature_rows: torch.Tensor  # int64 [features, one entry per placeholder]
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> DistinctVision:
+        """The same with every tensor on `device`."""
+        return _tensors_mapped(self, lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> DistinctVision:
+        """Page-locked copies, so `to(cuda, non_blocking=True)` overlaps."""
+        return _tensors_mapped(self, torch.Tensor.pin_memory)
+
+    def features(self, output: torch.Tensor) -> torch.Tensor:
+        """The tower's output rows [distinct features, hidden] given to every placeholder [features, hidden]."""
+        return output.index_select(0, self.feature_rows)
+
+
+def distinct_vision(sources: torch.Tensor, grid_thw: torch.Tensor, merged: int) -> DistinctVision:
+    """The `DistinctVision` of one kind (host tensors): `sources` its items' distinct indices, `grid_thw` their grids
+    (one per placeholder item), `merged` the patches per feature row (spatial_merge_size**2)."""
+    first = first_occurrences(sources)
+    grid = grid_thw.reshape(-1, 3)[first]
+    _, feature_rows = distinct_rows(sources, grid_thw.reshape(-1, 3).prod(-1) // merged)
+    return DistinctVision(grid_thw=grid, patches=int(grid.prod(-1).sum()), feature_rows=feature_rows)

@@ -13,10 +13,16 @@ from qvl.kernels.speed_cuda_graphs import GraphShapes, fixed_size_cu_seqlens, gr
 from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows, host_vision_placement
 from qvl.kernels.speed_rotary import mark_whole_pack
 from qvl.kernels.speed_sync_free import HostBatch, LossCheck, PlaceholderMismatchError, masked_loss
+from qvl.kernels.tower_inputs import DistinctVision, VisionSources, distinct_rows, distinct_vision
 from qvl.training import mtp
 
 # Batch fields passed to the model when present (Qwen2-VL / Qwen2.5-VL / Qwen3-VL forward arguments).
 _VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+# Each kind's pixels, grid and the loader's distinct index of each of its items (qvl.data.encode).
+_KINDS = (
+    ("pixel_values", "image_grid_thw", "image_sources"),
+    ("pixel_values_videos", "video_grid_thw", "video_sources"),
+)
 
 
 def model_inputs(
@@ -30,6 +36,10 @@ def model_inputs(
     `graph_shapes`: where the language model's layers replay as CUDA graphs (qvl.kernels.speed_cuda_graphs), every
     pack is padded so, its `cu_seqlens` made a fixed-size tensor (inert zero-length sub-sequences at the end) and its
     `max_seqlen` the same for all.
+
+    Where the loader says that images (videos) repeat in the micro-batch (`image_sources`: a preference pair's sides
+    share them), the model is given each distinct one's pixels once, gathered on the host before the copy, and
+    `vision_sources` (qvl.kernels.tower_inputs.VisionSources) to expand them back on any path that needs them whole.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -67,11 +77,30 @@ def model_inputs(
             max_seqlen_kv=max_seqlen,
         ),
     }
+    distinct, sources = distinct_pixels(batch)
     for name in _VISUAL_FIELDS:
-        value = getattr(batch, name, None)
+        value = distinct.get(name, getattr(batch, name, None))
         if value is not None and value.numel():
             kwargs[name] = to_device(value, device)
+    if sources is not None:
+        kwargs["vision_sources"] = (sources.pin_memory() if pinned_copies(device) else sources).to(
+            device, non_blocking=True
+        )
     return kwargs, loss_mask.float()
+
+
+def distinct_pixels(batch: Any) -> tuple[dict[str, torch.Tensor], VisionSources | None]:
+    """Each kind's pixels with every distinct image (video) once, where the loader's sources say some repeat, and the
+    `VisionSources` that expand them back (host tensors); ({}, None) where nothing repeats."""
+    pixels, rows = {}, {}
+    for name, grid, field in _KINDS:
+        sources, value = getattr(batch, field, None), getattr(batch, name, None)
+        if sources is not None and value is not None:
+            taken, rows[name] = distinct_rows(sources, getattr(batch, grid).prod(-1))
+            pixels[name] = value.index_select(0, taken)
+    if not rows:
+        return {}, None
+    return pixels, VisionSources(image_rows=rows.get("pixel_values"), video_rows=rows.get("pixel_values_videos"))
 
 
 def loader_positions(batch: Any, device: torch.device, padding: int) -> torch.Tensor | None:
@@ -90,7 +119,9 @@ def host_batch(model: Any, batch: Any, kwargs: dict, device: torch.device) -> Ho
     """What the loader computed on the host for `batch`, for the model's forward to take instead of reading the
     device back (qvl.kernels.speed_sync_free): its tokens and grids, the tower's inputs for the grids the model is
     given and, for Qwen3-VL, the vision rows as indices and a pack's images and videos in token order with the
-    tower's inputs for that order (qvl.kernels.speed_qwen3_vl_sync_free); tensors the forward uses on `device`."""
+    tower's inputs for that order (qvl.kernels.speed_qwen3_vl_sync_free); where `kwargs` hold each distinct image
+    once (`model_inputs`), the distinct grids and where each placeholder's features are in the tower's output
+    (`DistinctVision`); tensors the forward uses on `device`."""
     placement = host_vision_placement(model, batch, kwargs)
     if placement is not None:
         placement = (placement.pin_memory() if pinned_copies(device) else placement).to(device, non_blocking=True)
@@ -98,6 +129,7 @@ def host_batch(model: Any, batch: Any, kwargs: dict, device: torch.device) -> Ho
     per_kind = (
         {} if placement is not None and placement.has_tower_inputs() else tower_inputs_by_kind(batch, kwargs, device)
     )
+    distinct = distinct_vision_by_kind(model, batch, kwargs, device)
     return HostBatch(
         tokens=batch.tokens,
         image_grid_thw=getattr(batch, "image_grid_thw", None),
@@ -105,7 +137,25 @@ def host_batch(model: Any, batch: Any, kwargs: dict, device: torch.device) -> Ho
         image_tower_inputs=per_kind.get("image_grid_thw"),
         video_tower_inputs=per_kind.get("video_grid_thw"),
         vision_placement=placement,
+        image_sources=distinct.get("pixel_values"),
+        video_sources=distinct.get("pixel_values_videos"),
     )
+
+
+def distinct_vision_by_kind(model: Any, batch: Any, kwargs: dict, device: torch.device) -> dict[str, DistinctVision]:
+    """The `DistinctVision` of each kind whose distinct pixels `kwargs` hold (on `device`), by its pixel argument;
+    empty on a stage without the vision tower."""
+    from megatron.core.utils import unwrap_model
+
+    vlm = unwrap_model(model)
+    found = {}
+    for name, grid, field in _KINDS:
+        sources = getattr(batch, field, None)
+        if sources is None or kwargs.get(name) is None or not getattr(vlm, "pre_process", True):
+            continue
+        distinct = distinct_vision(sources, getattr(batch, grid), vlm.square_merge_size)
+        found[name] = (distinct.pin_memory() if pinned_copies(device) else distinct).to(device, non_blocking=True)
+    return found
 
 
 def pinned_copies(device: torch.device) -> bool:
@@ -182,6 +232,11 @@ def balanced_vision_inputs(model: Any, kwargs: dict) -> dict:
     if not vlm.pre_process:  # a later pipeline stage: its inputs are the previous stage's activations
         return kwargs
     kwargs = dict(kwargs)
+    if (sources := kwargs.pop("vision_sources", None)) is not None:  # balanced as given: repeated images expanded back
+        pixels = sources.expanded(kwargs.pop("pixel_values", None), kwargs.pop("pixel_values_videos", None))
+        kwargs |= {
+            name: value for name, value in zip(("pixel_values", "pixel_values_videos"), pixels) if value is not None
+        }
     input_ids = kwargs["input_ids"]
     embeds = _balanced_vision_embeddings(vlm, kwargs)
     # As Qwen25VLModel.forward embeds when it is given no inputs_embeds ([s, b, h] -> [b, s, h]); it still

@@ -209,3 +209,65 @@ def test_energons_savable_loader_restores_the_same_preference_batches(dataset, h
     restored.restore_state_rank(state)
     stream = iter(restored)
     assert [summary(next(stream)) for _ in range(3)] == expected
+
+
+def _distinct_blocks(pixels: torch.Tensor, grid: torch.Tensor) -> list[int]:
+    """Each image's distinct index by its pixel rows' values (the oracle: equal rows, the same image)."""
+    blocks = pixels.split(grid.prod(-1).tolist())
+    firsts: list[torch.Tensor] = []
+    indices = []
+    for block in blocks:
+        match = next((i for i, first in enumerate(firsts) if torch.equal(first, block)), None)
+        if match is None:
+            firsts.append(block)
+            match = len(firsts) - 1
+        indices.append(match)
+    return indices
+
+
+def test_a_pairs_shared_image_is_decoded_once_marked_once_and_its_tower_inputs_are_the_distinct_grids(
+    dataset, hf_paths, tokenizers, monkeypatch
+):
+    """A micro-batch of one pack twice (its images repeat across packs: the same bytes) and one more: the pixels are
+    those of the encoder without de-duplication bitwise, one entry per placeholder; a pair's shared image is decoded
+    once; `image_sources` numbers each distinct image (the oracle: its pixel rows), a pair's sides the same; the tower
+    inputs are the distinct grid's, and the step's distinct pixels expand back to the batch's."""
+    from qvl.data import encode
+    from qvl.data.planned import PackMicroBatches
+    from qvl.kernels.tower_inputs import first_occurrences, tower_inputs_for_config
+    from qvl.training.step import distinct_pixels
+
+    output, _, rows, _ = dataset
+    packs = [(rows[0]["pack"], rows[0]["shard"])] * 2 + [(rows[1]["pack"], rows[1]["shard"])]
+    encoders = [_encoder(hf_paths), _encoder(hf_paths)]
+    encoders[1].deduplicate_vision = False  # the SFT encoder's default
+    for encoder in encoders:
+        encoder.tower_config = TINY_CONFIG["vision_config"]
+    opened = []
+    open_image = encode.Image.open
+    monkeypatch.setattr(encode.Image, "open", lambda f: opened.append(f) or open_image(f))
+    deduplicated = PackMicroBatches(output, encoders[0], packs, 3)[0]
+    plain = PackMicroBatches(output, encoders[1], packs, 3)[0]
+
+    assert torch.equal(deduplicated.pixel_values, plain.pixel_values)
+    assert torch.equal(deduplicated.image_grid_thw, plain.image_grid_thw)
+    assert plain.image_sources is None and deduplicated.video_sources is None
+    grid = plain.image_grid_thw
+    assert len(opened) == len(grid)  # both encoders: each pair's images once, where the placeholders name them twice
+    sources = deduplicated.image_sources
+    assert sources.dtype == torch.int64 and sources.tolist() == _distinct_blocks(plain.pixel_values, grid)
+    image_pad = tokenizers[FAMILY].convert_tokens_to_ids("<|image_pad|>")
+    positions = (deduplicated.tokens[0] == image_pad).nonzero().flatten()
+    starts = (grid.prod(-1) // 4).cumsum(0) - grid.prod(-1) // 4  # each image's first placeholder (merge 2)
+    subs = torch.searchsorted(deduplicated.cu_seqlens_q.long(), positions[starts], right=True) - 1
+    for chosen, rejected in deduplicated.pairs.tolist():
+        assert sources[subs == chosen].numel() and torch.equal(sources[subs == chosen], sources[subs == rejected])
+    distinct_grid = grid[first_occurrences(sources)]
+    assert 2 * int(distinct_grid.prod(-1).sum()) < int(grid.prod(-1).sum())
+    expected = tower_inputs_for_config(distinct_grid, TINY_CONFIG["vision_config"])
+    for name in ("position_ids", "cu_seqlens", "window_index", "cu_window_seqlens"):
+        assert torch.equal(getattr(deduplicated.image_tower_inputs, name), getattr(expected, name)), name
+    assert plain.image_tower_inputs.cu_seqlens.numel() == len(grid) + 1
+    given, vision_sources = distinct_pixels(deduplicated)
+    assert given["pixel_values"].shape[0] == int(distinct_grid.prod(-1).sum())
+    assert torch.equal(vision_sources.expanded(given["pixel_values"], None)[0], plain.pixel_values)
