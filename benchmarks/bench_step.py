@@ -356,9 +356,15 @@ def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, co
 
 
 def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
-    """benchmarks.run entry: the tiny config (quick) or the four real-shape configs."""
+    """benchmarks.run entry: the tiny config (quick) or the four real-shape configs, and the DPO step's figure
+    (benchmarks.step_preference: vision tower passes per pair) with its check."""
+    from benchmarks import step_preference
+
     names = ["tiny"] if quick else list(DEFAULT_CONFIGS)
     results = benchmark(names, out_dir)
+    results["dpo"] = step_preference.census(out_dir)
+    results["checks"] = results.get("checks", []) + results["dpo"]["checks"]
+    (out_dir / "bench_step.json").write_text(json.dumps(results, indent=1))
     logger.warning("%s", table(results))
     return results
 
