@@ -138,7 +138,7 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     """benchmarks.run entry: the RESULTS.md configuration on a GPU; the tiny model on CPU (a harness check)."""
     tiny = quick or not torch.cuda.is_available()
     setup = bench_train.default_setup("tiny" if tiny else "qwen2_5_vl_3b", out_dir / "bench_idle")
-    setup.seq_lengths, setup.padded = setup.seq_lengths[:1], False
+    setup.variants = (bench_train.Variant(seq_length=setup.seq_lengths[0]),)  # one packed run at the first length
     results = benchmark(setup, sizes=(1, 2) if tiny else (2, 4, 6, 8), steps_per_size=2 if tiny else 4)
     if tiny:
         results["why"] = "no CUDA GPU: the tiny model on CPU (harness check; no busy time, walls are not GPU figures)"
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     setup = bench_train.default_setup(args.model, args.out, layers=args.layers)
-    setup.seq_lengths, setup.padded = setup.seq_lengths[:1], False
+    setup.variants = (bench_train.Variant(seq_length=setup.seq_lengths[0]),)  # one packed run at the first length
     results = benchmark(setup, sizes=sizes, steps_per_size=args.steps_per_size)
     print(json.dumps(results, indent=2) if args.json else table(results))
     return 0

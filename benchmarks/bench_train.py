@@ -3,15 +3,22 @@
 It builds a real-shape model from the published HF config with random weights (no download; `--layers K` cuts the
 language model's depth, the vision tower stays whole), writes a LLaVA-like synthetic dataset (JPEG images at
 LLaVA-665k's resolutions, log-normal text, ~8% text-only, ~5% multi-image), packs it with `qvl data prepare` at each
-`--seq-length` (a DP plan for one GPU), and trains `--steps` steps of the model's pretrain recipe through
-Megatron-Bridge's own `pretrain()`, each run in its own process, twice per length:
+pack length (a DP plan for one GPU), and trains the model's pretrain recipe through Megatron-Bridge's own
+`pretrain()` with the patch groups `qvl train` applies on this device (qvl.kernels.switch), each run in its own
+process. The runs (`--variants`, benchmarks/train_variants.py; on a GPU by default 4k packed and padded, 8k packed,
+4k with `compile=true`, 4k with the CUDA graphs left off):
 - packed: the planned-pack loader (worker processes, prefetch), one pack per micro-batch;
 - padded: the same samples, one per micro-batch, padded to the longest sample (no packing).
 
-It writes `bench_train.json`: tokens/s/GPU, TFLOP/s and MFU by Megatron-Bridge's formula (vision term included), by
-qvl's cost model (qvl.foundation.cost, what the DP planner balances) and by the 6N rule; peak GPU memory next to `qvl plan`'s
-estimate for the same config and the measured workload; the fraction of step time spent waiting for data; packed
-over padded tokens/s; and the loader's packs/s in one process and with workers against the packs/s a step consumes.
+It writes `bench_train.json`: per run (`variants`) tokens/s/GPU, TFLOP/s and MFU by Megatron-Bridge's formula
+(vision term included), by qvl's cost model (qvl.foundation.cost, what the DP planner balances) and by the 6N rule;
+peak GPU memory next to `qvl plan`'s estimate for the same config and the measured workload; the fraction of step
+time spent waiting for data; the losses; the patch groups decided, applied around the loop and in place during step
+1 (`patch_groups`, whether the layers ran as CUDA graphs); with `--profile`, two more steps of each base packed run
+broken down into GEMM, attention, elementwise, optimizer, other and GPU idle (benchmarks/profile_breakdown.py). Then
+`runs` (each length's base packed and padded runs, their tokens/s ratio), `comparisons` (tokens/s ratios of runs
+that differ in one thing), `patch_groups` of the base 4k run, the loader's packs/s in one process and with workers
+against the packs/s a step consumes, and `checks` against the goals.
 
 `--model tiny` runs the same harness with the tiny random Qwen2.5-VL on CPU (the test suite does, so it never rots);
 real shapes need a CUDA GPU. Step 1 (allocator warm-up, kernel selection) is left out of every figure.
@@ -31,7 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from benchmarks import train_run
+from benchmarks import train_run, train_variants
+from benchmarks.train_variants import Variant
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +58,6 @@ WORDS = (
     "left right next to on under holding sitting standing what is how many where why color number of in picture "
     "describe detail answer question two three people there are this that with near background foreground"
 ).split()
-# The GPU-path targets on one H100, bf16, no TE (benchmarks/RESULTS.md).
-GOALS = {"mfu": 0.40, "packed_over_padded": 1.5, "data_wait": 0.02, "plan_error": 0.15}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,16 +66,20 @@ class Setup:
 
     model: str
     layers: int | None
-    seq_lengths: tuple[int, ...]
+    variants: tuple[Variant, ...]  # the runs (benchmarks/train_variants.py)
     steps: int
     global_batch_size: int
     samples: int
     num_workers: int
     out: pathlib.Path
-    padded: bool = True
-    options: dict[str, object] = field(default_factory=dict)  # recipe options (`--set KEY=VALUE`)
-    profile: bool = False  # torch.profiler over the last two steps of each packed run (left out of the figures)
+    options: dict[str, object] = field(default_factory=dict)  # recipe options of every run (`--set KEY=VALUE`)
+    profile: bool = False  # profile two extra steps of each base packed run (benchmarks/profile_breakdown.py)
     loader_only: bool = False  # no training: the loader's packs/s against what `qvl plan` says an H100 step needs
+
+    @property
+    def seq_lengths(self) -> tuple[int, ...]:
+        """The pack lengths the runs need datasets for."""
+        return tuple(sorted({v.seq_length for v in self.variants}))
 
 
 # --- inputs: model directory and dataset --------------------------------------------------------------------------
@@ -184,8 +194,12 @@ def loader_packs_per_second(data: pathlib.Path, hf_path: pathlib.Path, family: s
     return count / elapsed
 
 
-def variant_spec(setup: Setup, hf_path: pathlib.Path, data: pathlib.Path, seq_length: int, mode: str) -> pathlib.Path:
-    """Write the spec of one training run (packed, or padded to the longest sample) and return its path."""
+def variant_spec(
+    setup: Setup, hf_path: pathlib.Path, data: pathlib.Path, seq_length: int, mode: str, variant: Variant | None = None
+) -> pathlib.Path:
+    """Write the spec of one training run (packed, or padded to the longest sample; `variant`'s options, groups left
+    off and steps) and return its path."""
+    variant = variant or Variant(seq_length=seq_length, mode=mode)
     recipe, _, _ = MODELS[setup.model]
     rows = [json.loads(line) for line in (data / "packs.jsonl").read_text().splitlines()]
     longest = max(max(r["lengths"]) for r in rows)
@@ -194,27 +208,30 @@ def variant_spec(setup: Setup, hf_path: pathlib.Path, data: pathlib.Path, seq_le
     global_batch_size = (
         setup.global_batch_size if mode == "packed" else max(round(setup.global_batch_size * samples_per_pack), 1)
     )
-    run_dir = setup.out / f"run-{seq_length}-{mode}"
+    run_dir = setup.out / f"run-{variant.name}"
+    profiled = setup.profile and mode == "packed" and variant.base
     spec = {
         "recipe": recipe,
         "tiny": setup.model == "tiny",
         "mode": mode,
         "pad_to": longest,
         "num_workers": setup.num_workers,
-        "profile": setup.profile,
+        "profile": profiled,
+        "groups_off": list(variant.groups_off),
         "run_dir": str(run_dir),
         "result": str(run_dir / "result.json"),
         "overrides": {
             "data": str(data),
             "hf_path": str(hf_path),
             "seq_length": seq_length if mode == "packed" else longest,
-            "train_iters": setup.steps + (train_run.PROFILED_STEPS if setup.profile and mode == "packed" else 0),
+            "train_iters": (variant.steps or setup.steps) + (train_run.PROFILED_STEPS if profiled else 0),
             "global_batch_size": global_batch_size,
             "micro_batch_size": 1,
             "warmup_iters": 1,
             "save_interval": 10**6,
             "log_interval": 10**6,
             **setup.options,
+            **dict(variant.options),
         },
     }
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -263,32 +280,30 @@ def benchmark(setup: Setup) -> dict:
         "steps": setup.steps,
         "warmup_steps_excluded": train_run.WARMUP_STEPS,
         "num_workers": setup.num_workers,
+        "variants": [],
         "runs": [],
         "loader": [],
     }
-    modes = ("packed", "padded") if setup.padded else ("packed",)
     datasets = {n: prepare_dataset(setup, hf_path, jsonl, media, n) for n in setup.seq_lengths}
     if setup.loader_only:
         for seq_length, data in datasets.items():
             needed = planned_packs_per_second(setup, hf_path, data, seq_length)
             results["loader"].append(loader_row(data, hf_path, family, setup, needed, what="h100_step_needs_planned"))
-        results["checks"] = checks(results)
+        results["checks"] = train_variants.checks(results)
         (setup.out / "bench_train.json").write_text(json.dumps(results, indent=2))
         return results
-    specs = [variant_spec(setup, hf_path, datasets[n], n, mode) for n in setup.seq_lengths for mode in modes]
-    measured = iter(train_all(setup, specs))
-    for seq_length, data in datasets.items():
-        row: dict = {"seq_length": seq_length} | {mode: next(measured) for mode in modes}
-        if setup.padded and all("tokens_per_s_per_gpu" in row[mode] for mode in modes):
-            row["packed_over_padded_tokens_per_s"] = round(
-                row["packed"]["tokens_per_s_per_gpu"] / row["padded"]["tokens_per_s_per_gpu"], 3
-            )
-        results["runs"].append(row)
+    specs = [variant_spec(setup, hf_path, datasets[v.seq_length], v.seq_length, v.mode, v) for v in setup.variants]
+    for variant, result in zip(setup.variants, train_all(setup, specs), strict=True):
+        results["variants"].append({"name": variant.name, "seq_length": variant.seq_length, "mode": variant.mode,
+                                    "base": variant.base, "options": dict(variant.options),
+                                    "groups_off": list(variant.groups_off), "result": result})  # fmt: skip
+    train_variants.summarize(results)
     (setup.out / "bench_train.json").write_text(json.dumps(results, indent=2))  # the training figures, even if
-    for seq_length, data in datasets.items():  # the loader measurement below runs out of time
-        consumed = next(r for r in results["runs"] if r["seq_length"] == seq_length)["packed"]
-        results["loader"].append(loader_row(data, hf_path, family, setup, consumed.get("packs_per_s_consumed")))
-    results["checks"] = checks(results)
+    for run in results["runs"]:  # the loader measurement below runs out of time
+        if "packed" in run:
+            consumed = run["packed"].get("packs_per_s_consumed")
+            results["loader"].append(loader_row(datasets[run["seq_length"]], hf_path, family, setup, consumed))
+    results["checks"] = train_variants.checks(results)
     (setup.out / "bench_train.json").write_text(json.dumps(results, indent=2))
     return results
 
@@ -321,77 +336,6 @@ def loader_row(data, hf_path, family, setup: Setup, consumed: float, what: str =
     return row
 
 
-def checks(results: dict) -> list[dict]:
-    """The goals: workers out-deliver one process; on a GPU, the loader keeps up and the step never waits on data."""
-    out = []
-    for row in results["loader"]:
-        one, many = row["workers_0"], max(v for k, v in row.items() if k.startswith("workers_") and k != "workers_0")
-        out.append(
-            {
-                "figure": f"loader packs/s at {row['seq_length']}: workers / one process",
-                "value": round(many / one, 2),
-                "goal": "> 1",
-                "met": many > one,
-            }  # fmt: skip
-        )
-        if row.get("consumed") and results["gpu_kind"]:
-            out.append(
-                {"figure": f"loader packs/s at {row['seq_length']} with workers / packs/s the GPU step consumed",
-                 "value": round(many / row["consumed"], 2), "goal": ">= 1", "met": many >= row["consumed"]}
-            )  # fmt: skip
-        if "h100_step_needs_planned" in row:
-            needed = row["h100_step_needs_planned"]
-            out.append(
-                {"figure": f"loader packs/s at {row['seq_length']} with workers / planned H100 need",
-                 "value": round(many / needed, 2), "goal": ">= 1 (else: more workers)", "met": many >= needed}
-            )  # fmt: skip
-    if results["gpu_kind"]:
-        for run in results["runs"]:
-            packed = run["packed"]
-            if "error" in packed:
-                out.append({"figure": f"packed run at {run['seq_length']}", "value": packed["error"][:200],
-                            "goal": "runs", "met": False})  # fmt: skip
-                continue
-            n = run["seq_length"]
-            out.append(
-                {
-                    "figure": f"data-wait fraction at {n}",
-                    "value": packed["data_wait_fraction"],
-                    "goal": f"< {GOALS['data_wait']}",
-                    "met": packed["data_wait_fraction"] < GOALS["data_wait"],
-                }
-            )
-            out.append(
-                {
-                    "figure": f"MFU (Megatron-Bridge formula), packed at {n}",
-                    "value": packed["mfu_megatron_bridge"],
-                    "goal": f">= {GOALS['mfu']}",
-                    "met": (packed["mfu_megatron_bridge"] or 0) >= GOALS["mfu"],
-                }
-            )
-            if "packed_over_padded_tokens_per_s" in run:
-                ratio = run["packed_over_padded_tokens_per_s"]
-                out.append(
-                    {
-                        "figure": f"packed / padded tokens/s at {n}",
-                        "value": ratio,
-                        "goal": f">= {GOALS['packed_over_padded']}",
-                        "met": ratio >= GOALS["packed_over_padded"],
-                    }
-                )
-            if packed.get("plan") and packed.get("peak_memory_gib"):
-                error = packed["plan"]["total_gib"] / packed["peak_memory_gib"] - 1
-                out.append(
-                    {
-                        "figure": f"qvl plan peak memory / measured - 1 at {n}",
-                        "value": round(error, 3),
-                        "goal": f"within +-{GOALS['plan_error']}",
-                        "met": abs(error) <= GOALS["plan_error"],
-                    }
-                )
-    return out
-
-
 def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     """benchmarks.run entry: the tiny model on CPU (or quick), else Qwen2.5-VL-3B shapes at 4k and 8k on the GPU."""
     tiny = quick or not torch.cuda.is_available()
@@ -404,14 +348,17 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
 
 
 def default_setup(model: str, out: pathlib.Path, **overrides) -> Setup:
-    """Sizes per model: the tiny CPU run is seconds; real shapes train 8 steps of 8 packs at 4k and 8k."""
+    """Sizes per model: the tiny CPU run is seconds; real shapes train 8 packs per step, the runs of
+    `train_variants.REAL_SHAPES` (4k packed and padded, 8k packed, compile on, CUDA graphs off)."""
     if model == "tiny":
-        base = dict(seq_lengths=(256,), steps=3, global_batch_size=2, samples=40, num_workers=2, layers=None)
+        variants = tuple(map(train_variants.parse, train_variants.TINY))
+        base = dict(variants=variants, steps=3, global_batch_size=2, samples=40, num_workers=2, layers=None)
     else:
         # 12 of Qwen2.5-VL-3B's 36 LM layers (real widths, whole ViT); the full depth's Adam state alone does not fit
         # one 80 GB GPU. On an H100 (benchmarks/RESULTS.md) the HF vision tower's activations did not fit at 4k
         # without vision recompute, and 8k packed did not fit even with it: its error is recorded as its result.
-        base = dict(seq_lengths=(4096, 8192), steps=8, global_batch_size=8, samples=1000, num_workers=4, layers=12)
+        variants = tuple(map(train_variants.parse, train_variants.REAL_SHAPES))
+        base = dict(variants=variants, steps=8, global_batch_size=8, samples=1000, num_workers=4, layers=12)
         base["options"] = {"vision_recompute": True}
     options = overrides.pop("options", None) or {}
     setup = Setup(model=model, out=out, **{**base, **{k: v for k, v in overrides.items() if v is not None}})
@@ -429,7 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--layers", type=int, help="cut the language model to K layers (the ViT stays whole)")
     parser.add_argument(
-        "--seq-length", type=int, nargs="+", dest="seq_lengths", help="pack lengths (default 4096 8192)"
+        "--variants", nargs="+", metavar="SEQ:MODE[:KEY=VALUE][:-GROUP][:steps=N]",
+        help="the runs (benchmarks/train_variants.py; default: its REAL_SHAPES on a GPU, TINY with --model tiny)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seq-length", type=int, nargs="+", dest="seq_lengths", help="pack lengths: packed and padded runs of each"
     )
     parser.add_argument("--steps", type=int, help="training steps per run (the first is warm-up, left out)")
     parser.add_argument("--global-batch-size", type=int, help="packs per step")
@@ -438,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--set", nargs="+", default=[], metavar="KEY=VALUE", help="recipe options, e.g. vision_recompute=true"
     )
-    parser.add_argument("--no-padded", action="store_true", help="skip the padded baseline")
+    parser.add_argument("--no-padded", action="store_true", help="with --seq-length: skip the padded runs")
     parser.add_argument(
-        "--profile", action="store_true", help="torch.profiler over two extra steps of each packed run (profile.txt)"
+        "--profile", action="store_true", help="torch.profiler over two extra steps of each base packed run"
     )
     parser.add_argument(
         "--loader-only", action="store_true", help="no training (CPU): loader packs/s vs the planner's H100 step"
@@ -451,24 +402,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return train_run.worker(args.worker)
     options = {k: getattr(args, k) for k in ("layers", "steps", "global_batch_size", "samples", "num_workers")}
-    options["seq_lengths"] = tuple(args.seq_lengths) if args.seq_lengths else None
+    options["variants"] = cli_variants(args)
     setup = default_setup(args.model, args.out, **options)
-    setup.padded, setup.loader_only, setup.profile = not args.no_padded, args.loader_only, args.profile
+    setup.loader_only, setup.profile = args.loader_only, args.profile
     setup.options |= {key: parse_value(value) for key, value in map(split_pair, args.set)}
     results = benchmark(setup)
     for row in results["loader"]:
         print(f"loader {row}")
-    for run in results["runs"]:
-        for mode in ("packed", "padded"):
-            if mode in run and "error" in run[mode]:
-                print(f"{results['model']} {run['seq_length']} {mode}: FAILED {run[mode]['error'][:300]}")
-            elif mode in run:
-                r = run[mode]
-                print(f"{results['model']} {run['seq_length']} {mode}: {r['tokens_per_s_per_gpu']} tokens/s/GPU, "
-                      f"MFU {r['mfu_megatron_bridge']} (Bridge) {r['mfu_six_n']} (6N), "
-                      f"data wait {r['data_wait_fraction']}, peak {r['peak_memory_gib']} GiB")  # fmt: skip
+    for variant in results["variants"]:
+        r = variant["result"]
+        if "error" in r:
+            print(f"{results['model']} {variant['name']}: FAILED {r['error'][:300]}")
+        else:
+            print(f"{results['model']} {variant['name']}: {r['tokens_per_s_per_gpu']} tokens/s/GPU, "
+                  f"MFU {r['mfu_megatron_bridge']} (Bridge) {r['mfu_six_n']} (6N), data wait {r['data_wait_fraction']}, "
+                  f"peak {r['peak_memory_gib']} GiB, idle {r.get('profile', {}).get('share_of_step', {}).get('idle')}")  # fmt: skip
+    for row in results.get("comparisons", []):
+        print(f"{row['figure']}: {row['value']}")
     print(f"wrote {args.out / 'bench_train.json'}")
     return 0
+
+
+def cli_variants(args: argparse.Namespace) -> tuple[Variant, ...] | None:
+    """The runs the command line asks for: --variants, or packed (and padded) runs at each --seq-length."""
+    if args.variants:
+        return tuple(map(train_variants.parse, args.variants))
+    if args.seq_lengths:
+        modes = ("packed",) if args.no_padded else train_variants.MODES
+        return tuple(Variant(seq_length=n, mode=mode) for n in args.seq_lengths for mode in modes)
+    return None
 
 
 if __name__ == "__main__":

@@ -14,57 +14,36 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from benchmarks.profile_breakdown import StepBreakdown
+from qvl.foundation import patches
+
 logger = logging.getLogger(__name__)
 
 WARMUP_STEPS = 1
 RESTART = 3  # a worker's exit code after a failed run: the driver starts a fresh one for the rest
-PROFILED_STEPS = 2  # with --profile: the last two steps of a packed run, left out of its figures
+PROFILED_STEPS = 2  # with --profile: two steps after a packed run's measured ones (benchmarks/profile_breakdown.py)
 
 
 class _Recorder:
-    """Per micro-batch: seconds the training loop waited for it, real sub-sequence lengths, image grids."""
+    """Per micro-batch: seconds the training loop waited for it, real sub-sequence lengths, image grids; per step:
+    its end and its language-model loss."""
 
     def __init__(self):
         self.batches: list[dict] = []
         self.step_ends: list[float] = [time.perf_counter()]
+        self.losses: list[float | None] = []
 
     def step_end(self, context) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.step_ends.append(time.perf_counter())
+        loss = (context.loss_dict or {}).get("lm loss")
+        if isinstance(loss, (tuple, list)):  # (sum, count) where losses are per token
+            loss = loss[0] / loss[1]
+        self.losses.append(None if loss is None else round(float(loss), 6))
 
 
 RECORDER = _Recorder()
-
-
-class _Profiler:
-    """torch.profiler over steps `first`..`first + count - 1` (callbacks), then the top ops by device time to a file."""
-
-    def __init__(self, path: pathlib.Path, first: int, count: int = 2):
-        self.path, self.first, self.last, self.profiler = path, first, first + count - 1, None
-
-    def step_start(self, context) -> None:
-        if context.state.train_state.step + 1 == self.first:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities)
-            self.profiler.start()
-
-    def step_end(self, context) -> None:
-        if self.profiler is None or context.state.train_state.step + 1 != self.last:
-            return
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.profiler.stop()
-        events = self.profiler.key_averages()
-        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        steps = self.last - self.first + 1
-        self.path.write_text(
-            f"steps {self.first}-{self.last} ({steps} steps), sorted by {sort}\n"
-            + events.table(sort_by=sort, row_limit=40, max_name_column_width=90)
-        )
-        self.profiler = None
 
 
 class _TimedLoader:
@@ -190,7 +169,6 @@ def bench_dataset_class():
 def train_once(spec: dict) -> dict:
     """Train one variant as `spec` says; returns its raw measurements."""
     from qvl.foundation import distributed, megatron, runtime
-    from qvl.kernels import switch
     from qvl.training.loop import TrainRequest, prepare_config
 
     if "MASTER_PORT" not in os.environ:
@@ -226,13 +204,16 @@ def train_once(spec: dict) -> dict:
     callbacks.register("on_train_step_end", RECORDER.step_end)
     anatomy = _attach_anatomy(spec, config, callbacks)
     profiled = PROFILED_STEPS if spec.get("profile") and spec["mode"] == "packed" else 0
+    breakdown = None
     if profiled:
-        profiler = _Profiler(run_dir / "profile.txt", first=spec["overrides"]["train_iters"] - profiled + 1)
-        callbacks.register("on_train_step_start", profiler.step_start)
-        callbacks.register("on_train_step_end", profiler.step_end)
+        breakdown = StepBreakdown(run_dir / "profile.txt", first=spec["overrides"]["train_iters"] - profiled + 1)
+        callbacks.register("on_train_step_start", breakdown.step_start)
+        callbacks.register("on_train_step_end", breakdown.step_end)
+    groups = RunGroups.of(config, off=spec.get("groups_off", ()))
+    callbacks.register("on_train_step_end", groups.step_end)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with switch.applied_for_training(switch.Target.of(config)):  # what `qvl train`'s loop applies on this device
+    with patches.applied(*groups.training):  # what `qvl train`'s loop applies on this device, less `groups_off`
         pretrain(config, forward_step, callbacks=callbacks)
     if anatomy is not None:
         return {"schedule": spec["schedule"], "steps": anatomy.steps}
@@ -246,9 +227,54 @@ def train_once(spec: dict) -> dict:
     }
     kind, peak_flops = gpu_kind()
     result = summarize(raw, config, gpu_peak_flops=peak_flops)
+    result["losses"] = RECORDER.losses
+    result["patch_groups"] = groups.summary(config)
+    if breakdown is not None:
+        result["profile"] = breakdown.summary()
     if spec["mode"] == "packed":
         result["plan"] = planner_estimate(config, _step_figures(raw), kind)
     return result
+
+
+@dataclass(kw_only=True, slots=True)
+class RunGroups:
+    """The patch groups of one run: what the switch decides for it on this device (`decided`), those applied around
+    its loop (`training`: the decided training groups less `off`), and every group in place during its first step
+    (`applied`: those applied when the model was built included)."""
+
+    decided: tuple[str, ...]
+    training: tuple[str, ...]
+    off: tuple[str, ...]
+    applied: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, config, *, off) -> RunGroups:
+        """The groups of a run of `config` on this process's device, less `off`."""
+        from qvl.kernels import switch
+
+        target = switch.Target.of(config)
+        unknown = set(off) - set(patches.GROUPS)
+        if unknown:
+            raise ValueError(f"no patch group {sorted(unknown)}; groups: {', '.join(patches.GROUPS)}")
+        decided = tuple(d.group for d in switch.decide(target) if d.on)
+        training = tuple(g for g in switch.training_groups(target) if g not in off)
+        return cls(decided=decided, training=training, off=tuple(off))
+
+    def step_end(self, context) -> None:
+        if context.state.train_state.step == 0:  # the first step's end callbacks (the step is not counted yet)
+            self.applied = tuple(g for g in patches.GROUPS if patches.is_applied(g))
+
+    def summary(self, config) -> dict:
+        """The run's groups, and whether its language model's layers ran as CUDA graphs."""
+        from qvl.kernels.speed_cuda_graphs import graphs_requested
+
+        graphs = {"requested": graphs_requested(config.model)}
+        if graphs["requested"]:
+            from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+            graphs["created"] = bool(_CudagraphGlobalRecord.cudagraph_created)
+        return {"decided_on": list(self.decided), "applied_around_loop": list(self.training),
+                "applied_in_step_1": list(self.applied), "left_off": list(self.off), "cuda_graphs": graphs}  # fmt: skip
 
 
 def _attach_anatomy(spec: dict, config, callbacks):

@@ -1,6 +1,7 @@
 """`benchmarks/bench_train.py` end to end with the tiny model on CPU (real shapes run on a GPU: benchmarks/gpu.sh):
 prepare a LLaVA-like dataset, train packed and padded through Megatron-Bridge's pretrain(), and report throughput,
-FLOPs three ways, data wait and the loader's packs/s with and without worker processes."""
+FLOPs three ways, data wait, the patch groups of each run, a profiled step broken down by kind of work, and the
+loader's packs/s with and without worker processes; the variants' command-line spelling."""
 
 from __future__ import annotations
 
@@ -9,16 +10,20 @@ import json
 import pytest
 import torch
 
+from benchmarks import train_variants
+from benchmarks.profile_breakdown import CATEGORIES, classify
+
 
 @pytest.mark.slow  # more than ~20 s on 2 cores
 def test_tiny_training_benchmark_writes_every_figure(tmp_path):
     from benchmarks import bench_train
 
-    assert (
-        bench_train.main(["--model", "tiny", "--profile", "--set", "vision_recompute=true", "--out", str(tmp_path)])
-        == 0
-    )
+    variants = ["256:packed", "256:padded", "256:packed:-speed-optimizer:steps=2"]
+    argv = ["--model", "tiny", "--profile", "--set", "vision_recompute=true", "--variants", *variants]
+    assert bench_train.main([*argv, "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "bench_train.json").read_text())
+    names = [v["name"] for v in results["variants"]]
+    assert names == ["256-packed", "256-padded", "256-packed-no-speed-optimizer"]
     (run,) = results["runs"]
     for mode in ("packed", "padded"):
         figures = run[mode]
@@ -27,13 +32,69 @@ def test_tiny_training_benchmark_writes_every_figure(tmp_path):
         # Bridge's formula, qvl's cost model and 6N agree within a factor of 2 on the tiny model
         rates = [figures[f"tflops_{name}"] for name in ("megatron_bridge", "qvl_cost_model", "six_n")]
         assert min(rates) > 0 and max(rates) < 2 * min(rates), rates
+        assert len(figures["losses"]) == 3 + (2 if mode == "packed" else 0)  # --profile: two more packed steps
+        assert all(0 < loss < 20 for loss in figures["losses"])
     assert run["packed_over_padded_tokens_per_s"] > 0
-    # --profile adds two profiled steps to the packed run, left out of its figures (steps_measured above)
-    profile = (tmp_path / "run-256-packed" / "profile.txt").read_text()
-    assert profile.startswith("steps 4-5") and "aten::" in profile
+    # the groups: the switch's training groups on this device, in place during step 1; one left off where asked
+    groups = results["patch_groups"]
+    assert "speed-optimizer" in groups["applied_around_loop"] and "speed-optimizer" in groups["applied_in_step_1"]
+    assert set(groups["applied_around_loop"]) <= set(groups["applied_in_step_1"]) <= set(groups["decided_on"])
+    assert groups["cuda_graphs"] == {"requested": False}  # the CPU: no CUDA graphs
+    off = results["variants"][2]["result"]
+    assert off["steps_measured"] == 1 and off["patch_groups"]["left_off"] == ["speed-optimizer"]
+    assert "speed-optimizer" not in off["patch_groups"]["applied_in_step_1"]
+    figures = [c["figure"] for c in results["comparisons"]]
+    assert figures == ["tokens/s at 256: packed / padded", "tokens/s at 256: with speed-optimizer / without"]
+    # --profile: two profiled steps after the packed run's, left out of its figures (steps_measured above)
+    profile = run["packed"]["profile"]
+    assert set(profile["share_of_step"]) == {*CATEGORIES, "idle"}
+    assert sum(profile["share_of_step"].values()) == pytest.approx(1, abs=0.01)
+    assert profile["work_s"]["gemm"] > 0 and profile["work_s"]["optimizer"] > 0  # AdamW's kernels
+    assert "profile" not in run["padded"] and "profile" not in off
+    table = (tmp_path / "run-256-packed" / "profile.txt").read_text()
+    assert table.startswith("steps 4-5") and "aten::" in table
     if not torch.cuda.is_available():
         assert run["packed"]["peak_memory_gib"] is None and run["packed"]["plan"] is None
     assert results["options"] == {"vision_recompute": True}
     (loader,) = results["loader"]
     assert loader["workers_0"] > 0 and loader["workers_2"] > 0
     assert results["checks"][0]["figure"].startswith("loader packs/s")
+
+
+def test_variants_read_as_written_and_the_gpu_runs_are_the_issues_figures():
+    variant = train_variants.parse("4096:packed:compile=true:-speed-cuda-graphs:steps=5")
+    assert (variant.seq_length, variant.mode, variant.steps) == (4096, "packed", 5)
+    assert variant.options == (("compile", True),) and variant.groups_off == ("speed-cuda-graphs",)
+    assert variant.name == "4096-packed-compile=True-no-speed-cuda-graphs" and not variant.base
+    assert train_variants.parse("8192").base and train_variants.parse("8192:padded").mode == "padded"
+    with pytest.raises(ValueError, match="'fast' is none of packed, padded"):
+        train_variants.parse("4096:fast")
+    real = [train_variants.parse(text) for text in train_variants.REAL_SHAPES]
+    base = {(v.seq_length, v.mode) for v in real if v.base}
+    assert base == {(4096, "packed"), (4096, "padded"), (8192, "packed")}  # packed and padded on the same samples
+    assert any(dict(v.options).get("compile") for v in real)  # compile on (off: the base run)
+    assert any(v.groups_off == ("speed-cuda-graphs",) for v in real)  # the graphs' own effect
+
+
+def test_kernels_are_classified_by_kind():
+    assert classify("nvjet_sm90_tss_192x192_64x3_1x2_h_badd_coopB_NTN") == "gemm"
+    assert classify("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<96, 128>>") == "attention"
+    assert classify("triton_poi_fused__to_copy_add_mul_0") == "elementwise"
+    assert classify("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>") == "optimizer"
+    assert classify("Memcpy HtoD (Pinned -> Device)") == "other" and classify("aten::addmm") == "gemm"
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_train_as_the_eager_layers_do_on_cuda(tmp_path):
+    """speed-cuda-graphs on a GPU: the tiny model's layers captured after step 1 and replayed, with the eager
+    layers' losses (the graphed run's packs padded to seq_length: bf16 GEMMs of other shapes)."""
+    from benchmarks import bench_train
+
+    variants = ["256:packed:steps=4", "256:packed:-speed-cuda-graphs:steps=4"]
+    assert bench_train.main(["--model", "tiny", "--variants", *variants, "--out", str(tmp_path)]) == 0
+    graphed, eager = (v["result"] for v in json.loads((tmp_path / "bench_train.json").read_text())["variants"])
+    assert "error" not in graphed, graphed.get("error")
+    assert graphed["patch_groups"]["cuda_graphs"] == {"requested": True, "created": True}
+    assert eager["patch_groups"]["cuda_graphs"] == {"requested": False}
+    assert graphed["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-2)
+    assert graphed["losses"] == pytest.approx(eager["losses"], rel=3e-2)
