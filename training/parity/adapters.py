@@ -16,14 +16,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from qvl.foundation.errors import ConfigError
-from qvl.training.parity import decay
-from qvl.training.parity.megatron_run import ParityCallback, _gradient
 
 logger = logging.getLogger(__name__)
 
@@ -72,48 +69,18 @@ def adapter_hook(adapters: Any) -> Callable[[list], list]:
     return apply
 
 
-class AdapterParityCallback(ParityCallback):
-    """ParityCallback on a PEFT run: the initial adapters recorded, gradients and weights of the adapters alone."""
-
-    def __init__(self, bridge: Any, recording: Any, adapters: Any, hf_path: Path):
-        super().__init__(bridge, recording)
-        self.adapters, self.hf_path = adapters, Path(hf_path)
-
-    def on_train_start(self, context) -> None:
-        super().on_train_start(context)
-        state = self._state(context.model, lambda p: p.detach().clone())
-        self.recording.adapters = AdapterRecord(
-            rank=self.adapters.dim,
-            alpha=self.adapters.alpha,
-            dora=type(self.adapters).__name__ == "QvlDoRA",
-            modules=state.modules,
-            parameters=state.parameters,
-            initial={k: v.float() for k, v in state.tensors.items()},
-            shared_a=state.shared_a,
-        )
-
-    def export(self, model: list, *, grads: bool) -> dict[str, torch.Tensor]:
-        value = (lambda p: _gradient(p).detach().clone()) if grads else (lambda p: p.detach().clone())
-        return {k: v.float() for k, v in self._state(model, value).tensors.items()}
-
-    def export_decay(self, model: list, decay_of: dict[torch.Tensor, float]) -> dict[str, float]:
-        return decay.by_name(self._state(model, decay.as_markers(decay_of)).tensors)
-
-    def _state(self, model: list, value: Callable[[torch.Tensor], torch.Tensor]):
-        from megatron.core.utils import unwrap_model
-
-        from qvl.bridges.adapter_export import peft_state
-
-        return peft_state(self.bridge, unwrap_model(model), self.hf_path, value)
-
-
 def reference_model(model: Any, record: AdapterRecord) -> Any:
     """transformers' `model` wrapped by peft with qvl's adapters: the same config, initial tensors and shared A's."""
-    from peft import get_peft_model, set_peft_model_state_dict
+    from peft import get_peft_model
 
+    return load_adapters(get_peft_model(model, lora_config_of(record)), record)
+
+
+def lora_config_of(record: AdapterRecord) -> Any:
+    """peft's LoraConfig for qvl's adapters: the same method, rank, alpha, modules and expert parameters."""
     from qvl.bridges.adapter_export import lora_config
 
-    config = lora_config(
+    return lora_config(
         rank=record.rank,
         alpha=record.alpha,
         dropout=0.0,
@@ -121,7 +88,13 @@ def reference_model(model: Any, record: AdapterRecord) -> Any:
         modules=record.modules,
         parameters=record.parameters,
     )
-    peft_model = get_peft_model(model, config)
+
+
+def load_adapters(peft_model: Any, record: AdapterRecord) -> Any:
+    """A peft model (wrapped with `lora_config_of(record)`) started from qvl's initial adapters, the A of each fused
+    projection's HF modules tied into one parameter."""
+    from peft import set_peft_model_state_dict
+
     loaded = set_peft_model_state_dict(peft_model, record.initial)
     if loaded.unexpected_keys:
         raise ConfigError(f"qvl's adapters have no place in peft's model: {loaded.unexpected_keys[:3]}")

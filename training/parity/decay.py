@@ -37,6 +37,12 @@ def megatron_decay(optimizer: Any) -> dict[torch.Tensor, float]:
     return decay
 
 
+def megatron_no_decay(name: str, param: torch.Tensor) -> bool:
+    """Megatron-Core's rule (optimizer.get_standard_config_overrides): biases and 1-D tensors get no weight decay.
+    The bridge maps 1-D tensors to 1-D tensors, so the rule reads the same on HF names."""
+    return param.ndim == 1 or name.endswith(".bias")
+
+
 def torch_decay(optimizer: Any) -> dict[torch.Tensor, float]:
     """Parameter -> weight decay of a torch (or accelerate-wrapped) optimizer's param groups."""
     return {param: float(group["weight_decay"]) for group in optimizer.param_groups for param in group["params"]}

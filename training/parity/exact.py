@@ -132,7 +132,7 @@ def trajectory(model, steps: list[list[dict]], settings, lrs: list[float]) -> tu
     checkpoint names."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    from qvl.training.parity.transformers_run import megatron_no_decay
+    from qvl.training.parity.decay import megatron_no_decay
 
     named = list(model.named_parameters())
     groups = [

@@ -23,6 +23,7 @@ import torch
 from qvl.foundation import megatron, runtime
 from qvl.training.mtp import MTP_LOSS, LossesWithMtp
 from qvl.training.parity import decay
+from qvl.training.parity.adapters import AdapterRecord, adapter_hook, take_adapters
 from qvl.training.parity.moe_aux import LOAD_BALANCING_NAMES
 
 logger = logging.getLogger(__name__)
@@ -112,9 +113,7 @@ class RecordingForwardStep:
         from qvl.training.step import forward_step
 
         step = state.train_state.step + 1
-        iterator = _RecordingIterator(data_iterator, self.recording, step)
-        if self.batch_hook is not None:
-            iterator = _Hooked(iterator, lambda batch: self.batch_hook(batch, model))
+        iterator = recorded_batches(data_iterator, self.recording, step, self.batch_hook, model)
         output, loss_func = forward_step(state, iterator, model, return_schedule_plan, loss_check=loss_check)
         if step == 1 and self.recording.rank[2]:  # earlier pipeline stages return activations, not losses
             record = self.recording.micro_batches[-1]
@@ -124,6 +123,12 @@ class RecordingForwardStep:
             record.token_losses = main.detach().reshape(-1).clone()
             record.loss_mask = main_loss.args[0].detach().reshape(-1).clone()
         return output, loss_func
+
+
+def recorded_batches(data_iterator, recording: Recording, step: int, batch_hook: Callable | None, model):
+    """The loop's data iterator with every micro-batch recorded as read, then changed by `batch_hook` (tests)."""
+    iterator = _RecordingIterator(data_iterator, recording, step)
+    return iterator if batch_hook is None else _Hooked(iterator, lambda batch: batch_hook(batch, model))
 
 
 class _Hooked:
@@ -202,6 +207,8 @@ def _mean_loss(loss_dict: dict | None, key: str) -> float | None:
 class ParityCallback:
     """Megatron-Bridge callback recording losses, gradient norms, learning rates, step-1 grads, final weights."""
 
+    loss_key = "lm loss"  # the reporting key of the stage's loss (a preference stage's: qvl.training.preference)
+
     def __init__(self, bridge, recording: Recording):
         self.bridge, self.recording = bridge, recording
         self._lr = 0.0
@@ -221,7 +228,7 @@ class ParityCallback:
 
     def on_train_step_end(self, context) -> None:
         step = context.state.train_state.step + 1  # train_state.step still counts the steps before this one
-        value = _mean_loss(context.loss_dict, "lm loss")
+        value = _mean_loss(context.loss_dict, self.loss_key)
         if value is None:  # only the last pipeline stage holds the reduced loss
             value = float("nan")
         self.recording.steps.append(
@@ -247,6 +254,41 @@ class ParityCallback:
     def export_decay(self, model: list, decay_of: dict[torch.Tensor, float]) -> dict[str, float]:
         """Each compared tensor's weight decay in the built optimizer, exported like the weights."""
         return decay.by_name(export_values(self.bridge, model, decay.as_markers(decay_of)))
+
+
+class AdapterParityCallback(ParityCallback):
+    """ParityCallback on a PEFT run: the initial adapters recorded, gradients and weights of the adapters alone."""
+
+    def __init__(self, bridge: Any, recording: Any, adapters: Any, hf_path: Path):
+        super().__init__(bridge, recording)
+        self.adapters, self.hf_path = adapters, Path(hf_path)
+
+    def on_train_start(self, context) -> None:
+        super().on_train_start(context)
+        state = self._state(context.model, lambda p: p.detach().clone())
+        self.recording.adapters = AdapterRecord(
+            rank=self.adapters.dim,
+            alpha=self.adapters.alpha,
+            dora=type(self.adapters).__name__ == "QvlDoRA",
+            modules=state.modules,
+            parameters=state.parameters,
+            initial={k: v.float() for k, v in state.tensors.items()},
+            shared_a=state.shared_a,
+        )
+
+    def export(self, model: list, *, grads: bool) -> dict[str, torch.Tensor]:
+        value = (lambda p: _gradient(p).detach().clone()) if grads else (lambda p: p.detach().clone())
+        return {k: v.float() for k, v in self._state(model, value).tensors.items()}
+
+    def export_decay(self, model: list, decay_of: dict[torch.Tensor, float]) -> dict[str, float]:
+        return decay.by_name(self._state(model, decay.as_markers(decay_of)).tensors)
+
+    def _state(self, model: list, value: Callable[[torch.Tensor], torch.Tensor]):
+        from megatron.core.utils import unwrap_model
+
+        from qvl.bridges.adapter_export import peft_state
+
+        return peft_state(self.bridge, unwrap_model(model), self.hf_path, value)
 
 
 def training_config(run: MegatronRun):
@@ -276,20 +318,21 @@ def training_config(run: MegatronRun):
     return info, config
 
 
+def start_runtime(device: str) -> None:
+    """qvl's CPU runtime where a run trains on the CPU (`device="cpu"` or no CUDA); Megatron-Bridge imported."""
+    if device == "cpu" or not torch.cuda.is_available():
+        runtime.activate(force=True)
+        runtime.enable_bridge_training()
+    megatron.import_megatron_bridge()
+
+
 def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
     """Train `run.steps` steps with Megatron-Bridge's loop; what it did, and the ConfigContainer it ran."""
     from qvl.bridges.convert import auto_bridge_with_weights
 
-    cpu = run.device == "cpu" or not torch.cuda.is_available()
-    if cpu:
-        runtime.activate(force=True)
-        runtime.enable_bridge_training()
-    megatron.import_megatron_bridge()
-    from megatron.bridge.training.callbacks import CallbackManager
-
+    start_runtime(run.device)
     from qvl.kernels import torch_gated_delta  # Megatron-Core's GatedDeltaNet
     from qvl.training.loop import run_megatron_loop
-    from qvl.training.parity.adapters import AdapterParityCallback, adapter_hook, take_adapters
 
     _, config = training_config(run)
     bridge = auto_bridge_with_weights(run.hf_path, config.model.params_dtype)
@@ -301,19 +344,27 @@ def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
     if adapters is not None:
         config.model.register_pre_wrap_hook(adapter_hook(adapters))
     recording = Recording()
-    callback = (
-        AdapterParityCallback(bridge, recording, adapters, run.hf_path)
-        if adapters
-        else ParityCallback(bridge, recording)
-    )
-    callbacks = CallbackManager()
-    for event in ("on_train_start", "on_train_step_start", "on_train_step_end", "on_train_end"):
-        callbacks.register(event, getattr(callback, event))
+    callbacks = parity_callbacks(bridge, recording, adapters, run.hf_path)
     run_megatron_loop(config, RecordingForwardStep(recording, run.batch_hook), callbacks)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         recording = merge_ranks(recording)
     recording.token_losses = conversation_token_losses(recording.micro_batches)
     return recording, config
+
+
+def parity_callbacks(bridge, recording: Recording, adapters: Any, hf_path: Path, *, loss_key: str = "lm loss"):
+    """Megatron-Bridge callbacks recording a parity run into `recording` (a PEFT recipe's: its adapters alone), the
+    stage's loss read under `loss_key`."""
+    from megatron.bridge.training.callbacks import CallbackManager
+
+    callback = (
+        AdapterParityCallback(bridge, recording, adapters, hf_path) if adapters else ParityCallback(bridge, recording)
+    )
+    callback.loss_key = loss_key
+    callbacks = CallbackManager()
+    for event in ("on_train_start", "on_train_step_start", "on_train_step_end", "on_train_end"):
+        callbacks.register(event, getattr(callback, event))
+    return callbacks
 
 
 def merge_ranks(recording: Recording) -> Recording:

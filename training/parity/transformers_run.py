@@ -22,6 +22,7 @@ import torch
 
 from qvl.foundation.errors import ConfigError, DataError
 from qvl.training.parity import decay
+from qvl.training.parity.decay import megatron_no_decay
 from qvl.training.parity.megatron_run import Recording, StepRecord
 from qvl.training.parity.moe_aux import MoeAuxReference, PackSlot
 from qvl.training.parity.mtp import OutputsWithMtp, mtp_token_loss_sum, named_as_checkpoint, with_mtp_head
@@ -84,12 +85,6 @@ def reference_settings(config, *, weight_decay_rule: str = "megatron", loss_aver
         weight_decay_rule=weight_decay_rule,
         loss_average=loss_average,
     )
-
-
-def megatron_no_decay(name: str, param: torch.Tensor) -> bool:
-    """Megatron-Core's rule (optimizer.get_standard_config_overrides): biases and 1-D tensors get no weight decay.
-    The bridge maps 1-D tensors to 1-D tensors, so the rule reads the same on HF names."""
-    return param.ndim == 1 or name.endswith(".bias")
 
 
 def assistant_labels(ids: torch.Tensor, tokenizer) -> torch.Tensor:
@@ -320,12 +315,7 @@ def run_transformers(
     `mtp_scale` > 0 the checkpoint's MTP head trains beside it at that loss scale (qvl.training.parity.mtp); with
     `moe_aux` (Megatron's load-balancing type and coefficient) and each conversation's pack `slots`, Megatron-Core's
     load-balancing loss is added on transformers' routers (qvl.training.parity.moe_aux)."""
-    counts = {len(s) for s in steps}
-    if len(counts) != 1:
-        raise ConfigError(
-            f"the steps of the qvl run held {sorted(counts)} conversations; transformers accumulates a fixed number "
-            "per step, so verify on a dataset whose global batch is all of it (a handful of samples)"
-        )
+    accumulation = items_per_step(steps, "conversations", "transformers")
     with _single_process():
         return _train_reference(
             hf_path,
@@ -333,12 +323,24 @@ def run_transformers(
             settings,
             output_dir,
             bf16=bf16,
-            accumulation=counts.pop(),
+            accumulation=accumulation,
             adapters=adapters,
             mtp_scale=mtp_scale,
             moe_aux=moe_aux,
             slots=[slot for step in slots for slot in step] if slots else None,
         )
+
+
+def items_per_step(steps: list[list], items: str, reference: str) -> int:
+    """The number of `items` (conversations, pairs) every step of the qvl run held: the reference accumulates a
+    fixed number per optimizer step."""
+    counts = {len(s) for s in steps}
+    if len(counts) != 1:
+        raise ConfigError(
+            f"the steps of the qvl run held {sorted(counts)} {items}; {reference} accumulates a fixed number per step, "
+            f"so verify on a dataset whose global batch is all of it (a handful of {items})"
+        )
+    return counts.pop()
 
 
 @contextlib.contextmanager
