@@ -184,8 +184,6 @@ def resolve_steps(o: RecipeOptions) -> RecipeOptions:
     planning), warmup_iters=None a tenth of the training steps."""
     train_iters = o.train_iters or one_epoch_iters(o.data, o.global_batch_size) or 1000
     warmup = o.warmup_iters if o.warmup_iters is not None else train_iters // 10
-    if warmup >= train_iters:
-        raise ConfigError(f"warmup_iters={warmup} must be below train_iters={train_iters}; pass a smaller warmup_iters")
     return dataclasses.replace(o, train_iters=train_iters, warmup_iters=warmup)
 
 
