@@ -91,8 +91,11 @@ def preference_run(request, tmp_path_factory) -> PreferenceRun:
     qvl_in_process("reference", full, *common)
     qvl_in_process("train", full, *common, "--run-dir", str(root / "full"))
     resumed = _resume_through_python(full, root / "full", root / "resumed", common)
-    adapters = [recipe(family, "dpo_peft"), *common, "reference=adapters", "train_iters=2", "lr=1e-2"]
-    qvl_in_process("train", *adapters, "adapter_rank=8", "--run-dir", str(root / "adapters"))
+    adapters = [recipe(family, "dpo_peft"), *common, "reference=adapters", "lr=1e-2", "adapter_rank=8"]
+    qvl_in_process("train", *adapters, "--run-dir", str(root / "adapters"))
+    # the same command again, from the adapter run's step-2 checkpoint (as a job stopped there leaves it)
+    _copy_step(root / "adapters" / "checkpoints", root / "adapters-resumed" / "checkpoints", step=2)
+    qvl_in_process("train", *adapters, "--run-dir", str(root / "adapters-resumed"))
     return PreferenceRun(family=family, hf=hf, data=root / "data", megatron=megatron, run=root / "full",
                          resumed=resumed, adapters=root / "adapters", common=common)  # fmt: skip
 
@@ -102,11 +105,8 @@ def _resume_through_python(name: str, run: Path, resumed: Path, common: list[str
     from qvl.recipes.registry import get_recipe
     from qvl.training import train
 
-    checkpoints, into = run / "checkpoints", resumed / "checkpoints"
-    shutil.copytree(checkpoints / "iter_0000002", into / "iter_0000002")
-    shutil.copytree(checkpoints / "energon" / "iter_0000002", into / "energon" / "iter_0000002")
-    shutil.copy(checkpoints / "iter_0000002" / "train_state.pt", into / "latest_train_state.pt")
-    (into / "latest_checkpointed_iteration.txt").write_text("2")
+    into = resumed / "checkpoints"
+    _copy_step(run / "checkpoints", into, step=2)
     options = dict(arg.split("=", 1) for arg in common if "=" in arg)
     config = get_recipe(name).fn(
         **OPTIONS, global_batch_size=int(options["global_batch_size"]), data=options["data"],
@@ -117,6 +117,15 @@ def _resume_through_python(name: str, run: Path, resumed: Path, common: list[str
     with left_as_found():
         train(config, run_dir=resumed, device="cpu")
     return resumed
+
+
+def _copy_step(checkpoints: Path, into: Path, *, step: int) -> None:
+    """A checkpoints folder holding `step` alone, with its dataloader state and trackers (a job stopped there)."""
+    name = f"iter_{step:07d}"
+    shutil.copytree(checkpoints / name, into / name)
+    shutil.copytree(checkpoints / "energon" / name, into / "energon" / name)
+    shutil.copy(checkpoints / name / "train_state.pt", into / "latest_train_state.pt")
+    (into / "latest_checkpointed_iteration.txt").write_text(str(step))
 
 
 def _records(run: Path) -> dict[int, dict]:
@@ -146,17 +155,19 @@ def test_a_dpo_run_resumed_from_its_step_2_checkpoint_reproduces_every_value_exa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preference_run", list(FAMILIES), indirect=True)
-def test_dpo_on_adapters_with_the_adapters_switched_off_as_reference(preference_run):
+def test_dpo_on_adapters_with_the_adapters_switched_off_as_reference_trains_and_resumes_exactly(preference_run):
     records = _records(preference_run.adapters)
     assert records[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # adapters start as a zero update
-    assert records[2]["loss"] < records[1]["loss"], records
+    assert records[STEPS]["loss"] < records[1]["loss"], records
+    resumed = _records(preference_run.adapters.with_name("adapters-resumed"))
+    assert resumed == {step: records[step] for step in (3, 4)}  # resumed from step 2: bit for bit
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preference_run", ["qwen2_5_vl"], indirect=True)
 def test_both_ways_to_the_reference_give_the_same_losses(preference_run, tmp_path):
     """The adapter recipe against the precomputed reference (the base model's log-probs) instead of adapters off."""
-    args = [recipe("qwen2_5_vl", "dpo_peft"), *preference_run.common, "train_iters=2", "lr=1e-2", "adapter_rank=8"]
+    args = [recipe("qwen2_5_vl", "dpo_peft"), *preference_run.common, "lr=1e-2", "adapter_rank=8"]
     qvl_in_process("train", *args, "--run-dir", str(tmp_path / "precomputed"))
     precomputed, adapters_off = read_losses(tmp_path / "precomputed"), read_losses(preference_run.adapters)
     assert precomputed == pytest.approx(adapters_off, abs=1e-6), (precomputed, adapters_off)
