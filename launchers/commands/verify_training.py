@@ -1,8 +1,9 @@
 """`qvl verify-training HF_PATH --data DIR`: is qvl's training step the one transformers takes? (docs/parity.md)
 
 Trains a few steps of the recipe on Megatron-Bridge (packed) and with transformers' Trainer (unpacked) from the same
-checkpoint and samples; prints per-step losses and gradient norms of both, the per-token loss, gradient and
-final-weight differences, and the conventions that differ on purpose; exit 1 above tolerance."""
+checkpoint and samples (a preference recipe: with TRL's DPOTrainer or CPOTrainer, on the same pairs); prints per-step
+losses and gradient norms of both, the per-token loss, gradient and final-weight differences (and each pair's
+log-probs and rewards), and the conventions that differ on purpose; exit 1 above tolerance."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from qvl.recipes.overrides import parse_overrides
 
 PLOT_NAME = "parity_loss.png"
+PREFERENCE_PLOT = {"reference": "TRL (unpacked, a pair per micro-batch)", "ylabel": "preference loss per pair"}
 
 
 def _spec(args: argparse.Namespace, run_dir: Path):
@@ -36,6 +38,8 @@ def _spec(args: argparse.Namespace, run_dir: Path):
 
 
 def _table(report) -> str:
+    from qvl.training.parity.preference_report import preference_lines
+
     tol = report.tolerances
     lines = [
         f"{report.family} ({report.recipe}), {report.precision}: {report.conversations} conversations per step",
@@ -54,6 +58,7 @@ def _table(report) -> str:
         f"{report.grad_max_rel_diff:.1e} at {report.grad_worst} (tolerance {tol.grad:.0e})",
         *_mtp_lines(report),
         *_moe_aux_lines(report),
+        *preference_lines(report),
         f"final weights: max |diff| {report.weight_max_diff:.1e} = {report.weight_max_diff / report.peak_lr:.3f} x "
         f"peak lr at {report.weight_worst} (tolerance {tol.weight} x lr)",
         "deliberate differences:",
@@ -102,17 +107,21 @@ def _plot_path(args: argparse.Namespace) -> Path | None:
 
 
 def run_verify_training(args: argparse.Namespace) -> int:
+    from qvl.training.parity.preference import is_preference_recipe, run_preference_parity
     from qvl.training.parity.report import plot_losses
     from qvl.training.parity.run import run_parity
 
+    # a dpo / dpo_peft recipe is checked against TRL's trainers, every other one against transformers' Trainer
+    preference = is_preference_recipe(args.recipe)
     with contextlib.ExitStack() as stack:
         run_dir = Path(args.run_dir) if args.run_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         # Megatron prints its progress to stdout; with --json stdout carries the report alone, so it pipes into jq.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            report = run_parity(_spec(args, run_dir))
+            report = (run_preference_parity if preference else run_parity)(_spec(args, run_dir))
     plot = _plot_path(args)
     if plot:
-        plot_losses(report, plot)
+        labels = PREFERENCE_PLOT if preference else {}
+        plot_losses(report, plot, **labels)
     if args.report:
         Path(args.report).write_text(json.dumps(report.as_dict(), indent=2))
     if args.json:
@@ -134,7 +143,9 @@ def register(subparsers) -> None:
     cmd.add_argument("hf_path", help="HF checkpoint directory (weights, tokenizer, processor)")
     cmd.add_argument("--data", required=True, help="a `qvl data prepare` output of a handful of samples")
     cmd.add_argument(
-        "--recipe", help="recipe whose optimizer, schedule and loss settings to use (default: the family's)"
+        "--recipe",
+        help="recipe whose optimizer, schedule and loss settings to use (default: the family's SFT recipe); a dpo or "
+        "dpo_peft recipe is checked against TRL on preference pairs",
     )
     cmd.add_argument("--steps", type=int, default=3, help="optimizer steps in each framework (default 3)")
     cmd.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16 needs a GPU")
