@@ -191,15 +191,11 @@ def logits_with_mtp(hf_model, head: Qwen35MtpHead, inputs: dict) -> tuple[torch.
         attention_mask=inputs.get("attention_mask"),
         mm_token_type_ids=inputs.get("mm_token_type_ids"),
     )
-    merged = {}  # the language model's input: token embeddings with the vision features at the placeholders
-    hook = model.language_model.register_forward_pre_hook(
-        lambda _, args, kwargs: merged.update(embeddings=kwargs["inputs_embeds"]), with_kwargs=True
-    )
-    try:
-        hidden = model(**inputs, position_ids=positions).last_hidden_state  # after the final norm
-    finally:
-        hook.remove()
+    merged = merged_embeddings(model, inputs)  # the language model's input, as transformers' model forward makes it
     language_model = model.language_model
+    hidden = language_model(
+        input_ids=None, position_ids=positions, attention_mask=inputs.get("attention_mask"), inputs_embeds=merged
+    ).last_hidden_state  # after the final norm
     if positions is None:
         positions = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(3, ids.shape[0], -1)
     rotary = language_model.rotary_emb(hidden, positions)
@@ -214,10 +210,27 @@ def logits_with_mtp(hf_model, head: Qwen35MtpHead, inputs: dict) -> tuple[torch.
     # last position reaches the table's row 0 through the MTP layer's MoE load-balancing loss (not through a target)
     next_embeddings = torch.nn.functional.embedding(next_ids, embed.weight)
     vision = torch.isin(next_ids, torch.tensor([hf_model.config.image_token_id, hf_model.config.video_token_id]))
-    merged_ahead = torch.nn.functional.pad(merged["embeddings"][:, 1:], (0, 0, 0, 1))
+    merged_ahead = torch.nn.functional.pad(merged[:, 1:], (0, 0, 0, 1))
     next_embeddings = torch.where(vision.unsqueeze(-1), merged_ahead.to(next_embeddings.dtype), next_embeddings)
     mtp = hf_model.lm_head(head(hidden, next_embeddings, rotary, mask))
     return hf_model.lm_head(hidden), mtp
+
+
+def merged_embeddings(model, inputs: dict) -> torch.Tensor:
+    """Token embeddings with the vision features placed at their placeholders: the input transformers' Qwen3.5 model
+    forward (modeling_qwen3_5.py, `Qwen3_5Model.forward`) hands its language model, made the same way."""
+    ids = inputs["input_ids"]
+    embeds = model.get_input_embeddings()(ids)
+    for pixels, grid, features, kind in (
+        (inputs.get("pixel_values"), inputs.get("image_grid_thw"), model.get_image_features, "image_features"),
+        (inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"), model.get_video_features, "video_features"),
+    ):
+        if pixels is None:
+            continue
+        rows = torch.cat(features(pixels, grid, return_dict=True).pooler_output, dim=0).to(embeds.device, embeds.dtype)
+        image_mask, video_mask = model.get_placeholder_mask(ids, inputs_embeds=embeds, **{kind: rows})
+        embeds = embeds.masked_scatter(image_mask if kind == "image_features" else video_mask, rows)
+    return embeds
 
 
 def mtp_layers_in_checkpoint(hf_path: Path, configured: int) -> int:

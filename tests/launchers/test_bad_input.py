@@ -17,6 +17,7 @@ from qvl.foundation.layout import ModelFacts, ParallelLayout, check_layout
 from qvl.launchers.cli import main
 from qvl.launchers.jobs import launch, resolve_job
 from qvl.recipes.overrides import parse_value
+from qvl.recipes.registry import STAGES
 
 RECIPE = "qwen2_5_vl_7b_sft"  # 28 attention heads, 4 KV heads, 28 layers
 SLURM = [
@@ -144,7 +145,8 @@ def test_qvl_recipes_into_a_pipe_keeps_whole_names_in_natural_size_order():
     ).stdout  # fmt: skip
     names = [line.split()[0] for line in out.splitlines()[1:]]
     assert "…" not in out and "qwen2_5_vl_32b_sft" in names
-    assert [n.removeprefix("qwen2_5_vl_").split("_")[0] for n in names[::3]] == ["3b", "7b", "32b", "72b"]
+    per_size = len(STAGES)  # a recipe per stage, sizes in natural order
+    assert [n.removeprefix("qwen2_5_vl_").split("_")[0] for n in names[::per_size]] == ["3b", "7b", "32b", "72b"]
 
 
 def test_qvl_recipes_and_plan_json(capsys):
