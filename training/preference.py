@@ -97,6 +97,20 @@ def side_logps(token_losses: torch.Tensor, loss_mask: torch.Tensor, layout: Pair
     return logps.new_zeros(layout.subs).index_add(0, layout.token_sub, logps)
 
 
+def pair_logps(layout: PairLayout, logps: torch.Tensor, reference: torch.Tensor | None = None) -> PairLogps:
+    """Each pair's sides from per-sub-sequence log-probs [subs]; the reference's from `reference` (adapters off) or
+    the batch's precomputed column (None for SimPO)."""
+    reference = layout.reference if reference is None else reference
+    return PairLogps(
+        chosen=logps[layout.chosen],
+        rejected=logps[layout.rejected],
+        chosen_tokens=layout.tokens[layout.chosen],
+        rejected_tokens=layout.tokens[layout.rejected],
+        ref_chosen=None if reference is None else reference[layout.chosen],
+        ref_rejected=None if reference is None else reference[layout.rejected],
+    )
+
+
 def preference_loss(
     layout: PairLayout,
     loss_mask: torch.Tensor,
@@ -109,17 +123,7 @@ def preference_loss(
     """The loss function handed to Megatron's schedule: (sum of the pairs' losses, pairs, reports as (sum, pairs))."""
     if isinstance(output_tensor, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
         output_tensor, loss_mask = output_tensor
-    logps = side_logps(output_tensor, loss_mask, layout)
-    if reference is None:
-        reference = layout.reference
-    per_pair = PairLogps(
-        chosen=logps[layout.chosen],
-        rejected=logps[layout.rejected],
-        chosen_tokens=layout.tokens[layout.chosen],
-        rejected_tokens=layout.tokens[layout.rejected],
-        ref_chosen=None if reference is None else reference[layout.chosen],
-        ref_rejected=None if reference is None else reference[layout.rejected],
-    )
+    per_pair = pair_logps(layout, side_logps(output_tensor, loss_mask, layout), reference)
     losses, metrics = pair_losses(per_pair, config)
     loss = losses.sum()
     if loss_check is not None:

@@ -99,7 +99,6 @@ class PreferenceRecordingStep:
         """The step's loss function, and what it scored: every pair, through the functions the step's loss calls
         (qvl.training.preference's `side_logps` and `pair_losses`, on its own arguments), step 1's token losses."""
         from qvl.training import preference as step_code
-        from qvl.training.preference_loss import PairLogps
 
         result = loss_func(output_tensor)
         layout, loss_mask, settings, reference = loss_func.args  # qvl.training.preference.preference_loss's
@@ -109,15 +108,7 @@ class PreferenceRecordingStep:
             record.token_losses = output_tensor.detach().reshape(-1).clone()
             record.loss_mask = loss_mask.detach().reshape(-1).clone()
         logps = step_code.side_logps(output_tensor, loss_mask, layout).detach()
-        reference = layout.reference if reference is None else reference
-        scored = PairLogps(
-            chosen=logps[layout.chosen],
-            rejected=logps[layout.rejected],
-            chosen_tokens=layout.tokens[layout.chosen],
-            rejected_tokens=layout.tokens[layout.rejected],
-            ref_chosen=None if reference is None else reference[layout.chosen],
-            ref_rejected=None if reference is None else reference[layout.rejected],
-        )
+        scored = step_code.pair_logps(layout, logps, reference)
         losses, metrics = step_code.pair_losses(scored, settings)
         reference = settings.needs_reference
         for k in range(layout.pairs):

@@ -19,8 +19,10 @@ definition) is off; where qvl's run adds Megatron-Core's, weighed per pair as qv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,11 +329,24 @@ def run_trl(
 ) -> tuple[Recording, Scores]:
     """Train `steps` (each the pairs of one qvl step) with TRL; what it did, and what it scored."""
     accumulation = items_per_step(steps, "pairs", "TRL")
-    with _single_process():
+    with _single_process(), _without_telemetry():
         trainer, record = _trainer(hf_path, [p for step in steps for p in step], settings, loss, output_dir,
                                    accumulation, adapters=adapters, moe_aux=moe_aux)  # fmt: skip
         trainer.train()
     return _recording(trainer, record, adapters), record.scores
+
+
+@contextlib.contextmanager
+def _without_telemetry():
+    """TRL's trainers report their use to the Hugging Face Hub when built (huggingface_hub's telemetry); a local
+    check sends nothing, unless the user's environment already decided (HF_HUB_DISABLE_TELEMETRY)."""
+    saved = os.environ.get("HF_HUB_DISABLE_TELEMETRY")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("HF_HUB_DISABLE_TELEMETRY", None)
 
 
 def _trainer(hf_path, pairs, settings, loss, output_dir, accumulation, *, adapters, moe_aux):
