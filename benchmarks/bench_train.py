@@ -27,12 +27,14 @@ real shapes need a CUDA GPU. Step 1 (allocator warm-up, kernel selection) is lef
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import pathlib
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +77,7 @@ class Setup:
     options: dict[str, object] = field(default_factory=dict)  # recipe options of every run (`--set KEY=VALUE`)
     profile: bool = False  # profile two extra steps of each base packed run (benchmarks/profile_breakdown.py)
     loader_only: bool = False  # no training: the loader's packs/s against what `qvl plan` says an H100 step needs
+    loader: bool = True  # after training: the loader's packs/s with and without workers
 
     @property
     def seq_lengths(self) -> tuple[int, ...]:
@@ -239,11 +242,13 @@ def variant_spec(
     return run_dir / "spec.json"
 
 
-def train_all(setup: Setup, specs: list[pathlib.Path]) -> list[dict]:
+def train_all(
+    setup: Setup, specs: list[pathlib.Path], on_result: Callable[[int, dict], None] | None = None
+) -> list[dict]:
     """Train the specs in child processes (Megatron state stays out of this one), and on a GPU each in its own: a
     finished pretrain() leaves its model and optimizer allocated (an H100 run measured the next run's peak on top
     of the last one's ~34 GiB, and a third run failed to allocate its gradient buffer). After a failed run the
-    rest go to a fresh process."""
+    rest go to a fresh process. `on_result(index, result)` is called as each run's result arrives, in order."""
     log, results = setup.out / "train_log.txt", [pathlib.Path(json.loads(p.read_text())["result"]) for p in specs]
     log.write_text("")
     for result in results:
@@ -257,6 +262,9 @@ def train_all(setup: Setup, specs: list[pathlib.Path]) -> list[dict]:
             f.write(done.stdout + done.stderr)
         if done.returncode not in (0, train_run.RESTART) or not results[specs.index(pending[0])].is_file():
             raise RuntimeError(f"training failed (exit {done.returncode}); see {log}:\n{done.stderr[-3000:]}")
+        for index in range(len(specs) - len(pending), len(specs)):
+            if on_result is not None and results[index].is_file():
+                on_result(index, json.loads(results[index].read_text()))
     return [json.loads(result.read_text()) for result in results]
 
 
@@ -293,13 +301,17 @@ def benchmark(setup: Setup) -> dict:
         (setup.out / "bench_train.json").write_text(json.dumps(results, indent=2))
         return results
     specs = [variant_spec(setup, hf_path, datasets[v.seq_length], v.seq_length, v.mode, v) for v in setup.variants]
-    for variant, result in zip(setup.variants, train_all(setup, specs), strict=True):
+
+    def done(index: int, result: dict) -> None:  # written as each run ends: a time limit keeps the runs done
+        variant = setup.variants[index]
         results["variants"].append({"name": variant.name, "seq_length": variant.seq_length, "mode": variant.mode,
                                     "base": variant.base, "options": dict(variant.options),
                                     "groups_off": list(variant.groups_off), "result": result})  # fmt: skip
-    train_variants.summarize(results)
-    (setup.out / "bench_train.json").write_text(json.dumps(results, indent=2))  # the training figures, even if
-    for run in results["runs"]:  # the loader measurement below runs out of time
+        train_variants.summarize(results)
+        (setup.out / "bench_train.json").write_text(json.dumps(results, indent=2))
+
+    train_all(setup, specs, on_result=done)
+    for run in results["runs"] if setup.loader else []:  # after the training figures are written
         if "packed" in run:
             consumed = run["packed"].get("packs_per_s_consumed")
             results["loader"].append(loader_row(datasets[run["seq_length"]], hf_path, family, setup, consumed))
@@ -348,7 +360,8 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
 
 
 def default_setup(model: str, out: pathlib.Path, **overrides) -> Setup:
-    """Sizes per model: the tiny CPU run is seconds; real shapes train 8 packs per step, the runs of
+    """Sizes per model: the tiny CPU run is seconds; real shapes train 8 packs per step (6 steps unless a run says
+    otherwise), the runs of
     `train_variants.REAL_SHAPES` (4k packed and padded, 8k packed, compile on, CUDA graphs off)."""
     if model == "tiny":
         variants = tuple(map(train_variants.parse, train_variants.TINY))
@@ -358,7 +371,7 @@ def default_setup(model: str, out: pathlib.Path, **overrides) -> Setup:
         # one 80 GB GPU. On an H100 (benchmarks/RESULTS.md) the HF vision tower's activations did not fit at 4k
         # without vision recompute, and 8k packed did not fit even with it: its error is recorded as its result.
         variants = tuple(map(train_variants.parse, train_variants.REAL_SHAPES))
-        base = dict(variants=variants, steps=8, global_batch_size=8, samples=1000, num_workers=4, layers=12)
+        base = dict(variants=variants, steps=6, global_batch_size=8, samples=1000, num_workers=4, layers=12)
         base["options"] = {"vision_recompute": True}
     options = overrides.pop("options", None) or {}
     setup = Setup(model=model, out=out, **{**base, **{k: v for k, v in overrides.items() if v is not None}})
@@ -376,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--layers", type=int, help="cut the language model to K layers (the ViT stays whole)")
     parser.add_argument(
-        "--variants", nargs="+", metavar="SEQ:MODE[:KEY=VALUE][:-GROUP][:steps=N]",
+        "--variants", nargs="+", type=_variant, metavar="SEQ:MODE[:KEY=VALUE][:-GROUP][:steps=N]",
         help="the runs (benchmarks/train_variants.py; default: its REAL_SHAPES on a GPU, TINY with --model tiny)",
     )  # fmt: skip
     parser.add_argument(
@@ -396,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--loader-only", action="store_true", help="no training (CPU): loader packs/s vs the planner's H100 step"
     )
+    parser.add_argument("--no-loader", action="store_true", help="skip the loader's packs/s after training")
+    parser.add_argument(
+        "--rehearse", action="store_true",
+        help="on a CPU: each run's config at its real shapes, then the runs trained at tiny shapes (gpu.sh rehearse)",
+    )  # fmt: skip
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench/train"))
     parser.add_argument("--worker", type=pathlib.Path, nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -404,8 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     options = {k: getattr(args, k) for k in ("layers", "steps", "global_batch_size", "samples", "num_workers")}
     options["variants"] = cli_variants(args)
     setup = default_setup(args.model, args.out, **options)
-    setup.loader_only, setup.profile = args.loader_only, args.profile
+    setup.loader_only, setup.profile, setup.loader = args.loader_only, args.profile, not args.no_loader
     setup.options |= {key: parse_value(value) for key, value in map(split_pair, args.set)}
+    if args.rehearse:
+        return rehearse(setup)
     results = benchmark(setup)
     for row in results["loader"]:
         print(f"loader {row}")
@@ -423,14 +443,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _variant(text: str) -> Variant:
+    try:
+        return train_variants.parse(text)
+    except ValueError as error:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def cli_variants(args: argparse.Namespace) -> tuple[Variant, ...] | None:
     """The runs the command line asks for: --variants, or packed (and padded) runs at each --seq-length."""
     if args.variants:
-        return tuple(map(train_variants.parse, args.variants))
+        return tuple(args.variants)
     if args.seq_lengths:
         modes = ("packed",) if args.no_padded else train_variants.MODES
         return tuple(Variant(seq_length=n, mode=mode) for n in args.seq_lengths for mode in modes)
     return None
+
+
+def rehearse(setup: Setup) -> int:
+    """What a GPU call's training stage does before it trains, on a CPU (`gpu.sh rehearse`): each run's config built
+    at its real shapes from a few real-resolution samples (recipe options, groups left off, the dataset against the
+    recipe), then every run trained for two steps at tiny shapes (the tiny model, packs of a sixteenth of the length)."""
+    real = dataclasses.replace(setup, out=setup.out / "real", samples=12)
+    real.out.mkdir(parents=True, exist_ok=True)
+    hf_path = write_model_dir(real.out / "hf", real.model, real.layers)
+    jsonl, media = write_llava_like(real.out / "samples", real.samples, scale=1.0 if real.model != "tiny" else 0.25)
+    for variant in real.variants:
+        data = prepare_dataset(real, hf_path, jsonl, media, variant.seq_length)
+        spec = json.loads(variant_spec(real, hf_path, data, variant.seq_length, variant.mode, variant).read_text())
+        print(f"{variant.name}: {train_run.check_spec(spec)}")
+    tiny = [dataclasses.replace(v, seq_length=max(v.seq_length // 16, 256), steps=2) for v in setup.variants]
+    small = default_setup("tiny", setup.out / "tiny", variants=tuple(tiny))
+    small.options, small.profile, small.loader = dict(setup.options), setup.profile, False
+    results = benchmark(small)
+    failed = [v["name"] for v in results["variants"] if "error" in v["result"]]
+    print(f"tiny runs: {[v['name'] for v in results['variants']]}; failed: {failed}")
+    return 1 if failed or len(results["variants"]) != len(tiny) else 0
 
 
 if __name__ == "__main__":

@@ -2,13 +2,15 @@
 # The GPU figures in one command on a GPU machine without network, Megatron or TE (see benchmarks/README.md).
 #
 #   bash benchmarks/gpu.sh wheels   # on a machine with pip and a package index: the wheelhouse .whl/ (~52 MB)
-#   bash benchmarks/gpu.sh run [STAGE ...]  # on the GPU machine, .whl beside the code: install, then the stages:
-#                                           # tests attention vision train idle
+#   bash benchmarks/gpu.sh rehearse # on a CPU machine: everything a GPU call runs but the GPU work (REHEARSE=cheap:
+#                                   # no download, install or training; PYTHON: a Python 3.12 with torch)
+#   bash benchmarks/gpu.sh run [STAGE ...]  # on the GPU machine, .whl beside the code: install, then the stages
+#                                           # (default: the first planned call's): rotary tests attention vision
+#                                           # train idle py:SCRIPT
 #
-# `run` writes into $OUT (default .bench/gpu): log.txt (environment and every
-# stage's output), bench_attention.json, bench_vision_gpu.json, bench_train.json, bench_idle.json, train_log.txt and, with
-# BENCH_TRAIN_ARGS=--profile, profile.txt. Each stage has its own time limit, so a failing stage still
-# leaves the others' results.
+# `run` writes into $OUT (default .bench/gpu): log.txt (environment and every stage's output), bench_rotary_gpu.json,
+# bench_attention.json, bench_vision_gpu.json, bench_train.json, bench_idle.json, train_log.txt and profile.txt.
+# Each stage has its own time limit (`stage_seconds`), so a failing stage still leaves the others' results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +35,27 @@ SDIST_ONLY=(antlr4-python3-runtime==4.9.3)  # omegaconf's parser runtime: no whe
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
            manylinux1_x86_64)
 LIMIT_MIB=60  # what travels is capped at 64 MiB, the repository included
+# The planned device calls, in order: each one `run` of these stages, under 9 minutes with the set-up and all of them
+# under 13 (15 minutes of device time, a start included; `rehearse` checks both). Call 1 takes the training figures
+# (five runs, most wanted first: benchmarks/train_variants.py), call 2 the vision rotary's bandwidth and every
+# GPU-marked test.
+CALLS=("train" "rotary tests")
+SETUP_SECONDS=45  # install and environment probe before the stages (2026-11-26: ~30 s)
+
+stage_seconds() {  # a stage's time limit, seconds (the environment overrides)
+  case "$1" in
+    rotary) echo "${BENCH_ROTARY_SECONDS:-60}" ;;
+    tests) echo "${GPU_TESTS_SECONDS:-220}" ;;
+    attention) echo "${BENCH_ATTENTION_SECONDS:-60}" ;;
+    vision) echo "${BENCH_VISION_SECONDS:-120}" ;;
+    train) echo "${BENCH_TRAIN_SECONDS:-380}" ;;
+    idle) echo "${BENCH_IDLE_SECONDS:-420}" ;;
+    py:*) echo "${PY_SECONDS:-90}" ;;
+    *) echo "error: unknown stage '$1'; stages: rotary tests attention vision train idle py:SCRIPT" >&2; return 2 ;;
+  esac
+}
+TRAIN_ARGS=${BENCH_TRAIN_ARGS:---model qwen2_5_vl_3b --profile --no-loader}
+gpu_test_files() { grep -rl --include='test_*.py' 'mark.gpu' tests | sort; }  # the rest import launch-side packages
 
 wheels() {
   local python=${PYTHON:-python3} platform_args=() spec
@@ -51,22 +74,28 @@ wheels() {
   if (( mib > LIMIT_MIB )); then echo "error: .whl is ${mib} MiB, over ${LIMIT_MIB}; remove stale wheels" >&2; exit 1; fi
 }
 
+install_stack() {  # $1: scratch; the wheelhouse into $1/site (pip --no-index --no-deps --target), qvl as $1/src/qvl
+  local scratch=$1 python=${PYTHON:-python3}
+  [ -d .whl ] || { echo "error: no .whl/ here; run 'bash benchmarks/gpu.sh wheels' first and carry .whl" >&2; exit 1; }
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$scratch/site" \
+    .whl/*.whl || { echo "error: installing the wheelhouse failed" >&2; exit 1; }
+  # qvl itself: its folders are the subpackages of the `qvl` namespace (pyproject's package-dir), linked, not built.
+  mkdir -p "$scratch/src/qvl"
+  for d in $("$python" -c "import ast, re; print(*ast.literal_eval(re.search(r'LAYERS[^=]*= (\{[^}]*\})', open('foundation/__init__.py').read()).group(1)))"); do
+    ln -sfn "$PWD/$d" "$scratch/src/qvl/$d"
+  done
+}
+
 run() {
-  # Stages, in the order given (default: all): tests attention vision train. Each has its own time limit, so a
-  # failing or slow stage still leaves the others' results; pick stages so that one call ends inside 10 minutes.
+  # Stages, in the order given (default: the first planned call's). Each has its own time limit, so a failing or
+  # slow stage still leaves the others' results; `rehearse` checks that a planned call ends inside 9 minutes.
   local out=${OUT:-.bench/gpu} scratch=${SCRATCH:-$(mktemp -d)} stage  # scratch: the installed stack, qvl, runs
   local site=$scratch/site src=$scratch/src train=$scratch/bench_train
   local stages=("$@")
-  (( ${#stages[@]} )) || stages=(tests attention vision train)
+  (( ${#stages[@]} )) || read -ra stages <<<"${CALLS[0]}"
+  for stage in "${stages[@]}"; do stage_seconds "$stage" >/dev/null || exit 2; done
   mkdir -p "$out"
-  [ -d .whl ] || { echo "error: no .whl/ here; run 'bash benchmarks/gpu.sh wheels' first and carry .whl" >&2; exit 1; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
-    || { echo "error: installing the wheelhouse failed" >&2; exit 1; }
-  # qvl itself: its folders are the subpackages of the `qvl` namespace (pyproject's package-dir), linked, not built.
-  mkdir -p "$src/qvl"
-  for d in $(python3 -c "import ast, re; print(*ast.literal_eval(re.search(r'LAYERS[^=]*= (\{[^}]*\})', open('foundation/__init__.py').read()).group(1)))"); do
-    ln -sfn "$PWD/$d" "$src/qvl/$d"
-  done
+  install_stack "$scratch"
   export PYTHONPATH="$src:$site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   local log="$out/log.txt"  # what each stage prints, in one file (at most 8 files come back from a device run)
   { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader; nproc; } >"$log" 2>&1
@@ -81,41 +110,63 @@ print("device", torch.cuda.get_device_name(), "torch", torch.__version__, "cuda"
       "varlen kernel", _varlen_kernel() is not None, "keywords", sorted(_varlen_kernel()[1]) if _varlen_kernel() else None)
 EOF2
   for stage in "${stages[@]}"; do
-    echo "== $stage ($(date +%T))" | tee -a "$log"
+    local limit
+    limit=$(stage_seconds "$stage")
+    echo "== $stage ($(date +%T), limit ${limit} s)" | tee -a "$log"
     case "$stage" in
+      rotary)
+        timeout "$limit" python3 -m benchmarks.bench_rotary_gpu --out "$out" ${BENCH_ROTARY_ARGS:-} 2>&1 | tail -n 20 \
+          | tee -a "$log" ;;
       tests)
-        # every test module with GPU-marked tests (the rest import launch-side packages the image lacks)
-        timeout "${GPU_TESTS_SECONDS:-150}" python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider \
-          $(grep -rl --include='test_*.py' 'mark.gpu' tests | sort) 2>&1 | grep -vi "warn" | tail -n 150 | tee -a "$log" ;;
+        timeout "$limit" python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider $(gpu_test_files) 2>&1 \
+          | grep -vi "warn" | tail -n 150 | tee -a "$log" ;;
       attention)
-        timeout 60 python3 -m benchmarks.bench_attention 2>&1 | tail -n 20 >>"$log"
+        timeout "$limit" python3 -m benchmarks.bench_attention 2>&1 | tail -n 20 >>"$log"
         cp .bench/bench_attention.json "$out/" 2>/dev/null ;;
       vision)
-        timeout "${BENCH_VISION_SECONDS:-120}" python3 -m benchmarks.bench_vision_gpu --out "$out" ${BENCH_VISION_ARGS:-} \
-          2>&1 | tail -n 20 | tee -a "$log" ;;
-      train)
-        timeout "${BENCH_TRAIN_SECONDS:-330}" python3 -m benchmarks.bench_train --out "$train" ${BENCH_TRAIN_ARGS:-} \
-          2>&1 | tail -n 40 | tee -a "$log"
+        timeout "$limit" python3 -m benchmarks.bench_vision_gpu --out "$out" ${BENCH_VISION_ARGS:-} 2>&1 | tail -n 20 \
+          | tee -a "$log" ;;
+      train)  # bench_train.json is rewritten as each run ends: a run cut off by the limit loses only itself
+        timeout "$limit" python3 -m benchmarks.bench_train --out "$train" $TRAIN_ARGS 2>&1 | tail -n 40 | tee -a "$log"
         pkill -f "benchmarks.bench_train" 2>/dev/null  # a training child left by the time limit would hold the GPU
         cp "$train"/bench_train.json "$out/" 2>/dev/null
         for f in "$train"/run-*/result.json; do echo "$f: $(cat "$f")"; done 2>/dev/null >>"$log"  # each run, as done
         for f in "$train"/run-*-packed/profile.txt; do [ -f "$f" ] && cat "$f"; done >"$out/profile.txt" 2>/dev/null
         tail -c 1000000 "$train"/train_log.txt >"$out/train_log.txt" 2>/dev/null ;;
       idle)  # one run at 2, 4, 6, 8 packs per step: timers, allocator counters, GPU busy and idle per step
-        timeout "${BENCH_IDLE_SECONDS:-420}" python3 -m benchmarks.bench_idle --out "$scratch/idle" ${BENCH_IDLE_ARGS:-} \
-          2>&1 | tail -n 20 | tee -a "$log"
+        timeout "$limit" python3 -m benchmarks.bench_idle --out "$scratch/idle" ${BENCH_IDLE_ARGS:-} 2>&1 | tail -n 20 \
+          | tee -a "$log"
         pkill -f "benchmarks.bench_train" 2>/dev/null
         cp "$scratch"/idle/bench_idle.json "$out/" 2>/dev/null ;;
       py:*)  # a diagnostic script, in the same environment
-        timeout "${PY_SECONDS:-90}" python3 "${stage#py:}" 2>&1 | grep -v "warn" | tail -n 60 | tee -a "$log" ;;
-      *) echo "error: unknown stage '$stage'; stages: tests attention vision train idle py:SCRIPT" >&2; exit 2 ;;
+        timeout "$limit" python3 "${stage#py:}" 2>&1 | grep -v "warn" | tail -n 60 | tee -a "$log" ;;
     esac
   done
   ls -la "$out"
 }
 
+rehearse() {
+  # On a CPU machine, what the planned calls run except the GPU work (benchmarks/gpu_rehearsal.py): the wheelhouse
+  # (downloaded first where missing) within the size limit, installed into a scratch prefix as `run` installs it,
+  # each stage's own command with its arguments at tiny shapes (imports logged against what the GPU image holds),
+  # and the stage limits of each call under 9 minutes. REHEARSE=cheap: no download, install or training.
+  local mode=${REHEARSE:-full} scratch=${SCRATCH:-} seconds=() stage call
+  if [ -z "$scratch" ]; then scratch=$(mktemp -d); trap "rm -rf '$scratch'" EXIT; fi
+  for call in "${CALLS[@]}"; do
+    for stage in $call; do seconds+=("$stage=$(stage_seconds "$stage")") || exit 2; done
+  done
+  if [ "$mode" = full ]; then
+    [ -d .whl ] || wheels
+    install_stack "$scratch"
+  fi
+  "${PYTHON:-python3}" -m benchmarks.gpu_rehearsal --mode "$mode" --scratch "$scratch" --limit-mib "$LIMIT_MIB" \
+    --setup-seconds "$SETUP_SECONDS" --seconds "${seconds[@]}" --calls "${CALLS[@]}" \
+    --wheels "${WHEELS[@]}" "${SDIST_ONLY[@]}" --train-args "$TRAIN_ARGS" --whl "${WHL:-.whl}" --test-files $(gpu_test_files)
+}
+
 case "${1:-}" in
   wheels) wheels ;;
   run) shift; run "$@" ;;
-  *) echo "usage: bash benchmarks/gpu.sh wheels|run   (see benchmarks/README.md)" >&2; exit 2 ;;
+  rehearse) rehearse ;;
+  *) echo "usage: bash benchmarks/gpu.sh wheels|rehearse|run   (see benchmarks/README.md)" >&2; exit 2 ;;
 esac

@@ -4,12 +4,14 @@ ways, data wait, peak memory next to `qvl plan`. `benchmarks/bench_train.py` wri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import pathlib
 import time
 from dataclasses import dataclass, fields
+from unittest import mock
 
 import numpy as np
 import torch
@@ -213,7 +215,7 @@ def train_once(spec: dict) -> dict:
     callbacks.register("on_train_step_end", groups.step_end)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with patches.applied(*groups.training):  # what `qvl train`'s loop applies on this device, less `groups_off`
+    with patches.applied(*groups.training), padded_checks(spec):  # as `qvl train`'s loop, less `groups_off`
         pretrain(config, forward_step, callbacks=callbacks)
     if anatomy is not None:
         return {"schedule": spec["schedule"], "steps": anatomy.steps}
@@ -248,11 +250,11 @@ class RunGroups:
     applied: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, config, *, off) -> RunGroups:
-        """The groups of a run of `config` on this process's device, less `off`."""
+    def of(cls, config, *, off, device: str | None = None) -> RunGroups:
+        """The groups of a run of `config` on `device` (default: this process's), less `off`."""
         from qvl.kernels import switch
 
-        target = switch.Target.of(config)
+        target = switch.Target.of(config, device=device)
         unknown = set(off) - set(patches.GROUPS)
         if unknown:
             raise ValueError(f"no patch group {sorted(unknown)}; groups: {', '.join(patches.GROUPS)}")
@@ -275,6 +277,35 @@ class RunGroups:
             graphs["created"] = bool(_CudagraphGlobalRecord.cudagraph_created)
         return {"decided_on": list(self.decided), "applied_around_loop": list(self.training),
                 "applied_in_step_1": list(self.applied), "left_off": list(self.off), "cuda_graphs": graphs}  # fmt: skip
+
+
+def padded_checks(spec: dict) -> contextlib.AbstractContextManager:
+    """The padded baseline reads the packed dataset's samples one per micro-batch, at its own seq_length (the longest
+    sample) and global batch (as many samples as a packed step holds): the check of the dataset against the recipe
+    (packs no longer than seq_length, the DP plan's global batch; qvl.recipes.datasets) is for packed runs."""
+    if spec["mode"] != "padded":
+        return contextlib.nullcontext()
+    return mock.patch("qvl.recipes.base.check_dataset_matches_recipe", lambda config: None)
+
+
+def check_spec(spec: dict) -> dict:
+    """What `train_once` does before training, for a CUDA run of `spec` on any machine (`bench_train --rehearse`):
+    the config built and validated as Megatron-Bridge's loop validates it (the dataset against the recipe), and the
+    patch groups a CUDA run of it applies, less those the spec leaves off."""
+    from qvl.foundation import megatron
+    from qvl.training.loop import TrainRequest, prepare_config
+
+    megatron.import_megatron_bridge()
+    from megatron.bridge.training.config import runtime_config_update
+
+    request = TrainRequest(recipe=spec["recipe"], overrides=spec["overrides"], run_dir=pathlib.Path(spec["run_dir"]),
+                           model="tiny" if spec["tiny"] else None)  # fmt: skip
+    _, config = prepare_config(request, cpu=False)
+    with padded_checks(spec):
+        runtime_config_update(config)  # what pretrain() does first: mixed precision resolved, then validate()
+    groups = RunGroups.of(config, off=spec.get("groups_off", ()), device="cuda")
+    return {"seq_length": config.model.seq_length, "global_batch_size": config.train.global_batch_size,
+            "train_iters": config.train.train_iters, "groups_around_loop": list(groups.training)}  # fmt: skip
 
 
 def _attach_anatomy(spec: dict, config, callbacks):
