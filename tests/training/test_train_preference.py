@@ -23,7 +23,7 @@ from qvl.foundation.families import FAMILIES
 from qvl.training.loop import read_losses
 from tests.run_qvl import left_as_found, qvl_in_process
 
-STEPS = 4
+STEPS = 3
 # Every pair of the small sample set in each step (global_batch_size: its packs, added per family) at a learning rate
 # that moves a tiny model.
 OPTIONS = {
@@ -81,7 +81,7 @@ def preference_run(request, tmp_path_factory) -> PreferenceRun:
     else:
         hf, megatron = write_tiny_hf_checkpoint(root / "hf", family), root / "megatron"
         qvl_in_process("convert", "import", str(hf), str(megatron), "--dtype", "fp32", "--device", "cpu")
-    jsonl, media = write_preference_samples(root / "pairs", format=FORMAT[family], count=8)
+    jsonl, media = write_preference_samples(root / "pairs", format=FORMAT[family], count=4)
     prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", family, "--hf-path", str(hf)]
     qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(root / "data"))
     packs = json.loads((root / "data" / "report.json").read_text())["packed_sequences"]
@@ -91,7 +91,7 @@ def preference_run(request, tmp_path_factory) -> PreferenceRun:
     qvl_in_process("reference", full, *common)
     qvl_in_process("train", full, *common, "--run-dir", str(root / "full"))
     resumed = _resume_through_python(full, root / "full", root / "resumed", common)
-    adapters = [recipe(family, "dpo_peft"), *common, "reference=adapters", "lr=1e-2", "adapter_rank=8"]
+    adapters = [recipe(family, "dpo_peft"), *common, "reference=adapters", "lr=2e-3", "adapter_rank=8"]
     qvl_in_process("train", *adapters, "--run-dir", str(root / "adapters"))
     # the same command again, from the adapter run's step-2 checkpoint (as a job stopped there leaves it)
     _copy_step(root / "adapters" / "checkpoints", root / "adapters-resumed" / "checkpoints", step=2)
@@ -101,7 +101,7 @@ def preference_run(request, tmp_path_factory) -> PreferenceRun:
 
 
 def _resume_through_python(name: str, run: Path, resumed: Path, common: list[str]) -> Path:
-    """The run as a job stopped after step 2 leaves it, resumed by the Python API: steps 3 and 4."""
+    """The run as a job stopped after step 2 leaves it, resumed by the Python API: step 3."""
     from qvl.recipes.registry import get_recipe
     from qvl.training import train
 
@@ -149,8 +149,8 @@ def test_dpo_starts_at_log_2_its_loss_falls_and_its_reward_accuracy_rises(prefer
 @pytest.mark.parametrize("preference_run", list(FAMILIES), indirect=True)
 def test_a_dpo_run_resumed_from_its_step_2_checkpoint_reproduces_every_value_exactly(preference_run):
     resumed, run = _records(preference_run.resumed), _records(preference_run.run)
-    assert sorted(resumed) == [3, 4], resumed
-    assert resumed == {step: run[step] for step in (3, 4)}  # loss, rewards and log-probs, floats compared exactly
+    assert sorted(resumed) == [3], resumed
+    assert resumed == {3: run[3]}  # loss, rewards and log-probs, floats compared exactly
 
 
 @pytest.mark.slow
@@ -160,14 +160,14 @@ def test_dpo_on_adapters_with_the_adapters_switched_off_as_reference_trains_and_
     assert records[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # adapters start as a zero update
     assert records[STEPS]["loss"] < records[1]["loss"], records
     resumed = _records(preference_run.adapters.with_name("adapters-resumed"))
-    assert resumed == {step: records[step] for step in (3, 4)}  # resumed from step 2: bit for bit
+    assert resumed == {3: records[3]}  # resumed from step 2: bit for bit
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preference_run", ["qwen2_5_vl"], indirect=True)
 def test_both_ways_to_the_reference_give_the_same_losses(preference_run, tmp_path):
     """The adapter recipe against the precomputed reference (the base model's log-probs) instead of adapters off."""
-    args = [recipe("qwen2_5_vl", "dpo_peft"), *preference_run.common, "lr=1e-2", "adapter_rank=8"]
+    args = [recipe("qwen2_5_vl", "dpo_peft"), *preference_run.common, "lr=2e-3", "adapter_rank=8"]
     qvl_in_process("train", *args, "--run-dir", str(tmp_path / "precomputed"))
     precomputed, adapters_off = read_losses(tmp_path / "precomputed"), read_losses(preference_run.adapters)
     assert precomputed == pytest.approx(adapters_off, abs=1e-6), (precomputed, adapters_off)
@@ -201,7 +201,8 @@ def test_a_killed_reference_pass_resumes_to_the_same_table(preference_run, tmp_p
     (partial / "rank-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"pack": 9')  # torn
     common = [a if not a.startswith("data=") else f"data={data}" for a in preference_run.common]
     log = qvl_in_process("reference", recipe("qwen2_5_vl", "dpo"), *common)
-    assert "3 of this replica's 5 packs to go (2 done before)" in log, log[-2000:]
+    packs = len(set(whole["pack"].tolist()))
+    assert f"{packs - 2} of this replica's {packs} packs to go (2 done before)" in log, log[-2000:]
     with np.load(data / "reference" / TABLE) as table:
         for key, value in whole.items():
             np.testing.assert_allclose(table[key], value, rtol=0, atol=1e-9)
