@@ -233,6 +233,7 @@ def variant_spec(
             "warmup_iters": 1,
             "save_interval": 10**6,
             "log_interval": 10**6,
+            "cuda_graphs": True,  # every speed group on (the switch leaves it off where the device is not CUDA)
             **setup.options,
             **dict(variant.options),
         },

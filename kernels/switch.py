@@ -45,6 +45,7 @@ class Target:
     mtp: bool | None = None  # multi-token-prediction layers trained
     peft: bool | None = None  # adapters (LoRA, DoRA)
     preference: bool | None = None  # a preference stage (DPO and its variants) of an MoE model
+    cuda_graphs: bool | None = None  # the run asks for its layers as CUDA graphs (recipe option cuda_graphs)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -74,6 +75,7 @@ class Target:
             else None,
             mtp=bool(getattr(model, "mtp_num_layers", None)) if known else None,
             peft=getattr(config, "peft", None) is not None if known else None,
+            cuda_graphs=bool(getattr(getattr(config, "qvl", None), "cuda_graphs", False)) if known else None,
             preference=bool(getattr(getattr(config, "qvl", None), "preference", None))
             and bool(getattr(model, "num_moe_experts", None))
             if known
@@ -130,9 +132,10 @@ RULES: tuple[Rule, ...] = (
     Rule(group="speed-sync-free", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
     Rule(group="speed-cross-entropy", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
     Rule(group="speed-cuda-graphs", scope="training",
-         condition="the run's device is CUDA and neither Transformer Engine nor Apex is installed (the layers then "
-                   "read nothing back to the host, qvl's whole-pack rotary among them, so they can be captured)",
-         on=lambda t: t.device == "cuda" and t.torch_adam),
+         condition="the run asks for it (cuda_graphs=true), its device is CUDA and neither Transformer Engine nor Apex "
+                   "is installed (the layers then read nothing back to the host, qvl's whole-pack rotary among them, "
+                   "so they can be captured)",
+         on=lambda t: _both(t.cuda_graphs, t.device == "cuda" and t.torch_adam)),
     # read when a model's layers are built and its config validated (before the loop): applied from the first
     # provider qvl fixes for the rest of the process (qvl.kernels.torch_wgrad_accum.provide_kernels)
     Rule(group="torch-wgrad-accum", scope="training", condition="Apex is not installed",

@@ -70,6 +70,9 @@ class QvlTrainingConfig:
     # (qvl.kernels.speed_hf_vision.compile_vision_blocks); eager elsewhere. Off until its bf16 parity tests have run on
     # a GPU (tests/kernels/test_vision_compile.py).
     compile: bool = False
+    # The language model's layers replayed as CUDA graphs (qvl.kernels.speed_cuda_graphs; the switch applies the group
+    # on CUDA without TE or Apex). Off until the graphs' GPU test has passed on a GPU.
+    cuda_graphs: bool = False
     # A preference stage's loss and reference (qvl.recipes.preference); None trains the language-model loss (pretraining,
     # SFT, PEFT). The training loop picks its forward step by it (qvl.training.loop.stage_step).
     preference: PreferenceConfig | None = None
@@ -136,6 +139,7 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
             vision_balance=o.vision_balance,
             vision_recompute=o.vision_recompute,
             compile=o.compile,
+            cuda_graphs=o.cuda_graphs,
             preference=preference,
         ),
         model=model,

@@ -34,7 +34,8 @@ def test_a_rule_whose_group_left_the_registry_is_dropped(monkeypatch):
 
 
 def test_the_answer_is_the_targets_not_this_machines():
-    bare_gpu = Target(device="cuda", hf_vision_tower=True, gated_delta_net=False, mtp=False, peft=False)
+    bare_gpu = Target(device="cuda", hf_vision_tower=True, gated_delta_net=False, mtp=False, peft=False,
+                      cuda_graphs=True)  # fmt: skip
     assert switch.training_groups(bare_gpu) == (
         "fix-megatron-setup", "fix-adam-resume", "speed-optimizer", "speed-rotary", "speed-sync-free",
         "speed-cross-entropy", "speed-cuda-graphs", "torch-wgrad-accum", "speed-hf-vision",
@@ -46,8 +47,9 @@ def test_the_answer_is_the_targets_not_this_machines():
     cpu = dataclasses.replace(bare_gpu, device="cpu")
     assert switch.training_groups(cpu)[0] == "cpu-training" and switch.is_on("cpu-runtime", cpu)
     assert not switch.is_on("cpu-runtime", bare_gpu)
-    # CUDA graphs: on a CUDA device only, and only where qvl's layers read nothing back (no TE, no Apex)
+    # CUDA graphs: asked for, on a CUDA device only, and only where qvl's layers read nothing back (no TE, no Apex)
     assert switch.is_on("speed-cuda-graphs", bare_gpu) and not switch.is_on("speed-cuda-graphs", cpu)
+    assert not switch.is_on("speed-cuda-graphs", dataclasses.replace(bare_gpu, cuda_graphs=False))
     assert not switch.is_on("speed-cuda-graphs", with_te)
     assert not switch.is_on("speed-cuda-graphs", dataclasses.replace(bare_gpu, apex=True))
     qwen35 = dataclasses.replace(bare_gpu, hf_vision_tower=False, gated_delta_net=True)
