@@ -163,6 +163,12 @@ def run_training(request: TrainRequest) -> Path:
     if cpu:  # switched on before any of Megatron is built, as train() would
         runtime.activate(force=True)
         runtime.enable_bridge_training()
+    # The config lives in a callee's frame, not in this one: importing Megatron-Bridge (here or while the recipe
+    # builds) leaves the frames it ran under referenced for good, and this frame's last locals with them.
+    return _train_request(request, cpu)
+
+
+def _train_request(request: TrainRequest, cpu: bool) -> Path:
     info, config = prepare_config(request)
     check_inputs(info, config, request.run_dir)
     return train(
@@ -269,8 +275,47 @@ def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: s
     # One rule for every launch (torchrun, srun starting each rank, one process), set for this loop only: the
     # process group outlives the loop and holds the port, so a process started afterwards from here must not
     # inherit it.
-    with rendezvous_environment(), switch.applied_for_training(switch.Target.of(config)):
-        run_loop(config, forward_step, callbacks=callbacks)
+    trained = _TrainedModel()
+    callbacks.register("on_train_start", trained)
+    try:
+        with rendezvous_environment(), switch.applied_for_training(switch.Target.of(config)):
+            run_loop(config, forward_step, callbacks=callbacks)
+    finally:
+        trained.release()
+
+
+class _TrainedModel:
+    """on_train_start callback that keeps the loop's model chunks, so that the loop's end can release them.
+
+    Megatron-Core's DDP hooks each parameter's gradient accumulator (a C++ autograd node) with a closure over the DDP
+    module, and keeps the accumulators: a cycle through C++ that Python's collector cannot see, so a finished run's
+    model, optimizer and process groups (two gloo threads and a TCP loop each, ~20 groups per run) would live as long
+    as the process: a notebook or a test process running loop after loop gathered thousands of threads. Emptying the
+    accumulators' hook dictionaries (the dictionary a new hook's handle names) breaks the cycle; the loop's state
+    then lets go of what Megatron-Bridge resets between in-process restarts (its TensorBoard writer and thread, the
+    config's references to the optimizer)."""
+
+    def __init__(self):
+        self.model: list = []
+        self.state: Any = None
+
+    def __call__(self, context) -> None:
+        self.model, self.state = list(context.model), context.state
+
+    def release(self) -> None:
+        if self.state is not None:
+            self.state.reset_for_restart()
+            self.state = None
+        for chunk in self.model:
+            accumulators = getattr(chunk, "grad_accs", [])
+            for accumulator in accumulators:
+                accumulator.register_hook(_no_hook).hooks_dict_ref().clear()
+            accumulators.clear()
+        self.model = []
+
+
+def _no_hook(*_: Any) -> None:
+    return None
 
 
 def read_losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
