@@ -128,23 +128,17 @@ def _stages(out: Path, device: list[str], steps: int, recipes: DemoRecipes) -> l
             args=["train", *train, "--model", "tiny", "--run-dir", str(run), *device],
             artifact=run,
         ),
-        Stage(
-            name="export Megatron -> HF",
-            args=["convert", "export", str(run), str(export), *device],  # the run keeps its HF side
-            artifact=export,
-        ),
-        Stage(
-            name="verify export",
-            args=[
-                "convert",
-                "verify",
-                str(export),
-                str(run / "checkpoints"),
-                "--report",
-                str(out / "verify-export.json"),
-                *device,
-            ],
-        ),
+        *export_stages(run, export, out / "verify-export.json", device, what="SFT"),
+    ]
+
+
+def export_stages(run: Path, export: Path, report: Path, device: list[str], *, what: str) -> list[Stage]:
+    """A training run exported to HF (the run keeps its HF side) and the export checked against the trained
+    checkpoint."""
+    verify = ["convert", "verify", str(export), str(run / "checkpoints"), "--report", str(report), *device]
+    return [
+        Stage(name=f"export {what} -> HF", args=["convert", "export", str(run), str(export), *device], artifact=export),
+        Stage(name=f"verify {what} export", args=verify),
     ]
 
 
@@ -188,19 +182,7 @@ def preference_stages(out: Path, device: list[str], steps: int, recipes: DemoRec
             args=["train", *recipe, *training, "--model", "tiny", "--run-dir", str(run), *device],
             artifact=run,
         ),
-        Stage(name="export DPO -> HF", args=["convert", "export", str(run), str(export), *device], artifact=export),
-        Stage(
-            name="verify DPO export",
-            args=[
-                "convert",
-                "verify",
-                str(export),
-                str(run / "checkpoints"),
-                "--report",
-                str(out / "verify-dpo-export.json"),
-                *device,
-            ],
-        ),  # fmt: skip
+        *export_stages(run, export, out / "verify-dpo-export.json", device, what="DPO"),
     ]
 
 

@@ -251,17 +251,24 @@ def print_plan(name: str, plan: Any) -> None:
         )
 
 
-def run_train(args: argparse.Namespace) -> int:
-    from qvl.training.loop import TrainRequest, read_losses, run_training  # torch
+def train_request(args: argparse.Namespace, **extra: Any) -> Any:
+    """The TrainRequest of a `qvl train`-shaped command line (`qvl train`, `qvl reference`)."""
+    from qvl.training.loop import TrainRequest  # torch
 
-    request = TrainRequest(
+    return TrainRequest(
         recipe=args.recipe,
         overrides=parse_overrides(args.overrides).as_dict(),
         run_dir=Path(args.run_dir),
         model=args.model,
         device=args.device,
-        stop_after=args.stop_after,
+        **extra,
     )
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from qvl.training.loop import read_losses, run_training  # torch
+
+    request = train_request(args, stop_after=args.stop_after)
     # A full or vanished checkpoint folder fails inside Megatron's save (wrapped per rank by torch's distributed
     # checkpoint); the line names the folder and that the same command resumes from the last saved step.
     checkpoints = request.overrides.get("checkpoint_dir") or request.run_dir / "checkpoints"
@@ -276,16 +283,8 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_reference(args: argparse.Namespace) -> int:
-    from qvl.training.loop import TrainRequest  # torch
     from qvl.training.reference import run_reference as compute  # torch
 
-    request = TrainRequest(
-        recipe=args.recipe,
-        overrides=parse_overrides(args.overrides).as_dict(),
-        run_dir=Path(args.run_dir),
-        model=args.model,
-        device=args.device,
-    )
-    out = compute(request)
+    out = compute(train_request(args))
     print(f"reference log-probs in {out}; `qvl train {args.recipe} ...` with the same arguments reads them")
     return 0

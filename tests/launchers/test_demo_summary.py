@@ -20,8 +20,8 @@ def test_the_summary_fits_80_columns_one_line_per_stage(tmp_path):
         "verify conversion": {"seconds": 30, "artifact": "", "report": verify},
         "plan (7B SFT, 8 x H100)": {"seconds": 9, "artifact": ""},
         "train (SFT, tiny)": {"seconds": 160, "artifact": str(out / "train")},
-        "export Megatron -> HF": {"seconds": 20, "artifact": str(out / "export")},
-        "verify export": {"seconds": 25, "artifact": "", "report": verify},
+        "export SFT -> HF": {"seconds": 20, "artifact": str(out / "export")},
+        "verify SFT export": {"seconds": 25, "artifact": "", "report": verify},
     }
     console = Console(width=80, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
     console.print(summary_table(results, out, {"accepted": 48, "quarantined": 3}, {1: 6.349, 20: 4.905}, Table))

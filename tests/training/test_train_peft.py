@@ -13,7 +13,6 @@ experts as well, exported as `peft` LoRA on transformers' fused 3-D expert param
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from qvl.foundation.families import FAMILIES
 from qvl.training.loop import read_losses
 from tests.bridges.load_defects import skipped_vision_adapters, swapped_expert_adapters
 from tests.run_qvl import left_as_found, qvl_in_process, qvl_on_two_ranks
+from tests.stopped_job import copy_step
 
 STEPS = 4
 # The recipe options of every run (as `qvl train` arguments and as the Python API's keywords); each run also saves
@@ -98,7 +98,7 @@ def _resume_through_python(family: str, run: Path, resumed: Path, *, hf: Path, d
     from qvl.recipes.registry import get_recipe
     from qvl.training import train
 
-    _copy_step(run / "checkpoints", resumed / "checkpoints", step=2)
+    copy_step(run / "checkpoints", resumed / "checkpoints", step=2)
     config = get_recipe(peft_recipe(family)).fn(
         **OPTIONS, data=str(data), hf_path=str(hf), pretrained_checkpoint=str(megatron),
         adapter_targets=targets(family), tensor_parallel=1, pipeline_parallel=1, expert_parallel=1,
@@ -108,15 +108,6 @@ def _resume_through_python(family: str, run: Path, resumed: Path, *, hf: Path, d
     with left_as_found():
         train(config, run_dir=resumed, device="cpu")
     return resumed
-
-
-def _copy_step(checkpoints: Path, into: Path, *, step: int) -> None:
-    """A checkpoints folder holding `step` alone: its model/optimizer folder, its dataloader state, its trackers."""
-    name = f"iter_{step:07d}"
-    shutil.copytree(checkpoints / name, into / name)
-    shutil.copytree(checkpoints / "energon" / name, into / "energon" / name)
-    shutil.copy(checkpoints / name / "train_state.pt", into / "latest_train_state.pt")
-    (into / "latest_checkpointed_iteration.txt").write_text(str(step))
 
 
 @pytest.mark.slow
@@ -351,7 +342,7 @@ def test_expert_parallel_2_trains_the_expert_adapters_and_they_export(peft_run, 
 
 def _resumed_on_two_ranks(peft_run: PeftRun, run: Path, layout: str, resumed: Path) -> dict[int, float]:
     """The losses of `run` (two processes at `layout`) resumed from its step-2 checkpoint at the same layout."""
-    _copy_step(run / "checkpoints", resumed / "checkpoints", step=2)
+    copy_step(run / "checkpoints", resumed / "checkpoints", step=2)
     qvl_on_two_ranks("train", *peft_run.args, layout, "--run-dir", str(resumed))
     return read_losses(resumed)
 

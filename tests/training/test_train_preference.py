@@ -22,6 +22,7 @@ import pytest
 from qvl.foundation.families import FAMILIES
 from qvl.training.loop import read_losses
 from tests.run_qvl import left_as_found, qvl_in_process
+from tests.stopped_job import copy_step
 
 STEPS = 3
 # Every pair of the small sample set in each step (global_batch_size: its packs, added per family) at a learning rate
@@ -94,7 +95,7 @@ def preference_run(request, tmp_path_factory) -> PreferenceRun:
     adapters = [recipe(family, "dpo_peft"), *common, "reference=adapters", "lr=2e-3", "adapter_rank=8"]
     qvl_in_process("train", *adapters, "--run-dir", str(root / "adapters"))
     # the same command again, from the adapter run's step-2 checkpoint (as a job stopped there leaves it)
-    _copy_step(root / "adapters" / "checkpoints", root / "adapters-resumed" / "checkpoints", step=2)
+    copy_step(root / "adapters" / "checkpoints", root / "adapters-resumed" / "checkpoints", step=2)
     qvl_in_process("train", *adapters, "--run-dir", str(root / "adapters-resumed"))
     return PreferenceRun(family=family, hf=hf, data=root / "data", megatron=megatron, run=root / "full",
                          resumed=resumed, adapters=root / "adapters", common=common)  # fmt: skip
@@ -106,7 +107,7 @@ def _resume_through_python(name: str, run: Path, resumed: Path, common: list[str
     from qvl.training import train
 
     into = resumed / "checkpoints"
-    _copy_step(run / "checkpoints", into, step=2)
+    copy_step(run / "checkpoints", into, step=2)
     options = dict(arg.split("=", 1) for arg in common if "=" in arg)
     config = get_recipe(name).fn(
         **OPTIONS, global_batch_size=int(options["global_batch_size"]), data=options["data"],
@@ -117,15 +118,6 @@ def _resume_through_python(name: str, run: Path, resumed: Path, common: list[str
     with left_as_found():
         train(config, run_dir=resumed, device="cpu")
     return resumed
-
-
-def _copy_step(checkpoints: Path, into: Path, *, step: int) -> None:
-    """A checkpoints folder holding `step` alone, with its dataloader state and trackers (a job stopped there)."""
-    name = f"iter_{step:07d}"
-    shutil.copytree(checkpoints / name, into / name)
-    shutil.copytree(checkpoints / "energon" / name, into / "energon" / name)
-    shutil.copy(checkpoints / name / "train_state.pt", into / "latest_train_state.pt")
-    (into / "latest_checkpointed_iteration.txt").write_text(str(step))
 
 
 def _records(run: Path) -> dict[int, dict]:
