@@ -6,6 +6,7 @@ conversion, parity checks). Cluster jobs go through NeMo-Run executors instead.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import tempfile
@@ -143,3 +144,7 @@ def destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # A gloo group's threads (two and a TCP loop) end when the group object goes; models and optimizers of a finished
+    # run still naming their groups in reference cycles would keep them until a full collection, which a process
+    # that has frozen its imports' objects (qvl.foundation.megatron.gc_paused) seldom reaches on its own.
+    gc.collect()

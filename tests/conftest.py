@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import gc
 import os
+from pathlib import Path
 
 import pytest
 
@@ -96,12 +98,28 @@ def _logger_states() -> dict:
     return {name: (log, log.disabled, log.propagate, list(log.filters)) for name, log in loggers.items()}
 
 
+def _gloo_threads() -> int:
+    """Threads of this process's gloo process groups (two per group and a TCP loop; Linux's /proc)."""
+    tasks = Path("/proc/self/task")
+    names = (_read(task / "comm") for task in tasks.iterdir()) if tasks.is_dir() else ()
+    return sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # the thread ended meanwhile
+        return ""
+
+
 @pytest.fixture(autouse=True)
 def process_left_as_found():
     """Each test leaves the process as it found it: upstream patch groups it applied are undone (model builds apply
     some for the rest of the process, as a training run does), a Megatron parallel state it started is destroyed,
     and the root and qvl loggers are restored (Megatron's setup_logging, run by every training loop, adds a filter
-    that drops WARNING records to every existing logger), so no test depends on the order."""
+    that drops WARNING records to every existing logger), so no test depends on the order; and where the test left
+    more gloo threads than it found, a collection ends the groups its objects' reference cycles still held (the
+    threads of hundreds of such groups took a test worker's two cores)."""
     import logging
     import sys
 
@@ -110,7 +128,10 @@ def process_left_as_found():
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     initialized = bool(parallel_state and parallel_state.model_parallel_is_initialized())
     loggers, disabled_below = _logger_states(), logging.root.manager.disable
+    gloo_threads = _gloo_threads()
     yield
+    if _gloo_threads() > gloo_threads:  # a model or optimizer of the test, in a cycle, still names its groups
+        gc.collect()
     logging.disable(disabled_below)
     for name, (log, disabled, propagate, filters) in _logger_states().items():
         log.disabled, log.propagate, log.filters = (*loggers[name][1:],) if name in loggers else (False, True, [])

@@ -8,6 +8,7 @@ runtime, so the whole training path runs on a laptop. Every step's loss is appen
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -282,6 +283,7 @@ def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: s
             run_loop(config, forward_step, callbacks=callbacks)
     finally:
         trained.release()
+        gc.collect()  # the rest of the run's cycles (PEFT's, the data pipeline's): their process groups' threads go now
 
 
 class _TrainedModel:
