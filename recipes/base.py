@@ -318,10 +318,19 @@ def _mtp_layers_at_start(o: RecipeOptions, configured: int) -> tuple[str, int]:
     says."""
     for option, path in (("checkpoint_dir", o.checkpoint_dir), ("pretrained_checkpoint", o.pretrained_checkpoint)):
         if path and (has_checkpoint(Path(path)) or (Path(path) / ".metadata").is_file()):
-            return f"{option}={path}", mtp_layer_count(checkpoint_tensor_names(Path(path), option))
+            names = checkpoint_tensor_names(Path(path), option)
+            if option == "checkpoint_dir" and o.pretrained_checkpoint and _adapters_alone(names):
+                continue  # a PEFT run saves its adapters alone: its base and MTP head stay the pretrained checkpoint's
+            return f"{option}={path}", mtp_layer_count(names)
     if Path(o.hf_path).is_dir() and any(Path(o.hf_path).glob("*.safetensors")):
         return f"hf_path={o.hf_path}", mtp_layer_count(checkpoint_mtp_names(Path(o.hf_path)))
     return f"hf_path={o.hf_path}", configured
+
+
+def _adapters_alone(names: list[str]) -> bool:
+    """True when a checkpoint's model tensors are adapters only (a PEFT run's own checkpoints)."""
+    model = [name for name in names if "/" not in name and not name.startswith(("optimizer.", "rng_state"))]
+    return bool(model) and all(".adapter." in name for name in model)
 
 
 def check_mtp_checkpoint(config: Any) -> None:
