@@ -5,9 +5,10 @@ from __future__ import annotations
 import collections
 import gc
 import os
-from pathlib import Path
 
 import pytest
+
+from tests.run_qvl import forget_destroyed_process_groups, gloo_threads
 
 # No test may reach a model hub; tiny models are built from configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -98,20 +99,6 @@ def _logger_states() -> dict:
     return {name: (log, log.disabled, log.propagate, list(log.filters)) for name, log in loggers.items()}
 
 
-def _gloo_threads() -> int:
-    """Threads of this process's gloo process groups (two per group and a TCP loop; Linux's /proc)."""
-    tasks = Path("/proc/self/task")
-    names = (_read(task / "comm") for task in tasks.iterdir()) if tasks.is_dir() else ()
-    return sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:  # the thread ended meanwhile
-        return ""
-
-
 @pytest.fixture(autouse=True)
 def process_left_as_found():
     """Each test leaves the process as it found it: upstream patch groups it applied are undone (model builds apply
@@ -128,7 +115,7 @@ def process_left_as_found():
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     initialized = bool(parallel_state and parallel_state.model_parallel_is_initialized())
     loggers, disabled_below = _logger_states(), logging.root.manager.disable
-    gloo_threads = _gloo_threads()
+    threads = gloo_threads()
     yield
     logging.disable(disabled_below)
     for name, (log, disabled, propagate, filters) in _logger_states().items():
@@ -140,7 +127,7 @@ def process_left_as_found():
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state and not initialized and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if _gloo_threads() > gloo_threads:  # a model or optimizer of the test, in a cycle, still names its groups
+    if gloo_threads() > threads:  # a model or optimizer of the test, in a cycle, still names its groups
         gc.collect()
 
 
@@ -149,30 +136,12 @@ def module_left_as_found():
     """A test module leaves no process group behind: once its fixtures are gone, objects still naming a group
     already destroyed (a model kept by a cache, a data loader's worker config, a watchdog thread's dataset) let go of
     it."""
-    gloo_threads = _gloo_threads()
+    threads = gloo_threads()
     yield
-    if _gloo_threads() > gloo_threads:
+    if gloo_threads() > threads:
         gc.collect()
-        if _gloo_threads() > gloo_threads:
-            _forget_destroyed_process_groups()
-
-
-def _forget_destroyed_process_groups() -> None:
-    """Drop every reference that objects still alive hold to a process group already destroyed (no longer in
-    torch's registry), so the group and its threads go: each leftover gloo group's TCP loop polls on, ~0.6% of a core
-    apiece, and a test worker that gathered a few hundred spent a whole core on them."""
-    import torch
-
-    registry = torch.distributed.distributed_c10d._world.pg_map
-    stale = lambda value: isinstance(value, torch.distributed.ProcessGroup) and value not in registry  # noqa: E731
-    for holder in gc.get_objects():
-        if isinstance(holder, dict):
-            for key in [key for key, value in holder.items() if stale(value)]:
-                holder[key] = None
-        elif isinstance(holder, list):
-            for index in [index for index, value in enumerate(holder) if stale(value)]:
-                holder[index] = None
-    gc.collect()
+        if gloo_threads() > threads:
+            forget_destroyed_process_groups()
 
 
 @pytest.fixture

@@ -276,6 +276,10 @@ def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: s
     # One rule for every launch (torchrun, srun starting each rank, one process), set for this loop only: the
     # process group outlives the loop and holds the port, so a process started afterwards from here must not
     # inherit it.
+    if callbacks is None:
+        from megatron.bridge.training.callbacks import CallbackManager
+
+        callbacks = CallbackManager()
     trained = _TrainedModel()
     callbacks.register("on_train_start", trained)
     try:
