@@ -101,12 +101,13 @@ def forget_destroyed_process_groups() -> None:
     import torch
 
     registry = torch.distributed.distributed_c10d._world.pg_map
-    stale = lambda value: isinstance(value, torch.distributed.ProcessGroup) and value not in registry  # noqa: E731
+    group = torch.distributed.ProcessGroup
+    stale = lambda value: type(value) is group and value not in registry  # noqa: E731
     for holder in gc.get_objects():
-        if isinstance(holder, dict):
+        if type(holder) is dict:  # type(): isinstance() of a weak proxy whose object went raises
             for key in [key for key, value in holder.items() if stale(value)]:
                 holder[key] = None
-        elif isinstance(holder, list):
+        elif type(holder) is list:
             for index in [index for index, value in enumerate(holder) if stale(value)]:
                 holder[index] = None
     gc.collect()
