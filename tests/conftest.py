@@ -102,7 +102,8 @@ def _logger_states() -> dict:
 @pytest.fixture(autouse=True)
 def process_left_as_found():
     """Each test leaves the process as it found it: upstream patch groups it applied are undone (model builds apply
-    some for the rest of the process, as a training run does), a Megatron parallel state it started is destroyed,
+    some for the rest of the process, as a training run does), a Megatron parallel state and a process group it
+    started are destroyed,
     and the root and qvl loggers are restored (Megatron's setup_logging, run by every training loop, adds a filter
     that drops WARNING records to every existing logger), so no test depends on the order; and where the test left
     more gloo threads than it found, a collection ends the groups its objects' reference cycles still held (the
@@ -114,6 +115,7 @@ def process_left_as_found():
     applied = {g for g in patches.GROUPS if patches.is_applied(g)} if patches else set()
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     initialized = bool(parallel_state and parallel_state.model_parallel_is_initialized())
+    process_group = "torch" in sys.modules and sys.modules["torch"].distributed.is_initialized()
     loggers, disabled_below = _logger_states(), logging.root.manager.disable
     threads = gloo_threads()
     yield
@@ -127,6 +129,13 @@ def process_left_as_found():
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state and not initialized and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    torch = sys.modules.get("torch")
+    if torch is not None and not process_group and torch.distributed.is_initialized():
+        # The default group too: while it lives, every later Megatron layout (a training loop's) adds its ~20
+        # groups to torch's registry for good, and their gloo threads poll on.
+        from qvl.foundation.distributed import destroy_distributed
+
+        destroy_distributed()
     if gloo_threads() > threads:  # a model or optimizer of the test, in a cycle, still names its groups
         gc.collect()
 
