@@ -142,11 +142,19 @@ def process_left_as_found():
 
 @pytest.fixture(autouse=True, scope="module")
 def module_left_as_found():
-    """A test module leaves no process group behind: once its fixtures are gone, objects still naming a group
-    already destroyed (a model kept by a cache, a data loader's worker config, a watchdog thread's dataset) let go of
-    it."""
+    """A test module leaves no process group behind: a default group its fixtures began ends with it, and once its
+    fixtures are gone, objects still naming a group already destroyed (a model kept by a cache, a watchdog thread's
+    dataset) let go of it."""
+    import sys
+
     threads = gloo_threads()
+    process_group = "torch" in sys.modules and sys.modules["torch"].distributed.is_initialized()
     yield
+    torch = sys.modules.get("torch")
+    if torch is not None and not process_group and torch.distributed.is_initialized():  # one a module fixture began
+        from qvl.foundation.distributed import destroy_distributed
+
+        destroy_distributed()
     if gloo_threads() > threads:
         gc.collect()
         if gloo_threads() > threads:
