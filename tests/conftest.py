@@ -103,11 +103,9 @@ def _logger_states() -> dict:
 def process_left_as_found():
     """Each test leaves the process as it found it: upstream patch groups it applied are undone (model builds apply
     some for the rest of the process, as a training run does), a Megatron parallel state and a process group it
-    started are destroyed,
-    and the root and qvl loggers are restored (Megatron's setup_logging, run by every training loop, adds a filter
-    that drops WARNING records to every existing logger), so no test depends on the order; and where the test left
-    more gloo threads than it found, a collection ends the groups its objects' reference cycles still held (the
-    threads of hundreds of such groups took a test worker's two cores)."""
+    started are destroyed (`_end_process_groups`), and the root and qvl loggers are restored (Megatron's
+    setup_logging, run by every training loop, adds a filter that drops WARNING records to every existing logger),
+    so no test depends on the order."""
     import logging
     import sys
 
@@ -115,9 +113,8 @@ def process_left_as_found():
     applied = {g for g in patches.GROUPS if patches.is_applied(g)} if patches else set()
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     initialized = bool(parallel_state and parallel_state.model_parallel_is_initialized())
-    process_group = "torch" in sys.modules and sys.modules["torch"].distributed.is_initialized()
+    groups = _process_groups()
     loggers, disabled_below = _logger_states(), logging.root.manager.disable
-    threads = gloo_threads()
     yield
     logging.disable(disabled_below)
     for name, (log, disabled, propagate, filters) in _logger_states().items():
@@ -129,35 +126,44 @@ def process_left_as_found():
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state and not initialized and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    torch = sys.modules.get("torch")
-    if torch is not None and not process_group and torch.distributed.is_initialized():
-        # The default group too: while it lives, every later Megatron layout (a training loop's) adds its ~20
-        # groups to torch's registry for good, and their gloo threads poll on.
-        from qvl.foundation.distributed import destroy_distributed
-
-        destroy_distributed()
-    if gloo_threads() > threads:  # a model or optimizer of the test, in a cycle, still names its groups
-        gc.collect()
+    _end_process_groups(groups)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def module_left_as_found():
-    """A test module leaves no process group behind: a default group its fixtures began ends with it, and once its
-    fixtures are gone, objects still naming a group already destroyed (a model kept by a cache, a watchdog thread's
-    dataset) let go of it."""
+    """A test module leaves no process group behind: a default group its fixtures began ends with it, and objects
+    still naming a group already destroyed (a model kept by a cache, a watchdog thread's dataset) let go of it."""
+    groups = _process_groups()
+    yield
+    _end_process_groups(groups, forget=True)
+
+
+def _process_groups() -> tuple[bool, int]:
+    """(whether a default process group is up, this process's gloo threads): what a scope found."""
     import sys
 
-    threads = gloo_threads()
-    process_group = "torch" in sys.modules and sys.modules["torch"].distributed.is_initialized()
-    yield
     torch = sys.modules.get("torch")
-    if torch is not None and not process_group and torch.distributed.is_initialized():  # one a module fixture began
-        from qvl.foundation.distributed import destroy_distributed
+    return bool(torch and torch.distributed.is_initialized()), gloo_threads()
+
+
+def _end_process_groups(found: tuple[bool, int], *, forget: bool = False) -> None:
+    """End the default group a scope began: while it lives, every later Megatron layout (a training loop's) adds
+    its ~20 groups to torch's registry for good, and each gloo group's TCP loop polls at ~0.6% of a core (hundreds of
+    them took a worker's two cores). Where gloo threads still outnumber those found, collect (a model or optimizer in
+    a cycle still naming its groups) and, with `forget`, drop live objects' references to destroyed groups."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    was_up, threads = found
+    if not was_up and torch.distributed.is_initialized():
+        from qvl.foundation.distributed import destroy_distributed  # collects too
 
         destroy_distributed()
     if gloo_threads() > threads:
         gc.collect()
-        if gloo_threads() > threads:
+        if forget and gloo_threads() > threads:
             forget_destroyed_process_groups()
 
 
