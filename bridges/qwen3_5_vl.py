@@ -341,7 +341,7 @@ class Qwen35VLBridge(upstream_bridge.Qwen35VLBridge):
         return _from_checkpoint(provider, hf_pretrained.config)
 
     def mapping_registry(self) -> MegatronMappingRegistry:
-        return MegatronMappingRegistry(*super().mapping_registry().get_all_mappings(), *MTP_LOCAL_NORMS)
+        return MegatronMappingRegistry(*super().mapping_registry().get_all_mappings(), *mtp_local_norms())
 
 
 @MegatronModelBridge.register_bridge(
@@ -369,7 +369,7 @@ class Qwen35VLMoEBridge(upstream_bridge.Qwen35VLMoEBridge):
         finally:
             self.hf_pretrained = hf_pretrained
         experts = mtp_local_expert_mappings(keys or [])
-        return MegatronMappingRegistry(*upstream.get_all_mappings(), *MTP_LOCAL_NORMS, *experts)
+        return MegatronMappingRegistry(*upstream.get_all_mappings(), *mtp_local_norms(), *experts)
 
 
 def checkpoint_keys(hf_pretrained) -> list[str] | None:
@@ -395,10 +395,15 @@ class _KeysView:
 # Megatron-Bridge aliases TE's fused norm names to local ones only for `*.`-patterns; its MTP table is literal
 # (`mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.layer_norm_weight`), so the local names are mapped here.
 _MTP_LAYER = "language_model.mtp.layers.*.mtp_model_layer"
-MTP_LOCAL_NORMS = (
-    AutoMapping(megatron_param=f"{_MTP_LAYER}.input_layernorm.weight", hf_param="mtp.layers.*.input_layernorm.weight"),
-    AutoMapping(megatron_param=f"{_MTP_LAYER}.pre_mlp_layernorm.weight", hf_param="mtp.layers.*.post_attention_layernorm.weight"),
-)  # fmt: skip
+
+
+# New mappings per registry: a conversion records its process groups on the mappings it runs (Megatron-Bridge's
+# `pp_group`, `_tp_group`, ...), so module-level ones would keep a finished conversion's groups, threads and all.
+def mtp_local_norms() -> list:
+    return [
+        AutoMapping(megatron_param=f"{_MTP_LAYER}.input_layernorm.weight", hf_param="mtp.layers.*.input_layernorm.weight"),
+        AutoMapping(megatron_param=f"{_MTP_LAYER}.pre_mlp_layernorm.weight", hf_param="mtp.layers.*.post_attention_layernorm.weight"),
+    ]  # fmt: skip
 
 
 def mtp_local_expert_mappings(keys: list[str]) -> list:

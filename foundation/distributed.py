@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from qvl.foundation import runtime
+from qvl.foundation.patches import PRIVATE_READS
 from qvl.foundation.rendezvous import free_port
 
 
@@ -142,9 +143,28 @@ def destroy_distributed() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    forget_model_parallel_leftovers()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     # A gloo group's threads (two and a TCP loop) end when the group object goes; models and optimizers of a finished
     # run still naming their groups in reference cycles would keep them until a full collection, which a process
     # that has frozen its imports' objects (qvl.foundation.megatron.gc_paused) seldom reaches on its own.
     gc.collect()
+
+
+# Megatron-Core's destroy_model_parallel() resets every group it made but two (megatron-core 0.19.2), registered as
+# private names qvl overrides.
+LEFT_BY_DESTROY = tuple(r.attribute for r in PRIVATE_READS if r.used_in == __name__)
+
+
+def forget_model_parallel_leftovers() -> None:
+    """After Megatron's parallel state was destroyed, drop the two groups it still names (LEFT_BY_DESTROY): they keep
+    the default group's store listening on its port (the next run in the process that reuses the port fails with
+    EADDRINUSE) and their gloo threads polling. A no-op while the parallel state is up."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    for name in LEFT_BY_DESTROY:
+        if getattr(parallel_state, name, None) is not None:
+            setattr(parallel_state, name, None)

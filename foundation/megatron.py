@@ -20,6 +20,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -170,6 +171,10 @@ def import_megatron_bridge() -> types.ModuleType:
     """
     if all(name in sys.modules for name in ("megatron.core", "megatron.bridge", *_STAND_INS)):
         return sys.modules["megatron.bridge"]
+    return in_a_thread_of_its_own(_import_megatron_bridge)
+
+
+def _import_megatron_bridge() -> types.ModuleType:
     with gc_paused():
         importlib.import_module("megatron.core")  # decides HAVE_TE before anything else can
         sys.meta_path.insert(0, _FINDER)
@@ -180,6 +185,29 @@ def import_megatron_bridge() -> types.ModuleType:
         finally:
             sys.meta_path.remove(_FINDER)
     return bridge
+
+
+def in_a_thread_of_its_own(fn: Callable[[], Any]) -> Any:
+    """`fn()` run in a new thread, its result returned (its exception raised) here.
+
+    For first imports: modules imported under Megatron-Bridge keep the tracebacks of import errors they caught (pulp's
+    solver probes), and a traceback keeps every frame above it, so an import from a caller's frame would keep that
+    caller's locals (a config, a model, its process groups) for the life of the process. A new thread's stack holds
+    nothing of the caller's."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as err:  # noqa: BLE001  (raised again in the caller's thread)
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name="qvl-import")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def have_transformer_engine() -> bool:

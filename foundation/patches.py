@@ -307,6 +307,10 @@ STAND_INS: tuple[StandIn, ...] = (
 )  # fmt: skip
 
 PRIVATE_READS: tuple[PrivateRead, ...] = (
+    *(PrivateRead(target="megatron.core:parallel_state", attribute=name, used_in="qvl.foundation.distributed",
+                  version=MCORE, why="destroy_model_parallel() leaves these two groups set: qvl drops them after it, "
+                  "so a destroyed group's store, port and threads go")
+      for name in ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO")),
     PrivateRead(target="megatron.bridge.models.conversion.auto_bridge:AutoBridge", attribute="_model_bridge",
                 used_in="qvl.bridges.stream", version=MBRIDGE,
                 why="the streamed import needs the model bridge's conversion tasks without materialising the model"),

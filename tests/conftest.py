@@ -100,7 +100,7 @@ def _logger_states() -> dict:
 
 
 @pytest.fixture(autouse=True)
-def process_left_as_found():
+def process_left_as_found(request):
     """Each test leaves the process as it found it: upstream patch groups it applied are undone (model builds apply
     some for the rest of the process, as a training run does), a Megatron parallel state and a process group it
     started are destroyed (`_end_process_groups`), and the root and qvl loggers are restored (Megatron's
@@ -127,6 +127,9 @@ def process_left_as_found():
     if parallel_state and not initialized and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _end_process_groups(groups)
+    if log := os.environ.get("QVL_TEST_THREADS_LOG"):  # what each test left: `QVL_TEST_THREADS_LOG=FILE pytest ...`
+        with open(log, "a") as out:
+            out.write(f"{os.getpid()} {gloo_threads()} {len(os.listdir('/proc/self/task'))} {request.node.nodeid}\n")
 
 
 @pytest.fixture(autouse=True, scope="module")

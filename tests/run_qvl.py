@@ -55,6 +55,7 @@ def left_as_found(*, forget_groups: bool = True):
         if torch.distributed.is_initialized() and not was_initialized:
             distributed.destroy_distributed()
         if forget_groups and not torch.distributed.is_initialized() and gloo_threads() > threads:
+            gc.collect()
             forget_destroyed_process_groups()  # what the run's objects still name: their threads poll on otherwise
         if not was_active:
             runtime.deactivate()

@@ -20,6 +20,7 @@ import torch
 
 from qvl.bridges.checkpoints import check_megatron_checkpoint, has_checkpoint, keep_hf_side
 from qvl.foundation import megatron, runtime
+from qvl.foundation.distributed import forget_model_parallel_leftovers
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.rendezvous import rendezvous_environment
 from qvl.kernels import switch
@@ -164,9 +165,12 @@ def run_training(request: TrainRequest) -> Path:
     if cpu:  # switched on before any of Megatron is built, as train() would
         runtime.activate(force=True)
         runtime.enable_bridge_training()
-    # The config lives in a callee's frame, not in this one: importing Megatron-Bridge (here or while the recipe
-    # builds) leaves the frames it ran under referenced for good, and this frame's last locals with them.
-    return _train_request(request, cpu)
+    # The config lives in a callee's frame, so that it is garbage once the run returns: with PEFT it is in a cycle
+    # (Megatron-Bridge's pre-wrap hook on the provider closes over the run's state, which names the config), and the
+    # provider holds the run's process groups, so collect once that frame is gone.
+    run_dir = _train_request(request, cpu)
+    gc.collect()
+    return run_dir
 
 
 def _train_request(request: TrainRequest, cpu: bool) -> Path:
@@ -287,6 +291,7 @@ def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: s
             run_loop(config, forward_step, callbacks=callbacks)
     finally:
         trained.release()
+        forget_model_parallel_leftovers()
         gc.collect()  # the rest of the run's cycles (PEFT's, the data pipeline's): their process groups' threads go now
 
 
@@ -309,15 +314,20 @@ class _TrainedModel:
         self.model, self.state = list(context.model), context.state
 
     def release(self) -> None:
-        if self.state is not None:
-            self.state.reset_for_restart()
-            self.state = None
-        for chunk in self.model:
-            accumulators = getattr(chunk, "grad_accs", [])
-            for accumulator in accumulators:
-                accumulator.register_hook(_no_hook).hooks_dict_ref().clear()
-            accumulators.clear()
-        self.model = []
+        release_run(self.model, self.state)
+        self.model, self.state = [], None
+
+
+def release_run(model: list, state: Any) -> None:
+    """Let a finished run's model chunks and Megatron-Bridge state go (see _TrainedModel): the DDP gradient
+    accumulators' hooks emptied, the state reset as an in-process restart resets it. Collect afterwards."""
+    if state is not None:
+        state.reset_for_restart()
+    for chunk in model:
+        accumulators = getattr(chunk, "grad_accs", [])
+        for accumulator in accumulators:
+            accumulator.register_hook(_no_hook).hooks_dict_ref().clear()
+        accumulators.clear()
 
 
 def _no_hook(*_: Any) -> None:

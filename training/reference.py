@@ -17,6 +17,7 @@ table and its source (dataset and checkpoint fingerprints) and a training run re
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import shutil
@@ -32,10 +33,11 @@ import torch
 
 from qvl.data.reference import ReferenceSource, read_source, write_reference
 from qvl.foundation import megatron, runtime
+from qvl.foundation.distributed import forget_model_parallel_leftovers
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.rendezvous import rendezvous_environment
 from qvl.kernels import switch
-from qvl.training.loop import TrainRequest, check_writable, prepare_config
+from qvl.training.loop import TrainRequest, check_writable, prepare_config, release_run
 
 logger = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 30.0  # seconds between progress lines
@@ -116,7 +118,10 @@ def compute_reference(config: Any, run: ReferenceRun, *, device: str = "auto") -
         try:
             _forward_pass(config, built.model, run)
         finally:
+            release_run(built.model, state)  # its DDP model, optimizer and process groups go with the pass
+            del built, state
             _teardown(should_destroy)
+            gc.collect()
 
 
 def _no_datasets(*_: Any, **__: Any) -> tuple[None, None, None]:
@@ -130,6 +135,7 @@ def _teardown(should_destroy: bool) -> None:
     from megatron.bridge.training.initialize import destroy_global_state
 
     destroy_global_state()
+    forget_model_parallel_leftovers()
     if should_destroy and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
