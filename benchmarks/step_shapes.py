@@ -40,10 +40,14 @@ CONFIGS = {
         StepConfig(name="qwen2_vl_2b", family="qwen2_vl", size="2b", recipe="qwen2_vl_2b_pretrain"),
         StepConfig(name="qwen3_vl_4b", family="qwen3_vl", size="4b", recipe="qwen3_vl_4b_pretrain",
                    vision_recompute=False),
-        # tests: the RESULTS.md configuration with one pack per step (counts per pack), and the same structure at
-        # 2 LM layers, 4 ViT blocks, 2 short packs
+        # tests: the RESULTS.md configuration with one pack per step (counts per pack); its structure (12 LM layers,
+        # the whole ViT, 5 samples with an image each) in one short pack of small images, whose GEMM counts per pack
+        # are the same (the counts follow layers, blocks and samples, not lengths); and that structure at 2 LM layers,
+        # 4 ViT blocks, 2 short packs
         StepConfig(name="results_one_pack", family="qwen2_5_vl", size="3b", recipe="qwen2_5_vl_3b_pretrain",
                    layers=12, packs=1),
+        StepConfig(name="results_structure", family="qwen2_5_vl", size="3b", recipe="qwen2_5_vl_3b_pretrain",
+                   layers=12, packs=1, seq_length=1024, image_grid=(1, 16, 16), text_tokens=120),
         StepConfig(name="tiny", family="qwen2_5_vl", size="3b", recipe="qwen2_5_vl_3b_pretrain", layers=2,
                    vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
                    text_tokens=60),

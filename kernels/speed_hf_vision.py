@@ -215,11 +215,11 @@ def compile_vision_blocks(model: list[torch.nn.Module]) -> list[torch.nn.Module]
     return model
 
 
-def compile_block(block: torch.nn.Module) -> None:
+def compile_block(block: torch.nn.Module, *, backend: str = "inductor") -> None:
     """One vision block compiled in place (`nn.Module.compile`: its call runs the compiled forward).
 
     Not `fullgraph`: with weight-gradient accumulation on, the block's linears are qvl.kernels.torch_wgrad_accum's
     `MainGradLinear`, whose autograd Function sets `grad_added_to_main_grad` on its weight in backward; Dynamo
     refuses that side effect under `fullgraph=True` ("HOP: Non-nullified side effect") and, without it, breaks the
     block at each linear and compiles the pieces between them (tests/kernels/test_vision_compile.py)."""
-    block.compile(dynamic=True)
+    block.compile(dynamic=True, backend=backend)
