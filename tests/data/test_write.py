@@ -125,6 +125,7 @@ def reference(corpus, hf_paths, tmp_path_factory):
     return files
 
 
+@pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
 def test_killed_while_validating_leaves_no_dataset_and_rerun_reuses_chunks(corpus, hf_paths, reference, tmp_path):
     config = _config(corpus, hf_paths, tmp_path / "ds")
     _kill_when(config, lambda partial: _chunks_done(partial) >= 3)
@@ -136,6 +137,7 @@ def test_killed_while_validating_leaves_no_dataset_and_rerun_reuses_chunks(corpu
     assert not write.partial_dir(config.output).exists() and not (config.output / "chunks").exists()
 
 
+@pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
 def test_killed_while_writing_leaves_no_dataset_and_rerun_reuses_shards(corpus, hf_paths, reference, tmp_path):
     config = _config(corpus, hf_paths, tmp_path / "ds")
     _kill_when(config, lambda partial: len(list(partial.glob("shard-*.tar"))) >= 2)

@@ -77,6 +77,7 @@ def test_apply_and_undo_are_idempotent_and_unknown_groups_are_refused(cpu_runtim
         patches.apply("cpu")
 
 
+@pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
 def test_importing_every_qvl_module_switches_nothing_on():
     code = """
 import importlib, pathlib, sys, torch
@@ -139,6 +140,7 @@ def test_megatron_logging_setup_leaves_qvl_warnings_alone(caplog):
     assert [r.getMessage() for r in caplog.records if r.name in names] == ["kept", "errors pass"]
 
 
+@pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
 def test_the_bridge_registration_imports_first_in_a_fresh_process():
     # It must give Megatron-Bridge its Transformer Engine stand-ins itself, not rely on a caller having done so.
     from tests.test_layers import ROOT

@@ -147,6 +147,7 @@ def test_two_srun_style_processes_without_torchrun_form_one_group():
     assert sorted(out.strip() for out, _ in outs) == ["slurm 0 2 3", "slurm 1 2 3"]
 
 
+@pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
 def test_torchrun_with_c10d_rendezvous_gives_its_workers_values_as_they_are(free_port, tmp_path):
     script = tmp_path / "join.py"
     script.write_text(_JOIN)

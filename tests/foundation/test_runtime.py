@@ -23,6 +23,7 @@ def test_activate_is_explicit_and_reversible(cpu_runtime_off):
     assert torch.cuda.current_device is original
 
 
+@pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
 def test_importing_qvl_changes_nothing_in_torch():
     code = (
         "import torch; before = torch.cuda.current_device; "
@@ -92,6 +93,7 @@ def test_rng_tracker_forks_the_cpu_generator(cpu_runtime):
     tracker.reset()
 
 
+@pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
 def test_megatron_bridge_imports_without_transformer_engine():
     code = (
         "import sys, importlib; from qvl.foundation.megatron import import_megatron_bridge, have_transformer_engine; "

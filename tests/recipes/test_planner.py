@@ -131,6 +131,7 @@ def test_flops_are_the_cost_models_times_three():
     assert plan.model_flops_per_step == pytest.approx(3 * per_pack * cfg.train.global_batch_size)
 
 
+@pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
 def test_every_default_layout_fits_its_planned_gpus():
     from qvl.recipes.registry import all_recipes
 
@@ -191,6 +192,7 @@ def _saved_bytes(tower, grid: list[list[int]]) -> tuple[int, int]:
     return sum(storages.values()), patches
 
 
+@pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
 def test_hf_vision_tower_bytes_match_what_the_published_qwen2_5_vl_tower_saves():
     """The planner's per-patch bytes for the replicated HF tower against a measurement of the published Qwen2.5-VL
     ViT (1280 wide, SwiGLU 3420) in bf16: towers of 2 and 3 blocks, the difference per block."""

@@ -141,6 +141,7 @@ def test_bad_input_is_one_error_line(tmp_path, capsys):
     assert "has no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
 def test_native_fused_cross_entropy_rounds_the_logit_gradient_to_bf16(parity_inputs, tmp_path, monkeypatch):
     """Where qvl's cross-entropy does not replace it (Transformer Engine or Apex installed; here by hand),
     Megatron-Core's native fused cross-entropy casts dL/dlogits to bf16 even in fp32 training

@@ -224,6 +224,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
 def test_balanced_embeddings_equal_unbalanced_bit_for_bit(two_ranks):
     for rank, result in enumerate(two_ranks):
         skewed = result["skewed"]
