@@ -49,11 +49,16 @@ def train_loader(config: Any, encoder: QwenVLPackedTaskEncoder) -> Any:
             num_workers=config.num_workers,
         )
     from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader  # Megatron-Bridge
-    from megatron.energon import WorkerConfig, get_savable_loader
+    from megatron.energon import SavableDataLoader, WorkerConfig
 
     worker = WorkerConfig(rank=rank, world_size=world, num_workers=config.num_workers)
     dataset = energon_train_dataset(path, encoder, micro_batch_size=config.micro_batch_size, worker=worker)
-    return EnergonDataloader(get_savable_loader(dataset, worker_config=worker))
+    # Energon's loader collects garbage every few batches, and by default freezes what exists first and unfreezes
+    # *everything* after the loop: in this process (no workers) that would hand back to every later collection the
+    # millions of import-time objects qvl froze (foundation.megatron.gc_paused), ~0.3-0.8 s a collection after the
+    # first run in a process. Workers are processes of their own, where Energon's freeze is what saves the
+    # copy-on-write of the inherited heap.
+    return EnergonDataloader(SavableDataLoader(dataset, gc_freeze_at_start=config.num_workers > 0))
 
 
 def energon_train_dataset(path: pathlib.Path, encoder: Any, *, micro_batch_size: int, worker: Any) -> Any:
