@@ -27,7 +27,7 @@ from typing import Any
 
 from qvl.foundation.errors import OptionalPackageUnavailable
 from qvl.foundation.patch_entries import StandIn
-from qvl.foundation.patches import STAND_INS
+from qvl.foundation.patches import KEPT_OUT, STAND_INS
 
 
 def _placeholder_class(package: str, name: str, advice: str) -> type:
@@ -175,7 +175,7 @@ def import_megatron_bridge() -> types.ModuleType:
 
 
 def _import_megatron_bridge() -> types.ModuleType:
-    with gc_paused():
+    with gc_paused(), kept_out(tuple(entry.package for entry in KEPT_OUT)):
         importlib.import_module("megatron.core")  # decides HAVE_TE before anything else can
         sys.meta_path.insert(0, _FINDER)
         try:
@@ -185,6 +185,20 @@ def _import_megatron_bridge() -> types.ModuleType:
         finally:
             sys.meta_path.remove(_FINDER)
     return bridge
+
+
+@contextlib.contextmanager
+def kept_out(packages: tuple[str, ...]) -> Iterator[None]:
+    """`import <package>` fails with ModuleNotFoundError inside the block (what a plugin loader skips), for each
+    package not imported yet; afterwards it imports as usual (patches.KEPT_OUT)."""
+    absent = [name for name in packages if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(absent))  # None: the import system's "not importable here"
+    try:
+        yield
+    finally:
+        for name in absent:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
 
 
 def in_a_thread_of_its_own(fn: Callable[[], Any]) -> Any:

@@ -1,11 +1,13 @@
 """Every change qvl makes to someone else's code, in one table, applied and undone through one context manager.
 
-Three kinds of entry:
+Four kinds of entry:
 - `Patch`: an attribute of an upstream module or class replaced while a group is applied (`applied(group)`, or
   `apply(group)` / `undo(group)`). The replacement is named as "qvl.module:factory"; the factory receives the
   original and returns what goes in its place, so wrappers can call through. Nothing is applied at import.
 - `StandIn`: an upstream module that imports an optional package unconditionally; `qvl.foundation.megatron`
   gives it a stand-in for the duration of that one import (see there).
+- `KeptOut`: an installed package an upstream plugin loader would import with Megatron-Bridge, kept out of that one
+  import (`qvl.foundation.megatron`) because qvl never uses the plugin.
 - `PrivateRead`: a private name qvl reads or overrides without replacing it.
 A fourth table, `FORKS`, names every upstream function whose body qvl copies and changes (a patch's replacement or a
 method of qvl's own model classes), with a hash of that upstream source.
@@ -29,7 +31,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from qvl.foundation.patch_entries import Fork, Patch, PrivateRead, StandIn, load, owner_and_name
+from qvl.foundation.patch_entries import Fork, KeptOut, Patch, PrivateRead, StandIn, load, owner_and_name
 from qvl.foundation.stack import pinned
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ MBRIDGE = pinned("megatron-bridge")
 TORCH = pinned("torch")
 TRANSFORMERS = pinned("transformers")
 NEMO_RUN = pinned("nemo-run")
+MODELOPT = pinned("nvidia-modelopt")
 _RUNTIME = "qvl.foundation.runtime"
 _CUDA_WHY = "Megatron calls torch.cuda process-state functions unconditionally around communication and timing"
 _RNG_WHY = (
@@ -304,6 +307,14 @@ STAND_INS: tuple[StandIn, ...] = (
     StandIn(module="megatron.bridge.training.pretrain", package="nvidia_resiliency_ext",
             submodule="nvidia_resiliency_ext.inprocess", version=MBRIDGE,
             advice="leave in-process restart off, or install nvidia-resiliency-ext (NeMo containers have it)"),
+)  # fmt: skip
+
+KEPT_OUT: tuple[KeptOut, ...] = (
+    # Megatron-Bridge imports modelopt, whose quantization plugins import TRL where it is installed (qvl's verify
+    # extra): ~4 of a process's ~22 s of importing Megatron-Bridge, for a plugin that quantizes TRL's trainers.
+    KeptOut(package="trl", plugin_loader="modelopt.torch.quantization.plugins", version=MODELOPT,
+            why="its TRL plugin quantizes TRL's trainers, which qvl never trains with; importing TRL there costs "
+                "~4 s per process (qvl imports TRL itself only for `qvl verify-training` of a preference recipe)"),
 )  # fmt: skip
 
 PRIVATE_READS: tuple[PrivateRead, ...] = (

@@ -59,6 +59,7 @@ def report(target: switch.Target) -> dict[str, Any]:
         "target": asdict(target),
         "groups": groups,
         "stand_ins": [{**asdict(s), "kind": s.kind} for s in patches.STAND_INS],
+        "kept_out": [{**asdict(k), "kind": k.kind} for k in patches.KEPT_OUT],
         "private_reads": [asdict(r) for r in patches.PRIVATE_READS],
         "forks": [asdict(f) for f in patches.FORKS],
     }
@@ -120,6 +121,12 @@ def markdown() -> str:
     lines += _table(
         ("module", "package", "what to do", "written against"),
         [(f"`{s.module}`", f"`{s.submodule}`", s.advice, s.version) for s in patches.STAND_INS],
+    )
+    lines += ["", "## Kept out of the import", "", "Installed packages an upstream plugin loader would import "
+              "with Megatron-Bridge, kept out of that one import.", ""]  # fmt: skip
+    lines += _table(
+        ("package", "plugin loader", "why", "written against"),
+        [(f"`{k.package}`", f"`{k.plugin_loader}`", k.why, k.version) for k in patches.KEPT_OUT],
     )
     lines += ["", "## Private reads", "", "Private upstream names qvl reads without replacing them.", ""]
     lines += _table(

@@ -150,7 +150,7 @@ def test_the_bridge_registration_imports_first_in_a_fresh_process():
     assert out.returncode == 0, out.stderr[-3000:]
 
 
-ENTRIES = (*patches.PATCHES, *patches.STAND_INS, *patches.PRIVATE_READS, *patches.FORKS)
+ENTRIES = (*patches.PATCHES, *patches.STAND_INS, *patches.KEPT_OUT, *patches.PRIVATE_READS, *patches.FORKS)
 
 
 def test_every_version_is_a_pin_of_the_stack_and_installed_here():
@@ -178,6 +178,17 @@ def test_every_group_names_its_kind_first():
     assert not odd, f"groups not named <kind>-<subject> with a kind of {sorted(patch_entries.KINDS)}: {odd}"
     assert all(p.kind == patch_entries.kind_of(p.group) for p in patches.PATCHES)
     assert all(s.kind == "torch" for s in patches.STAND_INS)
+    assert all(k.kind == "speed" for k in patches.KEPT_OUT)
+
+
+@pytest.mark.parametrize("entry", patches.KEPT_OUT, ids=lambda k: k.package)
+def test_every_kept_out_package_is_one_its_loader_imports_as_an_optional_plugin(entry):
+    """The loader still imports the package as a plugin it skips when the import fails (modelopt's
+    `with import_plugin(...)`): otherwise keeping it out would break the import, or keep nothing out."""
+    import importlib.util
+
+    source = open(importlib.util.find_spec(entry.plugin_loader).origin).read()
+    assert f'import_plugin("{entry.package}")' in source, f"{entry.plugin_loader} no longer imports {entry.package}"
 
 
 @pytest.mark.parametrize("fork", patches.FORKS, ids=lambda f: f.upstream)
