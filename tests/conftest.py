@@ -115,6 +115,7 @@ def process_left_as_found(request):
     initialized = bool(parallel_state and parallel_state.model_parallel_is_initialized())
     groups = _process_groups()
     loggers, disabled_below = _logger_states(), logging.root.manager.disable
+    frozen = gc.get_freeze_count()
     yield
     logging.disable(disabled_below)
     for name, (log, disabled, propagate, filters) in _logger_states().items():
@@ -130,6 +131,13 @@ def process_left_as_found(request):
     if log := os.environ.get("QVL_TEST_THREADS_LOG"):  # what each test left: `QVL_TEST_THREADS_LOG=FILE pytest ...`
         with open(log, "a") as out:
             out.write(f"{os.getpid()} {gloo_threads()} {len(os.listdir('/proc/self/task'))} {request.node.nodeid}\n")
+    if frozen > 100_000 and gc.get_freeze_count() < frozen // 2:  # Megatron-Bridge's import freezes ~900k
+        pytest.fail(
+            f"the test unfroze the {frozen:,} objects frozen at import (foundation.megatron.gc_paused): every later "
+            "full collection of this process walks them again (~0.5 s each); an Energon loader built in a test "
+            "takes gc_collect_every_n_steps=0 (its default freezes, then unfreezes everything)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True, scope="module")

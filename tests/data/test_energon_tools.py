@@ -71,7 +71,8 @@ def test_qvl_loader_uses_the_crude_config_and_old_datasets_still_load(prepared, 
     crude config itself (written before the typed one existed) loads the same packs."""
     import shutil
 
-    from megatron.energon import WorkerConfig, get_loader
+    from megatron.energon import WorkerConfig
+    from megatron.energon.savable_loader import BasicDataLoader
 
     from qvl.data.encode import QwenVLPackedTaskEncoder
     from qvl.data.load import energon_train_dataset
@@ -88,6 +89,6 @@ def test_qvl_loader_uses_the_crude_config_and_old_datasets_still_load(prepared, 
     first = []
     for path in (data, old):
         dataset = energon_train_dataset(path, encoder, micro_batch_size=1, worker=worker)
-        batch = next(iter(get_loader(dataset)))
+        batch = next(iter(BasicDataLoader(dataset, gc_collect_every_n_steps=0)))
         first.append(batch.tokens)
     assert first[0].equal(first[1])

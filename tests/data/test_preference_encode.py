@@ -94,13 +94,14 @@ def _check_batch(batch, records, tokenizer, with_reference: bool) -> list[int]:
 
 @pytest.mark.parametrize("with_reference", [True, False], ids=["reference", "no-reference"])
 def test_energon_batches_name_every_pair_and_its_reference(dataset, hf_paths, tokenizers, with_reference):
-    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+    from megatron.energon import WorkerConfig, get_train_dataset
+    from megatron.energon.savable_loader import BasicDataLoader
 
     from qvl.data.write import CRUDE_CONFIG
 
     output, records, _, reference = dataset
     encoder = _encoder(hf_paths, reference if with_reference else None)
-    loader = get_loader(
+    loader = BasicDataLoader(
         get_train_dataset(
             output,
             batch_size=2,  # two packs per micro-batch: the second pack's pairs are offset by the first's subs
@@ -110,7 +111,8 @@ def test_energon_batches_name_every_pair_and_its_reference(dataset, hf_paths, to
             task_encoder=encoder,
             repeat=False,
             dataset_config=CRUDE_CONFIG,
-        )
+        ),
+        gc_collect_every_n_steps=0,
     )
     seen = []
     for batch in loader:
@@ -195,7 +197,7 @@ def test_energons_savable_loader_restores_the_same_preference_batches(dataset, h
             task_encoder=encoder,
             dataset_config=CRUDE_CONFIG,
         )
-        return get_savable_loader(dataset, worker_config=worker)
+        return get_savable_loader(dataset, worker_config=worker, gc_collect_every_n_steps=0)
 
     def summary(batch) -> tuple:
         return batch.packs, batch.pairs.tolist(), batch.reference_logps.tolist(), batch.tokens.tolist()

@@ -88,12 +88,14 @@ def _dataset(path, encoder, batch_size=1, repeat=True):
 
 
 def test_energon_epoch_yields_every_pack_once_as_thd_batches(prepared, hf_paths):
-    from megatron.energon import get_loader
+    from megatron.energon.savable_loader import BasicDataLoader
 
     output, _, _, good, _ = prepared
     packs = {tuple(p["samples"]): p for p in _jsonl(output / "packs.jsonl")}
     seen = []
-    for batch in get_loader(_dataset(output, _encoder(hf_paths["qwen2_5_vl"]), repeat=False)):
+    for batch in BasicDataLoader(
+        _dataset(output, _encoder(hf_paths["qwen2_5_vl"]), repeat=False), gc_collect_every_n_steps=0
+    ):
         (indices,) = batch.source_indices
         seen.extend(indices)
         lengths = packs[tuple(indices)]["lengths"]
@@ -137,14 +139,14 @@ def test_savable_loader_restores_identical_next_batches(prepared, hf_paths):
 
     output = prepared[0]
     encoder = _encoder(hf_paths["qwen2_5_vl"])
-    loader = get_savable_loader(_dataset(output, encoder, batch_size=2))
+    loader = get_savable_loader(_dataset(output, encoder, batch_size=2), gc_collect_every_n_steps=0)
     iterator = iter(loader)
     for _ in range(3):
         next(iterator)
     state = loader.save_state_rank()
     expected = [_summary(next(iterator)) for _ in range(4)]
 
-    restored = get_savable_loader(_dataset(output, encoder, batch_size=2))
+    restored = get_savable_loader(_dataset(output, encoder, batch_size=2), gc_collect_every_n_steps=0)
     restored.restore_state_rank(state)
     iterator = iter(restored)
     assert [_summary(next(iterator)) for _ in range(4)] == expected

@@ -69,7 +69,8 @@ def test_qwen3_video_file_sampling_and_tokens_equal_transformers(mp4, hf_paths, 
 
 
 def test_video_file_pack_loads_with_video_patches(mp4, hf_paths, tmp_path):
-    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+    from megatron.energon import WorkerConfig, get_train_dataset
+    from megatron.energon.savable_loader import BasicDataLoader
 
     from qvl.data.encode import QwenVLPackedTaskEncoder
 
@@ -96,7 +97,7 @@ def test_video_file_pack_loads_with_video_patches(mp4, hf_paths, tmp_path):
         repeat=False,
         dataset_config=CRUDE_CONFIG,  # qvl's view; dataset.yaml is the typed one for Energon's own tools
     )
-    (batch,) = list(get_loader(dataset))
+    (batch,) = list(BasicDataLoader(dataset, gc_collect_every_n_steps=0))
     t, h, w = batch.video_grid_thw[0].tolist()
     assert batch.pixel_values_videos.shape == (t * h * w, 3 * 2 * 16 * 16)
     assert int((batch.tokens == encoder.rope.video_pad_id).sum()) == t * h * w // 4
