@@ -99,6 +99,19 @@ def _logger_states() -> dict:
     return {name: (log, log.disabled, log.propagate, list(log.filters)) for name, log in loggers.items()}
 
 
+# gc.unfreeze() calls, counted (gc.get_freeze_count() walks the frozen objects: ~0.2 s a call with Megatron imported).
+_UNFREEZES = [0]
+_unfreeze = gc.unfreeze
+
+
+def _counted_unfreeze() -> None:
+    _UNFREEZES[0] += 1
+    _unfreeze()
+
+
+gc.unfreeze = _counted_unfreeze
+
+
 @pytest.fixture(autouse=True)
 def process_left_as_found(request):
     """Each test leaves the process as it found it: upstream patch groups it applied are undone (model builds apply
@@ -115,7 +128,7 @@ def process_left_as_found(request):
     initialized = bool(parallel_state and parallel_state.model_parallel_is_initialized())
     groups = _process_groups()
     loggers, disabled_below = _logger_states(), logging.root.manager.disable
-    frozen = gc.get_freeze_count()
+    unfreezes = _UNFREEZES[0]
     yield
     logging.disable(disabled_below)
     for name, (log, disabled, propagate, filters) in _logger_states().items():
@@ -131,11 +144,11 @@ def process_left_as_found(request):
     if log := os.environ.get("QVL_TEST_THREADS_LOG"):  # what each test left: `QVL_TEST_THREADS_LOG=FILE pytest ...`
         with open(log, "a") as out:
             out.write(f"{os.getpid()} {gloo_threads()} {len(os.listdir('/proc/self/task'))} {request.node.nodeid}\n")
-    if frozen > 100_000 and gc.get_freeze_count() < frozen // 2:  # Megatron-Bridge's import freezes ~900k
+    if _UNFREEZES[0] > unfreezes:
         pytest.fail(
-            f"the test unfroze the {frozen:,} objects frozen at import (foundation.megatron.gc_paused): every later "
-            "full collection of this process walks them again (~0.5 s each); an Energon loader built in a test "
-            "takes gc_collect_every_n_steps=0 (its default freezes, then unfreezes everything)",
+            "the test called gc.unfreeze(): it hands back to every later full collection of this process the objects "
+            "frozen at import (foundation.megatron.gc_paused; ~0.5 s each collection); an Energon loader built in a "
+            "test takes gc_collect_every_n_steps=0 (its default freezes, then unfreezes everything)",
             pytrace=False,
         )
 
