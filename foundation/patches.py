@@ -9,7 +9,7 @@ Four kinds of entry:
 - `KeptOut`: an installed package an upstream plugin loader would import with Megatron-Bridge, kept out of that one
   import (`qvl.foundation.megatron`) because qvl never uses the plugin.
 - `PrivateRead`: a private name qvl reads or overrides without replacing it.
-A fourth table, `FORKS`, names every upstream function whose body qvl copies and changes (a patch's replacement or a
+A fifth table, `FORKS`, names every upstream function whose body qvl copies and changes (a patch's replacement or a
 method of qvl's own model classes), with a hash of that upstream source.
 
 The entry kinds and the kinds of group are defined in qvl.foundation.patch_entries. A group's name says its kind
@@ -310,8 +310,6 @@ STAND_INS: tuple[StandIn, ...] = (
 )  # fmt: skip
 
 KEPT_OUT: tuple[KeptOut, ...] = (
-    # Megatron-Bridge imports modelopt, whose quantization plugins import TRL where it is installed (qvl's verify
-    # extra): ~4 of a process's ~22 s of importing Megatron-Bridge, for a plugin that quantizes TRL's trainers.
     KeptOut(package="trl", plugin_loader="modelopt.torch.quantization.plugins", version=MODELOPT,
             why="its TRL plugin quantizes TRL's trainers, which qvl never trains with; importing TRL there costs "
                 "~4 s per process (qvl imports TRL itself only for `qvl verify-training` of a preference recipe)"),
