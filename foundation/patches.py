@@ -185,6 +185,13 @@ PATCHES: tuple[Patch, ...] = (
           params=("forward_step_func", "data_iterator", "model", "optimizer", "scheduler", "global_state"),
           why="the loss's NaN/Inf check reads every micro-batch's loss to the host (2 reads each); qvl's step keeps "
               "them and this reads them once, after the step"),
+    # --- speed-sync-save: qvl.kernels.speed_sync_save (around every training loop that saves synchronously)
+    Patch(group="speed-sync-save",
+          target="megatron.core.dist_checkpointing.strategies.filesystem_async:get_write_results_queue",
+          replacement="qvl.kernels.speed_sync_save:in_process_results_queue", version=MCORE, params=("mp_mode",),
+          why="a synchronous save's writer threads report through a multiprocessing manager that the first save of "
+              "each process spawns (a new interpreter importing the training script again: ~6 s and ~5 s of CPU); "
+              "the results never leave the process, so a queue.Queue carries them"),
     # --- speed-cross-entropy: qvl.kernels.speed_cross_entropy (around every training loop, any device without TE/Apex)
     Patch(group="speed-cross-entropy",
           target="megatron.core.models.common.language_module.language_module:fused_vocab_parallel_cross_entropy",

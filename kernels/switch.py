@@ -46,6 +46,7 @@ class Target:
     peft: bool | None = None  # adapters (LoRA, DoRA)
     preference: bool | None = None  # a preference stage (DPO and its variants) of an MoE model
     cuda_graphs: bool | None = None  # the run asks for its layers as CUDA graphs (recipe option cuda_graphs)
+    async_save: bool | None = None  # checkpoints written by another process while training goes on
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -76,6 +77,7 @@ class Target:
             mtp=bool(getattr(model, "mtp_num_layers", None)) if known else None,
             peft=getattr(config, "peft", None) is not None if known else None,
             cuda_graphs=bool(getattr(getattr(config, "qvl", None), "cuda_graphs", False)) if known else None,
+            async_save=bool(getattr(getattr(config, "checkpoint", None), "async_save", False)) if known else None,
             preference=bool(getattr(getattr(config, "qvl", None), "preference", None))
             and bool(getattr(model, "num_moe_experts", None))
             if known
@@ -131,6 +133,9 @@ RULES: tuple[Rule, ...] = (
     Rule(group="speed-rotary", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
     Rule(group="speed-sync-free", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
     Rule(group="speed-cross-entropy", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
+    Rule(group="speed-sync-save", scope="training",
+         condition="the run saves its checkpoints synchronously (checkpoint.async_save off, every recipe's default)",
+         on=lambda t: None if t.async_save is None else not t.async_save),
     Rule(group="speed-cuda-graphs", scope="training",
          condition="the run asks for it (cuda_graphs=true), its device is CUDA and neither Transformer Engine nor Apex "
                    "is installed (the layers then read nothing back to the host, qvl's whole-pack rotary among them, "
