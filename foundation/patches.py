@@ -185,6 +185,13 @@ PATCHES: tuple[Patch, ...] = (
           params=("forward_step_func", "data_iterator", "model", "optimizer", "scheduler", "global_state"),
           why="the loss's NaN/Inf check reads every micro-batch's loss to the host (2 reads each); qvl's step keeps "
               "them and this reads them once, after the step"),
+    # --- speed-jit-warmup: qvl.kernels.speed_jit_warmup (around every training loop)
+    Patch(group="speed-jit-warmup", target="megatron.bridge.training.setup:set_jit_fusion_options",
+          replacement="qvl.kernels.speed_jit_warmup:warm_up_what_is_used", version=MBRIDGE,
+          params=("model_config", "micro_batch_size"),
+          why="setup compiles the fused bias-activation and bias-dropout-add functions on sample tensors also where "
+              "the config turns both fusions off and the model never calls them (every CPU run): ~7.7 s of CPU in "
+              "each new process, in every rank"),
     # --- speed-sync-save: qvl.kernels.speed_sync_save (around every training loop that saves synchronously)
     Patch(group="speed-sync-save",
           target="megatron.core.dist_checkpointing.strategies.filesystem_async:get_write_results_queue",

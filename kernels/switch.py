@@ -133,6 +133,8 @@ RULES: tuple[Rule, ...] = (
     Rule(group="speed-rotary", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
     Rule(group="speed-sync-free", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
     Rule(group="speed-cross-entropy", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
+    Rule(group="speed-jit-warmup", scope="training",
+         condition="always (the warm-up still runs where the model uses a fusion it compiles)", on=lambda t: True),
     Rule(group="speed-sync-save", scope="training",
          condition="the run saves its checkpoints synchronously (checkpoint.async_save off, every recipe's default)",
          on=lambda t: None if t.async_save is None else not t.async_save),
