@@ -165,9 +165,9 @@ def run_stage(stage: str, mode: str, args: argparse.Namespace) -> list[Check]:
         parse_only = mode == "cheap" and command[0] == "-m"  # the module's own parser, stopped after it parsed
         argv = [sys.executable, *(["-c", PARSE_ONLY, *command[1:]] if parse_only else command)]
         done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-        tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+        last = ((done.stdout + done.stderr).strip().splitlines() or [""])[-1]  # the error line, or a traceback's
         out.append(Check(what=f"{stage}: {' '.join(command)[:100]}", ok=done.returncode == 0,
-                         detail=f"exit {done.returncode}" + (": " + " | ".join(tail)[-400:] if done.returncode else "")))  # fmt: skip
+                         detail=f"exit {done.returncode}" + (": " + last[:600] if done.returncode else "")))  # fmt: skip
     seconds = time.perf_counter() - start
     if mode == "full" and (tmp / "imports.tsv").is_file():
         foreign = imported_from_outside(tmp / "imports.tsv", args.scratch / "site") - IMAGE_DISTS
