@@ -12,21 +12,15 @@ from qvl.kernels.switch import Target
 
 
 @pytest.fixture
-def one_rank():
-    from qvl.foundation import distributed, runtime
+def one_rank(cpu_runtime):
+    from qvl.foundation import distributed
 
-    was_active = runtime.is_active()
-    runtime.activate(force=True)
     distributed.init_distributed()
-    try:
-        yield
-    finally:
-        distributed.destroy_distributed()
-        if not was_active:
-            runtime.deactivate()
+    yield
+    distributed.destroy_distributed()
 
 
-def _save_and_load(directory) -> dict[str, torch.Tensor]:
+def _save_and_load(directory) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -38,7 +32,6 @@ def _save_and_load(directory) -> dict[str, torch.Tensor]:
     loaded = dist_checkpointing.load(empty, str(directory))
     for name, tensor in weights.items():
         assert torch.equal(loaded[name], tensor), name
-    return loaded
 
 
 def test_a_synchronous_save_starts_no_manager_and_loads_back_bit_for_bit(one_rank, tmp_path, monkeypatch):
