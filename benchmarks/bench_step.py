@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import pathlib
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from unittest import mock
@@ -319,13 +318,24 @@ def census(config_name: str, out: pathlib.Path, *, baseline: bool = False, compi
             "baseline": baseline, "compile": compile, "eager_regions": eager_regions}  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec))
     (run_dir / "census.json").unlink(missing_ok=True)
-    root = pathlib.Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-m", "benchmarks.bench_step", "--worker", str(run_dir / "spec.json")]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=root)
-    (run_dir / "log.txt").write_text(done.stdout + done.stderr)
-    if done.returncode != 0 or not (run_dir / "census.json").is_file():
-        raise RuntimeError(f"census of {config_name} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    from qvl.foundation import distributed
+
+    log = run_dir / "log.txt"
+    try:  # forked from the server that has Megatron-Bridge imported already, as local ranks are
+        distributed.start_ranks(_census_child, (str(run_dir / "spec.json"), str(log)), 1)
+    except Exception as err:
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        raise RuntimeError(f"census of {config_name} failed: {err}\n{text[-4000:]}") from None
     return json.loads((run_dir / "census.json").read_text())
+
+
+def _census_child(rank: int, spec_path: str, log_path: str) -> None:
+    """The training child of `census`: its output goes to the run's log.txt."""
+    with open(log_path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    logging.basicConfig(level=logging.WARNING)
+    census_worker(pathlib.Path(spec_path))
 
 
 def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, compile: bool = False,
@@ -380,10 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager-regions", action="store_true", help="count compiled regions as their eager ops")
     parser.add_argument("--write-before", action="store_true", help=f"save the {RESULTS_CONFIG} census as the before")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
-    parser.add_argument("--worker", type=pathlib.Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        return census_worker(args.worker)
     names = args.config or (["tiny"] if args.quick else list(DEFAULT_CONFIGS))
     if args.write_before and (RESULTS_CONFIG not in names or not args.baseline):
         print(f"error: --write-before needs --baseline and --config {RESULTS_CONFIG}", file=sys.stderr)
