@@ -6,10 +6,14 @@ conversion, parity checks). Cluster jobs go through NeMo-Run executors instead.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,26 @@ def start_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
     CUDA or a process group; each rank takes the caller's environment and working folder as they are now."""
     multiprocessing.set_forkserver_preload(["qvl.foundation.rank_preload"])
     caller = (dict(os.environ), os.getcwd())
-    torch.multiprocessing.start_processes(_as_caller, args=(caller, fn, args), nprocs=nprocs, start_method="forkserver")
+    context = torch.multiprocessing.start_processes(
+        _as_caller, args=(caller, fn, args), nprocs=nprocs, start_method="forkserver", join=False
+    )
+    _stacks_of_the_others_on_failure(context.processes)
+    while not context.join():  # raises the failed rank's error, ending the others
+        pass
+
+
+def _stacks_of_the_others_on_failure(processes: list, *, grace_s: float = 2.0) -> None:
+    """Wait until every rank has ended or one has failed; then each rank still running prints its threads' Python
+    stacks to its stderr (SIGUSR1, registered by `_as_caller`) before it is ended: where a rank waits in a collective
+    until its timeout, the stacks show where its peer is instead."""
+    while alive := [p for p in processes if p.is_alive()]:
+        multiprocessing.connection.wait([p.sentinel for p in alive])
+        if any(p.exitcode not in (None, 0) for p in processes):
+            for p in processes:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(grace_s)
+            return
 
 
 def _as_caller(rank: int, caller: tuple[dict, str], fn: Callable, args: tuple) -> None:
@@ -36,6 +59,7 @@ def _as_caller(rank: int, caller: tuple[dict, str], fn: Callable, args: tuple) -
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     fn(rank, *args)
 
 
