@@ -7,8 +7,10 @@ import contextlib
 import gc
 import io
 import logging
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -17,6 +19,31 @@ def qvl(*args: str) -> str:
     out = subprocess.run([sys.executable, "-m", "qvl.launchers.cli", *args], capture_output=True, text=True)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     return out.stdout + out.stderr
+
+
+def qvl_forked(*args: str) -> subprocess.CompletedProcess:
+    """`qvl ARGS` in a process of its own forked from the session's server that has Megatron-Bridge imported (as
+    local ranks are: qvl.foundation.distributed.start_ranks), for tests of what the command does as a process (its
+    exit status, stdout and stderr, an exit inside it) that are not about a new interpreter's start-up: the ~20 s of
+    CPU a new interpreter spends importing torch, Megatron and transformers is not spent again."""
+    from qvl.foundation.distributed import start_ranks
+
+    with tempfile.TemporaryDirectory(prefix="qvl-forked-") as out:
+        start_ranks(_forked_main, (list(args), out), 1)
+        code, stdout, stderr = ((Path(out) / name).read_text() for name in ("code", "stdout", "stderr"))
+    return subprocess.CompletedProcess(["qvl", *args], int(code), stdout, stderr)
+
+
+def _forked_main(rank: int, args: list[str], out: str) -> None:
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        with open(Path(out) / name, "w") as file:
+            os.dup2(file.fileno(), fd)
+    from qvl.launchers.cli import main
+
+    code = main(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    (Path(out) / "code").write_text(str(code))
 
 
 def qvl_in_process(*args: str) -> str:

@@ -96,13 +96,11 @@ def test_worker_processes_serve_the_same_stream_and_resume_exactly(planned, enco
 def test_training_at_a_dp_size_the_dataset_was_not_planned_for_is_refused(planned, tmp_path):
     """Through `qvl train` (Megatron-Bridge's loop, one process = DP 1) on a dataset planned for DP 2: the packs
     planned for rank 1 would never be served, so the config check refuses before any model is built, naming the re-plan."""
-    import subprocess
-    import sys
+    from tests.run_qvl import qvl_forked
 
     output, _, _, _ = planned
-    command = [sys.executable, "-m", "qvl.launchers.cli", "train", "qwen2_5_vl_3b_pretrain", f"data={output}"]
     args = ["train_iters=1", "global_batch_size=4", "seq_length=256", "--model", "tiny", "--device", "cpu"]
-    done = subprocess.run([*command, *args, "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    done = qvl_forked("train", "qwen2_5_vl_3b_pretrain", f"data={output}", *args, "--run-dir", str(tmp_path))
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr  # refused where the config is checked, before any model is built
     last = done.stderr.strip().splitlines()[-1]

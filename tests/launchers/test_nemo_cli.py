@@ -1,13 +1,16 @@
-"""`nemo qvl ...`: recipe factories, executor factories and checks; two real `nemo` subprocesses (~20 s each)."""
+"""`nemo qvl ...`: recipe factories, executor factories and checks; one real `nemo` process (~20 s of CPU), the
+other commands through NeMo-Run's own command-line app in the test's process (`nemo_in_process`)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -79,20 +82,47 @@ COMMANDS = {
 }
 
 
+def nemo_in_process(*args: str, home: Path | None = None, cwd: Path | None = None) -> tuple[int, str]:
+    """`nemo qvl ARGS` through the app the `nemo` script runs (NeMo-Run's `create_cli`), in this process: its exit
+    status and what it printed (stdout and stderr), with NEMORUN_HOME `home` and no site file. A real `nemo` spends
+    ~20 s of CPU importing NeMo-Run and Megatron-Bridge; the script itself is run by the help test below."""
+    from nemo_run import config
+    from nemo_run.cli.api import create_cli
+    from typer.testing import CliRunner
+
+    argv, before = sys.argv, config.get_nemorun_home()
+    sys.argv = ["nemo", "qvl", *args]  # create_cli adds a namespace's commands when the command line names it
+    if home is not None:
+        config.set_nemorun_home(str(home))
+    try:
+        with contextlib.chdir(cwd or Path.cwd()):
+            result = CliRunner().invoke(
+                create_cli(), ["qvl", *args], env={"COLUMNS": "200", "NO_COLOR": "1", SITE_CONFIG_ENV: None}
+            )
+    finally:
+        sys.argv = argv
+        config.set_nemorun_home(before)
+    output = result.output
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        output += "".join(traceback.format_exception(result.exception))
+    return result.exit_code, output
+
+
 @pytest.fixture(scope="module")
 def nemo_runs(tmp_path_factory) -> dict[str, tuple[int, str]]:
-    """Both `nemo qvl` commands, started together: each spends ~20 s importing NeMo-Run and Megatron."""
+    """`finetune --help` from a real `nemo` process (the script, and its start as quiet as `qvl`), started first; the
+    other commands in this process meanwhile."""
     cwd = tmp_path_factory.mktemp("nemo")
     env = os.environ | {"NEMORUN_HOME": str(cwd / "nemo_run"), "COLUMNS": "200", "NO_COLOR": "1"}
     env.pop(SITE_CONFIG_ENV, None)
-    procs = {
-        name: subprocess.Popen(
-            [NEMO, "qvl", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for name, args in COMMANDS.items()
-    }
-    outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
-    return {name: (procs[name].returncode, out) for name, out in outputs.items()}
+    help_args = COMMANDS["help"]
+    script = subprocess.Popen(
+        [NEMO, "qvl", *help_args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    runs = {name: nemo_in_process(*args, home=cwd / "nemo_run", cwd=cwd)
+            for name, args in COMMANDS.items() if name != "help"}  # fmt: skip
+    out = script.communicate(timeout=300)[0]
+    return runs | {"help": (script.returncode, out)}
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from qvl.foundation.errors import ConfigError
 from qvl.launchers.cli import main
 from qvl.launchers.os_errors import describe_os_error, os_error_in, os_errors_as
 from tests.launchers.test_bad_input import one_error_line
+from tests.run_qvl import qvl_forked
 
 
 @pytest.fixture
@@ -100,7 +100,6 @@ def test_a_full_disk_while_training_saves_a_checkpoint_names_the_folder(
     says the checkpoint folder is full and that the same command resumes."""
     disk = small_disk("512k")  # the tiny model's checkpoint with its optimizer state is several MB
     argv = [
-        str(Path(sys.executable).with_name("qvl")),
         "train",
         "qwen2_5_vl_3b_sft",
         "--model",
@@ -115,7 +114,7 @@ def test_a_full_disk_while_training_saves_a_checkpoint_names_the_folder(
     ]
     argv += ["train_iters=1", "warmup_iters=0", "global_batch_size=1", "micro_batch_size=1", "seq_length=256"]
     argv += ["save_interval=1", f"checkpoint_dir={disk / 'ckpt'}", "--run-dir", str(tmp_path / "run")]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    done = qvl_forked(*argv)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
     assert errors[0].startswith(f"error: no space left on the device at {disk / 'ckpt'} (ENOSPC)"), errors[0]

@@ -163,11 +163,14 @@ def test_doctor_passes_here_and_names_the_fix_when_something_is_missing(monkeypa
     assert check.status == "fail" and check.fix == "pip install --no-deps 'megatron-bridge==0.6.2'"
 
 
-@pytest.mark.slow  # more than ~20 s on 2 cores
+@pytest.mark.slow  # imports NeMo-Run's command line and Megatron-Bridge
 def test_nemo_cli_namespace_is_registered():
+    """NeMo-Run finds the `qvl` namespace through its entry point (the `nemo` script itself: tests/launchers/
+    test_nemo_cli.py)."""
+    from tests.launchers.test_nemo_cli import nemo_in_process
+
     (entry,) = [ep for ep in metadata.entry_points(group="nemo_run.cli") if ep.name == "qvl"]
     assert entry.value == "qvl.launchers.nemo_cli"
-    nemo = Path(sys.executable).with_name("nemo")
-    out = subprocess.run([str(nemo), "qvl", "--help"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "version" in out.stdout
+    code, out = nemo_in_process("--help")
+    assert code == 0, out[-2000:]
+    assert "version" in out and "finetune" in out

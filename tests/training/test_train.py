@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qvl.training.loop import read_losses
-from tests.run_qvl import gloo_threads, left_as_found, qvl, qvl_in_process, qvl_on_two_ranks
+from tests.run_qvl import gloo_threads, left_as_found, qvl_forked, qvl_in_process, qvl_on_two_ranks
 
 STEPS = 6
 ARGS = [
@@ -42,7 +42,9 @@ def runs(dataset, tmp_path_factory) -> dict[str, Path]:
     qvl_in_process("train", *common, "--run-dir", str(root / "full"))
     # The stopped and resumed run also recomputes the HF vision tower: that must not change a single loss either.
     resumed = [*common, "vision_recompute=true"]
-    stopped = qvl("train", *resumed, "--run-dir", str(root / "resumed"), "--stop-after", "3")
+    done = qvl_forked("train", *resumed, "--run-dir", str(root / "resumed"), "--stop-after", "3")
+    assert done.returncode == 0, done.stderr[-4000:]
+    stopped = done.stdout + done.stderr
     # A planned stop reads as one: no "Pretrain failed ... SystemExit: 0" and no traceback.
     assert "Pretrain failed" not in stopped and "Traceback" not in stopped, stopped[-4000:]
     assert "trained 3 steps" in stopped
