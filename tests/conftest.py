@@ -1,4 +1,4 @@
-"""Shared test set-up: no network, GPU tests skipped on CPU, the CPU runtime on demand."""
+"""Shared test set-up: no network, GPU tests skipped on CPU, the CPU runtime on demand, the cores shared by workers."""
 
 from __future__ import annotations
 
