@@ -321,6 +321,7 @@ def census(config_name: str, out: pathlib.Path, *, baseline: bool = False, compi
     from qvl.foundation import distributed
 
     log = run_dir / "log.txt"
+    log.unlink(missing_ok=True)
     try:  # forked from the server that has Megatron-Bridge imported already, as local ranks are
         distributed.start_ranks(_census_child, (str(run_dir / "spec.json"), str(log)), 1)
     except Exception as err:
@@ -331,9 +332,9 @@ def census(config_name: str, out: pathlib.Path, *, baseline: bool = False, compi
 
 def _census_child(rank: int, spec_path: str, log_path: str) -> None:
     """The training child of `census`: its output goes to the run's log.txt."""
-    with open(log_path, "w") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
+    from qvl.foundation.distributed import output_to
+
+    output_to(log_path)
     logging.basicConfig(level=logging.WARNING)
     census_worker(pathlib.Path(spec_path))
 

@@ -54,6 +54,14 @@ def _stacks_of_the_others_on_failure(processes: list, *, grace_s: float = 2.0) -
             return
 
 
+def output_to(stdout: str | Path, stderr: str | Path | None = None) -> None:
+    """This process's stdout and stderr (the file descriptors, so native code's output too) written to `stdout`,
+    stderr to its own file where given: for a rank or child whose output its caller reads back."""
+    for fd, path in ((1, stdout), (2, stderr or stdout)):
+        with open(path, "a") as file:
+            os.dup2(file.fileno(), fd)
+
+
 def _as_caller(rank: int, caller: tuple[dict, str], fn: Callable, args: tuple) -> None:
     environ, cwd = caller
     os.environ.clear()

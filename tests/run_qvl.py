@@ -7,7 +7,6 @@ import contextlib
 import gc
 import io
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -35,9 +34,9 @@ def qvl_forked(*args: str) -> subprocess.CompletedProcess:
 
 
 def _forked_main(rank: int, args: list[str], out: str) -> None:
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        with open(Path(out) / name, "w") as file:
-            os.dup2(file.fileno(), fd)
+    from qvl.foundation.distributed import output_to
+
+    output_to(Path(out) / "stdout", Path(out) / "stderr")
     from qvl.launchers.cli import main
 
     code = main(args)

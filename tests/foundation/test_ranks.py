@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 from torch.multiprocessing import ProcessRaisedException
 
-from qvl.foundation.distributed import start_ranks
+from qvl.foundation.distributed import output_to, start_ranks
 
 
 def _rank(rank: int, out: str) -> None:
-    with open(Path(out) / f"rank{rank}.err", "w") as err:
-        os.dup2(err.fileno(), 2)  # what the rank prints to its stderr, this test reads
+    output_to(Path(out) / f"rank{rank}.out", Path(out) / f"rank{rank}.err")  # what the rank prints, this test reads
     if rank == 1:
         raise RuntimeError("rank 1 gave up waiting for its peer")
     waiting_for_nothing(time.monotonic() + 120)
