@@ -13,11 +13,13 @@ package and the fix. Checked against megatron-core 0.19.2 and megatron-bridge 0.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import logging
 import sys
 import threading
@@ -25,6 +27,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from qvl.foundation import patches
 from qvl.foundation.errors import OptionalPackageUnavailable
 from qvl.foundation.patch_entries import StandIn
 from qvl.foundation.patches import KEPT_OUT, STAND_INS
@@ -175,7 +178,7 @@ def import_megatron_bridge() -> types.ModuleType:
 
 
 def _import_megatron_bridge() -> types.ModuleType:
-    with gc_paused(), kept_out(tuple(entry.package for entry in KEPT_OUT)):
+    with gc_paused(), kept_out(tuple(entry.package for entry in KEPT_OUT)), patches.applied(IMPORT_GROUP):
         importlib.import_module("megatron.core")  # decides HAVE_TE before anything else can
         sys.meta_path.insert(0, _FINDER)
         try:
@@ -185,6 +188,40 @@ def _import_megatron_bridge() -> types.ModuleType:
         finally:
             sys.meta_path.remove(_FINDER)
     return bridge
+
+
+IMPORT_GROUP = "speed-import"  # the patch group applied while Megatron-Bridge imports
+
+
+def deferred_compile(compile_now: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compile` for the functions Megatron-Core decorates at import (`@jit_fuser`, `@torch.compile`): the
+    decorated function is made with `compile_now` at its first call instead.
+
+    torch.compile does no compiling before a first call anyway, but building its wrapper imports TorchInductor's
+    compile_fx (~2 CPU s per process), which a process that never calls a fused function (a launcher, a converter, a
+    CPU rank with the fusions off) then never needs. Modules and other objects are compiled as before."""
+
+    def compile_at_first_call(model: Any = None, **options: Any) -> Any:
+        if model is None:  # `@torch.compile(...)` with options: the decorator
+            return lambda fn: compile_at_first_call(fn, **options)
+        if not inspect.isfunction(model):
+            return compile_now(model, **options)
+        import torch
+
+        compiled = None
+
+        @functools.wraps(model)
+        def first_call_compiles(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if torch.compiler.is_compiling():  # inside a compiled region: traced inline, as a nested compile is
+                return model(*args, **kwargs)
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
+
+        return first_call_compiles
+
+    return compile_at_first_call
 
 
 @contextlib.contextmanager

@@ -302,6 +302,12 @@ PATCHES: tuple[Patch, ...] = (
             ("gdn", "chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
         )
     ),
+    # --- speed-import: while qvl imports Megatron-Bridge (qvl.foundation.megatron.import_megatron_bridge)
+    Patch(group="speed-import", target="torch:compile", replacement="qvl.foundation.megatron:deferred_compile",
+          version=TORCH, params=("model",),
+          why="Megatron-Core decorates ~20 functions with torch.compile at import (`@jit_fuser`, the MoE router); "
+              "making each wrapper imports TorchInductor's compile_fx, ~2 CPU s of every process that imports "
+              "Megatron-Bridge, needed only by a process that calls one. They are made at their first call instead"),
     # --- fix-kubeflow-v2.2: while qvl.launchers renders or submits a TrainJob
     Patch(group="fix-kubeflow-v2.2", target="nemo_run.core.execution.kubeflow:KubeflowExecutor.get_job_body",
           replacement="qvl.kernels.fix_kubeflow_v2_2:runtime_patches_job_body", version=NEMO_RUN,

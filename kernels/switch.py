@@ -11,7 +11,8 @@ Each group is applied where its scope says:
 - "training": around every Megatron-Bridge training loop qvl runs (`applied_for_training`), undone after it;
 - "model": by qvl's model classes and transforms while the part they patch is built or runs;
 - "conversion": around qvl's HF <-> Megatron conversions (qvl.bridges.convert);
-- "launch": around NeMo-Run's rendering and submission (qvl.launchers).
+- "launch": around NeMo-Run's rendering and submission (qvl.launchers);
+- "import": while qvl imports Megatron-Bridge (qvl.foundation.megatron.import_megatron_bridge).
 A rule whose group has left the registry (its code became a method of qvl's own classes) is dropped.
 """
 
@@ -28,7 +29,7 @@ from qvl.foundation.families import family_of_vision_config
 from qvl.foundation.megatron import have_transformer_engine
 
 DEVICES = ("cpu", "cuda")
-SCOPES = ("process", "training", "model", "conversion", "launch")
+SCOPES = ("process", "training", "model", "conversion", "launch", "import")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -167,6 +168,9 @@ RULES: tuple[Rule, ...] = (
          on=lambda t: _both(t.peft, not t.transformer_engine)),
     Rule(group="speed-aligned-widths", scope="conversion",
          condition="always (it changes only a replicated HF tower's padded MLP widths)", on=lambda t: True),
+    Rule(group="speed-import", scope="import",
+         condition="always (it changes only when a function decorated while Megatron-Bridge imports is compiled)",
+         on=lambda t: True),
     Rule(group="fix-kubeflow-v2.2", scope="launch",
          condition="always (it rewrites only a TrainJob whose spec asks for Kubeflow Trainer v2.2's runtimePatches)",
          on=lambda t: True),

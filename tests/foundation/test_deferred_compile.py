@@ -1,0 +1,63 @@
+"""speed-import: torch.compile, while Megatron-Bridge imports, makes each decorated function at its first call."""
+
+from __future__ import annotations
+
+import torch
+
+from qvl.foundation.megatron import deferred_compile
+
+
+def _spy() -> tuple[list, object]:
+    calls = []
+
+    def compile_now(model, **options):
+        calls.append((getattr(model, "__name__", model), options))
+        return lambda *args, **kwargs: ("compiled", model(*args, **kwargs))
+
+    return calls, compile_now
+
+
+def test_a_decorated_function_is_compiled_at_its_first_call_once_with_its_options():
+    calls, compile_now = _spy()
+    compile = deferred_compile(compile_now)
+
+    @compile
+    def plain(x):
+        return x + 1
+
+    @compile(dynamic=False, mode="max-autotune-no-cudagraphs")
+    def with_options(x):
+        return x * 2
+
+    assert calls == [] and plain.__name__ == "plain" and plain.__wrapped__ is not None
+    assert plain(1) == ("compiled", 2) and plain(2) == ("compiled", 3)
+    assert with_options(3) == ("compiled", 6)
+    assert calls == [("plain", {}), ("with_options", {"dynamic": False, "mode": "max-autotune-no-cudagraphs"})]
+
+
+def test_a_module_is_compiled_at_once_as_before():
+    calls, compile_now = _spy()
+    linear = torch.nn.Linear(2, 2)
+    deferred_compile(compile_now)(linear, fullgraph=True)
+    assert calls == [(linear, {"fullgraph": True})]
+
+
+def test_inside_a_compiled_region_the_function_is_traced_inline_and_not_compiled_on_its_own():
+    calls = []
+
+    def compile_now(model, **options):
+        calls.append(model.__name__)
+        return torch.compile(model, backend="eager", **options)
+
+    @deferred_compile(compile_now)
+    def gelu_bias(x, bias):
+        return torch.nn.functional.gelu(x + bias)
+
+    @torch.compile(backend="eager", fullgraph=True)  # fullgraph: a graph break at the inner function would raise
+    def layer(x, bias):
+        return gelu_bias(x, bias) * 3
+
+    x, bias = torch.randn(4, 8), torch.randn(8)
+    assert torch.equal(layer(x, bias), torch.nn.functional.gelu(x + bias) * 3)
+    assert calls == []  # traced inline; called on its own afterwards it is compiled then
+    assert torch.equal(gelu_bias(x, bias), torch.nn.functional.gelu(x + bias)) and calls == ["gelu_bias"]
