@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 
 import pytest
 
 from qvl.foundation import patch_entries, patches
 from qvl.foundation.megatron import import_megatron_bridge
+from tests.foundation.conftest import check_passed
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,27 +77,9 @@ def test_apply_and_undo_are_idempotent_and_unknown_groups_are_refused(cpu_runtim
 
 
 @pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
-def test_importing_every_qvl_module_switches_nothing_on():
-    code = """
-import importlib, pathlib, sys, torch
-originals = {"current_device": torch.cuda.current_device, "manual_seed": torch.cuda.manual_seed}
-from qvl.foundation import FOLDERS
-for folder in FOLDERS:
-    for path in sorted(pathlib.Path(folder).rglob("*.py")):
-        parts = path.with_suffix("").parts
-        importlib.import_module(".".join(("qvl", *parts[:-1], *([] if parts[-1] == "__init__" else parts[-1:]))))
-from qvl.foundation import patches, runtime
-assert not runtime.is_active(), "the CPU runtime switched on at import"
-assert not patches._APPLIED, f"patch groups applied at import: {list(patches._APPLIED)}"
-ours = [f for f in sys.meta_path if type(f).__module__.startswith("qvl.")]
-assert not ours, f"import hooks left behind: {ours}"
-assert torch.cuda.current_device is originals["current_device"] and torch.cuda.manual_seed is originals["manual_seed"]
-print("clean")
-"""
-    from tests.test_layers import ROOT
-
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip().endswith("clean"), out.stderr[-3000:]
+def test_importing_every_qvl_module_switches_nothing_on(fresh_import_report):
+    """In a fresh interpreter: no patch group, CPU runtime or import hook is left on by importing every module."""
+    check_passed(fresh_import_report, "every_module_switches_nothing_on")
 
 
 def test_dataset_helpers_are_built_only_where_the_wheel_did_not_ship_them(monkeypatch):
@@ -141,13 +122,9 @@ def test_megatron_logging_setup_leaves_qvl_warnings_alone(caplog):
 
 
 @pytest.mark.slow  # 10-30 s: with the slow tests, out of the fast loop
-def test_the_bridge_registration_imports_first_in_a_fresh_process():
+def test_the_bridge_registration_imports_first_in_a_fresh_process(fresh_import_report):
     # It must give Megatron-Bridge its Transformer Engine stand-ins itself, not rely on a caller having done so.
-    from tests.test_layers import ROOT
-
-    code = "import qvl.bridges.registration"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
+    check_passed(fresh_import_report, "registration_first")
 
 
 ENTRIES = (*patches.PATCHES, *patches.STAND_INS, *patches.KEPT_OUT, *patches.PRIVATE_READS, *patches.FORKS)
