@@ -219,6 +219,9 @@ def deferred_compile(compile_now: Callable[..., Any]) -> Callable[..., Any]:
                 compiled = compile_now(model, **options)
             return compiled(*args, **kwargs)
 
+        # As on what torch.compile returns: code that unwraps a compiled function (qvl.kernels.torch_gated_delta keeps
+        # small helpers eager on the CPU) and dynamo's inlining of a nested compile read it.
+        first_call_compiles._torchdynamo_orig_callable = model
         return first_call_compiles
 
     return compile_at_first_call
