@@ -35,7 +35,7 @@ $(STAMP): launchers/requirements-stack.txt launchers/requirements-nodeps.txt pyp
 	@touch $@
 
 # Bytecode: none is compiled ahead (compiling all 25k files of the environment took 85 s on two cores; a process
-# imports ~6.4k of them). `make test` and `make demo` let Python write what it imports (PYTHONDONTWRITEBYTECODE
+# imports ~6.4k of them). `make test`, `demo` and `bench` let Python write what it imports (PYTHONDONTWRITEBYTECODE
 # unset there), so each module is compiled once, by the first process that imports it.
 install-with-uv:
 	$(VENV)/bin/uv pip install -q --python $(PY) -r launchers/requirements-stack.txt setuptools wheel

@@ -64,3 +64,17 @@ def test_inside_a_compiled_region_the_function_is_traced_inline_and_not_compiled
     assert torch.equal(layer(x, bias), torch.nn.functional.gelu(x + bias) * 3)
     assert calls == []  # traced inline; called on its own afterwards it is compiled then
     assert torch.equal(gelu_bias(x, bias), torch.nn.functional.gelu(x + bias)) and calls == ["gelu_bias"]
+
+
+def test_megatron_cores_fused_gated_delta_helpers_still_unwrap_to_eager_functions():
+    """qvl.kernels.torch_gated_delta runs these helpers eagerly on the CPU by unwrapping what decorated them; a
+    deferred function without the unwrapping attribute was compiled there instead (a Qwen3.5 fixture twice as slow)."""
+    from qvl.foundation.megatron import import_megatron_bridge
+
+    import_megatron_bridge()
+    from qvl.kernels.torch_gated_delta import _EAGER_HELPERS, _UPSTREAM, _eager
+
+    for name in _EAGER_HELPERS:
+        method = getattr(_UPSTREAM, name)
+        assert hasattr(method, "_torchdynamo_orig_callable"), f"{name} is no longer under jit_fuser"
+        assert not hasattr(_eager(method), "_torchdynamo_orig_callable"), name
