@@ -13,10 +13,10 @@ A fifth table, `FORKS`, names every upstream function whose body qvl copies and 
 method of qvl's own model classes), with a hash of that upstream source.
 
 The entry kinds and the kinds of group are defined in qvl.foundation.patch_entries. A group's name says its kind
-first (`<kind>-<subject>`, `KINDS`): cpu- for the CPU runtime, torch- for a torch
-stand-in of a missing Transformer Engine / Apex / flash-linear-attention piece, fix- for an upstream bug, speed- for
-a faster path. Which groups a run uses is decided in one place, qvl.kernels.switch; `qvl doctor --patches` lists
-them, and docs/upstream.md is this table as `qvl doctor --patches --markdown` writes it.
+first (`<kind>-<subject>`, `KINDS`): cpu- for the CPU runtime, torch- for a torch stand-in of a missing Transformer
+Engine / Apex / flash-linear-attention piece, fix- for an upstream bug, speed- for a faster path. Which groups a run
+uses is decided in one place, qvl.kernels.switch; `qvl doctor --patches` lists them, and docs/upstream.md is this
+table as `qvl doctor --patches --markdown` writes it.
 
 Each entry names the version it was written against, taken from the pinned stack (qvl.foundation.stack: the
 requirement files are the one place a version is written); `tests/foundation/test_patches.py` checks at the pinned
@@ -58,16 +58,11 @@ def _cuda(name: str, factory: str, why: str = _CUDA_WHY) -> Patch:
 PATCHES: tuple[Patch, ...] = (
     # --- cpu-runtime: qvl.foundation.runtime.activate() (CPU only; a no-op where CUDA exists)
     _cuda("current_device", "answer_device_zero", "callers index devices; 0 is a CUDA ordinal the runtime maps to CPU"),
-    _cuda("set_device", "no_op"),
-    _cuda("synchronize", "no_op"),
-    _cuda("empty_cache", "no_op"),
-    _cuda("Stream", "null_stream_class"),
-    _cuda("Event", "null_stream_class"),
-    _cuda("ExternalStream", "null_stream_class"),
-    _cuda("current_stream", "null_stream_factory"),
-    _cuda("default_stream", "null_stream_factory"),
-    _cuda("stream", "null_stream_context"),
-    _cuda("nvtx", "null_nvtx"),
+    *(_cuda(name, factory) for name, factory in (
+        ("set_device", "no_op"), ("synchronize", "no_op"), ("empty_cache", "no_op"), ("Stream", "null_stream_class"),
+        ("Event", "null_stream_class"), ("ExternalStream", "null_stream_class"),
+        ("current_stream", "null_stream_factory"), ("default_stream", "null_stream_factory"),
+        ("stream", "null_stream_context"), ("nvtx", "null_nvtx"))),
     _cuda("get_rng_state", "cpu_rng_state", _RNG_WHY),
     _cuda("set_rng_state", "set_cpu_rng_state", _RNG_WHY),
     _cuda("manual_seed", "seed_cpu_generator", "torch.manual_seed calls it; it must seed the CPU generator"),
@@ -304,10 +299,8 @@ PATCHES: tuple[Patch, ...] = (
     ),
     # --- speed-import: while qvl imports Megatron-Bridge (qvl.foundation.megatron.import_megatron_bridge)
     Patch(group="speed-import", target="torch:compile", replacement="qvl.foundation.megatron:deferred_compile",
-          version=TORCH, params=("model",),
-          why="Megatron-Core decorates ~20 functions with torch.compile at import (`@jit_fuser`, the MoE router); "
-              "making each wrapper imports TorchInductor's compile_fx, ~2 CPU s of every process that imports "
-              "Megatron-Bridge, needed only by a process that calls one. They are made at their first call instead"),
+          version=TORCH, params=("model",), why="Megatron-Core's ~20 `@jit_fuser`/`@torch.compile` functions are "
+          "made at their first call: making them at import loads TorchInductor's compile_fx (~2 CPU s a process)"),
     # --- fix-kubeflow-v2.2: while qvl.launchers renders or submits a TrainJob
     Patch(group="fix-kubeflow-v2.2", target="nemo_run.core.execution.kubeflow:KubeflowExecutor.get_job_body",
           replacement="qvl.kernels.fix_kubeflow_v2_2:runtime_patches_job_body", version=NEMO_RUN,
