@@ -6,7 +6,6 @@ conversion, parity checks). Cluster jobs go through NeMo-Run executors instead.
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import multiprocessing
 import multiprocessing.connection
@@ -42,7 +41,7 @@ def start_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
 
 def _stacks_of_the_others_on_failure(processes: list, *, grace_s: float = 2.0) -> None:
     """Wait until every rank has ended or one has failed; then each rank still running prints its threads' Python
-    stacks to its stderr (SIGUSR1, registered by `_as_caller`) before it is ended: where a rank waits in a collective
+    stacks to its stderr (SIGUSR1, registered by the forkserver `rank_preload`) before it is ended: where a rank waits in a collective
     until its timeout, the stacks show where its peer is instead."""
     while alive := [p for p in processes if p.is_alive()]:
         multiprocessing.connection.wait([p.sentinel for p in alive])
@@ -67,7 +66,6 @@ def _as_caller(rank: int, caller: tuple[dict, str], fn: Callable, args: tuple) -
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     fn(rank, *args)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -30,3 +31,16 @@ def test_a_failed_rank_ends_the_job_and_a_running_one_prints_where_it_is(tmp_pat
     assert time.monotonic() - start < 60  # rank 0 was ended, not waited for
     stacks = (tmp_path / "rank0.err").read_text()
     assert "most recent call first" in stacks and "in waiting_for_nothing" in stacks, stacks
+
+
+def _caught_signals(rank: int, out: str) -> None:
+    caught = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("SigCgt:"))
+    (Path(out) / f"rank{rank}.sigcgt").write_text(caught.split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status (Linux)")
+def test_a_rank_is_forked_with_the_stack_signal_already_caught(tmp_path):
+    # a rank that had not yet registered SIGUSR1 when its peer failed was ended by the signal itself, and the job
+    # reported that instead of the peer's error: the forkserver registers it before any rank is forked
+    start_ranks(_caught_signals, (str(tmp_path),), 1)
+    assert int((tmp_path / "rank0.sigcgt").read_text(), 16) & (1 << (signal.SIGUSR1 - 1))
