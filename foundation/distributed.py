@@ -6,6 +6,7 @@ conversion, parity checks). Cluster jobs go through NeMo-Run executors instead.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import multiprocessing
 import multiprocessing.connection
@@ -47,10 +48,21 @@ def _stacks_of_the_others_on_failure(processes: list, *, grace_s: float = 2.0) -
         multiprocessing.connection.wait([p.sentinel for p in alive])
         if any(p.exitcode not in (None, 0) for p in processes):
             for p in processes:
-                if p.is_alive():
+                if p.is_alive() and _catches(p.pid, signal.SIGUSR1):
                     os.kill(p.pid, signal.SIGUSR1)
             time.sleep(grace_s)
             return
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` now (Linux: SigCgt in /proc/PID/status; elsewhere assumed):
+    a rank without one yet would be ended by the signal, and the job would report that instead of its peer's error."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return not Path("/proc/self/status").exists()
+    caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(caught, 16) & (1 << (signum - 1)))
 
 
 def output_to(stdout: str | Path, stderr: str | Path | None = None) -> None:
@@ -66,6 +78,7 @@ def _as_caller(rank: int, caller: tuple[dict, str], fn: Callable, args: tuple) -
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # registered by the forkserver already; here too if not
     fn(rank, *args)
 
 

@@ -21,8 +21,10 @@ import importlib.machinery
 import importlib.util
 import inspect
 import logging
+import os
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -259,9 +261,25 @@ def in_a_thread_of_its_own(fn: Callable[[], Any]) -> Any:
     thread = threading.Thread(target=run, name="qvl-import")
     thread.start()
     thread.join()
+    _until_the_os_thread_has_ended(thread.native_id)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def _until_the_os_thread_has_ended(native_id: int | None, *, timeout_s: float = 10.0) -> None:
+    """Wait until a joined thread has left the process (Linux: its /proc/self/task entry is gone).
+
+    `Thread.join` returns once the thread's Python state is released, before the OS thread runs its C-level exit
+    handlers. A thread that imported torch has used MKL (torch sets MKL's thread count at import), and MKL's exit
+    handler frees the thread's accounting under MKL's allocator lock. A process forked in that window (the forkserver
+    that `start_ranks` forks ranks from forks the first one right after its import) copies the lock held by a thread it
+    does not have: the rank's first matrix product then spins on it forever (seen as a TP=2 rank at 100% CPU in
+    `mkl_serv_allocate`, its peer waiting in a collective)."""
+    task = f"/proc/self/task/{native_id}"
+    deadline = time.monotonic() + timeout_s
+    while native_id is not None and os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def have_transformer_engine() -> bool:

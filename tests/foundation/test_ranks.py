@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from torch.multiprocessing import ProcessRaisedException
 
-from qvl.foundation.distributed import output_to, start_ranks
+from qvl.foundation.distributed import _catches, output_to, start_ranks
+from qvl.foundation.megatron import in_a_thread_of_its_own
 
 
 def _rank(rank: int, out: str) -> None:
@@ -33,14 +38,33 @@ def test_a_failed_rank_ends_the_job_and_a_running_one_prints_where_it_is(tmp_pat
     assert "most recent call first" in stacks and "in waiting_for_nothing" in stacks, stacks
 
 
-def _caught_signals(rank: int, out: str) -> None:
-    caught = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("SigCgt:"))
-    (Path(out) / f"rank{rank}.sigcgt").write_text(caught.split()[1])
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/PID/status (Linux)")
+def test_the_stack_signal_goes_only_to_a_rank_that_catches_it():
+    # a rank not yet that far when its peer failed would be ended by SIGUSR1, and the job would report that (CI saw
+    # "process 0 terminated with signal SIGUSR1") instead of the peer's error
+    plain = subprocess.Popen(["sleep", "30"])
+    catching = subprocess.Popen([sys.executable, "-c", REGISTERS_SIGUSR1], stdout=subprocess.PIPE, text=True)
+    try:
+        assert catching.stdout.readline().strip() == "registered"
+        assert _catches(catching.pid, signal.SIGUSR1) and not _catches(plain.pid, signal.SIGUSR1)
+    finally:
+        plain.kill(), catching.kill()
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status (Linux)")
-def test_a_rank_is_forked_with_the_stack_signal_already_caught(tmp_path):
-    # a rank that had not yet registered SIGUSR1 when its peer failed was ended by the signal itself, and the job
-    # reported that instead of the peer's error: the forkserver registers it before any rank is forked
-    start_ranks(_caught_signals, (str(tmp_path),), 1)
-    assert int((tmp_path / "rank0.sigcgt").read_text(), 16) & (1 << (signal.SIGUSR1 - 1))
+REGISTERS_SIGUSR1 = "import faulthandler, signal, time; faulthandler.register(signal.SIGUSR1); print('registered', flush=True); time.sleep(30)"
+
+
+def _matrix_product(seen: list[int]) -> None:
+    seen.append(threading.get_native_id())
+    a = torch.ones(64, 64)
+    (a @ a).sum()  # MKL's exit handler has this thread's allocations to free
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc/self/task (Linux)")
+def test_the_import_thread_has_left_the_process_when_its_result_is_returned():
+    # Thread.join returns before the OS thread's C-level exit handlers ran (MKL frees under its allocator lock):
+    # a fork in that window copies the lock held, and the child's first matrix product spins on it forever
+    for _ in range(10):
+        seen: list[int] = []
+        in_a_thread_of_its_own(lambda: _matrix_product(seen))
+        assert not Path(f"/proc/self/task/{seen[0]}").exists()
