@@ -68,14 +68,40 @@ def vision_is_megatron(model: Any) -> bool:
 
 def vision_param_count(model: Any) -> int:
     """Parameters of the vision tower incl. mergers, counted on the HF module built on the meta device."""
+    return _meta_tower(model).params
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TowerShapes:
+    """What the planner reads of an HF vision tower built on the meta device."""
+
+    params: int
+    linears: tuple[tuple[str, int, int], ...]  # (module name, in_features, out_features) of every nn.Linear
+
+
+def _meta_tower(model: Any) -> _TowerShapes:
+    """The HF vision tower of `model`'s vision config, built on the meta device once per distinct config (a plan asks
+    two or three times; the 100 registered recipes have a handful of towers): building one takes ~50 ms."""
+    family, config = vision_family(model), model.vision_config
+    kind = (type(config).__module__, type(config).__qualname__)
+    return _tower_shapes(family.hf_module, family.vision_tower_class, kind, config.to_json_string(use_diff=False))
+
+
+@functools.lru_cache(maxsize=64)
+def _tower_shapes(hf_module: str, tower_class: str, config_kind: tuple[str, str], config_json: str) -> _TowerShapes:
+    import json
 
     import torch
 
-    family = vision_family(model)
-    module = importlib.import_module(f"transformers.models.{family.hf_module}.modeling_{family.hf_module}")
+    config_class = getattr(importlib.import_module(config_kind[0]), config_kind[1])
+    config = config_class.from_dict(json.loads(config_json))
+    module = importlib.import_module(f"transformers.models.{hf_module}.modeling_{hf_module}")
     with torch.device("meta"):
-        tower = getattr(module, family.vision_tower_class)._from_config(model.vision_config)
-    return sum(p.numel() for p in tower.parameters())
+        tower = getattr(module, tower_class)._from_config(config)
+    linears = tuple(
+        (name, m.in_features, m.out_features) for name, m in tower.named_modules() if isinstance(m, torch.nn.Linear)
+    )
+    return _TowerShapes(params=sum(p.numel() for p in tower.parameters()), linears=linears)
 
 
 def padded_vocab(model: Any) -> int:
@@ -235,12 +261,6 @@ def _mlp_adapters(model: Any, size: Any) -> tuple[int, int]:
 
 def _vision_adapters(model: Any, size: Any) -> tuple[int, int]:
     """(tower blocks, mergers): every linear of the HF tower built on meta, whose shapes the Megatron tower shares."""
-    import torch
-
-    family = vision_family(model)
-    module = importlib.import_module(f"transformers.models.{family.hf_module}.modeling_{family.hf_module}")
-    with torch.device("meta"):
-        tower = getattr(module, family.vision_tower_class)._from_config(model.vision_config)
-    linears = [(n, m) for n, m in tower.named_modules() if isinstance(m, torch.nn.Linear)]
-    blocks = sum(size(m.in_features, m.out_features) for n, m in linears if n.startswith("blocks."))
-    return blocks, sum(size(m.in_features, m.out_features) for n, m in linears if not n.startswith("blocks."))
+    linears = _meta_tower(model).linears
+    blocks = sum(size(i, o) for name, i, o in linears if name.startswith("blocks."))
+    return blocks, sum(size(i, o) for name, i, o in linears if not name.startswith("blocks."))
