@@ -42,8 +42,9 @@ def start_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
 
 def _stacks_of_the_others_on_failure(processes: list, *, grace_s: float = 2.0) -> None:
     """Wait until every rank has ended or one has failed; then each rank still running prints its threads' Python
-    stacks to its stderr (SIGUSR1, registered by the forkserver `rank_preload`) before it is ended: where a rank waits in a collective
-    until its timeout, the stacks show where its peer is instead."""
+    stacks to its stderr (SIGUSR1, registered by the forkserver `rank_preload` before it forks a rank; a rank without
+    it is not sent it, or the signal would end it) before it is ended: where a rank waits in a collective until its
+    timeout, the stacks show where its peer is instead."""
     while alive := [p for p in processes if p.is_alive()]:
         multiprocessing.connection.wait([p.sentinel for p in alive])
         if any(p.exitcode not in (None, 0) for p in processes):
@@ -78,7 +79,8 @@ def _as_caller(rank: int, caller: tuple[dict, str], fn: Callable, args: tuple) -
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # registered by the forkserver already; here too if not
+    # Registered in the forkserver already (rank_preload); again here for a forkserver started without that preload.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     fn(rank, *args)
 
 

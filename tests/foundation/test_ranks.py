@@ -48,10 +48,14 @@ def test_the_stack_signal_goes_only_to_a_rank_that_catches_it():
         assert catching.stdout.readline().strip() == "registered"
         assert _catches(catching.pid, signal.SIGUSR1) and not _catches(plain.pid, signal.SIGUSR1)
     finally:
-        plain.kill(), catching.kill()
+        plain.kill()
+        catching.kill()
 
 
-REGISTERS_SIGUSR1 = "import faulthandler, signal, time; faulthandler.register(signal.SIGUSR1); print('registered', flush=True); time.sleep(30)"
+REGISTERS_SIGUSR1 = (
+    "import faulthandler, signal, time; faulthandler.register(signal.SIGUSR1); "
+    "print('registered', flush=True); time.sleep(30)"
+)
 
 
 def _matrix_product(seen: list[int]) -> None:
