@@ -45,9 +45,9 @@ from qvl.foundation import patches
 from qvl.foundation.megatron import have_transformer_engine
 from qvl.kernels import speed_qwen3_vl_sync_free, speed_qwen3_vl_tower, torch_qwen3_vl_vision
 from qvl.kernels.local_specs import local_gpt_layer_spec
-from qvl.kernels.speed_qwen3_vl_sync_free import TakesVisionPlacement
 from qvl.kernels.speed_sync_free import HostBatch
 from qvl.kernels.tower_inputs import MegatronTowerInputs, VisionSources
+from qvl.kernels.vision_placement import TakesVisionPlacement
 
 
 class Qwen3VLVisionModel(upstream_vision.Qwen3VLVisionModel):

@@ -398,7 +398,7 @@ FORKS: tuple[Fork, ...] = (
          source_sha256="aa1829c3493ee242", version=MBRIDGE),
     Fork(upstream=f"{_Q3}.transformer_block:Qwen3VLTransformerBlock._deepstack_process", copied_in="qvl.kernels.speed_qwen3_vl_sync_free:add_deepstack_at",
          source_sha256="4806df01487d500c", version=MBRIDGE),
-    Fork(upstream=f"{_Q3}.utils:reorganize_inputs", copied_in="qvl.kernels.speed_qwen3_vl_sync_free:vision_order",
+    Fork(upstream=f"{_Q3}.utils:reorganize_inputs", copied_in="qvl.kernels.vision_placement:vision_order",
          source_sha256="708944048a2f534c", version=MBRIDGE),
     Fork(upstream=f"{_Q3}.vision_model:Qwen3VLVisionModel.forward", copied_in="qvl.kernels.speed_qwen3_vl_tower:prepared_tower_forward",
          source_sha256="adca71542056e011", version=MBRIDGE),

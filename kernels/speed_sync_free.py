@@ -39,8 +39,9 @@ import torch
 
 from qvl.foundation.errors import QvlError
 from qvl.kernels.speed_hf_vision import tower_kwargs
-from qvl.kernels.speed_qwen3_vl_sync_free import VisionPlacement, check_tower_rows
+from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows
 from qvl.kernels.tower_inputs import DistinctVision, MegatronTowerInputs, TowerInputs
+from qvl.kernels.vision_placement import VisionPlacement
 
 GROUP = "speed-sync-free"
 

@@ -10,10 +10,11 @@ import torch
 
 from qvl.data.count import IGNORE_INDEX
 from qvl.kernels.speed_cuda_graphs import GraphShapes, fixed_size_cu_seqlens, graph_shapes
-from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows, host_vision_placement
+from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows
 from qvl.kernels.speed_rotary import mark_whole_pack
 from qvl.kernels.speed_sync_free import HostBatch, LossCheck, PlaceholderMismatchError, masked_loss
 from qvl.kernels.tower_inputs import DistinctVision, VisionSources, distinct_rows, distinct_vision
+from qvl.kernels.vision_placement import host_vision_placement
 from qvl.training import mtp
 
 # Batch fields passed to the model when present (Qwen2-VL / Qwen2.5-VL / Qwen3-VL forward arguments).
@@ -119,7 +120,7 @@ def host_batch(model: Any, batch: Any, kwargs: dict, device: torch.device) -> Ho
     """What the loader computed on the host for `batch`, for the model's forward to take instead of reading the
     device back (qvl.kernels.speed_sync_free): its tokens and grids, the tower's inputs for the grids the model is
     given and, for Qwen3-VL, the vision rows as indices and a pack's images and videos in token order with the
-    tower's inputs for that order (qvl.kernels.speed_qwen3_vl_sync_free); where `kwargs` hold each distinct image
+    tower's inputs for that order (qvl.kernels.vision_placement); where `kwargs` hold each distinct image
     once (`model_inputs`), the distinct grids and where each placeholder's features are in the tower's output
     (`DistinctVision`); tensors the forward uses on `device`."""
     placement = host_vision_placement(model, batch, kwargs)

@@ -22,9 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qvl.bridges.tiny_model import tiny_hf_config
 from qvl.foundation import patches
 from qvl.foundation.families import TINY_TOKEN_IDS
-from qvl.kernels import speed_qwen3_vl_sync_free, speed_qwen3_vl_tower, speed_rotary
-from qvl.kernels.speed_qwen3_vl_sync_free import VisionPlacement
+from qvl.kernels import speed_qwen3_vl_sync_free, speed_qwen3_vl_tower, speed_rotary, vision_placement
 from qvl.kernels.tower_inputs import tower_inputs_for_config
+from qvl.kernels.vision_placement import VisionPlacement
 from tests.kernels.test_speed_sync_free import (
     IMAGE_GRIDS,
     TEXT,
@@ -324,7 +324,7 @@ def test_vision_order_is_reorganize_inputs(model):
     kwargs.update(pixel_values=rows(images, 0), pixel_values_videos=rows(videos, images))
     pixels, grid = reorganized(model, kwargs)
 
-    order = speed_qwen3_vl_sync_free.vision_order(
+    order = vision_placement.vision_order(
         batch.tokens,
         batch.image_grid_thw,
         batch.video_grid_thw,
@@ -333,9 +333,9 @@ def test_vision_order_is_reorganize_inputs(model):
         square_merge_size=model.square_merge_size,
     )
     assert [kind for kind, *_ in order.pixel_rows] == [
-        speed_qwen3_vl_sync_free.IMAGES,
-        speed_qwen3_vl_sync_free.VIDEOS,
-        speed_qwen3_vl_sync_free.IMAGES,
+        vision_placement.IMAGES,
+        vision_placement.VIDEOS,
+        vision_placement.IMAGES,
     ]
     assert order.grid_thw.dtype == grid.dtype and torch.equal(order.grid_thw, grid)
     assert order.pixel_counts == (images, videos)
@@ -343,7 +343,7 @@ def test_vision_order_is_reorganize_inputs(model):
         speed_qwen3_vl_sync_free._pixels_in_token_order(kwargs["pixel_values"], kwargs["pixel_values_videos"], order),
         pixels,
     )
-    with pytest.raises(speed_qwen3_vl_sync_free.VisionPositionsMismatch, match="video pixel rows"):
+    with pytest.raises(vision_placement.VisionPositionsMismatch, match="video pixel rows"):
         speed_qwen3_vl_sync_free._pixels_in_token_order(
             kwargs["pixel_values"], kwargs["pixel_values_videos"][1:], order
         )
@@ -353,8 +353,8 @@ def test_vision_order_is_reorganize_inputs(model):
 def test_placeholders_that_do_not_fit_the_grids_are_refused(model, grids):
     batch = pack(model, "interleaved")
     setattr(batch, grids, getattr(batch, grids)[:-1])  # one grid fewer than the placeholders say
-    with pytest.raises(speed_qwen3_vl_sync_free.VisionPositionsMismatch, match="do not fit"):
-        speed_qwen3_vl_sync_free.host_vision_placement(model, batch, inputs_of(batch))
+    with pytest.raises(vision_placement.VisionPositionsMismatch, match="do not fit"):
+        vision_placement.host_vision_placement(model, batch, inputs_of(batch))
 
 
 def test_a_placement_without_order_leaves_the_reordering_to_upstream(model):
@@ -363,7 +363,7 @@ def test_a_placement_without_order_leaves_the_reordering_to_upstream(model):
     batch = pack(model, "interleaved")
     kwargs = inputs_of(batch)
     losses, grads, _ = loss_and_grads(model, kwargs)
-    placement = speed_qwen3_vl_sync_free.host_vision_placement(model, batch, kwargs)
+    placement = vision_placement.host_vision_placement(model, batch, kwargs)
     given = with_host_batch(model, batch, kwargs, VisionPlacement(positions=placement.positions))
     got, got_grads, indexed_ops = loss_and_grads(model, given)
     assert indexed_ops == 2  # the two boolean selections of upstream's scan of the tokens (find_vision_id_index)
@@ -403,9 +403,7 @@ def test_without_a_placement_upstreams_path_runs(model):
     given one: without a host batch, or with one without a placement, upstream's masked path runs."""
     batch = pack(model, "interleaved")
     kwargs = inputs_of(batch)
-    assert (
-        speed_qwen3_vl_sync_free.host_vision_placement(types.SimpleNamespace(pre_process=True), batch, kwargs) is None
-    )
+    assert vision_placement.host_vision_placement(types.SimpleNamespace(pre_process=True), batch, kwargs) is None
     expected = loss_and_grads(model, kwargs)
     given = with_host_batch(model, batch, kwargs)
     without_layout = {**given, "host_batch": dataclasses.replace(given["host_batch"], vision_placement=None)}
@@ -417,9 +415,9 @@ def test_without_a_placement_upstreams_path_runs(model):
 def test_positions_that_do_not_fit_the_features_are_refused(model):
     batch = pack(model, "images")
     kwargs = inputs_of(batch)
-    positions = speed_qwen3_vl_sync_free.host_vision_placement(model, batch, kwargs).positions
+    positions = vision_placement.host_vision_placement(model, batch, kwargs).positions
     given = with_host_batch(model, batch, kwargs, VisionPlacement(positions=positions[1:]))
-    with pytest.raises(speed_qwen3_vl_sync_free.VisionPositionsMismatch, match=f"for {positions.numel() - 1} vision"):
+    with pytest.raises(vision_placement.VisionPositionsMismatch, match=f"for {positions.numel() - 1} vision"):
         model(**given)
 
 
