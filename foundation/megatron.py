@@ -119,7 +119,9 @@ def _is_installed(package: str) -> bool:
 # the providers qvl fixes turn it on with torch's GEMM in its place, qvl.kernels.torch_wgrad_accum); the others need kernels
 # that only TE, Apex or the grouped_gemm package provide. SwiGLU's bias-activation fusion needs neither: `no_te_settings()` turns
 # it on where CUDA and Triton are. (Megatron-Bridge's GPT provider leaves bias_dropout_fusion at Megatron-Core's
-# default, off, and turns cross_entropy_loss_fusion on, a torch.jit fusion that needs no TE.)
+# default, off, and turns cross_entropy_loss_fusion on, a torch.jit fusion that needs no TE.) Where CUDA and Triton are
+# not, `no_te_settings()` also turns bias_dropout_fusion off (Qwen3-VL-MoE's provider turns it on): on the CPU its
+# `torch.compile` builds C++ kernels with the system compiler in every new process, for the one addition it fuses.
 NO_TE_SETTINGS: dict[str, Any] = {
     "transformer_impl": "local",
     "gradient_accumulation_fusion": False,
@@ -141,8 +143,10 @@ def swiglu_fusion_usable() -> bool:
 
 
 def no_te_settings() -> dict[str, Any]:
-    """NO_TE_SETTINGS for this machine: with SwiGLU's bias-activation fusion where it can run."""
-    return {**NO_TE_SETTINGS, "bias_activation_fusion": swiglu_fusion_usable()}
+    """NO_TE_SETTINGS for this machine: with SwiGLU's bias-activation fusion where it can run, and without the
+    bias-dropout-add fusion where it cannot (elsewhere the provider's value stays)."""
+    usable = swiglu_fusion_usable()
+    return {**NO_TE_SETTINGS, "bias_activation_fusion": usable} | ({} if usable else {"bias_dropout_fusion": False})
 
 
 _STAND_INS: dict[str, StandIn] = {s.module: s for s in STAND_INS}

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from qvl.foundation import patches
+from qvl.foundation.families import FAMILIES
 from qvl.foundation.megatron import import_megatron_bridge
 from qvl.kernels import speed_jit_warmup, switch
 from qvl.kernels.switch import Target
@@ -42,3 +43,17 @@ def test_the_warm_up_runs_only_where_a_fusion_is_on(warmups, activation, dropout
 def test_it_is_on_around_every_training_loop():
     assert speed_jit_warmup.GROUP in switch.training_groups(Target(device="cpu"))
     assert speed_jit_warmup.GROUP in switch.training_groups(Target(device="cuda"))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_no_family_compiles_a_fused_function_on_the_cpu(family):
+    """Where CUDA and Triton are not, the fixed provider of every family turns both compiled fusions off, so a CPU run
+    warms up and compiles none (Qwen3-VL-MoE's upstream provider turns bias_dropout_fusion on)."""
+    from qvl.bridges.providers import provider_from_hf
+    from qvl.bridges.tiny_model import tiny_hf_config
+
+    provider = provider_from_hf(tiny_hf_config(family))
+    assert not speed_jit_warmup.fusions_in_use(provider), (
+        provider.bias_activation_fusion,
+        provider.bias_dropout_fusion,
+    )
