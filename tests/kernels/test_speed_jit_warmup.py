@@ -46,14 +46,22 @@ def test_it_is_on_around_every_training_loop():
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_no_family_compiles_a_fused_function_on_the_cpu(family):
+def test_no_family_compiles_a_fused_function_on_the_cpu(family, monkeypatch):
     """Where CUDA and Triton are not, the fixed provider of every family turns both compiled fusions off, so a CPU run
-    warms up and compiles none (Qwen3-VL-MoE's upstream provider turns bias_dropout_fusion on)."""
-    from qvl.bridges.providers import provider_from_hf
+    warms up and compiles none (Qwen3-VL-MoE's upstream provider turns bias_dropout_fusion on); where they are, the
+    provider's bias-dropout-add setting stays."""
+    from qvl.bridges.providers import auto_bridge, provider_from_hf
     from qvl.bridges.tiny_model import tiny_hf_config
+    from qvl.foundation import megatron
 
+    if megatron.have_transformer_engine():
+        pytest.skip("with Transformer Engine the provider keeps its TE settings")
+    monkeypatch.setattr(megatron, "swiglu_fusion_usable", lambda: False)
     provider = provider_from_hf(tiny_hf_config(family))
     assert not speed_jit_warmup.fusions_in_use(provider), (
         provider.bias_activation_fusion,
         provider.bias_dropout_fusion,
     )
+    monkeypatch.setattr(megatron, "swiglu_fusion_usable", lambda: True)
+    upstream = auto_bridge(tiny_hf_config(family)).to_megatron_provider(load_weights=False)
+    assert provider_from_hf(tiny_hf_config(family)).bias_dropout_fusion == upstream.bias_dropout_fusion
