@@ -354,7 +354,7 @@ def cuda_compiled_regions(census):
             (compiled, "compiled", region),
             (compiled, "cuda_compile_usable", lambda: True),
             (speed_hf_vision, "compile_block", compile_block),
-            (megatron, "swiglu_fusion_usable", lambda: True),
+            (megatron, "jit_fusions_usable", lambda: True),
         ):
             stack.enter_context(mock.patch.object(target, name, value))
         for module_name, (label, names) in MEGATRON_JIT_FUNCTIONS.items():

@@ -120,8 +120,7 @@ def _is_installed(package: str) -> bool:
 # that only TE, Apex or the grouped_gemm package provide. SwiGLU's bias-activation fusion needs neither: `no_te_settings()` turns
 # it on where CUDA and Triton are. (Megatron-Bridge's GPT provider leaves bias_dropout_fusion at Megatron-Core's
 # default, off, and turns cross_entropy_loss_fusion on, a torch.jit fusion that needs no TE.) Where CUDA and Triton are
-# not, `no_te_settings()` also turns bias_dropout_fusion off (Qwen3-VL-MoE's provider turns it on): on the CPU its
-# `torch.compile` builds C++ kernels with the system compiler in every new process, for the one addition it fuses.
+# not, `no_te_settings()` also turns bias_dropout_fusion off (Qwen3-VL-MoE's provider turns it on).
 NO_TE_SETTINGS: dict[str, Any] = {
     "transformer_impl": "local",
     "gradient_accumulation_fusion": False,
@@ -134,19 +133,21 @@ NO_TE_SETTINGS: dict[str, Any] = {
 }
 
 
-def swiglu_fusion_usable() -> bool:
-    """Whether Megatron-Core's SwiGLU fusion can run here: it is `jit_fuser` = `torch.compile` (megatron/core/jit.py),
-    which needs CUDA and Triton, not TE or Apex."""
+def jit_fusions_usable() -> bool:
+    """Whether Megatron-Core's `jit_fuser` fusions (SwiGLU's bias-activation, bias-dropout-add) can run here: they
+    are `torch.compile` regions (megatron/core/jit.py) that need CUDA and Triton, not TE or Apex. On the CPU
+    TorchInductor would build them as C++ with the system compiler in every new process."""
     import torch
 
     return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 
 def no_te_settings() -> dict[str, Any]:
-    """NO_TE_SETTINGS for this machine: with SwiGLU's bias-activation fusion where it can run, and without the
-    bias-dropout-add fusion where it cannot (elsewhere the provider's value stays)."""
-    usable = swiglu_fusion_usable()
-    return {**NO_TE_SETTINGS, "bias_activation_fusion": usable} | ({} if usable else {"bias_dropout_fusion": False})
+    """NO_TE_SETTINGS for this machine: SwiGLU's bias-activation fusion on where the fusions can run; where they
+    cannot, bias-dropout-add off too (elsewhere the provider's value stays)."""
+    if jit_fusions_usable():
+        return {**NO_TE_SETTINGS, "bias_activation_fusion": True}
+    return {**NO_TE_SETTINGS, "bias_activation_fusion": False, "bias_dropout_fusion": False}
 
 
 _STAND_INS: dict[str, StandIn] = {s.module: s for s in STAND_INS}

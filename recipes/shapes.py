@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -89,8 +90,6 @@ def _meta_tower(model: Any) -> _TowerShapes:
 
 @functools.lru_cache(maxsize=64)
 def _tower_shapes(hf_module: str, tower_class: str, config_kind: tuple[str, str], config_json: str) -> _TowerShapes:
-    import json
-
     import torch
 
     config_class = getattr(importlib.import_module(config_kind[0]), config_kind[1])

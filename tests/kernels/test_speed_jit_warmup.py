@@ -56,12 +56,12 @@ def test_no_family_compiles_a_fused_function_on_the_cpu(family, monkeypatch):
 
     if megatron.have_transformer_engine():
         pytest.skip("with Transformer Engine the provider keeps its TE settings")
-    monkeypatch.setattr(megatron, "swiglu_fusion_usable", lambda: False)
+    monkeypatch.setattr(megatron, "jit_fusions_usable", lambda: False)
     provider = provider_from_hf(tiny_hf_config(family))
     assert not speed_jit_warmup.fusions_in_use(provider), (
         provider.bias_activation_fusion,
         provider.bias_dropout_fusion,
     )
-    monkeypatch.setattr(megatron, "swiglu_fusion_usable", lambda: True)
+    monkeypatch.setattr(megatron, "jit_fusions_usable", lambda: True)
     upstream = auto_bridge(tiny_hf_config(family)).to_megatron_provider(load_weights=False)
     assert provider_from_hf(tiny_hf_config(family)).bias_dropout_fusion == upstream.bias_dropout_fusion
