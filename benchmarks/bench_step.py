@@ -31,7 +31,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.step_model import BEFORE_CENSUS, StepTimeModel, goal_checks, profile_match, table
+from benchmarks.step_model import BEFORE_CENSUS, StepTimeModel, goal_checks, graphed_launches, profile_match, table
 from benchmarks.step_shapes import (
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -92,6 +92,32 @@ class _Regions:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(self.backward_marker(region))
 
+    def mark_graphed_layers(self, layers: list) -> None:
+        """Tally the ops of the language model's layers, which a CUDA run with `speed-cuda-graphs` replays: their
+        forward from the first layer's call to the last one's return, their backward from the gradient reaching the
+        last layer's output to the one leaving the first layer's input; and the tensors a replay copies in."""
+        census = self.census
+        if not layers:
+            return
+
+        def begin(module, args, kwargs):
+            census.graph_begin()
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if census.counting:
+                census.graphed["lm_layer_calls"] += len(layers)
+                census.graphed["lm_layer_input_tensors"] += len(layers) * _tensor_count((args, kwargs))
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                hidden.register_hook(lambda grad: census.graph_end("lm_layers"))
+
+        def end(module, args, kwargs, output):
+            census.graph_end("lm_layers")
+            hidden = output[0] if isinstance(output, tuple) else output
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                hidden.register_hook(lambda grad: census.graph_begin())
+
+        layers[0].register_forward_pre_hook(begin, with_kwargs=True)
+        layers[-1].register_forward_hook(end, with_kwargs=True)
+
     def install(self, model: list, model_config) -> None:
         from megatron.core.utils import unwrap_model
 
@@ -102,8 +128,14 @@ class _Regions:
         tower = next((getattr(vlm, n) for n in ("visual", "vision_model") if getattr(vlm, n, None) is not None), None)
         lm = vlm.language_model
         vlm.register_forward_pre_hook(lambda m, a: self.set("lm"))
+        self.mark_graphed_layers(list(getattr(lm.decoder, "layers", [])))
         if tower is not None:
-            tower.register_forward_pre_hook(lambda m, a: self.set("vision"))
+
+            def tower_call(module, args):
+                self.set("vision")
+                self.census.graphed["tower_calls"] += self.census.counting
+
+            tower.register_forward_pre_hook(tower_call)
             tower.register_forward_hook(lambda m, a, out: (self.mark_output(out, "vision"), self.set("lm"))[1])
         if getattr(lm, "output_layer", None) is not None:
 
@@ -149,6 +181,32 @@ def _marked(batches, census):
                 value = [getattr(value, f.name) for f in dataclasses.fields(value)]
             census.mark_host(value)
         yield batch
+
+
+def tower_launches(cfg) -> int | None:
+    """What one graphed call of `cfg`'s vision tower launches (qvl.kernels.tower_graphs); None for Megatron's tower,
+    which is not graphed."""
+    from qvl.foundation.families import family_of_vision_config
+    from qvl.kernels.tower_graphs import launches_per_call
+
+    vision = getattr(cfg.model, "vision_config", None)
+    family = family_of_vision_config(type(vision).__name__) if vision is not None else None
+    if family is None or family.megatron_vision_tower:
+        return None
+    return launches_per_call(windowed=getattr(vision, "window_size", None) is not None)
+
+
+def _tensor_count(tree) -> int:
+    """Tensors among `tree`'s leaves and the fields of its dataclass leaves (PackedSeqParams)."""
+    from torch.utils import _pytree as pytree
+
+    count = 0
+    for leaf in pytree.tree_leaves(tree):
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            count += sum(isinstance(getattr(leaf, f.name), torch.Tensor) for f in dataclasses.fields(leaf))
+        else:
+            count += isinstance(leaf, torch.Tensor)
+    return count
 
 
 def _numels(model: list, widths) -> None:
@@ -301,6 +359,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
     result = {"config": asdict(config), "baseline": spec["baseline"], "compile": bool(spec.get("compile")),
               "losses": losses}  # fmt: skip
     result |= census.summary(config.packs)
+    result["cuda_graphs"] = graphed_launches(result, census.graphed, tower_launches_per_call=tower_launches(cfg))
     pathlib.Path(spec["result"]).write_text(json.dumps(result, indent=1))
     return 0
 
@@ -356,7 +415,7 @@ def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, co
         results["before"] = {"step": before["step"], "estimate": model.estimate(before["step"])}
         for name, result in results["configs"].items():
             if name != "tiny":
-                result["estimate"] = model.estimate(result["step"])
+                result["estimate"] = model.estimate(result["step"], result.get("cuda_graphs"))
     if RESULTS_CONFIG in results["configs"]:
         result = results["configs"][RESULTS_CONFIG]
         results["profile_match"] = profile_match(result)

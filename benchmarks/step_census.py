@@ -138,6 +138,10 @@ class Census:
         self.compiled_ranges: list[tuple[int, int, list]] = []
         self.compiled_regions: dict[str, dict] = {}
         self._probe_leaf = torch.zeros((), requires_grad=True)
+        # the parts a CUDA run replays as CUDA graphs (the LM's layers; the HF tower is its whole "vision" region):
+        # their ops, calls and the copies into their buffers (qvl.kernels.speed_cuda_graphs, qvl.kernels.tower_graphs)
+        self.graphed = collections.Counter()
+        self._graph_start: tuple[int, int] | None = None
 
     # --- tensor placement -------------------------------------------------------------------------------------
 
@@ -206,6 +210,24 @@ class Census:
         if self.counting and not (self.compiled_depth or self._in_compiled_backward()):
             self.counts.launches[name] += 1
             self.counts.nongemm_bytes += sum(self.widths.nbytes(t) for t in tensors if t is not None)
+
+    def op_totals(self) -> tuple[int, int]:
+        """(kernel-launching ops, view ops) counted so far, over every region."""
+        regions = self.regions.values()
+        return sum(sum(c.launches.values()) for c in regions), sum(c.views for c in regions)
+
+    def graph_begin(self) -> None:
+        """A part a CUDA run replays as a graph starts (its forward, or its backward)."""
+        if self.counting:
+            self._graph_start = self.op_totals()
+
+    def graph_end(self, part: str) -> None:
+        """That part ends: its ops are tallied under `part`."""
+        if self.counting and self._graph_start is not None:
+            (launches, views), (start_launches, start_views) = self.op_totals(), self._graph_start
+            self.graphed[f"{part}_launching_ops"] += launches - start_launches
+            self.graphed[f"{part}_view_ops"] += views - start_views
+            self._graph_start = None
 
     def sequence_probe(self) -> int:
         """The sequence number the next autograd node gets (a probe node takes this one)."""

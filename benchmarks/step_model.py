@@ -28,6 +28,7 @@ GOALS = {
     "optimizer_ops": 50,
     "optimizer_largest_temporary_gib": 1.0,
     "estimated_step_s": 2.3,
+    "graphed_host_launches": 2_000,  # issue 38: host launches per step with the CUDA graphs
 }
 
 
@@ -85,11 +86,44 @@ class StepTimeModel:
         host = (step["kernel_launching_ops"] + step["view_ops"]) * self.host_s_per_op
         return gpu | {"gpu_s": sum(gpu.values()), "host_s": host, "syncs_s": step["host_syncs"] * self.sync_s}
 
-    def estimate(self, step: dict) -> dict[str, float]:
-        """ESTIMATED seconds per step, with its terms."""
+    def estimate(self, step: dict, graphs: dict | None = None) -> dict[str, float]:
+        """ESTIMATED seconds per step, with its terms; with `graphs` (`graphed_launches`) also the step whose host
+        launches only what the CUDA graphs leave (the GPU's work taken as the same)."""
         parts = self.parts(step)
         total = max(parts["gpu_s"], parts["host_s"]) + parts["syncs_s"]
+        if graphs is not None:
+            host = (graphs["host_launches"] + graphs["view_ops"]) * self.host_s_per_op
+            graphed = max(parts["gpu_s"], host) + parts["syncs_s"]
+            parts |= {"host_s_graphed": host, "estimated_step_s_graphed": graphed}
         return {k: round(v, 3) for k, v in (parts | {"estimated_step_s": total}).items()}
+
+
+def graphed_launches(result: dict, graphed: dict, *, tower_launches_per_call: int | None) -> dict:
+    """ESTIMATED host launches per step where `speed-cuda-graphs` replays the language model's layers (Megatron-Core's
+    per-layer graphs) and, given `tower_launches_per_call` (an HF tower: qvl.kernels.tower_graphs), the vision tower:
+    the census's ops outside those parts, plus per layer call a forward and a backward replay, a copy of each input
+    tensor (at most: Megatron-Core skips those already in place) and one of the output's gradient, plus per tower call
+    its launches. `graphed` is the census's tally (benchmarks.step_census.Census.graphed). The GPU's work is the same
+    but for the tower's pad rows (at most 1/8 more), not counted."""
+    step, vision = result["step"], result["regions"]["vision"]
+    layer_calls = graphed.get("lm_layer_calls", 0)
+    removed = graphed.get("lm_layers_launching_ops", 0)
+    removed_views = graphed.get("lm_layers_view_ops", 0)
+    added = 2 * layer_calls + graphed.get("lm_layer_input_tensors", 0) + layer_calls
+    tower_calls = graphed.get("tower_calls", 0)
+    if tower_launches_per_call is not None and tower_calls:
+        removed += vision["kernel_launching_ops"]
+        removed_views += vision["view_ops"]
+        added += tower_calls * tower_launches_per_call
+    return {
+        "label": "ESTIMATE",
+        "host_launches": step["kernel_launching_ops"] - removed + added,
+        "view_ops": step["view_ops"] - removed_views,
+        "graphed_launching_ops": removed,
+        "replays_and_copies": added,
+        "lm_layer_calls": layer_calls,
+        "tower_calls": tower_calls if tower_launches_per_call is not None else 0,
+    }
 
 
 def goal_checks(result: dict, estimate: dict) -> list[dict]:
@@ -106,6 +140,9 @@ def goal_checks(result: dict, estimate: dict) -> list[dict]:
         (f"ESTIMATED step s (model; measured before: {MEASURED_STEP_S})", estimate["estimated_step_s"],
          GOALS["estimated_step_s"]),
     ]  # fmt: skip
+    if "cuda_graphs" in result:
+        figures.append(("ESTIMATED host launches per step with speed-cuda-graphs", result["cuda_graphs"]["host_launches"],
+                        GOALS["graphed_host_launches"]))  # fmt: skip
     return [{"figure": f, "value": v, "goal": f"<= {g}", "met": v <= g} for f, v, g in figures]
 
 
@@ -146,6 +183,14 @@ def table(results: dict) -> str:
     )
     lines.append(
         f"{'ESTIMATED step s (model)':32}" + "".join(f"{e['estimated_step_s'] if e else '-':>18}" for e in estimates)
+    )
+    graphs = ([None] if "before" in results else []) + [results["configs"][n].get("cuda_graphs") for n in names]
+    lines.append(
+        f"{'ESTIMATED launches, CUDA graphs':32}" + "".join(f"{g['host_launches'] if g else '-':>18}" for g in graphs)
+    )
+    lines.append(
+        f"{'ESTIMATED step s, CUDA graphs':32}"
+        + "".join(f"{e.get('estimated_step_s_graphed', '-') if e else '-':>18}" for e in estimates)
     )
     lines.append(f"measured before on an H100: {MEASURED_STEP_S} s per step (benchmarks/RESULTS.md)")
     for name, counts in results.get("profile_match", {}).items():

@@ -248,6 +248,7 @@ class RunGroups:
     training: tuple[str, ...]
     off: tuple[str, ...]
     applied: tuple[str, ...] = ()
+    tower: dict | None = None  # the vision tower's CUDA graphs after the last step (qvl.kernels.tower_graphs)
 
     @classmethod
     def of(cls, config, *, off, device: str | None = None) -> RunGroups:
@@ -265,9 +266,10 @@ class RunGroups:
     def step_end(self, context) -> None:
         if context.state.train_state.step == 0:  # the first step's end callbacks (the step is not counted yet)
             self.applied = tuple(g for g in patches.GROUPS if patches.is_applied(g))
+        self.tower = tower_graph_stats(context.model)
 
     def summary(self, config) -> dict:
-        """The run's groups, and whether its language model's layers ran as CUDA graphs."""
+        """The run's groups, whether its language model's layers ran as CUDA graphs, and its tower's graphs."""
         from qvl.kernels.speed_cuda_graphs import graphs_requested
 
         graphs = {"requested": graphs_requested(config.model)}
@@ -275,8 +277,17 @@ class RunGroups:
             from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
             graphs["created"] = bool(_CudagraphGlobalRecord.cudagraph_created)
+            graphs["vision_tower"] = self.tower
         return {"decided_on": list(self.decided), "applied_around_loop": list(self.training),
                 "applied_in_step_1": list(self.applied), "left_off": list(self.off), "cuda_graphs": graphs}  # fmt: skip
+
+
+def tower_graph_stats(model: list) -> dict | None:
+    """What the replicated HF vision tower's CUDA graphs did (None: the model has none)."""
+    from megatron.core.utils import unwrap_model
+
+    graphs = getattr(getattr(unwrap_model(model[0]), "visual", None), "qvl_graphs", None)
+    return None if graphs is None else graphs.stats()
 
 
 def padded_checks(spec: dict) -> contextlib.AbstractContextManager:

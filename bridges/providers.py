@@ -81,14 +81,17 @@ def apply_provider_fixes(provider: Any, hf_config: Any) -> None:
 def recompute_vision_towers(model: list[Any]) -> list[Any]:
     """Pre-wrap hook: every replicated HF vision tower (Qwen2-VL / Qwen2.5-VL) recomputes its blocks in backward,
     keeping only each block's input (transformers' gradient checkpointing, non-reentrant: the tower has no dropout,
-    so the recomputed forward equals the first)."""
+    so the recomputed forward equals the first without the RNG state saved and restored around it; reading that
+    state is also refused while a CUDA graph captures the tower, qvl.kernels.tower_graphs)."""
     from transformers import PreTrainedModel
 
     towers = 0
     for chunk in model:
         for module in chunk.modules():
             if isinstance(module, PreTrainedModel) and family_of_vision_config(type(module.config).__name__):
-                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                module.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False}
+                )
                 towers += 1
     logger.info("vision recompute on in %d HF vision tower(s)", towers)
     return model

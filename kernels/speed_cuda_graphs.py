@@ -28,8 +28,9 @@ What changes upstream (the registry's entries of this group):
   allocates are plain tensors, and its type check refuses tensor subclasses; qvl's `WholePackCuSeqlens` (the rotary's
   no-host-read path, qvl.kernels.speed_rotary) keeps its type in the buffer.
 
-Not graphed: the HF vision tower (its patch count differs from pack to pack), the embedding and output layer, the
-loss and the optimizer.
+The replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) is graphed by qvl's own forward where this group asked for the
+layers' graphs (`graphs_requested`): qvl.kernels.tower_graphs, at bucketed patch counts, since every pack has its own.
+Not graphed: Megatron-Bridge's Qwen3-VL tower, the embedding and output layer, the loss and the optimizer.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 GROUP = "speed-cuda-graphs"
 WARMUP_STEPS = 2  # eager runs of each layer before its capture (Megatron-Core's cuda_graph_warmup_steps)
+TOWER_GRAPHS = "qvl_tower_graphs"  # the model config's flag: its HF vision tower may be graphed too
 
 
 class TooManySubSequencesError(QvlError):
@@ -69,6 +71,12 @@ class GraphShapes:
 def graphs_requested(model_config: Any) -> bool:
     """Whether `model_config` (the language model's TransformerConfig) replays its layers as Megatron-Core's graphs."""
     return getattr(model_config, "cuda_graph_impl", "none") == "local"
+
+
+def tower_graphs_allowed(model_config: Any) -> bool:
+    """Whether a replicated HF vision tower replays as graphs with the layers (qvl.kernels.tower_graphs): not where
+    DDP reduces gradients while the backward runs, which needs each parameter's gradient hook."""
+    return graphs_requested(model_config) and getattr(model_config, TOWER_GRAPHS, False)
 
 
 def graph_shapes(config: Any) -> GraphShapes | None:
@@ -117,7 +125,8 @@ def layer_graph_settings() -> dict[str, Any]:
 
 def with_layer_graphs(original):
     """Patch factory for Megatron-Bridge's `initialize_megatron` as setup() calls it: the language model's config set
-    for whole-layer CUDA graphs first (where CUDA is; the step census runs a CUDA run's groups on the CPU)."""
+    for whole-layer CUDA graphs first (where CUDA is; the step census runs a CUDA run's groups on the CPU), and marked
+    for the vision tower's graphs unless DDP overlaps its gradient reduction with the backward."""
 
     @functools.wraps(original)
     def initialize_megatron(cfg, *args, **kwargs):
@@ -127,7 +136,14 @@ def with_layer_graphs(original):
             else:
                 for name, value in layer_graph_settings().items():
                     setattr(cfg.model, name, value)
+                overlapped = getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False)
+                setattr(cfg.model, TOWER_GRAPHS, not overlapped)
                 logger.info("speed-cuda-graphs: the language model's layers replay as CUDA graphs from step 2")
+                if overlapped:
+                    logger.warning(
+                        "speed-cuda-graphs: with ddp.overlap_grad_reduce the vision tower stays eager (its graphs "
+                        "add gradients into main_grad without the parameters' hooks that overlap needs)"
+                    )
         return original(cfg, *args, **kwargs)
 
     return initialize_megatron

@@ -40,6 +40,7 @@ import torch
 from qvl.foundation.errors import QvlError
 from qvl.kernels.speed_hf_vision import tower_kwargs
 from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows
+from qvl.kernels.tower_graphs import tower_graphs
 from qvl.kernels.tower_inputs import DistinctVision, MegatronTowerInputs, TowerInputs
 from qvl.kernels.vision_placement import VisionPlacement
 
@@ -106,8 +107,12 @@ def _vision_embeddings(
                 "host_batch)"
             )
         grid = distinct.grid_thw
-    given = tower_kwargs(inputs) if isinstance(inputs, TowerInputs) else {}
-    output = model.visual(pixels.type(model.visual.dtype), grid_thw=grid, **given).pooler_output
+    graphs = tower_graphs(model)
+    if graphs is not None:  # replayed as CUDA graphs where the language model's layers are
+        output = graphs(pixels.type(model.visual.dtype), inputs, grid)
+    else:
+        given = tower_kwargs(inputs) if isinstance(inputs, TowerInputs) else {}
+        output = model.visual(pixels.type(model.visual.dtype), grid_thw=grid, **given).pooler_output
     check_tower_rows(model.visual, [output], pixels.shape[0], model.visual.spatial_merge_size**2)
     if distinct is not None:
         output = distinct.features(output)

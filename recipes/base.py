@@ -70,8 +70,9 @@ class QvlTrainingConfig:
     # (qvl.kernels.speed_hf_vision.compile_vision_blocks); eager elsewhere. Off until its bf16 parity tests have run on
     # a GPU (tests/kernels/test_vision_compile.py).
     compile: bool = False
-    # The language model's layers replayed as CUDA graphs (qvl.kernels.speed_cuda_graphs; the switch applies the group
-    # on CUDA without TE or Apex). Off until the graphs' GPU test has passed on a GPU.
+    # The language model's layers and a replicated HF vision tower replayed as CUDA graphs (qvl.kernels.speed_cuda_graphs,
+    # qvl.kernels.tower_graphs; the switch applies the group on CUDA without TE or Apex). Off until the graphs' GPU
+    # tests have passed on a GPU.
     cuda_graphs: bool = False
     # A preference stage's loss and reference (qvl.recipes.preference); None trains the language-model loss (pretraining,
     # SFT, PEFT). The training loop picks its forward step by it (qvl.training.loop.stage_step).

@@ -53,8 +53,9 @@ class RecipeOptions:
     recompute_modules: tuple[str, ...] = ("core_attn",)  # selective: Megatron-Core recompute_modules
     vision_recompute: bool = False  # HF vision tower (Qwen2/2.5-VL): keep block inputs only, recompute the rest
     compile: bool = False  # HF vision tower (Qwen2/2.5-VL): each block torch.compiled on CUDA (Triton)
-    # The language model's layers replayed as CUDA graphs (patch group speed-cuda-graphs, CUDA without TE or Apex);
-    # off until its GPU test has passed on a GPU (tests/kernels/test_speed_cuda_graphs.py)
+    # The language model's layers and a replicated HF vision tower replayed as CUDA graphs (patch group
+    # speed-cuda-graphs, CUDA without TE or Apex); off until their GPU tests have passed on a GPU
+    # (tests/kernels/test_speed_cuda_graphs.py, tests/kernels/test_tower_graphs.py)
     cuda_graphs: bool = False
     optimizer_offload: float = 0.0  # fraction of optimizer state on CPU (Megatron-Core hybrid-device optimizer)
     freeze: tuple[str, ...] = ()  # any of vision, projector, language

@@ -123,3 +123,19 @@ def test_the_results_structure_reproduces_the_h100_profile_gemm_counts_per_pack(
     # addmm: one fewer per ViT block per pack than the profile: torch's non-reentrant checkpoint stops recomputing a
     # block after its last saved tensor, so the CPU run skips the block's last linear (the H100 profile ran it)
     assert ops["addmm"] * packs == step_model.PROFILE_PER_STEP["addmm"] - 32 * packs
+
+
+@pytest.mark.slow
+def test_the_census_estimates_the_launches_cuda_graphs_leave(tiny):
+    """The language model's layers (forward from the first layer's call, backward until the first layer's input
+    gradient) and the HF tower (its whole region) are tallied as graphed; the estimate replaces them by replays and
+    copies (benchmarks.step_model.graphed_launches)."""
+    after = tiny["after"]
+    graphs, regions = after["cuda_graphs"], after["regions"]
+    assert (graphs["lm_layer_calls"], graphs["tower_calls"]) == (2 * 2, 2)  # 2 layers and 2 micro-batches
+    layers = graphs["graphed_launching_ops"] - regions["vision"]["kernel_launching_ops"]
+    assert 0.8 * regions["lm"]["kernel_launching_ops"] < layers < regions["lm"]["kernel_launching_ops"]  # both ways
+    kept = after["step"]["kernel_launching_ops"] - graphs["graphed_launching_ops"]
+    assert graphs["host_launches"] == kept + graphs["replays_and_copies"] < after["step"]["kernel_launching_ops"] / 3
+    checks = step_model.goal_checks(after, {"estimated_step_s": 0.0})
+    assert checks[-1]["figure"] == "ESTIMATED host launches per step with speed-cuda-graphs"

@@ -49,15 +49,23 @@ def test_graph_shapes_come_from_the_fullest_pack_of_the_dataset(tmp_path):
 def test_layer_graphs_are_asked_for_only_where_cuda_is(monkeypatch):
     seen = []
     initialize = speed_cuda_graphs.with_layer_graphs(lambda cfg, **kwargs: seen.append(dict(vars(cfg.model))))
-    config = lambda pp: types.SimpleNamespace(  # noqa: E731
-        model=types.SimpleNamespace(cuda_graph_impl="none", pipeline_model_parallel_size=pp)
+    config = lambda pp, overlap=False: types.SimpleNamespace(  # noqa: E731
+        model=types.SimpleNamespace(cuda_graph_impl="none", pipeline_model_parallel_size=pp),
+        ddp=types.SimpleNamespace(overlap_grad_reduce=overlap),
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the step census: a CUDA run's groups on the CPU
     initialize(config(1), restart_store=None)
     assert seen.pop()["cuda_graph_impl"] == "none"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     initialize(config(1))
-    assert seen.pop() == {"pipeline_model_parallel_size": 1, **speed_cuda_graphs.layer_graph_settings()}
+    graphed = {"pipeline_model_parallel_size": 1, **speed_cuda_graphs.layer_graph_settings()}
+    model = seen.pop()
+    assert model == {**graphed, speed_cuda_graphs.TOWER_GRAPHS: True}
+    assert speed_cuda_graphs.tower_graphs_allowed(types.SimpleNamespace(**model))
+    initialize(config(1, overlap=True))  # DDP's overlap needs the parameters' hooks: the tower stays eager
+    model = seen.pop()
+    assert model == {**graphed, speed_cuda_graphs.TOWER_GRAPHS: False}
+    assert not speed_cuda_graphs.tower_graphs_allowed(types.SimpleNamespace(**model))
     initialize(config(2))  # pipeline stages keep their layers eager
     assert seen.pop()["cuda_graph_impl"] == "none"
 

@@ -1,0 +1,342 @@
+"""The replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) replayed as CUDA graphs at bucketed shapes: the tower's part
+of patch group "speed-cuda-graphs" (qvl.kernels.speed_cuda_graphs), on where the language model's layers are graphed.
+
+Why: the step census (benchmarks/RESULTS.md) counts 12,280 of a step's 16,883 kernel-launching ops in the vision
+tower (forward, recompute and backward of every block for 8 packs): graphing the language model alone cannot bring a
+step under its 2,000 launches. Replayed as one forward and one backward graph, a tower call is two launches plus the
+copies that fill its inputs (about ten).
+
+How: a graph replays fixed shapes, and every micro-batch has its own patch count. `TowerGraphs` rounds a call up to
+a bucket (`tower_bucket`: eight patch counts per doubling, at most 1/8 more rows; the blocks and windows of
+`cu_seqlens` / `cu_window_seqlens` rounded up too) and pads the call into that bucket's static buffers:
+- pixel rows after the real ones are zeros (finite through every layer, and rows whose outputs are dropped get zero
+  gradient: they add nothing to any weight's);
+- `cu_seqlens` gets one pad block over those rows, then zero-length blocks; its longest block is the bucket's rows;
+- Qwen2.5-VL's windows: the pad rows in whole windows of the tower's window size (so the longest window stays the
+  tower's), `window_index` keeps the pad units in place, then zero-length windows;
+- the tower's output rows after the real ones are dropped, and their gradient is zero.
+No value is read back to the host: the real inputs are copied into the buffers on the device, and the pad entries are
+written from the call's row count (a host int) and constants on the device.
+
+The first call of a bucket runs the padded tower eagerly (the micro-batch's real pass; it also warms up cuBLAS, the
+varlen kernel and the compiled regions at the bucket's shapes); the second captures the forward and the backward
+(one memory pool for all buckets) and replays; later calls replay. In the backward graph each trained parameter's
+gradient goes into its `main_grad` (Megatron-Core's DDP buffer), as Megatron-Core's own per-layer graphs do
+(megatron/core/transformer/cuda_graphs.py): the tower's `MainGradLinear`s already add theirs inside their GEMM (their
+`grad_added_to_main_grad` set while capturing); the rest (norms, patch embedding, biases without one) are added after
+them. Autograd gets no gradient for the parameters, so DDP's per-parameter hook does not run for them: with
+`overlap_grad_reduce` (off in qvl's recipes), which needs those hooks, the tower runs eagerly
+(qvl.kernels.speed_cuda_graphs.tower_graphs_allowed). The graphs assume Megatron's schedule without
+pipeline parallelism: a micro-batch's backward before the next micro-batch's forward. A second call while a bucket's
+backward is pending (images and videos of one micro-batch in one bucket) runs eagerly, as does any call beyond
+`MAX_GRAPHS` buckets, any call without autograd, and any tower with a trained parameter that has no `main_grad`.
+
+On the CPU the same buffers, padding and gradient routing run through `EagerReplay` (the tests), which re-runs the
+captured passes instead of replaying kernels; `CudaGraphReplay` is the CUDA graph pair.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qvl.kernels.speed_hf_vision import tower_kwargs
+from qvl.kernels.tower_inputs import TowerInputs
+
+logger = logging.getLogger(__name__)
+
+# Kernels a graphed call launches besides its two replays: the copies and pad writes that fill its buffers (with
+# Qwen2.5-VL's windows, and without), then the gradient's copy and its pad rows zeroed (tests count them)
+FILL_LAUNCHES = {True: 11, False: 6}
+GRADIENT_LAUNCHES = 2
+MAX_GRAPHS = 16  # buckets captured per tower; a call of another bucket runs eagerly
+BUCKETS_PER_DOUBLING = 8  # patch counts per octave: a bucket holds at most 1/8 more rows than its calls
+BLOCK_SLOTS = 16  # cu_seqlens' blocks rounded up to a multiple of this
+WINDOW_SLOTS = 128  # cu_window_seqlens' windows rounded up to a multiple of this
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TowerBucket:
+    """The fixed shapes of one tower graph: pixel rows, full-attention blocks, and windows (0 without windows)."""
+
+    patches: int
+    blocks: int
+    windows: int
+
+
+def tower_bucket(patches: int, blocks: int, windows: int | None, *, unit: int, window: int | None) -> TowerBucket:
+    """The bucket of a call of `patches` rows in `blocks` blocks and `windows` windows (None: a tower without windowed
+    attention). `unit`: the rows a bucket's size is a multiple of (a merge unit, or a whole window); `window`: the
+    rows of one window."""
+    if patches < 1:
+        raise ValueError(f"a tower call of {patches} pixel rows has no bucket; call the tower with pixels")
+    granule = max(unit, 1 << max(0, patches.bit_length() - 1 - int(math.log2(BUCKETS_PER_DOUBLING))))
+    granule = unit * math.ceil(granule / unit)
+    rows = granule * math.ceil(patches / granule)
+    pad = rows - patches
+    padded_windows = 0
+    if windows is not None:
+        padded_windows = _round_up(windows + math.ceil(pad / window), WINDOW_SLOTS)
+    return TowerBucket(patches=rows, blocks=_round_up(blocks + 1, BLOCK_SLOTS), windows=padded_windows)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return multiple * math.ceil(value / multiple)
+
+
+class CudaGraphReplay:
+    """A forward and a backward pass captured as two CUDA graphs in `pool`, replayed on the current stream."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.forward_graph = torch.cuda.CUDAGraph()
+        self.backward_graph = torch.cuda.CUDAGraph()
+        self.output: torch.Tensor | None = None
+
+    def capture(self, forward: Any, backward: Any) -> torch.Tensor:
+        """Record `forward()` (its output tensor is static) and `backward(output)`; nothing runs yet."""
+        # thread_local: the loader's pin-memory thread may call CUDA while this thread captures
+        with torch.cuda.graph(self.forward_graph, pool=self.pool, capture_error_mode="thread_local"):
+            output = forward()
+        if output.requires_grad:
+            with torch.cuda.graph(self.backward_graph, pool=self.pool, capture_error_mode="thread_local"):
+                backward(output)
+        self.output = output.detach()
+        return self.output
+
+    def forward(self) -> None:
+        self.forward_graph.replay()
+
+    def backward(self) -> None:
+        self.backward_graph.replay()
+
+
+class EagerReplay:
+    """`CudaGraphReplay`'s contract with the passes re-run instead of replayed (CPU tests): the output is written
+    into the tensor `capture` returned, and the backward runs on the last forward's autograd graph."""
+
+    def __init__(self, pool: Any = None) -> None:
+        self.forward_pass = self.backward_pass = None
+        self.output: torch.Tensor | None = None
+        self.live: torch.Tensor | None = None
+
+    def capture(self, forward: Any, backward: Any) -> torch.Tensor:
+        self.forward_pass, self.backward_pass = forward, backward
+        with torch.no_grad():
+            self.output = forward().detach()  # a capture records, it does not compute: this value is never read
+        return self.output
+
+    def forward(self) -> None:
+        with torch.enable_grad():  # called from an autograd Function's forward, where autograd is off
+            self.live = self.forward_pass()
+        self.output.copy_(self.live.detach())
+
+    def backward(self) -> None:
+        live, self.live = self.live, None
+        self.backward_pass(live)
+
+
+class _Replayed(torch.autograd.Function):
+    """A graphed tower call: forward and backward replayed; the parameters' gradients went into their `main_grad`."""
+
+    @staticmethod
+    def forward(ctx, graph: _BucketGraph, rows: int, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.graph, ctx.rows = graph, rows
+        graph.replay.forward()
+        return graph.replay.output[:rows].detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
+        graph = ctx.graph
+        graph.grad_output[: ctx.rows].copy_(grad)
+        graph.grad_output[ctx.rows :].zero_()
+        graph.replay.backward()
+        graph.pending = False
+        return None, None, None
+
+
+class _BucketGraph:
+    """One bucket's static inputs, its eager first call, then its captured passes."""
+
+    def __init__(self, graphs: TowerGraphs, bucket: TowerBucket, like: torch.Tensor) -> None:
+        self.graphs, self.bucket = graphs, bucket
+        device, merged = like.device, bucket.patches // graphs.merge_unit
+        self.pixels = torch.zeros(bucket.patches, like.shape[1], dtype=like.dtype, device=device)
+        self.position_ids = torch.zeros(bucket.patches, 2, dtype=torch.long, device=device)
+        self.cu_seqlens = torch.zeros(bucket.blocks + 1, dtype=torch.int32, device=device)
+        self.window_index = self.cu_window_seqlens = None
+        if graphs.window is not None:
+            self.window_index = torch.arange(merged, device=device)
+            self.cu_window_seqlens = torch.zeros(bucket.windows + 1, dtype=torch.int32, device=device)
+            self.window_steps = graphs.window * torch.arange(1, bucket.windows + 1, dtype=torch.int32, device=device)
+            self.all_units = self.window_index.clone()
+        self.grad_output: torch.Tensor | None = None
+        self.replay: CudaGraphReplay | EagerReplay | None = None
+        self.calls = 0
+        self.pending = False  # a forward whose backward has not run: the buffers are in use
+
+    def fill(self, pixels: torch.Tensor, inputs: TowerInputs) -> None:
+        """Copy a call into the buffers and write its pad entries (device ops only)."""
+        rows, bucket = pixels.shape[0], self.bucket
+        self.pixels[:rows].copy_(pixels)
+        self.pixels[rows:].zero_()
+        self.position_ids[:rows].copy_(inputs.position_ids)
+        self.position_ids[rows:].zero_()
+        blocks = inputs.cu_seqlens.shape[0]
+        self.cu_seqlens[:blocks].copy_(inputs.cu_seqlens)
+        self.cu_seqlens[blocks:].fill_(bucket.patches)  # one pad block over the pad rows, then empty blocks
+        if self.window_index is not None:
+            units = rows // self.graphs.merge_unit
+            self.window_index[:units].copy_(inputs.window_index)
+            self.window_index[units:].copy_(self.all_units[units:])  # pad units stay where they are
+            windows = inputs.cu_window_seqlens.shape[0]
+            tail = self.cu_window_seqlens[windows:]
+            torch.add(self.window_steps[: tail.shape[0]], rows, out=tail)  # whole windows over the pad rows
+            tail.clamp_(max=bucket.patches)
+            self.cu_window_seqlens[:windows].copy_(inputs.cu_window_seqlens)
+
+    def forward_pass(self) -> torch.Tensor:
+        """The tower on the buffers: its merged rows for all of the bucket's pixel rows."""
+        graphs = self.graphs
+        inputs = TowerInputs(
+            position_ids=self.position_ids,
+            cu_seqlens=self.cu_seqlens,
+            max_seqlen=self.bucket.patches,
+            window_index=self.window_index,
+            cu_window_seqlens=self.cu_window_seqlens,
+            max_window_seqlen=graphs.window,
+        )
+        return graphs.tower(self.pixels, grid_thw=None, **tower_kwargs(inputs)).pooler_output
+
+    def backward_pass(self, output: torch.Tensor) -> None:
+        """The tower's backward from `grad_output`, every trained parameter's gradient added into its `main_grad`."""
+        params = self.graphs.trained
+        for param in params:
+            if hasattr(param, "grad_added_to_main_grad"):
+                param.grad_added_to_main_grad = False
+        grads = torch.autograd.grad(output, params, grad_outputs=self.grad_output, allow_unused=True)
+        for param, grad in zip(params, grads, strict=True):
+            if grad is not None and not getattr(param, "grad_added_to_main_grad", False):
+                param.main_grad.add_(grad)
+
+    def __call__(self, pixels: torch.Tensor, inputs: TowerInputs) -> torch.Tensor:
+        rows = pixels.shape[0] // self.graphs.merge_unit
+        self.fill(pixels, inputs)
+        self.calls += 1
+        if self.calls == 1:  # eager at the bucket's shapes: this micro-batch's pass, and the warm-up of its kernels
+            output = self.forward_pass()
+            self.grad_output = torch.zeros_like(output, requires_grad=False)
+            if output.requires_grad:
+                self.pending = True
+                output.register_hook(self._released)
+            return output[:rows]
+        if self.replay is None:
+            self.replay = self.graphs.new_replay()
+            self.replay.capture(self.forward_pass, self.backward_pass)
+        if not self.graphs.trained:
+            self.replay.forward()
+            return self.replay.output[:rows]
+        self.pending = True
+        return _Replayed.apply(self, rows, self.graphs.trained[0])
+
+    def _released(self, grad: torch.Tensor) -> None:
+        self.pending = False
+
+
+class TowerGraphs:
+    """One replicated HF vision tower's graphs, a bucket each (see the module's docstring)."""
+
+    def __init__(self, tower: torch.nn.Module, *, cuda: bool = True, max_graphs: int = MAX_GRAPHS) -> None:
+        config = tower.config
+        self.tower = tower
+        self.merge_unit = config.spatial_merge_size**2
+        window_size = getattr(config, "window_size", None)  # Qwen2.5-VL windows its attention; Qwen2-VL does not
+        self.window = None if window_size is None else (window_size // config.patch_size) ** 2
+        self.trained = [p for p in tower.parameters() if p.requires_grad]
+        self.cuda, self.max_graphs = cuda, max_graphs
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.buckets: dict[TowerBucket, _BucketGraph] = {}
+        self.refused: set[str] = set()
+        self.calls: collections.Counter = collections.Counter()  # "warm-up", "captured", "replayed", "eager"
+        self.rows = collections.Counter()  # "real" pixel rows of the graphed calls, "padded" their buckets' rows
+
+    def new_replay(self) -> CudaGraphReplay | EagerReplay:
+        return CudaGraphReplay(self.pool) if self.cuda else EagerReplay()
+
+    def eager_reason(self, pixels: torch.Tensor, inputs: Any) -> str | None:
+        """Why this call runs eagerly (None: it is graphed)."""
+        if not isinstance(inputs, TowerInputs):
+            return "a call without the loader's tower inputs"
+        if not (torch.is_grad_enabled() and self.tower.training):
+            return "a call without autograd (evaluation)"
+        if any(getattr(p, "main_grad", None) is None for p in self.trained):
+            return "trained tower parameters without Megatron DDP's main_grad"
+        if inputs.max_window_seqlen is not None and inputs.max_window_seqlen > self.window:
+            return f"a window of {inputs.max_window_seqlen} rows (the graphs' longest is {self.window})"
+        return None
+
+    def __call__(self, pixels: torch.Tensor, inputs: Any, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The tower's merged output rows for `pixels` (the tower's `pooler_output`), replayed where it can be."""
+        reason = self.eager_reason(pixels, inputs)
+        graph = None
+        if reason is None:
+            windows = None if self.window is None else inputs.cu_window_seqlens.shape[0] - 1
+            bucket = tower_bucket(
+                pixels.shape[0],
+                inputs.cu_seqlens.shape[0] - 1,
+                windows,
+                unit=self.merge_unit if self.window is None else self.window,
+                window=self.window,
+            )
+            graph = self.buckets.get(bucket)
+            if graph is None and len(self.buckets) >= self.max_graphs:
+                reason = f"more than {self.max_graphs} buckets of tower shapes"
+            elif graph is None:
+                graph = self.buckets[bucket] = _BucketGraph(self, bucket, pixels)
+            elif graph.pending:
+                reason, graph = "a second call while the bucket's backward is pending", None
+        if graph is not None:
+            self.calls[("warm-up", "captured")[graph.calls] if graph.calls < 2 else "replayed"] += 1
+            self.rows.update(real=pixels.shape[0], padded=graph.bucket.patches)
+            return graph(pixels, inputs)
+        self.calls["eager"] += 1
+        if reason not in self.refused:
+            self.refused.add(reason)
+            logger.info("speed-cuda-graphs: the vision tower runs eagerly for %s", reason)
+        given = tower_kwargs(inputs) if isinstance(inputs, TowerInputs) else {}
+        return self.tower(pixels, grid_thw=grid_thw, **given).pooler_output
+
+    def stats(self) -> dict:
+        """What the graphs did so far: buckets, calls by kind, the rows padding added, why calls ran eagerly."""
+        real = self.rows["real"]
+        return {
+            "buckets": len(self.buckets),
+            "calls": dict(self.calls),
+            "padding_share": round(self.rows["padded"] / real - 1, 4) if real else None,
+            "eager_because": sorted(self.refused),
+        }
+
+
+def launches_per_call(*, windowed: bool) -> int:
+    """Kernels one graphed tower call launches, forward and backward (the step census's estimate uses it)."""
+    return FILL_LAUNCHES[windowed] + 1 + GRADIENT_LAUNCHES + 1
+
+
+def tower_graphs(model: Any) -> TowerGraphs | None:
+    """The graphs of a Qwen2-VL / Qwen2.5-VL model's replicated tower (`model.visual`), made on first use, where its
+    language model's layers replay as CUDA graphs (speed-cuda-graphs on: a CUDA run); None elsewhere (eager)."""
+    from qvl.kernels.speed_cuda_graphs import tower_graphs_allowed
+
+    tower = getattr(model, "visual", None)
+    if tower is None or not tower_graphs_allowed(model.config) or not torch.cuda.is_available():
+        return None
+    graphs = getattr(tower, "qvl_graphs", None)
+    if graphs is None:
+        graphs = TowerGraphs(tower)
+        tower.qvl_graphs = graphs  # a plain attribute: not a submodule, not in the state dict
+    return graphs

@@ -1,0 +1,277 @@
+"""The replicated HF vision tower replayed as CUDA graphs at bucketed shapes (qvl.kernels.tower_graphs). On the CPU the
+same buffers, padding and gradient routing run through `EagerReplay`: every call of a bucket (the eager first one, the
+captured second, replays, and the eager fallback while a backward is pending) gives the tower's own output rows, and
+the gradients reach `main_grad` as Megatron-Core's DDP would put them there. The CUDA graphs run on a GPU (`gpu`)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import types
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qvl.foundation import patches
+from qvl.kernels import speed_hf_vision, tower_graphs
+from qvl.kernels.speed_hf_vision import tower_kwargs
+from qvl.kernels.torch_wgrad_accum import MainGradLinear
+from qvl.kernels.tower_graphs import TowerBucket, TowerGraphs, tower_bucket
+from qvl.kernels.tower_inputs import tower_inputs_for_config
+from qvl.kernels.varlen_attention import HF_VARLEN_ATTENTION, register_hf_varlen_attention
+from tests.kernels.test_speed_hf_vision import HF_TOWER_FAMILIES, tiny_tower
+
+# Calls of one bucket (176 and 168 rows: a bucket of 176), then one of another (32 rows).
+CALLS = (
+    torch.tensor([[1, 8, 12], [1, 4, 4], [2, 4, 8]]),
+    torch.tensor([[1, 8, 12], [1, 4, 4], [1, 4, 14]]),
+    torch.tensor([[1, 8, 12], [1, 4, 4], [2, 4, 8]]),
+    torch.tensor([[1, 4, 8]]),
+)
+
+
+def test_a_bucket_holds_at_most_an_eighth_more_rows_and_slots_to_spare():
+    assert tower_bucket(12_000, 20, 300, unit=64, window=64) == TowerBucket(patches=12_288, blocks=32, windows=384)
+    assert tower_bucket(8_192, 3, None, unit=4, window=None) == TowerBucket(patches=8_192, blocks=16, windows=0)
+    assert tower_bucket(8_193, 3, None, unit=4, window=None).patches == 9_216  # 12.5% more, the most a bucket adds
+    assert tower_bucket(100, 1, 4, unit=64, window=64) == TowerBucket(patches=128, blocks=16, windows=128)
+    for rows_in in range(4, 5_000, 4):
+        rows = tower_bucket(rows_in, 1, 1, unit=64, window=64).patches
+        assert rows % 64 == 0 and rows_in <= rows <= max(rows_in + 63, rows_in * 9 // 8 + 64)
+    # 15 blocks leave one slot for the pad block; the pad rows get whole windows beyond the call's
+    assert tower_bucket(168, 15, 120, unit=16, window=16) == TowerBucket(patches=176, blocks=16, windows=128)
+    assert tower_bucket(168, 16, 128, unit=16, window=16) == TowerBucket(patches=176, blocks=32, windows=256)
+    with pytest.raises(ValueError, match="a tower call of 0 pixel rows has no bucket"):
+        tower_bucket(0, 0, None, unit=4, window=None)
+
+
+def _ddp_like(tower: torch.nn.Module) -> None:
+    """What qvl's build and Megatron-Core's DDP give the tower: `MainGradLinear`s, a `main_grad` per parameter, and a
+    hook adding `.grad` into it unless the gradient is already there (`_make_backward_post_hook`)."""
+    for module in tower.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = MainGradLinear
+    for param in tower.parameters():
+        param.main_grad = torch.zeros_like(param)
+        param.grad_added_to_main_grad = False
+
+        def hook(p: torch.nn.Parameter) -> None:
+            if p.grad is not None and not p.grad_added_to_main_grad:
+                p.main_grad.add_(p.grad)
+            p.grad = None
+
+        param.register_post_accumulate_grad_hook(hook)
+
+
+def _call(tower, grid: torch.Tensor, seed: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    config = tower.config
+    width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(int(grid.prod(-1).sum()), width, generator=generator)
+    inputs = tower_inputs_for_config(grid, config)
+    rows = pixels.shape[0] // config.spatial_merge_size**2
+    out_width = getattr(config, "out_hidden_size", None) or config.hidden_size  # Qwen2.5-VL's, Qwen2-VL's
+    weights = torch.randn(rows, out_width, generator=generator)
+    return pixels, inputs, weights
+
+
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_every_call_of_a_bucket_gives_the_towers_rows_and_gradients(family):
+    register_hf_varlen_attention()
+    with patches.applied(speed_hf_vision.GROUP):
+        reference = tiny_tower(family, attention=HF_VARLEN_ATTENTION)
+        tower = copy.deepcopy(reference)
+        _ddp_like(tower)
+        graphs = TowerGraphs(tower, cuda=False)
+        expected = {name: torch.zeros_like(p) for name, p in reference.named_parameters()}
+        for index, grid in enumerate(CALLS):
+            pixels, inputs, weights = _call(tower, grid, seed=index)
+            want = reference(pixels, grid_thw=grid, **tower_kwargs(inputs)).pooler_output
+            grads = torch.autograd.grad((want * weights).sum(), list(reference.parameters()))
+            for (name, _), grad in zip(reference.named_parameters(), grads, strict=True):
+                expected[name] += grad
+            got = graphs(pixels, inputs, grid)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"call {index + 1}")
+            if index == 2:  # a second call of the bucket before the backward: it runs eagerly, then both go back
+                again = graphs(pixels, inputs, grid)
+                torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)
+                for (name, _), grad in zip(reference.named_parameters(), grads, strict=True):
+                    expected[name] += grad
+                got = got + again
+            (got * weights).sum().backward()
+        buckets = list(graphs.buckets.values())
+        assert [b.bucket.patches for b in buckets] == [176, 32]
+        assert buckets[0].calls == 3 and buckets[0].replay is not None and not buckets[0].pending  # captured, replayed
+        assert buckets[1].calls == 1 and buckets[1].replay is None  # eager so far
+        assert graphs.refused == {"a second call while the bucket's backward is pending"}
+        assert graphs.stats() == {
+            "buckets": 2,
+            "calls": {"warm-up": 2, "captured": 1, "replayed": 1, "eager": 1},
+            "padding_share": round(560 / 552 - 1, 4),
+            "eager_because": ["a second call while the bucket's backward is pending"],
+        }
+        for name, param in tower.named_parameters():
+            assert param.grad is None
+            scale = float(expected[name].abs().max()) + 1e-6
+            torch.testing.assert_close(param.main_grad, expected[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_the_pad_rows_are_blocks_and_windows_of_their_own():
+    """168 rows in the bucket of 176: one pad block over rows 168-176 then empty blocks; the pad rows in windows of at
+    most the tower's window (16 rows) then empty windows; the pad merge units after the call's, in place."""
+    register_hf_varlen_attention()
+    with patches.applied(speed_hf_vision.GROUP):
+        tower = tiny_tower("qwen2_5_vl", attention=HF_VARLEN_ATTENTION)
+        graphs = TowerGraphs(tower, cuda=False)
+        pixels, inputs, _ = _call(tower, CALLS[1], seed=0)
+        bucket = tower_bucket(168, 3, inputs.cu_window_seqlens.shape[0] - 1, unit=16, window=16)
+        graph = tower_graphs._BucketGraph(graphs, bucket, pixels)
+        graph.fill(pixels, inputs)
+    assert graph.cu_seqlens.tolist() == inputs.cu_seqlens.tolist() + [176] * 13
+    windows = inputs.cu_window_seqlens.tolist()
+    assert graph.cu_window_seqlens.tolist() == windows + [176] * (128 - len(windows) + 1)
+    assert graph.window_index.tolist() == inputs.window_index.tolist() + [42, 43]
+    assert torch.equal(graph.pixels[:168], pixels) and not graph.pixels[168:].any()
+    assert not graph.position_ids[168:].any()
+    wider = tower_graphs._BucketGraph(graphs, TowerBucket(patches=208, blocks=16, windows=128), pixels)
+    wider.fill(pixels, inputs)  # 40 pad rows: windows of 16, 16 and 8 rows
+    assert wider.cu_window_seqlens.tolist() == windows + [184, 200] + [208] * (129 - len(windows) - 2)
+
+
+def test_the_tower_is_graphed_only_where_the_language_models_layers_are(monkeypatch):
+    config = types.SimpleNamespace(cuda_graph_impl="none", qvl_tower_graphs=True)
+    model = types.SimpleNamespace(visual=torch.nn.Linear(2, 2), config=config)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert tower_graphs.tower_graphs(model) is None  # an eager run
+    config.cuda_graph_impl, config.qvl_tower_graphs = "local", False
+    assert tower_graphs.tower_graphs(model) is None  # graphed layers, DDP overlapping its reduction
+    config.qvl_tower_graphs = True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tower_graphs.tower_graphs(model) is None  # a CUDA run's config on a machine without CUDA (the census)
+
+
+def test_calls_the_graphs_cannot_take_run_eagerly():
+    register_hf_varlen_attention()
+    with patches.applied(speed_hf_vision.GROUP):
+        tower = tiny_tower("qwen2_5_vl", attention=HF_VARLEN_ATTENTION)
+        graphs = TowerGraphs(tower, cuda=False)
+        pixels, inputs, _ = _call(tower, CALLS[0], seed=0)
+        assert graphs.eager_reason(pixels, inputs) == "trained tower parameters without Megatron DDP's main_grad"
+        _ddp_like(tower)
+        assert graphs.eager_reason(pixels, inputs) is None
+        assert graphs.eager_reason(pixels, None) == "a call without the loader's tower inputs"
+        with torch.no_grad():
+            assert graphs.eager_reason(pixels, inputs) == "a call without autograd (evaluation)"
+        inputs.max_window_seqlen = 17
+        assert graphs.eager_reason(pixels, inputs) == "a window of 17 rows (the graphs' longest is 16)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_the_cuda_graphs_replay_what_the_eager_replay_computes(family):
+    """bf16 on CUDA with qvl's varlen attention (as training runs the tower): the captured graphs give the rows and
+    `main_grad`s of the same passes re-run eagerly, over calls of two sizes in one bucket."""
+    register_hf_varlen_attention()
+    with patches.applied(speed_hf_vision.GROUP):
+        base = tiny_tower(family, dtype=torch.bfloat16, attention=HF_VARLEN_ATTENTION).cuda()
+        results = []
+        for cuda in (False, True):
+            tower = copy.deepcopy(base)
+            _ddp_like(tower)
+            graphs = TowerGraphs(tower, cuda=cuda)
+            outputs = []
+            for index, grid in enumerate(CALLS[:3]):
+                pixels, inputs, weights = _call(tower, grid, seed=index)
+                pixels, weights = pixels.cuda().bfloat16(), weights.cuda().bfloat16()
+                got = graphs(pixels, inputs.to("cuda"), grid.cuda())
+                (got.float() * weights.float()).sum().backward()
+                outputs.append(got.float())
+            torch.cuda.synchronize()
+            results.append((outputs, {n: p.main_grad.float() for n, p in tower.named_parameters()}))
+        (eager_out, eager_grads), (graph_out, graph_grads) = results
+        for index, (got, want) in enumerate(zip(graph_out, eager_out, strict=True)):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=f"call {index + 1}")
+        for name, want in eager_grads.items():
+            scale = float(want.abs().max()) + 1e-6
+            torch.testing.assert_close(graph_grads[name], want, rtol=2e-2, atol=2e-2 * scale, msg=name)
+
+
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_a_pack_trains_with_its_tower_graphed_as_it_does_eagerly(family, tmp_path, cpu_runtime, monkeypatch):
+    """qvl's Qwen2-VL / Qwen2.5-VL forward hands its tower calls (an image and a video call per micro-batch) to the
+    tower's graphs: over three micro-batches (warm-up, capture, replay) the losses are the eager ones and the tower's
+    `main_grad`s sum the eager gradients (fp32)."""
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.foundation import distributed
+    from qvl.kernels import speed_rotary, speed_sync_free
+    from qvl.training.step import host_batch, model_inputs
+    from tests.kernels.test_speed_sync_free import _batch, _loss_and_grads
+    from tests.tiny_megatron import tiny_megatron_model
+
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
+    distributed.init_distributed()
+    try:
+        model, hf_config = tiny_megatron_model(family, hf=hf, speed=False)
+        batch = _batch(family, hf_config, math.prod(model.visual.patch_embed.proj.weight.shape[1:]))
+        for kind in ("image", "video"):  # what the loader's workers compute
+            grid = getattr(batch, f"{kind}_grid_thw")
+            setattr(batch, f"{kind}_tower_inputs", tower_inputs_for_config(grid, model.visual.config))
+        cpu = torch.device("cpu")
+        kwargs, _ = model_inputs(batch, cpu)
+        kwargs["host_batch"] = host_batch(model, batch, kwargs, cpu)
+        with patches.applied(speed_rotary.GROUP, speed_sync_free.GROUP):
+            eager_losses, eager_grads = _loss_and_grads(model, kwargs)
+            _ddp_like(model.visual)
+            graphs = TowerGraphs(model.visual, cuda=False)
+            monkeypatch.setattr(speed_sync_free, "tower_graphs", lambda m: graphs)
+            for _ in range(3):
+                losses, _ = _loss_and_grads(model, kwargs)
+                torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
+        assert graphs.calls["replayed"] >= 1 and graphs.calls["captured"] >= 1, graphs.stats()
+        for name, param in model.visual.named_parameters():
+            want = 3 * eager_grads[f"visual.{name}"]
+            scale = float(want.abs().max()) + 1e-6
+            torch.testing.assert_close(param.main_grad, want, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    finally:
+        distributed.destroy_distributed()
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the aten ops that run a kernel (views and allocations left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        returns = func._schema.returns
+        if not any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_a_graphed_call_launches_what_the_census_counts_for_it(family):
+    """The census charges a graphed tower call `launches_per_call` kernels: its fills, two replays, the gradient."""
+    register_hf_varlen_attention()
+    with patches.applied(speed_hf_vision.GROUP):
+        tower = tiny_tower(family, attention=HF_VARLEN_ATTENTION)
+        graphs = TowerGraphs(tower, cuda=False)
+        pixels, inputs, _ = _call(tower, CALLS[1], seed=0)
+        windows = None if graphs.window is None else inputs.cu_window_seqlens.shape[0] - 1
+        unit = graphs.merge_unit if graphs.window is None else graphs.window
+        bucket = tower_bucket(168, inputs.cu_seqlens.shape[0] - 1, windows, unit=unit, window=graphs.window)
+        graph = tower_graphs._BucketGraph(graphs, bucket, pixels)
+        graph.grad_output = torch.zeros(bucket.patches // 4, 8)
+        with _Launches() as fills:
+            graph.fill(pixels, inputs)
+        graph.replay = types.SimpleNamespace(backward=lambda: None)
+        grad = torch.ones(42, 8)
+        with _Launches() as gradient:
+            tower_graphs._Replayed.backward(types.SimpleNamespace(graph=graph, rows=42), grad)
+    windowed = family == "qwen2_5_vl"
+    assert len(fills.ops) == tower_graphs.FILL_LAUNCHES[windowed], fills.ops
+    assert len(gradient.ops) == tower_graphs.GRADIENT_LAUNCHES, gradient.ops
+    assert tower_graphs.launches_per_call(windowed=windowed) == len(fills.ops) + len(gradient.ops) + 2
