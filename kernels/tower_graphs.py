@@ -29,7 +29,8 @@ them. Autograd gets no gradient for the parameters, so DDP's per-parameter hook 
 (qvl.kernels.speed_cuda_graphs.tower_graphs_allowed). The graphs assume Megatron's schedule without
 pipeline parallelism: a micro-batch's backward before the next micro-batch's forward. A second call while a bucket's
 backward is pending (images and videos of one micro-batch in one bucket) runs eagerly, as does any call beyond
-`MAX_GRAPHS` buckets, any call without autograd, and any tower with a trained parameter that has no `main_grad`.
+`MAX_GRAPHS` buckets, any call without autograd, any tower with a trained parameter that has no `main_grad`, and
+every call of a bucket whose capture raised (logged with the error; `stats()` names it).
 
 On the CPU the same buffers, padding and gradient routing run through `EagerReplay` (the tests), which re-runs the
 captured passes instead of replaying kernels; `CudaGraphReplay` is the CUDA graph pair.
@@ -179,6 +180,7 @@ class _BucketGraph:
         self.replay: CudaGraphReplay | EagerReplay | None = None
         self.calls = 0
         self.pending = False  # a forward whose backward has not run: the buffers are in use
+        self.failed: str | None = None  # why its capture failed: its calls run eagerly
 
     def fill(self, pixels: torch.Tensor, inputs: TowerInputs) -> None:
         """Copy a call into the buffers and write its pad entries (device ops only)."""
@@ -224,7 +226,8 @@ class _BucketGraph:
             if grad is not None and not getattr(param, "grad_added_to_main_grad", False):
                 param.main_grad.add_(grad)
 
-    def __call__(self, pixels: torch.Tensor, inputs: TowerInputs) -> torch.Tensor:
+    def __call__(self, pixels: torch.Tensor, inputs: TowerInputs) -> torch.Tensor | None:
+        """The call's merged rows, or None where the bucket's capture failed now (the caller runs it eagerly)."""
         rows = pixels.shape[0] // self.graphs.merge_unit
         self.fill(pixels, inputs)
         self.calls += 1
@@ -236,8 +239,14 @@ class _BucketGraph:
                 output.register_hook(self._released)
             return output[:rows]
         if self.replay is None:
-            self.replay = self.graphs.new_replay()
-            self.replay.capture(self.forward_pass, self.backward_pass)
+            replay = self.graphs.new_replay()
+            try:
+                replay.capture(self.forward_pass, self.backward_pass)
+            except RuntimeError as error:  # e.g. an op that cannot be captured: this bucket stays eager
+                self.failed = f"a bucket whose capture failed ({type(error).__name__}: {str(error).splitlines()[0]})"
+                logger.warning("speed-cuda-graphs: the vision tower's capture of %s failed: %s", self.bucket, error)
+                return None
+            self.replay = replay
         if not self.graphs.trained:
             self.replay.forward()
             return self.replay.output[:rows]
@@ -300,10 +309,16 @@ class TowerGraphs:
                 graph = self.buckets[bucket] = _BucketGraph(self, bucket, pixels)
             elif graph.pending:
                 reason, graph = "a second call while the bucket's backward is pending", None
+            elif graph.failed is not None:
+                reason, graph = graph.failed, None
         if graph is not None:
-            self.calls[("warm-up", "captured")[graph.calls] if graph.calls < 2 else "replayed"] += 1
-            self.rows.update(real=pixels.shape[0], padded=graph.bucket.patches)
-            return graph(pixels, inputs)
+            kind = ("warm-up", "captured")[graph.calls] if graph.calls < 2 else "replayed"
+            output = graph(pixels, inputs)
+            if output is not None:
+                self.calls[kind] += 1
+                self.rows.update(real=pixels.shape[0], padded=graph.bucket.patches)
+                return output
+            reason = graph.failed
         self.calls["eager"] += 1
         if reason not in self.refused:
             self.refused.add(reason)

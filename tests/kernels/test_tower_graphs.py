@@ -164,6 +164,20 @@ def test_calls_the_graphs_cannot_take_run_eagerly():
         assert graphs.eager_reason(pixels, None) == "a call without the loader's tower inputs"
         with torch.no_grad():
             assert graphs.eager_reason(pixels, inputs) == "a call without autograd (evaluation)"
+        want = tower(pixels, grid_thw=CALLS[0], **tower_kwargs(inputs)).pooler_output
+        graphs(pixels, inputs, CALLS[0]).sum().backward()  # the bucket's first call: eager
+
+        class Uncapturable(tower_graphs.EagerReplay):
+            def capture(self, forward, backward):
+                raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+        graphs.new_replay = Uncapturable
+        for _ in range(2):  # the capture fails: this call and the bucket's later ones run eagerly
+            got = graphs(pixels, inputs, CALLS[0])
+            torch.testing.assert_close(got, want)
+            got.sum().backward()
+        reason = "a bucket whose capture failed (RuntimeError: operation not permitted when stream is capturing)"
+        assert graphs.stats()["calls"] == {"warm-up": 1, "eager": 2} and graphs.stats()["eager_because"] == [reason]
         inputs.max_window_seqlen = 17
         assert graphs.eager_reason(pixels, inputs) == "a window of 17 rows (the graphs' longest is 16)"
 
@@ -189,6 +203,7 @@ def test_the_cuda_graphs_replay_what_the_eager_replay_computes(family):
                 (got.float() * weights.float()).sum().backward()
                 outputs.append(got.float())
             torch.cuda.synchronize()
+            assert graphs.stats()["calls"] == {"warm-up": 1, "captured": 1, "replayed": 1}, graphs.stats()
             results.append((outputs, {n: p.main_grad.float() for n, p in tower.named_parameters()}))
         (eager_out, eager_grads), (graph_out, graph_grads) = results
         for index, (got, want) in enumerate(zip(graph_out, eager_out, strict=True)):
