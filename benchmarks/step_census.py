@@ -48,7 +48,10 @@ NO_KERNEL_OPS = frozenset({
     "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "set_", "resize_", "lift_fresh",
     "is_pinned", "_pin_memory", "record_stream", "_has_compatible_shallow_copy_type", "is_same_size", "sym_size",
     "sym_stride", "sym_numel", "sym_storage_offset", "_nested_tensor_from_mask_left_aligned", "detach_",
+    "_record_function_enter_new", "_record_function_exit",
 })  # fmt: skip
+# Views whose schema declares no alias (autograd's reasons): a new tensor header, no kernel.
+UNDECLARED_VIEW_OPS = frozenset({"_unsafe_view"})
 # Ops whose output size depends on tensor values: the host waits for the device to know it.
 VALUE_SIZED_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
                              "unique_dim", "bincount", "histc"})  # fmt: skip
@@ -304,7 +307,7 @@ class Census:
                 counts.nongemm_bytes += self._compiled_gemm_bytes(name, args, out)
             return
         returns = func._schema.returns
-        if any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        if name in UNDECLARED_VIEW_OPS or any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
             counts.views += 1
             return
         if name in NO_KERNEL_OPS:

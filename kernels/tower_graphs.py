@@ -1,7 +1,7 @@
 """The replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) replayed as CUDA graphs at bucketed shapes: the tower's part
 of patch group "speed-cuda-graphs" (qvl.kernels.speed_cuda_graphs), on where the language model's layers are graphed.
 
-Why: the step census (benchmarks/RESULTS.md) counts 12,280 of a step's 16,883 kernel-launching ops in the vision
+Why: the step census (benchmarks/RESULTS.md) counts 12,280 of a step's 15,994 kernel-launching ops in the vision
 tower (forward, recompute and backward of every block for 8 packs): graphing the language model alone cannot bring a
 step under its 2,000 launches. Replayed as one forward and one backward graph, a tower call is two launches plus the
 copies that fill its inputs (about ten).
