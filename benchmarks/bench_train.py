@@ -439,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"MFU {r['mfu_megatron_bridge']} (Bridge) {r['mfu_six_n']} (6N), data wait {r['data_wait_fraction']}, "
                   f"peak {r['peak_memory_gib']} GiB, idle {r.get('profile', {}).get('share_of_step', {}).get('idle')}")  # fmt: skip
     for row in results.get("comparisons", []):
-        print(f"{row['figure']}: {row['value']}")
+        losses = row.get("loss_max_relative_difference")
+        print(f"{row['figure']}: {row['value']}" + ("" if losses is None else f" (losses differ by <= {losses})"))
     print(f"wrote {args.out / 'bench_train.json'}")
     return 0
 

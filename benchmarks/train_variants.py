@@ -81,7 +81,9 @@ def parse(text: str) -> Variant:
 
 def comparisons(rows: list[dict]) -> list[dict]:
     """tokens/s ratios between runs that differ in one thing: packed / padded at one length, `compile` on / off, and
-    each group left off against the run with it (every one against the base packed run at its length)."""
+    each group left off against the run with it (every one against the base packed run at its length). Where the two
+    train the same batches (an option or a group, not the padding), also the largest relative difference of their
+    losses over the steps both ran: a group that changed the numbers shows there (bf16 rounding alone is ~1e-3)."""
     measured = [r for r in rows if "tokens_per_s_per_gpu" in r["result"]]
     base = {r["seq_length"]: r for r in measured if r["base"] and r["mode"] == "packed"}
     out = []
@@ -100,9 +102,20 @@ def comparisons(rows: list[dict]) -> list[dict]:
         else:
             what = "with " + ", ".join(row["groups_off"]) + " / without"
             ratio = reference["result"]["tokens_per_s_per_gpu"] / row["result"]["tokens_per_s_per_gpu"]
-        out.append({"figure": f"tokens/s at {row['seq_length']}: {what}", "runs": [reference["name"], row["name"]],
-                    "value": round(ratio, 3)})  # fmt: skip
+        comparison = {"figure": f"tokens/s at {row['seq_length']}: {what}", "runs": [reference["name"], row["name"]],
+                      "value": round(ratio, 3)}  # fmt: skip
+        if not row["base"]:
+            comparison["loss_max_relative_difference"] = loss_difference(reference["result"], row["result"])
+        out.append(comparison)
     return out
+
+
+def loss_difference(first: dict, second: dict) -> float | None:
+    """The largest |a - b| / |a| over the steps whose losses both runs logged (None: no step in common)."""
+    pairs = [
+        (a, b) for a, b in zip(first.get("losses", []), second.get("losses", [])) if a is not None and b is not None
+    ]
+    return round(max(abs(a - b) / abs(a) for a, b in pairs), 6) if pairs else None
 
 
 def summarize(results: dict) -> None:

@@ -45,6 +45,9 @@ def test_tiny_training_benchmark_writes_every_figure(tmp_path):
     assert "speed-optimizer" not in off["patch_groups"]["applied_in_step_1"]
     figures = [c["figure"] for c in results["comparisons"]]
     assert figures == ["tokens/s at 256: packed / padded", "tokens/s at 256: with speed-optimizer / without"]
+    same_batches = results["comparisons"][1]  # fused and unfused AdamW train the same batches to the same losses
+    assert "loss_max_relative_difference" not in results["comparisons"][0]
+    assert 0 <= same_batches["loss_max_relative_difference"] < 1e-3, same_batches
     # --profile: two profiled steps after the packed run's, left out of its figures (steps_measured above)
     profile = run["packed"]["profile"]
     assert set(profile["share_of_step"]) == {*CATEGORIES, "idle"}
