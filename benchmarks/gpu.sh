@@ -8,7 +8,8 @@
 #                                           # (default: the first planned call's): rotary tests attention vision
 #                                           # train idle py:SCRIPT
 #
-# `run` writes into $OUT (default .bench/gpu): log.txt (environment and every stage's output), bench_rotary_gpu.json,
+# `run` writes into $OUT (default .bench/gpu): log.txt (environment and every stage's output), gpu_tests.xml (the GPU
+# tests' outcomes and the measurements they record), bench_rotary_gpu.json,
 # bench_attention.json, bench_vision_gpu.json, bench_train.json, bench_idle.json, train_log.txt and profile.txt.
 # Each stage has its own time limit (`stage_seconds`), so a failing stage still leaves the others' results.
 set -uo pipefail
@@ -30,6 +31,7 @@ WHEELS=(
   opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-prometheus==0.66b2
   google-api-core==2.44.0 google-auth==2.62.2 googleapis-common-protos==1.76.0 h2==4.4.1 hpack==4.2.0
   hyperframe==6.1.0 deprecation==2.1.0 filetype==1.2.0 toml==0.10.2 sniffio==1.3.1 wcwidth==0.9.4
+  flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2  # the `fla` extra: Qwen3.5's GatedDeltaNet on CUDA
 )
 SDIST_ONLY=(antlr4-python3-runtime==4.9.3)  # omegaconf's parser runtime: no wheel on PyPI, built here (pure Python)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
@@ -55,7 +57,9 @@ stage_seconds() {  # a stage's time limit, seconds (the environment overrides)
   esac
 }
 TRAIN_ARGS=${BENCH_TRAIN_ARGS:---model qwen2_5_vl_3b --profile --no-loader}
-gpu_test_files() { grep -rl --include='test_*.py' 'mark.gpu' tests | sort; }  # the rest import launch-side packages
+# The files with GPU tests (the rest import launch-side packages), the flash-linear-attention ones last: their Triton
+# kernels compile for a while, and a stage cut off by its limit should lose those first.
+gpu_test_files() { grep -rl --include='test_*.py' 'mark.gpu' tests | sort | awk '/gated_delta/ {last = last $0 "\n"; next} {print} END {printf "%s", last}'; }
 
 wheels() {
   local python=${PYTHON:-python3} platform_args=() spec
@@ -118,7 +122,9 @@ EOF2
         timeout "$limit" python3 -m benchmarks.bench_rotary_gpu --out "$out" ${BENCH_ROTARY_ARGS:-} 2>&1 | tail -n 20 \
           | tee -a "$log" ;;
       tests)
-        timeout "$limit" python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider $(gpu_test_files) 2>&1 \
+        # SIGINT at the limit: pytest stops as on Ctrl-C and still writes gpu_tests.xml with the tests that ran
+        timeout -s INT -k 20 "$limit" python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider --junitxml "$out/gpu_tests.xml" \
+          $(gpu_test_files) 2>&1 \
           | grep -vi "warn" | tail -n 150 | tee -a "$log" ;;
       attention)
         timeout "$limit" python3 -m benchmarks.bench_attention 2>&1 | tail -n 20 >>"$log"
