@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures in one command on a GPU machine without network, Megatron or TE (see benchmarks/README.md).
 #
-#   bash benchmarks/gpu.sh wheels   # on a machine with pip and a package index: the wheelhouse .whl/ (~52 MB)
+#   bash benchmarks/gpu.sh wheels   # on a machine with pip and a package index: the wheelhouse .whl/ (~53 MiB)
 #   bash benchmarks/gpu.sh rehearse # on a CPU machine: everything a GPU call runs but the GPU work (REHEARSE=cheap:
 #                                   # no download, install or training; PYTHON: a Python 3.12 with torch)
 #   bash benchmarks/gpu.sh run [STAGE ...]  # on the GPU machine, .whl beside the code: install, then the stages
