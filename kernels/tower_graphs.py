@@ -4,7 +4,7 @@ of patch group "speed-cuda-graphs" (qvl.kernels.speed_cuda_graphs), on where the
 Why: the step census (benchmarks/RESULTS.md) counts 12,280 of a step's 15,994 kernel-launching ops in the vision
 tower (forward, recompute and backward of every block for 8 packs): graphing the language model alone cannot bring a
 step under its 2,000 launches. Replayed as one forward and one backward graph, a tower call is two launches plus the
-copies that fill its inputs (about ten).
+copies that fill its inputs and take its output's gradient (`launches_per_call`: 15 with windows, 10 without).
 
 How: a graph replays fixed shapes, and every micro-batch has its own patch count. `TowerGraphs` rounds a call up to
 a bucket (`tower_bucket`: eight patch counts per doubling, at most 1/8 more rows; the blocks and windows of
@@ -228,7 +228,7 @@ class _BucketGraph:
 
     def __call__(self, pixels: torch.Tensor, inputs: TowerInputs) -> torch.Tensor | None:
         """The call's merged rows, or None where the bucket's capture failed now (the caller runs it eagerly)."""
-        rows = pixels.shape[0] // self.graphs.merge_unit
+        merged = pixels.shape[0] // self.graphs.merge_unit
         self.fill(pixels, inputs)
         self.calls += 1
         if self.calls == 1:  # eager at the bucket's shapes: this micro-batch's pass, and the warm-up of its kernels
@@ -237,7 +237,7 @@ class _BucketGraph:
             if output.requires_grad:
                 self.pending = True
                 output.register_hook(self._released)
-            return output[:rows]
+            return output[:merged]
         if self.replay is None:
             replay = self.graphs.new_replay()
             try:
@@ -249,9 +249,9 @@ class _BucketGraph:
             self.replay = replay
         if not self.graphs.trained:
             self.replay.forward()
-            return self.replay.output[:rows]
+            return self.replay.output[:merged]
         self.pending = True
-        return _Replayed.apply(self, rows, self.graphs.trained[0])
+        return _Replayed.apply(self, merged, self.graphs.trained[0])
 
     def _released(self, grad: torch.Tensor) -> None:
         self.pending = False
