@@ -81,8 +81,9 @@ def apply_provider_fixes(provider: Any, hf_config: Any) -> None:
 def recompute_vision_towers(model: list[Any]) -> list[Any]:
     """Pre-wrap hook: every replicated HF vision tower (Qwen2-VL / Qwen2.5-VL) recomputes its blocks in backward,
     keeping only each block's input (transformers' gradient checkpointing, non-reentrant: the tower has no dropout,
-    so the recomputed forward equals the first without the RNG state saved and restored around it; reading that
-    state is also refused while a CUDA graph captures the tower, qvl.kernels.tower_graphs)."""
+    so the recomputed forward equals the first without the RNG state saved and restored around it, and a CUDA graph
+    capture of the tower, qvl.kernels.tower_graphs, need not read the CUDA generator's state, which torch refuses in
+    part while capturing)."""
     from transformers import PreTrainedModel
 
     towers = 0
