@@ -186,14 +186,12 @@ def _marked(batches, census):
 def tower_launches(cfg) -> int | None:
     """What one graphed call of `cfg`'s vision tower launches (qvl.kernels.tower_graphs); None for Megatron's tower,
     which is not graphed."""
-    from qvl.foundation.families import family_of_vision_config
+    from qvl.kernels import switch
     from qvl.kernels.tower_graphs import launches_per_call
 
-    vision = getattr(cfg.model, "vision_config", None)
-    family = family_of_vision_config(type(vision).__name__) if vision is not None else None
-    if family is None or family.megatron_vision_tower:
+    if not switch.Target.of(cfg, device="cuda").hf_vision_tower:
         return None
-    return launches_per_call(windowed=getattr(vision, "window_size", None) is not None)
+    return launches_per_call(windowed=getattr(cfg.model.vision_config, "window_size", None) is not None)
 
 
 def _tensor_count(tree) -> int:

@@ -121,7 +121,7 @@ class EagerReplay:
     """`CudaGraphReplay`'s contract with the passes re-run instead of replayed (CPU tests): the output is written
     into the tensor `capture` returned, and the backward runs on the last forward's autograd graph."""
 
-    def __init__(self, pool: Any = None) -> None:
+    def __init__(self) -> None:
         self.forward_pass = self.backward_pass = None
         self.output: torch.Tensor | None = None
         self.live: torch.Tensor | None = None
@@ -277,40 +277,36 @@ class TowerGraphs:
     def new_replay(self) -> CudaGraphReplay | EagerReplay:
         return CudaGraphReplay(self.pool) if self.cuda else EagerReplay()
 
-    def eager_reason(self, pixels: torch.Tensor, inputs: Any) -> str | None:
-        """Why this call runs eagerly (None: it is graphed)."""
+    def eager_reason(self, inputs: Any) -> str | None:
+        """Why a call with `inputs` runs eagerly whatever its bucket (None: it can be graphed)."""
         if not isinstance(inputs, TowerInputs):
             return "a call without the loader's tower inputs"
         if not (torch.is_grad_enabled() and self.tower.training):
             return "a call without autograd (evaluation)"
-        if any(getattr(p, "main_grad", None) is None for p in self.trained):
-            return "trained tower parameters without Megatron DDP's main_grad"
         if inputs.max_window_seqlen is not None and inputs.max_window_seqlen > self.window:
             return f"a window of {inputs.max_window_seqlen} rows (the graphs' longest is {self.window})"
         return None
 
+    def bucket_graph(self, pixels: torch.Tensor, inputs: TowerInputs) -> tuple[_BucketGraph | None, str | None]:
+        """The graph of the call's bucket (made on its first call), or None and why the call runs eagerly."""
+        windows = None if self.window is None else inputs.cu_window_seqlens.shape[0] - 1
+        unit = self.merge_unit if self.window is None else self.window
+        bucket = tower_bucket(pixels.shape[0], inputs.cu_seqlens.shape[0] - 1, windows, unit=unit, window=self.window)
+        graph = self.buckets.get(bucket)
+        if graph is None:
+            if len(self.buckets) >= self.max_graphs:
+                return None, f"more than {self.max_graphs} buckets of tower shapes"
+            if any(getattr(p, "main_grad", None) is None for p in self.trained):  # DDP gives them before step 1
+                return None, "trained tower parameters without Megatron DDP's main_grad"
+            graph = self.buckets[bucket] = _BucketGraph(self, bucket, pixels)
+        if graph.pending:
+            return None, "a second call while the bucket's backward is pending"
+        return (None, graph.failed) if graph.failed is not None else (graph, None)
+
     def __call__(self, pixels: torch.Tensor, inputs: Any, grid_thw: torch.Tensor) -> torch.Tensor:
         """The tower's merged output rows for `pixels` (the tower's `pooler_output`), replayed where it can be."""
-        reason = self.eager_reason(pixels, inputs)
-        graph = None
-        if reason is None:
-            windows = None if self.window is None else inputs.cu_window_seqlens.shape[0] - 1
-            bucket = tower_bucket(
-                pixels.shape[0],
-                inputs.cu_seqlens.shape[0] - 1,
-                windows,
-                unit=self.merge_unit if self.window is None else self.window,
-                window=self.window,
-            )
-            graph = self.buckets.get(bucket)
-            if graph is None and len(self.buckets) >= self.max_graphs:
-                reason = f"more than {self.max_graphs} buckets of tower shapes"
-            elif graph is None:
-                graph = self.buckets[bucket] = _BucketGraph(self, bucket, pixels)
-            elif graph.pending:
-                reason, graph = "a second call while the bucket's backward is pending", None
-            elif graph.failed is not None:
-                reason, graph = graph.failed, None
+        reason = self.eager_reason(inputs)
+        graph, reason = (None, reason) if reason is not None else self.bucket_graph(pixels, inputs)
         if graph is not None:
             kind = ("warm-up", "captured")[graph.calls] if graph.calls < 2 else "replayed"
             output = graph(pixels, inputs)

@@ -158,12 +158,15 @@ def test_calls_the_graphs_cannot_take_run_eagerly():
         tower = tiny_tower("qwen2_5_vl", attention=HF_VARLEN_ATTENTION)
         graphs = TowerGraphs(tower, cuda=False)
         pixels, inputs, _ = _call(tower, CALLS[0], seed=0)
-        assert graphs.eager_reason(pixels, inputs) == "trained tower parameters without Megatron DDP's main_grad"
+        assert graphs.bucket_graph(pixels, inputs) == (
+            None,
+            "trained tower parameters without Megatron DDP's main_grad",
+        )
         _ddp_like(tower)
-        assert graphs.eager_reason(pixels, inputs) is None
-        assert graphs.eager_reason(pixels, None) == "a call without the loader's tower inputs"
+        assert graphs.eager_reason(inputs) is None
+        assert graphs.eager_reason(None) == "a call without the loader's tower inputs"
         with torch.no_grad():
-            assert graphs.eager_reason(pixels, inputs) == "a call without autograd (evaluation)"
+            assert graphs.eager_reason(inputs) == "a call without autograd (evaluation)"
         want = tower(pixels, grid_thw=CALLS[0], **tower_kwargs(inputs)).pooler_output
         graphs(pixels, inputs, CALLS[0]).sum().backward()  # the bucket's first call: eager
 
@@ -179,7 +182,7 @@ def test_calls_the_graphs_cannot_take_run_eagerly():
         reason = "a bucket whose capture failed (RuntimeError: operation not permitted when stream is capturing)"
         assert graphs.stats()["calls"] == {"warm-up": 1, "eager": 2} and graphs.stats()["eager_because"] == [reason]
         inputs.max_window_seqlen = 17
-        assert graphs.eager_reason(pixels, inputs) == "a window of 17 rows (the graphs' longest is 16)"
+        assert graphs.eager_reason(inputs) == "a window of 17 rows (the graphs' longest is 16)"
 
 
 @pytest.mark.gpu
