@@ -8,11 +8,19 @@ plain `.double()` would keep) and its delta rule the exact token-by-token recurr
 orders of magnitude further from the fp64 gradient than every other weight: that is the floor any fp32
 training-parity check on them has to allow (docs/parity.md; qvl's own side of the same comparison is
 `tests/training/test_parity.py::test_gate_gradients_differ_by_fp32_error_alone`). CPU, ~15 s.
+
+`--device cuda` measures on a GPU, where transformers' fp32 model runs flash-linear-attention's chunked rule if fla is
+installed: under qvl's exact-fp32 settings (qvl.kernels.fix_fla_tf32, as the parity check runs it there), so the
+figures are the chunked algorithm's, not TF32's (tests/training/test_parity_gated_delta.py holds them to the chunked
+gate tolerance).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import copy
+import importlib.util
 import pathlib
 
 import torch
@@ -26,7 +34,21 @@ def _grads(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: p.grad.double().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
+def exact_settings(device: str):
+    """qvl's exact-fp32 settings on CUDA (fla's group too where fla is installed); nothing on the CPU."""
+    if device != "cuda":
+        return contextlib.nullcontext()
+    from qvl.foundation import patches
+    from qvl.kernels import fix_fla_tf32
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(fix_fla_tf32.arithmetic())
+    if importlib.util.find_spec("fla") is not None:
+        stack.enter_context(patches.applied(fix_fla_tf32.PATCH_GROUP))
+    return stack
+
+
+def run(out_dir: pathlib.Path, quick: bool = False, device: str = "cpu") -> dict:
     """Relative gradient error of fp32 transformers against fp64, worst layer per parameter kind."""
     import transformers
 
@@ -39,11 +61,13 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
         for name, param in fp32.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(0.1 * torch.randn_like(param))
-    fp64 = exact_delta_rule(copy.deepcopy(fp32).double())
-    ids = torch.randint(7, fp32.config.text_config.vocab_size, (1, 100 if quick else 200))
-    ours = _grads(fp32, ids)
-    with Float64Casts():
-        exact = _grads(fp64, ids)
+    fp64 = exact_delta_rule(copy.deepcopy(fp32).double()).to(device)
+    fp32 = fp32.to(device)
+    ids = torch.randint(7, fp32.config.text_config.vocab_size, (1, 100 if quick else 200)).to(device)
+    with exact_settings(device):
+        ours = _grads(fp32, ids)
+        with Float64Casts():
+            exact = _grads(fp64, ids)
     figures = {}
     for kind in KINDS:
         names = [n for n in exact if kind in n]
@@ -52,9 +76,11 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     figures["rel_error_every_other_tensor"] = max(
         float((ours[n] - exact[n]).norm() / exact[n].norm().clamp(min=1e-300)) for n in others
     )
-    return {"tokens": ids.shape[1], **figures}
+    return {"tokens": ids.shape[1], "device": device, **figures}
 
 
 if __name__ == "__main__":
-    for key, value in run(pathlib.Path(".")).items():
-        print(f"{key:32s} {value:.3g}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    for key, value in run(pathlib.Path("."), device=parser.parse_args().device).items():
+        print(f"{key:32s} {value:.3g}" if isinstance(value, float) else f"{key:32s} {value}")

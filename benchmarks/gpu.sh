@@ -47,7 +47,7 @@ SETUP_SECONDS=45  # install and environment probe before the stages (2026-11-26:
 stage_seconds() {  # a stage's time limit, seconds (the environment overrides)
   case "$1" in
     rotary) echo "${BENCH_ROTARY_SECONDS:-60}" ;;
-    tests) echo "${GPU_TESTS_SECONDS:-220}" ;;
+    tests) echo "${GPU_TESTS_SECONDS:-250}" ;;
     attention) echo "${BENCH_ATTENTION_SECONDS:-60}" ;;
     vision) echo "${BENCH_VISION_SECONDS:-120}" ;;
     train) echo "${BENCH_TRAIN_SECONDS:-380}" ;;
@@ -57,9 +57,10 @@ stage_seconds() {  # a stage's time limit, seconds (the environment overrides)
   esac
 }
 TRAIN_ARGS=${BENCH_TRAIN_ARGS:---model qwen2_5_vl_3b --profile --no-loader}
-# The files with GPU tests (the rest import launch-side packages), the flash-linear-attention ones last: their Triton
-# kernels compile for a while, and a stage cut off by its limit should lose those first.
-gpu_test_files() { grep -rl --include='test_*.py' 'mark.gpu' tests | sort | awk '/gated_delta/ {last = last $0 "\n"; next} {print} END {printf "%s", last}'; }
+# The files with GPU tests (the rest import launch-side packages), the flash-linear-attention ones last (fla's
+# kernels, its exact-fp32 settings, Qwen3.5-VL's parity with it): their Triton kernels compile for a while, and a
+# stage cut off by its limit should lose those first.
+gpu_test_files() { grep -rl --include='test_*.py' 'mark.gpu' tests | sort | awk '/gated_delta|fla_tf32/ {last = last $0 "\n"; next} {print} END {printf "%s", last}'; }
 
 wheels() {
   local python=${PYTHON:-python3} platform_args=() spec

@@ -42,6 +42,7 @@ TORCH = pinned("torch")
 TRANSFORMERS = pinned("transformers")
 NEMO_RUN = pinned("nemo-run")
 MODELOPT = pinned("nvidia-modelopt")
+FLA = pinned("fla-core")  # GPU machines only (launchers/requirements-gpu.txt): its entries are checked there
 _RUNTIME = "qvl.foundation.runtime"
 _CUDA_WHY = "Megatron calls torch.cuda process-state functions unconditionally around communication and timing"
 _RNG_WHY = (
@@ -297,6 +298,12 @@ PATCHES: tuple[Patch, ...] = (
             ("gdn", "chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
         )
     ),
+    # --- fix-fla-tf32: around a training loop that asks for exact fp32 on CUDA with fla (qvl.kernels.fix_fla_tf32)
+    Patch(group="fix-fla-tf32", target="fla.ops.gated_delta_rule.chunk_fwd:SOLVE_TRIL_DOT_PRECISION",
+          replacement="qvl.kernels.fix_fla_tf32:ieee_dots", version=FLA,
+          why="fla's gated delta rule solves each chunk's triangular system with TF32 dots on Ampere and later "
+              "whatever its inputs' dtype, so an fp32 run rounds there to ~5e-4; IEEE fp32 dots where the run asks "
+              "for exact fp32 (a parity check)"),
     # --- speed-import: while qvl imports Megatron-Bridge (qvl.foundation.megatron.import_megatron_bridge)
     Patch(group="speed-import", target="torch:compile", replacement="qvl.foundation.megatron:deferred_compile",
           version=TORCH, params=("model",), why="Megatron-Core's ~20 `@jit_fuser`/`@torch.compile` functions are "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from qvl.foundation import patch_entries, patches
@@ -48,6 +48,7 @@ class Target:
     preference: bool | None = None  # a preference stage (DPO and its variants) of an MoE model
     cuda_graphs: bool | None = None  # the run asks for its layers as CUDA graphs (recipe option cuda_graphs)
     async_save: bool | None = None  # checkpoints written by another process while training goes on
+    exact_fp32: bool | None = None  # the run asks for IEEE fp32 products on CUDA (qvl.exact_fp32: a parity check)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -79,6 +80,7 @@ class Target:
             peft=getattr(config, "peft", None) is not None if known else None,
             cuda_graphs=bool(getattr(getattr(config, "qvl", None), "cuda_graphs", False)) if known else None,
             async_save=bool(getattr(getattr(config, "checkpoint", None), "async_save", False)) if known else None,
+            exact_fp32=bool(getattr(getattr(config, "qvl", None), "exact_fp32", False)) if known else None,
             preference=bool(getattr(getattr(config, "qvl", None), "preference", None))
             and bool(getattr(model, "num_moe_experts", None))
             if known
@@ -158,6 +160,10 @@ RULES: tuple[Rule, ...] = (
     Rule(group="torch-gated-delta", scope="model",
          condition="the model has Gated DeltaNet layers and flash-linear-attention cannot run (no CUDA or no fla)",
          on=lambda t: _both(t.gated_delta_net, not (t.device == "cuda" and t.fla))),
+    Rule(group="fix-fla-tf32", scope="training",
+         condition="the run asks for exact fp32 (qvl.exact_fp32, as `qvl verify-training --precision fp32` on CUDA "
+                   "does), has Gated DeltaNet layers and runs flash-linear-attention's kernels (CUDA with fla)",
+         on=lambda t: _both(t.gated_delta_net, bool(t.exact_fp32) and t.device == "cuda" and t.fla)),
     Rule(group="fix-mtp-loss", scope="model", condition="the model trains multi-token-prediction layers",
          on=lambda t: t.mtp),
     Rule(group="fix-preference-moe-aux", scope="model",
@@ -212,7 +218,13 @@ def training_groups(target: Target) -> tuple[str, ...]:
     return tuple(d.group for d in decide(target) if d.scope == "training" and d.on)
 
 
-def applied_for_training(target: Target) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def applied_for_training(target: Target) -> Iterator[None]:
     """`training_groups(target)` applied for a block (a training loop), each undone after it unless it was applied
-    before (a model built earlier in the process keeps what its build applied)."""
-    return patches.applied(*training_groups(target))
+    before (a model built earlier in the process keeps what its build applied); with them, where the run asks for
+    exact fp32 on CUDA, IEEE fp32 products in torch and Triton (qvl.kernels.fix_fla_tf32)."""
+    from qvl.kernels import fix_fla_tf32
+
+    with fix_fla_tf32.arithmetic(bool(target.exact_fp32) and target.device == "cuda"):
+        with patches.applied(*training_groups(target)):
+            yield

@@ -74,6 +74,9 @@ class QvlTrainingConfig:
     # qvl.kernels.tower_graphs; the switch applies the group on CUDA without TE or Apex). Off until the graphs' GPU
     # tests have passed on a GPU.
     cuda_graphs: bool = False
+    # IEEE fp32 products on CUDA where torch's convolutions and Triton's dots (flash-linear-attention's among them)
+    # would round them to TF32 (qvl.kernels.fix_fla_tf32): slower; `qvl verify-training --precision fp32` sets it there.
+    exact_fp32: bool = False
     # A preference stage's loss and reference (qvl.recipes.preference); None trains the language-model loss (pretraining,
     # SFT, PEFT). The training loop picks its forward step by it (qvl.training.loop.stage_step).
     preference: PreferenceConfig | None = None

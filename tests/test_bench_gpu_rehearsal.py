@@ -88,3 +88,13 @@ def test_the_rehearsal_fails_where_the_gpu_call_would(tmp_path):
     failed = [line for line in done.stdout.splitlines() if line.startswith("FAIL")]
     assert any("call 2 (rotary tests)" in line for line in failed), failed
     assert any(line.startswith("FAIL train:") and "no patch group speed-no-such-group" in line for line in failed)
+
+
+def test_the_wheelhouse_carries_the_gpu_pins_the_registry_names():
+    """launchers/requirements-gpu.txt pins the kernel packages a GPU machine installs (the patch registry's fla
+    entries are written against them); the GPU call must install exactly those versions."""
+    from qvl.foundation import stack
+
+    wheels = set(gpu_sh_wheels())
+    pins = stack.gpu_pins()
+    assert pins and all(f"{name}=={version}" in wheels for name, version in pins.items()), (pins, sorted(wheels))

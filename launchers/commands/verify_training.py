@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import sys
 import tempfile
@@ -34,6 +35,7 @@ def _spec(args: argparse.Namespace, run_dir: Path):
         weight_decay_rule=args.weight_decay_rule,
         loss_average=args.loss_average,
         device=args.device,
+        delta_rule=args.delta_rule,
     )
 
 
@@ -106,6 +108,14 @@ def _plot_path(args: argparse.Namespace) -> Path | None:
     return folder / PLOT_NAME if folder else None
 
 
+def _plot_line(plot: Path | None, plotted: Path | None) -> str:
+    if plotted:
+        return f"loss curves: {plotted}"
+    if plot:
+        return "loss curves: none, matplotlib is not installed (pip install matplotlib); the figures are above"
+    return "loss curves: pass --plot FILE, --report FILE or --run-dir DIR"
+
+
 def run_verify_training(args: argparse.Namespace) -> int:
     from qvl.training.parity.preference import is_preference_recipe, run_preference_parity
     from qvl.training.parity.report import plot_losses
@@ -118,17 +128,18 @@ def run_verify_training(args: argparse.Namespace) -> int:
         # Megatron prints its progress to stdout; with --json stdout carries the report alone, so it pipes into jq.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             report = (run_preference_parity if preference else run_parity)(_spec(args, run_dir))
-    plot = _plot_path(args)
-    if plot:
-        labels = PREFERENCE_PLOT if preference else {}
-        plot_losses(report, plot, **labels)
     if args.report:
         Path(args.report).write_text(json.dumps(report.as_dict(), indent=2))
+    plot = _plot_path(args)
+    plotted = plot if plot and importlib.util.find_spec("matplotlib") is not None else None  # the `test` extra's
+    if plotted:
+        labels = PREFERENCE_PLOT if preference else {}
+        plot_losses(report, plotted, **labels)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
         print(_table(report))
-        print(f"loss curves: {plot}" if plot else "loss curves: pass --plot FILE, --report FILE or --run-dir DIR")
+        print(_plot_line(plot, plotted))
         print("OK" if report.ok else "FAILED:\n" + "\n".join(f"  {f}" for f in report.failures))
     return 0 if report.ok else 1
 
@@ -162,6 +173,12 @@ def register(subparsers) -> None:
         help="the reference's loss: per learned token of a step (the recipe's) or the Trainer's Qwen-VL default",
     )
     cmd.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces the CPU runtime")
+    cmd.add_argument(
+        "--delta-rule",
+        choices=("recurrence", "chunked"),
+        help="Qwen3.5-VL: qvl's Gated DeltaNet rule (default: the token-by-token recurrence where flash-linear-attention "
+        "cannot run, its chunked kernels where it can); chunked is judged with wider decay-gate tolerances",
+    )
     cmd.add_argument("--run-dir", help="keep both runs' files here (default: a temporary folder)")
     cmd.add_argument(
         "--plot", help=f"PNG of both loss curves (default: {PLOT_NAME} beside the --report file, else in --run-dir)"

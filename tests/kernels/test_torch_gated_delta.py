@@ -189,38 +189,3 @@ def test_fla_kernels_agree_with_the_torch_kernels_in_bf16_forward_and_backward()
         assert_as_close_as_eager(
             outs["fla"][index], outs["torch"][index], outs["exact"][index], what=f"fla conv {what}"
         )
-
-
-@pytest.mark.gpu
-def test_fla_chunked_rule_in_fp32_stays_within_the_fp32_parity_gate(record_property):
-    """fp32 on CUDA: flash-linear-attention's chunked delta rule (what Megatron-Core's GatedDeltaNet runs there) against
-    the fp64 recurrence, with real layers' strong decays over three packed sequences. The output and the gradients of
-    q, k, v and beta are within the fp32 parity check's gradient gate (training/parity/report.py); the log-decay's
-    gradient, of which the decay-gate parameters' gradients are made, is no further from fp64 than qvl's torch
-    chunked rule's (on the CPU, these inputs: 1.8e-5 for it, ~2e-6 for the others). Every error is recorded as a property of the test (`bash benchmarks/gpu.sh run tests` writes them to gpu_tests.xml)."""
-    pytest.importorskip("fla")
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    from qvl.training.parity.report import TOLERANCES
-    from tests.numerics import relative_error
-
-    device, cu = torch.device("cuda"), torch.tensor([0, 300, 700, 1024], dtype=torch.int32, device="cuda")
-    inputs = [t.to(device) for t in _strong_decay_inputs(1024, 18.0)]
-    weight = torch.randn(1, 1024, 4, 16, device=device, dtype=torch.float64)
-
-    def run(delta_rule, dtype):
-        leaves = [t.to(dtype).clone().requires_grad_(True) for t in inputs]
-        out, _ = delta_rule(*leaves, cu_seqlens=cu)
-        (out.double() * weight).sum().backward()
-        return [out, *(t.grad for t in leaves)]
-
-    exact = run(torch_gated_delta.recurrent_gated_delta_rule, torch.float64)
-    fla = run(chunk_gated_delta_rule, torch.float32)
-    torch_chunked = run(torch_gated_delta.chunk_gated_delta_rule, torch.float32)
-    errors = {}
-    for name, fast, eager, truth in zip(("out", "q", "k", "v", "g", "beta"), fla, torch_chunked, exact, strict=True):
-        errors[name] = relative_error(fast, truth), relative_error(eager, truth)
-        record_property(f"fp32 {name}: fla, torch chunked (relative error from fp64)", errors[name])
-    gate = TOLERANCES["fp32"].grad
-    assert all(errors[name][0] <= gate for name in ("out", "q", "k", "v", "beta")), (gate, errors)
-    assert errors["g"][0] <= 2 * errors["g"][1] + 1e-6, errors

@@ -85,6 +85,9 @@ class MegatronRun:
     global_batch_size: int
     options: dict[str, Any] = field(default_factory=dict)  # further recipe options (lr=..., warmup_iters=...)
     device: str = "cpu"
+    # Gated DeltaNet: "recurrence" swaps qvl's torch kernel to the token-by-token rule; "chunked" keeps the layer's
+    # chunked rule (fla's where it runs, else Megatron-Core's torch kernel)
+    delta_rule: str = "recurrence"
     batch_hook: Callable[[Any, Any], Any] | None = None  # (batch, model) -> batch, before the forward step
 
 
@@ -337,9 +340,10 @@ def run_megatron(run: MegatronRun) -> tuple[Recording, Any]:
     _, config = training_config(run)
     bridge = auto_bridge_with_weights(run.hf_path, config.model.params_dtype)
     config.model.register_pre_wrap_hook(lambda chunks: bridge.load_hf_weights(chunks) or chunks)
-    # Gated DeltaNet: the delta rule token by token where fla cannot run, as the reference runs it (its decay-gate
-    # gradients are then within fp32 rounding of exact on both sides; qvl.kernels.torch_gated_delta)
-    config.model.register_pre_wrap_hook(torch_gated_delta.token_by_token)
+    # Gated DeltaNet: the delta rule token by token, as the reference runs it (its decay-gate gradients are then
+    # within fp32 rounding of exact on both sides; qvl.kernels.torch_gated_delta), unless the run checks a chunked one
+    if run.delta_rule == "recurrence":
+        config.model.register_pre_wrap_hook(torch_gated_delta.token_by_token)
     adapters = take_adapters(config, run.options)  # a PEFT recipe: its adapters go on after the HF weights
     if adapters is not None:
         config.model.register_pre_wrap_hook(adapter_hook(adapters))

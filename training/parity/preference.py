@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from qvl.foundation.errors import ConfigError
+from qvl.kernels import fix_fla_tf32
 from qvl.recipes.registry import PREFERENCE_STAGES, get_recipe
 from qvl.training.parity import decay
 from qvl.training.parity.adapters import adapter_notes
@@ -26,6 +27,8 @@ from qvl.training.parity.run import (
     ParitySpec,
     check_spec,
     cross_entropy_note,
+    exact_fp32_note,
+    exact_fp32_on,
     moe_aux,
     qvl_run,
     run_notes,
@@ -82,10 +85,11 @@ def run_preference_parity(spec: ParitySpec) -> PreferenceReport:
     )
     steps = pairs_per_step(qvl, hf_config, tokenizer, seconds_per_grid=family.video_positions_in_seconds)
     logger.info("TRL: the same %d steps, %d pairs per step, one per micro-batch", spec.steps, len(steps[0]))
-    hf, theirs = run_trl(spec.hf_path, steps, optimizer, loss, Path(spec.run_dir) / "trl", adapters=qvl.adapters,
-                         moe_aux=moe_aux(config))  # fmt: skip
+    with fix_fla_tf32.arithmetic(exact_fp32_on(config)):  # the reference computes as qvl's side did
+        hf, theirs = run_trl(spec.hf_path, steps, optimizer, loss, Path(spec.run_dir) / "trl", adapters=qvl.adapters,
+                             moe_aux=moe_aux(config))  # fmt: skip
     base = compare(qvl, hf, family=family.name, recipe=run.recipe, precision=spec.precision, peak_lr=optimizer.lr,
-                   loss_relative=True)  # fmt: skip
+                   loss_relative=True, delta_rule=run.delta_rule)  # fmt: skip
     tokens = [
         tuple(int(getattr(p, side)["completion_mask"].sum()) for side in ("chosen", "rejected")) for p in steps[0]
     ]
@@ -94,6 +98,7 @@ def run_preference_parity(spec: ParitySpec) -> PreferenceReport:
                                reference=REFERENCES[settings.reference])  # fmt: skip
     report.deliberate = preference_notes(hf, optimizer, family.moe and moe_aux(config)) + run_notes(spec, optimizer)
     report.deliberate += cross_entropy_note(config, spec, device) + gate_note(report) + adapter_notes(qvl.adapters)
+    report.deliberate += exact_fp32_note(config)
     report.failures += decay.failure(qvl.decay, hf.decay)
     return report
 

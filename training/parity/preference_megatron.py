@@ -67,8 +67,9 @@ def ensure_reference(run: MegatronRun) -> Path | None:
         logger.info("qvl: reference %s is up to date for this dataset and checkpoint", pass_.out)
         return pass_.out
     logger.info("qvl: the reference pass of %s over %s into %s", run.recipe, run.data, pass_.out)
-    # the delta rule token by token, as the training step and the TRL side run it (qvl.kernels.torch_gated_delta)
-    config.model.register_pre_wrap_hook(torch_gated_delta.token_by_token)
+    # the delta rule the training step runs (token by token, as the TRL side, unless a chunked one is checked)
+    if run.delta_rule == "recurrence":
+        config.model.register_pre_wrap_hook(torch_gated_delta.token_by_token)
     compute_reference(config, pass_, device=run.device)
     return pass_.out
 
@@ -145,7 +146,8 @@ def run_preference_megatron(run: MegatronRun) -> tuple[Recording, Scores, Any]:
 
     _, config = _config(run)
     bridge = auto_bridge_with_weights(run.hf_path, config.model.params_dtype)  # HF names for the export
-    config.model.register_pre_wrap_hook(torch_gated_delta.token_by_token)
+    if run.delta_rule == "recurrence":
+        config.model.register_pre_wrap_hook(torch_gated_delta.token_by_token)
     # the checks of the PEFT check (one process, no dropout); Megatron-Bridge's own PEFT hook then applies the
     # adapters after the pretrained checkpoint loads, as `qvl train` does (and reference=adapters switches them off)
     config.peft = adapters = take_adapters(config, run.options)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +13,12 @@ import torch
 
 from qvl.foundation.errors import ConfigError, DataError
 from qvl.foundation.families import family_of_architecture
-from qvl.kernels import switch
+from qvl.kernels import fix_fla_tf32, switch
 from qvl.recipes.registry import all_recipes
 from qvl.training import mtp
 from qvl.training.parity import decay
 from qvl.training.parity.adapters import adapter_notes
-from qvl.training.parity.report import ParityReport, compare, gate_note
+from qvl.training.parity.report import DELTA_RULES, ParityReport, compare, gate_note
 
 logger = logging.getLogger(__name__)
 MAX_PACKS = 64  # the reference accumulates every pack of the dataset in each step: a handful of samples
@@ -36,6 +36,9 @@ NO_MOE_AUX_LOSS = {"model.moe_aux_loss_coeff": 0.0}
 # The distributed optimizer leaves each data-parallel rank only its shard of the reduced gradients; plain DDP
 # all-reduces them whole, so step 1's gradients can be exported and compared (the update is the same Adam).
 WHOLE_GRADIENTS = {"optimizer.use_distributed_optimizer": False, "ddp.use_distributed_optimizer": False}
+# fp32 on CUDA: IEEE fp32 products on qvl's side where torch's convolutions and Triton's dots would round to TF32
+# (qvl.kernels.fix_fla_tf32; the reference runs under the same settings), so the fp32 tolerances can hold there.
+EXACT_FP32 = {"qvl.exact_fp32": True}
 # transformers builds no multi-token-prediction head; the check trains the published one beside it
 # (qvl.training.parity.mtp) where the recipe trains MTP, except with adapters or a per-conversation reference loss.
 NO_MTP = {"mtp": False}
@@ -55,6 +58,9 @@ class ParitySpec:
     weight_decay_rule: str = "megatron"  # the reference's decay groups: "megatron" or "transformers" (Trainer's)
     loss_average: str = "token"  # the reference's loss: "token" (the recipe's) or "conversation" (Trainer's default)
     device: str = "auto"
+    # Qwen3.5-VL's delta rule on qvl's side (DELTA_RULES); None: the recurrence where flash-linear-attention cannot
+    # run, fla's chunked kernels where it can. "chunked" on the CPU keeps Megatron-Core's torch chunked kernel.
+    delta_rule: str | None = None
     batch_hook: Callable[[Any, Any], Any] | None = None  # tests: change each batch on purpose before qvl's step
 
 
@@ -109,10 +115,13 @@ def run_parity(spec: ParitySpec) -> ParityReport | None:
     if torch.distributed.is_initialized() and torch.distributed.get_rank() > 0:
         return None  # rank 0 trains the reference and compares; the others only trained qvl's side
     hf, settings = reference_run(spec, family, qvl, config)
-    report = compare(qvl, hf, family=family.name, recipe=run.recipe, precision=spec.precision, peak_lr=settings.lr)
+    report = compare(
+        qvl, hf, family=family.name, recipe=run.recipe, precision=spec.precision, peak_lr=settings.lr,
+        delta_rule=run.delta_rule,
+    )  # fmt: skip
     report.deliberate = deliberate_differences(config, hf, settings) + cross_entropy_note(config, spec, device)
     report.deliberate += (moe_note(config) if family.moe else []) + run_notes(spec, settings) + gate_note(report)
-    report.deliberate += adapter_notes(qvl.adapters) + mtp_note(config, spec)
+    report.deliberate += adapter_notes(qvl.adapters) + mtp_note(config, spec) + exact_fp32_note(config)
     report.failures += decay.failure(qvl.decay, hf.decay)  # read from both optimizers: visible at any step count
     return report
 
@@ -136,7 +145,29 @@ def check_spec(spec: ParitySpec):
             "--precision bf16 runs on a GPU (qvl's CPU runtime trains in fp32); use --precision fp32 here"
         )
     dataset_report(spec.data)
+    delta_rule_of(spec, device)
     return family, device
+
+
+def fla_runs(device: str) -> bool:
+    """Whether a Gated DeltaNet on `device` runs flash-linear-attention's kernels (else qvl's torch kernels)."""
+    target = replace(switch.Target.of(device=device), gated_delta_net=True)
+    return not switch.is_on("torch-gated-delta", target)
+
+
+def delta_rule_of(spec: ParitySpec, device: str) -> str:
+    """The delta rule qvl's side runs on `device` (a key of DELTA_RULES), refusing one it cannot run there."""
+    if spec.delta_rule is not None and spec.delta_rule not in DELTA_RULES:
+        raise ConfigError(f"delta_rule={spec.delta_rule!r} is not one; use one of: {', '.join(DELTA_RULES)}")
+    if not fla_runs(device):
+        return spec.delta_rule or "recurrence"
+    if spec.delta_rule == "recurrence":
+        raise ConfigError(
+            "--delta-rule recurrence runs qvl's torch kernels, which a CUDA run with flash-linear-attention does not "
+            "use; drop it (qvl's side then runs fla's chunked kernels, judged with the chunked gate tolerances) or "
+            "pass --device cpu"
+        )
+    return "chunked"
 
 
 def check_updates(spec: ParitySpec) -> None:
@@ -168,6 +199,7 @@ def qvl_run(spec: ParitySpec, family, device: str):
         "warmup_iters": 1 if spec.steps > 1 else 0,
         **(WHOLE_GRADIENTS if _data_parallel(spec.options) > 1 else {}),
         **(EXACT_CROSS_ENTROPY if spec.precision == "fp32" and not lean_cross_entropy(device) else {}),
+        **(EXACT_FP32 if spec.precision == "fp32" and device == "cuda" else {}),
         **(NO_MOE_AUX_LOSS if family.moe and not moe_aux_comparable(spec) else {}),
         **(NO_MTP if not mtp_comparable(spec, recipe) else {}),
     }
@@ -180,6 +212,7 @@ def qvl_run(spec: ParitySpec, family, device: str):
         global_batch_size=int(dataset["packed_sequences"]),  # every pack in every step
         options={**defaults, **spec.options},
         device=device,
+        delta_rule=delta_rule_of(spec, device),
         batch_hook=spec.batch_hook,
     )
 
@@ -255,18 +288,35 @@ def reference_run(spec: ParitySpec, family, qvl, config):
     )
     output = Path(spec.run_dir) / "transformers"
     bf16 = spec.precision == "bf16"
-    hf = run_transformers(
-        spec.hf_path,
-        steps,
-        settings,
-        output,
-        bf16=bf16,
-        adapters=qvl.adapters,
-        mtp_scale=mtp_scale(config),
-        moe_aux=moe_aux(config),
-        slots=pack_slots(qvl),
-    )
+    exact = exact_fp32_on(config)
+    with fix_fla_tf32.arithmetic(exact):  # the reference computes as qvl's side did
+        hf = run_transformers(
+            spec.hf_path,
+            steps,
+            settings,
+            output,
+            bf16=bf16,
+            adapters=qvl.adapters,
+            mtp_scale=mtp_scale(config),
+            moe_aux=moe_aux(config),
+            slots=pack_slots(qvl),
+        )
     return hf, settings
+
+
+def exact_fp32_on(config) -> bool:
+    """Whether qvl's run computed IEEE fp32 products on CUDA (qvl.exact_fp32), so the reference must too."""
+    return bool(getattr(getattr(config, "qvl", None), "exact_fp32", False)) and torch.cuda.is_available()
+
+
+def exact_fp32_note(config) -> list[str]:
+    if not exact_fp32_on(config):
+        return []
+    return [
+        "fp32 on CUDA: both sides computed fp32 products in IEEE fp32 (qvl.exact_fp32=true: TF32 off in torch's "
+        "convolutions and in Triton's dots, flash-linear-attention's chunk solves included), so the fp32 tolerances "
+        "hold there; training defaults leave TF32 where torch and Triton put it."
+    ]
 
 
 def run_notes(spec: ParitySpec, settings) -> list[str]:
