@@ -77,7 +77,8 @@ def test_verify_training_with_fla_on_the_device_passes_in_fp32(tiny, tmp_path, r
 @pytest.mark.gpu
 def test_fla_gate_gradients_against_fp64_on_the_device_justify_the_chunked_tolerance(record_property):
     """transformers' fp32 model with fla's chunked rule (exact-fp32 settings) against fp64 with the exact recurrence,
-    on the GPU: the decay gates' gradient error is the chunked algorithm's, at least 3x under CHUNKED_GATES."""
+    on the GPU: the decay gates' gradient error is the chunked algorithm's (on the CPU, torch's chunked kernel: 2.0e-3),
+    at least 2x under CHUNKED_GATES."""
     pytest.importorskip("fla")
     command = [sys.executable, "-m", "benchmarks.bench_gate_gradients", "--device", "cuda"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
@@ -87,5 +88,5 @@ def test_fla_gate_gradients_against_fp64_on_the_device_justify_the_chunked_toler
     for key, value in errors.items():
         record_property(key, value)
     gates = [errors[f"rel_error_{kind}"] for kind in ("A_log", "dt_bias", "in_proj_a")]
-    assert max(gates) <= CHUNKED_GATES["gate_grad"] / 3, errors
+    assert max(gates) <= CHUNKED_GATES["gate_grad"] / 2, errors
     assert errors["rel_error_every_other_tensor"] <= TOLERANCES["fp32"].grad, errors
