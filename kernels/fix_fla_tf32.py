@@ -11,8 +11,9 @@ unless told otherwise:
   (`fla.ops.gated_delta_rule.chunk_fwd.SOLVE_TRIL_DOT_PRECISION`; patch group `fix-fla-tf32`, applied by the switch).
 A parity check in fp32 (gradients within 1e-4) cannot see through that rounding, and an fp32 run that silently gets
 TF32 is not what it asked for. `arithmetic()` sets the first two for a block: the switch's `applied_for_training`
-(around every training loop and reference pass of such a run, with the group) and the parity check's reference run. Triton keeps each kernel compiled with the global values it read and refuses to launch it after one
-of them changed, so a process applies all three before its first fla launch (the training loop does) and keeps them.
+(around every training loop and reference pass of such a run, with the group) and the parity check's reference
+run. Triton keeps each kernel compiled with the global values it read and refuses to launch it after one of them
+changed, so a process applies all three before its first fla launch (the training loop does) and keeps them.
 """
 
 from __future__ import annotations

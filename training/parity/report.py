@@ -128,9 +128,7 @@ class ParityReport:
     weight_max_diff: float  # absolute, every tensor but GATE_PARAMETERS
     weight_worst: str
     peak_lr: float
-    delta_rule: str = (
-        "recurrence"  # qvl's side's Gated DeltaNet delta rule (DELTA_RULES); models without one: recurrence
-    )
+    delta_rule: str = "recurrence"  # qvl's side's Gated DeltaNet rule (DELTA_RULES); without one: recurrence
     gate_tensors: int = 0  # GATE_PARAMETERS tensors compared with the gate tolerances
     mtp_tensors: int = 0  # the multi-token-prediction head's tensors (`mtp.*`) among those compared
     gate_grad_max_rel_diff: float = 0.0
