@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.megatron import have_transformer_engine, import_megatron_bridge
-from qvl.foundation.stack import STACK_FILES
+from qvl.foundation.stack import GPU_FILE, STACK_FILES
 from qvl.kernels.switch import DEVICES
 from qvl.launchers.upstream_report import run_patches
 
@@ -38,10 +38,11 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
-def stack_requirements() -> list[Requirement]:
-    """The pinned stack from the requirement files shipped inside qvl.launchers (the one place they live)."""
+def stack_requirements(files: tuple[str, ...] = STACK_FILES) -> list[Requirement]:
+    """The pinned stack (or `files`) from the requirement files shipped inside qvl.launchers (the one place they
+    live)."""
     requirements = []
-    for name in STACK_FILES:
+    for name in files:
         text = importlib.resources.files("qvl.launchers").joinpath(name).read_text()
         for line in text.splitlines():
             line = line.split("#", 1)[0].strip()
@@ -106,6 +107,20 @@ def _requirement_check(req: Requirement) -> Check:
     return Check(name=req.name, status="ok", detail=found)
 
 
+def _gpu_requirement_check(req: Requirement, *, cuda: bool) -> Check:
+    """A kernel package of GPU machines (launchers/requirements-gpu.txt): optional, at its pin where installed."""
+    found = installed_version(req.name)
+    fix = f"pip install '{req}'"
+    if found is None:
+        detail = "not installed: Qwen3.5-VL's Gated DeltaNet runs qvl's torch kernels"
+        return Check(name=req.name, status="warn" if cuda else "ok", detail=detail + (" (slow)" if cuda else ""),
+                     fix=fix if cuda else "")  # fmt: skip
+    if req.specifier and not req.specifier.contains(found, prereleases=True):
+        return Check(name=req.name, status="warn", fix=fix,
+                     detail=f"{found} (qvl's fp32 fix of its kernels is written against {req.specifier})")  # fmt: skip
+    return Check(name=req.name, status="ok", detail=found)
+
+
 def _import_check(module: str, why: str) -> Check:
     try:
         import_megatron_bridge() if module == "megatron.bridge" else importlib.import_module(module)
@@ -131,6 +146,8 @@ def doctor_checks() -> list[Check]:
     """Every environment check, in the order a person would fix them."""
     checks = [_python_check()]
     checks += [_requirement_check(req) for req in stack_requirements()]
+    cuda = not cuda_summary().startswith("no")
+    checks += [_gpu_requirement_check(req, cuda=cuda) for req in stack_requirements((GPU_FILE,))]
     checks += [_import_check(module, why) for module, why in IMPORT_CHECKS]
     checks.append(_device_check())
     return checks

@@ -163,6 +163,28 @@ def test_doctor_passes_here_and_names_the_fix_when_something_is_missing(monkeypa
     assert check.status == "fail" and check.fix == "pip install --no-deps 'megatron-bridge==0.6.2'"
 
 
+def test_doctor_names_the_gpu_kernel_packages_at_their_pins(monkeypatch):
+    """flash-linear-attention is optional (GPU machines, launchers/requirements-gpu.txt): fine absent on the CPU, a
+    warning absent on a GPU, and a warning at another version than the one qvl's fp32 fix is written against."""
+    from packaging.requirements import Requirement
+
+    from qvl.launchers import info
+
+    (check,) = [c for c in info.doctor_checks() if c.name == "flash-linear-attention"]
+    assert check.status == "ok" and "torch kernels" in check.detail  # not installed on this CPU machine
+    req = Requirement("flash-linear-attention==0.6.0")
+    assert info._gpu_requirement_check(req, cuda=True).status == "warn"
+    monkeypatch.setattr(info, "installed_version", lambda name: "0.4.1")
+    other = info._gpu_requirement_check(req, cuda=True)
+    assert (
+        other.status == "warn"
+        and "0.4.1" in other.detail
+        and other.fix == "pip install 'flash-linear-attention==0.6.0'"
+    )
+    monkeypatch.setattr(info, "installed_version", lambda name: "0.6.0")
+    assert info._gpu_requirement_check(req, cuda=True).status == "ok"
+
+
 @pytest.mark.slow  # imports NeMo-Run's command line and Megatron-Bridge
 def test_nemo_cli_namespace_is_registered():
     """NeMo-Run finds the `qvl` namespace through its entry point (the `nemo` script itself: tests/launchers/
