@@ -101,6 +101,7 @@ class RegionCounts:
     gemm_shapes: collections.Counter = field(default_factory=collections.Counter)  # (op, M, K, N, aligned) -> calls
     attention_flops: float = 0.0
     nongemm_bytes: float = 0.0
+    nongemm_bytes_by_op: collections.Counter = field(default_factory=collections.Counter)  # op or region -> bytes
     h2d_copies: int = 0
     h2d_pageable: int = 0
     h2d_bytes: float = 0.0
@@ -116,6 +117,7 @@ class RegionCounts:
             "gemm_misaligned_tflop": round(self.gemm_flops_misaligned / 1e12, 4),
             "attention_tflop": round(self.attention_flops / 1e12, 4),
             "nongemm_gb": round(self.nongemm_bytes / 1e9, 3),
+            "nongemm_gb_by_op": {k: round(v / 1e9, 3) for k, v in self.nongemm_bytes_by_op.most_common(20)},
             "h2d_copies": self.h2d_copies,
             "h2d_pageable": self.h2d_pageable,
             "largest_temporary_gib": round(self.largest_temporary_bytes / 2**30, 3),
@@ -212,7 +214,9 @@ class Census:
         region, Inductor's kernels stand for it)."""
         if self.counting and not (self.compiled_depth or self._in_compiled_backward()):
             self.counts.launches[name] += 1
-            self.counts.nongemm_bytes += sum(self.widths.nbytes(t) for t in tensors if t is not None)
+            nbytes = sum(self.widths.nbytes(t) for t in tensors if t is not None)
+            self.counts.nongemm_bytes += nbytes
+            self.counts.nongemm_bytes_by_op[name] += nbytes
 
     def op_totals(self) -> tuple[int, int]:
         """(kernel-launching ops, view ops) counted so far, over every region."""
@@ -257,6 +261,7 @@ class Census:
         """A compiled region's forward bytes, and those its backward will move."""
         if self.counting:
             self.counts.nongemm_bytes += nbytes[0]
+            self.counts.nongemm_bytes_by_op[f"compiled-region:{name}"] += nbytes[0]
             self._compiled_stats(name)["_backward_bytes"] = nbytes[1]
 
     def compiled_backward_range(self, start: int, end: int, name: str, kernels) -> None:
@@ -276,6 +281,7 @@ class Census:
             stats = self._compiled_stats(name)
             self.counts.launches[f"compiled-region:{name}"] += kernels.backward
             self.counts.nongemm_bytes += stats.get("_backward_bytes", 0.0)
+            self.counts.nongemm_bytes_by_op[f"compiled-region:{name}"] += stats.get("_backward_bytes", 0.0)
             stats["backward_runs"] += 1
         return True
 
@@ -304,7 +310,9 @@ class Census:
             if name in GEMM_OPS:
                 counts.launches[name] += 1
                 self._gemm(name, args, kwargs, out, counts)
-                counts.nongemm_bytes += self._compiled_gemm_bytes(name, args, out)
+                nbytes = self._compiled_gemm_bytes(name, args, out)
+                counts.nongemm_bytes += nbytes
+                counts.nongemm_bytes_by_op["GEMMs in compiled regions (epilogues)"] += nbytes
             return
         returns = func._schema.returns
         if name in UNDECLARED_VIEW_OPS or any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
@@ -329,7 +337,9 @@ class Census:
             self._gemm(name, args, kwargs, out, counts)
             return
         tensors = inputs + ([] if inplace else outputs)
-        counts.nongemm_bytes += sum(self.widths.nbytes(t) for t in tensors)
+        nbytes = sum(self.widths.nbytes(t) for t in tensors)
+        counts.nongemm_bytes += nbytes
+        counts.nongemm_bytes_by_op[name] += nbytes
         if self.region == "optimizer" and not inplace:
             counts.largest_temporary_bytes = max(
                 counts.largest_temporary_bytes, sum(self.widths.nbytes(t) for t in outputs)
@@ -378,6 +388,7 @@ def _add(total: RegionCounts, counts: RegionCounts) -> None:
     total.launches.update(counts.launches)
     total.syncs.update(counts.syncs)
     total.gemm_shapes.update(counts.gemm_shapes)
+    total.nongemm_bytes_by_op.update(counts.nongemm_bytes_by_op)
     for name in ("views", "empty", "gemm_flops", "gemm_flops_misaligned", "attention_flops", "nongemm_bytes",
                  "h2d_copies", "h2d_pageable", "h2d_bytes"):  # fmt: skip
         setattr(total, name, getattr(total, name) + getattr(counts, name))

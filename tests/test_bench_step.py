@@ -63,6 +63,12 @@ def test_the_census_counts_every_region_of_one_step(tiny):
         assert regions["vision"]["gemm_tflop"] > 0 and regions["lm"]["gemm_tflop"] > 0
         assert step["ops"]["_flash_attention_forward"] > step["ops"]["_flash_attention_backward"] > 0  # recompute
         assert len(result["losses"]) == 2 and all(0 < loss < 20 for loss in result["losses"])
+        # the non-GEMM bytes by op or compiled region (the 20 largest) add up to the region's total
+        for counts in (step, *regions.values()):
+            by_op = counts["nongemm_gb_by_op"]
+            assert sum(by_op.values()) <= counts["nongemm_gb"] + 1e-3 * (len(by_op) + 1)
+            if len(by_op) < 20:
+                assert sum(by_op.values()) == pytest.approx(counts["nongemm_gb"], abs=1e-3 * (len(by_op) + 1))
     # the same two steps train to the same losses before and after (bf16; fused AdamW rounds its own way)
     assert tiny["after"]["losses"][0] == tiny["before"]["losses"][0]
     assert tiny["after"]["losses"][1] == pytest.approx(tiny["before"]["losses"][1], rel=1e-3)
