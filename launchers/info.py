@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata as metadata
-import importlib.resources
-import importlib.util
 import sys
 from dataclasses import dataclass
 
@@ -14,7 +12,7 @@ from packaging.requirements import Requirement
 
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.megatron import have_transformer_engine, import_megatron_bridge
-from qvl.foundation.stack import GPU_FILE, STACK_FILES
+from qvl.foundation.stack import GPU_FILE, STACK_FILES, requirement_lines
 from qvl.kernels.switch import DEVICES
 from qvl.launchers.upstream_report import run_patches
 
@@ -41,14 +39,7 @@ def installed_version(distribution: str) -> str | None:
 def stack_requirements(files: tuple[str, ...] = STACK_FILES) -> list[Requirement]:
     """The pinned stack (or `files`) from the requirement files shipped inside qvl.launchers (the one place they
     live)."""
-    requirements = []
-    for name in files:
-        text = importlib.resources.files("qvl.launchers").joinpath(name).read_text()
-        for line in text.splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line:
-                requirements.append(Requirement(line))
-    return requirements
+    return [Requirement(line) for line in requirement_lines(files)]
 
 
 def cuda_summary() -> str:
@@ -134,8 +125,7 @@ def _import_check(module: str, why: str) -> Check:
     return Check(name=f"import {module}", status="ok", detail=why)
 
 
-def _device_check() -> Check:
-    summary = cuda_summary()
+def _device_check(summary: str) -> Check:
     if summary.startswith("no"):
         return Check(name="device", status="ok", detail="CPU only: qvl's CPU runtime runs tiny models (--device cpu)")
     te = "with Transformer Engine" if have_transformer_engine() else "without Transformer Engine (local specs, SDPA)"
@@ -146,10 +136,11 @@ def doctor_checks() -> list[Check]:
     """Every environment check, in the order a person would fix them."""
     checks = [_python_check()]
     checks += [_requirement_check(req) for req in stack_requirements()]
-    cuda = not cuda_summary().startswith("no")
+    summary = cuda_summary()
+    cuda = not summary.startswith("no")
     checks += [_gpu_requirement_check(req, cuda=cuda) for req in stack_requirements((GPU_FILE,))]
     checks += [_import_check(module, why) for module, why in IMPORT_CHECKS]
-    checks.append(_device_check())
+    checks.append(_device_check(summary))
     return checks
 
 

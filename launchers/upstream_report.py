@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from qvl.foundation import patch_entries, patches
+from qvl.foundation import forks, patch_entries, patches
 from qvl.kernels import switch
 
 MARKDOWN_COMMAND = "qvl doctor --patches --markdown > docs/upstream.md"
@@ -34,13 +34,13 @@ def target_for(recipe: str | None, device: str | None) -> switch.Target:
 
 
 def _forks_by_upstream() -> dict[str, patch_entries.Fork]:
-    return {fork.upstream: fork for fork in patches.FORKS}
+    return {fork.upstream: fork for fork in forks.FORKS}
 
 
 def report(target: switch.Target) -> dict[str, Any]:
     """The registry for `target`: each group with the switch's decision and its entries, then the stand-ins,
     private reads and forks (JSON-ready)."""
-    forks = _forks_by_upstream()
+    by_upstream = _forks_by_upstream()
     groups = []
     for decision in switch.decide(target):
         entries = [
@@ -49,7 +49,7 @@ def report(target: switch.Target) -> dict[str, Any]:
                 "replacement": p.replacement,
                 "why": p.why,
                 "version": p.version,
-                "fork": forks[p.target].copied_in if p.target in forks else None,
+                "fork": by_upstream[p.target].copied_in if p.target in by_upstream else None,
             }
             for p in patches.PATCHES
             if p.group == decision.group
@@ -61,7 +61,7 @@ def report(target: switch.Target) -> dict[str, Any]:
         "stand_ins": [{**asdict(s), "kind": s.kind} for s in patches.STAND_INS],
         "kept_out": [{**asdict(k), "kind": k.kind} for k in patches.KEPT_OUT],
         "private_reads": [asdict(r) for r in patches.PRIVATE_READS],
-        "forks": [asdict(f) for f in patches.FORKS],
+        "forks": [asdict(f) for f in forks.FORKS],
     }
 
 
@@ -115,7 +115,7 @@ def markdown() -> str:
     lines += ["", "## Forks", "", "Upstream bodies qvl copies and changes; a test pins each source's hash.", ""]
     lines += _table(
         ("upstream", "qvl's copy", "source sha256", "written against"),
-        [(f"`{f.upstream}`", f"`{f.copied_in}`", f"`{f.source_sha256}`", f.version) for f in patches.FORKS],
+        [(f"`{f.upstream}`", f"`{f.copied_in}`", f"`{f.source_sha256}`", f.version) for f in forks.FORKS],
     )
     lines += ["", "## Stand-ins", "", "Optional packages an upstream module imports unconditionally.", ""]
     lines += _table(

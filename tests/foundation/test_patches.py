@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from qvl.foundation import patch_entries, patches
+from qvl.foundation import forks, patch_entries, patches
 from qvl.foundation.megatron import import_megatron_bridge
 from tests.foundation.conftest import check_passed
 
@@ -154,7 +154,7 @@ def test_the_bridge_registration_imports_first_in_a_fresh_process(fresh_import_r
     check_passed(fresh_import_report, "registration_first")
 
 
-ENTRIES = (*patches.PATCHES, *patches.STAND_INS, *patches.KEPT_OUT, *patches.PRIVATE_READS, *patches.FORKS)
+ENTRIES = (*patches.PATCHES, *patches.STAND_INS, *patches.KEPT_OUT, *patches.PRIVATE_READS, *forks.FORKS)
 
 
 def test_every_version_is_a_pin_of_the_stack_and_installed_here():
@@ -197,7 +197,7 @@ def test_every_kept_out_package_is_one_its_loader_imports_as_an_optional_plugin(
     assert f'import_plugin("{entry.package}")' in source, f"{entry.plugin_loader} no longer imports {entry.package}"
 
 
-@pytest.mark.parametrize("fork", patches.FORKS, ids=lambda f: f.upstream)
+@pytest.mark.parametrize("fork", forks.FORKS, ids=lambda f: f.upstream)
 def test_every_fork_copies_the_upstream_source_it_was_written_against(fork):
     """A stack upgrade that changes an upstream body qvl copies names the copy to re-read (then update the hash)."""
     import hashlib
@@ -206,6 +206,6 @@ def test_every_fork_copies_the_upstream_source_it_was_written_against(fork):
     found = hashlib.sha256(source.encode()).hexdigest()[:16]
     assert found == fork.source_sha256, (
         f"{fork.upstream} changed since {fork.version} (source sha256 {found}, was {fork.source_sha256}): re-read "
-        f"{fork.copied_in} against it, then set source_sha256={found!r} in qvl.foundation.patches.FORKS"
+        f"{fork.copied_in} against it, then set source_sha256={found!r} in qvl.foundation.forks.FORKS"
     )
     assert callable(patch_entries.load(fork.copied_in)), fork.copied_in

@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -55,15 +56,11 @@ def test_the_switch_applies_the_fla_group_only_where_the_run_asks_on_cuda_with_f
         {"fla": False},
         {"gated_delta_net": False},
     ):
-        assert not switch.is_on(fix_fla_tf32.PATCH_GROUP, Target(**{**vars_of(asked), **other})), other
+        assert not switch.is_on(fix_fla_tf32.PATCH_GROUP, replace(asked, **other)), other
     # read from the config's qvl section
     config = SimpleNamespace(qvl=SimpleNamespace(exact_fp32=True), model=SimpleNamespace())
     assert Target.of(config, device="cuda").exact_fp32 is True
     assert Target.of(SimpleNamespace(model=SimpleNamespace()), device="cuda").exact_fp32 is False
-
-
-def vars_of(target: Target) -> dict:
-    return {name: getattr(target, name) for name in target.__dataclass_fields__}
 
 
 def test_the_fp32_parity_check_asks_for_exact_fp32_on_cuda_only(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from qvl.foundation import patches
+from qvl.foundation import forks, patches
 from qvl.launchers import cli, upstream_report
 from tests.test_layers import ROOT
 
@@ -36,9 +36,9 @@ def test_every_group_is_listed_with_its_kind_condition_and_entries(capsys):
         assert group["kind"] == name.partition("-")[0] and group["condition"]
     assert groups["cpu-runtime"]["on"] is False and groups["fix-megatron-setup"]["on"] is True
     assert groups["speed-hf-vision"]["on"] is None  # no recipe: on or off with the model
-    forks = {e["fork"] for g in content["groups"] for e in g["entries"]} - {None}
-    assert "qvl.kernels.speed_hf_vision:lean_attention" in forks
-    assert len(content["forks"]) == len(patches.FORKS) and len(content["stand_ins"]) == len(patches.STAND_INS)
+    forked = {e["fork"] for g in content["groups"] for e in g["entries"]} - {None}
+    assert "qvl.kernels.speed_hf_vision:lean_attention" in forked
+    assert len(content["forks"]) == len(forks.FORKS) and len(content["stand_ins"]) == len(patches.STAND_INS)
 
 
 def test_a_recipe_gets_the_answer_for_its_model(capsys):
