@@ -7,9 +7,11 @@ region, grad mode, and each tensor's dtype, rank and requires_grad) compiles `fn
 the census's tiny widths, in a thread of its own (no census mode, no checkpoint hook there), and counts the kernel
 launches of the generated forward and backward code: every call of a generated kernel and every aten fallback in
 each graph's `call()`. GEMMs (`extern_kernels.mm` ...) and attention are extern calls there, and the census keeps
-counting them as it does outside a region (FLOPs, alignment). The region's bytes are its inputs read once and its
-outputs written once (backward: the output gradients and saved inputs read, the input gradients written), plus, for a
-GEMM inside it, its result and its activation operand once each (a fused kernel reads the one and writes the other).
+counting them as it does outside a region (FLOPs, alignment). The region's bytes are what its generated graphs read
+and write (`graph_io_bytes`: each tensor argument once, each buffer returned once), measured at the call it was
+compiled for and carried to every call as the ratio to a model (inputs read and outputs written once; backward the
+output gradients and saved inputs read, the input gradients written); plus, for a GEMM inside it, its result and its
+activation operand once each (a fused kernel reads the one and writes the other).
 
 Every call of a region then counts those kernels, once per forward run (a recomputed block runs its forward again)
 and once per backward: the autograd nodes a region creates in forward get consecutive sequence numbers, and the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import math
 import re
 import threading
 from collections.abc import Callable
@@ -41,12 +44,16 @@ _VIEW_FALLBACKS = frozenset({"view", "reshape", "as_strided", "permute", "transp
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RegionKernels:
-    """Kernel launches of one region's generated code: forward graph(s), backward graph(s), graphs compiled."""
+    """Kernel launches of one region's generated code: forward graph(s), backward graph(s), graphs compiled; and the
+    bytes its graphs read and write at the shapes it was measured with (`graph_io_bytes`; None where the code could
+    not be read)."""
 
     forward: int
     backward: int
     graphs: int
     breaks: tuple[str, ...] = ()  # Dynamo's graph-break reasons (none when the region is one graph)
+    forward_bytes: float | None = None
+    backward_bytes: float | None = None
 
 
 def kernel_calls(code: str) -> int:
@@ -63,6 +70,60 @@ def kernel_calls(code: str) -> int:
         if fallback and fallback.group(1) not in _VIEW_FALLBACKS and "extern_kernels" not in line:
             calls += 1
     return calls
+
+
+_ALLOCATION = re.compile(r"^\s+(\w+) = empty_strided_\w+\((\(.*?\)), \(.*?\), torch\.(\w+)\)", re.MULTILINE)
+_REINTERPRET = re.compile(r"^\s+(\w+) = reinterpret_tensor\((\w+),", re.MULTILINE)
+_SYMBOL = re.compile(r"^\s+(\w+) = (\w+)$", re.MULTILINE)
+_ARGUMENT = re.compile(r"^\s+(\w+) = (?:rand_strided\((\(.*?\)), \(.*?\), device='\w+', dtype=torch\.(\w+)\)|(\d+))$",
+                       re.MULTILINE)  # fmt: skip
+
+
+def graph_io_bytes(code: str, shape: Callable[[tuple[int, ...]], tuple[int, ...]] = tuple) -> float | None:
+    """Bytes one Inductor output module's graph reads and writes: every tensor argument once, and every buffer it
+    allocates and returns once (a buffer returned twice, e.g. one gradient for two inputs, and a returned argument,
+    e.g. a tensor saved for backward, are not written again); sizes from the module's `get_args()`, mapped by `shape`
+    (the census's tiny widths to the real ones). None where the code is not in that form."""
+    if "def call(" not in code or "def get_args(" not in code:
+        return None
+    call, arguments = code[code.index("def call(") :], code[code.index("def get_args(") :]
+    values: dict[str, int] = {}
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, dims, dtype, number in _ARGUMENT.findall(arguments):
+        if number:
+            values[name] = int(number)
+        else:
+            tensors[name] = (tuple(int(d) for d in dims.strip("()").split(",") if d.strip()), dtype)
+    for name, source in _SYMBOL.findall(call[: call.find("\n        return")]):
+        if source in values:
+            values[name] = values[source]
+
+    def nbytes(dims: tuple[int, ...], dtype: str) -> int:
+        return math.prod(shape(dims)) * getattr(torch, dtype).itemsize
+
+    allocations = {}
+    for name, dims, dtype in _ALLOCATION.findall(call):
+        try:
+            allocations[name] = (tuple(int(eval(d, {}, dict(values))) for d in _split_dims(dims)), dtype)  # noqa: S307
+        except (NameError, SyntaxError, TypeError):
+            return None
+    bases = dict(_REINTERPRET.findall(call))
+    returned = re.search(r"^\s+return \((.*)\)$", call, re.MULTILINE)
+    if returned is None:
+        return None
+    written = set()
+    for item in re.findall(r"reinterpret_tensor\((\w+)|(\w+)", returned.group(1)):
+        name = item[0] or item[1]
+        while name in bases:
+            name = bases[name]
+        if name in allocations:
+            written.add(name)
+    read = sum(nbytes(*tensors[name]) for name in tensors)
+    return float(read + sum(nbytes(*allocations[name]) for name in written))
+
+
+def _split_dims(dims: str) -> list[str]:
+    return [d.strip() for d in dims.strip()[1:-1].split(",") if d.strip()]
 
 
 def _clone_inputs(tree: Any) -> Any:
@@ -90,10 +151,11 @@ def _grad_targets(fn: Callable, inputs: Any) -> list[torch.Tensor]:
 
 
 def inductor_kernels(
-    fn: Callable, args: tuple, kwargs: dict, *, grad: bool = True, fullgraph: bool = True
+    fn: Callable, args: tuple, kwargs: dict, *, grad: bool = True, fullgraph: bool = True, shape: Callable = tuple
 ) -> RegionKernels:
     """Compile `fn` with Inductor (this machine's backend) as one graph and count the kernel launches of its forward
-    and (with `grad` and outputs that need one) backward code. Raises if the region does not compile whole."""
+    and (with `grad` and outputs that need one) backward code, and the bytes their graphs read and write (sizes
+    mapped by `shape`). Raises if the region does not compile whole."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor.graph import GraphLowering
@@ -116,12 +178,20 @@ def inductor_kernels(
         breaks = tuple(sorted(torch._dynamo.utils.counters["graph_break"]))
         torch._dynamo.reset()
     backward = [c for c in codes if _is_backward(c)]
+    forward = [c for c in codes if c not in backward]
     return RegionKernels(
-        forward=sum(kernel_calls(c) for c in codes if c not in backward),
+        forward=sum(kernel_calls(c) for c in forward),
         backward=sum(kernel_calls(c) for c in backward),
         graphs=len(codes),
         breaks=breaks,
+        forward_bytes=_summed(graph_io_bytes(c, shape) for c in forward),
+        backward_bytes=_summed(graph_io_bytes(c, shape) for c in backward) if backward else None,
     )
+
+
+def _summed(values) -> float | None:
+    values = list(values)
+    return None if not values or None in values else sum(values)
 
 
 def _is_backward(code: str) -> bool:
@@ -132,7 +202,7 @@ def _is_backward(code: str) -> bool:
 
 
 def inductor_kernels_apart(
-    fn: Callable, args: tuple, kwargs: dict, *, grad: bool, fullgraph: bool = True, opaque=None
+    fn: Callable, args: tuple, kwargs: dict, *, grad: bool, fullgraph: bool = True, opaque=None, shape: Callable = tuple
 ) -> RegionKernels:
     """`inductor_kernels` in a thread of its own: outside the caller's torch modes, saved-tensor hooks (a
     checkpointed block's) and grad mode, which are all per thread; `opaque` is a context entered there."""
@@ -141,7 +211,7 @@ def inductor_kernels_apart(
     def measure():
         try:
             with opaque() if opaque is not None else contextlib.nullcontext():
-                result["kernels"] = inductor_kernels(fn, args, kwargs, grad=grad, fullgraph=fullgraph)
+                result["kernels"] = inductor_kernels(fn, args, kwargs, grad=grad, fullgraph=fullgraph, shape=shape)
         except BaseException as error:  # re-raised in the caller's thread, with its cause
             result["error"] = error
 
@@ -160,6 +230,7 @@ class CompiledRegions:
         self.census = census
         self.opaque = opaque  # a context that makes attention an opaque op for Inductor while measuring
         self.kernels: dict[tuple, RegionKernels] = {}
+        self.ratios: dict[tuple, tuple[float, float]] = {}  # key -> graphs' bytes / the model's, forward and backward
 
     def region(self, name: str, fn: Callable, *, fullgraph: bool = True) -> Callable:
         """`fn` as the census counts it: one compiled region called `name` (compiled as qvl compiles it: `fullgraph`
@@ -169,7 +240,8 @@ class CompiledRegions:
             census = self.census
             if torch.compiler.is_compiling() or census.suspended or census.compiled_depth:
                 return fn(*args, **kwargs)  # traced or measured, or inside another region: part of that one
-            kernels = self.measured(name, fn, args, kwargs, fullgraph)
+            key = self.key(name, args, kwargs)
+            kernels = self.measured(key, fn, args, kwargs, fullgraph)
             grad = torch.is_grad_enabled()
             start = census.sequence_probe() if grad else None
             census.compiled_forward(name, kernels)
@@ -178,26 +250,39 @@ class CompiledRegions:
                 out = fn(*args, **kwargs)
             finally:
                 census.compiled_depth -= 1
-            census.compiled_bytes(name, self.bytes(fn, (args, kwargs), out))
+            census.compiled_bytes(name, self.scaled_bytes(key, kernels, self.bytes(fn, (args, kwargs), out)))
             if grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out)):
                 census.compiled_backward_range(start, census.sequence_probe(), name, kernels)
             return out
 
         return compiled_region
 
-    def measured(self, name: str, fn: Callable, args: tuple, kwargs: dict, fullgraph: bool) -> RegionKernels:
-        grad = torch.is_grad_enabled()
+    @staticmethod
+    def key(name: str, args: tuple, kwargs: dict) -> tuple:
+        """A region's signature: its name, grad mode, and each tensor's dtype, rank and requires_grad."""
         leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        key = (name, grad, tuple((t.dtype, t.dim(), t.requires_grad) for t in leaves))
+        return name, torch.is_grad_enabled(), tuple((t.dtype, t.dim(), t.requires_grad) for t in leaves)
+
+    def measured(self, key: tuple, fn: Callable, args: tuple, kwargs: dict, fullgraph: bool) -> RegionKernels:
         if key not in self.kernels:
             self.kernels[key] = inductor_kernels_apart(
-                fn, args, kwargs, grad=grad, fullgraph=fullgraph, opaque=self.opaque
+                fn, args, kwargs, grad=key[1], fullgraph=fullgraph, opaque=self.opaque, shape=self.census.widths.shape
             )
         return self.kernels[key]
 
+    def scaled_bytes(self, key: tuple, kernels: RegionKernels, model: tuple[float, float]) -> tuple[float, float]:
+        """A call's (forward, backward) bytes: the model's (`bytes`) scaled by what the region's generated graphs
+        read and write against the model at the call it was measured with (a region's tensors all grow with the
+        rows, so the ratio holds for every call of it); the model's own where the graphs' bytes are unknown."""
+        if key not in self.ratios:
+            measured = (kernels.forward_bytes, kernels.backward_bytes)
+            self.ratios[key] = tuple(m / b if m is not None and b else 1.0 for m, b in zip(measured, model))
+        return model[0] * self.ratios[key][0], model[1] * self.ratios[key][1]
+
     def bytes(self, fn: Callable, inputs: Any, out: Any) -> tuple[float, float]:
-        """(forward, backward) bytes: inputs read and outputs written once; backward reads the output gradients and
-        the saved inputs and writes the input gradients."""
+        """(forward, backward) bytes as a model: inputs read and outputs written once; backward reads the output
+        gradients and the saved inputs and writes the input gradients. `scaled_bytes` corrects it by what the
+        generated graphs move (a saved intermediate instead of the inputs, one gradient for two inputs)."""
         nbytes = self.census.widths.nbytes
         tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
         owner = getattr(fn, "__self__", None)

@@ -276,6 +276,15 @@ PATCHES: tuple[Patch, ...] = (
                   "device in every call although qvl passes it from the host: ~14 views and 2 kernels each way")
         for name, attention in (("qwen2_vl", "VisionAttention"), ("qwen2_5_vl", "Qwen2_5_VLVisionAttention"))
     ),
+    *(
+        Patch(group="speed-hf-vision", target=f"transformers.models.{name}.modeling_{name}:{block}.forward",
+              replacement="qvl.kernels.speed_hf_vision:lean_block", version=TRANSFORMERS,
+              params=("self", "hidden_states", "cu_seqlens", "position_embeddings"),
+              why="the first residual add and the second norm are an add and a norm forward, and a norm and "
+                  "autograd's add of the residual stream's two gradients backward; one compiled region each way on "
+                  "CUDA, the same math")
+        for name, block in (("qwen2_vl", "Qwen2VLVisionBlock"), ("qwen2_5_vl", "Qwen2_5_VLVisionBlock"))
+    ),
     Patch(group="speed-hf-vision", target="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLMLP.forward",
           replacement="qvl.kernels.speed_hf_vision:lean_gated_mlp", version=TRANSFORMERS,
           params=("self", "hidden_state"),

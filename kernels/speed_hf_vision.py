@@ -15,7 +15,13 @@ the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `sp
   benchmarks/compiled_regions.py); elsewhere eager, bitwise HF's.
 
 - `lean_attention`: the attention's forward without transformers' permutes to `[1, heads, tokens, dim]` and back
-  and without its device max of the block lengths (qvl passes them from the host); bitwise transformers'.
+  and without its device max of the block lengths (qvl passes them from the host); q and k rotated by
+  `RotaryQKV`, whose backward writes the gradient of the fused qkv projection's output in the same pass that
+  un-rotates q's and k's (`rotary_qkv_gradient`) instead of un-rotating them and then stacking them with v's, the
+  `unbind`'s backward (a full read and write of that output); bitwise transformers'.
+- `lean_block`: the block's first residual add and its second norm one compiled region (`add_rms_norm`,
+  Qwen2-VL's `add_layer_norm`): the sum and the normed sum written in one pass forward, and backward the norm's input
+  gradient and the residual stream's gradient added in the same kernel instead of by autograd's eager `add`.
 - `lean_gated_mlp` / `lean_mlp`: the MLP's activation (Qwen2.5-VL's `silu(gate) * up`, Qwen2-VL's QuickGELU) one
   compiled region each way on CUDA, eager elsewhere (bitwise transformers').
 
@@ -86,8 +92,7 @@ def rotary_fp32(
 
 def _rotary_one(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     xf = x.float()
-    swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1)
-    return ((xf * cos) + (swapped * signed_sin)).to(x.dtype)
+    return ((xf * cos) + (_swap_halves(xf) * signed_sin)).to(x.dtype)
 
 
 def fused_rotary(original):
@@ -97,6 +102,53 @@ def fused_rotary(original):
         return compiled.region(rotary_fp32, q)(q, k, cos, sin)
 
     return apply_rotary_pos_emb_vision
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1)
+
+
+@compiled.first_dim_dynamic
+def rotary_qkv_gradient(
+    grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of `[tokens, 3, heads, dim]` qkv from those of the rotated q and k and of v: `rotary_fp32`'s
+    backward (`y = x c + swap(x) s` gives `dx = dy c + swap(dy s)`, `swap` being its own inverse) and the `unbind`'s
+    (`stack`) as one pass. Eagerly, autograd's ops in autograd's order: bitwise autograd's gradient of
+    `rotary_fp32` then `stack`, the two products added in the other order (an IEEE sum is commutative)."""
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    first_half = torch.arange(sin.shape[-1], device=sin.device) < sin.shape[-1] // 2
+    signed_sin = torch.where(first_half, -sin, sin)
+    unrotated = [
+        (grad.float() * cos + _swap_halves(grad.float() * signed_sin)).to(grad.dtype) for grad in (grad_q, grad_k)
+    ]
+    return torch.stack((*unrotated, grad_v), dim=1)
+
+
+class RotaryQKV(torch.autograd.Function):
+    """`[tokens, 3, heads, dim]` qkv to the rotated q and k and v (a view), through `rotary_fp32`; backward one
+    `rotary_qkv_gradient` (one compiled region on CUDA where two were: the rotary's backward, then the `stack`)."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q, k, v = qkv.unbind(1)
+        ctx.save_for_backward(cos, sin)
+        q, k = compiled.region(rotary_fp32, q)(q, k, cos, sin)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return compiled.region(rotary_qkv_gradient, grad_q)(grad_q, grad_k, grad_v, cos, sin), None, None
+
+
+def rotated_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q and k rotated and v from `[tokens, 3, heads, dim]` qkv; through `RotaryQKV` unless the angles are trained
+    (its backward gives them no gradient), as they are not in Qwen2-VL or Qwen2.5-VL."""
+    if cos.requires_grad or sin.requires_grad:
+        q, k, v = qkv.unbind(1)
+        return (*compiled.region(rotary_fp32, q)(q, k, cos, sin), v)
+    return RotaryQKV.apply(qkv, cos, sin)
 
 
 def lean_attention(original):
@@ -116,13 +168,62 @@ def lean_attention(original):
         if not known or position_embeddings is None or self.config._attn_implementation != HF_VARLEN_ATTENTION:
             return original(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs)
         tokens = hidden_states.shape[0]
-        q, k, v = self.qkv(hidden_states).view(tokens, 3, self.num_heads, -1).unbind(1)
-        cos, sin = position_embeddings
-        q, k = compiled.region(rotary_fp32, q)(q, k, cos, sin)
+        q, k, v = rotated_qkv(self.qkv(hidden_states).view(tokens, 3, self.num_heads, -1), *position_embeddings)
         longest = longest_block(cu_seqlens, known, None)
         dropout_p = self.attention_dropout if self.training else 0.0
         out = packed_attention(q, k, v, cu_seqlens, cu_seqlens, longest, longest, self.scaling, dropout_p, False)
         return self.proj(out.reshape(tokens, -1))
+
+    return forward
+
+
+def add_rms_norm(
+    weight: torch.Tensor, residual: torch.Tensor, delta: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the next RMSNorm (`rms_norm`): the sum and the normed sum."""
+    total = residual + delta
+    return total, rms_norm(weight, total, eps)
+
+
+def add_layer_norm(
+    weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, delta: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the next LayerNorm (Qwen2-VL's, torch's `nn.LayerNorm`): the sum and the normed sum."""
+    total = residual + delta
+    return total, F.layer_norm(total, (total.shape[-1],), weight, bias, eps)
+
+
+def _add_norm(
+    norm: torch.nn.Module, residual: torch.Tensor, delta: torch.Tensor, rms_norm_type: type
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`residual + delta` and `norm` of it as one region, for the two norms the towers use; None for another."""
+    if type(norm) is torch.nn.LayerNorm and norm.weight is not None and norm.bias is not None:
+        return compiled.region(add_layer_norm, residual)(norm.weight, norm.bias, residual, delta, norm.eps)
+    if type(norm) is rms_norm_type:
+        return compiled.region(add_rms_norm, residual)(norm.weight, residual, delta, norm.variance_epsilon)
+    return None
+
+
+def lean_block(original):
+    """Patch factory for the HF vision block's forward (Qwen2-VL `Qwen2VLVisionBlock`, Qwen2.5-VL
+    `Qwen2_5_VLVisionBlock`): transformers' `h = h + attn(norm1(h)); h = h + mlp(norm2(h))` with the first add and
+    `norm2` one region (`add_rms_norm`, `add_layer_norm`): eagerly the same ops (bitwise transformers'); compiled, one
+    kernel each way where there were an add and a norm forward and a norm and autograd's add of the two gradients
+    of `h` backward. The second add stays with the block: the next norm is the next block's. Another norm, or the
+    deprecated `rotary_pos_emb`, runs transformers' forward."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
+
+    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
+        if "rotary_pos_emb" in kwargs:
+            return original(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs)
+        normed = self.norm1(hidden_states)
+        attended = self.attn(normed, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
+        folded = _add_norm(self.norm2, hidden_states, attended, Qwen2_5_VLRMSNorm)
+        if folded is None:
+            hidden_states = hidden_states + attended
+            return hidden_states + self.mlp(self.norm2(hidden_states))
+        hidden_states, normed = folded
+        return hidden_states + self.mlp(normed)
 
     return forward
 

@@ -61,7 +61,32 @@ def test_the_rotary_region_counts_inductors_kernels_fewer_than_its_eager_ops():
     assert compiled["step"]["view_ops"] == 2  # the two leaves' AccumulateGrad (a detach each), outside the region
     assert kernels < eager["step"]["kernel_launching_ops"]
     assert stats["forward_kernels"] < 8 <= eager["step"]["kernel_launching_ops"] // 2  # 8 eager ops forward in bf16
-    # bytes: q, k, cos, sin read and q', k' written once forward; backward reads the output gradients and the saved
-    # inputs and writes the input gradients
-    read, written = sum(t.nbytes for t in (q, k, cos, sin)), 2 * q.nbytes
-    assert census.regions["other"].nongemm_bytes == 2 * (read + written) + 2 * q.nbytes
+    # bytes, what the generated graphs move: q, k, cos, sin read and q', k' written forward; backward reads the
+    # output gradients, cos and sin (not q and k: the rotary is linear in them) and writes the input gradients; the
+    # first-half mask (head_dim bools) is written forward and read backward
+    read, written, mask = sum(t.nbytes for t in (q, k, cos, sin)), 2 * q.nbytes, q.shape[-1]
+    backward = 2 * q.nbytes + cos.nbytes + sin.nbytes + written
+    assert census.regions["other"].nongemm_bytes == (read + written + mask) + (backward + mask)
+
+
+def test_graph_bytes_read_each_argument_once_and_write_a_gradient_returned_twice_once():
+    """A residual add and a norm (qvl's `add_rms_norm`): forward reads both addends and the weight and writes the sum,
+    the normed sum and the rows' inverse RMS (saved for backward); backward reads both output gradients, the saved sum,
+    inverse RMS and weight and writes ONE gradient for both addends, and the weight's."""
+    from qvl.kernels.speed_hf_vision import add_rms_norm
+
+    rows, width = 100, 80
+    weight = torch.ones(width, dtype=torch.bfloat16, requires_grad=True)
+    residual, delta = (torch.randn(rows, width, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    kernels = inductor_kernels(add_rms_norm, (weight, residual, delta, 1e-6), {})
+    unit, rstd = rows * width * 2, rows * 4  # a [rows, width] bf16 tensor; [rows, 1] fp32
+    assert kernels.forward_bytes == 2 * unit + weight.nbytes + 2 * unit + rstd
+    assert kernels.backward_bytes == 3 * unit + rstd + weight.nbytes + unit + weight.nbytes
+    # the census's widths: every size mapped (here width 80 -> 1280) before the bytes are summed
+    wide = inductor_kernels(
+        add_rms_norm,
+        (weight, residual, delta, 1e-6),
+        {},
+        shape=lambda dims: tuple(1280 if d == width else d for d in dims),
+    )
+    assert wide.forward_bytes == 16 * (4 * unit + weight.nbytes) + rstd
