@@ -184,14 +184,18 @@ def _marked(batches, census):
 
 
 def tower_launches(cfg) -> int | None:
-    """What one graphed call of `cfg`'s vision tower launches (qvl.kernels.tower_graphs); None for Megatron's tower,
-    which is not graphed."""
+    """What one graphed call of `cfg`'s vision tower launches (qvl.kernels.tower_graphs): the HF tower's one output,
+    or Megatron-Bridge's Qwen3-VL tower's embeddings and deepstack features; None without a tower."""
     from qvl.kernels import switch
     from qvl.kernels.tower_graphs import launches_per_call
 
-    if not switch.Target.of(cfg, device="cuda").hf_vision_tower:
+    vision = getattr(cfg.model, "vision_config", None)
+    if vision is None:
         return None
-    return launches_per_call(windowed=getattr(cfg.model.vision_config, "window_size", None) is not None)
+    if not switch.Target.of(cfg, device="cuda").hf_vision_tower:
+        deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+        return launches_per_call(windowed=False, outputs=1 + deepstack, megatron=True)
+    return launches_per_call(windowed=getattr(vision, "window_size", None) is not None)
 
 
 def _tensor_count(tree) -> int:

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 # --model -> (pretrain recipe, family, published size); "tiny" is the tiny random model of qvl.bridges.tiny_model.
 MODELS = {
     "tiny": ("qwen2_5_vl_3b_pretrain", "qwen2_5_vl", None),
+    "tiny_qwen3_vl": ("qwen3_vl_2b_pretrain", "qwen3_vl", None),  # Megatron-Bridge's vision tower (a gpu test)
     "qwen2_vl_2b": ("qwen2_vl_2b_pretrain", "qwen2_vl", "2b"),
     "qwen2_5_vl_3b": ("qwen2_5_vl_3b_pretrain", "qwen2_5_vl", "3b"),
     "qwen3_vl_2b": ("qwen3_vl_2b_pretrain", "qwen3_vl", "2b"),
@@ -86,6 +87,11 @@ class Setup:
 
 
 # --- inputs: model directory and dataset --------------------------------------------------------------------------
+
+
+def is_tiny(model: str) -> bool:
+    """Whether `--model` is one of the tiny random models (no published size)."""
+    return MODELS[model][2] is None
 
 
 def write_model_dir(path: pathlib.Path, model: str, layers: int | None) -> pathlib.Path:
@@ -215,7 +221,7 @@ def variant_spec(
     profiled = setup.profile and mode == "packed" and variant.base
     spec = {
         "recipe": recipe,
-        "tiny": setup.model == "tiny",
+        "tiny": is_tiny(setup.model),
         "mode": mode,
         "pad_to": longest,
         "num_workers": setup.num_workers,
@@ -272,13 +278,13 @@ def train_all(
 def benchmark(setup: Setup) -> dict:
     """Prepare, train every variant, and summarise; writes OUT/bench_train.json."""
     _, family, _ = MODELS[setup.model]
-    if setup.model != "tiny" and not torch.cuda.is_available() and not setup.loader_only:
+    if not is_tiny(setup.model) and not torch.cuda.is_available() and not setup.loader_only:
         raise SystemExit(
             f"--model {setup.model} needs a CUDA GPU to train (real shapes); on CPU use --model tiny, or --loader-only"
         )
     setup.out.mkdir(parents=True, exist_ok=True)
     hf_path = write_model_dir(setup.out / "hf", setup.model, setup.layers)
-    jsonl, media = write_llava_like(setup.out / "samples", setup.samples, scale=1.0 if setup.model != "tiny" else 0.25)
+    jsonl, media = write_llava_like(setup.out / "samples", setup.samples, scale=0.25 if is_tiny(setup.model) else 1.0)
     kind, peak = train_run.gpu_kind()
     results: dict = {
         "model": setup.model,
@@ -342,7 +348,7 @@ def planned_packs_per_second(setup: Setup, hf_path: pathlib.Path, data: pathlib.
 
 def loader_row(data, hf_path, family, setup: Setup, consumed: float, what: str = "consumed") -> dict:
     """Packs/s of the planned loader in one process and with workers, against the packs/s training consumes."""
-    count = 8 if setup.model == "tiny" else 24
+    count = 8 if is_tiny(setup.model) else 24
     row = {"seq_length": int(json.loads((data / "report.json").read_text())["seq_length"]), what: consumed}
     for workers in sorted({0, setup.num_workers or 2}):
         row[f"workers_{workers}"] = round(loader_packs_per_second(data, hf_path, family, workers, count), 2)
@@ -364,7 +370,7 @@ def default_setup(model: str, out: pathlib.Path, **overrides) -> Setup:
     """Sizes per model: the tiny CPU run is seconds; real shapes train 8 packs per step (6 steps unless a run says
     otherwise), the runs of
     `train_variants.REAL_SHAPES` (4k packed and padded, 8k packed, compile on, CUDA graphs off)."""
-    if model == "tiny":
+    if is_tiny(model):
         variants = tuple(map(train_variants.parse, train_variants.TINY))
         base = dict(variants=variants, steps=3, global_batch_size=2, samples=40, num_workers=2, layers=None)
     else:
@@ -469,7 +475,7 @@ def rehearse(setup: Setup) -> int:
     real = dataclasses.replace(setup, out=setup.out / "real", samples=12)
     real.out.mkdir(parents=True, exist_ok=True)
     hf_path = write_model_dir(real.out / "hf", real.model, real.layers)
-    jsonl, media = write_llava_like(real.out / "samples", real.samples, scale=1.0 if real.model != "tiny" else 0.25)
+    jsonl, media = write_llava_like(real.out / "samples", real.samples, scale=0.25 if is_tiny(real.model) else 1.0)
     for variant in real.variants:
         data = prepare_dataset(real, hf_path, jsonl, media, variant.seq_length)
         spec = json.loads(variant_spec(real, hf_path, data, variant.seq_length, variant.mode, variant).read_text())

@@ -283,10 +283,13 @@ class RunGroups:
 
 
 def tower_graph_stats(model: list) -> dict | None:
-    """What the replicated HF vision tower's CUDA graphs did (None: the model has none)."""
+    """What the vision tower's CUDA graphs did (the replicated HF tower's, `visual`, or Megatron-Bridge's Qwen3-VL
+    tower's, `vision_model`; None: the model has none)."""
     from megatron.core.utils import unwrap_model
 
-    graphs = getattr(getattr(unwrap_model(model[0]), "visual", None), "qvl_graphs", None)
+    unwrapped = unwrap_model(model[0])
+    tower = getattr(unwrapped, "visual", None) or getattr(unwrapped, "vision_model", None)
+    graphs = getattr(tower, "qvl_graphs", None)
     return None if graphs is None else graphs.stats()
 
 

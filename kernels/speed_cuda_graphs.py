@@ -30,7 +30,8 @@ What changes upstream (the registry's entries of this group):
 
 The replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) is graphed by qvl's own forward where this group asked for the
 layers' graphs (`graphs_requested`): qvl.kernels.tower_graphs, at bucketed patch counts, since every pack has its own.
-Not graphed: Megatron-Bridge's Qwen3-VL tower, the embedding and output layer, the loss and the optimizer.
+Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL) likewise, from qvl's Qwen3-VL forward
+(qvl.kernels.tower_graphs.MegatronTowerGraphs). Not graphed: the embedding and output layer, the loss and the optimizer.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 GROUP = "speed-cuda-graphs"
 WARMUP_STEPS = 2  # eager runs of each layer before its capture (Megatron-Core's cuda_graph_warmup_steps)
-TOWER_GRAPHS = "qvl_tower_graphs"  # the model config's flag: its HF vision tower may be graphed too
+TOWER_GRAPHS = "qvl_tower_graphs"  # the model config's flag: its vision tower may be graphed too
 
 
 class TooManySubSequencesError(QvlError):

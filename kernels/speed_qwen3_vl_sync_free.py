@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from qvl.foundation.errors import QvlError
+from qvl.kernels.tower_graphs import megatron_tower_graphs
 from qvl.kernels.tower_inputs import MegatronTowerInputs
 from qvl.kernels.vision_placement import IMAGES, VIDEOS, VisionOrder, VisionPlacement, VisionPositionsMismatch
 
@@ -148,7 +149,11 @@ def _vision_features(
     if grid is None or grid.shape[0] == 0:
         return None, None
     if data.shape[0] > 0:
-        embeds, deepstack = model.vision_model(hidden_states=data, grid_thw=grid, tower_inputs=tower_inputs)
+        graphs = megatron_tower_graphs(model)
+        if graphs is not None:  # replayed as CUDA graphs where the language model's layers are
+            embeds, deepstack = graphs(data, tower_inputs, grid)
+        else:
+            embeds, deepstack = model.vision_model(hidden_states=data, grid_thw=grid, tower_inputs=tower_inputs)
         check_tower_rows(model.vision_model, [embeds, *(deepstack or ())], data.shape[0], model.square_merge_size)
         return embeds, deepstack
     dtype, device = model.config.params_dtype, data.device

@@ -1,5 +1,6 @@
-"""The replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) replayed as CUDA graphs at bucketed shapes: the tower's part
-of patch group "speed-cuda-graphs" (qvl.kernels.speed_cuda_graphs), on where the language model's layers are graphed.
+"""The vision tower replayed as CUDA graphs at bucketed shapes: the replicated HF tower (Qwen2-VL, Qwen2.5-VL), and
+Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL; `MegatronTowerGraphs`, at the end); the tower's part of patch
+group "speed-cuda-graphs" (qvl.kernels.speed_cuda_graphs), on where the language model's layers are graphed.
 
 Why: the step census (benchmarks/RESULTS.md) counts 12,280 of a step's 15,994 kernel-launching ops in the vision
 tower (forward, recompute and backward of every block for 8 packs): graphing the language model alone cannot bring a
@@ -47,13 +48,14 @@ from typing import Any
 import torch
 
 from qvl.kernels.speed_hf_vision import tower_kwargs
-from qvl.kernels.tower_inputs import TowerInputs
+from qvl.kernels.tower_inputs import MegatronTowerInputs, TowerInputs
 
 logger = logging.getLogger(__name__)
 
 # Kernels a graphed call launches besides its two replays: the copies and pad writes that fill its buffers (with
 # Qwen2.5-VL's windows, and without), then the gradient's copy and its pad rows zeroed (tests count them)
 FILL_LAUNCHES = {True: 11, False: 6}
+MEGATRON_FILL_LAUNCHES = 12  # Qwen3-VL's: pixels, position ids, blocks, the corners' indices and weights
 GRADIENT_LAUNCHES = 2
 MAX_GRAPHS = 16  # buckets captured per tower; a call of another bucket runs eagerly
 BUCKETS_PER_DOUBLING = 8  # patch counts per octave: a bucket holds at most 1/8 more rows than its calls
@@ -97,17 +99,17 @@ class CudaGraphReplay:
         self.pool = pool
         self.forward_graph = torch.cuda.CUDAGraph()
         self.backward_graph = torch.cuda.CUDAGraph()
-        self.output: torch.Tensor | None = None
+        self.output: tuple[torch.Tensor, ...] | None = None
 
-    def capture(self, forward: Any, backward: Any) -> torch.Tensor:
-        """Record `forward()` (its output tensor is static) and `backward(output)`; nothing runs yet."""
+    def capture(self, forward: Any, backward: Any) -> tuple[torch.Tensor, ...]:
+        """Record `forward()` (its output tensors are static) and `backward(outputs)`; nothing runs yet."""
         # thread_local: the loader's pin-memory thread may call CUDA while this thread captures
         with torch.cuda.graph(self.forward_graph, pool=self.pool, capture_error_mode="thread_local"):
-            output = forward()
-        if output.requires_grad:
+            outputs = forward()
+        if outputs[0].requires_grad:
             with torch.cuda.graph(self.backward_graph, pool=self.pool, capture_error_mode="thread_local"):
-                backward(output)
-        self.output = output.detach()
+                backward(outputs)
+        self.output = tuple(output.detach() for output in outputs)
         return self.output
 
     def forward(self) -> None:
@@ -123,19 +125,20 @@ class EagerReplay:
 
     def __init__(self) -> None:
         self.forward_pass = self.backward_pass = None
-        self.output: torch.Tensor | None = None
-        self.live: torch.Tensor | None = None
+        self.output: tuple[torch.Tensor, ...] | None = None
+        self.live: tuple[torch.Tensor, ...] | None = None
 
     def capture(self, forward: Any, backward: Any) -> torch.Tensor:
         self.forward_pass, self.backward_pass = forward, backward
-        with torch.no_grad():
-            self.output = forward().detach()  # a capture records, it does not compute: this value is never read
+        with torch.no_grad():  # a capture records, it does not compute: these values are never read
+            self.output = tuple(output.detach() for output in forward())
         return self.output
 
     def forward(self) -> None:
         with torch.enable_grad():  # called from an autograd Function's forward, where autograd is off
             self.live = self.forward_pass()
-        self.output.copy_(self.live.detach())
+        for output, live in zip(self.output, self.live, strict=True):
+            output.copy_(live.detach())
 
     def backward(self) -> None:
         live, self.live = self.live, None
@@ -143,44 +146,52 @@ class EagerReplay:
 
 
 class _Replayed(torch.autograd.Function):
-    """A graphed tower call: forward and backward replayed; the parameters' gradients went into their `main_grad`."""
+    """A graphed tower call: forward and backward replayed; the parameters' gradients went into their `main_grad`.
+    Its outputs are the call's rows of each of the tower's outputs (the embeddings, Qwen3-VL's deepstack features)."""
 
     @staticmethod
-    def forward(ctx, graph: _BucketGraph, rows: int, anchor: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, graph: _BucketGraph, rows: int, anchor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.graph, ctx.rows = graph, rows
         graph.replay.forward()
-        return graph.replay.output[:rows].detach()
+        return tuple(output[:rows].detach() for output in graph.replay.output)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx, *grads: torch.Tensor) -> tuple[None, None, None]:
         graph = ctx.graph
-        graph.grad_output[: ctx.rows].copy_(grad)
-        graph.grad_output[ctx.rows :].zero_()
+        for buffer, grad in zip(graph.grad_outputs, grads, strict=True):
+            buffer[: ctx.rows].copy_(grad)
+            buffer[ctx.rows :].zero_()
         graph.replay.backward()
         graph.pending = False
         return None, None, None
 
 
 class _BucketGraph:
-    """One bucket's static inputs, its eager first call, then its captured passes."""
+    """One bucket's static inputs, its eager first call, then its captured passes: of an HF tower (Qwen2-VL,
+    Qwen2.5-VL) here, of Megatron-Bridge's Qwen3-VL tower in `_MegatronBucketGraph` (its own buffers, fill and
+    forward pass)."""
 
     def __init__(self, graphs: TowerGraphs, bucket: TowerBucket, like: torch.Tensor) -> None:
         self.graphs, self.bucket = graphs, bucket
-        device, merged = like.device, bucket.patches // graphs.merge_unit
-        self.pixels = torch.zeros(bucket.patches, like.shape[1], dtype=like.dtype, device=device)
-        self.position_ids = torch.zeros(bucket.patches, 2, dtype=torch.long, device=device)
-        self.cu_seqlens = torch.zeros(bucket.blocks + 1, dtype=torch.int32, device=device)
-        self.window_index = self.cu_window_seqlens = None
-        if graphs.window is not None:
-            self.window_index = torch.arange(merged, device=device)
-            self.cu_window_seqlens = torch.zeros(bucket.windows + 1, dtype=torch.int32, device=device)
-            self.window_steps = graphs.window * torch.arange(1, bucket.windows + 1, dtype=torch.int32, device=device)
-            self.all_units = self.window_index.clone()
-        self.grad_output: torch.Tensor | None = None
+        self.pixels = torch.zeros(bucket.patches, like.shape[1], dtype=like.dtype, device=like.device)
+        self.position_ids = torch.zeros(bucket.patches, 2, dtype=torch.long, device=like.device)
+        self.cu_seqlens = torch.zeros(bucket.blocks + 1, dtype=torch.int32, device=like.device)
+        self.allocate(like.device)
+        self.grad_outputs: tuple[torch.Tensor, ...] = ()
         self.replay: CudaGraphReplay | EagerReplay | None = None
         self.calls = 0
         self.pending = False  # a forward whose backward has not run: the buffers are in use
         self.failed: str | None = None  # why its capture failed: its calls run eagerly
+
+    def allocate(self, device: torch.device) -> None:
+        """The buffers beside pixels, position ids and blocks: Qwen2.5-VL's windows."""
+        graphs, bucket = self.graphs, self.bucket
+        self.window_index = self.cu_window_seqlens = None
+        if graphs.window is not None:
+            self.window_index = torch.arange(bucket.patches // graphs.merge_unit, device=device)
+            self.cu_window_seqlens = torch.zeros(bucket.windows + 1, dtype=torch.int32, device=device)
+            self.window_steps = graphs.window * torch.arange(1, bucket.windows + 1, dtype=torch.int32, device=device)
+            self.all_units = self.window_index.clone()
 
     def fill(self, pixels: torch.Tensor, inputs: TowerInputs) -> None:
         """Copy a call into the buffers and write its pad entries (device ops only)."""
@@ -202,7 +213,7 @@ class _BucketGraph:
             tail.clamp_(max=bucket.patches)
             self.cu_window_seqlens[:windows].copy_(inputs.cu_window_seqlens)
 
-    def forward_pass(self) -> torch.Tensor:
+    def forward_pass(self) -> tuple[torch.Tensor, ...]:
         """The tower on the buffers: its merged rows for all of the bucket's pixel rows."""
         graphs = self.graphs
         inputs = TowerInputs(
@@ -213,31 +224,32 @@ class _BucketGraph:
             cu_window_seqlens=self.cu_window_seqlens,
             max_window_seqlen=graphs.window,
         )
-        return graphs.tower(self.pixels, grid_thw=None, **tower_kwargs(inputs)).pooler_output
+        return (graphs.tower(self.pixels, grid_thw=None, **tower_kwargs(inputs)).pooler_output,)
 
-    def backward_pass(self, output: torch.Tensor) -> None:
-        """The tower's backward from `grad_output`, every trained parameter's gradient added into its `main_grad`."""
+    def backward_pass(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        """The tower's backward from `grad_outputs`, every trained parameter's gradient added into its `main_grad`."""
         params = self.graphs.trained
         for param in params:
             if hasattr(param, "grad_added_to_main_grad"):
                 param.grad_added_to_main_grad = False
-        grads = torch.autograd.grad(output, params, grad_outputs=self.grad_output, allow_unused=True)
+        grads = torch.autograd.grad(outputs, params, grad_outputs=self.grad_outputs, allow_unused=True)
         for param, grad in zip(params, grads, strict=True):
             if grad is not None and not getattr(param, "grad_added_to_main_grad", False):
                 param.main_grad.add_(grad)
 
-    def __call__(self, pixels: torch.Tensor, inputs: TowerInputs) -> torch.Tensor | None:
-        """The call's merged rows, or None where the bucket's capture failed now (the caller runs it eagerly)."""
+    def __call__(self, pixels: torch.Tensor, inputs: Any) -> tuple[torch.Tensor, ...] | None:
+        """The call's merged rows of each output, or None where the bucket's capture failed now (the caller runs it
+        eagerly)."""
         merged = pixels.shape[0] // self.graphs.merge_unit
         self.fill(pixels, inputs)
         self.calls += 1
         if self.calls == 1:  # eager at the bucket's shapes: this micro-batch's pass, and the warm-up of its kernels
-            output = self.forward_pass()
-            self.grad_output = torch.zeros_like(output, requires_grad=False)
-            if output.requires_grad:
+            outputs = self.forward_pass()
+            self.grad_outputs = tuple(torch.zeros_like(output, requires_grad=False) for output in outputs)
+            if outputs[0].requires_grad:
                 self.pending = True
-                output.register_hook(self._released)
-            return output[:merged]
+                outputs[0].register_hook(self._released)
+            return tuple(output[:merged] for output in outputs)
         if self.replay is None:
             replay = self.graphs.new_replay()
             try:
@@ -249,7 +261,7 @@ class _BucketGraph:
             self.replay = replay
         if not self.graphs.trained:
             self.replay.forward()
-            return self.replay.output[:merged]
+            return tuple(output[:merged] for output in self.replay.output)
         self.pending = True
         return _Replayed.apply(self, merged, self.graphs.trained[0])
 
@@ -257,8 +269,66 @@ class _BucketGraph:
         self.pending = False
 
 
+class _MegatronBucketGraph(_BucketGraph):
+    """A bucket of Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL): qvl's prepared forward
+    (qvl.kernels.speed_qwen3_vl_tower.prepared_tower_forward) on fixed shapes. Its grid-dependent steps become
+    gathers from buffers: the position table's four bilinear corners and weights are taken per patch
+    (`pos_embed_order`, the loader's) where upstream looks them up per grid position and then repeats them over
+    frames and permutes them (the same products and sums per element; the table's gradient sums a video's frames in
+    another order), and the rotary's frequency table has the bucket's rows (a longer table, the same rows). Pad rows:
+    zero pixels, the table's first row at weight 0, rotary position 0, one attention block of their own; the
+    embeddings and every deepstack feature are cut to the call's rows."""
+
+    def allocate(self, device: torch.device) -> None:
+        rows = self.bucket.patches
+        self.pos_embed_index = torch.zeros(4, rows, dtype=torch.long, device=device)
+        self.pos_embed_weight = torch.zeros(4, rows, dtype=torch.float32, device=device)
+
+    def fill(self, pixels: torch.Tensor, inputs: MegatronTowerInputs) -> None:
+        """Copy a call into the buffers and write its pad entries (device ops only)."""
+        rows = pixels.shape[0]
+        self.pixels[:rows].copy_(pixels)
+        self.pixels[rows:].zero_()
+        self.position_ids[:rows].copy_(inputs.position_ids)
+        self.position_ids[rows:].zero_()
+        blocks = inputs.cu_seqlens.shape[0]
+        self.cu_seqlens[:blocks].copy_(inputs.cu_seqlens)
+        self.cu_seqlens[blocks:].fill_(self.bucket.patches)  # one pad block over the pad rows, then empty blocks
+        for buffer, given in ((self.pos_embed_index, inputs.pos_embed_index), (self.pos_embed_weight,
+                                                                                inputs.pos_embed_weight)):  # fmt: skip
+            buffer[:, :rows].copy_(given.index_select(1, inputs.pos_embed_order))
+            buffer[:, rows:].zero_()
+
+    def forward_pass(self) -> tuple[torch.Tensor, ...]:
+        """The tower on the buffers: its merged rows and deepstack features for all of the bucket's rows."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        tower, rows = self.graphs.tower, self.bucket.patches
+        table = tower.pos_embed.weight
+        corners = tower.pos_embed(self.pos_embed_index) * self.pos_embed_weight.to(table.dtype)[:, :, None]
+        hidden_states = tower.patch_embed(self.pixels)
+        hidden_states = hidden_states + (corners[0] + corners[1] + corners[2] + corners[3])
+        rotary = tower.rotary_pos_emb(rows)[self.position_ids].flatten(1)
+        rotary = rotary.reshape(rows, 1, 1, -1).repeat(1, 1, 1, 2)
+        blocks = PackedSeqParams(
+            cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens, qkv_format="thd", max_seqlen_q=rows,
+            max_seqlen_kv=rows,
+        )  # fmt: skip
+        hidden_states, deepstack = tower.decoder(
+            hidden_states=hidden_states[:, None],
+            attention_mask=None,
+            inference_params=None,
+            rotary_pos_emb=rotary,
+            packed_seq_params=blocks,
+        )
+        return (tower.merger(hidden_states), *deepstack)
+
+
 class TowerGraphs:
-    """One replicated HF vision tower's graphs, a bucket each (see the module's docstring)."""
+    """One replicated HF vision tower's graphs, a bucket each (see the module's docstring); `MegatronTowerGraphs`
+    for Megatron-Bridge's Qwen3-VL tower."""
+
+    bucket_graph_type: type[_BucketGraph] = _BucketGraph
 
     def __init__(self, tower: torch.nn.Module, *, cuda: bool = True, max_graphs: int = MAX_GRAPHS) -> None:
         config = tower.config
@@ -287,7 +357,7 @@ class TowerGraphs:
             return f"a window of {inputs.max_window_seqlen} rows (the graphs' longest is {self.window})"
         return None
 
-    def bucket_graph(self, pixels: torch.Tensor, inputs: TowerInputs) -> tuple[_BucketGraph | None, str | None]:
+    def bucket_graph(self, pixels: torch.Tensor, inputs: Any) -> tuple[_BucketGraph | None, str | None]:
         """The graph of the call's bucket (made on its first call), or None and why the call runs eagerly."""
         windows = None if self.window is None else inputs.cu_window_seqlens.shape[0] - 1
         unit = self.merge_unit if self.window is None else self.window
@@ -298,13 +368,22 @@ class TowerGraphs:
                 return None, f"more than {self.max_graphs} buckets of tower shapes"
             if any(getattr(p, "main_grad", None) is None for p in self.trained):  # DDP gives them before step 1
                 return None, "trained tower parameters without Megatron DDP's main_grad"
-            graph = self.buckets[bucket] = _BucketGraph(self, bucket, pixels)
+            graph = self.buckets[bucket] = self.bucket_graph_type(self, bucket, pixels)
         if graph.pending:
             return None, "a second call while the bucket's backward is pending"
         return (None, graph.failed) if graph.failed is not None else (graph, None)
 
     def __call__(self, pixels: torch.Tensor, inputs: Any, grid_thw: torch.Tensor) -> torch.Tensor:
         """The tower's merged output rows for `pixels` (the tower's `pooler_output`), replayed where it can be."""
+        return self.outputs(pixels, inputs, grid_thw)[0]
+
+    def eager(self, pixels: torch.Tensor, inputs: Any, grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The tower called as without graphs: its outputs."""
+        given = tower_kwargs(inputs) if isinstance(inputs, TowerInputs) else {}
+        return (self.tower(pixels, grid_thw=grid_thw, **given).pooler_output,)
+
+    def outputs(self, pixels: torch.Tensor, inputs: Any, grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The tower's outputs for `pixels`, replayed where they can be."""
         reason = self.eager_reason(inputs)
         graph, reason = (None, reason) if reason is not None else self.bucket_graph(pixels, inputs)
         if graph is not None:
@@ -319,8 +398,7 @@ class TowerGraphs:
         if reason not in self.refused:
             self.refused.add(reason)
             logger.info("speed-cuda-graphs: the vision tower runs eagerly for %s", reason)
-        given = tower_kwargs(inputs) if isinstance(inputs, TowerInputs) else {}
-        return self.tower(pixels, grid_thw=grid_thw, **given).pooler_output
+        return self.eager(pixels, inputs, grid_thw)
 
     def stats(self) -> dict:
         """What the graphs did so far: buckets, calls by kind, the rows padding added, why calls ran eagerly."""
@@ -333,9 +411,56 @@ class TowerGraphs:
         }
 
 
-def launches_per_call(*, windowed: bool) -> int:
-    """Kernels one graphed tower call launches, forward and backward (the step census's estimate uses it)."""
-    return FILL_LAUNCHES[windowed] + 1 + GRADIENT_LAUNCHES + 1
+class MegatronTowerGraphs(TowerGraphs):
+    """The graphs of Megatron-Bridge's Qwen3-VL vision tower (qvl's subclass, qvl.bridges.qwen3_vl): called with the
+    loader's `MegatronTowerInputs`, it returns the tower's embeddings and deepstack features, as the tower does."""
+
+    bucket_graph_type = _MegatronBucketGraph
+
+    def eager_reason(self, inputs: Any) -> str | None:
+        from qvl.kernels.speed_qwen3_vl_tower import takes_prepared_inputs
+
+        if not isinstance(inputs, MegatronTowerInputs):
+            return "a call without the loader's tower inputs"
+        if not (torch.is_grad_enabled() and self.tower.training):
+            return "a call without autograd (evaluation)"
+        if not takes_prepared_inputs(self.tower, inputs, None):
+            return "a call upstream's forward serves (a pipeline stage's input, Transformer Engine's vision graphs)"
+        return None
+
+    def eager(self, pixels: torch.Tensor, inputs: Any, grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        given = inputs if isinstance(inputs, MegatronTowerInputs) else None
+        embeddings, deepstack = self.tower(hidden_states=pixels, grid_thw=grid_thw, tower_inputs=given)
+        return (embeddings, *deepstack)
+
+    def __call__(
+        self, pixels: torch.Tensor, inputs: Any, grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The tower's embeddings and deepstack features for `pixels`, replayed where they can be."""
+        embeddings, *deepstack = self.outputs(pixels, inputs, grid_thw)
+        return embeddings, deepstack
+
+
+def launches_per_call(*, windowed: bool, outputs: int = 1, megatron: bool = False) -> int:
+    """Kernels one graphed tower call launches, forward and backward (the step census's estimate uses it): its
+    fills, two replays and each of its `outputs`' gradient."""
+    fills = MEGATRON_FILL_LAUNCHES if megatron else FILL_LAUNCHES[windowed]
+    return fills + 1 + GRADIENT_LAUNCHES * outputs + 1
+
+
+def megatron_tower_graphs(model: Any) -> MegatronTowerGraphs | None:
+    """The graphs of a Qwen3-VL / Qwen3.5-VL model's Megatron vision tower (`model.vision_model`), made on first use,
+    where its language model's layers replay as CUDA graphs; None elsewhere (eager)."""
+    from qvl.kernels.speed_cuda_graphs import tower_graphs_allowed
+
+    tower = getattr(model, "vision_model", None)
+    if tower is None or not tower_graphs_allowed(model.config) or not torch.cuda.is_available():
+        return None
+    graphs = getattr(tower, "qvl_graphs", None)
+    if graphs is None:
+        graphs = MegatronTowerGraphs(tower)
+        tower.qvl_graphs = graphs  # a plain attribute: not a submodule, not in the state dict
+    return graphs
 
 
 def tower_graphs(model: Any) -> TowerGraphs | None:

@@ -71,6 +71,9 @@ class MegatronTowerInputs:
     max_hw: int  # the largest grid height or width: rows of the rotary frequency table
     cu_seqlens: torch.Tensor  # [frames + 1] int32: one attention block per frame
     max_seqlen: int
+    # [patches] long: each patch's column of pos_embed_index / _weight (merge-block order, frames repeated): the
+    # tower's repeat-and-permute of the looked-up embeddings as one gather (its CUDA graphs, qvl.kernels.tower_graphs)
+    pos_embed_order: torch.Tensor
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> MegatronTowerInputs:
         """The same inputs with every tensor on `device` (ints stay ints)."""
@@ -142,7 +145,21 @@ def megatron_tower_inputs(
         max_hw=max((max(h, w) for _, h, w in grids), default=0),
         cu_seqlens=cu,
         max_seqlen=_longest(cu),
+        pos_embed_order=merge_block_order(grids, merge=spatial_merge_size),
     )
+
+
+def merge_block_order(grids: tuple[tuple[int, int, int], ...], *, merge: int) -> torch.Tensor:
+    """For each patch of `grids` in the tower's order (grid by grid, frame by frame, merge block by merge block), the
+    index of its (row, col) among the grids' row-major positions (each grid's h*w after the previous grids'): the
+    permutation upstream's `fast_pos_embed_interpolate` applies with `view(t, h/m, m, w/m, m).permute(0, 1, 3, 2, 4)`
+    after repeating a grid's embeddings over its frames."""
+    pieces, offset = [], 0
+    for t, h, w in grids:
+        frame = torch.arange(h * w).view(h // merge, merge, w // merge, merge).permute(0, 2, 1, 3).flatten()
+        pieces.append((frame + offset).repeat(t))
+        offset += h * w
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
 def _bilinear_corners(grids: tuple[tuple[int, int, int], ...], *, side: int) -> tuple[torch.Tensor, torch.Tensor]:

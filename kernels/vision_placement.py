@@ -17,6 +17,7 @@ rows are in the tower's output (`VisionOrder.feature_rows`). Images and videos m
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -172,29 +173,35 @@ def tower_inputs_in_order(
         taken[kind] += 1
     grids = tuple(grid for grid, *_ in chosen)
     cu = get_vision_cu_seqlens(torch.tensor(grids, dtype=torch.long).reshape(-1, 3))  # as megatron_tower_inputs
+    offsets = [0, *itertools.accumulate(h * w for _, h, w in grids)][:-1]  # each grid's first position column
     return MegatronTowerInputs(
         grids=grids,
-        pos_embed_index=torch.cat([index for _, index, _, _ in chosen], dim=1),
-        pos_embed_weight=torch.cat([weight for _, _, weight, _ in chosen], dim=1),
-        position_ids=torch.cat([ids for *_, ids in chosen]),
+        pos_embed_index=torch.cat([index for _, index, _, _, _ in chosen], dim=1),
+        pos_embed_weight=torch.cat([weight for _, _, weight, _, _ in chosen], dim=1),
+        position_ids=torch.cat([ids for *_, ids, _ in chosen]),
         max_hw=max((max(h, w) for _, h, w in grids), default=0),
         cu_seqlens=cu,
         max_seqlen=max((h * w for _, h, w in grids), default=0),  # one block per frame
+        pos_embed_order=torch.cat([order + offset for (*_, order), offset in zip(chosen, offsets, strict=True)]),
     )
 
 
 def _pieces_by_grid(inputs: MegatronTowerInputs | None) -> list[tuple]:
-    """(grid, position-table corners, their weights, rotary position ids) of each grid of `inputs`."""
+    """(grid, position-table corners, their weights, rotary position ids, position-column order counted from the
+    grid's first column) of each grid of `inputs`."""
     if inputs is None:
         return []
     per_frame = [h * w for _, h, w in inputs.grids]
     per_grid = [t * h * w for t, h, w in inputs.grids]
+    offsets = [0, *itertools.accumulate(per_frame)][:-1]
+    orders = [order - offset for order, offset in zip(inputs.pos_embed_order.split(per_grid), offsets, strict=True)]
     return list(
         zip(
             inputs.grids,
             inputs.pos_embed_index.split(per_frame, dim=1),
             inputs.pos_embed_weight.split(per_frame, dim=1),
             inputs.position_ids.split(per_grid),
+            orders,
         )
     )
 

@@ -101,3 +101,20 @@ def test_cuda_graphs_train_as_the_eager_layers_do_on_cuda(tmp_path):
     assert eager["patch_groups"]["cuda_graphs"] == {"requested": False}
     assert graphed["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-2)
     assert graphed["losses"] == pytest.approx(eager["losses"], rel=3e-2)
+
+
+@pytest.mark.gpu
+def test_the_qwen3_vl_tower_trains_graphed_as_it_does_eagerly_on_cuda(tmp_path):
+    """speed-cuda-graphs with Megatron-Bridge's Qwen3-VL vision tower (qvl.kernels.tower_graphs.MegatronTowerGraphs):
+    buckets captured and replayed, none failing to capture, and the eager run's losses."""
+    from benchmarks import bench_train
+
+    variants = ["256:packed:steps=6", "256:packed:-speed-cuda-graphs:steps=6"]
+    assert bench_train.main(["--model", "tiny_qwen3_vl", "--variants", *variants, "--out", str(tmp_path)]) == 0
+    graphed, eager = (v["result"] for v in json.loads((tmp_path / "bench_train.json").read_text())["variants"])
+    assert "error" not in graphed, graphed.get("error")
+    tower = graphed["patch_groups"]["cuda_graphs"]["vision_tower"]
+    assert tower is not None and tower["calls"].get("captured", 0) >= 1, tower
+    assert not [reason for reason in tower["eager_because"] if "capture failed" in reason], tower
+    assert graphed["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-2)
+    assert graphed["losses"] == pytest.approx(eager["losses"], rel=3e-2)

@@ -447,3 +447,30 @@ def test_indexed_deepstack_is_the_masked_one_bit_for_bit(model, batch_size):
     assert all(map(torch.equal, got, expected))
     assert not torch.equal(expected[0], hidden)  # the features were added
     assert all(map(torch.equal, run(decoder._deepstack_process, mask), expected))  # a boolean mask: upstream's
+
+
+@pytest.mark.parametrize("modality", ["both", "videos"])
+def test_a_pack_trains_with_its_tower_graphed_as_it_does_eagerly(model, modality, monkeypatch):
+    """qvl's Qwen3-VL forward hands its tower call to the tower's graphs (qvl.kernels.tower_graphs, re-run on the
+    CPU): over three micro-batches (warm-up, capture, replay) the losses are the eager ones, and the tower's
+    `main_grad`s sum the eager gradients, deepstack mergers included (fp32)."""
+    from qvl.kernels import speed_qwen3_vl_sync_free
+    from qvl.kernels.tower_graphs import MegatronTowerGraphs
+    from tests.kernels.test_tower_graphs import _megatron_ddp_like
+
+    batch = pack(model, modality)
+    kwargs = with_host_batch(model, batch, inputs_of(batch))
+    eager_losses, eager_grads, _ = loss_and_grads(model, kwargs)
+    tower = model.vision_model
+    with _megatron_ddp_like(tower):
+        graphs = MegatronTowerGraphs(tower, cuda=False)
+        monkeypatch.setattr(speed_qwen3_vl_sync_free, "megatron_tower_graphs", lambda m: graphs)
+        for _ in range(3):
+            losses, _, _ = loss_and_grads(model, kwargs)
+            torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
+        assert graphs.stats()["calls"] == {"warm-up": 1, "captured": 1, "replayed": 1}, graphs.stats()
+        assert any(".deepstack_merger_list." in name for name, _ in tower.named_parameters())
+        for name, param in tower.named_parameters():
+            want = 3 * eager_grads[f"vision_model.{name}"]
+            scale = float(want.abs().max()) + 1e-6
+            torch.testing.assert_close(param.main_grad, want, rtol=1e-4, atol=1e-5 * scale, msg=name)
