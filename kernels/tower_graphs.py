@@ -451,28 +451,23 @@ def launches_per_call(*, windowed: bool, outputs: int = 1, megatron: bool = Fals
 def megatron_tower_graphs(model: Any) -> MegatronTowerGraphs | None:
     """The graphs of a Qwen3-VL / Qwen3.5-VL model's Megatron vision tower (`model.vision_model`), made on first use,
     where its language model's layers replay as CUDA graphs; None elsewhere (eager)."""
-    from qvl.kernels.speed_cuda_graphs import tower_graphs_allowed
-
-    tower = getattr(model, "vision_model", None)
-    if tower is None or not tower_graphs_allowed(model.config) or not torch.cuda.is_available():
-        return None
-    graphs = getattr(tower, "qvl_graphs", None)
-    if graphs is None:
-        graphs = MegatronTowerGraphs(tower)
-        tower.qvl_graphs = graphs  # a plain attribute: not a submodule, not in the state dict
-    return graphs
+    return _graphs_of(model, "vision_model", MegatronTowerGraphs)
 
 
 def tower_graphs(model: Any) -> TowerGraphs | None:
     """The graphs of a Qwen2-VL / Qwen2.5-VL model's replicated tower (`model.visual`), made on first use, where its
     language model's layers replay as CUDA graphs (speed-cuda-graphs on: a CUDA run); None elsewhere (eager)."""
+    return _graphs_of(model, "visual", TowerGraphs)
+
+
+def _graphs_of(model: Any, attribute: str, graphs_type: type[TowerGraphs]) -> TowerGraphs | None:
     from qvl.kernels.speed_cuda_graphs import tower_graphs_allowed
 
-    tower = getattr(model, "visual", None)
+    tower = getattr(model, attribute, None)
     if tower is None or not tower_graphs_allowed(model.config) or not torch.cuda.is_available():
         return None
     graphs = getattr(tower, "qvl_graphs", None)
     if graphs is None:
-        graphs = TowerGraphs(tower)
+        graphs = graphs_type(tower)
         tower.qvl_graphs = graphs  # a plain attribute: not a submodule, not in the state dict
     return graphs

@@ -54,6 +54,12 @@ def _ddp_like(tower: torch.nn.Module) -> None:
     for module in tower.modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = MainGradLinear
+    _main_grads(tower)
+
+
+def _main_grads(tower: torch.nn.Module) -> list:
+    """A zero `main_grad` per parameter and DDP's hook adding `.grad` into it; the hooks' handles."""
+    handles = []
     for param in tower.parameters():
         param.main_grad = torch.zeros_like(param)
         param.grad_added_to_main_grad = False
@@ -63,7 +69,8 @@ def _ddp_like(tower: torch.nn.Module) -> None:
                 p.main_grad.add_(p.grad)
             p.grad = None
 
-        param.register_post_accumulate_grad_hook(hook)
+        handles.append(param.register_post_accumulate_grad_hook(hook))
+    return handles
 
 
 def _call(tower, grid: torch.Tensor, seed: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
@@ -326,17 +333,7 @@ def _megatron_loss(outputs, generator_seed: int) -> torch.Tensor:
 @contextlib.contextmanager
 def _megatron_ddp_like(tower):
     """`main_grad`s and Megatron DDP's hook on the tower's parameters while inside; removed after."""
-    handles = []
-    for param in tower.parameters():
-        param.main_grad = torch.zeros_like(param)
-        param.grad_added_to_main_grad = False
-
-        def hook(p: torch.nn.Parameter) -> None:
-            if p.grad is not None and not p.grad_added_to_main_grad:
-                p.main_grad.add_(p.grad)
-            p.grad = None
-
-        handles.append(param.register_post_accumulate_grad_hook(hook))
+    handles = _main_grads(tower)
     try:
         yield
     finally:
