@@ -416,6 +416,9 @@ def cuda_compiled_regions(census):
     region_names = {
         speed_hf_vision.rotary_fp32: "vision rotary",
         speed_hf_vision.rms_norm: "vision RMSNorm",
+        speed_hf_vision.add_rms_norm: "vision add+RMSNorm",
+        speed_hf_vision.add_layer_norm: "vision add+LayerNorm",
+        speed_hf_vision.rotary_qkv_gradient: "vision rotary qkv gradient",
         speed_hf_vision.silu_gate: "vision MLP silu_gate",
         speed_hf_vision.quick_gelu: "vision MLP quick_gelu",
         speed_rotary.rotary_whole_pack: "LM rotary",

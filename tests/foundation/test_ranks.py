@@ -19,8 +19,15 @@ from qvl.foundation.megatron import in_a_thread_of_its_own
 
 def _rank(rank: int, out: str) -> None:
     output_to(Path(out) / f"rank{rank}.out", Path(out) / f"rank{rank}.err")  # what the rank prints, this test reads
+    waiting = Path(out) / "rank0.waiting"
     if rank == 1:
+        # fail once rank 0 waits: on a loaded machine it may still be importing this module when rank 1 is done,
+        # and its stacks would then show the import (and go to the terminal, not its file)
+        deadline = time.monotonic() + 60
+        while not waiting.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise RuntimeError("rank 1 gave up waiting for its peer")
+    waiting.touch()
     waiting_for_nothing(time.monotonic() + 120)
 
 
