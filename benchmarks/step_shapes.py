@@ -57,11 +57,14 @@ RESULTS_CONFIG = "qwen2_5_vl_3b_12l"
 DEFAULT_CONFIGS = ("qwen2_5_vl_3b_12l", "qwen2_5_vl_3b", "qwen2_vl_2b", "qwen3_vl_4b")
 
 # Tiny widths: every one maps to one real width and none equals a dimension the model keeps (heads, KV heads, patch
-# sizes, merge units), so shapes map back unambiguously. Head dims stay even (rotary), mRoPE sections sum to half.
+# sizes, merge units) or a product of them a tensor has (Megatron's fused qkv is 3 x the head dim per head: with a
+# head dim of 12 it was 36, the vision FFN's tiny width, and the census read the qkv split's backward `cat` as 21x
+# its size), so shapes map back unambiguously. Head dims stay even (rotary; Qwen3-VL's vision halves stay even too),
+# mRoPE sections sum to half.
 TINY_LM_HEAD_DIM = 10
 TINY_VOCAB = 608
 TINY_FFN = 44
-TINY_VISION_HEAD_DIM = {"qwen2_vl": 8, "qwen2_5_vl": 8, "qwen3_vl": 12}
+TINY_VISION_HEAD_DIM = {"qwen2_vl": 8, "qwen2_5_vl": 8, "qwen3_vl": 28}
 TINY_VISION_FFN = 36
 TINY_QWEN3_HIDDEN = 144
 
@@ -85,7 +88,8 @@ def scaled_hf_config(config: StepConfig):
     dims = {hidden: text["hidden_size"], heads * hd: heads * real_head_dim, kv * hd: kv * real_head_dim,
             (heads + 2 * kv) * hd: (heads + 2 * kv) * real_head_dim, hd: real_head_dim,
             TINY_FFN: text["intermediate_size"], 2 * TINY_FFN: 2 * text["intermediate_size"],
-            TINY_VOCAB: text["vocab_size"]}  # fmt: skip
+            TINY_VOCAB: text["vocab_size"],
+            (heads // kv + 2) * hd: (heads // kv + 2) * real_head_dim}  # fmt: skip  # Megatron's qkv per KV group
     text.update(hidden_size=hidden, intermediate_size=TINY_FFN, vocab_size=TINY_VOCAB, rope_parameters=rope)
     if "head_dim" in text:
         text["head_dim"] = hd
@@ -96,6 +100,8 @@ def scaled_hf_config(config: StepConfig):
     real_width, vheads = vision[width_key], vision["num_heads"]
     vwidth = vheads * vhd
     dims |= {vwidth: real_width, 3 * vwidth: 3 * real_width, vhd: real_width // vheads, 4 * vwidth: 4 * real_width}
+    if get_family(config.family).megatron_vision_tower:  # Megatron's qkv per head: [tokens, 1, heads, 3 x head dim]
+        dims[3 * vhd] = 3 * (real_width // vheads)
     vision[width_key] = vwidth
     if "intermediate_size" in vision:
         dims[TINY_VISION_FFN] = vision["intermediate_size"]

@@ -150,3 +150,26 @@ def test_the_census_estimates_the_launches_cuda_graphs_leave(tiny):
     assert graphs["host_launches"] == kept + graphs["replays_and_copies"] < after["step"]["kernel_launching_ops"] / 3
     checks = step_model.goal_checks(after, {"estimated_step_s": 0.0})
     assert checks[-1]["figure"] == "ESTIMATED host launches per step with speed-cuda-graphs"
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_12l", "qwen2_vl_2b", "qwen3_vl_4b"])
+def test_every_tiny_width_maps_back_and_none_is_a_size_the_model_keeps(name):
+    """The census maps a tensor's sizes back to the real ones by value: no mapped tiny width may also be a size the
+    tiny model keeps at its real value (heads, patch and merge sizes, a flattened patch), and Megatron's fused qkv
+    per head or per KV group must map to its real width (a 3 x head-dim of 36 was read as the vision FFN's width)."""
+    from benchmarks.step_shapes import CONFIGS, scaled_hf_config
+
+    hf, widths = scaled_hf_config(CONFIGS[name])
+    text, vision = hf.text_config, hf.vision_config
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    kept = {text.num_attention_heads, text.num_key_value_heads, vision.num_heads, vision.patch_size,
+            vision.spatial_merge_size, vision.spatial_merge_size**2, vision.temporal_patch_size, patch}  # fmt: skip
+    assert not kept & set(widths.dims), kept & set(widths.dims)
+    width = getattr(vision, "embed_dim", None) or vision.hidden_size
+    head = width // vision.num_heads
+    real_head = widths.dims[head]
+    if "qwen3" in name:  # Megatron-Bridge's tower: its fused qkv is [tokens, 1, heads, 3 x head dim]
+        assert widths.dims[3 * head] == 3 * real_head
+    lm_head = text.head_dim if getattr(text, "head_dim", None) else text.hidden_size // text.num_attention_heads
+    per_group = text.num_attention_heads // text.num_key_value_heads + 2
+    assert widths.dims[per_group * lm_head] == per_group * widths.dims[lm_head]
