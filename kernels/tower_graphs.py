@@ -294,9 +294,9 @@ class _MegatronBucketGraph(_BucketGraph):
         blocks = inputs.cu_seqlens.shape[0]
         self.cu_seqlens[:blocks].copy_(inputs.cu_seqlens)
         self.cu_seqlens[blocks:].fill_(self.bucket.patches)  # one pad block over the pad rows, then empty blocks
-        for buffer, given in ((self.pos_embed_index, inputs.pos_embed_index), (self.pos_embed_weight,
-                                                                                inputs.pos_embed_weight)):  # fmt: skip
-            buffer[:, :rows].copy_(given.index_select(1, inputs.pos_embed_order))
+        pairs = ((self.pos_embed_index, inputs.pos_embed_index), (self.pos_embed_weight, inputs.pos_embed_weight))
+        for buffer, per_position in pairs:  # each patch's corners and weights: a gather, no host read
+            buffer[:, :rows].copy_(per_position.index_select(1, inputs.pos_embed_order))
             buffer[:, rows:].zero_()
 
     def forward_pass(self) -> tuple[torch.Tensor, ...]:
