@@ -44,24 +44,48 @@ def prepared_tower_forward(
     tower: torch.nn.Module, pixels: torch.Tensor, inputs: MegatronTowerInputs, extra_block_kwargs: dict | None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Upstream's `Qwen3VLVisionModel.forward` without CUDA-graph padding, its grid-derived values from `inputs`."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     patches_given = sum(t * h * w for t, h, w in inputs.grids)
     if patches_given != pixels.size(0):
         raise TowerInputsMismatch(
             f"the vision tower was given {pixels.size(0)} patches but its precomputed inputs are for grids "
             f"{list(inputs.grids)} ({patches_given} patches); compute the tower inputs from the grid the model is given"
         )
+    return tower_from_embeddings(
+        tower,
+        pixels,
+        interpolated_pos_embed(tower, inputs),
+        rotary_frequencies(tower, inputs),
+        inputs.cu_seqlens,
+        inputs.max_seqlen,
+        extra_block_kwargs,
+    )
+
+
+def tower_from_embeddings(
+    tower: torch.nn.Module,
+    pixels: torch.Tensor,
+    pos_embeds: torch.Tensor,
+    frequencies: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    extra_block_kwargs: dict | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The rest of upstream's forward once the grid-derived values are there: the patches embedded plus their
+    position embeddings `pos_embeds`, the blocks with the rotary `frequencies` ([patches, dim / 2]) over the packed
+    blocks of `cu_seqlens` (the longest `max_seqlen`, a Python int: the attention reads nothing back), the merger.
+    Shared by `prepared_tower_forward` and the tower's CUDA graphs (qvl.kernels.tower_graphs)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     hidden_states = tower.patch_embed(pixels)
-    hidden_states = hidden_states + interpolated_pos_embed(tower, inputs)
+    hidden_states = hidden_states + pos_embeds
     seq_len = hidden_states.size(0)
-    rotary_pos_emb = rotary_frequencies(tower, inputs).reshape(seq_len, 1, 1, -1).repeat(1, 1, 1, 2)
+    rotary_pos_emb = frequencies.reshape(seq_len, 1, 1, -1).repeat(1, 1, 1, 2)
     blocks = PackedSeqParams(
-        cu_seqlens_q=inputs.cu_seqlens,
-        cu_seqlens_kv=inputs.cu_seqlens,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
         qkv_format="thd",
-        max_seqlen_q=inputs.max_seqlen,  # a Python int: the attention reads nothing back
-        max_seqlen_kv=inputs.max_seqlen,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
     )
     hidden_states, deepstack_features = tower.decoder(
         hidden_states=hidden_states[:, None],

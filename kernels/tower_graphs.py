@@ -193,16 +193,21 @@ class _BucketGraph:
             self.window_steps = graphs.window * torch.arange(1, bucket.windows + 1, dtype=torch.int32, device=device)
             self.all_units = self.window_index.clone()
 
-    def fill(self, pixels: torch.Tensor, inputs: TowerInputs) -> None:
+    def fill(self, pixels: torch.Tensor, inputs: Any) -> None:
         """Copy a call into the buffers and write its pad entries (device ops only)."""
-        rows, bucket = pixels.shape[0], self.bucket
+        rows = pixels.shape[0]
         self.pixels[:rows].copy_(pixels)
         self.pixels[rows:].zero_()
         self.position_ids[:rows].copy_(inputs.position_ids)
         self.position_ids[rows:].zero_()
         blocks = inputs.cu_seqlens.shape[0]
         self.cu_seqlens[:blocks].copy_(inputs.cu_seqlens)
-        self.cu_seqlens[blocks:].fill_(bucket.patches)  # one pad block over the pad rows, then empty blocks
+        self.cu_seqlens[blocks:].fill_(self.bucket.patches)  # one pad block over the pad rows, then empty blocks
+        self.fill_allocated(rows, inputs)
+
+    def fill_allocated(self, rows: int, inputs: TowerInputs) -> None:
+        """The buffers of `allocate`: Qwen2.5-VL's windows."""
+        bucket = self.bucket
         if self.window_index is not None:
             units = rows // self.graphs.merge_unit
             self.window_index[:units].copy_(inputs.window_index)
@@ -284,16 +289,8 @@ class _MegatronBucketGraph(_BucketGraph):
         self.pos_embed_index = torch.zeros(4, rows, dtype=torch.long, device=device)
         self.pos_embed_weight = torch.zeros(4, rows, dtype=torch.float32, device=device)
 
-    def fill(self, pixels: torch.Tensor, inputs: MegatronTowerInputs) -> None:
-        """Copy a call into the buffers and write its pad entries (device ops only)."""
-        rows = pixels.shape[0]
-        self.pixels[:rows].copy_(pixels)
-        self.pixels[rows:].zero_()
-        self.position_ids[:rows].copy_(inputs.position_ids)
-        self.position_ids[rows:].zero_()
-        blocks = inputs.cu_seqlens.shape[0]
-        self.cu_seqlens[:blocks].copy_(inputs.cu_seqlens)
-        self.cu_seqlens[blocks:].fill_(self.bucket.patches)  # one pad block over the pad rows, then empty blocks
+    def fill_allocated(self, rows: int, inputs: MegatronTowerInputs) -> None:
+        """The corners' indices and weights of each patch, the pad rows' at zero."""
         pairs = ((self.pos_embed_index, inputs.pos_embed_index), (self.pos_embed_weight, inputs.pos_embed_weight))
         for buffer, per_position in pairs:  # each patch's corners and weights: a gather, no host read
             buffer[:, :rows].copy_(per_position.index_select(1, inputs.pos_embed_order))
@@ -301,27 +298,17 @@ class _MegatronBucketGraph(_BucketGraph):
 
     def forward_pass(self) -> tuple[torch.Tensor, ...]:
         """The tower on the buffers: its merged rows and deepstack features for all of the bucket's rows."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from qvl.kernels.speed_qwen3_vl_tower import tower_from_embeddings
 
         tower, rows = self.graphs.tower, self.bucket.patches
         table = tower.pos_embed.weight
         corners = tower.pos_embed(self.pos_embed_index) * self.pos_embed_weight.to(table.dtype)[:, :, None]
-        hidden_states = tower.patch_embed(self.pixels)
-        hidden_states = hidden_states + (corners[0] + corners[1] + corners[2] + corners[3])
-        rotary = tower.rotary_pos_emb(rows)[self.position_ids].flatten(1)
-        rotary = rotary.reshape(rows, 1, 1, -1).repeat(1, 1, 1, 2)
-        blocks = PackedSeqParams(
-            cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens, qkv_format="thd", max_seqlen_q=rows,
-            max_seqlen_kv=rows,
-        )  # fmt: skip
-        hidden_states, deepstack = tower.decoder(
-            hidden_states=hidden_states[:, None],
-            attention_mask=None,
-            inference_params=None,
-            rotary_pos_emb=rotary,
-            packed_seq_params=blocks,
+        pos_embeds = corners[0] + corners[1] + corners[2] + corners[3]
+        frequencies = tower.rotary_pos_emb(rows)[self.position_ids].flatten(1)
+        embeddings, deepstack = tower_from_embeddings(
+            tower, self.pixels, pos_embeds, frequencies, self.cu_seqlens, rows
         )
-        return (tower.merger(hidden_states), *deepstack)
+        return (embeddings, *deepstack)
 
 
 class TowerGraphs:

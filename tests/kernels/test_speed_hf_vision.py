@@ -9,7 +9,6 @@ import copy
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from qvl.bridges.tiny_model import tiny_hf_config
 from qvl.foundation import patches
@@ -141,63 +140,6 @@ def test_compiled_rotary_is_as_close_to_fp64_as_eager_and_compiles_once_for_ever
     assert counters["stats"]["unique_graphs"] == graphs + 2
 
 
-def check_block_regions_against_fp64(device: str, *, sizes: tuple[int, ...], norms: tuple[str, ...]) -> None:
-    """The add-and-norm regions and the qkv gradient region compiled (for `device`) against fp64: outputs and
-    gradients as close as the eager functions, and one graph for every patch count."""
-    from torch._dynamo.utils import counters
-
-    from benchmarks.bench_rotary_gpu import exact_rotary
-
-    width, heads, head_dim = 80, 4, 16  # no size equal to a row count: Dynamo would guard on the equality
-    add_norms = {"rms": speed_hf_vision.add_rms_norm, "layer": speed_hf_vision.add_layer_norm}
-    regions = {name: compiled.CompiledRegion(add_norms[name]) for name in norms}
-    gradient_region = compiled.CompiledRegion(speed_hf_vision.rotary_qkv_gradient)
-    graphs = counters["stats"]["unique_graphs"]
-    generator = torch.Generator(device).manual_seed(0)
-
-    def randn(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float64).to(dtype)
-
-    for n in sizes:
-        for name, region in regions.items():
-            params = [1 + 0.1 * randn(width)] + ([0.1 * randn(width)] if name == "layer" else [])
-            residual, delta = randn(n, width), randn(n, width)
-            probes = [randn(n, width, dtype=torch.float64) for _ in range(2)]
-            results = []
-            for fn, dtype in ((region, torch.bfloat16), (add_norms[name], torch.bfloat16), (add_norms[name], None)):
-                leaves = [t.detach().to(dtype or torch.float64).requires_grad_() for t in (*params, residual, delta)]
-                outputs = fn(*leaves, 1e-6)
-                grads = torch.autograd.grad(sum((o.double() * p).sum() for o, p in zip(outputs, probes)), leaves)
-                results.append((*outputs, *grads))
-            gradients = [f"{p} gradient" for p in ("weight", "bias")[: len(params)] + ("residual", "delta")]
-            for label, fast, eager, exact in zip(["sum", "normed", *gradients], *results, strict=True):
-                assert_as_close_as_eager(fast, eager, exact, what=f"add {name} norm {label}, {n} rows")
-        grads = [randn(n, heads, head_dim) for _ in range(3)]
-        angles = randn(n, head_dim // 2, dtype=torch.float32).repeat(1, 2)
-        exact_q, exact_k = (torch.zeros(n, heads, head_dim, device=device, dtype=torch.float64,
-                                        requires_grad=True) for _ in range(2))  # fmt: skip
-        rotated = exact_rotary(exact_q, exact_k, angles.double().cos(), angles.double().sin())
-        exact = torch.stack((*torch.autograd.grad(rotated, (exact_q, exact_k), [g.double() for g in grads[:2]]),
-                             grads[2].double()), dim=1)  # fmt: skip
-        fast = gradient_region(*grads, angles.cos(), angles.sin())
-        eager = speed_hf_vision.rotary_qkv_gradient(*grads, angles.cos(), angles.sin())
-        assert fast.shape == (n, 3, heads, head_dim)
-        assert_as_close_as_eager(fast, eager, exact, what=f"qkv gradient, {n} patches")
-    assert counters["stats"]["unique_graphs"] == graphs + len(regions) + 1  # one graph each for every size
-
-
-@pytest.mark.slow  # Inductor compilations for the CPU (~20 s on 2 cores)
-def test_compiled_block_regions_are_as_close_to_fp64_as_eager_for_every_patch_count():
-    check_block_regions_against_fp64("cpu", sizes=(64, 96), norms=("rms",))
-
-
-@pytest.mark.gpu
-def test_compiled_block_regions_are_as_close_to_fp64_as_eager_on_cuda():
-    if not compiled.cuda_compile_usable():
-        pytest.skip("needs Triton")
-    check_block_regions_against_fp64("cuda", sizes=(4096, 6144, 10240), norms=("rms", "layer"))
-
-
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
 def test_prepared_inputs_equal_what_the_tower_derives(family):
     tower = tiny_tower(family)
@@ -322,86 +264,6 @@ def test_rms_norm_takes_its_compiled_region_where_compiled_regions_run(monkeypat
         lean = norm(x)
     assert regions == ["rms_norm"]
     assert torch.equal(lean, norm(x))  # transformers' forward, the group undone
-
-
-class OpsOutsideRegions(TorchDispatchMode):
-    """The aten ops run while active, but those inside a region (`inside` set by the stand-in `compiled`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-        self.inside = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.inside:
-            self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-def unfused_rotated_qkv(qkv, cos, sin):
-    """The rotary region on `unbind`'s views, as before `RotaryQKV`: autograd stacks the three gradients."""
-    q, k, v = qkv.unbind(1)
-    return (*compiled.region(speed_hf_vision.rotary_fp32, q)(q, k, cos, sin), v)
-
-
-@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
-def test_block_and_rotary_take_their_compiled_regions_where_compiled_regions_run(family, monkeypatch):
-    """Where compiled regions run, a block calls the add-and-norm region once, and its attention the rotary region
-    forward and the qkv gradient region backward, outside which its backward runs no `stack` (transformers':
-    `unbind`'s backward); outputs and gradients are transformers'. The compiled regions' own kernels are counted by
-    the step census (benchmarks/compiled_regions.py)."""
-    from qvl.kernels.varlen_attention import register_hf_varlen_attention
-
-    block = tiny_tower(family, attention=register_hf_varlen_attention()).blocks[0]
-    inputs = tower_inputs_for_config(GRIDS, block.attn.config)
-    rows = int(GRIDS.prod(-1).sum())
-    angles = torch.randn(rows, block.attn.head_dim // 2).repeat(1, 2)
-    call = {"cu_seqlens": inputs.cu_seqlens, "position_embeddings": (angles.cos(), angles.sin())}
-    call[speed_hf_vision.MAX_SEQLENS_KWARG] = speed_hf_vision.tower_kwargs(inputs)[speed_hf_vision.MAX_SEQLENS_KWARG]
-    x = torch.randn(rows, block.norm1.weight.shape[0])
-    probe = torch.randn(rows, block.norm1.weight.shape[0])
-    results = {}
-    for lean in (True, False):
-        regions, mode = [], OpsOutsideRegions()
-
-        def stand_in(fn, regions=regions, mode=mode):
-            def run(*args):
-                regions.append(fn.__name__)
-                mode.inside = True
-                try:
-                    return fn(*args)
-                finally:
-                    mode.inside = False
-
-            return run
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(compiled, "runs_compiled", lambda tensor: True)
-            patch.setattr(compiled, "compiled", stand_in)
-            if not lean:
-                patch.setattr(speed_hf_vision, "lean_block", lambda original: original)
-                patch.setattr(speed_hf_vision, "rotated_qkv", unfused_rotated_qkv)
-            inputs_x = x.clone().requires_grad_()
-            block.zero_grad()
-            with patches.applied(speed_hf_vision.GROUP):
-                out = block(inputs_x, **call)
-                with mode:
-                    (out * probe).sum().backward()
-        results[lean] = (out, inputs_x.grad, [p.grad.clone() for p in block.parameters()], regions, mode.ops)
-    out, grad, weights, regions, ops = results[True]
-    hf_out, hf_grad, hf_weights, hf_regions, hf_ops = results[False]
-    norm = "add_rms_norm" if family == "qwen2_5_vl" else "add_layer_norm"
-    assert [r for r in regions if r not in ("rms_norm", "silu_gate", "quick_gelu")] == [
-        "rotary_fp32",
-        norm,
-        "rotary_qkv_gradient",
-    ]
-    # transformers' block: norm2 its own region (Qwen2.5-VL's RMSNorm; Qwen2-VL's LayerNorm is one kernel eagerly)
-    unfolded = {"add_rms_norm": "rms_norm", "add_layer_norm": None, "rotary_qkv_gradient": None}
-    assert hf_regions == [unfolded.get(r, r) for r in regions if unfolded.get(r, r)]
-    assert "stack" not in ops and "stack" in hf_ops  # unbind's backward, folded into rotary_qkv_gradient
-    assert torch.equal(out, hf_out) and torch.equal(grad, hf_grad)
-    assert all(torch.equal(a, b) for a, b in zip(weights, hf_weights, strict=True))
 
 
 @pytest.mark.gpu
