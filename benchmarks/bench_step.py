@@ -35,6 +35,7 @@ from benchmarks.step_model import BEFORE_CENSUS, StepTimeModel, goal_checks, gra
 from benchmarks.step_shapes import (
     CONFIGS,
     DEFAULT_CONFIGS,
+    MEASURED_CONFIG,
     RESULTS_CONFIG,
     StepConfig,
     scaled_hf_config,
@@ -409,8 +410,8 @@ def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, co
         logger.warning("census of %s ...", name)
         results["configs"][name] = census(name, out, baseline=baseline, compile=compile, eager_regions=eager_regions)
     before = json.loads(BEFORE_CENSUS.read_text()) if BEFORE_CENSUS.is_file() else None
-    if before is None and baseline and RESULTS_CONFIG in results["configs"]:
-        before = results["configs"][RESULTS_CONFIG]
+    if before is None and baseline and MEASURED_CONFIG in results["configs"]:
+        before = results["configs"][MEASURED_CONFIG]
     if before is not None:
         model = StepTimeModel.calibrated(before)
         results["model"] = asdict(model)
@@ -418,9 +419,10 @@ def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, co
         for name, result in results["configs"].items():
             if name != "tiny":
                 result["estimate"] = model.estimate(result["step"], result.get("cuda_graphs"))
+    if MEASURED_CONFIG in results["configs"]:
+        results["profile_match"] = profile_match(results["configs"][MEASURED_CONFIG])
     if RESULTS_CONFIG in results["configs"]:
         result = results["configs"][RESULTS_CONFIG]
-        results["profile_match"] = profile_match(result)
         if "estimate" in result:
             results["checks"] = goal_checks(result, result["estimate"])
     (out / "bench_step.json").write_text(json.dumps(results, indent=1))
@@ -450,12 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", action="store_true", help="the pre-change code path (qvl's step fixes off)")
     parser.add_argument("--compile", action="store_true", help="the recipe's compile=True (vision blocks compiled)")
     parser.add_argument("--eager-regions", action="store_true", help="count compiled regions as their eager ops")
-    parser.add_argument("--write-before", action="store_true", help=f"save the {RESULTS_CONFIG} census as the before")
+    parser.add_argument("--write-before", action="store_true", help=f"save the {MEASURED_CONFIG} census as the before")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     args = parser.parse_args(argv)
     names = args.config or (["tiny"] if args.quick else list(DEFAULT_CONFIGS))
-    if args.write_before and (RESULTS_CONFIG not in names or not args.baseline):
-        print(f"error: --write-before needs --baseline and --config {RESULTS_CONFIG}", file=sys.stderr)
+    if args.write_before and (MEASURED_CONFIG not in names or not args.baseline):
+        print(f"error: --write-before needs --baseline and --config {MEASURED_CONFIG}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     if args.compile and args.baseline:
@@ -463,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = benchmark(names, args.out, baseline=args.baseline, compile=args.compile, eager_regions=args.eager_regions)
     if args.write_before:
-        BEFORE_CENSUS.write_text(json.dumps(results["configs"][RESULTS_CONFIG], indent=1) + "\n")
+        BEFORE_CENSUS.write_text(json.dumps(results["configs"][MEASURED_CONFIG], indent=1) + "\n")
     print(json.dumps(results, indent=1) if args.json else table(results))
     return 0
 

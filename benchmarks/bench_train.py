@@ -227,6 +227,9 @@ def variant_spec(
         "num_workers": setup.num_workers,
         "profile": profiled,
         "groups_off": list(variant.groups_off),
+        # real shapes: the run's plan on its GPU chooses its vision recompute, unless an option sets it
+        "vision_recompute_from_plan": not is_tiny(setup.model)
+        and not {"vision_recompute", "vision_recompute_blocks"} & {*setup.options, *dict(variant.options)},
         "run_dir": str(run_dir),
         "result": str(run_dir / "result.json"),
         "overrides": {
@@ -375,11 +378,12 @@ def default_setup(model: str, out: pathlib.Path, **overrides) -> Setup:
         base = dict(variants=variants, steps=3, global_batch_size=2, samples=40, num_workers=2, layers=None)
     else:
         # 12 of Qwen2.5-VL-3B's 36 LM layers (real widths, whole ViT); the full depth's Adam state alone does not fit
-        # one 80 GB GPU. On an H100 (benchmarks/RESULTS.md) the HF vision tower's activations did not fit at 4k
-        # without vision recompute, and 8k packed did not fit even with it: its error is recorded as its result.
+        # one 80 GB GPU. Each run recomputes as few vision blocks as its plan on this GPU needs
+        # (train_run.vision_recompute_from_plan; recomputing costs a fourth of the tower's GEMMs): before the speed
+        # groups an H100 ran out of memory at 4k without vision recompute (benchmarks/RESULTS.md). An error, say out
+        # of memory at 8k, is recorded as the run's result. `--set vision_recompute=...` decides for every run.
         variants = tuple(map(train_variants.parse, train_variants.REAL_SHAPES))
         base = dict(variants=variants, steps=6, global_batch_size=8, samples=1000, num_workers=4, layers=12)
-        base["options"] = {"vision_recompute": True}
     options = overrides.pop("options", None) or {}
     setup = Setup(model=model, out=out, **{**base, **{k: v for k, v in overrides.items() if v is not None}})
     setup.options = {**setup.options, **options}

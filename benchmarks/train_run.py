@@ -187,8 +187,13 @@ def train_once(spec: dict) -> dict:
     from qvl.training.step import forward_step
 
     run_dir = pathlib.Path(spec["run_dir"])
+    kind, peak_flops = gpu_kind()
+    planned = vision_recompute_from_plan(spec, kind) if spec.get("vision_recompute_from_plan") else None
     request = TrainRequest(
-        recipe=spec["recipe"], overrides=spec["overrides"], run_dir=run_dir, model="tiny" if spec["tiny"] else None
+        recipe=spec["recipe"],
+        overrides={**spec["overrides"], **(planned or {})},
+        run_dir=run_dir,
+        model="tiny" if spec["tiny"] else None,
     )
     _, config = prepare_config(request)
     config.checkpoint.save = config.checkpoint.load = None  # measure training, not checkpoint writing
@@ -227,9 +232,10 @@ def train_once(spec: dict) -> dict:
         "micro_batches_per_step": config.train.global_batch_size // config.train.micro_batch_size,
         "profiled_steps": profiled,
     }
-    kind, peak_flops = gpu_kind()
     result = summarize(raw, config, gpu_peak_flops=peak_flops)
     result["losses"] = RECORDER.losses
+    if planned is not None:
+        result["vision_recompute_from_plan"] = planned
     result["patch_groups"] = groups.summary(config)
     if breakdown is not None:
         result["profile"] = breakdown.summary()
@@ -312,14 +318,16 @@ def check_spec(spec: dict) -> dict:
     megatron.import_megatron_bridge()
     from megatron.bridge.training.config import runtime_config_update
 
-    request = TrainRequest(recipe=spec["recipe"], overrides=spec["overrides"], run_dir=pathlib.Path(spec["run_dir"]),
-                           model="tiny" if spec["tiny"] else None)  # fmt: skip
+    planned = vision_recompute_from_plan(spec, REHEARSED_GPU) if spec.get("vision_recompute_from_plan") else {}
+    request = TrainRequest(recipe=spec["recipe"], overrides={**spec["overrides"], **planned},
+                           run_dir=pathlib.Path(spec["run_dir"]), model="tiny" if spec["tiny"] else None)  # fmt: skip
     _, config = prepare_config(request, cpu=False)
     with padded_checks(spec):
         runtime_config_update(config)  # what pretrain() does first: mixed precision resolved, then validate()
     groups = RunGroups.of(config, off=spec.get("groups_off", ()), device="cuda")
     return {"seq_length": config.model.seq_length, "global_batch_size": config.train.global_batch_size,
-            "train_iters": config.train.train_iters, "groups_around_loop": list(groups.training)}  # fmt: skip
+            "train_iters": config.train.train_iters, "groups_around_loop": list(groups.training),
+            f"vision_recompute_from_plan_{REHEARSED_GPU}": planned}  # fmt: skip
 
 
 def _attach_anatomy(spec: dict, config, callbacks):
@@ -447,6 +455,37 @@ def planner_estimate(config, steps: list[dict], gpu: str | None) -> dict | None:
         "overhead_gib": round(worst.overhead / GIB, 2),
         "mfu_estimate": round(plan.mfu, 4),
     }
+
+
+# The share of the GPU's memory a benchmark run's plan may take when the plan chooses its vision recompute: the
+# planner's error on measured runs was -7% (4k, vision recompute) and more than -13% (4k without, before the speed
+# groups; benchmarks/RESULTS.md).
+PLAN_HEADROOM = 0.85
+REHEARSED_GPU = "h100"  # the GPU kind `bench_train --rehearse` plans its runs for (the smaller of those lent)
+
+
+def vision_recompute_from_plan(spec: dict, gpu: str | None) -> dict:
+    """The recipe options of the fewest HF vision tower blocks recomputed (none, the first N, all) for the run's plan
+    on this GPU (`qvl plan`'s, with the prepared dataset's workload) to take at most PLAN_HEADROOM of its memory;
+    every block where nothing fits or the GPU is not one the planner knows. Not a Qwen2-VL / Qwen2.5-VL tower: {}."""
+    from qvl.recipes.planner import GPUS, vision_recompute_that_fits
+    from qvl.recipes.shapes import vision_is_megatron
+    from qvl.training.loop import TrainRequest, prepare_config
+
+    def make(options: dict):
+        request = TrainRequest(recipe=spec["recipe"], overrides={**spec["overrides"], **options},
+                               run_dir=pathlib.Path(spec["run_dir"]), model="tiny" if spec["tiny"] else None)  # fmt: skip
+        return prepare_config(request, cpu=False)[1]
+
+    model = make({}).model
+    if vision_is_megatron(model) or getattr(model, "vision_config", None) is None:
+        return {}
+    if gpu is None:
+        return {"vision_recompute": True}
+    fitting = vision_recompute_that_fits(
+        make, depth=model.vision_config.depth, limit_gib=PLAN_HEADROOM * GPUS[gpu].memory_gib, gpus=1, gpu=gpu
+    )
+    return {"vision_recompute": True} if fitting is None else fitting
 
 
 def gpu_kind() -> tuple[str | None, float | None]:

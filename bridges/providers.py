@@ -78,24 +78,34 @@ def apply_provider_fixes(provider: Any, hf_config: Any) -> None:
     use_fused_wgrad_accumulation(provider)  # after fix_provider: the no-TE settings turn it off
 
 
-def recompute_vision_towers(model: list[Any]) -> list[Any]:
-    """Pre-wrap hook: every replicated HF vision tower (Qwen2-VL / Qwen2.5-VL) recomputes its blocks in backward,
-    keeping only each block's input (transformers' gradient checkpointing, non-reentrant: the tower has no dropout,
-    so the recomputed forward equals the first without the RNG state saved and restored around it, and a CUDA graph
-    capture of the tower, qvl.kernels.tower_graphs, need not read the CUDA generator's state, which torch refuses in
-    part while capturing)."""
-    from transformers import PreTrainedModel
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class RecomputeVisionTowers:
+    """Pre-wrap hook: every replicated HF vision tower (Qwen2-VL / Qwen2.5-VL) recomputes its first `blocks` blocks
+    (None: all) in backward, keeping only each such block's input (transformers' gradient checkpointing,
+    non-reentrant: the tower has no dropout, so the recomputed forward equals the first without the RNG state saved
+    and restored around it, and a CUDA graph capture of the tower, qvl.kernels.tower_graphs, need not read the CUDA
+    generator's state, which torch refuses in part while capturing). The first blocks, as Megatron-Core's
+    `recompute_method="block"` takes its first layers: backward reaches them last, after every later block has freed
+    what it kept, so their reruns add nothing to the peak."""
 
-    towers = 0
-    for chunk in model:
-        for module in chunk.modules():
-            if isinstance(module, PreTrainedModel) and family_of_vision_config(type(module.config).__name__):
-                module.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False}
-                )
-                towers += 1
-    logger.info("vision recompute on in %d HF vision tower(s)", towers)
-    return model
+    blocks: int | None = None
+
+    def __call__(self, model: list[Any]) -> list[Any]:
+        from transformers import PreTrainedModel
+
+        towers, recomputed = 0, 0
+        for chunk in model:
+            for module in chunk.modules():
+                if isinstance(module, PreTrainedModel) and family_of_vision_config(type(module.config).__name__):
+                    module.gradient_checkpointing_enable(
+                        gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False}
+                    )
+                    for index, block in enumerate(module.blocks):
+                        block.gradient_checkpointing = self.blocks is None or index < self.blocks
+                        recomputed += block.gradient_checkpointing
+                    towers += 1
+        logger.info("vision recompute on in %d HF vision tower(s), %d blocks in all", towers, recomputed)
+        return model
 
 
 def layout_facts(provider: Any, name: str = "the model") -> ModelFacts:

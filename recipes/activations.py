@@ -56,37 +56,61 @@ def gated_delta_bytes_per_token(model: Any) -> float:
 # the unique storages a bf16 tower saves for backward (torch.autograd.graph.saved_tensors_hooks, the weights'
 # storages left out) with 2 and with 3 blocks (the difference is one block), at the published widths and at half
 # the width or half the MLP width, on 784 and 1,984 patches (the same per patch: the bytes are linear in patches).
-# Per block:
+# Two towers: transformers' eager one (a CPU run, or CUDA without qvl's patch group speed-hf-vision) and the one a
+# CUDA run trains, speed-hf-vision's compiled regions (qvl.kernels.speed_hf_vision) with torch's varlen flash kernel.
+# Eager, per block:
 # - SwiGLU (Qwen2.5-VL): 30 x width + 8 x MLP width + 712, which is 66.5 KB at the published shape;
 # - GELU (Qwen2-VL): 22 x width + 6 x MLP width + 712, which is 59.6 KB.
 # The 712 bytes are the rotary tables, fp32 cos and sin of head_dim 80. Outside the blocks: 12 (Qwen2.5-VL) or
 # 8 (Qwen2-VL) x width, plus the bf16 pixels. Most of it is the fp32 copies the RMSNorm and rotary steps keep.
-# tests/recipes/test_planner.py re-measures the published Qwen2.5-VL shape.
+# Compiled regions, per block: 20 x width (the norms' inputs and outputs, the fused qkv projection's output, which
+# flash's saved v keeps whole, the rotated q and k, the attention output) + 6 (SwiGLU: gate, up, their product) or
+# 4 (GELU: fc1's output and the GELU's) x MLP width + 4 x heads (flash's fp32 log-sum-exp) + 8 (norm statistics);
+# 46.2 KB at either published shape (measured at both, each term told by its tensor's shape). Outside: 8 x width, the
+# pixels and the rotary tables (bf16 cos and sin, shared by the blocks). tests/recipes/test_planner.py re-measures the
+# eager tower at the published Qwen2.5-VL shape and the compiled one at both families' (the regions compiled for the
+# CPU, flash attention's saved tensors stood in).
 HF_TOWER_BYTES = {True: (30, 8, 12), False: (22, 6, 8)}  # gated MLP -> bytes per width, per MLP width, outside
 HF_TOWER_ROTARY_BYTES = 712
+HF_COMPILED_TOWER_BYTES = {True: (20, 6, 8), False: (20, 4, 8)}
+HF_COMPILED_TOWER_NORM_STATISTICS = 8
 
 
-def hf_tower_bytes_per_patch(vision: VisionShape) -> tuple[float, float]:
-    """(bytes per patch per block, bytes per patch outside the blocks) an HF vision tower keeps for backward."""
-    per_width, per_ffn, outside = HF_TOWER_BYTES[vision.gated_mlp]
+def hf_tower_bytes_per_patch(vision: VisionShape, *, compiled: bool = False) -> tuple[float, float]:
+    """(bytes per patch per block, bytes per patch outside the blocks) an HF vision tower keeps for backward;
+    `compiled`: with speed-hf-vision's compiled regions (a CUDA run), else transformers' eager tower."""
     pixels = 2 * vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    if compiled:
+        per_width, per_ffn, outside = HF_COMPILED_TOWER_BYTES[vision.gated_mlp]
+        per_block = per_width * vision.hidden_size + per_ffn * vision.intermediate_size
+        per_block += 4 * vision.num_heads + HF_COMPILED_TOWER_NORM_STATISTICS
+        rotary = 2 * 2 * vision.hidden_size // vision.num_heads
+        return per_block, outside * vision.hidden_size + pixels + rotary
+    per_width, per_ffn, outside = HF_TOWER_BYTES[vision.gated_mlp]
     per_block = per_width * vision.hidden_size + per_ffn * vision.intermediate_size + HF_TOWER_ROTARY_BYTES
     return per_block, outside * vision.hidden_size + pixels
 
 
 def vision_activation_bytes(
-    model: Any, vision: VisionShape, vision_patches: float, *, recompute: bool = False
+    model: Any,
+    vision: VisionShape,
+    vision_patches: float,
+    *,
+    recompute_blocks: int = 0,
+    compiled_tower: bool = False,
 ) -> float:
-    """Bytes the vision tower keeps for backward over `patches` patches of one micro-batch; `recompute`: the HF
-    tower's blocks keep their inputs only (`vision_recompute`), plus one block's working set while it reruns."""
+    """Bytes the vision tower keeps for backward over `patches` patches of one micro-batch (`compiled_tower`: an HF
+    tower with speed-hf-vision's compiled regions). `recompute_blocks` of the HF tower's blocks (the first ones,
+    `vision_recompute`) keep their inputs only; while one reruns in backward, every later block has freed what it
+    kept, so a rerun's working set adds to the peak only where every block recomputes."""
     if model.freeze_vision_model:
         return 0.0 if model.freeze_vision_projection else vision_patches * 2 * vision.hidden_size  # merger input
     width, ffn = vision.hidden_size, vision.intermediate_size
     if not vision_is_megatron(model):
-        per_block, outside = hf_tower_bytes_per_patch(vision)
-        if recompute:
-            return vision_patches * (2 * width * vision.depth + per_block + outside)
-        return vision_patches * (per_block * vision.depth + outside)
+        per_block, outside = hf_tower_bytes_per_patch(vision, compiled=compiled_tower)
+        recomputed = min(recompute_blocks, vision.depth)
+        kept = max(vision.depth - recomputed, 1 if recomputed else 0)
+        return vision_patches * (2 * width * recomputed + per_block * kept + outside)
     shard = model.tensor_model_parallel_size
     per_patch = 8 * width + (8 * width + (6 if vision.gated_mlp else 4) * ffn) / shard
     if model.recompute_granularity == "full":

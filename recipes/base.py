@@ -15,7 +15,7 @@ from typing import Any
 from qvl.bridges.adapters import adapter_config, check_dora_layout
 from qvl.bridges.checkpoints import checkpoint_tensor_names, has_checkpoint
 from qvl.bridges.mtp_reference import checkpoint_mtp_names, mtp_layer_count
-from qvl.bridges.providers import layout_facts, provider_from_hf, recompute_vision_towers
+from qvl.bridges.providers import RecomputeVisionTowers, layout_facts, provider_from_hf
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import get_family
 from qvl.foundation.layout import ParallelLayout, check_layout
@@ -63,9 +63,11 @@ class QvlTrainingConfig:
     # Vision work balanced over the first pipeline stage's DP x TP ranks (qvl.training.vision_balance).
     vision_balance: bool = False
     # The replicated HF vision tower (Qwen2-VL / Qwen2.5-VL) keeps only each block's input for backward and
-    # recomputes the rest (qvl.bridges.providers.recompute_vision_towers); at 4k packs of LLaVA-like images its
+    # recomputes the rest (qvl.bridges.providers.RecomputeVisionTowers); at 4k packs of LLaVA-like images its
     # activations are most of a step's (an H100 ran out of memory without it, Qwen2.5-VL-3B shapes, 12 layers).
     vision_recompute: bool = False
+    # With vision_recompute: recompute the tower's first N blocks only (None: all), the later ones keep everything.
+    vision_recompute_blocks: int | None = None
     # Each block of the replicated HF vision tower torch.compiled as one region where CUDA and Triton are
     # (qvl.kernels.speed_hf_vision.compile_vision_blocks); eager elsewhere. Off until its bf16 parity tests have run on
     # a GPU (tests/kernels/test_vision_compile.py).
@@ -109,8 +111,8 @@ def attach_qvl_behaviours(config: Any) -> None:
     if settings is None:
         return
     if settings.vision_recompute:
-        _hf_tower_hook(config, "vision_recompute", recompute_vision_towers, "recomputes with the language model "
-                       "(recompute=full)")  # fmt: skip
+        hook = RecomputeVisionTowers(blocks=settings.vision_recompute_blocks)
+        _hf_tower_hook(config, "vision_recompute", hook, "recomputes with the language model (recompute=full)")
     if settings.compile:
         from qvl.kernels.speed_hf_vision import compile_vision_blocks
 
@@ -142,6 +144,7 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
         qvl=QvlTrainingConfig(
             vision_balance=o.vision_balance,
             vision_recompute=o.vision_recompute,
+            vision_recompute_blocks=o.vision_recompute_blocks,
             compile=o.compile,
             cuda_graphs=o.cuda_graphs,
             preference=preference,
@@ -264,6 +267,7 @@ def build_model(arch: Architecture, o: RecipeOptions) -> Any:
     _apply_mtp(model, o, f"{arch.family} {arch.size}")
     _check_divisible(model, o, f"{arch.family} {arch.size}")
     _check_vision_balance(arch, o)
+    _check_vision_recompute(model, o)
     model.seq_length = o.seq_length
     model.tensor_model_parallel_size = o.tensor_parallel
     model.pipeline_model_parallel_size = o.pipeline_parallel
@@ -377,6 +381,19 @@ def _check_vision_balance(arch: Architecture, o: RecipeOptions) -> None:
             "and its deepstack features enter decoder layers the balanced step does not reach (docs/recipes.md: "
             "'Vision work over the DP x TP grid'); drop vision_balance"
         )
+
+
+def _check_vision_recompute(model: Any, o: RecipeOptions) -> None:
+    blocks = o.vision_recompute_blocks
+    if blocks is None:
+        return
+    if not o.vision_recompute:
+        raise ConfigError(f"vision_recompute_blocks={blocks} needs vision_recompute=true; set it, or drop "
+                          "vision_recompute_blocks")  # fmt: skip
+    depth = getattr(getattr(model, "vision_config", None), "depth", None)
+    if depth is not None and not 1 <= blocks <= depth:
+        raise ConfigError(f"vision_recompute_blocks={blocks} is not a block count of this vision tower (1 to "
+                          f"{depth}); set one in that range, or drop it to recompute all {depth}")  # fmt: skip
 
 
 def _apply_recompute(model: Any, o: RecipeOptions) -> None:

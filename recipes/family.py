@@ -13,8 +13,9 @@ if TYPE_CHECKING:
     from megatron.bridge.training.config import ConfigContainer
 
 # Non-layout defaults per (size, stage) for the large dense models (Qwen2-VL, Qwen2.5-VL). Their stage 0 holds
-# several packs in flight, each with its images' replicated HF vision activations: about 2.8 MB per patch
-# (activations.HF_TOWER_BYTES, measured), so the tower recomputes its blocks; at 72B the LM recomputes too.
+# several packs in flight, each with its images' replicated HF vision activations: about 1.5 MB per patch on a GPU
+# (activations.HF_COMPILED_TOWER_BYTES, measured; 32B fits its default layout without recompute by 2 GiB, too close
+# to the planner's error), so the tower recomputes its blocks; at 72B the LM recomputes too.
 DENSE_LARGE_SETTINGS: dict[tuple[str, str], dict] = {
     ("32b", "pretrain"): dict(vision_recompute=True),
     ("32b", "sft"): dict(vision_recompute=True),

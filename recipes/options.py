@@ -52,6 +52,7 @@ class RecipeOptions:
     recompute_layers: int | None = None  # full: recompute the first N layers of each stage (None = all)
     recompute_modules: tuple[str, ...] = ("core_attn",)  # selective: Megatron-Core recompute_modules
     vision_recompute: bool = False  # HF vision tower (Qwen2/2.5-VL): keep block inputs only, recompute the rest
+    vision_recompute_blocks: int | None = None  # with vision_recompute: the first N blocks only (None = all)
     compile: bool = False  # HF vision tower (Qwen2/2.5-VL): each block torch.compiled on CUDA (Triton)
     # The language model's layers and a replicated HF vision tower replayed as CUDA graphs (patch group
     # speed-cuda-graphs, CUDA without TE or Apex); off until their GPU tests have passed on a GPU

@@ -100,6 +100,9 @@ class PlanInputs:
     # qvl's fused cross-entropy serves the loss (it keeps the logits in the weights' dtype for backward, not an fp32
     # softmax): the target's run applies patch group speed-cross-entropy and the model fuses its cross-entropy
     lean_cross_entropy: bool
+    # An HF vision tower runs speed-hf-vision's compiled regions (a CUDA run applying that group): it keeps less for
+    # backward than transformers' eager tower (qvl.recipes.activations.hf_tower_bytes_per_patch)
+    compiled_vision_tower: bool = False
 
     @property
     def model(self) -> Any:
@@ -173,4 +176,5 @@ def plan_inputs(
         vision=vision,
         workload=workload,
         lean_cross_entropy=lean,
+        compiled_vision_tower=target.device == "cuda" and switch.is_on("speed-hf-vision", target),
     )

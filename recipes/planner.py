@@ -20,10 +20,11 @@ from a roofline: GEMM efficiency, pipeline bubble, unoverlapped TP/EP/DP communi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qvl.foundation.cost import LMShape, lm_flops
+from qvl.foundation.cost import LMShape, VisionShape, lm_flops
 from qvl.foundation.errors import ConfigError
 from qvl.kernels.switch import Target
 from qvl.recipes.activations import (
@@ -171,6 +172,14 @@ def _loss_bytes_per_logit(x: PlanInputs, weight_bytes: int) -> int:
     return weight_bytes if x.lean_cross_entropy else 4
 
 
+def vision_recompute_blocks(qvl_options: Any, vision: VisionShape) -> int:
+    """How many of the HF vision tower's blocks recompute in backward under the config's `qvl` section."""
+    if not getattr(qvl_options, "vision_recompute", False):
+        return 0
+    blocks = getattr(qvl_options, "vision_recompute_blocks", None)
+    return vision.depth if blocks is None else blocks
+
+
 def _stage_activations(x: PlanInputs, stage: int, weight_bytes: int) -> float:
     """Bytes of activations one GPU of pipeline stage `stage` keeps for backward."""
     cfg, model, lm, vision = x.cfg, x.model, x.lm, x.vision
@@ -181,15 +190,15 @@ def _stage_activations(x: PlanInputs, stage: int, weight_bytes: int) -> float:
     vision_patches = sum(x.workload.images(vision.spatial_merge_size)) * cfg.train.micro_batch_size / cp
     qvl_options = getattr(cfg, "qvl", None)
     balanced = bool(getattr(qvl_options, "vision_balance", False))
-    vision_recompute = bool(getattr(qvl_options, "vision_recompute", False))
+    tower = dict(recompute_blocks=vision_recompute_blocks(qvl_options, vision), compiled_tower=x.compiled_vision_tower)
     layers = x.parallel.stage_layers[stage]
     acts = layer_activation_bytes(model, lm, tokens, recompute=recompute, modules=modules) * layers
     if stage == 0 and balanced:  # this rank keeps the activations of its 1/TP share of the images only
-        acts += vision_activation_bytes(model, vision, vision_patches / tp, recompute=vision_recompute)
+        acts += vision_activation_bytes(model, vision, vision_patches / tp, **tower)
         acts += tokens * 2 * lm.hidden_size
         acts += vision_balance_buffer_bytes(vision, vision_patches, tp)
     elif stage == 0:
-        acts += vision_activation_bytes(model, vision, vision_patches, recompute=vision_recompute)
+        acts += vision_activation_bytes(model, vision, vision_patches, **tower)
         acts += tokens * 2 * lm.hidden_size
     if stage == pp - 1:  # the final norm's output, fp32 (same source), and what the loss keeps per logit
         head = tokens * (4 * lm.hidden_size + _loss_bytes_per_logit(x, weight_bytes) * padded_vocab(model)) / tp
@@ -365,7 +374,8 @@ def plan_recipe(
 def _candidates(plan: MemoryPlan, overrides: dict) -> list[tuple[str, dict]]:
     tp, pp = plan.layout["tensor_parallel"], plan.layout["pipeline_parallel"]
     out = [
-        # First: the cheapest (the HF vision tower's blocks rerun; a Megatron tower's plan does not change with it)
+        # First: the cheapest (the HF vision tower's blocks rerun, `_suggestions` asks how few; a Megatron tower's plan
+        # does not change with it)
         ("vision_recompute=true", {"vision_recompute": True}),
         ("recompute=selective", {"recompute": "selective", "recompute_modules": "core_attn,mlp"}),
         ("recompute=full", {"recompute": "full"}),
@@ -380,15 +390,51 @@ def _candidates(plan: MemoryPlan, overrides: dict) -> list[tuple[str, dict]]:
     return [(label, change) for label, change in out if any(overrides.get(k) != v for k, v in change.items())]
 
 
+def vision_recompute_that_fits(
+    make: Callable[[dict], Any], *, depth: int, limit_gib: float | None = None, **plan_kw: Any
+) -> dict | None:
+    """The recipe options that recompute the fewest of an HF vision tower's `depth` blocks for the plan of
+    `make(options)` (a config) to fit, within `limit_gib` per GPU where given: {} where it fits without,
+    `vision_recompute` (every block) or with `vision_recompute_blocks` (the first N); None where even every block
+    recomputed does not fit. A tower's memory falls with each block recomputed: a bisection."""
+
+    def options(blocks: int) -> dict:
+        if blocks == 0:
+            return {}
+        return {"vision_recompute": True} | ({"vision_recompute_blocks": blocks} if blocks < depth else {})
+
+    def fits(blocks: int) -> bool:
+        plan = plan_config(make(options(blocks)), **plan_kw)
+        return plan.fits and (limit_gib is None or plan.worst.total <= limit_gib * GIB)
+
+    if fits(0):
+        return {}
+    if not fits(depth):
+        return None
+    low, high = 0, depth  # low does not fit, high does
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return options(high)
+
+
 def _suggestions(info, overrides: dict, dotted: dict, plan: MemoryPlan, **kw) -> list[str]:
-    """Changes that make the plan fit, each re-planned with the user's options and dotted fields kept."""
+    """Changes that make the plan fit, each re-planned with the user's options and dotted fields kept; vision
+    recompute of as few blocks as fit."""
     found: list[str] = []
     offload_found = False
+
+    def make(change: dict) -> Any:
+        return apply_config_overrides(info.fn(**{**overrides, **change}), dotted)
+
     for label, change in _candidates(plan, overrides):
         if offload_found and "optimizer_offload" in change and "recompute" not in change:
             continue  # the smallest offload that fits is enough
+        if change == {"vision_recompute": True}:
+            change = _fewest_recomputed_blocks(make, overrides, **kw) or change
+            label = " ".join(f"{k}={str(v).lower()}" for k, v in change.items())
         try:
-            trial = plan_config(apply_config_overrides(info.fn(**{**overrides, **change}), dotted), **kw)
+            trial = plan_config(make(change), **kw)
         except ValueError:  # e.g. a TP that does not divide the heads
             continue
         if trial.fits:
@@ -397,3 +443,13 @@ def _suggestions(info, overrides: dict, dotted: dict, plan: MemoryPlan, **kw) ->
         if len(found) == 4:
             break
     return found
+
+
+def _fewest_recomputed_blocks(make: Callable[[dict], Any], overrides: dict, **kw: Any) -> dict | None:
+    """`vision_recompute_that_fits` for a replicated HF vision tower the user has not set recompute options for."""
+    if "vision_recompute_blocks" in overrides:
+        return None
+    model = make({}).model
+    if vision_is_megatron(model) or getattr(model, "vision_config", None) is None:
+        return None
+    return vision_recompute_that_fits(make, depth=model.vision_config.depth, **kw) or None
