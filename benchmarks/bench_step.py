@@ -31,6 +31,7 @@ from unittest import mock
 
 import torch
 
+from benchmarks import step_calibration
 from benchmarks.step_model import BEFORE_CENSUS, StepTimeModel, goal_checks, graphed_launches, profile_match, table
 from benchmarks.step_shapes import (
     CONFIGS,
@@ -402,18 +403,26 @@ def _census_child(rank: int, spec_path: str, log_path: str) -> None:
 
 
 def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, compile: bool = False,
-              eager_regions: bool = False) -> dict:  # fmt: skip
+              eager_regions: bool = False, calibrate: pathlib.Path | None = None) -> dict:  # fmt: skip
     """Censuses of `names` (the pre-change code path with `baseline`; `compile=True` with `compile`), the step-time
-    estimates and the goals."""
+    estimates and the goals; with `calibrate` (a GPU run's bench_train.json), the RESULTS.md configuration's
+    estimate against its measured step, then the model refitted to it (benchmarks.step_calibration)."""
     results: dict = {"baseline": baseline, "compile": compile, "eager_regions": eager_regions, "configs": {}}
+    measured = step_calibration.MeasuredStep.of_bench_train(calibrate) if calibrate else None
     for name in names:
         logger.warning("census of %s ...", name)
         results["configs"][name] = census(name, out, baseline=baseline, compile=compile, eager_regions=eager_regions)
     before = json.loads(BEFORE_CENSUS.read_text()) if BEFORE_CENSUS.is_file() else None
     if before is None and baseline and MEASURED_CONFIG in results["configs"]:
         before = results["configs"][MEASURED_CONFIG]
+    checks = []
     if before is not None:
-        model = StepTimeModel.calibrated(before)
+        model, results["calibration"] = step_calibration.current_model(StepTimeModel.calibrated(before))
+        if measured is not None:
+            result = results["configs"][RESULTS_CONFIG]
+            checks.append(step_calibration.estimate_check(model, result, measured))  # before the refit
+            step_calibration.write_calibration(result, measured)
+            model, results["calibration"] = step_calibration.current_model(StepTimeModel.calibrated(before))
         results["model"] = asdict(model)
         results["before"] = {"step": before["step"], "estimate": model.estimate(before["step"])}
         for name, result in results["configs"].items():
@@ -424,7 +433,7 @@ def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, co
     if RESULTS_CONFIG in results["configs"]:
         result = results["configs"][RESULTS_CONFIG]
         if "estimate" in result:
-            results["checks"] = goal_checks(result, result["estimate"])
+            results["checks"] = goal_checks(result, result["estimate"]) + checks
     (out / "bench_step.json").write_text(json.dumps(results, indent=1))
     return results
 
@@ -454,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager-regions", action="store_true", help="count compiled regions as their eager ops")
     parser.add_argument("--write-before", action="store_true", help=f"save the {MEASURED_CONFIG} census as the before")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    parser.add_argument(
+        "--calibrate", type=pathlib.Path, metavar="BENCH_TRAIN_JSON",
+        help=f"a GPU run's bench_train.json: {RESULTS_CONFIG}'s estimate against its measured packed 4k step, then "
+        "the step model refitted to it (results/calibration.json)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     names = args.config or (["tiny"] if args.quick else list(DEFAULT_CONFIGS))
     if args.write_before and (MEASURED_CONFIG not in names or not args.baseline):
@@ -463,7 +477,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile and args.baseline:
         print("error: --compile is an option of qvl's step; drop --baseline or --compile", file=sys.stderr)
         return 2
-    results = benchmark(names, args.out, baseline=args.baseline, compile=args.compile, eager_regions=args.eager_regions)
+    if args.calibrate and (RESULTS_CONFIG not in names or args.baseline or args.compile or args.eager_regions):
+        print(f"error: --calibrate needs the census of {RESULTS_CONFIG} as qvl trains it: --config {RESULTS_CONFIG} "
+              "without --baseline, --compile or --eager-regions", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.calibrate:
+        try:
+            step_calibration.MeasuredStep.of_bench_train(args.calibrate)
+        except (OSError, ValueError, KeyError) as error:
+            print(f"error: --calibrate {args.calibrate}: {error}", file=sys.stderr)
+            return 2
+    results = benchmark(names, args.out, baseline=args.baseline, compile=args.compile, eager_regions=args.eager_regions,
+                        calibrate=args.calibrate)  # fmt: skip
     if args.write_before:
         BEFORE_CENSUS.write_text(json.dumps(results["configs"][MEASURED_CONFIG], indent=1) + "\n")
     print(json.dumps(results, indent=1) if args.json else table(results))

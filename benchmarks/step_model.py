@@ -193,6 +193,8 @@ def table(results: dict) -> str:
         + "".join(f"{e.get('estimated_step_s_graphed', '-') if e else '-':>18}" for e in estimates)
     )
     lines.append(f"measured before on an H100: {MEASURED_STEP_S} s per step (benchmarks/RESULTS.md)")
+    if results.get("calibration"):
+        lines.append(f"step model refitted to the measured step of {results['calibration']}")
     for name, counts in results.get("profile_match", {}).items():
         lines.append(f"{name}: census {counts['census']}, H100 profile {counts['profile']} (pre-change code)")
     for check in results.get("checks", []):

@@ -1,0 +1,106 @@
+"""`benchmarks/step_calibration.py`: the step model refitted to a GPU run's profiled step (issue 38's census that
+predicts the GPU). The GPU run is written here as `bench_train` writes it; the census is the RESULTS.md
+configuration's figures as the census took them (benchmarks/README.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bench_step, step_calibration
+from benchmarks.step_model import BEFORE_CENSUS, StepTimeModel
+
+CENSUS = {  # qwen2_5_vl_3b_12l, 2026-11-28 (night): python -m benchmarks.bench_step --config qwen2_5_vl_3b_12l
+    "config": {"name": "qwen2_5_vl_3b_12l", "vision_recompute": False},
+    "step": {"kernel_launching_ops": 12666, "view_ops": 18454, "host_syncs": 7, "gemm_tflop": 530.8725,
+             "gemm_misaligned_tflop": 0.0, "attention_tflop": 17.199, "nongemm_gb": 673.845, "h2d_pageable": 0},
+    "cuda_graphs": {"host_launches": 1146, "view_ops": 2200},
+}  # fmt: skip
+
+
+@pytest.fixture
+def previous() -> StepTimeModel:
+    return StepTimeModel.calibrated(json.loads(BEFORE_CENSUS.read_text()))
+
+
+def bench_train_json(path, *, step_s=1.4, idle=0.3, graphed=True, planned=None, profile=True, error=None):
+    """A bench_train.json whose base packed 4k run took `step_s`, its GPU idle for `idle` of the profiled step."""
+    busy = step_s * (1 - idle)
+    result = {"step_seconds": step_s, "patch_groups": {"cuda_graphs": {"requested": True, "created": graphed}}}
+    if profile:
+        result["profile"] = {"device": "cuda kernels", "gpu_busy_s": busy, "gpu_idle_s": step_s * idle,
+                             "work_s": {"gemm": 0.6 * busy, "attention": 0.1 * busy, "elementwise": 0.25 * busy,
+                                        "optimizer": 0.04 * busy, "other": 0.01 * busy}}  # fmt: skip
+    if planned is not None:
+        result["vision_recompute_from_plan"] = planned
+    if error is not None:
+        result = {"error": error}
+    variants = [{"name": "4096-packed", "seq_length": 4096, "mode": "packed", "base": True, "result": result},
+                {"name": "8192-packed", "seq_length": 8192, "mode": "packed", "base": True, "result": {"error": "OOM"}}]  # fmt: skip
+    path.write_text(json.dumps({"device": "NVIDIA H200", "variants": variants}))
+    return path
+
+
+@pytest.mark.parametrize("idle, graphed", [(0.3, True), (0.3, False), (0.02, True)])
+def test_the_refit_model_reproduces_the_measured_step_from_its_kinds_of_work(tmp_path, previous, idle, graphed):
+    measured = step_calibration.MeasuredStep.of_bench_train(bench_train_json(tmp_path / "b.json", idle=idle,
+                                                                             graphed=graphed))  # fmt: skip
+    model = step_calibration.recalibrated(previous, CENSUS, measured)
+    assert step_calibration.estimated_step_s(model, CENSUS, graphed=graphed) == pytest.approx(measured.step_s)
+    parts = model.parts(CENSUS["step"])
+    assert parts["gemm_aligned_s"] == pytest.approx(measured.gemm_s)
+    assert parts["attention_s"] == pytest.approx(measured.attention_s)
+    assert parts["elementwise_s"] == pytest.approx(measured.other_work_s)
+    host_bound = idle > step_calibration.HOST_BOUND_IDLE
+    # a host-bound step fits the host's cost per launch to the launches the run made; otherwise it is kept
+    expected_host = measured.step_s / step_calibration.host_ops(CENSUS, graphed=graphed)
+    assert (model.host_s_per_op == pytest.approx(expected_host)) == host_bound
+    assert (model.host_s_per_op == previous.host_s_per_op) == (not host_bound)
+
+
+@pytest.mark.parametrize("ratio, met", [(1.05, True), (0.93, True), (1.2, False), (0.8, False)])
+def test_the_goal_is_the_estimate_before_the_refit_within_ten_percent(tmp_path, previous, ratio, met):
+    estimate = step_calibration.estimated_step_s(previous, CENSUS, graphed=True)
+    path = bench_train_json(tmp_path / "b.json", step_s=estimate * ratio)
+    check = step_calibration.estimate_check(previous, CENSUS, step_calibration.MeasuredStep.of_bench_train(path))
+    assert check["met"] is met and check["value"] == pytest.approx(1 / ratio - 1, abs=1e-4)
+    assert "NVIDIA H200, 4096 packed" in check["figure"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"profile": False}, "no GPU profile breakdown; run bench_train with --profile on a GPU"),
+        ({"planned": {"vision_recompute": True}}, "recomputed vision blocks .* the census configuration does not"),
+        ({"error": "OutOfMemoryError: CUDA out of memory"}, "the packed 4096 run failed \\(OutOfMemoryError"),
+    ],
+)
+def test_a_run_the_census_configuration_cannot_be_fitted_to_is_refused_saying_why(tmp_path, kwargs, message):
+    path = bench_train_json(tmp_path / "b.json", **kwargs)
+    with pytest.raises(ValueError, match=message):
+        step_calibration.MeasuredStep.of_bench_train(path)
+    with pytest.raises(ValueError, match=r"no base packed run at 2048 \(base packed runs at: \[4096, 8192\]\)"):
+        step_calibration.MeasuredStep.of_bench_train(bench_train_json(tmp_path / "c.json"), seq_length=2048)
+
+
+def test_every_later_census_takes_its_model_from_the_recorded_calibration(tmp_path, previous):
+    path = tmp_path / "calibration.json"
+    assert step_calibration.current_model(previous, path) == (previous, None)
+    measured = step_calibration.MeasuredStep.of_bench_train(bench_train_json(tmp_path / "b.json"))
+    step_calibration.write_calibration(CENSUS, measured, path)
+    model, source = step_calibration.current_model(previous, path)
+    assert source == str(tmp_path / "b.json") and model == step_calibration.recalibrated(previous, CENSUS, measured)
+    assert step_calibration.estimated_step_s(model, CENSUS, graphed=True) == pytest.approx(1.4)
+
+
+def test_the_command_line_refuses_a_calibration_it_cannot_make_before_any_census(tmp_path, capsys):
+    good = bench_train_json(tmp_path / "b.json")
+    assert bench_step.main(["--config", "tiny", "--calibrate", str(good), "--out", str(tmp_path)]) == 2
+    assert "--calibrate needs the census of qwen2_5_vl_3b_12l" in capsys.readouterr().err
+    bad = bench_train_json(tmp_path / "bad.json", profile=False)
+    assert bench_step.main(["--config", "qwen2_5_vl_3b_12l", "--calibrate", str(bad), "--out", str(tmp_path)]) == 2
+    assert "no GPU profile breakdown" in capsys.readouterr().err
+    missing = tmp_path / "missing.json"
+    assert bench_step.main(["--config", "qwen2_5_vl_3b_12l", "--calibrate", str(missing), "--out", str(tmp_path)]) == 2
+    assert f"--calibrate {missing}" in capsys.readouterr().err
