@@ -39,7 +39,7 @@ PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 man
 LIMIT_MIB=60  # what travels is capped at 64 MiB, the repository included
 # The planned device calls, in order: each one `run` of these stages, under 9 minutes with the set-up and all of them
 # under 13 (15 minutes of device time, a start included; `rehearse` checks both). Call 1 takes the training figures
-# (five runs, most wanted first: benchmarks/train_variants.py), call 2 the vision rotary's bandwidth and every
+# (six runs, most wanted first: benchmarks/train_variants.py), call 2 the vision rotary's bandwidth and every
 # GPU-marked test.
 CALLS=("train" "rotary tests")
 SETUP_SECONDS=45  # install and environment probe before the stages (2026-11-26: ~30 s)

@@ -16,14 +16,16 @@ from qvl.foundation import patches
 MODES = ("packed", "padded")
 # What gpu.sh's train stage runs at real shapes (issue 38's figures), most wanted first (a run the stage's time limit
 # cuts off loses only itself): packed and padded at 4k on the same samples, the layers eager (CUDA graphs off) for
-# the graphs' own effect, `compile` on, packed at 8k. Steps per run are chosen so that the five fit one device call
-# (benchmarks/gpu.sh: `rehearse` checks the stage limits).
+# the graphs' own effect, `compile` on, packed at 8k, and last packed 4k with every vision block recomputed (what
+# the census estimates recompute costs: benchmarks/RESULTS.md). Steps per run are chosen so that they fit one
+# device call (benchmarks/gpu.sh: `rehearse` checks the stage limits).
 REAL_SHAPES = (
     "4096:packed",
     "4096:padded:steps=3",
     "4096:packed:-speed-cuda-graphs:steps=4",
     "4096:packed:compile=true:steps=4",
     "8192:packed:steps=3",
+    "4096:packed:vision_recompute=true:steps=3",
 )
 TINY = ("256:packed", "256:padded")
 # The GPU-path targets on one H100, bf16, no TE (issue 38: MFU >= 0.35 by Megatron-Bridge's formula, 0.45 the aim;
