@@ -385,11 +385,14 @@ def bisect_range(ranges: list[tuple[int, int, Any]], sequence_nr: int) -> Any | 
 
 
 # Megatron-Core's `jit_fuser` (torch.compile) functions that run on CUDA with the recipes' settings, by module: SwiGLU's
-# fusion (`bias_activation_fusion`, called inside its autograd Functions: forward and backward each one region) and the
+# fusion (`bias_activation_fusion`, called inside its autograd Functions: forward and backward each one region), the
+# Qwen3-VL vision tower's bias-GELU and bias-dropout-add (qvl.kernels.speed_qwen3_vl_tower.fuse_bias_ops) and the
 # native fused cross-entropy (`cross_entropy_loss_fusion`, Megatron-Bridge's default; qvl's patch group
 # "speed-cross-entropy" calls its own regions instead).
 MEGATRON_JIT_FUNCTIONS = {
     "megatron.core.fusions.fused_bias_swiglu": ("SwiGLU", ("swiglu", "bias_swiglu", "swiglu_back", "bias_swiglu_back")),
+    "megatron.core.fusions.fused_bias_gelu": ("bias-GELU", ("bias_gelu", "bias_gelu_back")),
+    "megatron.core.fusions.fused_bias_dropout": ("bias-dropout-add", ("bias_dropout_add_fused_train",)),
     "megatron.core.fusions.fused_cross_entropy": (
         "Megatron cross-entropy",
         ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss", "calculate_gradients"),
@@ -405,8 +408,9 @@ def cuda_compiled_regions(census):
     (qvl.kernels.compiled: the vision, LM and Qwen3-VL rotaries, the vision RMSNorm, MLP activations and bias
     gradients, the cross-entropy), each vision block with `compile=True` (qvl.kernels.speed_hf_vision), and Megatron-Core's `jit_fuser`
     functions (SwiGLU's, which qvl turns on there, qvl.foundation.megatron.no_te_settings, and the native fused
-    cross-entropy where qvl's is not patched in). Bias-dropout-add stays unfused on CUDA too (Megatron-Bridge's
-    default; its dropout is 0, so the unfused path is already one add)."""
+    cross-entropy where qvl's is not patched in; the Qwen3-VL vision tower's bias-GELU and bias-dropout-add). The
+    language model's bias-dropout-add stays unfused on CUDA (Megatron-Bridge's default; without a bias and with
+    dropout 0 the unfused path is already one add)."""
     import importlib
 
     from qvl.foundation import megatron

@@ -128,3 +128,39 @@ def megatron_vision_towers(model: Any) -> list[torch.nn.Module]:
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, Qwen3VLVisionModel)]
+
+
+def fuse_bias_ops(tower: torch.nn.Module) -> bool:
+    """Megatron-Core's bias-GELU and bias-dropout-add fusions in Megatron-Bridge's Qwen3-VL vision tower; True if on.
+
+    Megatron-Bridge builds the tower with both off (`get_vision_model_config`: "no swiglu", "no dropout"), so each
+    block runs eagerly fc1's bias add and the GELU (two kernels forward, each writing the whole MLP width), and per
+    residual its bias add then the add (two more). Megatron-Core's fused bias-GELU is the tanh approximation the
+    tower uses (megatron/core/fusions/fused_bias_gelu.py: `x * 0.5 * (1 + tanh(0.79788456 x (1 + 0.044715 x^2)))`,
+    its backward the derivative of that formula), which its MLP selects by `activation_func is F.gelu`: each block's
+    MLP gets `F.gelu` as that key (the patch mergers keep their own activation, transformers' exact GELU, which qvl's
+    Qwen3-VL model sets). The tower's dropout is 0: bias-dropout-add is the bias add and the residual add in one
+    kernel. Both are `jit_fuser` regions (torch.compile), so the caller turns them on only where those compile for
+    CUDA with Triton (qvl.foundation.megatron.jit_fusions_usable); a tower whose GELU is another one stays as built.
+    In fp32 the fused forms differ from the eager ones by rounding; in bf16 the fused GELU adds the bias in fp32."""
+    import functools
+
+    import torch.nn.functional as F
+    from megatron.core.transformer.mlp import MLP
+
+    config = tower.config
+    activation = config.activation_func
+    tanh_gelu = (
+        isinstance(activation, functools.partial)
+        and activation.func is F.gelu
+        and activation.keywords == {"approximate": "tanh"}
+        and not activation.args
+    )
+    if not (tanh_gelu and config.add_bias_linear and not config.gated_linear_unit):
+        return False
+    config.bias_activation_fusion = True
+    config.bias_dropout_fusion = True
+    for module in tower.decoder.modules():
+        if isinstance(module, MLP):
+            module.activation_func = F.gelu  # the key of the fused tanh GELU (`bias_gelu_impl`), see above
+    return True

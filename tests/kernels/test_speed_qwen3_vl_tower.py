@@ -217,3 +217,69 @@ def test_loader_tower_inputs_reach_the_qwen3_vl_models_tower(tmp_path, cpu_runti
         assert all(torch.equal(p.grad, g) for p, g in zip(vision.parameters(), derived_grads))
     finally:
         distributed.destroy_distributed()
+
+
+def test_the_blocks_bias_gelu_and_bias_dropout_add_run_fused_where_megatrons_jit_fusions_run(
+    tower, monkeypatch, cpu_runtime
+):
+    """Where Megatron-Core's `jit_fuser` regions compile (CUDA with Triton), qvl's Qwen3-VL model turns on the vision
+    blocks' bias-GELU (the same tanh GELU) and bias-dropout-add: the tower calls them, and gives the eager tower's
+    embeddings, deepstack features and gradients to fp32 rounding; the patch mergers keep their exact GELU. Elsewhere
+    (this CPU) the tower is built as Megatron-Bridge builds it. The fused functions run eagerly here (their compiled
+    kernels are counted by the step census, benchmarks/compiled_regions.py)."""
+    import collections
+
+    from megatron.core import parallel_state
+    from megatron.core.fusions import fused_bias_dropout, fused_bias_gelu
+
+    from qvl.foundation import distributed, megatron
+
+    calls = collections.Counter()
+    for module, name in ((fused_bias_gelu, "bias_gelu"), (fused_bias_gelu, "bias_gelu_back"),
+                         (fused_bias_dropout, "bias_dropout_add_fused_train")):  # fmt: skip
+        eager = getattr(getattr(module, name), "_torchdynamo_orig_callable", getattr(module, name))
+        monkeypatch.setattr(module, name, lambda *args, eager=eager, name=name: calls.update([name]) or eager(*args))
+    assert not tower.config.bias_activation_fusion and not tower.config.bias_dropout_fusion  # built on this CPU
+    monkeypatch.setattr(megatron, "jit_fusions_usable", lambda: True)
+    parallel_state.destroy_model_parallel()  # whatever an earlier test of this process left
+    distributed.init_distributed()
+    try:
+        _check_fused_tower(tower, calls)
+    finally:
+        distributed.destroy_distributed()
+
+
+def _check_fused_tower(tower, calls) -> None:
+    """The tiny model built where jit fusions run: its tower's fused calls, and its outputs and gradients against the
+    eager `tower` with the same weights."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.mlp import MLP
+
+    model, _ = tiny_megatron_model("qwen3_vl")
+    (fused,) = speed_qwen3_vl_tower.megatron_vision_towers(model)
+    fused.load_state_dict(tower.state_dict())
+    assert fused.config.bias_activation_fusion and fused.config.bias_dropout_fusion
+    mlps = [m for m in fused.decoder.modules() if isinstance(m, MLP)]
+    assert mlps and all(m.activation_func is F.gelu for m in mlps)
+    mergers = [m for m in fused.modules() if hasattr(m, "patch_norm")]
+    assert mergers and all(m.activation_func is F.gelu for m in mergers)  # exact GELU, as transformers'
+    inputs = tower_inputs_for_config(GRIDS, tiny_hf_config("qwen3_vl").vision_config)
+    x = pixels(tower)
+    out, deepstack, grads = run(fused, x, GRIDS, inputs)
+    layers = len(mlps)
+    assert calls == {"bias_gelu": layers, "bias_gelu_back": layers, "bias_dropout_add_fused_train": 2 * layers}
+    ref_out, ref_deepstack, ref_grads = run(tower, x, GRIDS, inputs)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(deepstack, ref_deepstack, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_tower_with_exact_gelu_is_left_as_built(tower, monkeypatch):
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(tower.config, "activation_func", F.gelu)  # Megatron's fused GELU is the tanh approximation
+    assert not speed_qwen3_vl_tower.fuse_bias_ops(tower)
+    assert not tower.config.bias_activation_fusion and not tower.config.bias_dropout_fusion
