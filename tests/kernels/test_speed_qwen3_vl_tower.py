@@ -283,3 +283,59 @@ def test_a_tower_with_exact_gelu_is_left_as_built(tower, monkeypatch):
     monkeypatch.setattr(tower.config, "activation_func", F.gelu)  # Megatron's fused GELU is the tanh approximation
     assert not speed_qwen3_vl_tower.fuse_bias_ops(tower)
     assert not tower.config.bias_activation_fusion and not tower.config.bias_dropout_fusion
+
+
+def check_fused_bias_ops_against_fp64(device: str, rows: tuple[int, ...]) -> None:
+    """Megatron-Core's compiled bias-GELU and bias-dropout-add (dropout 0) in bf16 on `device`, against the eager ops
+    they replace in the Qwen3-VL vision tower: outputs and every gradient as close to fp64 as the eager ones. The fp64
+    reference is the eager ops (the fused GELU is the same tanh formula)."""
+    import torch.nn.functional as F
+    from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
+    from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+
+    from tests.numerics import assert_as_close_as_eager
+
+    generator = torch.Generator().manual_seed(0)
+    width, ffn = 1024, 4096  # Qwen3-VL's vision tower
+    for n in rows:
+        y, bias = 2 * torch.randn(n, ffn, generator=generator), 0.5 * torch.randn(ffn, generator=generator)
+        x, residual = torch.randn(n, width, generator=generator), torch.randn(n, width, generator=generator)
+        small_bias = 0.5 * torch.randn(width, generator=generator)
+        grad_ffn, grad_width = torch.randn(n, ffn, generator=generator), torch.randn(n, width, generator=generator)
+
+        def gelu(dtype, fused):
+            inputs = [t.to(device, dtype).requires_grad_() for t in (y, bias)]
+            out = bias_gelu_impl(*inputs) if fused else F.gelu(inputs[0] + inputs[1], approximate="tanh")
+            out.backward(grad_ffn.to(device, dtype))
+            return [out, *(t.grad for t in inputs)]
+
+        def bda(dtype, fused):
+            inputs = [t.to(device, dtype).requires_grad_() for t in (x, small_bias, residual)]
+            if fused:
+                out = bias_dropout_add_fused_train((inputs[0], inputs[1]), inputs[2], 0.0)
+            else:
+                out = inputs[2] + (inputs[0] + inputs[1])
+            out.backward(grad_width.to(device, dtype))
+            return [out, *(t.grad for t in inputs)]
+
+        for name, path, parts in (("bias-GELU", gelu, ("output", "input gradient", "bias gradient")),
+                                  ("bias-dropout-add", bda, ("output", "x gradient", "bias gradient",
+                                                             "residual gradient"))):  # fmt: skip
+            reference = path(torch.float64, False)
+            fused, eager = path(torch.bfloat16, True), path(torch.bfloat16, False)
+            for what, got, plain, exact in zip(parts, fused, eager, reference, strict=True):
+                assert_as_close_as_eager(got, plain, exact, what=f"{name} {what}, {n} rows")
+
+
+@pytest.mark.slow  # Inductor compiles the fused functions for the CPU (~20 s on 2 cores)
+def test_the_fused_bias_ops_are_as_close_to_fp64_as_eager_compiled_for_the_cpu():
+    check_fused_bias_ops_against_fp64("cpu", rows=(64, 96))
+
+
+@pytest.mark.gpu
+def test_the_fused_bias_ops_are_as_close_to_fp64_as_eager_on_cuda():
+    from qvl.kernels import compiled
+
+    if not compiled.cuda_compile_usable():
+        pytest.skip("needs Triton")
+    check_fused_bias_ops_against_fp64("cuda", rows=(4096, 10240))
