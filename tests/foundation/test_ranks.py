@@ -79,3 +79,12 @@ def test_the_import_thread_has_left_the_process_when_its_result_is_returned():
         seen: list[int] = []
         in_a_thread_of_its_own(lambda: _matrix_product(seen))
         assert not Path(f"/proc/self/task/{seen[0]}").exists()
+
+
+@pytest.mark.slow  # imports Megatron-Bridge in a fresh process (~15 s on 2 cores)
+def test_the_forkservers_preload_writes_nothing_to_its_starters_stdout():
+    """The forkserver shares the stdout of the process that starts it: Megatron's import-time INFO records (written to
+    stdout by the root handler Megatron-LM installs) went into `bench_step --json`'s output before the JSON."""
+    done = subprocess.run([sys.executable, "-c", "import qvl.foundation.rank_preload"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == ""
