@@ -40,14 +40,16 @@ def runs(dataset, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     common = [*ARGS, f"data={data}", f"hf_path={hf}", "--model", "tiny", "--device", "cpu"]
     qvl_in_process("train", *common, "--run-dir", str(root / "full"))
-    # The stopped and resumed run also recomputes the HF vision tower: that must not change a single loss either.
-    resumed = [*common, "vision_recompute=true"]
+    # The stopped and resumed run also recomputes the HF vision tower's first block (the later ones keep their
+    # activations): that must not change a single loss either.
+    resumed = [*common, "vision_recompute=true", "vision_recompute_blocks=1"]
     done = qvl_forked("train", *resumed, "--run-dir", str(root / "resumed"), "--stop-after", "3")
     assert done.returncode == 0, done.stderr[-4000:]
     stopped = done.stdout + done.stderr
     # A planned stop reads as one: no "Pretrain failed ... SystemExit: 0" and no traceback.
     assert "Pretrain failed" not in stopped and "Traceback" not in stopped, stopped[-4000:]
     assert "trained 3 steps" in stopped
+    assert "vision recompute on in 1 HF vision tower(s), 1 blocks in all" in stopped, stopped[-4000:]
     qvl_in_process("train", *resumed, "--run-dir", str(root / "resumed"))  # same command again: resumes from step 3
     return {"full": root / "full", "resumed": root / "resumed"}
 
