@@ -403,12 +403,12 @@ def _census_child(rank: int, spec_path: str, log_path: str) -> None:
 
 
 def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, compile: bool = False,
-              eager_regions: bool = False, calibrate: pathlib.Path | None = None) -> dict:  # fmt: skip
+              eager_regions: bool = False,
+              calibrate: step_calibration.MeasuredStep | None = None) -> dict:  # fmt: skip
     """Censuses of `names` (the pre-change code path with `baseline`; `compile=True` with `compile`), the step-time
-    estimates and the goals; with `calibrate` (a GPU run's bench_train.json), the RESULTS.md configuration's
-    estimate against its measured step, then the model refitted to it (benchmarks.step_calibration)."""
+    estimates and the goals; with `calibrate` (a GPU run's measured step), the RESULTS.md configuration's estimate
+    against it, then the model refitted to it (benchmarks.step_calibration)."""
     results: dict = {"baseline": baseline, "compile": compile, "eager_regions": eager_regions, "configs": {}}
-    measured = step_calibration.MeasuredStep.of_bench_train(calibrate) if calibrate else None
     for name in names:
         logger.warning("census of %s ...", name)
         results["configs"][name] = census(name, out, baseline=baseline, compile=compile, eager_regions=eager_regions)
@@ -418,10 +418,10 @@ def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, co
     checks = []
     if before is not None:
         model, results["calibration"] = step_calibration.current_model(StepTimeModel.calibrated(before))
-        if measured is not None:
+        if calibrate is not None:
             result = results["configs"][RESULTS_CONFIG]
-            checks.append(step_calibration.estimate_check(model, result, measured))  # before the refit
-            step_calibration.write_calibration(result, measured)
+            checks.append(step_calibration.estimate_check(model, result, calibrate))  # before the refit
+            step_calibration.write_calibration(result, calibrate)
             model, results["calibration"] = step_calibration.current_model(StepTimeModel.calibrated(before))
         results["model"] = asdict(model)
         results["before"] = {"step": before["step"], "estimate": model.estimate(before["step"])}
@@ -481,14 +481,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --calibrate needs the census of {RESULTS_CONFIG} as qvl trains it: --config {RESULTS_CONFIG} "
               "without --baseline, --compile or --eager-regions", file=sys.stderr)  # fmt: skip
         return 2
-    if args.calibrate:
+    measured = None
+    if args.calibrate:  # read before the censuses run: a file that cannot be fitted to ends the command at once
         try:
-            step_calibration.MeasuredStep.of_bench_train(args.calibrate)
+            measured = step_calibration.MeasuredStep.of_bench_train(args.calibrate)
         except (OSError, ValueError, KeyError) as error:
             print(f"error: --calibrate {args.calibrate}: {error}", file=sys.stderr)
             return 2
     results = benchmark(names, args.out, baseline=args.baseline, compile=args.compile, eager_regions=args.eager_regions,
-                        calibrate=args.calibrate)  # fmt: skip
+                        calibrate=measured)  # fmt: skip
     if args.write_before:
         BEFORE_CENSUS.write_text(json.dumps(results["configs"][MEASURED_CONFIG], indent=1) + "\n")
     print(json.dumps(results, indent=1) if args.json else table(results))

@@ -379,7 +379,7 @@ def default_setup(model: str, out: pathlib.Path, **overrides) -> Setup:
     else:
         # 12 of Qwen2.5-VL-3B's 36 LM layers (real widths, whole ViT); the full depth's Adam state alone does not fit
         # one 80 GB GPU. Each run recomputes as few vision blocks as its plan on this GPU needs
-        # (train_run.vision_recompute_from_plan; recomputing adds a third to the tower's GEMMs): before the speed
+        # (train_plan.vision_recompute_from_plan; recomputing adds a third to the tower's GEMMs): before the speed
         # groups an H100 ran out of memory at 4k without vision recompute (benchmarks/RESULTS.md). An error, say out
         # of memory at 8k, is recorded as the run's result. `--set vision_recompute=...` decides for every run.
         variants = tuple(map(train_variants.parse, train_variants.REAL_SHAPES))

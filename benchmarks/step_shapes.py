@@ -36,7 +36,7 @@ CONFIGS = {
     c.name: c
     for c in (
         # the RESULTS.md configuration as `bench_train` runs it at 4k on an H100 or H200: no vision recompute, as its
-        # plan there chooses (benchmarks/train_run.py: vision_recompute_from_plan); with it, as the H100 measured it
+        # plan there chooses (benchmarks/train_plan.py: vision_recompute_from_plan); with it, as the H100 measured it
         # before the speed groups (the step model's calibration, `results/census-before.json`)
         StepConfig(name="qwen2_5_vl_3b_12l", family="qwen2_5_vl", size="3b", recipe="qwen2_5_vl_3b_pretrain", layers=12,
                    vision_recompute=False),

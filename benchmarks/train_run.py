@@ -16,6 +16,7 @@ from unittest import mock
 import numpy as np
 import torch
 
+from benchmarks import train_plan
 from benchmarks.profile_breakdown import StepBreakdown
 from qvl.foundation import patches
 
@@ -188,7 +189,7 @@ def train_once(spec: dict) -> dict:
 
     run_dir = pathlib.Path(spec["run_dir"])
     kind, peak_flops = gpu_kind()
-    planned = vision_recompute_from_plan(spec, kind) if spec.get("vision_recompute_from_plan") else None
+    planned = train_plan.vision_recompute_from_plan(spec, kind) if spec.get("vision_recompute_from_plan") else None
     request = TrainRequest(
         recipe=spec["recipe"],
         overrides={**spec["overrides"], **(planned or {})},
@@ -240,7 +241,7 @@ def train_once(spec: dict) -> dict:
     if breakdown is not None:
         result["profile"] = breakdown.summary()
     if spec["mode"] == "packed":
-        result["plan"] = planner_estimate(config, _step_figures(raw), kind)
+        result["plan"] = train_plan.planner_estimate(config, _step_figures(raw), kind)
     return result
 
 
@@ -318,7 +319,11 @@ def check_spec(spec: dict) -> dict:
     megatron.import_megatron_bridge()
     from megatron.bridge.training.config import runtime_config_update
 
-    planned = vision_recompute_from_plan(spec, REHEARSED_GPU) if spec.get("vision_recompute_from_plan") else {}
+    planned = (
+        train_plan.vision_recompute_from_plan(spec, train_plan.REHEARSED_GPU)
+        if spec.get("vision_recompute_from_plan")
+        else {}
+    )
     request = TrainRequest(recipe=spec["recipe"], overrides={**spec["overrides"], **planned},
                            run_dir=pathlib.Path(spec["run_dir"]), model="tiny" if spec["tiny"] else None)  # fmt: skip
     _, config = prepare_config(request, cpu=False)
@@ -327,7 +332,7 @@ def check_spec(spec: dict) -> dict:
     groups = RunGroups.of(config, off=spec.get("groups_off", ()), device="cuda")
     return {"seq_length": config.model.seq_length, "global_batch_size": config.train.global_batch_size,
             "train_iters": config.train.train_iters, "groups_around_loop": list(groups.training),
-            f"vision_recompute_from_plan_{REHEARSED_GPU}": planned}  # fmt: skip
+            f"vision_recompute_from_plan_{train_plan.REHEARSED_GPU}": planned}  # fmt: skip
 
 
 def _attach_anatomy(spec: dict, config, callbacks):
@@ -425,67 +430,6 @@ def summarize(raw: dict, config, *, gpu_peak_flops: float | None) -> dict:
         result[f"tflops_{name}"] = float(f"{rate / 1e12:.4g}")  # significant digits: a tiny CPU run is ~0.001
         result[f"mfu_{name}"] = round(rate / gpu_peak_flops, 4) if gpu_peak_flops else None
     return result
-
-
-def planner_estimate(config, steps: list[dict], gpu: str | None) -> dict | None:
-    """`qvl plan`'s per-GPU memory for the config and the workload measured in the run."""
-    from qvl.recipes.planner import GIB, plan_config
-    from qvl.recipes.split import Workload
-
-    if gpu is None:
-        return None
-    lengths = [n for s in steps for n in s["lengths"]]
-    grids = np.asarray([g for s in steps for g in s["grids"]], np.int64).reshape(-1, 3)
-    merge = config.model.vision_config.spatial_merge_size
-    workload = Workload(
-        seq_length=config.model.seq_length,
-        sample_tokens=max(int(np.mean(lengths)), 1),
-        vision_token_fraction=float(grids.prod(-1).sum() / merge**2 / max(sum(lengths), 1)),
-        patches_per_image=max(int(grids.prod(-1).mean()) if len(grids) else 1, 1),
-    )
-    plan = plan_config(config, gpus=1, gpu=gpu, workload=workload)
-    worst = plan.worst
-    return {
-        "gpu": gpu,
-        "total_gib": round(worst.total / GIB, 2),
-        "params_gib": round(worst.params / GIB, 2),
-        "grads_gib": round(worst.grads / GIB, 2),
-        "optimizer_gib": round(worst.optimizer / GIB, 2),
-        "activations_gib": round(worst.activations / GIB, 2),
-        "overhead_gib": round(worst.overhead / GIB, 2),
-        "mfu_estimate": round(plan.mfu, 4),
-    }
-
-
-# The share of the GPU's memory a benchmark run's plan may take when the plan chooses its vision recompute: the
-# planner's error on measured runs was -7% (4k, vision recompute) and more than -13% (4k without, before the speed
-# groups; benchmarks/RESULTS.md).
-PLAN_HEADROOM = 0.85
-REHEARSED_GPU = "h100"  # the GPU kind `bench_train --rehearse` plans its runs for (the smaller of those lent)
-
-
-def vision_recompute_from_plan(spec: dict, gpu: str | None) -> dict:
-    """The recipe options of the fewest HF vision tower blocks recomputed (none, the first N, all) for the run's plan
-    on this GPU (`qvl plan`'s, with the prepared dataset's workload) to take at most PLAN_HEADROOM of its memory;
-    every block where nothing fits or the GPU is not one the planner knows. Not a Qwen2-VL / Qwen2.5-VL tower: {}."""
-    from qvl.recipes.planner import GPUS, vision_recompute_that_fits
-    from qvl.recipes.shapes import vision_is_megatron
-    from qvl.training.loop import TrainRequest, prepare_config
-
-    def make(options: dict):
-        request = TrainRequest(recipe=spec["recipe"], overrides={**spec["overrides"], **options},
-                               run_dir=pathlib.Path(spec["run_dir"]), model="tiny" if spec["tiny"] else None)  # fmt: skip
-        return prepare_config(request, cpu=False)[1]
-
-    model = make({}).model
-    if vision_is_megatron(model) or getattr(model, "vision_config", None) is None:
-        return {}
-    if gpu is None:
-        return {"vision_recompute": True}
-    fitting = vision_recompute_that_fits(
-        make, depth=model.vision_config.depth, limit_gib=PLAN_HEADROOM * GPUS[gpu].memory_gib, gpus=1, gpu=gpu
-    )
-    return {"vision_recompute": True} if fitting is None else fitting
 
 
 def gpu_kind() -> tuple[str | None, float | None]:

@@ -371,12 +371,13 @@ def plan_recipe(
     return plan
 
 
-def _candidates(plan: MemoryPlan, overrides: dict) -> list[tuple[str, dict]]:
+def _candidates(plan: MemoryPlan, overrides: dict, vision: dict | None) -> list[tuple[str, dict]]:
+    """The single changes to try, cheapest first; `vision`: the HF vision tower's fewest recomputed blocks that fit
+    (None: every block, which a Megatron tower's plan does not change with)."""
     tp, pp = plan.layout["tensor_parallel"], plan.layout["pipeline_parallel"]
+    vision = vision or {"vision_recompute": True}
     out = [
-        # First: the cheapest (the HF vision tower's blocks rerun, `_suggestions` asks how few; a Megatron tower's plan
-        # does not change with it)
-        ("vision_recompute=true", {"vision_recompute": True}),
+        (" ".join(f"{k}={str(v).lower()}" for k, v in vision.items()), vision),
         ("recompute=selective", {"recompute": "selective", "recompute_modules": "core_attn,mlp"}),
         ("recompute=full", {"recompute": "full"}),
     ]
@@ -427,12 +428,9 @@ def _suggestions(info, overrides: dict, dotted: dict, plan: MemoryPlan, **kw) ->
     def make(change: dict) -> Any:
         return apply_config_overrides(info.fn(**{**overrides, **change}), dotted)
 
-    for label, change in _candidates(plan, overrides):
+    for label, change in _candidates(plan, overrides, _fewest_recomputed_blocks(make, overrides, **kw)):
         if offload_found and "optimizer_offload" in change and "recompute" not in change:
             continue  # the smallest offload that fits is enough
-        if change == {"vision_recompute": True}:
-            change = _fewest_recomputed_blocks(make, overrides, **kw) or change
-            label = " ".join(f"{k}={str(v).lower()}" for k, v in change.items())
         try:
             trial = plan_config(make(change), **kw)
         except ValueError:  # e.g. a TP that does not divide the heads
@@ -447,7 +445,7 @@ def _suggestions(info, overrides: dict, dotted: dict, plan: MemoryPlan, **kw) ->
 
 def _fewest_recomputed_blocks(make: Callable[[dict], Any], overrides: dict, **kw: Any) -> dict | None:
     """`vision_recompute_that_fits` for a replicated HF vision tower the user has not set recompute options for."""
-    if "vision_recompute_blocks" in overrides:
+    if overrides.get("vision_recompute") or "vision_recompute_blocks" in overrides:
         return None
     model = make({}).model
     if vision_is_megatron(model) or getattr(model, "vision_config", None) is None:

@@ -82,7 +82,7 @@ def test_variants_read_as_written_and_the_gpu_runs_are_the_issues_figures():
 def test_a_real_shape_run_recomputes_as_few_vision_blocks_as_its_plan_on_the_gpu_needs(tmp_path):
     """The census configuration's runs (12 LM layers, the whole ViT) on an H100: none at 4k; at 16k some of the first
     blocks (the plan with them under the headroom, with one fewer over it); every block off the planner's GPUs."""
-    from benchmarks import bench_train, train_run
+    from benchmarks import bench_train, train_plan
     from qvl.recipes.planner import GIB, GPUS, plan_config
     from qvl.training.loop import TrainRequest, prepare_config
 
@@ -92,9 +92,9 @@ def test_a_real_shape_run_recomputes_as_few_vision_blocks_as_its_plan_on_the_gpu
         return {"recipe": "qwen2_5_vl_3b_pretrain", "tiny": False, "run_dir": str(tmp_path / "run"),
                 "overrides": {"hf_path": str(hf_path), "seq_length": seq_length, "global_batch_size": 8}}  # fmt: skip
 
-    assert train_run.vision_recompute_from_plan(spec(4096), "h100") == {}
-    assert train_run.vision_recompute_from_plan(spec(4096), None) == {"vision_recompute": True}
-    planned = train_run.vision_recompute_from_plan(spec(16384), "h100")
+    assert train_plan.vision_recompute_from_plan(spec(4096), "h100") == {}
+    assert train_plan.vision_recompute_from_plan(spec(4096), None) == {"vision_recompute": True}
+    planned = train_plan.vision_recompute_from_plan(spec(16384), "h100")
     blocks = planned["vision_recompute_blocks"]
     assert planned["vision_recompute"] and 0 < blocks < 32
 
@@ -103,7 +103,7 @@ def test_a_real_shape_run_recomputes_as_few_vision_blocks_as_its_plan_on_the_gpu
                                run_dir=tmp_path / "run")  # fmt: skip
         return plan_config(prepare_config(request, cpu=False)[1], gpus=1, gpu="h100").worst.total / GIB
 
-    limit = train_run.PLAN_HEADROOM * GPUS["h100"].memory_gib
+    limit = train_plan.PLAN_HEADROOM * GPUS["h100"].memory_gib
     assert total_gib(planned) <= limit < total_gib({**planned, "vision_recompute_blocks": blocks - 1})
 
 
