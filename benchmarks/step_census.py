@@ -55,6 +55,15 @@ UNDECLARED_VIEW_OPS = frozenset({"_unsafe_view"})
 # Ops whose output size depends on tensor values: the host waits for the device to know it.
 VALUE_SIZED_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
                              "unique_dim", "bincount", "histc"})  # fmt: skip
+# In-place ops that overwrite their destination without reading it (counted once, as the write).
+OVERWRITE_OPS = frozenset({"copy_", "zero_", "fill_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_",
+                           "bernoulli_", "random_", "exponential_"})  # fmt: skip
+# In-place ops that write a few rows of their destination: counted as the reads of what they are given.
+PARTIAL_WRITE_OPS = frozenset({"index_put_", "_index_put_impl_", "index_add_", "index_copy_", "index_fill_",
+                               "scatter_", "scatter_add_", "scatter_reduce_", "masked_scatter_", "put_"})  # fmt: skip
+# Arguments a schema marks written that the kernel leaves alone without a grad scaler (bf16 training has none):
+# fused Adam unscales its gradients in place only when given `grad_scale`.
+UNSCALED_ARGS = {"_fused_adam_": frozenset({"grads"}), "_fused_adamw_": frozenset({"grads"})}
 ALIGN_BYTES = 16  # Hopper's TMA needs 16-byte row pitches; else cuBLAS falls back to align2/align4 sm80 kernels
 _SKIP_FRAMES = (  # frames of torch and of the census itself: never the call site of a sync
     f"{pathlib.Path(torch.__file__).parent}",
@@ -336,7 +345,7 @@ class Census:
         if name in GEMM_OPS:
             self._gemm(name, args, kwargs, out, counts)
             return
-        tensors = inputs + ([] if inplace else outputs)
+        tensors = inputs + ([] if inplace else outputs) + _read_and_written(func, name, args, kwargs)
         nbytes = sum(self.widths.nbytes(t) for t in tensors)
         counts.nongemm_bytes += nbytes
         counts.nongemm_bytes_by_op[name] += nbytes
@@ -382,6 +391,22 @@ class Census:
                 for k, n in sorted(total.gemm_shapes.items(), key=lambda kv: -kv[1])
             ],
         }
+
+
+def _read_and_written(func, name: str, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an in-place op reads and then writes back (its schema's `a!` arguments): already counted once as
+    inputs, they move their bytes a second time. Overwritten destinations (`copy_`, `out=`) and a few rows written
+    (`index_put_`) are counted once, as inputs."""
+    if name in OVERWRITE_OPS or name in PARTIAL_WRITE_OPS:
+        return []
+    unwritten = UNSCALED_ARGS.get(name, frozenset()) if kwargs.get("grad_scale") is None else frozenset()
+    tensors = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write or arg.name in unwritten or arg.name == "out":
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        tensors += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return tensors
 
 
 def _add(total: RegionCounts, counts: RegionCounts) -> None:

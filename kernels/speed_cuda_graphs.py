@@ -80,6 +80,17 @@ def tower_graphs_allowed(model_config: Any) -> bool:
     return graphs_requested(model_config) and getattr(model_config, TOWER_GRAPHS, False)
 
 
+def graphed_parts(cfg: Any) -> tuple[bool, bool]:
+    """(layers, tower): what a run of `cfg` (a ConfigContainer) replays as CUDA graphs where this group applies. The
+    layers on one pipeline stage only; the vision tower with them, unless DDP overlaps its gradient reduction with the
+    backward (the tower's graphs add into main_grad without the parameters' hooks) or the vision work is balanced
+    over ranks (qvl.training.vision_balance encodes eagerly)."""
+    layers = getattr(cfg.model, "pipeline_model_parallel_size", 1) <= 1
+    overlapped = getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False)
+    balanced = bool(getattr(getattr(cfg, "qvl", None), "vision_balance", False))
+    return layers, layers and not overlapped and not balanced
+
+
 def graph_shapes(config: Any) -> GraphShapes | None:
     """The fixed shapes of a run whose layers are graphed (a ConfigContainer), None for an eager run."""
     if not graphs_requested(config.model):
@@ -132,15 +143,15 @@ def with_layer_graphs(original):
     @functools.wraps(original)
     def initialize_megatron(cfg, *args, **kwargs):
         if torch.cuda.is_available() and not graphs_requested(cfg.model):
-            if getattr(cfg.model, "pipeline_model_parallel_size", 1) > 1:
+            layers, tower = graphed_parts(cfg)
+            if not layers:
                 logger.warning("speed-cuda-graphs: pipeline parallelism keeps the layers eager")
             else:
                 for name, value in layer_graph_settings().items():
                     setattr(cfg.model, name, value)
-                overlapped = getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False)
-                setattr(cfg.model, TOWER_GRAPHS, not overlapped)
+                setattr(cfg.model, TOWER_GRAPHS, tower)
                 logger.info("speed-cuda-graphs: the language model's layers replay as CUDA graphs from step 2")
-                if overlapped:
+                if getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False):
                     logger.warning(
                         "speed-cuda-graphs: with ddp.overlap_grad_reduce the vision tower stays eager (its graphs "
                         "add gradients into main_grad without the parameters' hooks that overlap needs)"

@@ -103,6 +103,9 @@ class PlanInputs:
     # An HF vision tower runs speed-hf-vision's compiled regions (a CUDA run applying that group): it keeps less for
     # backward than transformers' eager tower (qvl.recipes.activations.hf_tower_bytes_per_patch)
     compiled_vision_tower: bool = False
+    # Rows the vision tower runs (and keeps activations of) per patch: more than one where it replays as CUDA graphs,
+    # each call padded up to its bucket (tower_rows_per_patch)
+    tower_rows_per_patch: float = 1.0
 
     @property
     def model(self) -> Any:
@@ -177,4 +180,17 @@ def plan_inputs(
         workload=workload,
         lean_cross_entropy=lean,
         compiled_vision_tower=target.device == "cuda" and switch.is_on("speed-hf-vision", target),
+        tower_rows_per_patch=tower_rows_per_patch(cfg, target),
     )
+
+
+def tower_rows_per_patch(cfg: Any, target: switch.Target) -> float:
+    """Rows the vision tower of `cfg`'s run on `target` runs per patch: where it replays as CUDA graphs
+    (speed-cuda-graphs applied and the run's layout allows the tower's graphs), a call is padded up to its bucket,
+    at most 1/BUCKETS_PER_DOUBLING more rows (qvl.kernels.tower_graphs.tower_bucket); else one."""
+    if target.device != "cuda" or not switch.is_on("speed-cuda-graphs", target):
+        return 1.0
+    from qvl.kernels.speed_cuda_graphs import graphed_parts
+    from qvl.kernels.tower_graphs import BUCKETS_PER_DOUBLING
+
+    return 1.0 + 1.0 / BUCKETS_PER_DOUBLING if graphed_parts(cfg)[1] else 1.0

@@ -188,6 +188,7 @@ def _stage_activations(x: PlanInputs, stage: int, weight_bytes: int) -> float:
     recompute, modules = model.recompute_granularity, list(model.recompute_modules or [])
     tokens = x.tokens
     vision_patches = sum(x.workload.images(vision.spatial_merge_size)) * cfg.train.micro_batch_size / cp
+    tower_rows = vision_patches * x.tower_rows_per_patch  # a graphed tower's bucket pads its call
     qvl_options = getattr(cfg, "qvl", None)
     balanced = bool(getattr(qvl_options, "vision_balance", False))
     tower = dict(recompute_blocks=vision_recompute_blocks(qvl_options, vision), compiled_tower=x.compiled_vision_tower)
@@ -198,7 +199,7 @@ def _stage_activations(x: PlanInputs, stage: int, weight_bytes: int) -> float:
         acts += tokens * 2 * lm.hidden_size
         acts += vision_balance_buffer_bytes(vision, vision_patches, tp)
     elif stage == 0:
-        acts += vision_activation_bytes(model, vision, vision_patches, **tower)
+        acts += vision_activation_bytes(model, vision, tower_rows, **tower)
         acts += tokens * 2 * lm.hidden_size
     if stage == pp - 1:  # the final norm's output, fp32 (same source), and what the loss keeps per logit
         head = tokens * (4 * lm.hidden_size + _loss_bytes_per_logit(x, weight_bytes) * padded_vocab(model)) / tp

@@ -23,7 +23,7 @@ TINY_FIGURES = {  # `python -m benchmarks.bench_step --config tiny --json`, `_un
     "kernel_launching_ops": (669, 0.02),
     "host_syncs": (7, 0.0),
     "misaligned_gemm_flop_share": (0.0, 0.0),
-    "nongemm_gb_per_pack": (19.95, 0.02),
+    "nongemm_gb_per_pack": (27.03, 0.02),  # in-place ops counted with their writes
     "estimated_step_s": (0.071, 0.05),  # the step-time model calibrated on the RESULTS.md "before" census
     "graphed_host_launches": (173, 0.02),  # the same step's launches where speed-cuda-graphs replays
 }
@@ -48,6 +48,27 @@ def test_a_host_sync_names_its_caller_not_the_census():
     assert [site.split(" at ")[0] for site in sites] == [".item()", ".to('cpu')"]
     caller = " in test_a_host_sync_names_its_caller_not_the_census"
     assert all("test_bench_step.py:" in site and site.endswith(caller) for site in sites), sites
+
+
+def test_in_place_ops_count_the_bytes_they_write_back():
+    census = Census(WidthMap(dims={}))
+    a, b = torch.ones(256), torch.ones(256)  # 1,024 bytes each
+    params, grads, exp_avgs, exp_avg_sqs = ([torch.ones(256)] for _ in range(4))
+    with census.tracking(), census.counted():
+        a.add_(b)  # reads a and b, writes a
+        a.mul_(2.0)  # reads a, writes a
+        a.copy_(b)  # reads b, overwrites a
+        a.zero_()  # writes a
+        a.index_put_((torch.tensor([0]),), torch.tensor([2.0]))  # one element: its inputs, counted once
+        torch.add(a, b, out=a)  # an `out=` destination is written, not read
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [torch.tensor(1.0)], lr=1e-3, beta1=0.9,
+                            beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
+    by_op = census.regions["other"].nongemm_bytes_by_op
+    assert (by_op["add_"], by_op["mul_"], by_op["copy_"], by_op["zero_"]) == (3 * 1024, 2 * 1024, 2 * 1024, 1024)
+    assert by_op["index_put_"] == 1024 + 8 + 4
+    assert by_op["add"] == 3 * 1024
+    # fused AdamW reads parameters, gradients and both moments and writes back all but the gradients (no grad scaler)
+    assert by_op["_fused_adamw_"] == (4 + 3) * 1024 + 4
 
 
 @pytest.fixture

@@ -308,3 +308,31 @@ def test_the_loss_keeps_what_the_cross_entropy_in_use_keeps():
     assert last_stage(fusion=True, transformer_engine=True) == fp32  # TE on the target GPU: Megatron-Core's own
     assert last_stage(fusion=True, apex=True) == fp32
     assert plan_config(cfg, gpus=2).stages[-1].activations == lean  # by default: this environment's packages
+
+
+@pytest.mark.parametrize("layout", ["graphed", "pipeline_parallel=2", "ddp.overlap_grad_reduce", "vision_balance"])
+def test_a_graphed_vision_tower_keeps_its_buckets_pad_rows(layout):
+    """With speed-cuda-graphs the HF tower runs each call padded up to its bucket (at most 1/8 more rows,
+    qvl.kernels.tower_graphs): the plan counts the tower's activations at those rows where the run graphs the tower,
+    and not where it stays eager (the layers of two pipeline stages, DDP's overlapped reduction, balanced vision)."""
+    from qvl.kernels.tower_graphs import BUCKETS_PER_DOUBLING
+    from qvl.recipes.plan_inputs import plan_inputs
+
+    def first_stage(graphs: bool) -> tuple[float, float]:
+        cfg = get_recipe("qwen2_5_vl_3b_pretrain").fn(pipeline_parallel=2 if layout == "pipeline_parallel=2" else 1)
+        cfg.ddp.overlap_grad_reduce = layout == "ddp.overlap_grad_reduce"
+        cfg.qvl.vision_balance = layout == "vision_balance"
+        cfg.qvl.cuda_graphs = graphs
+        x = plan_inputs(cfg, gpus=8, gpu=planner.GPUS["h100"])
+        patches = sum(x.workload.images(x.vision.spatial_merge_size)) * cfg.train.micro_batch_size
+        tower = activations.vision_activation_bytes(
+            cfg.model, x.vision, patches, compiled_tower=x.compiled_vision_tower
+        )
+        return plan_config(cfg, gpus=8).stages[0].activations, tower
+
+    (graphed, tower), (eager, _) = first_stage(graphs=True), first_stage(graphs=False)
+    assert tower > 0 and not get_recipe("qwen2_5_vl_3b_pretrain").fn().qvl.vision_recompute
+    if layout == "graphed":
+        assert graphed - eager == pytest.approx(tower / BUCKETS_PER_DOUBLING)
+    else:
+        assert graphed == eager
