@@ -132,12 +132,19 @@ class _Regions:
         vlm.register_forward_pre_hook(lambda m, a: self.set("lm"))
         self.mark_graphed_layers(list(getattr(lm.decoder, "layers", [])))
         if tower is not None:
+            from qvl.kernels.tower_graphs import TowerGraphs
 
-            def tower_call(module, args):
+            buckets = TowerGraphs(tower, cuda=False)  # a graphed call's rows: its bucket's
+
+            def tower_call(module, args, kwargs):
                 self.set("vision")
-                self.census.graphed["tower_calls"] += self.census.counting
+                if self.census.counting:
+                    rows = (args[0] if args else kwargs["hidden_states"]).shape[0]
+                    self.census.graphed.update(
+                        tower_calls=1, tower_rows=rows, tower_bucket_rows=buckets.bucket_rows(rows)
+                    )
 
-            tower.register_forward_pre_hook(tower_call)
+            tower.register_forward_pre_hook(tower_call, with_kwargs=True)
             tower.register_forward_hook(lambda m, a, out: (self.mark_output(out, "vision"), self.set("lm"))[1])
         if getattr(lm, "output_layer", None) is not None:
 

@@ -20,7 +20,7 @@ import json
 import pathlib
 from dataclasses import asdict, dataclass, replace
 
-from benchmarks.step_model import StepTimeModel
+from benchmarks.step_model import StepTimeModel, with_pad_work
 
 CALIBRATION = pathlib.Path(__file__).resolve().parent / "results" / "calibration.json"
 ESTIMATE_GOAL = 0.10  # issue 38: the census's estimate within 10% of the measured step
@@ -102,8 +102,9 @@ def estimated_step_s(model: StepTimeModel, census: dict, *, graphed: bool) -> fl
 def recalibrated(previous: StepTimeModel, census: dict, measured: MeasuredStep) -> StepTimeModel:
     """`previous` with its rates fitted to `measured`, a GPU step of `census`'s configuration (module docstring). A
     rate whose work the step does not have (no misaligned GEMMs, no pageable copies) keeps its previous value; so
-    does the host's cost per launch where the GPU was not idle (the host did not bound the step)."""
-    step = census["step"]
+    does the host's cost per launch where the GPU was not idle (the host did not bound the step). A graphed step's
+    GPU work includes its tower's pad rows."""
+    step = with_pad_work(census["step"], census.get("cuda_graphs") if measured.graphed else None)
     aligned_tflop = step["gemm_tflop"] - step["gemm_misaligned_tflop"]
     misaligned_s = step["gemm_misaligned_tflop"] * 1e12 / previous.misaligned_flops_per_s
     model = replace(

@@ -93,9 +93,19 @@ class StepTimeModel:
         total = max(parts["gpu_s"], parts["host_s"]) + parts["syncs_s"]
         if graphs is not None:
             host = (graphs["host_launches"] + graphs["view_ops"]) * self.host_s_per_op
-            graphed = max(parts["gpu_s"], host) + parts["syncs_s"]
-            parts |= {"host_s_graphed": host, "estimated_step_s_graphed": graphed}
+            gpu = self.parts(with_pad_work(step, graphs))["gpu_s"]
+            graphed = max(gpu, host) + parts["syncs_s"]
+            parts |= {"gpu_s_graphed": gpu, "host_s_graphed": host, "estimated_step_s_graphed": graphed}
         return {k: round(v, 3) for k, v in (parts | {"estimated_step_s": total}).items()}
+
+
+GPU_WORK = ("gemm_tflop", "gemm_misaligned_tflop", "attention_tflop", "nongemm_gb")
+
+
+def with_pad_work(step: dict, graphs: dict | None) -> dict:
+    """`step`'s counts with the GPU work of a graphed tower's pad rows added (`graphs`' `pad_work`, if any)."""
+    pad = (graphs or {}).get("pad_work") or {}
+    return step | {key: step[key] + pad.get(key, 0.0) for key in GPU_WORK}
 
 
 def graphed_launches(result: dict, graphed: dict, *, tower_launches_per_call: int | None) -> dict:
@@ -104,17 +114,20 @@ def graphed_launches(result: dict, graphed: dict, *, tower_launches_per_call: in
     the census's ops outside those parts, plus per layer call a forward and a backward replay, a copy of each input
     tensor (at most: Megatron-Core skips those already in place) and one of the output's gradient, plus per tower call
     its launches. `graphed` is the census's tally (benchmarks.step_census.Census.graphed). The GPU's work is the same
-    but for the tower's pad rows (at most 1/8 more), not counted."""
+    but for the tower's pad rows: each call padded up to its bucket's rows (at most 1/8 more), whose work is taken as
+    the tower's per row (`pad_work`; its attention too, which the pad rows' own block makes an upper bound)."""
     step, vision = result["step"], result["regions"]["vision"]
     layer_calls = graphed.get("lm_layer_calls", 0)
     removed = graphed.get("lm_layers_launching_ops", 0)
     removed_views = graphed.get("lm_layers_view_ops", 0)
     added = 2 * layer_calls + graphed.get("lm_layer_input_tensors", 0) + layer_calls
-    tower_calls = graphed.get("tower_calls", 0)
+    tower_calls, padding = graphed.get("tower_calls", 0), 0.0
     if tower_launches_per_call is not None and tower_calls:
         removed += vision["kernel_launching_ops"]
         removed_views += vision["view_ops"]
         added += tower_calls * tower_launches_per_call
+        if graphed.get("tower_rows"):
+            padding = graphed["tower_bucket_rows"] / graphed["tower_rows"] - 1
     return {
         "label": "ESTIMATE",
         "host_launches": step["kernel_launching_ops"] - removed + added,
@@ -123,6 +136,8 @@ def graphed_launches(result: dict, graphed: dict, *, tower_launches_per_call: in
         "replays_and_copies": added,
         "lm_layer_calls": layer_calls,
         "tower_calls": tower_calls if tower_launches_per_call is not None else 0,
+        "tower_padding_share": round(padding, 4),
+        "pad_work": {key: round(vision[key] * padding, 4) for key in GPU_WORK},
     }
 
 

@@ -323,6 +323,7 @@ class TowerGraphs:
         self.merge_unit = config.spatial_merge_size**2
         window_size = getattr(config, "window_size", None)  # Qwen2.5-VL windows its attention; Qwen2-VL does not
         self.window = None if window_size is None else (window_size // config.patch_size) ** 2
+        self.unit = self.merge_unit if self.window is None else self.window  # a bucket's rows are a multiple of it
         self.trained = [p for p in tower.parameters() if p.requires_grad]
         self.cuda, self.max_graphs = cuda, max_graphs
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
@@ -347,8 +348,8 @@ class TowerGraphs:
     def bucket_graph(self, pixels: torch.Tensor, inputs: Any) -> tuple[_BucketGraph | None, str | None]:
         """The graph of the call's bucket (made on its first call), or None and why the call runs eagerly."""
         windows = None if self.window is None else inputs.cu_window_seqlens.shape[0] - 1
-        unit = self.merge_unit if self.window is None else self.window
-        bucket = tower_bucket(pixels.shape[0], inputs.cu_seqlens.shape[0] - 1, windows, unit=unit, window=self.window)
+        blocks = inputs.cu_seqlens.shape[0] - 1
+        bucket = tower_bucket(pixels.shape[0], blocks, windows, unit=self.unit, window=self.window)
         graph = self.buckets.get(bucket)
         if graph is None:
             if len(self.buckets) >= self.max_graphs:
@@ -359,6 +360,10 @@ class TowerGraphs:
         if graph.pending:
             return None, "a second call while the bucket's backward is pending"
         return (None, graph.failed) if graph.failed is not None else (graph, None)
+
+    def bucket_rows(self, patches: int) -> int:
+        """The pixel rows a graphed call of `patches` rows runs: its bucket's (the step census counts them)."""
+        return tower_bucket(patches, 0, None, unit=self.unit, window=self.window).patches
 
     def __call__(self, pixels: torch.Tensor, inputs: Any, grid_thw: torch.Tensor) -> torch.Tensor:
         """The tower's merged output rows for `pixels` (the tower's `pooler_output`), replayed where it can be."""

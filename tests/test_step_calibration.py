@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks import bench_step, step_calibration
+from benchmarks import bench_step, step_calibration, step_model
 from benchmarks.step_model import BEFORE_CENSUS, StepTimeModel
 
 CENSUS = {  # qwen2_5_vl_3b_12l, 2026-11-28 (afternoon, in-place writes counted): python -m benchmarks.bench_step --config qwen2_5_vl_3b_12l
@@ -40,6 +40,20 @@ def bench_train_json(path, *, step_s=1.4, idle=0.3, graphed=True, planned=None, 
                 {"name": "8192-packed", "seq_length": 8192, "mode": "packed", "base": True, "result": {"error": "OOM"}}]  # fmt: skip
     path.write_text(json.dumps({"device": "NVIDIA H200", "variants": variants}))
     return path
+
+
+def test_a_graphed_towers_pad_rows_are_work_the_measured_gpu_did(tmp_path, previous):
+    """The graphed step's GPU work includes the tower's pad rows (the census's `pad_work`): the refit divides the
+    measured kernel seconds by that work, and reproduces the measured step with it."""
+    padded = {**CENSUS, "cuda_graphs": {**CENSUS["cuda_graphs"], "pad_work": {
+        "gemm_tflop": 17.3, "gemm_misaligned_tflop": 0.0, "attention_tflop": 0.75, "nongemm_gb": 25.3}}}  # fmt: skip
+    measured = step_calibration.MeasuredStep.of_bench_train(bench_train_json(tmp_path / "b.json", idle=0.02))
+    model = step_calibration.recalibrated(previous, padded, measured)
+    assert step_calibration.estimated_step_s(model, padded, graphed=True) == pytest.approx(measured.step_s)
+    work = step_model.with_pad_work(padded["step"], padded["cuda_graphs"])
+    assert work["gemm_tflop"] == pytest.approx(CENSUS["step"]["gemm_tflop"] + 17.3)
+    assert model.parts(work)["gemm_aligned_s"] == pytest.approx(measured.gemm_s)
+    assert model.parts(CENSUS["step"])["gemm_aligned_s"] < measured.gemm_s  # without them: less than it measured
 
 
 @pytest.mark.parametrize("idle, graphed", [(0.3, True), (0.3, False), (0.02, True)])
