@@ -29,6 +29,7 @@ import collections
 import contextlib
 import math
 import pathlib
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -315,6 +316,8 @@ class Census:
         if func.namespace == "c10d":  # collectives: kernels on the device's stream (NCCL), no host wait
             counts.launches[name] += 1
             return
+        if _in_collective():  # the CPU backend's own copies (Gloo at one rank): NCCL's collective stands for them
+            return
         if self.compiled_depth or self._in_compiled_backward():  # Inductor's kernels stand for all but GEMMs
             if name in GEMM_OPS:
                 counts.launches[name] += 1
@@ -391,6 +394,20 @@ class Census:
                 for k, n in sorted(total.gemm_shapes.items(), key=lambda kv: -kv[1])
             ],
         }
+
+
+_C10D_FILE = "distributed_c10d.py"
+
+
+def _in_collective() -> bool:
+    """Whether an op runs inside torch.distributed's collective calls (a backend's work, e.g. Gloo's copy of a
+    reduce-scatter at one rank, which NCCL does in place: nothing)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_C10D_FILE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _read_and_written(func, name: str, args, kwargs) -> list[torch.Tensor]:
