@@ -32,7 +32,15 @@ from unittest import mock
 import torch
 
 from benchmarks import step_calibration
-from benchmarks.step_model import BEFORE_CENSUS, StepTimeModel, goal_checks, graphed_launches, profile_match, table
+from benchmarks.step_model import (
+    BEFORE_CENSUS,
+    StepTimeModel,
+    goal_checks,
+    graphed_launches,
+    profile_match,
+    second_profile_checks,
+    table,
+)
 from benchmarks.step_shapes import (
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -436,11 +444,16 @@ def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, co
             if name != "tiny":
                 result["estimate"] = model.estimate(result["step"], result.get("cuda_graphs"))
     if MEASURED_CONFIG in results["configs"]:
-        results["profile_match"] = profile_match(results["configs"][MEASURED_CONFIG])
+        measured = results["configs"][MEASURED_CONFIG]
+        results["profile_match"] = profile_match(measured)
+        if before is not None and not (baseline or compile):  # the 2026-11-26 run's step, against the first fit
+            checks += second_profile_checks(measured, StepTimeModel.calibrated(before))
     if RESULTS_CONFIG in results["configs"]:
         result = results["configs"][RESULTS_CONFIG]
         if "estimate" in result:
-            results["checks"] = goal_checks(result, result["estimate"]) + checks
+            checks = goal_checks(result, result["estimate"]) + checks
+    if checks:
+        results["checks"] = checks
     (out / "bench_step.json").write_text(json.dumps(results, indent=1))
     return results
 

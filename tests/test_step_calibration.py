@@ -118,3 +118,20 @@ def test_the_command_line_refuses_a_calibration_it_cannot_make_before_any_census
     missing = tmp_path / "missing.json"
     assert bench_step.main(["--config", "qwen2_5_vl_3b_12l", "--calibrate", str(missing), "--out", str(tmp_path)]) == 2
     assert f"--calibrate {missing}" in capsys.readouterr().err
+
+
+def test_the_first_fit_is_held_against_the_second_h100_profile(previous):
+    """`step_model.second_profile_checks`: a census making the 2026-11-26 run's GEMM and attention calls, whose FLOPs
+    the model turns into that profile's device seconds, meets them; 20% more GEMM FLOPs, or one call fewer, does not.
+    (The census of the measured configuration: 0.908 / 0.878 s GEMM, 0.218 / 0.219 s attention, benchmarks/RESULTS.md.)"""
+    profile = step_model.SECOND_PROFILE
+    step = {"ops": dict(profile["calls"]), "gemm_tflop": profile["gemm_s"] * previous.aligned_flops_per_s / 1e12,
+            "gemm_misaligned_tflop": 0.0, "attention_tflop": profile["attention_s"] * previous.attention_flops_per_s / 1e12,
+            "nongemm_gb": 0.0, "h2d_pageable": 0, "kernel_launching_ops": 0, "view_ops": 0, "host_syncs": 0}  # fmt: skip
+
+    def met(**changes) -> list[bool]:
+        return [check["met"] for check in step_model.second_profile_checks({"step": step | changes}, previous)]
+
+    assert met() == [True, True, True]
+    assert met(gemm_tflop=1.2 * step["gemm_tflop"]) == [True, False, True]
+    assert met(ops={**step["ops"], "mm": step["ops"]["mm"] - 1}) == [False, True, True]
