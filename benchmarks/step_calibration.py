@@ -8,7 +8,8 @@ then
 1. reports the census's ESTIMATE, from the model as it was, against that measured step (the goal: within 10%);
 2. refits the model's rates to that step: GEMM and attention FLOP/s from their kernel seconds, the bytes/s of the
    non-GEMM work from the rest of the kernel seconds, the host's seconds per launch from the step where the GPU sat
-   idle (the host then bounds the step), a stall per host sync for what is left;
+   idle (the host then bounds the step), a stall per host sync for what is left; with the graphs the run used (the
+   layers', and the tower's where most of its calls replayed: bench_train records them by kind);
 3. writes `results/calibration.json` (the measured step and the census it was fitted on), which every later census
    takes its model from (`current_model`).
 The refitted model reproduces that step by construction: its test is the next measured configuration.
@@ -20,7 +21,7 @@ import json
 import pathlib
 from dataclasses import asdict, dataclass, replace
 
-from benchmarks.step_model import StepTimeModel, with_pad_work
+from benchmarks.step_model import StepTimeModel, eager_tower, with_pad_work
 
 CALIBRATION = pathlib.Path(__file__).resolve().parent / "results" / "calibration.json"
 ESTIMATE_GOAL = 0.10  # issue 38: the census's estimate within 10% of the measured step
@@ -41,6 +42,7 @@ class MeasuredStep:
     busy_s: float  # the GPU's busy and idle seconds in the step profiled for them
     idle_s: float
     graphed: bool  # the language model's layers ran as CUDA graphs
+    tower_graphed: bool = True  # and most of the vision tower's calls replayed theirs
 
     @property
     def idle_share(self) -> float:
@@ -71,6 +73,7 @@ class MeasuredStep:
                              f"({run['vision_recompute_from_plan']}); the census configuration does not")  # fmt: skip
         work = profile["work_s"]
         graphs = ((run.get("patch_groups") or {}).get("cuda_graphs")) or {}
+        calls = (graphs.get("vision_tower") or {}).get("calls") or {}  # qvl.kernels.tower_graphs stats()
         return cls(
             source=str(path),
             device=results.get("device", "?"),
@@ -82,21 +85,32 @@ class MeasuredStep:
             busy_s=profile["gpu_busy_s"],
             idle_s=profile["gpu_idle_s"],
             graphed=bool(graphs.get("created")),
+            tower_graphed=bool(graphs.get("created")) and 2 * calls.get("replayed", 0) > sum(calls.values()),
         )
 
 
-def host_ops(census: dict, *, graphed: bool) -> int:
+def graphs_as_run(census: dict, *, graphed: bool, tower_graphed: bool = True) -> dict | None:
+    """The census's CUDA-graph estimate (`cuda_graphs`) as a run used the graphs: None without the layers' graphs;
+    where the tower ran eagerly, its ops back on the host (step_model.eager_tower)."""
+    graphs = census.get("cuda_graphs")
+    if not graphed or not graphs:
+        return None
+    return graphs if tower_graphed else eager_tower(graphs)
+
+
+def host_ops(census: dict, *, graphed: bool, tower_graphed: bool = True) -> int:
     """What the host launches and views in a step of `census`: with the CUDA graphs, what they leave."""
-    step, graphs = census["step"], census.get("cuda_graphs")
-    if graphed and graphs:
+    step, graphs = census["step"], graphs_as_run(census, graphed=graphed, tower_graphed=tower_graphed)
+    if graphs is not None:
         return graphs["host_launches"] + graphs["view_ops"]
     return step["kernel_launching_ops"] + step["view_ops"]
 
 
-def estimated_step_s(model: StepTimeModel, census: dict, *, graphed: bool) -> float:
-    """The model's ESTIMATE for `census`, with or without the CUDA graphs."""
-    estimate = model.estimate(census["step"], census.get("cuda_graphs") if graphed else None)
-    return estimate["estimated_step_s_graphed" if graphed and census.get("cuda_graphs") else "estimated_step_s"]
+def estimated_step_s(model: StepTimeModel, census: dict, *, graphed: bool, tower_graphed: bool = True) -> float:
+    """The model's ESTIMATE for `census`, with or without the CUDA graphs (the tower's, or the layers' only)."""
+    graphs = graphs_as_run(census, graphed=graphed, tower_graphed=tower_graphed)
+    estimate = model.estimate(census["step"], graphs)
+    return estimate["estimated_step_s_graphed" if graphs is not None else "estimated_step_s"]
 
 
 def recalibrated(previous: StepTimeModel, census: dict, measured: MeasuredStep) -> StepTimeModel:
@@ -104,7 +118,8 @@ def recalibrated(previous: StepTimeModel, census: dict, measured: MeasuredStep) 
     rate whose work the step does not have (no misaligned GEMMs, no pageable copies) keeps its previous value; so
     does the host's cost per launch where the GPU was not idle (the host did not bound the step). A graphed step's
     GPU work includes its tower's pad rows."""
-    step = with_pad_work(census["step"], census.get("cuda_graphs") if measured.graphed else None)
+    ran = dict(graphed=measured.graphed, tower_graphed=measured.tower_graphed)
+    step = with_pad_work(census["step"], graphs_as_run(census, **ran))
     aligned_tflop = step["gemm_tflop"] - step["gemm_misaligned_tflop"]
     misaligned_s = step["gemm_misaligned_tflop"] * 1e12 / previous.misaligned_flops_per_s
     model = replace(
@@ -115,14 +130,14 @@ def recalibrated(previous: StepTimeModel, census: dict, measured: MeasuredStep) 
         sync_s=0.0,
     )
     if measured.idle_share > HOST_BOUND_IDLE:
-        model = replace(model, host_s_per_op=measured.step_s / host_ops(census, graphed=measured.graphed))
-    left = measured.step_s - estimated_step_s(model, census, graphed=measured.graphed)
+        model = replace(model, host_s_per_op=measured.step_s / host_ops(census, **ran))
+    left = measured.step_s - estimated_step_s(model, census, **ran)
     return replace(model, sync_s=max(left, 0.0) / max(step["host_syncs"], 1))
 
 
 def estimate_check(model: StepTimeModel, census: dict, measured: MeasuredStep) -> dict:
     """Issue 38's goal: the census's ESTIMATE of `census` within 10% of the measured step."""
-    estimate = estimated_step_s(model, census, graphed=measured.graphed)
+    estimate = estimated_step_s(model, census, graphed=measured.graphed, tower_graphed=measured.tower_graphed)
     error = estimate / measured.step_s - 1
     return {"figure": f"census ESTIMATE / measured step ({measured.device}, {measured.seq_length} packed): "
                       f"{estimate:.3f} / {measured.step_s:.3f} s",

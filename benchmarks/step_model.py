@@ -149,6 +149,22 @@ def graphed_launches(result: dict, graphed: dict, *, tower_launches_per_call: in
         "tower_calls": tower_calls if tower_launches_per_call is not None else 0,
         "tower_padding_share": round(padding, 4),
         "pad_work": {key: round(vision[key] * padding, 4) for key in GPU_WORK},
+        # what the tower's graphs took off the host and put back (eager_tower)
+        "tower_launching_ops": vision["kernel_launching_ops"] if tower_launches_per_call is not None else 0,
+        "tower_view_ops": vision["view_ops"] if tower_launches_per_call is not None else 0,
+        "tower_replay_launches": tower_calls * (tower_launches_per_call or 0),
+    }
+
+
+def eager_tower(graphs: dict) -> dict:
+    """`graphs` (graphed_launches) for a run whose layers replay but whose vision tower ran eagerly: the tower's ops
+    back on the host, its replays' launches and its pad rows gone."""
+    return graphs | {
+        "host_launches": graphs["host_launches"]
+        + graphs.get("tower_launching_ops", 0)
+        - graphs.get("tower_replay_launches", 0),
+        "view_ops": graphs["view_ops"] + graphs.get("tower_view_ops", 0),
+        "pad_work": {},
     }
 
 

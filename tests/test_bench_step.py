@@ -196,6 +196,19 @@ def test_the_census_estimates_the_launches_cuda_graphs_leave(tiny):
     assert graphs["tower_padding_share"] == pytest.approx(128 / 120 - 1, abs=1e-4)
     for key in step_model.GPU_WORK:
         assert graphs["pad_work"][key] == pytest.approx(regions["vision"][key] * (128 / 120 - 1), rel=1e-3, abs=1e-4)
+    # and what a run whose tower ran eagerly gives back to the host (step_model.eager_tower)
+    from qvl.kernels.tower_graphs import launches_per_call
+
+    assert graphs["tower_launching_ops"] == regions["vision"]["kernel_launching_ops"]
+    assert graphs["tower_replay_launches"] == 2 * launches_per_call(windowed=True)
+    eager = step_model.eager_tower(graphs)
+    assert (
+        eager["host_launches"]
+        == kept
+        + graphs["replays_and_copies"]
+        - graphs["tower_replay_launches"]
+        + (regions["vision"]["kernel_launching_ops"])
+    )
     model = step_model.StepTimeModel.calibrated(json.loads(step_model.BEFORE_CENSUS.read_text()))
     padded = model.parts(step_model.with_pad_work(after["step"], graphs))["gpu_s"]
     assert padded > model.parts(after["step"])["gpu_s"]

@@ -13,9 +13,10 @@ from benchmarks.step_model import BEFORE_CENSUS, StepTimeModel
 
 CENSUS = {  # qwen2_5_vl_3b_12l, 2026-11-28 (afternoon, in-place writes counted): python -m benchmarks.bench_step --config qwen2_5_vl_3b_12l
     "config": {"name": "qwen2_5_vl_3b_12l", "vision_recompute": False},
-    "step": {"kernel_launching_ops": 12665, "view_ops": 18454, "host_syncs": 7, "gemm_tflop": 530.8725,
+    "step": {"kernel_launching_ops": 12665, "view_ops": 18453, "host_syncs": 7, "gemm_tflop": 530.8725,
              "gemm_misaligned_tflop": 0.0, "attention_tflop": 17.199, "nongemm_gb": 699.127, "h2d_pageable": 0},
-    "cuda_graphs": {"host_launches": 1145, "view_ops": 2200},
+    "cuda_graphs": {"host_launches": 1145, "view_ops": 2349, "tower_launching_ops": 8952, "tower_view_ops": 10248,
+                    "tower_replay_launches": 120},
 }  # fmt: skip
 
 
@@ -24,10 +25,14 @@ def previous() -> StepTimeModel:
     return StepTimeModel.calibrated(json.loads(BEFORE_CENSUS.read_text()))
 
 
-def bench_train_json(path, *, step_s=1.4, idle=0.3, graphed=True, planned=None, profile=True, error=None):
-    """A bench_train.json whose base packed 4k run took `step_s`, its GPU idle for `idle` of the profiled step."""
+def bench_train_json(path, *, step_s=1.4, idle=0.3, graphed=True, tower_calls=None, planned=None, profile=True,
+                     error=None):  # fmt: skip
+    """A bench_train.json whose base packed 4k run took `step_s`, its GPU idle for `idle` of the profiled step, its
+    tower's calls by kind `tower_calls` (qvl.kernels.tower_graphs stats; default: replayed but for the first two)."""
     busy = step_s * (1 - idle)
-    result = {"step_seconds": step_s, "patch_groups": {"cuda_graphs": {"requested": True, "created": graphed}}}
+    tower = {"calls": tower_calls or {"warm-up": 1, "captured": 1, "replayed": 46}} if graphed else None
+    graphs = {"requested": True, "created": graphed, "vision_tower": tower}
+    result = {"step_seconds": step_s, "patch_groups": {"cuda_graphs": graphs}}
     if profile:
         result["profile"] = {"device": "cuda kernels", "gpu_busy_s": busy, "gpu_idle_s": step_s * idle,
                              "work_s": {"gemm": 0.6 * busy, "attention": 0.1 * busy, "elementwise": 0.25 * busy,
@@ -54,6 +59,23 @@ def test_a_graphed_towers_pad_rows_are_work_the_measured_gpu_did(tmp_path, previ
     assert work["gemm_tflop"] == pytest.approx(CENSUS["step"]["gemm_tflop"] + 17.3)
     assert model.parts(work)["gemm_aligned_s"] == pytest.approx(measured.gemm_s)
     assert model.parts(CENSUS["step"])["gemm_aligned_s"] < measured.gemm_s  # without them: less than it measured
+
+
+def test_a_run_whose_tower_ran_eagerly_is_fitted_with_the_layers_graphs_only(tmp_path, previous):
+    """bench_train records the tower's calls by kind: where most ran eagerly (a bucket's capture failed, say), the
+    run's host launched the tower's ops, and the host's cost per launch is fitted to those launches, not to the
+    graphed tower's replays."""
+    eager = {"warm-up": 1, "captured": 1, "eager": 46}
+    measured = step_calibration.MeasuredStep.of_bench_train(bench_train_json(tmp_path / "b.json", tower_calls=eager))
+    assert measured.graphed and not measured.tower_graphed
+    graphed = step_calibration.MeasuredStep.of_bench_train(bench_train_json(tmp_path / "g.json"))
+    assert graphed.tower_graphed
+    host = step_calibration.host_ops(CENSUS, graphed=True, tower_graphed=False)
+    assert host == 1145 + 2349 + 8952 + 10248 - 120  # the tower's ops back, its replays' launches gone
+    assert step_calibration.host_ops(CENSUS, graphed=True) == 1145 + 2349
+    model = step_calibration.recalibrated(previous, CENSUS, measured)  # 30% idle: host-bound
+    assert model.host_s_per_op == pytest.approx(measured.step_s / host)
+    assert step_calibration.estimated_step_s(model, CENSUS, graphed=True, tower_graphed=False) == pytest.approx(1.4)
 
 
 @pytest.mark.parametrize("idle, graphed", [(0.3, True), (0.3, False), (0.02, True)])
