@@ -45,6 +45,11 @@ class MeasuredStep:
     tower_graphed: bool = True  # and most of the vision tower's calls replayed theirs
 
     @property
+    def graphs_used(self) -> dict[str, bool]:
+        """The run's graphs as `graphs_as_run`, `host_ops` and `estimated_step_s` take them."""
+        return {"graphed": self.graphed, "tower_graphed": self.tower_graphed}
+
+    @property
     def idle_share(self) -> float:
         return self.idle_s / (self.busy_s + self.idle_s)
 
@@ -118,7 +123,7 @@ def recalibrated(previous: StepTimeModel, census: dict, measured: MeasuredStep) 
     rate whose work the step does not have (no misaligned GEMMs, no pageable copies) keeps its previous value; so
     does the host's cost per launch where the GPU was not idle (the host did not bound the step). A graphed step's
     GPU work includes its tower's pad rows."""
-    ran = dict(graphed=measured.graphed, tower_graphed=measured.tower_graphed)
+    ran = measured.graphs_used
     step = with_pad_work(census["step"], graphs_as_run(census, **ran))
     aligned_tflop = step["gemm_tflop"] - step["gemm_misaligned_tflop"]
     misaligned_s = step["gemm_misaligned_tflop"] * 1e12 / previous.misaligned_flops_per_s
@@ -137,7 +142,7 @@ def recalibrated(previous: StepTimeModel, census: dict, measured: MeasuredStep) 
 
 def estimate_check(model: StepTimeModel, census: dict, measured: MeasuredStep) -> dict:
     """Issue 38's goal: the census's ESTIMATE of `census` within 10% of the measured step."""
-    estimate = estimated_step_s(model, census, graphed=measured.graphed, tower_graphed=measured.tower_graphed)
+    estimate = estimated_step_s(model, census, **measured.graphs_used)
     error = estimate / measured.step_s - 1
     return {"figure": f"census ESTIMATE / measured step ({measured.device}, {measured.seq_length} packed): "
                       f"{estimate:.3f} / {measured.step_s:.3f} s",

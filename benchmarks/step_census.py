@@ -19,8 +19,9 @@ device tensor is on the device. Host syncs are reads of device values on the hos
 `bool()`, `int()`, ops whose output size depends on values such as `nonzero` or boolean indexing), each with the
 first call site outside torch.
 
-This module holds the recorder: `Census`, its per-region `RegionCounts`, the `WidthMap` back to real widths, and the
-arithmetic of GEMM FLOPs, row-pitch alignment and call sites.
+This module holds the recorder: `Census`, its per-region `RegionCounts`, the `WidthMap` back to real widths, and
+call sites; what one op costs (GEMM FLOPs, row-pitch alignment, the bytes an in-place op writes back, a backend's
+work inside a collective) is benchmarks.op_costs'.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import collections
 import contextlib
 import math
 import pathlib
-import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from benchmarks import step_kernels
 from benchmarks.compiled_regions import LABEL, bisect_range
+from benchmarks.op_costs import gemm_flops, in_collective, read_and_written, row_pitch_aligned
 
 REGIONS = ("lm", "vision", "loss", "optimizer", "other")
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm", "convolution", "convolution_backward"})
@@ -56,16 +57,6 @@ UNDECLARED_VIEW_OPS = frozenset({"_unsafe_view"})
 # Ops whose output size depends on tensor values: the host waits for the device to know it.
 VALUE_SIZED_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
                              "unique_dim", "bincount", "histc"})  # fmt: skip
-# In-place ops that overwrite their destination without reading it (counted once, as the write).
-OVERWRITE_OPS = frozenset({"copy_", "zero_", "fill_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_",
-                           "bernoulli_", "random_", "exponential_"})  # fmt: skip
-# In-place ops that write a few rows of their destination: counted as the reads of what they are given.
-PARTIAL_WRITE_OPS = frozenset({"index_put_", "_index_put_impl_", "index_add_", "index_copy_", "index_fill_",
-                               "scatter_", "scatter_add_", "scatter_reduce_", "masked_scatter_", "put_"})  # fmt: skip
-# Arguments a schema marks written that the kernel leaves alone without a grad scaler (bf16 training has none):
-# fused Adam unscales its gradients in place only when given `grad_scale`.
-UNSCALED_ARGS = {"_fused_adam_": frozenset({"grads"}), "_fused_adamw_": frozenset({"grads"})}
-ALIGN_BYTES = 16  # Hopper's TMA needs 16-byte row pitches; else cuBLAS falls back to align2/align4 sm80 kernels
 _SKIP_FRAMES = (  # frames of torch and of the census itself: never the call site of a sync
     f"{pathlib.Path(torch.__file__).parent}",
     __file__,
@@ -316,7 +307,7 @@ class Census:
         if func.namespace == "c10d":  # collectives: kernels on the device's stream (NCCL), no host wait
             counts.launches[name] += 1
             return
-        if _in_collective():  # the CPU backend's own copies (Gloo at one rank): NCCL's collective stands for them
+        if in_collective():  # the CPU backend's own copies (Gloo at one rank): NCCL's collective stands for them
             return
         if self.compiled_depth or self._in_compiled_backward():  # Inductor's kernels stand for all but GEMMs
             if name in GEMM_OPS:
@@ -348,7 +339,7 @@ class Census:
         if name in GEMM_OPS:
             self._gemm(name, args, kwargs, out, counts)
             return
-        tensors = inputs + ([] if inplace else outputs) + _read_and_written(func, name, args, kwargs)
+        tensors = inputs + ([] if inplace else outputs) + read_and_written(func, name, args, kwargs)
         nbytes = sum(self.widths.nbytes(t) for t in tensors)
         counts.nongemm_bytes += nbytes
         counts.nongemm_bytes_by_op[name] += nbytes
@@ -359,7 +350,7 @@ class Census:
 
     def _gemm(self, name: str, args, kwargs, out, counts: RegionCounts) -> None:
         flops, operands, key = gemm_flops(name, args, out, self.widths)
-        aligned = all(_aligned(t, self.widths) for t in operands)
+        aligned = all(row_pitch_aligned(t, self.widths) for t in operands)
         counts.gemm_flops += flops
         if not aligned:
             counts.gemm_flops_misaligned += flops
@@ -396,36 +387,6 @@ class Census:
         }
 
 
-_C10D_FILE = "distributed_c10d.py"
-
-
-def _in_collective() -> bool:
-    """Whether an op runs inside torch.distributed's collective calls (a backend's work, e.g. Gloo's copy of a
-    reduce-scatter at one rank, which NCCL does in place: nothing)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_C10D_FILE):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _read_and_written(func, name: str, args, kwargs) -> list[torch.Tensor]:
-    """The tensors an in-place op reads and then writes back (its schema's `a!` arguments): already counted once as
-    inputs, they move their bytes a second time. Overwritten destinations (`copy_`, `out=`) and a few rows written
-    (`index_put_`) are counted once, as inputs."""
-    if name in OVERWRITE_OPS or name in PARTIAL_WRITE_OPS:
-        return []
-    unwritten = UNSCALED_ARGS.get(name, frozenset()) if kwargs.get("grad_scale") is None else frozenset()
-    tensors = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write or arg.name in unwritten or arg.name == "out":
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        tensors += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-    return tensors
-
-
 def _add(total: RegionCounts, counts: RegionCounts) -> None:
     total.launches.update(counts.launches)
     total.syncs.update(counts.syncs)
@@ -453,37 +414,6 @@ def _bool_index(args) -> bool:
     return isinstance(indices, (list, tuple)) and any(
         isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices
     )
-
-
-def _aligned(tensor: torch.Tensor, widths: WidthMap) -> bool:
-    """Whether every row pitch of a GEMM operand (the stride of its non-unit-stride matrix dimension) is a multiple
-    of 16 bytes at the real widths."""
-    if tensor.dim() < 2:
-        return True
-    s0, s1 = tensor.stride(-2), tensor.stride(-1)
-    if tensor.shape[-1] == 1 or tensor.shape[-2] == 1:
-        return True
-    pitch = s0 if s1 == 1 else s1 if s0 == 1 else None
-    if pitch is None:
-        return False
-    return widths.pitch(pitch) * tensor.element_size() % ALIGN_BYTES == 0
-
-
-def gemm_flops(name: str, args, out, widths: WidthMap) -> tuple[float, list[torch.Tensor], tuple]:
-    """(real FLOPs, matrix operands, (M, K, N, batch)) of one GEMM-class op."""
-    if name in ("mm", "addmm", "_scaled_mm", "addbmm", "bmm", "baddbmm"):
-        a, b = (args[1], args[2]) if name in ("addmm", "addbmm", "baddbmm") else (args[0], args[1])
-        (m, k), n = widths.shape(tuple(a.shape[-2:])), widths.shape((b.shape[-1],))[0]
-        batch = a.shape[0] if a.dim() == 3 else 1
-        return 2.0 * batch * m * k * n, [a, b, out], (m, k, n, batch)
-    if name == "convolution":
-        weight = args[1]
-        kernel = math.prod(widths.shape(tuple(weight.shape[1:])))
-        return 2.0 * widths.numel(out) * kernel, [], (widths.numel(out), kernel, 1, 1)
-    # convolution_backward: grad input and grad weight, each the forward's FLOPs
-    grad_output, weight, mask = args[0], args[2], args[-1]
-    kernel = math.prod(widths.shape(tuple(weight.shape[1:])))
-    return 2.0 * widths.numel(grad_output) * kernel * sum(bool(m) for m in mask[:2]), [], (0, kernel, 0, 1)
 
 
 def call_site() -> str:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from benchmarks import bench_step, step_model
-from benchmarks.step_census import Census, WidthMap, _aligned, gemm_flops
+from benchmarks.op_costs import gemm_flops, row_pitch_aligned
+from benchmarks.step_census import Census, WidthMap
 
 # The census's headline figures, pinned: (recorded, relative band). The RESULTS.md configuration (qwen2_5_vl_3b_12l: 12
 # LM layers, 8 packs of 4k) takes about 15 minutes on 2 cores, too long for the suite, so its structure at 2 LM
@@ -32,8 +33,8 @@ TINY_FIGURES = {  # `python -m benchmarks.bench_step --config tiny --json`, `_un
 def test_alignment_and_flops_are_those_of_the_real_widths():
     widths = WidthMap(dims={36: 3420, 64: 3456, 128: 1280})
     x, w = torch.zeros(100, 128, dtype=torch.bfloat16), torch.zeros(36, 128, dtype=torch.bfloat16)
-    assert not _aligned(x @ w.t(), widths)  # a [T, 3420] bf16 output: 6,840-byte rows
-    assert _aligned(torch.zeros(100, 64, dtype=torch.bfloat16), widths)  # padded to 3456: 6,912-byte rows
+    assert not row_pitch_aligned(x @ w.t(), widths)  # a [T, 3420] bf16 output: 6,840-byte rows
+    assert row_pitch_aligned(torch.zeros(100, 64, dtype=torch.bfloat16), widths)  # padded to 3456: 6,912-byte rows
     flops, _, (m, k, n, batch) = gemm_flops("mm", (x, w.t()), None, widths)
     assert (m, k, n, batch) == (100, 1280, 3420, 1) and flops == 2 * 100 * 1280 * 3420
 

@@ -1,0 +1,87 @@
+"""What one aten op costs on the device, for the step census (benchmarks.step_census): a GEMM's FLOPs at the real
+widths and whether its operands' row pitches suit Hopper's kernels; the bytes an in-place op writes back on top of
+what it reads; and whether an op is a CPU backend's own work inside a collective (NCCL's kernel stands for it)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils import _pytree as pytree
+
+if TYPE_CHECKING:
+    from benchmarks.step_census import WidthMap
+
+# In-place ops that overwrite their destination without reading it (counted once, as the write).
+OVERWRITE_OPS = frozenset({"copy_", "zero_", "fill_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_",
+                           "bernoulli_", "random_", "exponential_"})  # fmt: skip
+# In-place ops that write a few rows of their destination: counted as the reads of what they are given.
+PARTIAL_WRITE_OPS = frozenset({"index_put_", "_index_put_impl_", "index_add_", "index_copy_", "index_fill_",
+                               "scatter_", "scatter_add_", "scatter_reduce_", "masked_scatter_", "put_"})  # fmt: skip
+# Arguments a schema marks written that the kernel leaves alone without a grad scaler (bf16 training has none):
+# fused Adam unscales its gradients in place only when given `grad_scale`.
+UNSCALED_ARGS = {"_fused_adam_": frozenset({"grads"}), "_fused_adamw_": frozenset({"grads"})}
+ALIGN_BYTES = 16  # Hopper's TMA needs 16-byte row pitches; else cuBLAS falls back to align2/align4 sm80 kernels
+
+
+_C10D_FILE = "distributed_c10d.py"
+
+
+def in_collective() -> bool:
+    """Whether an op runs inside torch.distributed's collective calls (a backend's work, e.g. Gloo's copy of a
+    reduce-scatter at one rank, which NCCL does in place: nothing)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_C10D_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def read_and_written(func, name: str, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an in-place op reads and then writes back (its schema's `a!` arguments): already counted once as
+    inputs, they move their bytes a second time. Overwritten destinations (`copy_`, `out=`) and a few rows written
+    (`index_put_`) are counted once, as inputs."""
+    if name in OVERWRITE_OPS or name in PARTIAL_WRITE_OPS:
+        return []
+    unwritten = UNSCALED_ARGS.get(name, frozenset()) if kwargs.get("grad_scale") is None else frozenset()
+    tensors = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write or arg.name in unwritten or arg.name == "out":
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        tensors += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return tensors
+
+
+def row_pitch_aligned(tensor: torch.Tensor, widths: WidthMap) -> bool:
+    """Whether every row pitch of a GEMM operand (the stride of its non-unit-stride matrix dimension) is a multiple
+    of 16 bytes at the real widths."""
+    if tensor.dim() < 2:
+        return True
+    s0, s1 = tensor.stride(-2), tensor.stride(-1)
+    if tensor.shape[-1] == 1 or tensor.shape[-2] == 1:
+        return True
+    pitch = s0 if s1 == 1 else s1 if s0 == 1 else None
+    if pitch is None:
+        return False
+    return widths.pitch(pitch) * tensor.element_size() % ALIGN_BYTES == 0
+
+
+def gemm_flops(name: str, args, out, widths: WidthMap) -> tuple[float, list[torch.Tensor], tuple]:
+    """(real FLOPs, matrix operands, (M, K, N, batch)) of one GEMM-class op."""
+    if name in ("mm", "addmm", "_scaled_mm", "addbmm", "bmm", "baddbmm"):
+        a, b = (args[1], args[2]) if name in ("addmm", "addbmm", "baddbmm") else (args[0], args[1])
+        (m, k), n = widths.shape(tuple(a.shape[-2:])), widths.shape((b.shape[-1],))[0]
+        batch = a.shape[0] if a.dim() == 3 else 1
+        return 2.0 * batch * m * k * n, [a, b, out], (m, k, n, batch)
+    if name == "convolution":
+        weight = args[1]
+        kernel = math.prod(widths.shape(tuple(weight.shape[1:])))
+        return 2.0 * widths.numel(out) * kernel, [], (widths.numel(out), kernel, 1, 1)
+    # convolution_backward: grad input and grad weight, each the forward's FLOPs
+    grad_output, weight, mask = args[0], args[2], args[-1]
+    kernel = math.prod(widths.shape(tuple(weight.shape[1:])))
+    return 2.0 * widths.numel(grad_output) * kernel * sum(bool(m) for m in mask[:2]), [], (0, kernel, 0, 1)
