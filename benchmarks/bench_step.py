@@ -40,7 +40,7 @@ from benchmarks.step_model import (
     second_profile_checks,
     table,
 )
-from benchmarks.step_regions import Regions, census_forward_step, marked
+from benchmarks.step_regions import Regions, census_forward_step, marked, tower_bucket_rows
 from benchmarks.step_shapes import (
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -242,6 +242,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
     result = {"config": asdict(config), "baseline": spec["baseline"], "compile": bool(spec.get("compile")),
               "losses": losses}  # fmt: skip
     result |= census.summary(config.packs)
+    census.graphed["tower_bucket_rows"] = tower_bucket_rows(regions)
     result["cuda_graphs"] = graphed_launches(result, census.graphed, tower_launches_per_call=tower_launches(cfg))
     pathlib.Path(spec["result"]).write_text(json.dumps(result, indent=1))
     return 0

@@ -18,6 +18,8 @@ class Regions:
     def __init__(self, census):
         self.census = census
         self.installed = False
+        self.tower = None
+        self.tower_calls: list[int] = []  # the pixel rows of each counted tower call
 
     def set(self, region: str):
         self.census.region = region
@@ -71,17 +73,14 @@ class Regions:
         vlm.register_forward_pre_hook(lambda m, a: self.set("lm"))
         self.mark_graphed_layers(list(getattr(lm.decoder, "layers", [])))
         if tower is not None:
-            from qvl.kernels.tower_graphs import TowerGraphs
-
-            buckets = TowerGraphs(tower, cuda=False)  # a graphed call's rows: its bucket's
+            self.tower = tower
 
             def tower_call(module, args, kwargs):
                 self.set("vision")
                 if self.census.counting:
                     rows = (args[0] if args else kwargs["hidden_states"]).shape[0]
-                    self.census.graphed.update(
-                        tower_calls=1, tower_rows=rows, tower_bucket_rows=buckets.bucket_rows(rows)
-                    )
+                    self.census.graphed.update(tower_calls=1, tower_rows=rows)
+                    self.tower_calls.append(rows)
 
             tower.register_forward_pre_hook(tower_call, with_kwargs=True)
             tower.register_forward_hook(lambda m, a, out: (self.mark_output(out, "vision"), self.set("lm"))[1])
@@ -102,6 +101,17 @@ class Regions:
             return result
 
         model_config.finalize_model_grads_func = finalize_then_optimizer
+
+
+def tower_bucket_rows(regions: Regions) -> int:
+    """The pixel rows the counted tower calls run graphed: each call's bucket's, the sizes planned from the calls
+    themselves, as a run plans them from its dataset's packs (the census's packs are its dataset)."""
+    if regions.tower is None:
+        return 0
+    from qvl.kernels.tower_graphs import TowerGraphs
+
+    graphs = TowerGraphs(regions.tower, cuda=False, planned_calls=regions.tower_calls)
+    return sum(graphs.bucket_rows(rows) for rows in regions.tower_calls)
 
 
 def census_forward_step(census, regions: Regions):

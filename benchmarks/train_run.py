@@ -143,6 +143,10 @@ def bench_dataset_class():
         mode: str = "packed"
         pad_to: int = 0
 
+        def tower_calls_dataset(self) -> str | None:
+            """Padded micro-batches are the packs' samples: the packs' tower calls are not theirs."""
+            return super().tower_calls_dataset() if self.mode == "packed" else None
+
         def build_datasets(self, context):
             path = pathlib.Path(self.path)
             encoder = QwenVLPackedTaskEncoder(hf_path=pathlib.Path(self.hf_path), family=self.family)

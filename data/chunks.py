@@ -175,6 +175,7 @@ def _spill(work, chunk: int, kept: list[list[TokenizedSample]], rejections: list
     # An item's vision cost is its first sample's media: the tower encodes a pair's shared images once.
     grids = [g for subs in kept for g in list(subs[0].image_grids) + list(subs[0].video_grids)]
     owners = [k for k, subs in enumerate(kept) for _ in range(len(subs[0].image_grids) + len(subs[0].video_grids))]
+    videos = [kind for subs in kept for kind in [False] * len(subs[0].image_grids) + [True] * len(subs[0].video_grids)]
     meta = {"read": read, "truncated": truncated, "rejections": [r.to_json() for r in rejections]}
     _write_atomic(chunk_path(work, chunk, ".bin"), b"".join(blobs))
     summary = io.BytesIO()
@@ -187,6 +188,7 @@ def _spill(work, chunk: int, kept: list[list[TokenizedSample]], rejections: list
         size=sizes,
         grid_thw=np.asarray(grids, dtype=np.int64).reshape(-1, 3),
         grid_owner=np.asarray(owners, dtype=np.int64),
+        grid_video=np.asarray(videos, dtype=bool),
         meta=np.frombuffer(json.dumps(meta, ensure_ascii=False).encode("utf-8", "surrogateescape"), dtype=np.uint8),
     )
     _write_atomic(chunk_path(work, chunk, ".npz"), summary.getvalue())

@@ -103,6 +103,7 @@ class _Samples:
     size: np.ndarray
     first_length: np.ndarray  # a pair's chosen side's tokens (an SFT sample's: all of them)
     vision_flops: np.ndarray | None = None  # per sample, when a cost model is asked for
+    vision_rows: np.ndarray | None = None  # per sample [n, 2]: the tower's image and video rows (None: not known)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -261,8 +262,12 @@ def _merge(config: PrepareConfig, work: pathlib.Path, n_chunks: int, state: _Sta
             state.media += len(summary["grid_thw"])
             state.vision_patches += int(summary["grid_thw"].prod(axis=1).sum()) if len(summary["grid_thw"]) else 0
             columns["chunk"].append(np.full(len(summary["index"]), chunk, dtype=np.int64))
+            columns["vision_rows"].append(_vision_rows(summary))
             if shapes is not None:
                 columns["vision_flops"].append(_vision_flops(shapes[1], summary))
+    rows_per_chunk = columns.pop("vision_rows", [])
+    known = all(rows is not None for rows in rows_per_chunk)  # chunks spilled by an older qvl lack media kinds
+    vision_rows = np.concatenate(rows_per_chunk) if known and rows_per_chunk else None
     arrays = {key: np.concatenate(columns[key]) if columns[key] else np.zeros(0, np.int64) for key in columns}
     empty = np.zeros(0, np.int64)
     return _Samples(
@@ -273,7 +278,20 @@ def _merge(config: PrepareConfig, work: pathlib.Path, n_chunks: int, state: _Sta
         size=arrays.get("size", empty),
         first_length=arrays.get("first_length", empty),
         vision_flops=arrays.get("vision_flops", np.zeros(0)) if shapes is not None else None,
+        vision_rows=vision_rows,
     )
+
+
+def _vision_rows(summary: dict) -> np.ndarray | None:
+    """Per sample of a chunk, [image rows, video rows]: the patches (t x h x w) the vision tower encodes for it (a
+    pair's shared media once); None for a chunk spilled without media kinds."""
+    if "grid_video" not in summary:
+        return None
+    n, grids = len(summary["index"]), summary["grid_thw"]
+    rows = np.zeros((n, 2), dtype=np.int64)
+    if len(grids):
+        np.add.at(rows, (summary["grid_owner"], summary["grid_video"].astype(np.int64)), grids.prod(axis=1))
+    return rows
 
 
 def _cost_shapes(config: PrepareConfig):
@@ -432,6 +450,8 @@ def _pack_rows(plan: PackPlan, samples: _Samples, packs_per_shard: int, kind: st
             row.update(pair_pack_row(items, samples.index, samples.length, samples.first_length))
         else:
             row.update(samples=samples.index[items].tolist(), lengths=samples.length[items].tolist())
+        if samples.vision_rows is not None:  # the tower's calls, which plan its CUDA graphs' sizes
+            row["vision_rows"] = samples.vision_rows[items].sum(axis=0).tolist()
         row.update({name: column[k].item() for name, column in plan.columns.items()})
         yield row
 

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 GROUP = "speed-cuda-graphs"
 WARMUP_STEPS = 2  # eager runs of each layer before its capture (Megatron-Core's cuda_graph_warmup_steps)
 TOWER_GRAPHS = "qvl_tower_graphs"  # the model config's flag: its vision tower may be graphed too
+TOWER_DATASET = "qvl_tower_dataset"  # the model config's dataset whose tower calls plan the tower's bucket sizes
 
 
 class TooManySubSequencesError(QvlError):
@@ -115,6 +116,32 @@ def most_sub_sequences(dataset: str) -> int:
         return max(len(json.loads(row)["lengths"]) for row in rows if row.strip())
 
 
+def planned_dataset(cfg: Any) -> str | None:
+    """The dataset whose packs plan the graphed tower's bucket sizes: what a ConfigContainer's dataset config names
+    (qvl's packed datasets: their own folder where each micro-batch is one pack, so that a tower call is a pack's
+    images or videos); None elsewhere (the geometric grid)."""
+    calls_of = getattr(getattr(cfg, "dataset", None), "tower_calls_dataset", None)
+    path = calls_of() if callable(calls_of) else None
+    return None if path is None else str(path)
+
+
+@functools.cache
+def dataset_tower_calls(dataset: str, *, together: bool) -> tuple[int, ...]:
+    """The pixel rows of every tower call a `qvl data prepare` folder's packs make (packs.jsonl's `vision_rows`:
+    each pack's image rows and video rows, the tower's distinct media): images and videos as calls of their own, or
+    `together` as one call per pack (Qwen3-VL's tower); () for a dataset prepared before packs recorded them."""
+    calls = []
+    with (pathlib.Path(dataset) / "packs.jsonl").open() as rows:
+        for row in rows:
+            if not row.strip():
+                continue
+            vision = json.loads(row).get("vision_rows")
+            if vision is None:
+                return ()
+            calls.extend([sum(vision)] if together else vision)
+    return tuple(call for call in calls if call > 0)
+
+
 def fixed_size_cu_seqlens(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:
     """`cu_seqlens` ([n + 1], on its device) as `slots + 1` entries: its last bound repeated after it. The extra
     sub-sequences have length zero: attention skips them, and nothing is read back to the host to make them."""
@@ -150,6 +177,7 @@ def with_layer_graphs(original):
                 for name, value in layer_graph_settings().items():
                     setattr(cfg.model, name, value)
                 setattr(cfg.model, TOWER_GRAPHS, tower)
+                setattr(cfg.model, TOWER_DATASET, planned_dataset(cfg) if tower else None)
                 logger.info("speed-cuda-graphs: the language model's layers replay as CUDA graphs from step 2")
                 if getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False):
                     logger.warning(

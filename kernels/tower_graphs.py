@@ -8,8 +8,10 @@ step under its 2,000 launches. Replayed as one forward and one backward graph, a
 copies that fill its inputs and take its output's gradient (`launches_per_call`: 15 with windows, 10 without).
 
 How: a graph replays fixed shapes, and every micro-batch has its own patch count. `TowerGraphs` rounds a call up to
-a bucket (`tower_bucket`: eight patch counts per doubling, at most 1/8 more rows; the blocks and windows of
-`cu_seqlens` / `cu_window_seqlens` rounded up too) and pads the call into that bucket's static buffers:
+a bucket (qvl.kernels.tower_buckets: the smallest of the sizes planned from the prepared dataset's calls that holds
+it, else eight patch counts per doubling, at most 1/8 more rows; the blocks and windows of `cu_seqlens` /
+`cu_window_seqlens` are slots rounded up, and a size whose slots are short grows them: one graph per size) and pads
+the call into that bucket's static buffers:
 - pixel rows after the real ones are zeros (finite through every layer, and rows whose outputs are dropped get zero
   gradient: they add nothing to any weight's);
 - `cu_seqlens` gets one pad block over those rows, then zero-length blocks; its longest block is the bucket's rows;
@@ -30,7 +32,7 @@ them. Autograd gets no gradient for the parameters, so DDP's per-parameter hook 
 (qvl.kernels.speed_cuda_graphs.tower_graphs_allowed). The graphs assume Megatron's schedule without
 pipeline parallelism: a micro-batch's backward before the next micro-batch's forward. A second call while a bucket's
 backward is pending (images and videos of one micro-batch in one bucket) runs eagerly, as does any call beyond
-`MAX_GRAPHS` buckets, any call without autograd, any tower with a trained parameter that has no `main_grad`, and
+`MAX_GRAPHS` sizes, any call without autograd, any tower with a trained parameter that has no `main_grad`, and
 every call of a bucket whose capture raised (logged with the error; `stats()` names it).
 
 On the CPU the same buffers, padding and gradient routing run through `EagerReplay` (the tests), which re-runs the
@@ -41,13 +43,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from qvl.kernels.speed_hf_vision import tower_kwargs
+from qvl.kernels.tower_buckets import TowerBucket, bucket_size, planned_sizes, tower_bucket
 from qvl.kernels.tower_inputs import MegatronTowerInputs, TowerInputs
 
 logger = logging.getLogger(__name__)
@@ -57,39 +59,7 @@ logger = logging.getLogger(__name__)
 FILL_LAUNCHES = {True: 11, False: 6}
 MEGATRON_FILL_LAUNCHES = 12  # Qwen3-VL's: pixels, position ids, blocks, the corners' indices and weights
 GRADIENT_LAUNCHES = 2
-MAX_GRAPHS = 16  # buckets captured per tower; a call of another bucket runs eagerly
-BUCKETS_PER_DOUBLING = 8  # patch counts per octave: a bucket holds at most 1/8 more rows than its calls
-BLOCK_SLOTS = 16  # cu_seqlens' blocks rounded up to a multiple of this
-WINDOW_SLOTS = 128  # cu_window_seqlens' windows rounded up to a multiple of this
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class TowerBucket:
-    """The fixed shapes of one tower graph: pixel rows, full-attention blocks, and windows (0 without windows)."""
-
-    patches: int
-    blocks: int
-    windows: int
-
-
-def tower_bucket(patches: int, blocks: int, windows: int | None, *, unit: int, window: int | None) -> TowerBucket:
-    """The bucket of a call of `patches` rows in `blocks` blocks and `windows` windows (None: a tower without windowed
-    attention). `unit`: the rows a bucket's size is a multiple of (a merge unit, or a whole window); `window`: the
-    rows of one window."""
-    if patches < 1:
-        raise ValueError(f"a tower call of {patches} pixel rows has no bucket; call the tower with pixels")
-    granule = max(unit, 1 << max(0, patches.bit_length() - 1 - int(math.log2(BUCKETS_PER_DOUBLING))))
-    granule = unit * math.ceil(granule / unit)
-    rows = granule * math.ceil(patches / granule)
-    pad = rows - patches
-    padded_windows = 0
-    if windows is not None:
-        padded_windows = _round_up(windows + math.ceil(pad / window), WINDOW_SLOTS)
-    return TowerBucket(patches=rows, blocks=_round_up(blocks + 1, BLOCK_SLOTS), windows=padded_windows)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return multiple * math.ceil(value / multiple)
+MAX_GRAPHS = 16  # bucket sizes captured per tower; a call of another size runs eagerly
 
 
 class CudaGraphReplay:
@@ -316,20 +286,32 @@ class TowerGraphs:
     for Megatron-Bridge's Qwen3-VL tower."""
 
     bucket_graph_type: type[_BucketGraph] = _BucketGraph
+    media_together = False  # a micro-batch's images and videos are calls of their own
 
-    def __init__(self, tower: torch.nn.Module, *, cuda: bool = True, max_graphs: int = MAX_GRAPHS) -> None:
+    def __init__(
+        self,
+        tower: torch.nn.Module,
+        *,
+        cuda: bool = True,
+        max_graphs: int = MAX_GRAPHS,
+        planned_calls: Iterable[int] = (),
+    ) -> None:
+        """`planned_calls`: the pixel rows of every tower call the run will make (its prepared dataset's, of this
+        tower's media kind or kinds): the bucket sizes are planned to pad them least; () for the geometric grid."""
         config = tower.config
         self.tower = tower
         self.merge_unit = config.spatial_merge_size**2
         window_size = getattr(config, "window_size", None)  # Qwen2.5-VL windows its attention; Qwen2-VL does not
         self.window = None if window_size is None else (window_size // config.patch_size) ** 2
         self.unit = self.merge_unit if self.window is None else self.window  # a bucket's rows are a multiple of it
+        self.sizes = planned_sizes(planned_calls, unit=self.unit, most=max_graphs)
         self.trained = [p for p in tower.parameters() if p.requires_grad]
         self.cuda, self.max_graphs = cuda, max_graphs
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
-        self.buckets: dict[TowerBucket, _BucketGraph] = {}
+        self.buckets: dict[int, _BucketGraph] = {}  # by pixel rows: one graph per size
         self.refused: set[str] = set()
         self.calls: collections.Counter = collections.Counter()  # "warm-up", "captured", "replayed", "eager"
+        self.regrown = 0  # graphs made again with more blocks or windows (`TowerBucket.grown`)
         self.rows = collections.Counter()  # "real" pixel rows of the graphed calls, "padded" their buckets' rows
 
     def new_replay(self) -> CudaGraphReplay | EagerReplay:
@@ -349,21 +331,23 @@ class TowerGraphs:
         """The graph of the call's bucket (made on its first call), or None and why the call runs eagerly."""
         windows = None if self.window is None else inputs.cu_window_seqlens.shape[0] - 1
         blocks = inputs.cu_seqlens.shape[0] - 1
-        bucket = tower_bucket(pixels.shape[0], blocks, windows, unit=self.unit, window=self.window)
-        graph = self.buckets.get(bucket)
-        if graph is None:
-            if len(self.buckets) >= self.max_graphs:
-                return None, f"more than {self.max_graphs} buckets of tower shapes"
+        needed = tower_bucket(pixels.shape[0], blocks, windows, unit=self.unit, window=self.window, sizes=self.sizes)
+        graph = self.buckets.get(needed.patches)
+        if graph is not None and graph.pending:
+            return None, "a second call while the bucket's backward is pending"
+        if graph is None or not graph.bucket.holds(needed):
+            if graph is None and len(self.buckets) >= self.max_graphs:
+                return None, f"more than {self.max_graphs} sizes of tower calls"
             if any(getattr(p, "main_grad", None) is None for p in self.trained):  # DDP gives them before step 1
                 return None, "trained tower parameters without Megatron DDP's main_grad"
-            graph = self.buckets[bucket] = self.bucket_graph_type(self, bucket, pixels)
-        if graph.pending:
-            return None, "a second call while the bucket's backward is pending"
+            bucket = needed if graph is None else graph.bucket.grown(needed)
+            self.regrown += graph is not None  # the old graph and its buffers go (its backward has run)
+            graph = self.buckets[needed.patches] = self.bucket_graph_type(self, bucket, pixels)
         return (None, graph.failed) if graph.failed is not None else (graph, None)
 
     def bucket_rows(self, patches: int) -> int:
         """The pixel rows a graphed call of `patches` rows runs: its bucket's (the step census counts them)."""
-        return tower_bucket(patches, 0, None, unit=self.unit, window=self.window).patches
+        return bucket_size(patches, unit=self.unit, sizes=self.sizes)
 
     def __call__(self, pixels: torch.Tensor, inputs: Any, grid_thw: torch.Tensor) -> torch.Tensor:
         """The tower's merged output rows for `pixels` (the tower's `pooler_output`), replayed where it can be."""
@@ -393,10 +377,13 @@ class TowerGraphs:
         return self.eager(pixels, inputs, grid_thw)
 
     def stats(self) -> dict:
-        """What the graphs did so far: buckets, calls by kind, the rows padding added, why calls ran eagerly."""
+        """What the graphs did so far: buckets (sizes), whether their sizes were planned from the dataset, graphs made
+        again with more slots, calls by kind, the rows padding added, why calls ran eagerly."""
         real = self.rows["real"]
         return {
             "buckets": len(self.buckets),
+            "planned_sizes": len(self.sizes),
+            "regrown": self.regrown,
             "calls": dict(self.calls),
             "padding_share": round(self.rows["padded"] / real - 1, 4) if real else None,
             "eager_because": sorted(self.refused),
@@ -408,6 +395,7 @@ class MegatronTowerGraphs(TowerGraphs):
     loader's `MegatronTowerInputs`, it returns the tower's embeddings and deepstack features, as the tower does."""
 
     bucket_graph_type = _MegatronBucketGraph
+    media_together = True  # one call of a micro-batch's images and videos, in token order
 
     def eager_reason(self, inputs: Any) -> str | None:
         from qvl.kernels.speed_qwen3_vl_tower import takes_prepared_inputs
@@ -453,13 +441,19 @@ def tower_graphs(model: Any) -> TowerGraphs | None:
 
 
 def _graphs_of(model: Any, attribute: str, graphs_type: type[TowerGraphs]) -> TowerGraphs | None:
-    from qvl.kernels.speed_cuda_graphs import tower_graphs_allowed
+    from qvl.kernels.speed_cuda_graphs import TOWER_DATASET, dataset_tower_calls, tower_graphs_allowed
 
     tower = getattr(model, attribute, None)
     if tower is None or not tower_graphs_allowed(model.config) or not torch.cuda.is_available():
         return None
     graphs = getattr(tower, "qvl_graphs", None)
     if graphs is None:
-        graphs = graphs_type(tower)
+        dataset = getattr(model.config, TOWER_DATASET, None)
+        calls = dataset_tower_calls(dataset, together=graphs_type.media_together) if dataset else ()
+        graphs = graphs_type(tower, planned_calls=calls)
+        if graphs.sizes:
+            logger.info(
+                "speed-cuda-graphs: the vision tower's %d bucket sizes planned from %s", len(graphs.sizes), dataset
+            )
         tower.qvl_graphs = graphs  # a plain attribute: not a submodule, not in the state dict
     return graphs

@@ -40,6 +40,12 @@ class QvlPackedDatasetConfig(DatasetProvider):
         super().finalize()
         check_dataset(self)
 
+    def tower_calls_dataset(self) -> str | None:
+        """The prepared folder whose packs.jsonl lists this loader's vision tower calls (each pack's images, videos:
+        they plan a graphed tower's bucket sizes, qvl.kernels.tower_buckets): its own where a micro-batch is one
+        pack; None where micro-batches hold several."""
+        return self.path if self.micro_batch_size == 1 else None
+
     def build_datasets(self, context: DatasetBuildContext) -> tuple[Any, Any, Any]:
         """Train/valid/test loaders, built by qvl.data.load (wired by the training loop)."""
         from qvl.data.load import build_packed_datasets  # Energon is imported only when data is loaded

@@ -187,10 +187,11 @@ def plan_inputs(
 def tower_rows_per_patch(cfg: Any, target: switch.Target) -> float:
     """Rows the vision tower of `cfg`'s run on `target` runs per patch: where it replays as CUDA graphs
     (speed-cuda-graphs applied and the run's layout allows the tower's graphs), a call is padded up to its bucket,
-    at most 1/BUCKETS_PER_DOUBLING more rows (qvl.kernels.tower_graphs.tower_bucket); else one."""
+    at most 1/BUCKETS_PER_DOUBLING more rows on the geometric grid (qvl.kernels.tower_buckets.tower_bucket; sizes
+    planned from the dataset hold its largest call in fewer); else one."""
     if target.device != "cuda" or not switch.is_on("speed-cuda-graphs", target):
         return 1.0
     from qvl.kernels.speed_cuda_graphs import graphed_parts
-    from qvl.kernels.tower_graphs import BUCKETS_PER_DOUBLING
+    from qvl.kernels.tower_buckets import BUCKETS_PER_DOUBLING
 
     return 1.0 + 1.0 / BUCKETS_PER_DOUBLING if graphed_parts(cfg)[1] else 1.0

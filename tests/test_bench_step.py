@@ -192,8 +192,8 @@ def test_the_census_estimates_the_launches_cuda_graphs_leave(tiny):
     assert graphs["host_launches"] == kept + graphs["replays_and_copies"] < after["step"]["kernel_launching_ops"] / 3
     checks = step_model.goal_checks(after, {"estimated_step_s": 0.0})
     assert checks[-1]["figure"] == "ESTIMATED host launches per step with speed-cuda-graphs"
-    # each tower call (2 images of 6 x 10 patches: 120 rows) runs its bucket's 128 rows (two whole 64-row windows),
-    # and the graphed step's GPU work adds the tower's work per row for those 8
+    # each tower call (2 images of 6 x 10 patches: 120 rows) runs its bucket's 128 rows (two whole 64-row windows: the
+    # size planned from the calls), and the graphed step's GPU work adds the tower's work per row for those 8
     assert graphs["tower_padding_share"] == pytest.approx(128 / 120 - 1, abs=1e-4)
     for key in step_model.GPU_WORK:
         assert graphs["pad_work"][key] == pytest.approx(regions["vision"][key] * (128 / 120 - 1), rel=1e-3, abs=1e-4)

@@ -106,3 +106,15 @@ def test_quick_convert_benchmark_writes_its_json(tmp_path):
     assert row["megatron_checkpoint_bytes"] >= row["weight_bytes"]
     assert isinstance(results["goal_met"], bool) and (results["why"] is None) == results["goal_met"]
     assert "convert" in done.stdout and "largest shard" in done.stdout
+
+
+def test_planned_tower_buckets_pad_the_simulated_packs_less_than_the_grid(tmp_path):
+    from benchmarks import bench_tower_buckets
+
+    results = bench_tower_buckets.run(tmp_path, quick=True)
+    assert json.loads((tmp_path / "bench_tower_buckets.json").read_text()) == results
+    for row in results["per_seq_length"].values():
+        assert len(row["planned_sizes"]) <= 16 and row["planned_sizes"][-1] >= row["rows_min_median_max"][2]
+        assert row["planned_padding_share"] < row["grid_padding_share"]
+        assert row["grid_graphs_by_slots"] >= row["grid_sizes"]  # slot counts only split the grid's sizes
+    assert [c["met"] for c in results["checks"]] == [True, True]

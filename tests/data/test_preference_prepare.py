@@ -94,6 +94,8 @@ def test_both_sides_of_a_pair_are_adjacent_in_one_pack_chosen_first(prepared, to
         assert meta["pairs"] == [[k, k + 1] for k in range(0, len(subs), 2)]
         assert rows[meta["pack"]]["samples"] == meta["samples"] and rows[meta["pack"]]["pairs"] == len(subs) // 2
         assert sum(meta["lengths"]) <= SEQ_LENGTH and rows[meta["pack"]]["lengths"] == meta["lengths"]
+        chosen_rows = sum(int(np.prod(g)) for k, sub in enumerate(subs) if k % 2 == 0 for g in sub["image_grid_thw"])
+        assert rows[meta["pack"]]["vision_rows"] == [chosen_rows, 0]  # a pair's shared images: the tower's once
         ids = np.load(io.BytesIO(members["ids.npy"]))
         loss = np.load(io.BytesIO(members["loss.npy"])).astype(bool)
         bounds = np.r_[0, np.cumsum(meta["lengths"])]
@@ -107,6 +109,7 @@ def test_both_sides_of_a_pair_are_adjacent_in_one_pack_chosen_first(prepared, to
                 assert tokenizers[FAMILY].decode(ids[part][loss[part]].tolist()) == f"{answer}<|im_end|>"
             seen.append(index)
     assert sorted(seen) == list(range(GOOD))
+    assert any(row["vision_rows"][0] for row in rows.values())
 
 
 @pytest.mark.parametrize("fmt", ["trl", "ms-swift"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import tarfile
 
 import numpy as np
 import pytest
@@ -64,6 +65,25 @@ def test_every_good_sample_is_in_exactly_one_pack(prepared):
     assert set(report["time_s"]) == {"validate_count", "pack", "write"}
     assert set(report["worker_cpu_s"]) == {"ingest", "validate", "count"}
     assert (output / ".nv-meta" / "dataset.yaml").is_file() and not pathlib.Path(str(output) + ".partial").exists()
+
+
+def test_every_pack_records_the_rows_its_images_and_videos_give_the_vision_tower(prepared):
+    """packs.jsonl's `vision_rows` (which plan a graphed tower's bucket sizes) are the patches of the grids written
+    into each pack's shard: images, then videos."""
+    output = prepared[0]
+    written = {}
+    for shard in sorted(output.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith(".json"):
+                    meta = json.loads(tar.extractfile(member).read())
+                    grids = [
+                        [g for sub in meta["subs"] for g in sub[f"{kind}_grid_thw"]] for kind in ("image", "video")
+                    ]
+                    written[meta["pack"]] = [int(np.prod(g, axis=-1).sum()) if g else 0 for g in grids]
+    packs = _jsonl(output / "packs.jsonl")
+    assert {p["pack"]: p["vision_rows"] for p in packs} == written
+    assert any(rows[0] for rows in written.values()) and any(rows[1] for rows in written.values())
 
 
 def _encoder(hf_path):

@@ -46,12 +46,24 @@ def test_graph_shapes_come_from_the_fullest_pack_of_the_dataset(tmp_path):
         speed_cuda_graphs.graph_shapes(config)
 
 
+def test_the_tower_calls_of_a_dataset_are_its_packs_image_and_video_rows(tmp_path):
+    rows = [{"lengths": [9], "vision_rows": [1_024, 0]}, {"lengths": [9], "vision_rows": [256, 512]}, {"lengths": [9]}]
+    for name, packs in (("new", rows[:2]), ("old", rows[1:])):  # "old": a pack prepared before packs recorded them
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "packs.jsonl").write_text("\n".join(map(json.dumps, packs)) + "\n")
+    calls = speed_cuda_graphs.dataset_tower_calls
+    assert calls(str(tmp_path / "new"), together=False) == (1_024, 256, 512)  # images and videos called apart
+    assert calls(str(tmp_path / "new"), together=True) == (1_024, 768)  # Qwen3-VL's tower: one call per pack
+    assert calls(str(tmp_path / "old"), together=False) == ()
+
+
 def test_layer_graphs_are_asked_for_only_where_cuda_is(monkeypatch):
     seen = []
     initialize = speed_cuda_graphs.with_layer_graphs(lambda cfg, **kwargs: seen.append(dict(vars(cfg.model))))
-    config = lambda pp, overlap=False: types.SimpleNamespace(  # noqa: E731
+    config = lambda pp, overlap=False, mbs=1: types.SimpleNamespace(  # noqa: E731
         model=types.SimpleNamespace(cuda_graph_impl="none", pipeline_model_parallel_size=pp),
         ddp=types.SimpleNamespace(overlap_grad_reduce=overlap),
+        dataset=types.SimpleNamespace(tower_calls_dataset=lambda: "/data/packed" if mbs == 1 else None),
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the step census: a CUDA run's groups on the CPU
     initialize(config(1), restart_store=None)
@@ -60,11 +72,14 @@ def test_layer_graphs_are_asked_for_only_where_cuda_is(monkeypatch):
     initialize(config(1))
     graphed = {"pipeline_model_parallel_size": 1, **speed_cuda_graphs.layer_graph_settings()}
     model = seen.pop()
-    assert model == {**graphed, speed_cuda_graphs.TOWER_GRAPHS: True}
+    planned = {speed_cuda_graphs.TOWER_GRAPHS: True, speed_cuda_graphs.TOWER_DATASET: "/data/packed"}
+    assert model == {**graphed, **planned}  # the tower's bucket sizes planned from the dataset's packs
     assert speed_cuda_graphs.tower_graphs_allowed(types.SimpleNamespace(**model))
+    initialize(config(1, mbs=2))  # a micro-batch of two packs: its tower calls are not the packs'
+    assert seen.pop()[speed_cuda_graphs.TOWER_DATASET] is None
     initialize(config(1, overlap=True))  # DDP's overlap needs the parameters' hooks: the tower stays eager
     model = seen.pop()
-    assert model == {**graphed, speed_cuda_graphs.TOWER_GRAPHS: False}
+    assert model == {**graphed, speed_cuda_graphs.TOWER_GRAPHS: False, speed_cuda_graphs.TOWER_DATASET: None}
     assert not speed_cuda_graphs.tower_graphs_allowed(types.SimpleNamespace(**model))
     initialize(config(2))  # pipeline stages keep their layers eager
     assert seen.pop()["cuda_graph_impl"] == "none"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import types
 
@@ -18,7 +19,8 @@ from qvl.foundation import patches
 from qvl.kernels import speed_hf_vision, tower_graphs
 from qvl.kernels.speed_hf_vision import tower_kwargs
 from qvl.kernels.torch_wgrad_accum import MainGradLinear
-from qvl.kernels.tower_graphs import TowerBucket, TowerGraphs, tower_bucket
+from qvl.kernels.tower_buckets import TowerBucket, tower_bucket
+from qvl.kernels.tower_graphs import TowerGraphs
 from qvl.kernels.tower_inputs import tower_inputs_for_config
 from qvl.kernels.varlen_attention import HF_VARLEN_ATTENTION, register_hf_varlen_attention
 from tests.kernels.test_speed_hf_vision import HF_TOWER_FAMILIES, tiny_tower
@@ -31,21 +33,6 @@ CALLS = (
     torch.tensor([[1, 8, 12], [1, 4, 4], [2, 4, 8]]),
     torch.tensor([[1, 4, 8]]),
 )
-
-
-def test_a_bucket_holds_at_most_an_eighth_more_rows_and_slots_to_spare():
-    assert tower_bucket(12_000, 20, 300, unit=64, window=64) == TowerBucket(patches=12_288, blocks=32, windows=384)
-    assert tower_bucket(8_192, 3, None, unit=4, window=None) == TowerBucket(patches=8_192, blocks=16, windows=0)
-    assert tower_bucket(8_193, 3, None, unit=4, window=None).patches == 9_216  # 12.5% more, the most a bucket adds
-    assert tower_bucket(100, 1, 4, unit=64, window=64) == TowerBucket(patches=128, blocks=16, windows=128)
-    for rows_in in range(4, 5_000, 4):
-        rows = tower_bucket(rows_in, 1, 1, unit=64, window=64).patches
-        assert rows % 64 == 0 and rows_in <= rows <= max(rows_in + 63, rows_in * 9 // 8 + 64)
-    # 15 blocks leave one slot for the pad block; the pad rows get whole windows beyond the call's
-    assert tower_bucket(168, 15, 120, unit=16, window=16) == TowerBucket(patches=176, blocks=16, windows=128)
-    assert tower_bucket(168, 16, 128, unit=16, window=16) == TowerBucket(patches=176, blocks=32, windows=256)
-    with pytest.raises(ValueError, match="a tower call of 0 pixel rows has no bucket"):
-        tower_bucket(0, 0, None, unit=4, window=None)
 
 
 def _ddp_like(tower: torch.nn.Module) -> None:
@@ -85,6 +72,16 @@ def _call(tower, grid: torch.Tensor, seed: int) -> tuple[torch.Tensor, dict, tor
     return pixels, inputs, weights
 
 
+def _reference_call(reference, pixels, inputs, grid, weights, expected: dict) -> tuple[torch.Tensor, tuple]:
+    """The eager tower's output rows for a call and its parameters' gradients of `(output * weights).sum()`, which
+    are added into `expected` (by name)."""
+    want = reference(pixels, grid_thw=grid, **tower_kwargs(inputs)).pooler_output
+    grads = torch.autograd.grad((want * weights).sum(), list(reference.parameters()))
+    for (name, _), grad in zip(reference.named_parameters(), grads, strict=True):
+        expected[name] += grad
+    return want, grads
+
+
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
 def test_every_call_of_a_bucket_gives_the_towers_rows_and_gradients(family):
     register_hf_varlen_attention()
@@ -96,10 +93,7 @@ def test_every_call_of_a_bucket_gives_the_towers_rows_and_gradients(family):
         expected = {name: torch.zeros_like(p) for name, p in reference.named_parameters()}
         for index, grid in enumerate(CALLS):
             pixels, inputs, weights = _call(tower, grid, seed=index)
-            want = reference(pixels, grid_thw=grid, **tower_kwargs(inputs)).pooler_output
-            grads = torch.autograd.grad((want * weights).sum(), list(reference.parameters()))
-            for (name, _), grad in zip(reference.named_parameters(), grads, strict=True):
-                expected[name] += grad
+            want, grads = _reference_call(reference, pixels, inputs, grid, weights, expected)
             got = graphs(pixels, inputs, grid)
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"call {index + 1}")
@@ -117,12 +111,50 @@ def test_every_call_of_a_bucket_gives_the_towers_rows_and_gradients(family):
         assert graphs.refused == {"a second call while the bucket's backward is pending"}
         assert graphs.stats() == {
             "buckets": 2,
+            "planned_sizes": 0,
+            "regrown": 0,
             "calls": {"warm-up": 2, "captured": 1, "replayed": 1, "eager": 1},
             "padding_share": round(560 / 552 - 1, 4),
             "eager_because": ["a second call while the bucket's backward is pending"],
         }
         for name, param in tower.named_parameters():
             assert param.grad is None
+            scale = float(expected[name].abs().max()) + 1e-6
+            torch.testing.assert_close(param.main_grad, expected[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_a_size_whose_slots_are_short_is_graphed_again_with_more(family):
+    """Two sizes planned from the dataset's calls (32 and 176 rows: 64 and 168 rows go into 176), one graph per size:
+    a call of 64 rows in 16 frames needs more blocks than the size's first call left slots for, so the size's graph
+    is made again with twice the slots (an eager warm-up, then captured); every call gives the tower's rows and the
+    gradients reach `main_grad`."""
+    register_hf_varlen_attention()
+    with patches.applied(speed_hf_vision.GROUP):
+        reference = tiny_tower(family, attention=HF_VARLEN_ATTENTION)
+        tower = copy.deepcopy(reference)
+        _ddp_like(tower)
+        graphs = TowerGraphs(tower, cuda=False, max_graphs=2, planned_calls=[176, 168, 32, 0])
+        assert graphs.sizes == (32, 176) and graphs.bucket_rows(64) == graphs.bucket_rows(168) == 176
+        frames = torch.tensor([[16, 2, 2]])  # 64 rows, 16 blocks: 17 with the pad block
+        calls = (torch.tensor([[1, 8, 8]]), frames, frames, frames, CALLS[1], CALLS[3])
+        expected = {name: torch.zeros_like(p) for name, p in reference.named_parameters()}
+        for index, grid in enumerate(calls):
+            pixels, inputs, weights = _call(tower, grid, seed=index)
+            want, _ = _reference_call(reference, pixels, inputs, grid, weights, expected)
+            got = graphs(pixels, inputs, grid)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"call {index + 1}")
+            (got * weights).sum().backward()
+        assert graphs.buckets[176].bucket.blocks == 32 and graphs.buckets[176].calls == 4
+        assert graphs.stats() == {
+            "buckets": 2,
+            "planned_sizes": 2,
+            "regrown": 1,
+            "calls": {"warm-up": 3, "captured": 1, "replayed": 2},
+            "padding_share": round((176 * 5 + 32) / (64 * 4 + 168 + 32) - 1, 4),
+            "eager_because": [],
+        }
+        for name, param in tower.named_parameters():
             scale = float(expected[name].abs().max()) + 1e-6
             torch.testing.assert_close(param.main_grad, expected[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
 
@@ -159,6 +191,20 @@ def test_the_tower_is_graphed_only_where_the_language_models_layers_are(monkeypa
     config.qvl_tower_graphs = True
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tower_graphs.tower_graphs(model) is None  # a CUDA run's config on a machine without CUDA (the census)
+
+
+def test_a_run_plans_its_towers_bucket_sizes_from_its_dataset(monkeypatch, tmp_path):
+    packs = [{"lengths": [9], "vision_rows": [rows, 0]} for rows in (168, 176, 32, 168)]
+    (tmp_path / "packs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in packs))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    tower = tiny_tower("qwen2_vl")
+    config = types.SimpleNamespace(cuda_graph_impl="local", qvl_tower_graphs=True, qvl_tower_dataset=str(tmp_path))
+    graphs = tower_graphs.tower_graphs(types.SimpleNamespace(visual=tower, config=config))
+    assert graphs.sizes == (32, 168, 176) and graphs.bucket_rows(100) == 168
+    config.qvl_tower_dataset = None  # no plan: the geometric grid
+    del tower.qvl_graphs
+    assert tower_graphs.tower_graphs(types.SimpleNamespace(visual=tower, config=config)).sizes == ()
 
 
 def test_calls_the_graphs_cannot_take_run_eagerly():

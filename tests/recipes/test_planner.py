@@ -315,7 +315,7 @@ def test_a_graphed_vision_tower_keeps_its_buckets_pad_rows(layout):
     """With speed-cuda-graphs the HF tower runs each call padded up to its bucket (at most 1/8 more rows,
     qvl.kernels.tower_graphs): the plan counts the tower's activations at those rows where the run graphs the tower,
     and not where it stays eager (the layers of two pipeline stages, DDP's overlapped reduction, balanced vision)."""
-    from qvl.kernels.tower_graphs import BUCKETS_PER_DOUBLING
+    from qvl.kernels.tower_buckets import BUCKETS_PER_DOUBLING
     from qvl.recipes.plan_inputs import plan_inputs
 
     def first_stage(graphs: bool) -> tuple[float, float]:

@@ -120,6 +120,17 @@ def test_packed_dataset_config_refuses_a_missing_dataset(tmp_path):
     assert (dataset.path, dataset.hf_path, dataset.family) == (str(tmp_path), "Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl")
 
 
+def test_a_packed_dataset_names_its_tower_calls_where_a_micro_batch_is_one_pack(tmp_path):
+    """Its packs.jsonl plans a graphed vision tower's bucket sizes (qvl.kernels.speed_cuda_graphs.planned_dataset)
+    only where each tower call is one pack's media."""
+    from qvl.kernels.speed_cuda_graphs import planned_dataset
+
+    config = get_recipe("qwen2_5_vl_3b_sft").fn(data=str(tmp_path))
+    assert config.dataset.tower_calls_dataset() == str(tmp_path) == planned_dataset(config)
+    config.dataset.micro_batch_size = 2
+    assert config.dataset.tower_calls_dataset() is None and planned_dataset(config) is None
+
+
 @pytest.mark.parametrize(
     ("family", "name"),
     [
