@@ -10,7 +10,10 @@ word plus the chat template's ~20, packed by qvl's best-fit-decreasing packer (`
 patches are one tower call. For each pack length: the calls' distinct sizes, the sizes the geometric grid makes
 (each one graph; more than 16 run eagerly), the graphs the grid made when slot counts told buckets apart too (the
 blocks: one per image; the windows: 8 x 8 patches, the last row and column shorter), the sizes `planned_sizes`
-picks (at most 16), and the rows each adds.
+picks (at most 16), and the rows each adds; and how many programs a full-attention layer's flash kernel launches
+with the bucket's rows as its `max_seqlen` (as before) over those it launches with the graph's longest block (now:
+the calls' longest images rounded up, grown as `TowerBucket.grown` grows it, in pack order): `max_seqlen / 128` per
+block, the median over the calls.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ WINDOW_ROWS = WINDOW_SIDE**2  # a graphed Qwen2.5-VL call's rows are a multiple 
 GOAL_PLANNED_PADDING = 0.02  # the planned sizes add at most 2% rows
 
 
-def llava_like_calls(seq_length: int, conversations: int, seed: int = 0) -> list[tuple[int, int, int]]:
-    """(image patches, images, windows) of every pack of `conversations` LLaVA-like samples packed at `seq_length`
-    (packs without images left out)."""
+def llava_like_calls(seq_length: int, conversations: int, seed: int = 0) -> list[tuple[int, int, int, int]]:
+    """(image patches, images, windows, the largest image's patches) of every pack of `conversations` LLaVA-like
+    samples packed at `seq_length` (packs without images left out)."""
     from qvl.data.pack import pack_best_fit_decreasing
     from qvl.data.vision import smart_resize
 
@@ -56,18 +59,29 @@ def llava_like_calls(seq_length: int, conversations: int, seed: int = 0) -> list
     for k in range(plan.n_packs):
         grids = [grid for i in plan.pack(k) for grid in images[i]]
         windows = sum(-(-h // WINDOW_SIDE) * -(-w // WINDOW_SIDE) for h, w in grids)
-        calls.append((sum(h * w for h, w in grids), len(grids), windows))
+        calls.append((sum(h * w for h, w in grids), len(grids), windows, max((h * w for h, w in grids), default=0)))
     return [call for call in calls if call[0] > 0]
 
 
-def measure(shapes: list[tuple[int, int, int]]) -> dict:
+def measure(shapes: list[tuple[int, int, int, int]]) -> dict:
     """What the grid and the plan make of the calls."""
     from qvl.kernels.tower_buckets import bucket_size, padding_share, planned_sizes, tower_bucket
     from qvl.kernels.tower_graphs import MAX_GRAPHS
 
-    calls = [rows for rows, _, _ in shapes]
-    by_slots = {tower_bucket(*shape, unit=WINDOW_ROWS, window=WINDOW_ROWS) for shape in shapes}
+    calls = [rows for rows, _, _, _ in shapes]
+    by_slots = set()  # the buckets when slot counts made buckets of their own (the longest block: the bucket's rows)
+    for rows, images, windows, _ in shapes:
+        whole = bucket_size(rows, unit=WINDOW_ROWS)
+        by_slots.add(tower_bucket(rows, images, windows, unit=WINDOW_ROWS, window=WINDOW_ROWS, longest=whole))
     planned = planned_sizes(calls, unit=WINDOW_ROWS, most=MAX_GRAPHS)
+    graphs, programs = {}, []  # per call, in pack order: a block's flash programs, max_seqlen its bucket's rows
+    for rows, images, windows, largest in shapes:  # over its size's graph's longest (grown as the graphs grow it)
+        needed = tower_bucket(rows, images, windows, unit=WINDOW_ROWS, window=WINDOW_ROWS, longest=largest,
+                              sizes=planned)  # fmt: skip
+        graph = graphs.setdefault(needed.patches, needed)
+        if not graph.holds(needed):
+            graph = graphs[needed.patches] = graph.grown(needed)
+        programs.append(-(-graph.patches // 128) / -(-graph.longest // 128))
     grid = sorted({bucket_size(c, unit=WINDOW_ROWS) for c in calls})
     return {
         "calls": len(calls),
@@ -78,6 +92,7 @@ def measure(shapes: list[tuple[int, int, int]]) -> dict:
         "grid_padding_share": round(padding_share(calls, (), unit=WINDOW_ROWS), 4),
         "planned_sizes": list(planned),
         "planned_padding_share": round(padding_share(calls, planned, unit=WINDOW_ROWS), 4),
+        "flash_programs_bucket_over_longest": round(float(np.median(programs)), 2),
     }
 
 
@@ -101,12 +116,12 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
 
 def show(results: dict) -> None:
     print(f"{'seq':>6} {'calls':>6} {'sizes':>6} {'grid sizes':>10} {'by slots':>8} {'grid pad':>9} {'planned':>8} "
-          f"{'planned pad':>11}")  # fmt: skip
+          f"{'planned pad':>11} {'programs x':>10}")  # fmt: skip
     for n, row in results["per_seq_length"].items():
         print(
             f"{n:>6} {row['calls']:>6} {row['distinct_sizes']:>6} {row['grid_sizes']:>10} "
             f"{row['grid_graphs_by_slots']:>8} {row['grid_padding_share']:>9.2%} {len(row['planned_sizes']):>8} "
-            f"{row['planned_padding_share']:>11.2%}"
+            f"{row['planned_padding_share']:>11.2%} {row['flash_programs_bucket_over_longest']:>10}"
         )
     for check in results["checks"]:
         print(f"{'met' if check['met'] else 'MISSED':<7} {check['figure']}: {check['value']} (goal {check['goal']})")

@@ -8,8 +8,11 @@ pack's tower rows into packs.jsonl), so the sizes can instead be chosen to pad t
 (`planned_sizes`: at most one graph per size, every call fits the smallest size at or above it).
 
 The blocks and windows of a bucket are slots: `cu_seqlens` and `cu_window_seqlens` rounded up (to BLOCK_SLOTS and
-WINDOW_SLOTS), their extra entries empty. They do not make buckets of their own: a call of a size whose graph has too
-few slots grows that size's graph (`TowerBucket.grown`: at least twice the slots), so a size has one graph.
+WINDOW_SLOTS), their extra entries empty. So is its longest block, the `max_seqlen` its attention kernels are
+launched with (a flash kernel's grid has a row of programs per `max_seqlen` rows for every block, most of which
+return at once): the call's longest image or frame rounded up (to LONGEST_SLOTS), not the bucket's rows; the pad rows
+are then blocks of at most that many. None of them makes buckets of its own: a call of a size whose graph has too few
+slots grows that size's graph (`TowerBucket.grown`: at least twice the slots), so a size has one graph.
 """
 
 from __future__ import annotations
@@ -23,20 +26,23 @@ import numpy as np
 BUCKETS_PER_DOUBLING = 8  # patch counts per octave: a bucket holds at most 1/8 more rows than its calls
 BLOCK_SLOTS = 16  # cu_seqlens' blocks rounded up to a multiple of this
 WINDOW_SLOTS = 128  # cu_window_seqlens' windows rounded up to a multiple of this
+LONGEST_SLOTS = 256  # a graph's longest attention block (max_seqlen) rounded up to a multiple of this
 PLANNED_VALUES = 2048  # distinct call sizes the plan weighs; more are first put on a 128-per-doubling grid
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TowerBucket:
-    """The fixed shapes of one tower graph: pixel rows, full-attention blocks, and windows (0 without windows)."""
+    """The fixed shapes of one tower graph: pixel rows, full-attention blocks, windows (0 without windows), and the
+    longest full-attention block (the kernels' `max_seqlen`)."""
 
     patches: int
     blocks: int
     windows: int
+    longest: int
 
     def holds(self, other: TowerBucket) -> bool:
         """Whether a call that needs `other` (the same rows) fits this bucket's slots."""
-        return self.blocks >= other.blocks and self.windows >= other.windows
+        return self.blocks >= other.blocks and self.windows >= other.windows and self.longest >= other.longest
 
     def grown(self, needed: TowerBucket) -> TowerBucket:
         """This bucket's rows with slots for `needed` too: a slot count that is short at least doubles, so a size's
@@ -45,6 +51,7 @@ class TowerBucket:
             patches=self.patches,
             blocks=_grown(self.blocks, needed.blocks),
             windows=_grown(self.windows, needed.windows),
+            longest=min(_grown(self.longest, needed.longest), self.patches),
         )
 
 
@@ -53,18 +60,30 @@ def _grown(have: int, need: int) -> int:
 
 
 def tower_bucket(
-    patches: int, blocks: int, windows: int | None, *, unit: int, window: int | None, sizes: tuple[int, ...] = ()
+    patches: int,
+    blocks: int,
+    windows: int | None,
+    *,
+    unit: int,
+    window: int | None,
+    longest: int,
+    sizes: tuple[int, ...] = (),
 ) -> TowerBucket:
-    """The bucket of a call of `patches` rows in `blocks` blocks and `windows` windows (None: a tower without windowed
-    attention). `unit`: the rows a bucket's size is a multiple of (a merge unit, or a whole window); `window`: the
-    rows of one window; `sizes`: the planned sizes, ascending (`planned_sizes`): the smallest that holds the call,
-    the geometric grid for a call above them all."""
+    """The bucket of a call of `patches` rows in `blocks` blocks, the longest of `longest` rows, and `windows` windows
+    (None: a tower without windowed attention). `unit`: the rows a bucket's size is a multiple of (a merge unit, or a
+    whole window); `window`: the rows of one window; `sizes`: the planned sizes, ascending (`planned_sizes`): the
+    smallest that holds the call, the geometric grid for a call above them all. The pad rows take blocks of at most
+    the bucket's longest (at least one block) and whole windows."""
     rows = bucket_size(patches, unit=unit, sizes=sizes)
     pad = rows - patches
+    longest = min(_round_up(max(longest, 1), LONGEST_SLOTS), rows)
     padded_windows = 0
     if windows is not None:
         padded_windows = _round_up(windows + math.ceil(pad / window), WINDOW_SLOTS)
-    return TowerBucket(patches=rows, blocks=_round_up(blocks + 1, BLOCK_SLOTS), windows=padded_windows)
+    pad_blocks = max(1, math.ceil(pad / longest))
+    return TowerBucket(
+        patches=rows, blocks=_round_up(blocks + pad_blocks, BLOCK_SLOTS), windows=padded_windows, longest=longest
+    )
 
 
 def bucket_size(

@@ -5,7 +5,7 @@ group "speed-cuda-graphs" (qvl.kernels.speed_cuda_graphs), on where the language
 Why: the step census (benchmarks/RESULTS.md) counts 12,280 of a step's 15,994 kernel-launching ops in the vision
 tower (forward, recompute and backward of every block for 8 packs): graphing the language model alone cannot bring a
 step under its 2,000 launches. Replayed as one forward and one backward graph, a tower call is two launches plus the
-copies that fill its inputs and take its output's gradient (`launches_per_call`: 15 with windows, 10 without).
+copies that fill its inputs and take its output's gradient (`launches_per_call`: 16 with windows, 11 without).
 
 How: a graph replays fixed shapes, and every micro-batch has its own patch count. `TowerGraphs` rounds a call up to
 a bucket (qvl.kernels.tower_buckets: the smallest of the sizes planned from the prepared dataset's calls that holds
@@ -14,7 +14,8 @@ it, else eight patch counts per doubling, at most 1/8 more rows; the blocks and 
 the call into that bucket's static buffers:
 - pixel rows after the real ones are zeros (finite through every layer, and rows whose outputs are dropped get zero
   gradient: they add nothing to any weight's);
-- `cu_seqlens` gets one pad block over those rows, then zero-length blocks; its longest block is the bucket's rows;
+- `cu_seqlens` gets the pad rows as blocks of at most the bucket's longest block (its attention's `max_seqlen`: the
+  call's longest image or frame rounded up, not the bucket's rows), then zero-length blocks;
 - Qwen2.5-VL's windows: the pad rows in whole windows of the tower's window size (so the longest window stays the
   tower's), `window_index` keeps the pad units in place, then zero-length windows;
 - the tower's output rows after the real ones are dropped, and their gradient is zero.
@@ -56,8 +57,8 @@ logger = logging.getLogger(__name__)
 
 # Kernels a graphed call launches besides its two replays: the copies and pad writes that fill its buffers (with
 # Qwen2.5-VL's windows, and without), then the gradient's copy and its pad rows zeroed (tests count them)
-FILL_LAUNCHES = {True: 11, False: 6}
-MEGATRON_FILL_LAUNCHES = 12  # Qwen3-VL's: pixels, position ids, blocks, the corners' indices and weights
+FILL_LAUNCHES = {True: 12, False: 7}
+MEGATRON_FILL_LAUNCHES = 13  # Qwen3-VL's: pixels, position ids, blocks, the corners' indices and weights
 GRADIENT_LAUNCHES = 2
 MAX_GRAPHS = 16  # bucket sizes captured per tower; a call of another size runs eagerly
 
@@ -146,6 +147,8 @@ class _BucketGraph:
         self.pixels = torch.zeros(bucket.patches, like.shape[1], dtype=like.dtype, device=like.device)
         self.position_ids = torch.zeros(bucket.patches, 2, dtype=torch.long, device=like.device)
         self.cu_seqlens = torch.zeros(bucket.blocks + 1, dtype=torch.int32, device=like.device)
+        steps = torch.arange(1, bucket.blocks + 1, dtype=torch.int32, device=like.device)
+        self.block_steps = bucket.longest * steps  # the pad blocks' ends after the call's rows
         self.allocate(like.device)
         self.grad_outputs: tuple[torch.Tensor, ...] = ()
         self.replay: CudaGraphReplay | EagerReplay | None = None
@@ -172,7 +175,9 @@ class _BucketGraph:
         self.position_ids[rows:].zero_()
         blocks = inputs.cu_seqlens.shape[0]
         self.cu_seqlens[:blocks].copy_(inputs.cu_seqlens)
-        self.cu_seqlens[blocks:].fill_(self.bucket.patches)  # one pad block over the pad rows, then empty blocks
+        tail = self.cu_seqlens[blocks:]  # the pad rows in blocks of at most the longest, then empty blocks
+        torch.add(self.block_steps[: tail.shape[0]], rows, out=tail)
+        tail.clamp_(max=self.bucket.patches)
         self.fill_allocated(rows, inputs)
 
     def fill_allocated(self, rows: int, inputs: TowerInputs) -> None:
@@ -194,7 +199,7 @@ class _BucketGraph:
         inputs = TowerInputs(
             position_ids=self.position_ids,
             cu_seqlens=self.cu_seqlens,
-            max_seqlen=self.bucket.patches,
+            max_seqlen=self.bucket.longest,
             window_index=self.window_index,
             cu_window_seqlens=self.cu_window_seqlens,
             max_window_seqlen=graphs.window,
@@ -276,7 +281,7 @@ class _MegatronBucketGraph(_BucketGraph):
         pos_embeds = corners[0] + corners[1] + corners[2] + corners[3]
         frequencies = tower.rotary_pos_emb(rows)[self.position_ids].flatten(1)
         embeddings, deepstack = tower_from_embeddings(
-            tower, self.pixels, pos_embeds, frequencies, self.cu_seqlens, rows
+            tower, self.pixels, pos_embeds, frequencies, self.cu_seqlens, self.bucket.longest
         )
         return (embeddings, *deepstack)
 
@@ -331,8 +336,12 @@ class TowerGraphs:
         """The graph of the call's bucket (made on its first call), or None and why the call runs eagerly."""
         windows = None if self.window is None else inputs.cu_window_seqlens.shape[0] - 1
         blocks = inputs.cu_seqlens.shape[0] - 1
-        needed = tower_bucket(pixels.shape[0], blocks, windows, unit=self.unit, window=self.window, sizes=self.sizes)
-        graph = self.buckets.get(needed.patches)
+        rows = bucket_size(pixels.shape[0], unit=self.unit, sizes=self.sizes)
+        graph = self.buckets.get(rows)
+        longest = max(inputs.max_seqlen, graph.bucket.longest if graph is not None else 0)
+        needed = tower_bucket(
+            pixels.shape[0], blocks, windows, unit=self.unit, window=self.window, longest=longest, sizes=self.sizes
+        )
         if graph is not None and graph.pending:
             return None, "a second call while the bucket's backward is pending"
         if graph is None or not graph.bucket.holds(needed):

@@ -202,6 +202,8 @@ class SDPAttention(DotProductAttention):
         """One SDPA call per sub-sequence (CPU, fp32, dropout, padded layouts, torch < 2.10)."""
         starts_q, lengths_q = _segments(params.cu_seqlens_q, params.cu_seqlens_q_padded)
         starts_kv, lengths_kv = _segments(params.cu_seqlens_kv, params.cu_seqlens_kv_padded)
+        check_longest(lengths_q, params.max_seqlen_q)
+        check_longest(lengths_kv, params.max_seqlen_kv)
         out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
         for sq0, sq_len, sk0, sk_len in zip(starts_q, lengths_q, starts_kv, lengths_kv):
             if sq_len == 0:
@@ -212,6 +214,17 @@ class SDPAttention(DotProductAttention):
             v = value[sk0 : sk0 + sk_len].transpose(0, 1).unsqueeze(0)
             out[sq0 : sq0 + sq_len] = self._sdpa(q, k, v, None, causal, dropout_p)[0].transpose(0, 1)
         return out.reshape(out.shape[0], -1)
+
+
+def check_longest(lengths: list[int], given: int | torch.Tensor | None) -> None:
+    """Refuse a `max_seqlen` given as an int that is shorter than a block: the varlen kernel launches a row of
+    programs per `max_seqlen` rows and would leave the block's end out. The per-block loop (CPU) reads the lengths
+    anyway, so it checks what the GPU kernel is given (e.g. a CUDA-graphed tower's fixed longest block)."""
+    if isinstance(given, int) and lengths and max(lengths) > given:
+        raise ValueError(
+            f"a packed block of {max(lengths)} rows is longer than the max_seqlen {given} given for it; "
+            "give max_seqlen at least the longest block of cu_seqlens"
+        )
 
 
 def _max_length(cu_seqlens: torch.Tensor) -> int:
@@ -296,6 +309,8 @@ def packed_attention(
         return varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=is_causal, scale=scaling)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    check_longest([b - a for a, b in zip(bounds_q, bounds_q[1:])], max_q)
+    check_longest([b - a for a, b in zip(bounds_k, bounds_k[1:])], max_k)
     for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:]), strict=True):
         block = F.scaled_dot_product_attention(
             q[q0:q1].transpose(0, 1),

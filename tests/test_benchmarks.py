@@ -117,4 +117,5 @@ def test_planned_tower_buckets_pad_the_simulated_packs_less_than_the_grid(tmp_pa
         assert len(row["planned_sizes"]) <= 16 and row["planned_sizes"][-1] >= row["rows_min_median_max"][2]
         assert row["planned_padding_share"] < row["grid_padding_share"]
         assert row["grid_graphs_by_slots"] >= row["grid_sizes"]  # slot counts only split the grid's sizes
+        assert row["flash_programs_bucket_over_longest"] > 1  # the longest image is shorter than the bucket
     assert [c["met"] for c in results["checks"]] == [True, True]

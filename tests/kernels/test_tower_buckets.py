@@ -12,24 +12,45 @@ from qvl.kernels.tower_buckets import TowerBucket, bucket_size, padding_share, p
 
 
 def test_a_bucket_holds_at_most_an_eighth_more_rows_and_slots_to_spare():
-    assert tower_bucket(12_000, 20, 300, unit=64, window=64) == TowerBucket(patches=12_288, blocks=32, windows=384)
-    assert tower_bucket(8_192, 3, None, unit=4, window=None) == TowerBucket(patches=8_192, blocks=16, windows=0)
-    assert tower_bucket(8_193, 3, None, unit=4, window=None).patches == 9_216  # 12.5% more, the most a bucket adds
-    assert tower_bucket(100, 1, 4, unit=64, window=64) == TowerBucket(patches=128, blocks=16, windows=128)
+    assert tower_bucket(12_000, 20, 300, unit=64, window=64, longest=2_000) == TowerBucket(
+        patches=12_288, blocks=32, windows=384, longest=2_048
+    )
+    assert tower_bucket(8_192, 3, None, unit=4, window=None, longest=8_192) == TowerBucket(
+        patches=8_192, blocks=16, windows=0, longest=8_192
+    )
+    assert tower_bucket(8_193, 3, None, unit=4, window=None, longest=1).patches == 9_216  # 12.5%: the most it adds
+    assert tower_bucket(100, 1, 4, unit=64, window=64, longest=100) == TowerBucket(
+        patches=128,
+        blocks=16,
+        windows=128,
+        longest=128,  # the longest block is at most the bucket's rows
+    )
     for rows_in in range(4, 5_000, 4):
-        rows = tower_bucket(rows_in, 1, 1, unit=64, window=64).patches
+        rows = tower_bucket(rows_in, 1, 1, unit=64, window=64, longest=rows_in).patches
         assert rows % 64 == 0 and rows_in <= rows <= max(rows_in + 63, rows_in * 9 // 8 + 64)
     # 15 blocks leave one slot for the pad block; the pad rows get whole windows beyond the call's
-    assert tower_bucket(168, 15, 120, unit=16, window=16) == TowerBucket(patches=176, blocks=16, windows=128)
-    assert tower_bucket(168, 16, 128, unit=16, window=16) == TowerBucket(patches=176, blocks=32, windows=256)
+    assert tower_bucket(168, 15, 120, unit=16, window=16, longest=96) == TowerBucket(
+        patches=176, blocks=16, windows=128, longest=176
+    )
+    assert tower_bucket(168, 16, 128, unit=16, window=16, longest=96) == TowerBucket(
+        patches=176, blocks=32, windows=256, longest=176
+    )
     with pytest.raises(ValueError, match="a tower call of 0 pixel rows has no bucket"):
-        tower_bucket(0, 0, None, unit=4, window=None)
+        tower_bucket(0, 0, None, unit=4, window=None, longest=1)
+
+
+def test_the_pad_rows_take_blocks_no_longer_than_the_calls_longest():
+    """The kernels' max_seqlen is the call's longest block rounded up to 256 rows, not the bucket's: 1,000 pad rows
+    in blocks of at most 256 are four blocks, which with 13 of the call's need 32 slots."""
+    bucket = tower_bucket(1_000, 13, None, unit=4, window=None, longest=200, sizes=(2_000,))
+    assert bucket == TowerBucket(patches=2_000, blocks=32, windows=0, longest=256)
+    assert tower_bucket(1_000, 12, None, unit=4, window=None, longest=200, sizes=(2_000,)).blocks == 16
 
 
 def test_a_planned_size_takes_the_call_and_a_call_above_them_all_the_grid():
     sizes = (1_024, 4_096)
-    assert tower_bucket(900, 3, 10, unit=64, window=64, sizes=sizes) == TowerBucket(
-        patches=1_024, blocks=16, windows=128
+    assert tower_bucket(900, 3, 10, unit=64, window=64, longest=500, sizes=sizes) == TowerBucket(
+        patches=1_024, blocks=16, windows=128, longest=512
     )
     assert bucket_size(1_024, unit=64, sizes=sizes) == 1_024 and bucket_size(1_025, unit=64, sizes=sizes) == 4_096
     assert bucket_size(4_100, unit=64, sizes=sizes) == bucket_size(4_100, unit=64) == 4_608  # the geometric grid
@@ -80,12 +101,16 @@ def test_many_distinct_call_sizes_are_planned_on_a_fine_grid_first():
 
 
 def test_short_slots_grow_to_at_least_twice_theirs():
-    bucket = TowerBucket(patches=1_024, blocks=16, windows=128)
-    assert bucket.holds(TowerBucket(patches=1_024, blocks=16, windows=128))
-    needed = TowerBucket(patches=1_024, blocks=32, windows=128)
+    bucket = TowerBucket(patches=1_024, blocks=16, windows=128, longest=256)
+    assert bucket.holds(TowerBucket(patches=1_024, blocks=16, windows=128, longest=256))
+    needed = TowerBucket(patches=1_024, blocks=32, windows=128, longest=256)
     assert not bucket.holds(needed)
-    assert bucket.grown(needed) == TowerBucket(patches=1_024, blocks=32, windows=128)
-    assert bucket.grown(TowerBucket(patches=1_024, blocks=80, windows=256)) == TowerBucket(
-        patches=1_024, blocks=80, windows=256
+    assert bucket.grown(needed) == TowerBucket(patches=1_024, blocks=32, windows=128, longest=256)
+    assert bucket.grown(TowerBucket(patches=1_024, blocks=80, windows=256, longest=768)) == TowerBucket(
+        patches=1_024, blocks=80, windows=256, longest=768
     )
-    assert bucket.grown(TowerBucket(patches=1_024, blocks=16, windows=200)).windows == 256
+    assert bucket.grown(TowerBucket(patches=1_024, blocks=16, windows=200, longest=256)).windows == 256
+    assert not bucket.holds(TowerBucket(patches=1_024, blocks=16, windows=128, longest=512))
+    assert bucket.grown(TowerBucket(patches=1_024, blocks=16, windows=128, longest=300)).longest == 512
+    wide = TowerBucket(patches=1_024, blocks=16, windows=128, longest=768)
+    assert wide.grown(TowerBucket(patches=1_024, blocks=16, windows=128, longest=1_024)).longest == 1_024  # its rows

@@ -160,14 +160,16 @@ def test_a_size_whose_slots_are_short_is_graphed_again_with_more(family):
 
 
 def test_the_pad_rows_are_blocks_and_windows_of_their_own():
-    """168 rows in the bucket of 176: one pad block over rows 168-176 then empty blocks; the pad rows in windows of at
-    most the tower's window (16 rows) then empty windows; the pad merge units after the call's, in place."""
+    """168 rows in the bucket of 176: one pad block over rows 168-176 then empty blocks (in a bucket of 368 whose
+    longest block is 96 rows, three); the pad rows in windows of at most the tower's window (16 rows) then empty
+    windows; the pad merge units after the call's, in place."""
     register_hf_varlen_attention()
     with patches.applied(speed_hf_vision.GROUP):
         tower = tiny_tower("qwen2_5_vl", attention=HF_VARLEN_ATTENTION)
         graphs = TowerGraphs(tower, cuda=False)
         pixels, inputs, _ = _call(tower, CALLS[1], seed=0)
-        bucket = tower_bucket(168, 3, inputs.cu_window_seqlens.shape[0] - 1, unit=16, window=16)
+        windows = inputs.cu_window_seqlens.shape[0] - 1
+        bucket = tower_bucket(168, 3, windows, unit=16, window=16, longest=inputs.max_seqlen)
         graph = tower_graphs._BucketGraph(graphs, bucket, pixels)
         graph.fill(pixels, inputs)
     assert graph.cu_seqlens.tolist() == inputs.cu_seqlens.tolist() + [176] * 13
@@ -176,9 +178,12 @@ def test_the_pad_rows_are_blocks_and_windows_of_their_own():
     assert graph.window_index.tolist() == inputs.window_index.tolist() + [42, 43]
     assert torch.equal(graph.pixels[:168], pixels) and not graph.pixels[168:].any()
     assert not graph.position_ids[168:].any()
-    wider = tower_graphs._BucketGraph(graphs, TowerBucket(patches=208, blocks=16, windows=128), pixels)
+    wider = tower_graphs._BucketGraph(graphs, TowerBucket(patches=208, blocks=16, windows=128, longest=96), pixels)
     wider.fill(pixels, inputs)  # 40 pad rows: windows of 16, 16 and 8 rows
     assert wider.cu_window_seqlens.tolist() == windows + [184, 200] + [208] * (129 - len(windows) - 2)
+    split = tower_graphs._BucketGraph(graphs, TowerBucket(patches=368, blocks=16, windows=128, longest=96), pixels)
+    split.fill(pixels, inputs)  # 200 pad rows in blocks of at most the bucket's longest (96 rows), then empty ones
+    assert split.cu_seqlens.tolist() == inputs.cu_seqlens.tolist() + [264, 360] + [368] * 11
 
 
 def test_the_tower_is_graphed_only_where_the_language_models_layers_are(monkeypatch):
@@ -335,7 +340,8 @@ def test_a_graphed_call_launches_what_the_census_counts_for_it(family):
         pixels, inputs, _ = _call(tower, CALLS[1], seed=0)
         windows = None if graphs.window is None else inputs.cu_window_seqlens.shape[0] - 1
         unit = graphs.merge_unit if graphs.window is None else graphs.window
-        bucket = tower_bucket(168, inputs.cu_seqlens.shape[0] - 1, windows, unit=unit, window=graphs.window)
+        blocks = inputs.cu_seqlens.shape[0] - 1
+        bucket = tower_bucket(168, blocks, windows, unit=unit, window=graphs.window, longest=inputs.max_seqlen)
         graph = tower_graphs._BucketGraph(graphs, bucket, pixels)
         graph.grad_outputs = (torch.zeros(bucket.patches // 4, 8),)
         with _Launches() as fills:
@@ -432,7 +438,7 @@ def test_a_qwen3_vl_bucket_pads_with_rows_of_their_own_and_takes_corners_per_pat
 
     graphs = MegatronTowerGraphs(tower, cuda=False)
     pixels, inputs, _ = _megatron_call(tower, MEGATRON_CALLS[1], seed=0)
-    graph = _MegatronBucketGraph(graphs, TowerBucket(patches=208, blocks=16, windows=0), pixels)
+    graph = _MegatronBucketGraph(graphs, TowerBucket(patches=208, blocks=16, windows=0, longest=208), pixels)
     graph.fill(pixels, inputs)
     assert graph.cu_seqlens.tolist() == inputs.cu_seqlens.tolist() + [208] * (17 - inputs.cu_seqlens.shape[0])
     assert torch.equal(graph.pixels[:196], pixels) and not graph.pixels[196:].any()
@@ -467,7 +473,7 @@ def test_a_graphed_qwen3_vl_call_launches_what_the_census_counts_for_it(tower):
 
     graphs = MegatronTowerGraphs(tower, cuda=False)
     pixels, inputs, _ = _megatron_call(tower, MEGATRON_CALLS[1], seed=0)
-    graph = _MegatronBucketGraph(graphs, TowerBucket(patches=208, blocks=16, windows=0), pixels)
+    graph = _MegatronBucketGraph(graphs, TowerBucket(patches=208, blocks=16, windows=0, longest=208), pixels)
     outputs = 1 + len(tower.config.deepstack_visual_indexes)
     graph.grad_outputs = tuple(torch.zeros(52, 8) for _ in range(outputs))
     with _Launches() as fills:

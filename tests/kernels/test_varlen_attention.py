@@ -73,6 +73,24 @@ def test_packed_attention_equals_per_sequence(attention_factory, causal):
     assert q.grad[: lengths[0]].abs().sum() > 0
 
 
+def test_a_longest_block_given_shorter_than_a_block_is_refused(attention_factory):
+    """The varlen kernel takes `max_seqlen` as given and would leave the end of a longer block out; the per-block
+    loop (CPU) reads the lengths and refuses it, for both of qvl's packed attentions."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from qvl.kernels.varlen_attention import packed_attention
+
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    q, k, v = (torch.randn(15, h, 8) for h in (4, 2, 2))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8, max_seqlen_kv=9)
+    message = "a packed block of 9 rows is longer than the max_seqlen 8 given for it"
+    with pytest.raises(ValueError, match=message):
+        attention_factory(False)(q, k, v, attention_mask=None, packed_seq_params=params)
+    with pytest.raises(ValueError, match=message):
+        packed_attention(q, k, k.clone(), cu, cu, 8, 9, None, 0.0, False)
+    assert packed_attention(q, k, k.clone(), cu, cu, 9, None, None, 0.0, False).shape == (15, 4, 8)
+
+
 def test_padded_thd_layout_ignores_padding_tokens(attention_factory):
     from megatron.core.packed_seq_params import PackedSeqParams
 
