@@ -29,7 +29,8 @@ What changes upstream (the registry's entries of this group):
   no-host-read path, qvl.kernels.speed_rotary) keeps its type in the buffer.
 
 The replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) is graphed by qvl's own forward where this group asked for the
-layers' graphs (`graphs_requested`): qvl.kernels.tower_graphs, at bucketed patch counts, since every pack has its own.
+layers' graphs (`graphs_requested`): qvl.kernels.tower_graphs, at bucketed patch counts, since every pack has its own
+(the sizes planned from the dataset's packs where a micro-batch is one pack: `planned_dataset`, `TOWER_DATASET`).
 Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL) likewise, from qvl's Qwen3-VL forward
 (qvl.kernels.tower_graphs.MegatronTowerGraphs). Not graphed: the embedding and output layer, the loss and the optimizer.
 """
