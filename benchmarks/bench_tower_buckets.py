@@ -65,8 +65,7 @@ def llava_like_calls(seq_length: int, conversations: int, seed: int = 0) -> list
 
 def measure(shapes: list[tuple[int, int, int, int]]) -> dict:
     """What the grid and the plan make of the calls."""
-    from qvl.kernels.tower_buckets import bucket_size, padding_share, planned_sizes, tower_bucket
-    from qvl.kernels.tower_graphs import MAX_GRAPHS
+    from qvl.kernels.tower_buckets import MAX_GRAPHS, bucket_size, padding_share, planned_sizes, tower_bucket
 
     calls = [rows for rows, _, _, _ in shapes]
     by_slots = set()  # the buckets when slot counts made buckets of their own (the longest block: the bucket's rows)

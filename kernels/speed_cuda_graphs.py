@@ -126,13 +126,21 @@ def planned_dataset(cfg: Any) -> str | None:
     return None if path is None else str(path)
 
 
-@functools.cache
 def dataset_tower_calls(dataset: str, *, together: bool) -> tuple[int, ...]:
     """The pixel rows of every tower call a `qvl data prepare` folder's packs make (packs.jsonl's `vision_rows`:
     each pack's image rows and video rows, the tower's distinct media): images and videos as calls of their own, or
-    `together` as one call per pack (Qwen3-VL's tower); () for a dataset prepared before packs recorded them."""
+    `together` as one call per pack (Qwen3-VL's tower); () for a dataset prepared before packs recorded them, or
+    without packs.jsonl (read once per version of the file)."""
+    packs = pathlib.Path(dataset) / "packs.jsonl"
+    if not packs.is_file():  # a run refuses it (graph_shapes); a plan of a folder not prepared yet has none
+        return ()
+    return _tower_calls(str(packs), packs.stat().st_mtime_ns, together)
+
+
+@functools.cache
+def _tower_calls(packs: str, version: int, together: bool) -> tuple[int, ...]:
     calls = []
-    with (pathlib.Path(dataset) / "packs.jsonl").open() as rows:
+    with open(packs) as rows:
         for row in rows:
             if not row.strip():
                 continue

@@ -20,9 +20,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+MAX_GRAPHS = 16  # bucket sizes captured per tower; a call of another size runs eagerly
 BUCKETS_PER_DOUBLING = 8  # patch counts per octave: a bucket holds at most 1/8 more rows than its calls
 BLOCK_SLOTS = 16  # cu_seqlens' blocks rounded up to a multiple of this
 WINDOW_SLOTS = 128  # cu_window_seqlens' windows rounded up to a multiple of this
@@ -57,6 +59,21 @@ class TowerBucket:
 
 def _grown(have: int, need: int) -> int:
     return have if need <= have else max(need, 2 * have)
+
+
+def tower_unit(vision_config: Any) -> tuple[int, int | None]:
+    """(unit, window): the rows a graphed call's bucket of a tower with `vision_config` is a multiple of (a merge
+    unit, or a whole window where it windows its attention, Qwen2.5-VL), and the rows of one window (None)."""
+    merge_unit = vision_config.spatial_merge_size**2
+    window_size = getattr(vision_config, "window_size", None)
+    window = None if window_size is None else (window_size // vision_config.patch_size) ** 2
+    return (merge_unit if window is None else window), window
+
+
+def planned_padding(call_rows: Iterable[int], *, unit: int) -> float:
+    """The rows the sizes planned for `call_rows` (at most MAX_GRAPHS) add, as a share of the calls' rows."""
+    calls = list(call_rows)
+    return padding_share(calls, planned_sizes(calls, unit=unit, most=MAX_GRAPHS), unit=unit)
 
 
 def tower_bucket(

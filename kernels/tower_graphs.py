@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from qvl.kernels.speed_hf_vision import tower_kwargs
-from qvl.kernels.tower_buckets import TowerBucket, bucket_size, planned_sizes, tower_bucket
+from qvl.kernels.tower_buckets import MAX_GRAPHS, TowerBucket, bucket_size, planned_sizes, tower_bucket, tower_unit
 from qvl.kernels.tower_inputs import MegatronTowerInputs, TowerInputs
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,6 @@ logger = logging.getLogger(__name__)
 FILL_LAUNCHES = {True: 12, False: 7}
 MEGATRON_FILL_LAUNCHES = 13  # Qwen3-VL's: pixels, position ids, blocks, the corners' indices and weights
 GRADIENT_LAUNCHES = 2
-MAX_GRAPHS = 16  # bucket sizes captured per tower; a call of another size runs eagerly
 
 
 class CudaGraphReplay:
@@ -306,9 +305,7 @@ class TowerGraphs:
         config = tower.config
         self.tower = tower
         self.merge_unit = config.spatial_merge_size**2
-        window_size = getattr(config, "window_size", None)  # Qwen2.5-VL windows its attention; Qwen2-VL does not
-        self.window = None if window_size is None else (window_size // config.patch_size) ** 2
-        self.unit = self.merge_unit if self.window is None else self.window  # a bucket's rows are a multiple of it
+        self.unit, self.window = tower_unit(config)  # a bucket's rows are a multiple of unit; window: None unwindowed
         self.sizes = planned_sizes(planned_calls, unit=self.unit, most=max_graphs)
         self.trained = [p for p in tower.parameters() if p.requires_grad]
         self.cuda, self.max_graphs = cuda, max_graphs

@@ -186,12 +186,18 @@ def plan_inputs(
 
 def tower_rows_per_patch(cfg: Any, target: switch.Target) -> float:
     """Rows the vision tower of `cfg`'s run on `target` runs per patch: where it replays as CUDA graphs
-    (speed-cuda-graphs applied and the run's layout allows the tower's graphs), a call is padded up to its bucket,
-    at most 1/BUCKETS_PER_DOUBLING more rows on the geometric grid (qvl.kernels.tower_buckets.tower_bucket; sizes
-    planned from the dataset hold its largest call in fewer); else one."""
+    (speed-cuda-graphs applied and the run's layout allows the tower's graphs), a call is padded up to its bucket:
+    with sizes planned from the dataset's packs (qvl.kernels.tower_buckets), by the rows they add to its calls;
+    else at most 1/BUCKETS_PER_DOUBLING more rows on the geometric grid. Without graphs, one."""
     if target.device != "cuda" or not switch.is_on("speed-cuda-graphs", target):
         return 1.0
-    from qvl.kernels.speed_cuda_graphs import graphed_parts
-    from qvl.kernels.tower_buckets import BUCKETS_PER_DOUBLING
+    from qvl.kernels.speed_cuda_graphs import dataset_tower_calls, graphed_parts, planned_dataset
+    from qvl.kernels.tower_buckets import BUCKETS_PER_DOUBLING, planned_padding, tower_unit
 
-    return 1.0 + 1.0 / BUCKETS_PER_DOUBLING if graphed_parts(cfg)[1] else 1.0
+    if not graphed_parts(cfg)[1]:
+        return 1.0
+    dataset, vision = planned_dataset(cfg), getattr(cfg.model, "vision_config", None)
+    calls = dataset_tower_calls(dataset, together=not target.hf_vision_tower) if dataset and vision else ()
+    if calls:
+        return 1.0 + planned_padding(calls, unit=tower_unit(vision)[0])
+    return 1.0 + 1.0 / BUCKETS_PER_DOUBLING

@@ -310,6 +310,27 @@ def test_the_loss_keeps_what_the_cross_entropy_in_use_keeps():
     assert plan_config(cfg, gpus=2).stages[-1].activations == lean  # by default: this environment's packages
 
 
+def test_a_graphed_tower_with_sizes_planned_from_the_dataset_counts_the_rows_they_add(tmp_path):
+    """With the dataset's packs (packs.jsonl `vision_rows`) the graphs pad each call to a size planned for them
+    (qvl.kernels.tower_buckets): the plan counts the rows those sizes add, not the grid's worst case."""
+    import json
+
+    from qvl.kernels.switch import Target
+    from qvl.kernels.tower_buckets import BUCKETS_PER_DOUBLING
+    from qvl.recipes.plan_inputs import tower_rows_per_patch
+
+    cfg = get_recipe("qwen2_5_vl_3b_pretrain").fn(data=str(tmp_path))
+    cfg.qvl.cuda_graphs = True
+    target = Target.of(cfg, device="cuda")
+    assert tower_rows_per_patch(cfg, target) == 1 + 1 / BUCKETS_PER_DOUBLING  # no packs.jsonl: the grid's bound
+    packs = [{"lengths": [9], "vision_rows": [rows, 0]} for rows in (1_000, 1_000, 3_000)]
+    (tmp_path / "packs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in packs))
+    # whole 112-pixel windows of 14-pixel patches: 64 rows; the sizes 1,024 and 3,008 add 24 + 24 + 8 rows
+    assert tower_rows_per_patch(cfg, target) == pytest.approx(1 + 56 / 5_000)
+    cfg.qvl.cuda_graphs = False
+    assert tower_rows_per_patch(cfg, Target.of(cfg, device="cuda")) == 1.0
+
+
 @pytest.mark.parametrize("layout", ["graphed", "pipeline_parallel=2", "ddp.overlap_grad_reduce", "vision_balance"])
 def test_a_graphed_vision_tower_keeps_its_buckets_pad_rows(layout):
     """With speed-cuda-graphs the HF tower runs each call padded up to its bucket (at most 1/8 more rows,
