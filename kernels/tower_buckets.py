@@ -159,9 +159,15 @@ def planned_sizes(call_rows: Iterable[int], *, unit: int, most: int) -> tuple[in
 
 def padding_share(call_rows: Iterable[int], sizes: tuple[int, ...], *, unit: int) -> float:
     """The rows the buckets add, as a share of the calls' real rows (0 for no calls)."""
-    rows = [int(r) for r in call_rows if r > 0]
-    real = sum(rows)
-    return sum(bucket_size(r, unit=unit, sizes=sizes) for r in rows) / real - 1 if real else 0.0
+    rows = np.asarray(list(call_rows), dtype=np.int64)
+    rows = rows[rows > 0]
+    if not len(rows):
+        return 0.0
+    index = np.searchsorted(np.asarray(sizes, dtype=np.int64), rows)  # a dataset's calls: vectorised
+    held = index < len(sizes)
+    padded = int(np.asarray(sizes, dtype=np.int64)[index[held]].sum()) if held.any() else 0
+    padded += sum(bucket_size(int(r), unit=unit) for r in rows[~held])  # above every size: the grid
+    return padded / int(rows.sum()) - 1
 
 
 def _round_up(value: int, multiple: int) -> int:
