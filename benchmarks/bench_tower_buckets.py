@@ -13,11 +13,14 @@ blocks: one per image; the windows: 8 x 8 patches, the last row and column short
 picks (at most 16), and the rows each adds; and how many programs a full-attention layer's flash kernel launches
 with the bucket's rows as its `max_seqlen` (as before) over those it launches with the graph's longest block (now:
 the calls' longest images rounded up, grown as `TowerBucket.grown` grows it, in pack order): `max_seqlen / 128` per
-block, the median over the calls.
+block, the median over the calls. Last, for `bench_train`'s packed runs (64 tower calls at 4k, 40 at 8k), the share
+of their calls that replay a graph (a size's first call runs eagerly, its second captures) with the sizes such a
+run plans (`speed_cuda_graphs.planned_size_count`), with 16, and on the grid, packs drawn in random orders.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
 
@@ -25,7 +28,8 @@ import numpy as np
 
 from benchmarks.bench_train import RESOLUTIONS
 
-SEQ_LENGTHS = (4096, 8192)
+# `bench_train`'s real-shape packed runs: their tower calls (train_iters with the profiled steps, 8 packs each)
+BENCH_TRAIN_RUNS = {4096: 8 * 8, 8192: 5 * 8}
 CONVERSATIONS = 20_000
 PATCH, MERGE = 14, 2  # Qwen2.5-VL
 WINDOW_SIDE = 8  # a 112-pixel window of 14-pixel patches
@@ -65,7 +69,14 @@ def llava_like_calls(seq_length: int, conversations: int, seed: int = 0) -> list
 
 def measure(shapes: list[tuple[int, int, int, int]]) -> dict:
     """What the grid and the plan make of the calls."""
-    from qvl.kernels.tower_buckets import MAX_GRAPHS, bucket_size, padding_share, planned_sizes, tower_bucket
+    from qvl.kernels.tower_buckets import (
+        MAX_GRAPHS,
+        bucket_size,
+        padding_share,
+        planned_padding,
+        planned_sizes,
+        tower_bucket,
+    )
 
     calls = [rows for rows, _, _, _ in shapes]
     by_slots = set()  # the buckets when slot counts made buckets of their own (the longest block: the bucket's rows)
@@ -91,13 +102,49 @@ def measure(shapes: list[tuple[int, int, int, int]]) -> dict:
         "grid_padding_share": round(padding_share(calls, (), unit=WINDOW_ROWS), 4),
         "planned_sizes": list(planned),
         "planned_padding_share": round(padding_share(calls, planned, unit=WINDOW_ROWS), 4),
+        # a run too short to replay 16 sizes plans fewer (speed_cuda_graphs.planned_size_count; bench_train's 4k
+        # run of 8 steps of 8 packs: 8, its 8k run of 5: 5)
+        "planned_padding_by_sizes": {
+            str(most): round(planned_padding(calls, unit=WINDOW_ROWS, most=most), 4) for most in (4, 5, 8, MAX_GRAPHS)
+        },
         "flash_programs_bucket_over_longest": round(float(np.median(programs)), 2),
     }
 
 
+def replayed_share(calls: list[int], sizes: tuple[int, ...], run_calls: int, *, orders: int = 200) -> float:
+    """The share of a run's `run_calls` tower calls (packs drawn in a random order) that replay a graph: a size's
+    first call runs eagerly and its second captures. The mean over `orders` draws."""
+    from qvl.kernels.tower_buckets import bucket_size
+
+    rng = np.random.default_rng(0)
+    buckets = np.asarray([bucket_size(c, unit=WINDOW_ROWS, sizes=sizes) for c in calls])
+    shares = []
+    for _ in range(orders):
+        seen = collections.Counter(buckets[rng.permutation(len(calls))[:run_calls]].tolist())
+        shares.append(sum(max(0, n - 2) for n in seen.values()) / min(run_calls, len(calls)))
+    return round(float(np.mean(shares)), 3)
+
+
 def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
+    from qvl.kernels.speed_cuda_graphs import CALLS_PER_SIZE
+    from qvl.kernels.tower_buckets import MAX_GRAPHS, planned_sizes
+
     conversations = CONVERSATIONS // 4 if quick else CONVERSATIONS
-    rows = {str(n): measure(llava_like_calls(n, conversations)) for n in SEQ_LENGTHS}
+    rows = {}
+    for n, run_calls in BENCH_TRAIN_RUNS.items():
+        shapes = llava_like_calls(n, conversations)
+        rows[str(n)] = measure(shapes)
+        calls = [c[0] for c in shapes]
+        most = max(1, min(MAX_GRAPHS, run_calls // CALLS_PER_SIZE))
+        rows[str(n)]["bench_train_run"] = {
+            "tower_calls": run_calls,
+            "planned_sizes": most,
+            "replayed_share": {
+                "planned": replayed_share(calls, planned_sizes(calls, unit=WINDOW_ROWS, most=most), run_calls),
+                "16 planned": replayed_share(calls, planned_sizes(calls, unit=WINDOW_ROWS, most=MAX_GRAPHS), run_calls),
+                "grid": replayed_share(calls, (), run_calls),
+            },
+        }
     checks = [
         {
             "figure": f"rows planned tower buckets add at {n} (SIMULATED packs)",

@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import pathlib
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,8 @@ GROUP = "speed-cuda-graphs"
 WARMUP_STEPS = 2  # eager runs of each layer before its capture (Megatron-Core's cuda_graph_warmup_steps)
 TOWER_GRAPHS = "qvl_tower_graphs"  # the model config's flag: its vision tower may be graphed too
 TOWER_DATASET = "qvl_tower_dataset"  # the model config's dataset whose tower calls plan the tower's bucket sizes
+TOWER_SIZES = "qvl_tower_sizes"  # the model config's most planned sizes: fewer for a run too short to replay them
+CALLS_PER_SIZE = 8  # a planned size's warm-up and capture take at most a quarter of its calls, on average
 
 
 class TooManySubSequencesError(QvlError):
@@ -126,6 +129,22 @@ def planned_dataset(cfg: Any) -> str | None:
     return None if path is None else str(path)
 
 
+def planned_size_count(cfg: Any) -> int:
+    """The most bucket sizes a run of `cfg` (a ConfigContainer) plans for its tower: MAX_GRAPHS, fewer for a run
+    too short to call each size CALLS_PER_SIZE times (a size's first call runs eagerly and its second captures, so
+    a size adds two calls that do not replay). Its calls: `train_iters` times the packs one data-parallel rank
+    trains per step (the launcher's WORLD_SIZE over tensor, pipeline and context parallelism)."""
+    from qvl.kernels.tower_buckets import MAX_GRAPHS
+
+    model, train = cfg.model, cfg.train
+    splits = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        splits *= getattr(model, name, 1) or 1
+    ranks = max(1, int(os.environ.get("WORLD_SIZE", "1")) // splits)
+    calls = (getattr(train, "train_iters", None) or 0) * max(1, train.global_batch_size // ranks)
+    return max(1, min(MAX_GRAPHS, calls // CALLS_PER_SIZE)) if calls else MAX_GRAPHS
+
+
 def dataset_tower_calls(dataset: str, *, together: bool) -> tuple[int, ...]:
     """The pixel rows of every tower call a `qvl data prepare` folder's packs make (packs.jsonl's `vision_rows`:
     each pack's image rows and video rows, the tower's distinct media): images and videos as calls of their own, or
@@ -187,6 +206,7 @@ def with_layer_graphs(original):
                     setattr(cfg.model, name, value)
                 setattr(cfg.model, TOWER_GRAPHS, tower)
                 setattr(cfg.model, TOWER_DATASET, planned_dataset(cfg) if tower else None)
+                setattr(cfg.model, TOWER_SIZES, planned_size_count(cfg))
                 logger.info("speed-cuda-graphs: the language model's layers replay as CUDA graphs from step 2")
                 if getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False):
                     logger.warning(

@@ -70,10 +70,10 @@ def tower_unit(vision_config: Any) -> tuple[int, int | None]:
     return (merge_unit if window is None else window), window
 
 
-def planned_padding(call_rows: Iterable[int], *, unit: int) -> float:
-    """The rows the sizes planned for `call_rows` (at most MAX_GRAPHS) add, as a share of the calls' rows."""
+def planned_padding(call_rows: Iterable[int], *, unit: int, most: int = MAX_GRAPHS) -> float:
+    """The rows the sizes planned for `call_rows` (at most `most`) add, as a share of the calls' rows."""
     calls = list(call_rows)
-    return padding_share(calls, planned_sizes(calls, unit=unit, most=MAX_GRAPHS), unit=unit)
+    return padding_share(calls, planned_sizes(calls, unit=unit, most=most), unit=unit)
 
 
 def tower_bucket(

@@ -299,14 +299,16 @@ class TowerGraphs:
         cuda: bool = True,
         max_graphs: int = MAX_GRAPHS,
         planned_calls: Iterable[int] = (),
+        planned_most: int = MAX_GRAPHS,
     ) -> None:
         """`planned_calls`: the pixel rows of every tower call the run will make (its prepared dataset's, of this
-        tower's media kind or kinds): the bucket sizes are planned to pad them least; () for the geometric grid."""
+        tower's media kind or kinds): at most `planned_most` bucket sizes (and `max_graphs`) are planned to pad them
+        least; () for the geometric grid."""
         config = tower.config
         self.tower = tower
         self.merge_unit = config.spatial_merge_size**2
         self.unit, self.window = tower_unit(config)  # a bucket's rows are a multiple of unit; window: None unwindowed
-        self.sizes = planned_sizes(planned_calls, unit=self.unit, most=max_graphs)
+        self.sizes = planned_sizes(planned_calls, unit=self.unit, most=min(max_graphs, planned_most))
         self.trained = [p for p in tower.parameters() if p.requires_grad]
         self.cuda, self.max_graphs = cuda, max_graphs
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
@@ -447,7 +449,7 @@ def tower_graphs(model: Any) -> TowerGraphs | None:
 
 
 def _graphs_of(model: Any, attribute: str, graphs_type: type[TowerGraphs]) -> TowerGraphs | None:
-    from qvl.kernels.speed_cuda_graphs import TOWER_DATASET, dataset_tower_calls, tower_graphs_allowed
+    from qvl.kernels.speed_cuda_graphs import TOWER_DATASET, TOWER_SIZES, dataset_tower_calls, tower_graphs_allowed
 
     tower = getattr(model, attribute, None)
     if tower is None or not tower_graphs_allowed(model.config) or not torch.cuda.is_available():
@@ -456,7 +458,8 @@ def _graphs_of(model: Any, attribute: str, graphs_type: type[TowerGraphs]) -> To
     if graphs is None:
         dataset = getattr(model.config, TOWER_DATASET, None)
         calls = dataset_tower_calls(dataset, together=graphs_type.media_together) if dataset else ()
-        graphs = graphs_type(tower, planned_calls=calls)
+        most = getattr(model.config, TOWER_SIZES, MAX_GRAPHS)
+        graphs = graphs_type(tower, planned_calls=calls, planned_most=most)
         if graphs.sizes:
             logger.info(
                 "speed-cuda-graphs: the vision tower's %d bucket sizes planned from %s", len(graphs.sizes), dataset

@@ -191,7 +191,7 @@ def tower_rows_per_patch(cfg: Any, target: switch.Target) -> float:
     else at most 1/BUCKETS_PER_DOUBLING more rows on the geometric grid. Without graphs, one."""
     if target.device != "cuda" or not switch.is_on("speed-cuda-graphs", target):
         return 1.0
-    from qvl.kernels.speed_cuda_graphs import dataset_tower_calls, graphed_parts, planned_dataset
+    from qvl.kernels.speed_cuda_graphs import dataset_tower_calls, graphed_parts, planned_dataset, planned_size_count
     from qvl.kernels.tower_buckets import BUCKETS_PER_DOUBLING, planned_padding, tower_unit
 
     if not graphed_parts(cfg)[1]:
@@ -199,5 +199,5 @@ def tower_rows_per_patch(cfg: Any, target: switch.Target) -> float:
     dataset, vision = planned_dataset(cfg), getattr(cfg.model, "vision_config", None)
     calls = dataset_tower_calls(dataset, together=not target.hf_vision_tower) if dataset and vision else ()
     if calls:
-        return 1.0 + planned_padding(calls, unit=tower_unit(vision)[0])
+        return 1.0 + planned_padding(calls, unit=tower_unit(vision)[0], most=planned_size_count(cfg))
     return 1.0 + 1.0 / BUCKETS_PER_DOUBLING

@@ -118,4 +118,8 @@ def test_planned_tower_buckets_pad_the_simulated_packs_less_than_the_grid(tmp_pa
         assert row["planned_padding_share"] < row["grid_padding_share"]
         assert row["grid_graphs_by_slots"] >= row["grid_sizes"]  # slot counts only split the grid's sizes
         assert row["flash_programs_bucket_over_longest"] > 1  # the longest image is shorter than the bucket
+        by_sizes = list(row["planned_padding_by_sizes"].values())  # 4, 5, 8, 16 sizes: fewer rows each time
+        assert by_sizes == sorted(by_sizes, reverse=True) and by_sizes[-1] == row["planned_padding_share"]
+        run = row["bench_train_run"]  # a short run plans fewer sizes, so more of its calls replay
+        assert run["planned_sizes"] < 16 and run["replayed_share"]["planned"] > run["replayed_share"]["16 planned"]
     assert [c["met"] for c in results["checks"]] == [True, True]

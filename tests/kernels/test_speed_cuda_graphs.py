@@ -57,6 +57,25 @@ def test_the_tower_calls_of_a_dataset_are_its_packs_image_and_video_rows(tmp_pat
     assert calls(str(tmp_path / "old"), together=False) == ()
 
 
+def test_a_run_too_short_to_replay_sixteen_sizes_plans_fewer(monkeypatch):
+    """A planned size's first call runs eagerly and its second captures: a run plans at most one size per
+    CALLS_PER_SIZE (8) of the tower calls one data-parallel rank makes (train_iters x its packs per step)."""
+
+    def config(iters, batch=8, tp=1):
+        return types.SimpleNamespace(
+            model=types.SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1),
+            train=types.SimpleNamespace(train_iters=iters, global_batch_size=batch),
+        )
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert speed_cuda_graphs.planned_size_count(config(1_000)) == 16
+    assert speed_cuda_graphs.planned_size_count(config(6)) == 6  # 48 calls
+    assert speed_cuda_graphs.planned_size_count(config(None)) == 16  # no iteration count: a long run
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert speed_cuda_graphs.planned_size_count(config(6)) == 1  # 4 data-parallel ranks: 12 calls each
+    assert speed_cuda_graphs.planned_size_count(config(6, tp=2)) == 3  # 2 of them: 24 calls each
+
+
 def test_layer_graphs_are_asked_for_only_where_cuda_is(monkeypatch):
     seen = []
     initialize = speed_cuda_graphs.with_layer_graphs(lambda cfg, **kwargs: seen.append(dict(vars(cfg.model))))
@@ -64,6 +83,7 @@ def test_layer_graphs_are_asked_for_only_where_cuda_is(monkeypatch):
         model=types.SimpleNamespace(cuda_graph_impl="none", pipeline_model_parallel_size=pp),
         ddp=types.SimpleNamespace(overlap_grad_reduce=overlap),
         dataset=types.SimpleNamespace(tower_calls_dataset=lambda: "/data/packed" if mbs == 1 else None),
+        train=types.SimpleNamespace(train_iters=1_000, global_batch_size=8),
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the step census: a CUDA run's groups on the CPU
     initialize(config(1), restart_store=None)
@@ -72,14 +92,15 @@ def test_layer_graphs_are_asked_for_only_where_cuda_is(monkeypatch):
     initialize(config(1))
     graphed = {"pipeline_model_parallel_size": 1, **speed_cuda_graphs.layer_graph_settings()}
     model = seen.pop()
-    planned = {speed_cuda_graphs.TOWER_GRAPHS: True, speed_cuda_graphs.TOWER_DATASET: "/data/packed"}
+    planned = {speed_cuda_graphs.TOWER_GRAPHS: True, speed_cuda_graphs.TOWER_DATASET: "/data/packed",
+               speed_cuda_graphs.TOWER_SIZES: 16}  # fmt: skip
     assert model == {**graphed, **planned}  # the tower's bucket sizes planned from the dataset's packs
     assert speed_cuda_graphs.tower_graphs_allowed(types.SimpleNamespace(**model))
     initialize(config(1, mbs=2))  # a micro-batch of two packs: its tower calls are not the packs'
     assert seen.pop()[speed_cuda_graphs.TOWER_DATASET] is None
     initialize(config(1, overlap=True))  # DDP's overlap needs the parameters' hooks: the tower stays eager
     model = seen.pop()
-    assert model == {**graphed, speed_cuda_graphs.TOWER_GRAPHS: False, speed_cuda_graphs.TOWER_DATASET: None}
+    assert model == {**graphed, **planned, speed_cuda_graphs.TOWER_GRAPHS: False, speed_cuda_graphs.TOWER_DATASET: None}
     assert not speed_cuda_graphs.tower_graphs_allowed(types.SimpleNamespace(**model))
     initialize(config(2))  # pipeline stages keep their layers eager
     assert seen.pop()["cuda_graph_impl"] == "none"
