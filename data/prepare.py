@@ -247,6 +247,7 @@ def _process(config: PrepareConfig, settings, pool: parallel.WorkerPool, state: 
 def _merge(config: PrepareConfig, work: pathlib.Path, n_chunks: int, state: _State) -> _Samples:
     """Read the chunks' summaries in order: per-sample integers, quarantine.jsonl, counters, vision cost."""
     columns = collections.defaultdict(list)
+    vision_rows = []  # per chunk: its samples' image and video rows (None for a chunk spilled by an older qvl)
     shapes = _cost_shapes(config) if config.balance_cost or config.data_parallel is not None else None
     with (work / "quarantine.jsonl").open("w") as quarantine:
         for chunk in range(n_chunks):
@@ -262,12 +263,9 @@ def _merge(config: PrepareConfig, work: pathlib.Path, n_chunks: int, state: _Sta
             state.media += len(summary["grid_thw"])
             state.vision_patches += int(summary["grid_thw"].prod(axis=1).sum()) if len(summary["grid_thw"]) else 0
             columns["chunk"].append(np.full(len(summary["index"]), chunk, dtype=np.int64))
-            columns["vision_rows"].append(_vision_rows(summary))
+            vision_rows.append(_vision_rows(summary))
             if shapes is not None:
                 columns["vision_flops"].append(_vision_flops(shapes[1], summary))
-    rows_per_chunk = columns.pop("vision_rows", [])
-    known = all(rows is not None for rows in rows_per_chunk)  # chunks spilled by an older qvl lack media kinds
-    vision_rows = np.concatenate(rows_per_chunk) if known and rows_per_chunk else None
     arrays = {key: np.concatenate(columns[key]) if columns[key] else np.zeros(0, np.int64) for key in columns}
     empty = np.zeros(0, np.int64)
     return _Samples(
@@ -278,7 +276,7 @@ def _merge(config: PrepareConfig, work: pathlib.Path, n_chunks: int, state: _Sta
         size=arrays.get("size", empty),
         first_length=arrays.get("first_length", empty),
         vision_flops=arrays.get("vision_flops", np.zeros(0)) if shapes is not None else None,
-        vision_rows=vision_rows,
+        vision_rows=np.concatenate(vision_rows) if vision_rows and all(r is not None for r in vision_rows) else None,
     )
 
 

@@ -17,6 +17,7 @@ slots grows that size's graph (`TowerBucket.grown`: at least twice the slots), s
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -110,7 +111,7 @@ def bucket_size(
     geometric grid's (`per_doubling` sizes per doubling, multiples of `unit`)."""
     if patches < 1:
         raise ValueError(f"a tower call of {patches} pixel rows has no bucket; call the tower with pixels")
-    index = int(np.searchsorted(sizes, patches)) if sizes else 0
+    index = bisect.bisect_left(sizes, patches)  # a host int per tower call: no array
     if index < len(sizes):
         return int(sizes[index])
     granule = max(unit, 1 << max(0, patches.bit_length() - 1 - int(math.log2(per_doubling))))
