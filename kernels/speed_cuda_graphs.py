@@ -32,7 +32,9 @@ The replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) is graphed by qvl's own fo
 layers' graphs (`graphs_requested`): qvl.kernels.tower_graphs, at bucketed patch counts, since every pack has its own
 (the sizes planned from the dataset's packs where a micro-batch is one pack: `planned_dataset`, `TOWER_DATASET`).
 Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL) likewise, from qvl's Qwen3-VL forward
-(qvl.kernels.tower_graphs.MegatronTowerGraphs). Not graphed: the embedding and output layer, the loss and the optimizer.
+(qvl.kernels.tower_graphs.MegatronTowerGraphs). Not graphed: the embedding and output layer, the loss and the optimizer;
+nothing where a layer cannot be captured at fixed shapes (`eager_layers`: pipeline stages, MoE and Gated DeltaNet
+layers).
 """
 
 from __future__ import annotations
@@ -85,12 +87,40 @@ def tower_graphs_allowed(model_config: Any) -> bool:
     return graphs_requested(model_config) and getattr(model_config, TOWER_GRAPHS, False)
 
 
+def eager_layers(cfg: Any) -> str | None:
+    """Why the language model of `cfg`'s run (a ConfigContainer) keeps its layers eager under this group, None where
+    they replay as graphs. A graph replays the shapes it captured, and the whole layer is captured
+    (`layer_graph_settings`): pipeline stages send activations between micro-batches of other stages; a layer whose
+    shapes follow the pack's contents cannot be captured at the pack's fixed size. Those are a MoE layer (each expert
+    takes the tokens routed to it: their counts are read to the host to split the tokens, which a capture refuses) and
+    a Gated DeltaNet layer (its chunked kernels cut each sub-sequence into 64-token chunks whose number they read from
+    `cu_seqlens` on the host). One such layer keeps the stage eager: the model's structure, not a family's name."""
+    model = cfg.model
+    if getattr(model, "pipeline_model_parallel_size", 1) > 1:
+        return "pipeline parallelism keeps the layers eager"
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_linear_attention_pattern,
+        get_moe_layer_pattern,
+    )
+
+    if getattr(model, "num_moe_experts", None) and any(get_moe_layer_pattern(model)):
+        return "MoE layers (tokens per expert read to the host) keep the model eager"
+    if getattr(model, "experimental_attention_variant", None) == "gated_delta_net" and any(
+        get_linear_attention_pattern(model)
+    ):
+        return "Gated DeltaNet layers (chunks counted from cu_seqlens on the host) keep the model eager"
+    return None
+
+
 def graphed_parts(cfg: Any) -> tuple[bool, bool]:
     """(layers, tower): what a run of `cfg` (a ConfigContainer) replays as CUDA graphs where this group applies. The
-    layers on one pipeline stage only; the vision tower with them, unless DDP overlaps its gradient reduction with the
-    backward (the tower's graphs add into main_grad without the parameters' hooks) or the vision work is balanced
-    over ranks (qvl.training.vision_balance encodes eagerly)."""
-    layers = getattr(cfg.model, "pipeline_model_parallel_size", 1) <= 1
+    layers where they can be captured (`eager_layers`); the vision tower with them, unless DDP overlaps its gradient
+    reduction with the backward (the tower's graphs add into main_grad without the parameters' hooks) or the vision
+    work is balanced over ranks (qvl.training.vision_balance encodes eagerly). A tower without graphed layers stays
+    eager too: its graphs need the graph-safe RNG tracker that Megatron-Bridge sets up for the layers' graphs (the
+    Megatron tower's attention forks it), and a pack padded to fixed shapes for nothing would add pad tokens to a MoE
+    model's load-balancing loss."""
+    layers = eager_layers(cfg) is None
     overlapped = getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False)
     balanced = bool(getattr(getattr(cfg, "qvl", None), "vision_balance", False))
     return layers, layers and not overlapped and not balanced
@@ -200,7 +230,7 @@ def with_layer_graphs(original):
         if torch.cuda.is_available() and not graphs_requested(cfg.model):
             layers, tower = graphed_parts(cfg)
             if not layers:
-                logger.warning("speed-cuda-graphs: pipeline parallelism keeps the layers eager")
+                logger.warning("speed-cuda-graphs: %s; cuda_graphs=true changes nothing in this run", eager_layers(cfg))
             else:
                 for name, value in layer_graph_settings().items():
                     setattr(cfg.model, name, value)

@@ -144,7 +144,8 @@ RULES: tuple[Rule, ...] = (
     Rule(group="speed-cuda-graphs", scope="training",
          condition="the run asks for it (cuda_graphs=true), its device is CUDA and neither Transformer Engine nor Apex "
                    "is installed (the layers then read nothing back to the host, qvl's whole-pack rotary among them, "
-                   "so they can be captured; a replicated HF vision tower is graphed with them)",
+                   "so they can be captured; the vision tower is graphed with them). It changes nothing where a layer "
+                   "cannot be captured: pipeline stages, MoE and Gated DeltaNet layers (speed_cuda_graphs.eager_layers)",
          on=lambda t: _both(t.cuda_graphs, t.device == "cuda" and t.torch_adam)),
     # read when a model's layers are built and its config validated (before the loop): applied from the first
     # provider qvl fixes for the rest of the process (qvl.kernels.torch_wgrad_accum.provide_kernels)

@@ -54,8 +54,8 @@ class RecipeOptions:
     vision_recompute: bool = False  # HF vision tower (Qwen2/2.5-VL): keep block inputs only, recompute the rest
     vision_recompute_blocks: int | None = None  # with vision_recompute: the first N blocks only (None = all)
     compile: bool = False  # HF vision tower (Qwen2/2.5-VL): each block torch.compiled on CUDA (Triton)
-    # The language model's layers and a replicated HF vision tower replayed as CUDA graphs (patch group
-    # speed-cuda-graphs, CUDA without TE or Apex); off until their GPU tests have passed on a GPU
+    # The language model's layers and the vision tower replayed as CUDA graphs (patch group speed-cuda-graphs, CUDA
+    # without TE or Apex; a model with MoE or Gated DeltaNet layers stays eager); off until their GPU tests have passed
     # (tests/kernels/test_speed_cuda_graphs.py, tests/kernels/test_tower_graphs.py)
     cuda_graphs: bool = False
     optimizer_offload: float = 0.0  # fraction of optimizer state on CPU (Megatron-Core hybrid-device optimizer)

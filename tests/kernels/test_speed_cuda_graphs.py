@@ -15,6 +15,7 @@ import torch
 
 from qvl.foundation import distributed, megatron, patches
 from qvl.foundation.errors import ConfigError
+from qvl.foundation.families import FAMILIES, get_family
 from qvl.kernels import speed_cuda_graphs, speed_rotary, speed_sync_free
 from qvl.kernels.speed_cuda_graphs import GraphShapes, TooManySubSequencesError, fixed_size_cu_seqlens
 from qvl.kernels.speed_rotary import WholePackCuSeqlens, mark_whole_pack
@@ -104,6 +105,41 @@ def test_layer_graphs_are_asked_for_only_where_cuda_is(monkeypatch):
     assert not speed_cuda_graphs.tower_graphs_allowed(types.SimpleNamespace(**model))
     initialize(config(2))  # pipeline stages keep their layers eager
     assert seen.pop()["cuda_graph_impl"] == "none"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_layers_whose_shapes_follow_the_pack_keep_the_model_eager(family, monkeypatch, caplog):
+    """A MoE layer reads its tokens per expert to the host and a Gated DeltaNet layer its chunks: neither can be
+    captured, so a model with one keeps its layers and tower eager (one warning) instead of asking Megatron-Core to
+    capture them, and its packs are not padded (pad tokens would count in a MoE model's load-balancing loss). Judged from
+    the provider Megatron builds the model from, as a run's `initialize_megatron` sees it."""
+    from qvl.bridges.providers import auto_bridge
+    from qvl.bridges.tiny_model import tiny_hf_config
+
+    megatron.import_megatron_bridge()
+    hf_config = tiny_hf_config(family)
+    provider = auto_bridge(hf_config).to_megatron_provider(load_weights=False)
+    layer_types = getattr(getattr(hf_config, "text_config", hf_config), "layer_types", None) or ()
+    expected = "MoE" if get_family(family).moe else "Gated DeltaNet" if "linear_attention" in layer_types else None
+    cfg = types.SimpleNamespace(
+        model=provider,
+        ddp=types.SimpleNamespace(overlap_grad_reduce=False),
+        dataset=types.SimpleNamespace(tower_calls_dataset=lambda: None, path=None),
+        train=types.SimpleNamespace(train_iters=1_000, global_batch_size=8),
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with caplog.at_level("WARNING", logger=speed_cuda_graphs.__name__):
+        speed_cuda_graphs.with_layer_graphs(lambda cfg: None)(cfg)
+    warned = [r.getMessage() for r in caplog.records if r.name == speed_cuda_graphs.__name__]
+    reason = speed_cuda_graphs.eager_layers(cfg)
+    if expected is None:
+        assert reason is None and speed_cuda_graphs.graphed_parts(cfg) == (True, True)
+        assert provider.cuda_graph_impl == "local" and not warned
+        return
+    assert reason.startswith(expected) and speed_cuda_graphs.graphed_parts(cfg) == (False, False)
+    assert provider.cuda_graph_impl == "none" and not speed_cuda_graphs.tower_graphs_allowed(provider)
+    assert speed_cuda_graphs.graph_shapes(cfg) is None  # no pack padded to seq_length
+    assert warned == [f"speed-cuda-graphs: {reason}; cuda_graphs=true changes nothing in this run"]
 
 
 def test_graph_buffers_keep_the_whole_pack_type():
