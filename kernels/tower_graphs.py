@@ -32,7 +32,8 @@ them. Autograd gets no gradient for the parameters, so DDP's per-parameter hook 
 `overlap_grad_reduce` (off in qvl's recipes), which needs those hooks, the tower runs eagerly
 (qvl.kernels.speed_cuda_graphs.tower_graphs_allowed). The graphs assume Megatron's schedule without
 pipeline parallelism: a micro-batch's backward before the next micro-batch's forward. A second call while a bucket's
-backward is pending (images and videos of one micro-batch in one bucket) runs eagerly, as does any call beyond
+backward is pending (images and videos of one micro-batch in one bucket) runs eagerly, as does a capture or replay
+while another bucket's replayed backward is pending (`replay_pending`: the pool's blocks are shared), any call beyond
 `MAX_GRAPHS` sizes, any call without autograd, any tower with a trained parameter that has no `main_grad`, and
 every call of a bucket whose capture raised (logged with the error; `stats()` names it).
 
@@ -351,7 +352,18 @@ class TowerGraphs:
             bucket = needed if graph is None else graph.bucket.grown(needed)
             self.regrown += graph is not None  # the old graph and its buffers go (its backward has run)
             graph = self.buckets[needed.patches] = self.bucket_graph_type(self, bucket, pixels)
+        if graph.calls and self.replay_pending(graph):
+            return None, "a call while another size's replayed backward is pending (one memory pool)"
         return (None, graph.failed) if graph.failed is not None else (graph, None)
+
+    def replay_pending(self, graph: _BucketGraph) -> bool:
+        """Whether a bucket other than `graph` has replayed a forward whose backward has not run. Every bucket's
+        graphs are captured into one memory pool, and a later capture may be given the blocks an earlier one's
+        saved activations used (they are free once its backward was captured): so a replay may write where a pending
+        backward will read. Replayed as captured, a forward and then its backward, no two buckets' passes overlap;
+        a micro-batch's second tower call (a Qwen2-VL / Qwen2.5-VL video call after its images) waits, eagerly. Its
+        first call (eager, outside the pool) may run: only a capture or a replay uses the pool."""
+        return any(other.pending and other.replay is not None for other in self.buckets.values() if other is not graph)
 
     def bucket_rows(self, patches: int) -> int:
         """The pixel rows a graphed call of `patches` rows runs: its bucket's (the step census counts them)."""

@@ -124,6 +124,47 @@ def test_every_call_of_a_bucket_gives_the_towers_rows_and_gradients(family):
 
 
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_a_size_waits_eagerly_while_another_sizes_replayed_backward_is_pending(family):
+    """Micro-batches of two tower calls (a Qwen2.5-VL pack's images, then its videos) of two sizes, the backward after
+    both: the graphs share one memory pool, so while one size's replayed backward is pending the other neither
+    captures nor replays (it runs eagerly); its first call, eager outside the pool, may run. Every call gives the
+    tower's rows and the gradients reach `main_grad`."""
+    register_hf_varlen_attention()
+    with patches.applied(speed_hf_vision.GROUP):
+        reference = tiny_tower(family, attention=HF_VARLEN_ATTENTION)
+        tower = copy.deepcopy(reference)
+        _ddp_like(tower)
+        graphs = TowerGraphs(tower, cuda=False)
+        large, small = CALLS[0], CALLS[3]  # buckets of 176 and 32 rows
+        micro_batches = ((large, small), (large, small), (large, small), (small, large))
+        kinds = []
+        expected = {name: torch.zeros_like(p) for name, p in reference.named_parameters()}
+        for step, calls in enumerate(micro_batches):
+            loss = 0.0
+            for index, grid in enumerate(calls):
+                pixels, inputs, weights = _call(tower, grid, seed=2 * step + index)
+                want, _ = _reference_call(reference, pixels, inputs, grid, weights, expected)
+                before = dict(graphs.calls)
+                got = graphs(pixels, inputs, grid)
+                kinds.append(next(k for k, n in graphs.calls.items() if n != before.get(k, 0)))
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"micro-batch {step + 1}")
+                loss = loss + (got * weights).sum()
+            loss.backward()
+        assert kinds == [
+            "warm-up", "warm-up",  # neither uses the pool
+            "captured", "eager",  # the large size's replayed backward is pending: the small one waits
+            "replayed", "eager",
+            "captured", "eager",  # the other way round
+        ]  # fmt: skip
+        reason = "a call while another size's replayed backward is pending (one memory pool)"
+        assert graphs.stats()["eager_because"] == [reason]
+        assert not any(bucket.pending for bucket in graphs.buckets.values())
+        for name, param in tower.named_parameters():
+            scale = float(expected[name].abs().max()) + 1e-6
+            torch.testing.assert_close(param.main_grad, expected[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
 def test_a_size_whose_slots_are_short_is_graphed_again_with_more(family):
     """Two sizes planned from the dataset's calls (32 and 176 rows: 64 and 168 rows go into 176), one graph per size:
     a call of 64 rows in 16 frames needs more blocks than the size's first call left slots for, so the size's graph
