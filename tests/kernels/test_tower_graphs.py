@@ -82,14 +82,20 @@ def _reference_call(reference, pixels, inputs, grid, weights, expected: dict) ->
     return want, grads
 
 
+def _graphed_copy(family: str, **graph_options) -> tuple[torch.nn.Module, torch.nn.Module, TowerGraphs]:
+    """(reference, tower, graphs): a tiny eager tower, and a copy of it with DDP-like `main_grad`s and its graphs
+    (the CPU's `EagerReplay`)."""
+    reference = tiny_tower(family, attention=HF_VARLEN_ATTENTION)
+    tower = copy.deepcopy(reference)
+    _ddp_like(tower)
+    return reference, tower, TowerGraphs(tower, cuda=False, **graph_options)
+
+
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
 def test_every_call_of_a_bucket_gives_the_towers_rows_and_gradients(family):
     register_hf_varlen_attention()
     with patches.applied(speed_hf_vision.GROUP):
-        reference = tiny_tower(family, attention=HF_VARLEN_ATTENTION)
-        tower = copy.deepcopy(reference)
-        _ddp_like(tower)
-        graphs = TowerGraphs(tower, cuda=False)
+        reference, tower, graphs = _graphed_copy(family)
         expected = {name: torch.zeros_like(p) for name, p in reference.named_parameters()}
         for index, grid in enumerate(CALLS):
             pixels, inputs, weights = _call(tower, grid, seed=index)
@@ -131,10 +137,7 @@ def test_a_size_waits_eagerly_while_another_sizes_replayed_backward_is_pending(f
     tower's rows and the gradients reach `main_grad`."""
     register_hf_varlen_attention()
     with patches.applied(speed_hf_vision.GROUP):
-        reference = tiny_tower(family, attention=HF_VARLEN_ATTENTION)
-        tower = copy.deepcopy(reference)
-        _ddp_like(tower)
-        graphs = TowerGraphs(tower, cuda=False)
+        reference, tower, graphs = _graphed_copy(family)
         large, small = CALLS[0], CALLS[3]  # buckets of 176 and 32 rows
         micro_batches = ((large, small), (large, small), (large, small), (small, large))
         kinds = []
@@ -172,10 +175,7 @@ def test_a_size_whose_slots_are_short_is_graphed_again_with_more(family):
     gradients reach `main_grad`."""
     register_hf_varlen_attention()
     with patches.applied(speed_hf_vision.GROUP):
-        reference = tiny_tower(family, attention=HF_VARLEN_ATTENTION)
-        tower = copy.deepcopy(reference)
-        _ddp_like(tower)
-        graphs = TowerGraphs(tower, cuda=False, max_graphs=2, planned_calls=[176, 168, 32, 0])
+        reference, tower, graphs = _graphed_copy(family, max_graphs=2, planned_calls=[176, 168, 32, 0])
         assert graphs.sizes == (32, 176) and graphs.bucket_rows(64) == graphs.bucket_rows(168) == 176
         frames = torch.tensor([[16, 2, 2]])  # 64 rows, 16 blocks: 17 with the pad block
         calls = (torch.tensor([[1, 8, 8]]), frames, frames, frames, CALLS[1], CALLS[3])
