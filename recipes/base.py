@@ -210,6 +210,14 @@ def _check_preference_model(model: Any, o: RecipeOptions, preference: Preference
             "mtp=true: preference stages train the language-model head only (the MTP head's loss has no pair "
             "objective); drop mtp=true (its weights export unchanged)"
         )
+    # CUDA graphs replay the layers at the fixed shapes SFT's forward step gives each pack; a pair's step does not pad
+    # to them, and reference=adapters would replay graphs captured with the adapters on.
+    if o.cuda_graphs:
+        raise ConfigError(
+            "cuda_graphs=true: a preference step's packs are not padded to the graphs' fixed shapes, and "
+            "reference=adapters runs the layers again with the adapters off, which a captured graph cannot; "
+            "use cuda_graphs=false"
+        )
     if preference.reference == ADAPTERS and o.pipeline_parallel > 1:
         raise ConfigError(
             f"reference=adapters runs the model a second time inside the step, which pipeline_parallel="
