@@ -175,19 +175,19 @@ def planned_size_count(cfg: Any) -> int:
     return max(1, min(MAX_GRAPHS, calls // CALLS_PER_SIZE)) if calls else MAX_GRAPHS
 
 
-def dataset_tower_calls(dataset: str, *, together: bool) -> tuple[int, ...]:
-    """The pixel rows of every tower call a `qvl data prepare` folder's packs make (packs.jsonl's `vision_rows`:
-    each pack's image rows and video rows, the tower's distinct media): images and videos as calls of their own, or
-    `together` as one call per pack (Qwen3-VL's tower); () for a dataset prepared before packs recorded them, or
-    without packs.jsonl (read once per version of the file)."""
+def dataset_tower_calls(dataset: str) -> tuple[int, ...]:
+    """The pixel rows of every graphed tower call a `qvl data prepare` folder's packs make, one per pack with media
+    (packs.jsonl's `vision_rows`: each pack's image rows and video rows, the tower's distinct media, which a graphed
+    tower takes in one call); () for a dataset prepared before packs recorded them, or without packs.jsonl (read once
+    per version of the file)."""
     packs = pathlib.Path(dataset) / "packs.jsonl"
     if not packs.is_file():  # a run refuses it (graph_shapes); a plan of a folder not prepared yet has none
         return ()
-    return _tower_calls(str(packs), packs.stat().st_mtime_ns, together)
+    return _tower_calls(str(packs), packs.stat().st_mtime_ns)
 
 
 @functools.cache
-def _tower_calls(packs: str, version: int, together: bool) -> tuple[int, ...]:
+def _tower_calls(packs: str, version: int) -> tuple[int, ...]:
     calls = []
     with open(packs) as rows:
         for row in rows:
@@ -196,7 +196,7 @@ def _tower_calls(packs: str, version: int, together: bool) -> tuple[int, ...]:
             vision = json.loads(row).get("vision_rows")
             if vision is None:
                 return ()
-            calls.extend([sum(vision)] if together else vision)
+            calls.append(sum(vision))
     return tuple(call for call in calls if call > 0)
 
 

@@ -41,7 +41,7 @@ from qvl.foundation.errors import QvlError
 from qvl.kernels.speed_hf_vision import tower_kwargs
 from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows
 from qvl.kernels.tower_graphs import tower_graphs
-from qvl.kernels.tower_inputs import DistinctVision, MegatronTowerInputs, TowerInputs
+from qvl.kernels.tower_inputs import DistinctVision, MegatronTowerInputs, TowerInputs, together
 from qvl.kernels.vision_placement import VisionPlacement
 
 GROUP = "speed-sync-free"
@@ -92,13 +92,19 @@ def check_placeholders(host: HostBatch, *, image_token_id: int, video_token_id: 
             )
 
 
-def _vision_embeddings(
-    model, pixels: torch.Tensor, grid: torch.Tensor, inputs: Any, distinct: DistinctVision | None, like: torch.Tensor
-) -> torch.Tensor:
-    """The tower's output for `pixels`: what `get_image_features` / `get_video_features` return, concatenated (they
-    split it by grid only for Megatron-Bridge's forward to concatenate the pieces again). With the loader's tower
-    `inputs` for `grid`, transformers takes them instead of computing them from the device grid. Given each
-    `distinct` image once, the tower encodes those (its inputs are theirs) and every placeholder gets its rows."""
+@dataclass(frozen=True)
+class _TowerCall:
+    """One kind's tower call of a micro-batch (its images, or its videos): the pixels and grid the tower encodes (each
+    `distinct` image once), the loader's inputs for them, and the kind's placeholder token."""
+
+    pixels: torch.Tensor
+    grid: torch.Tensor
+    inputs: Any
+    distinct: DistinctVision | None
+    token_id: int
+
+
+def _tower_call(pixels, grid, inputs, distinct: DistinctVision | None, token_id: int) -> _TowerCall:
     if distinct is not None:
         if pixels.shape[0] != distinct.patches:
             raise PlaceholderMismatchError(
@@ -107,16 +113,41 @@ def _vision_embeddings(
                 "host_batch)"
             )
         grid = distinct.grid_thw
-    graphs = tower_graphs(model)
-    if graphs is not None:  # replayed as CUDA graphs where the language model's layers are
-        output = graphs(pixels.type(model.visual.dtype), inputs, grid)
+    return _TowerCall(pixels=pixels, grid=grid, inputs=inputs, distinct=distinct, token_id=token_id)
+
+
+def _vision_embeddings(model, calls: list[_TowerCall], like: torch.Tensor) -> list[torch.Tensor]:
+    """The tower's output for each call: what `get_image_features` / `get_video_features` return, concatenated (they
+    split it by grid only for Megatron-Bridge's forward to concatenate the pieces again). With the loader's tower
+    `inputs`, transformers takes them instead of computing them from the device grid. Given each `distinct` image
+    once, the tower encodes those (its inputs are theirs) and every placeholder gets its rows. Where the tower replays
+    as CUDA graphs, a micro-batch's images and videos are one call (`together`): one graph per micro-batch, where two
+    would wait for each other (qvl.kernels.tower_graphs.TowerGraphs.replay_pending)."""
+    visual, graphs = model.visual, tower_graphs(model)
+    merged = visual.spatial_merge_size**2
+    if graphs is not None and len(calls) == 2 and all(isinstance(call.inputs, TowerInputs) for call in calls):
+        first, second = calls
+        rows = first.pixels.shape[0]
+        inputs = together(first.inputs, second.inputs, rows=rows, merge_unit=merged)
+        pixels = torch.cat([first.pixels.type(visual.dtype), second.pixels.type(visual.dtype)])
+        output = graphs(pixels, inputs, torch.cat([first.grid, second.grid]))
+        check_tower_rows(visual, [output], pixels.shape[0], merged)
+        outputs = list(output.split([rows // merged, second.pixels.shape[0] // merged]))
     else:
-        given = tower_kwargs(inputs) if isinstance(inputs, TowerInputs) else {}
-        output = model.visual(pixels.type(model.visual.dtype), grid_thw=grid, **given).pooler_output
-    check_tower_rows(model.visual, [output], pixels.shape[0], model.visual.spatial_merge_size**2)
-    if distinct is not None:
-        output = distinct.features(output)
-    return output.to(like.device, like.dtype)
+        outputs = []
+        for call in calls:
+            pixels = call.pixels.type(visual.dtype)
+            if graphs is not None:  # replayed as CUDA graphs where the language model's layers are
+                output = graphs(pixels, call.inputs, call.grid)
+            else:
+                given = tower_kwargs(call.inputs) if isinstance(call.inputs, TowerInputs) else {}
+                output = visual(pixels, grid_thw=call.grid, **given).pooler_output
+            check_tower_rows(visual, [output], pixels.shape[0], merged)
+            outputs.append(output)
+    return [
+        (output if call.distinct is None else call.distinct.features(output)).to(like.device, like.dtype)
+        for call, output in zip(calls, outputs, strict=True)
+    ]
 
 
 def _embeddings(
@@ -142,13 +173,22 @@ def _embeddings(
         video_token_id=model.config.video_token_id,
         merge=model.visual.spatial_merge_size,
     )
-    for pixels, grid, inputs, distinct, token_id in (
-        (pixel_values, image_grid_thw, host.image_tower_inputs, host.image_sources, model.config.image_token_id),
-        (pixel_values_videos, video_grid_thw, host.video_tower_inputs, host.video_sources, model.config.video_token_id),
-    ):
-        if pixels is not None:
-            embeds = _vision_embeddings(model, pixels, grid, inputs, distinct, inputs_embeds)
-            inputs_embeds = inputs_embeds.masked_scatter((input_ids == token_id).unsqueeze(-1), embeds)
+    calls = [
+        _tower_call(*kind)
+        for kind in (
+            (pixel_values, image_grid_thw, host.image_tower_inputs, host.image_sources, model.config.image_token_id),
+            (
+                pixel_values_videos,
+                video_grid_thw,
+                host.video_tower_inputs,
+                host.video_sources,
+                model.config.video_token_id,
+            ),
+        )
+        if kind[0] is not None
+    ]
+    for call, embeds in zip(calls, _vision_embeddings(model, calls, inputs_embeds), strict=True):
+        inputs_embeds = inputs_embeds.masked_scatter((input_ids == call.token_id).unsqueeze(-1), embeds)
     inputs_embeds = inputs_embeds.transpose(1, 0)  # [s, b, h]
     if model.config.sequence_parallel:
         pg = model.config._pg_collection

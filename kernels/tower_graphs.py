@@ -291,7 +291,6 @@ class TowerGraphs:
     for Megatron-Bridge's Qwen3-VL tower."""
 
     bucket_graph_type: type[_BucketGraph] = _BucketGraph
-    media_together = False  # a micro-batch's images and videos are calls of their own
 
     def __init__(
         self,
@@ -415,7 +414,6 @@ class MegatronTowerGraphs(TowerGraphs):
     loader's `MegatronTowerInputs`, it returns the tower's embeddings and deepstack features, as the tower does."""
 
     bucket_graph_type = _MegatronBucketGraph
-    media_together = True  # one call of a micro-batch's images and videos, in token order
 
     def eager_reason(self, inputs: Any) -> str | None:
         from qvl.kernels.speed_qwen3_vl_tower import takes_prepared_inputs
@@ -469,7 +467,7 @@ def _graphs_of(model: Any, attribute: str, graphs_type: type[TowerGraphs]) -> To
     graphs = getattr(tower, "qvl_graphs", None)
     if graphs is None:
         dataset = getattr(model.config, TOWER_DATASET, None)
-        calls = dataset_tower_calls(dataset, together=graphs_type.media_together) if dataset else ()
+        calls = dataset_tower_calls(dataset) if dataset else ()
         most = getattr(model.config, TOWER_SIZES, MAX_GRAPHS)
         graphs = graphs_type(tower, planned_calls=calls, planned_most=most)
         if graphs.sizes:

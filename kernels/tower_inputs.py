@@ -84,6 +84,25 @@ class MegatronTowerInputs:
         return _tensors_mapped(self, torch.Tensor.pin_memory)
 
 
+def together(first: TowerInputs, second: TowerInputs, *, rows: int, merge_unit: int) -> TowerInputs:
+    """The inputs of one call of `first`'s pixels (`rows` of them) followed by `second`'s: a micro-batch's images and
+    videos through a replicated HF tower at once. The tower treats every image and frame on its own (its blocks and
+    windows), so the call's output is `first`'s rows, then `second`'s. Device ops with host ints: nothing is read."""
+
+    def shifted(cu: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return torch.cat([cu, other[1:] + rows])
+
+    windows = first.window_index is not None
+    return TowerInputs(
+        position_ids=torch.cat([first.position_ids, second.position_ids]),
+        cu_seqlens=shifted(first.cu_seqlens, second.cu_seqlens),
+        max_seqlen=max(first.max_seqlen, second.max_seqlen),
+        window_index=torch.cat([first.window_index, second.window_index + rows // merge_unit]) if windows else None,
+        cu_window_seqlens=shifted(first.cu_window_seqlens, second.cu_window_seqlens) if windows else None,
+        max_window_seqlen=max(first.max_window_seqlen, second.max_window_seqlen) if windows else None,
+    )
+
+
 def _tensors_mapped(inputs: Any, function: Any) -> Any:
     """A copy of a tower-inputs dataclass with `function` applied to each tensor field (other fields kept)."""
     mapped = {

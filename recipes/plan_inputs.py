@@ -193,13 +193,11 @@ def tower_rows_per_patch(cfg: Any, target: switch.Target) -> float:
         return 1.0
     from qvl.kernels.speed_cuda_graphs import dataset_tower_calls, graphed_parts, planned_dataset, planned_size_count
     from qvl.kernels.tower_buckets import BUCKETS_PER_DOUBLING, planned_padding, tower_unit
-    from qvl.kernels.tower_graphs import MegatronTowerGraphs, TowerGraphs
 
     if not graphed_parts(cfg)[1]:
         return 1.0
     dataset, vision = planned_dataset(cfg), getattr(cfg.model, "vision_config", None)
-    together = (TowerGraphs if target.hf_vision_tower else MegatronTowerGraphs).media_together
-    calls = dataset_tower_calls(dataset, together=together) if dataset and vision else ()
+    calls = dataset_tower_calls(dataset) if dataset and vision else ()
     if calls:
         return 1.0 + planned_padding(calls, unit=tower_unit(vision)[0], most=planned_size_count(cfg))
     return 1.0 + 1.0 / BUCKETS_PER_DOUBLING

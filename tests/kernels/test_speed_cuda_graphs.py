@@ -53,9 +53,8 @@ def test_the_tower_calls_of_a_dataset_are_its_packs_image_and_video_rows(tmp_pat
         (tmp_path / name).mkdir()
         (tmp_path / name / "packs.jsonl").write_text("\n".join(map(json.dumps, packs)) + "\n")
     calls = speed_cuda_graphs.dataset_tower_calls
-    assert calls(str(tmp_path / "new"), together=False) == (1_024, 256, 512)  # images and videos called apart
-    assert calls(str(tmp_path / "new"), together=True) == (1_024, 768)  # Qwen3-VL's tower: one call per pack
-    assert calls(str(tmp_path / "old"), together=False) == ()
+    assert calls(str(tmp_path / "new")) == (1_024, 768)  # a pack's images and videos: one graphed call
+    assert calls(str(tmp_path / "old")) == ()
 
 
 def test_a_run_too_short_to_replay_sixteen_sizes_plans_fewer(monkeypatch):
