@@ -92,7 +92,7 @@ def check_placeholders(host: HostBatch, *, image_token_id: int, video_token_id: 
             )
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True, slots=True)
 class _TowerCall:
     """One kind's tower call of a micro-batch (its images, or its videos): the pixels and grid the tower encodes (each
     `distinct` image once), the loader's inputs for them, and the kind's placeholder token."""
@@ -173,20 +173,11 @@ def _embeddings(
         video_token_id=model.config.video_token_id,
         merge=model.visual.spatial_merge_size,
     )
-    calls = [
-        _tower_call(*kind)
-        for kind in (
-            (pixel_values, image_grid_thw, host.image_tower_inputs, host.image_sources, model.config.image_token_id),
-            (
-                pixel_values_videos,
-                video_grid_thw,
-                host.video_tower_inputs,
-                host.video_sources,
-                model.config.video_token_id,
-            ),
-        )
-        if kind[0] is not None
-    ]
+    kinds = (
+        (pixel_values, image_grid_thw, host.image_tower_inputs, host.image_sources, model.config.image_token_id),
+        (pixel_values_videos, video_grid_thw, host.video_tower_inputs, host.video_sources, model.config.video_token_id),
+    )
+    calls = [_tower_call(*kind) for kind in kinds if kind[0] is not None]
     for call, embeds in zip(calls, _vision_embeddings(model, calls, inputs_embeds), strict=True):
         inputs_embeds = inputs_embeds.masked_scatter((input_ids == call.token_id).unsqueeze(-1), embeds)
     inputs_embeds = inputs_embeds.transpose(1, 0)  # [s, b, h]

@@ -359,9 +359,10 @@ class TowerGraphs:
         """Whether a bucket other than `graph` has replayed a forward whose backward has not run. Every bucket's
         graphs are captured into one memory pool, and a later capture may be given the blocks an earlier one's
         saved activations used (they are free once its backward was captured): so a replay may write where a pending
-        backward will read. Replayed as captured, a forward and then its backward, no two buckets' passes overlap;
-        a micro-batch's second tower call (a Qwen2-VL / Qwen2.5-VL video call after its images) waits, eagerly. Its
-        first call (eager, outside the pool) may run: only a capture or a replay uses the pool."""
+        backward will read. Replayed as captured, a forward and then its backward, no two buckets' passes overlap:
+        a second call before the first's backward runs eagerly (qvl's forwards make one call per micro-batch, a
+        micro-batch's images and videos together). Its first call (eager, outside the pool) may run: only a capture
+        or a replay uses the pool."""
         return any(other.pending and other.replay is not None for other in self.buckets.values() if other is not graph)
 
     def bucket_rows(self, patches: int) -> int:
