@@ -345,6 +345,41 @@ def test_the_cuda_graphs_replay_what_the_eager_replay_computes(family):
             torch.testing.assert_close(graph_grads[name], want, rtol=2e-2, atol=2e-2 * scale, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_two_sizes_in_one_pool_keep_their_gradients_on_cuda(family):
+    """bf16 on CUDA: micro-batches of two tower calls of two sizes, the backward after both (the order that would let
+    one size's replay overwrite the other's saved activations in the shared pool): the graphed tower's rows and
+    `main_grad`s are those of the same calls re-run eagerly, and the second call waited (ran eagerly)."""
+    register_hf_varlen_attention()
+    with patches.applied(speed_hf_vision.GROUP):
+        base = tiny_tower(family, dtype=torch.bfloat16, attention=HF_VARLEN_ATTENTION).cuda()
+        micro_batches = [(CALLS[0], CALLS[3])] * 3 + [(CALLS[3], CALLS[0])]
+        results = []
+        for cuda in (False, True):
+            tower = copy.deepcopy(base)
+            _ddp_like(tower)
+            graphs = TowerGraphs(tower, cuda=cuda)
+            outputs = []
+            for step, calls in enumerate(micro_batches):
+                loss = 0.0
+                for index, grid in enumerate(calls):
+                    pixels, inputs, weights = _call(tower, grid, seed=2 * step + index)
+                    got = graphs(pixels.cuda().bfloat16(), inputs.to("cuda"), grid.cuda())
+                    loss = loss + (got.float() * weights.cuda().float()).sum()
+                    outputs.append(got.float())
+                loss.backward()
+            torch.cuda.synchronize()
+            assert graphs.stats()["calls"] == {"warm-up": 2, "captured": 2, "replayed": 1, "eager": 3}, graphs.stats()
+            results.append((outputs, {n: p.main_grad.float() for n, p in tower.named_parameters()}))
+        (eager_out, eager_grads), (graph_out, graph_grads) = results
+        for index, (got, want) in enumerate(zip(graph_out, eager_out, strict=True)):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=f"call {index + 1}")
+        for name, want in eager_grads.items():
+            scale = float(want.abs().max()) + 1e-6
+            torch.testing.assert_close(graph_grads[name], want, rtol=2e-2, atol=2e-2 * scale, msg=name)
+
+
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
 def test_a_pack_trains_with_its_tower_graphed_as_it_does_eagerly(family, tmp_path, cpu_runtime, monkeypatch):
     """qvl's Qwen2-VL / Qwen2.5-VL forward hands a micro-batch's images and videos to the tower's graphs as one call
