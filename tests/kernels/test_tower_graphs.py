@@ -314,11 +314,10 @@ def test_calls_the_graphs_cannot_take_run_eagerly():
         assert graphs.eager_reason(inputs) == "a window of 17 rows (the graphs' longest is 16)"
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
-def test_the_cuda_graphs_replay_what_the_eager_replay_computes(family):
-    """bf16 on CUDA with qvl's varlen attention (as training runs the tower): the captured graphs give the rows and
-    `main_grad`s of the same passes re-run eagerly, over calls of two sizes in one bucket."""
+def _graphed_against_eager_on_cuda(family: str, micro_batches: list[tuple[torch.Tensor, ...]], calls: dict) -> None:
+    """bf16 on CUDA with qvl's varlen attention (as training runs the tower): the tower calls of `micro_batches` (each
+    micro-batch's calls, then its backward) through captured graphs and through the same passes re-run eagerly give
+    the same rows and `main_grad`s; both count `calls` by kind."""
     register_hf_varlen_attention()
     with patches.applied(speed_hf_vision.GROUP):
         base = tiny_tower(family, dtype=torch.bfloat16, attention=HF_VARLEN_ATTENTION).cuda()
@@ -328,49 +327,16 @@ def test_the_cuda_graphs_replay_what_the_eager_replay_computes(family):
             _ddp_like(tower)
             graphs = TowerGraphs(tower, cuda=cuda)
             outputs = []
-            for index, grid in enumerate(CALLS[:3]):
-                pixels, inputs, weights = _call(tower, grid, seed=index)
-                pixels, weights = pixels.cuda().bfloat16(), weights.cuda().bfloat16()
-                got = graphs(pixels, inputs.to("cuda"), grid.cuda())
-                (got.float() * weights.float()).sum().backward()
-                outputs.append(got.float())
-            torch.cuda.synchronize()
-            assert graphs.stats()["calls"] == {"warm-up": 1, "captured": 1, "replayed": 1}, graphs.stats()
-            results.append((outputs, {n: p.main_grad.float() for n, p in tower.named_parameters()}))
-        (eager_out, eager_grads), (graph_out, graph_grads) = results
-        for index, (got, want) in enumerate(zip(graph_out, eager_out, strict=True)):
-            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=f"call {index + 1}")
-        for name, want in eager_grads.items():
-            scale = float(want.abs().max()) + 1e-6
-            torch.testing.assert_close(graph_grads[name], want, rtol=2e-2, atol=2e-2 * scale, msg=name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
-def test_two_sizes_in_one_pool_keep_their_gradients_on_cuda(family):
-    """bf16 on CUDA: micro-batches of two tower calls of two sizes, the backward after both (the order that would let
-    one size's replay overwrite the other's saved activations in the shared pool): the graphed tower's rows and
-    `main_grad`s are those of the same calls re-run eagerly, and the second call waited (ran eagerly)."""
-    register_hf_varlen_attention()
-    with patches.applied(speed_hf_vision.GROUP):
-        base = tiny_tower(family, dtype=torch.bfloat16, attention=HF_VARLEN_ATTENTION).cuda()
-        micro_batches = [(CALLS[0], CALLS[3])] * 3 + [(CALLS[3], CALLS[0])]
-        results = []
-        for cuda in (False, True):
-            tower = copy.deepcopy(base)
-            _ddp_like(tower)
-            graphs = TowerGraphs(tower, cuda=cuda)
-            outputs = []
-            for step, calls in enumerate(micro_batches):
+            for grids in micro_batches:
                 loss = 0.0
-                for index, grid in enumerate(calls):
-                    pixels, inputs, weights = _call(tower, grid, seed=2 * step + index)
+                for grid in grids:
+                    pixels, inputs, weights = _call(tower, grid, seed=len(outputs))
                     got = graphs(pixels.cuda().bfloat16(), inputs.to("cuda"), grid.cuda())
                     loss = loss + (got.float() * weights.cuda().float()).sum()
                     outputs.append(got.float())
                 loss.backward()
             torch.cuda.synchronize()
-            assert graphs.stats()["calls"] == {"warm-up": 2, "captured": 2, "replayed": 1, "eager": 3}, graphs.stats()
+            assert graphs.stats()["calls"] == calls, graphs.stats()
             results.append((outputs, {n: p.main_grad.float() for n, p in tower.named_parameters()}))
         (eager_out, eager_grads), (graph_out, graph_grads) = results
         for index, (got, want) in enumerate(zip(graph_out, eager_out, strict=True)):
@@ -378,6 +344,23 @@ def test_two_sizes_in_one_pool_keep_their_gradients_on_cuda(family):
         for name, want in eager_grads.items():
             scale = float(want.abs().max()) + 1e-6
             torch.testing.assert_close(graph_grads[name], want, rtol=2e-2, atol=2e-2 * scale, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_the_cuda_graphs_replay_what_the_eager_replay_computes(family):
+    """Calls of two sizes in one bucket, a backward after each: the eager first, then captured, then replayed."""
+    micro_batches = [(grid,) for grid in CALLS[:3]]
+    _graphed_against_eager_on_cuda(family, micro_batches, {"warm-up": 1, "captured": 1, "replayed": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_two_sizes_in_one_pool_keep_their_gradients_on_cuda(family):
+    """Micro-batches of two tower calls of two sizes, the backward after both (the order that would let one size's
+    replay overwrite the other's saved activations in the shared pool): the second call of each waits, eagerly."""
+    micro_batches = [(CALLS[0], CALLS[3])] * 3 + [(CALLS[3], CALLS[0])]
+    _graphed_against_eager_on_cuda(family, micro_batches, {"warm-up": 2, "captured": 2, "replayed": 1, "eager": 3})
 
 
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
