@@ -456,7 +456,7 @@ def test_a_pack_trains_with_its_tower_graphed_as_it_does_eagerly(model, modality
     `main_grad`s sum the eager gradients, deepstack mergers included (fp32)."""
     from qvl.kernels import speed_qwen3_vl_sync_free
     from qvl.kernels.tower_graphs import MegatronTowerGraphs
-    from tests.kernels.test_tower_graphs import _megatron_ddp_like
+    from tests.kernels.test_megatron_tower_graphs import _megatron_ddp_like
 
     batch = pack(model, modality)
     kwargs = with_host_batch(model, batch, inputs_of(batch))
