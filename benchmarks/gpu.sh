@@ -7,11 +7,15 @@
 #   bash benchmarks/gpu.sh run [STAGE ...]  # on the GPU machine, .whl beside the code: install, then the stages
 #                                           # (default: the first planned call's): rotary tests attention vision
 #                                           # train idle py:SCRIPT
+#   bash benchmarks/gpu.sh limit STAGE ELAPSED  # that stage's limit after ELAPSED seconds of a run (0: skipped)
 #
 # `run` writes into $OUT (default .bench/gpu): log.txt (environment and every stage's output), gpu_tests.xml (the GPU
 # tests' outcomes and the measurements they record), bench_rotary_gpu.json,
 # bench_attention.json, bench_vision_gpu.json, bench_train.json, bench_idle.json, train_log.txt and profile.txt.
 # Each stage has its own time limit (`stage_seconds`), so a failing stage still leaves the others' results.
+# GPU_SECONDS (optional): the seconds the whole `run` may take (the device time left, less the transfers); each
+# stage's limit is cut to what is left of it (`clipped_seconds`), and a stage with too little left is skipped, so a
+# call that would outrun the device time still ends by itself and returns what it took.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,6 +60,21 @@ stage_seconds() {  # a stage's time limit, seconds (the environment overrides)
     *) echo "error: unknown stage '$1'; stages: rotary tests attention vision train idle py:SCRIPT" >&2; return 2 ;;
   esac
 }
+MARGIN_SECONDS=30  # kept back from GPU_SECONDS after each stage: a stage's kill grace (20 s), the copies, the return
+MIN_STAGE_SECONDS=30  # a stage given less than this is skipped: too short to give a figure
+
+clipped_seconds() {  # $1 stage, $2 seconds the run has taken: its limit within GPU_SECONDS, or 0 to skip it
+  local limit left
+  limit=$(stage_seconds "$1") || return 2
+  [ -z "${GPU_SECONDS:-}" ] && { echo "$limit"; return; }
+  if ! [[ "$GPU_SECONDS" =~ ^[0-9]+$ && "${2:-}" =~ ^[0-9]+$ ]]; then
+    echo "error: GPU_SECONDS='$GPU_SECONDS' (elapsed '${2:-}') is not a whole number of seconds; give the device time left, e.g. GPU_SECONDS=540" >&2
+    return 2
+  fi
+  left=$(( GPU_SECONDS - $2 - MARGIN_SECONDS ))
+  if (( left < MIN_STAGE_SECONDS )); then echo 0; elif (( left < limit )); then echo "$left"; else echo "$limit"; fi
+}
+
 TRAIN_ARGS=${BENCH_TRAIN_ARGS:---model qwen2_5_vl_3b --profile --no-loader}
 # The files with GPU tests (the rest import launch-side packages), the flash-linear-attention ones last (fla's
 # kernels, its exact-fp32 settings, Qwen3.5-VL's parity with it): their Triton kernels compile for a while, and a
@@ -94,11 +113,11 @@ install_stack() {  # $1: scratch; the wheelhouse into $1/site (pip --no-index --
 run() {
   # Stages, in the order given (default: the first planned call's). Each has its own time limit, so a failing or
   # slow stage still leaves the others' results; `rehearse` checks that a planned call ends inside 9 minutes.
-  local out=${OUT:-.bench/gpu} scratch=${SCRATCH:-$(mktemp -d)} stage  # scratch: the installed stack, qvl, runs
+  local out=${OUT:-.bench/gpu} scratch=${SCRATCH:-$(mktemp -d)} stage start=$SECONDS  # scratch: the installed stack, qvl, runs
   local site=$scratch/site src=$scratch/src train=$scratch/bench_train
   local stages=("$@")
   (( ${#stages[@]} )) || read -ra stages <<<"${CALLS[0]}"
-  for stage in "${stages[@]}"; do stage_seconds "$stage" >/dev/null || exit 2; done
+  for stage in "${stages[@]}"; do clipped_seconds "$stage" 0 >/dev/null || exit 2; done
   mkdir -p "$out"
   install_stack "$scratch"
   export PYTHONPATH="$src:$site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -116,7 +135,11 @@ print("device", torch.cuda.get_device_name(), "torch", torch.__version__, "cuda"
 EOF2
   for stage in "${stages[@]}"; do
     local limit
-    limit=$(stage_seconds "$stage")
+    limit=$(clipped_seconds "$stage" $((SECONDS - start)))
+    if (( limit == 0 )); then
+      echo "== $stage skipped: $((SECONDS - start)) of GPU_SECONDS=$GPU_SECONDS taken, too little left" | tee -a "$log"
+      continue
+    fi
     echo "== $stage ($(date +%T), limit ${limit} s)" | tee -a "$log"
     case "$stage" in
       rotary)
@@ -173,7 +196,8 @@ rehearse() {
 
 case "${1:-}" in
   wheels) wheels ;;
+  limit) shift; clipped_seconds "$@" ;;  # a stage's limit after so many seconds of the run (GPU_SECONDS applied)
   run) shift; run "$@" ;;
   rehearse) rehearse ;;
-  *) echo "usage: bash benchmarks/gpu.sh wheels|rehearse|run   (see benchmarks/README.md)" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu.sh wheels|rehearse|run|limit   (see benchmarks/README.md)" >&2; exit 2 ;;
 esac

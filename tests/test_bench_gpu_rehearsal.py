@@ -98,3 +98,22 @@ def test_the_wheelhouse_carries_the_gpu_pins_the_registry_names():
     wheels = set(gpu_sh_wheels())
     pins = stack.gpu_pins()
     assert pins and all(f"{name}=={version}" in wheels for name, version in pins.items()), (pins, sorted(wheels))
+
+
+def gpu_sh_limit(stage: str, elapsed: int, gpu_seconds: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("GPU_SECONDS", "GPU_TESTS_SECONDS")}
+    if gpu_seconds is not None:
+        env["GPU_SECONDS"] = gpu_seconds
+    return subprocess.run(
+        ["bash", "benchmarks/gpu.sh", "limit", stage, str(elapsed)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
+def test_a_call_given_the_device_time_left_cuts_its_stages_to_fit_it():
+    # gpu.sh's own tests limit (250 s; GPU_TESTS_SECONDS unset here) and margin (30 s after each stage)
+    assert gpu_sh_limit("tests", 100, None).stdout.split() == ["250"]  # no GPU_SECONDS: the stage's own limit
+    assert gpu_sh_limit("tests", 100, "600").stdout.split() == ["250"]  # time enough
+    assert gpu_sh_limit("tests", 100, "300").stdout.split() == ["170"]  # cut to what is left: 300 - 100 - 30
+    assert gpu_sh_limit("tests", 100, "150").stdout.split() == ["0"]  # 20 s left: skipped
+    bad = gpu_sh_limit("tests", 100, "9m")
+    assert bad.returncode == 2 and "GPU_SECONDS='9m'" in bad.stderr and "e.g. GPU_SECONDS=540" in bad.stderr
