@@ -125,6 +125,13 @@ PATCHES: tuple[Patch, ...] = (
           why="with calculate_per_token_loss it multiplies the balancing loss by the micro-batch's tokens, assuming the "
               "loss counts tokens; a preference loss counts pairs, so the balancing loss would weigh tokens/pairs "
               "times its SFT weight"),
+    # --- fix-moe-pad-tokens: qvl.kernels.fix_moe_pad_tokens (training an MoE model whose packs are padded)
+    Patch(group="fix-moe-pad-tokens", target="megatron.core.transformer.transformer_layer:TransformerLayer._forward_mlp",
+          replacement="qvl.kernels.fix_moe_pad_tokens:masking_pad", version=MCORE,
+          params=("self", "hidden_states", "inference_context", "padding_mask", "packed_seq_params"),
+          why="Megatron-Bridge's Qwen3-VL language model passes no padding mask to its layers, so the router counts a "
+              "padded pack's pad tokens in its load-balancing loss, z-loss and expert-bias counts; the step marks "
+              "where the pad starts and the layer masks it"),
     # --- fix-peft-without-te: qvl.kernels.fix_peft_without_te.without_te() (around every PEFT transform, where TE is
     # absent: qvl.bridges.adapters' LoRA and DoRA apply it themselves)
     *(

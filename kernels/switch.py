@@ -46,6 +46,7 @@ class Target:
     mtp: bool | None = None  # multi-token-prediction layers trained
     peft: bool | None = None  # adapters (LoRA, DoRA)
     preference: bool | None = None  # a preference stage (DPO and its variants) of an MoE model
+    padded_moe: bool | None = None  # an MoE model whose packs are padded to seq_length (pipeline parallelism)
     cuda_graphs: bool | None = None  # the run asks for its layers as CUDA graphs (recipe option cuda_graphs)
     async_save: bool | None = None  # checkpoints written by another process while training goes on
     exact_fp32: bool | None = None  # the run asks for IEEE fp32 products on CUDA (qvl.exact_fp32: a parity check)
@@ -81,6 +82,10 @@ class Target:
             cuda_graphs=bool(getattr(getattr(config, "qvl", None), "cuda_graphs", False)) if known else None,
             async_save=bool(getattr(getattr(config, "checkpoint", None), "async_save", False)) if known else None,
             exact_fp32=bool(getattr(getattr(config, "qvl", None), "exact_fp32", False)) if known else None,
+            padded_moe=bool(getattr(model, "num_moe_experts", None))
+            and (getattr(model, "pipeline_model_parallel_size", 1) or 1) > 1
+            if known
+            else None,
             preference=bool(getattr(getattr(config, "qvl", None), "preference", None))
             and bool(getattr(model, "num_moe_experts", None))
             if known
@@ -170,6 +175,10 @@ RULES: tuple[Rule, ...] = (
     Rule(group="fix-preference-moe-aux", scope="model",
          condition="a preference stage (DPO) trains an MoE model: its loss counts pairs, not tokens",
          on=lambda t: t.preference),
+    Rule(group="fix-moe-pad-tokens", scope="training",
+         condition="the model has MoE layers and pipeline parallelism pads its packs to seq_length (the router leaves "
+                   "the pad out of its balancing statistics)",
+         on=lambda t: t.padded_moe),
     Rule(group="fix-peft-without-te", scope="model",
          condition="the run trains adapters (LoRA, DoRA) and Transformer Engine is not installed",
          on=lambda t: _both(t.peft, not t.transformer_engine)),

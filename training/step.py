@@ -33,7 +33,8 @@ def model_inputs(
 
     `pad_to`: pipeline parallelism sends activations between stages in buffers of a fixed
     `seq_length`, so a shorter pack is padded to it with one extra sub-sequence of pad tokens that
-    attends only to itself and carries no loss.
+    attends only to itself and carries no loss; its `PackedSeqParams` is then a `PaddedPack` that says where the pad
+    starts, which an MoE router leaves out of its balancing statistics (qvl.kernels.fix_moe_pad_tokens).
     `graph_shapes`: where the language model's layers replay as CUDA graphs (qvl.kernels.speed_cuda_graphs), every
     pack is padded so, its `cu_seqlens` made a fixed-size tensor (inert zero-length sub-sequences at the end) and its
     `max_seqlen` the same for all.
@@ -43,6 +44,8 @@ def model_inputs(
     `vision_sources` (qvl.kernels.tower_inputs.VisionSources) to expand them back on any path that needs them whole.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    from qvl.kernels.fix_moe_pad_tokens import PaddedPack
 
     tokens, labels = to_device(batch.tokens, device), to_device(batch.labels, device)
     # Megatron's cross-entropy has no ignore index: learn nothing where labels are IGNORE_INDEX.
@@ -62,6 +65,11 @@ def model_inputs(
         cu = torch.cat([cu, cu.new_tensor([pad_to])])
     cu = mark_whole_pack(cu)  # it ends at the pack's last token: no host read in the rotary (kernels/speed_rotary.py)
     max_seqlen = max(batch.max_seqlen, padding)
+    # a padded pack says where its pad starts, for an MoE router to leave it out (qvl.kernels.fix_moe_pad_tokens); not
+    # under graphs, whose captured arguments would then differ from pack to pack
+    pack_params = PackedSeqParams
+    if padding > 0 and graph_shapes is None:
+        pack_params = partial(PaddedPack, pad_from=pad_to - padding)
     if graph_shapes is not None:
         cu, max_seqlen = fixed_size_cu_seqlens(cu, graph_shapes.slots), graph_shapes.max_seqlen
     kwargs = {
@@ -70,7 +78,7 @@ def model_inputs(
         "loss_mask": loss_mask.float(),
         "attention_mask": None,
         "position_ids": loader_positions(batch, device, padding),
-        "packed_seq_params": PackedSeqParams(
+        "packed_seq_params": pack_params(
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,

@@ -21,6 +21,7 @@ LAYOUTS = {
 }
 # Qwen3.5-VL: its Megatron vision tower is split over TP itself, so data parallelism without vision balancing
 QWEN3_5_LAYOUTS = {"tp2": {"tensor_parallel": 2}, "pp2": {"pipeline_parallel": 2}, "dp2": {}}
+MOE_LAYOUTS = {"ep2": {"expert_parallel": 2}, "pp2": {"pipeline_parallel": 2}}
 
 
 def parity_on_ranks(hf_path: str, data: str, root: str, layouts: dict | None = None) -> dict:
@@ -104,13 +105,18 @@ def moe_report(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("parity_parallel_moe")
     hf = write_tiny_hf_checkpoint(root / "hf", "qwen3_vl_moe")
     data = prepare_parity_dataset(hf, "qwen3_vl_moe", root, seq_length=SEQ_LENGTH)
-    layouts = {"ep2": {"expert_parallel": 2}}
-    return run_on_ranks(parity_on_ranks, str(hf), str(data), str(root), layouts, world_size=2, cpu=True)[0]["ep2"]
+    return run_on_ranks(parity_on_ranks, str(hf), str(data), str(root), MOE_LAYOUTS, world_size=2, cpu=True)[0]
 
 
-def test_expert_parallel_2_takes_the_single_process_transformers_step(moe_report):
-    """Qwen3-VL-MoE with its experts split over two processes (Megatron-Core's all-to-all token dispatcher on gloo):
-    transformers' step, every expert's weights compared under their HF names."""
-    assert moe_report["ok"], moe_report["failures"]
-    assert moe_report["conversations"] == 4 and moe_report["tensors_compared"] > 50
-    assert [r["step"] for r in moe_report["steps"]] == list(range(1, STEPS + 1))
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_parallel_layout_takes_the_single_process_transformers_step(moe_report, layout):
+    """Qwen3-VL-MoE with its experts split over two processes (Megatron-Core's all-to-all token dispatcher on gloo),
+    and its layers over two pipeline stages (each pack padded to seq_length: the load-balancing loss must leave the
+    pad out, qvl.kernels.fix_moe_pad_tokens): transformers' step with Megatron-Core's balancing loss, every expert's
+    weights compared under their HF names."""
+    report = moe_report[layout]
+    assert report["ok"], report["failures"]
+    assert report["conversations"] == 4 and report["tensors_compared"] > 50
+    assert [r["step"] for r in report["steps"]] == list(range(1, STEPS + 1))
+    if layout == "pp2":  # one model replica: the reference adds the balancing loss too (elsewhere it is off)
+        assert all(r["moe_aux_loss_qvl"] and r["moe_aux_loss_hf"] for r in report["steps"])

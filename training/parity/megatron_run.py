@@ -187,9 +187,10 @@ def _export(bridge, model: list, tasks: list | None, dtype=torch.float32) -> dic
 
 def _load_balancing_loss(model_config: Any) -> float | None:
     """The step's load-balancing loss as the routers add it, coefficient included, from Megatron-Core's MoE metrics
-    tracker (which holds it over the coefficient), read before the loop's logging reduces and clears it (one process:
-    the parity check keeps the loss off elsewhere); None where it is off (the loop's logging creates the tracker's
-    entries all the same)."""
+    tracker (which holds it over the coefficient), read before the loop's logging reduces and clears it, and summed
+    over the pipeline stages' layers (collective there; the parity check keeps the loss off where other ranks split a
+    pack's tokens); None where it is off (the loop's logging creates the tracker's entries all the same)."""
+    from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     coefficient = getattr(model_config, "moe_aux_loss_coeff", 0)
@@ -197,7 +198,12 @@ def _load_balancing_loss(model_config: Any) -> float | None:
         return None
     metrics = get_moe_metrics_tracker().metrics
     found = [metrics[name].values.sum() for name in LOAD_BALANCING_NAMES if name in metrics]
-    return float(sum(found)) * coefficient if found else None
+    total = torch.stack(found).sum() if found else torch.zeros(())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        total = total.clone()
+        torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        found = found or [total]  # a stage without MoE layers holds no entry; the others' sum is the step's
+    return float(total) * coefficient if found else None
 
 
 def _mean_loss(loss_dict: dict | None, key: str) -> float | None:

@@ -1,0 +1,70 @@
+"""The pad tokens of a padded pack left out of the MoE router's statistics (patch group "fix-moe-pad-tokens" of
+qvl.foundation.patches).
+
+Under pipeline parallelism every pack is padded to `seq_length` with one extra sub-sequence of pad tokens
+(qvl.training.step.model_inputs): stages exchange activations in buffers of one size. Those tokens carry no loss,
+but an MoE layer routes them like any other token, and Megatron-Core 0.19.2's router counts them in its
+load-balancing loss (the tokens each expert took and the mean router probability), its z-loss and, with an expert
+bias, the tokens per expert that update the bias. Pad tokens are one token id at positions that count from 0, so
+they route alike and pull the balancing loss towards spreading them. The same pack trained without pipeline
+parallelism has no pad and a different balancing loss.
+
+Megatron-Core has the means: a layer's `padding_mask` (True where a token is pad) keeps pad tokens out of all three
+(router.py `routing`, moe_utils.py `compute_routing_scores_for_aux_loss`) and still routes them, so the layer's
+output is unchanged. But Megatron-Bridge's Qwen3-VL language model (Qwen3-VL-MoE and Qwen3.5-VL-MoE build it) does not
+take a padding mask and its block does not pass one to the layers. Here the step marks the pack instead: its
+`PackedSeqParams`, which every layer is given, is a `PaddedPack` that says where the pad starts (a host integer,
+nothing read back from the device). While this group is applied, an MoE layer given such a pack and no mask builds
+the mask for its own tokens: its tensor-parallel rank's share of the sequence under sequence parallelism. A layer
+recomputed in the backward is called with the same pack and builds the same mask.
+
+Not covered: context parallelism splits each sub-sequence over the ranks in chunks; a layer there keeps
+upstream's behaviour (no mask).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+GROUP = "fix-moe-pad-tokens"
+
+
+@dataclass
+class PaddedPack(PackedSeqParams):
+    """A THD pack whose tokens from `pad_from` on are the pad sub-sequence."""
+
+    pad_from: int | None = None
+
+
+def pad_mask(layer: Any, hidden_states: torch.Tensor, packed_seq_params: Any) -> torch.Tensor | None:
+    """The padding mask [batch, tokens] (True: pad) of the tokens `hidden_states` ([tokens, batch, hidden]) holds on
+    this rank, for a pack marked by the step; None where nothing marks it or context parallelism splits it."""
+    pad_from = getattr(packed_seq_params, "pad_from", None)
+    config = layer.config
+    if pad_from is None or (getattr(config, "context_parallel_size", 1) or 1) > 1:
+        return None
+    tokens, batch = hidden_states.shape[0], hidden_states.shape[1]
+    first = layer.pg_collection.tp.rank() * tokens if config.sequence_parallel else 0
+    positions = torch.arange(first, first + tokens, device=hidden_states.device)
+    return (positions >= pad_from).unsqueeze(0).expand(batch, tokens)
+
+
+def masking_pad(original: Callable) -> Callable:
+    """Replacement factory for `TransformerLayer._forward_mlp`: an MoE layer given a marked pack and no padding mask
+    routes with the pack's mask."""
+
+    @functools.wraps(original)
+    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None, packed_seq_params=None):
+        if padding_mask is None and self.is_moe_layer:
+            padding_mask = pad_mask(self, hidden_states, packed_seq_params)
+        return original(
+            self, hidden_states, inference_context, padding_mask=padding_mask, packed_seq_params=packed_seq_params
+        )
+
+    return _forward_mlp
