@@ -104,7 +104,13 @@ class GatedDeltaOutNorm(ZeroCenteredRMSNorm):
     rank normalises its own value heads, so its weight's gradient is that rank's part: summed over the TP group in
     backward here. Megatron-Core 0.19.2 sums the q/k norms' partial gradients in finalize_model_grads, matched by
     name, but not this one (megatron/core/distributed/finalize_model_grads.py ~452): at TP=2 its gradient was half
-    off (the parity check at TP=2, tests/training/test_parity_parallel.py)."""
+    off (the parity check at TP=2, tests/training/test_parity_parallel.py). It normalises whole sequences (the
+    Gated DeltaNet's input projection gathers them under sequence parallelism), so it is not marked
+    `sequence_parallel`: that would sum its gradient over the group a second time."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **kwargs):
+        super().__init__(config, hidden_size, eps, **kwargs)
+        self.weight.sequence_parallel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._scaled(x, copy_to_tensor_model_parallel_region(self.weight))  # identity; all-reduce in backward

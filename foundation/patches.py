@@ -132,6 +132,15 @@ PATCHES: tuple[Patch, ...] = (
           why="Megatron-Bridge's Qwen3-VL language model passes no padding mask to its layers, so the router counts a "
               "padded pack's pad tokens in its load-balancing loss, z-loss and expert-bias counts; the step marks "
               "where the pad starts and the layer masks it"),
+    # --- fix-qwen3-vl-deepstack-sp: qvl.kernels.fix_qwen3_vl_deepstack_sp (training a model with the Qwen3-VL tower)
+    Patch(group="fix-qwen3-vl-deepstack-sp",
+          target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model:split_deepstack_embs",
+          replacement="qvl.kernels.fix_qwen3_vl_deepstack_sp:summed_over_ranks", version=MBRIDGE,
+          params=("visual_pos_masks", "deepstack_visual_embeds", "tp_size", "tp_rank", "cp_size", "cp_rank",
+                  "sequence_parallel"),
+          why="under sequence parallelism each TP rank slices its visual tokens' rows out of the deepstack features, "
+              "so the gradient reaching the tensor-parallel mergers and tower differs per rank and each rank's "
+              "weight gradients cover its own tokens only"),
     # --- fix-peft-without-te: qvl.kernels.fix_peft_without_te.without_te() (around every PEFT transform, where TE is
     # absent: qvl.bridges.adapters' LoRA and DoRA apply it themselves)
     *(
@@ -237,6 +246,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:HAVE_TE",
           replacement="qvl.kernels.torch_wgrad_accum:take_dummy_from_stand_in", version=MCORE,
           why="selects get_dummy_wgrad in the backward (and, under CPU offloading, which needs TE, marks inputs)"),
+    # --- torch-sequence-parallel-norm: from building a model whose provider qvl fixed without TE (process-wide)
+    Patch(group="torch-sequence-parallel-norm",
+          target="megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
+          replacement="qvl.kernels.torch_sequence_parallel_norm:sequence_parallel_norm", version=MCORE,
+          params=("cls", "config", "hidden_size", "eps"),
+          why="it refuses sequence_parallel, which every recipe turns on with tensor parallelism (and an MoE layer "
+              "needs with it); the same norm with its parameters marked sequence_parallel, as TE's and Apex's are, "
+              "so finalize_model_grads sums their gradients over the TP ranks"),
     # --- torch-qwen3-vl-vision: while qvl.bridges.qwen3_vl.Qwen3VLModel.__init__ runs without TE
     *(
         Patch(group="torch-qwen3-vl-vision",

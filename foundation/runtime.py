@@ -309,12 +309,6 @@ def cpu_runtime(*, force: bool = False) -> Iterator[bool]:
 _CPU_REFUSALS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
     ("fp8", lambda v: bool(v), "FP8 needs Transformer Engine on Hopper/Blackwell GPUs", "use fp32 or bf16"),
     (
-        "sequence_parallel",
-        lambda v: bool(v),
-        "sequence parallelism needs TE/Apex fused norms and CUDA",
-        "set sequence_parallel=False",
-    ),
-    (
         "transformer_impl",
         lambda v: v == "transformer_engine",
         "Transformer Engine layer specs need TE and CUDA",

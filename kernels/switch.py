@@ -156,6 +156,9 @@ RULES: tuple[Rule, ...] = (
     # provider qvl fixes for the rest of the process (qvl.kernels.torch_wgrad_accum.provide_kernels)
     Rule(group="torch-wgrad-accum", scope="training", condition="Apex is not installed",
          on=lambda t: not t.apex),
+    # applied from the first provider qvl fixes without TE, for the rest of the process (qvl.bridges.fixes)
+    Rule(group="torch-sequence-parallel-norm", scope="model", condition="Transformer Engine is not installed",
+         on=lambda t: not t.transformer_engine),
     # also applied when a model is built outside a training loop, for the rest of that process
     Rule(group="speed-hf-vision", scope="training",
          condition="the model has a replicated HF vision tower (Qwen2-VL, Qwen2.5-VL)",
@@ -179,6 +182,10 @@ RULES: tuple[Rule, ...] = (
          condition="the model has MoE layers and pipeline parallelism pads its packs to seq_length (the router leaves "
                    "the pad out of its balancing statistics)",
          on=lambda t: t.padded_moe),
+    Rule(group="fix-qwen3-vl-deepstack-sp", scope="training",
+         condition="the model has Megatron-Bridge's Qwen3-VL vision tower (its deepstack features are split over the "
+                   "tensor-parallel ranks under sequence parallelism)",
+         on=lambda t: None if t.hf_vision_tower is None else not t.hf_vision_tower),
     Rule(group="fix-peft-without-te", scope="model",
          condition="the run trains adapters (LoRA, DoRA) and Transformer Engine is not installed",
          on=lambda t: _both(t.peft, not t.transformer_engine)),

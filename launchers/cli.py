@@ -43,6 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class StderrNow(logging.StreamHandler):
+    """A handler that writes to `sys.stderr` as it is when a record comes (as `logging.lastResort` does), not as it
+    was when the handler was made: a command run in a process whose stderr is redirected for a while (a notebook
+    cell, `nemo qvl` imported by a caller) logs where its other output goes, never into a stream since closed."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass  # always the current sys.stderr
+
+
 def quiet_logging(verbose: bool) -> None:
     """qvl's own logs at INFO; Megatron's INFO chatter, import probes and fallback warnings only when verbose.
 
@@ -50,7 +67,9 @@ def quiet_logging(verbose: bool) -> None:
     logging and warnings: only command-line entry points call it (`qvl`'s main() undoes the warning filters
     when it returns; `nemo qvl`'s process is the command)."""
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        handlers=[StderrNow()],
     )
     logging.getLogger("qvl").setLevel(logging.DEBUG if verbose else logging.INFO)
     if verbose:

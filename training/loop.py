@@ -31,8 +31,8 @@ from qvl.recipes.registry import get_recipe
 logger = logging.getLogger(__name__)
 LOSSES_FILE = "losses.jsonl"
 LM_LOSS = "lm loss"  # Megatron-Bridge's reporting key of the language-model loss
-# Overrides a CPU run needs: fp32 (no bf16 kernels worth using), no sequence parallelism (needs TE norms).
-CPU_OVERRIDES = {"precision": "fp32", "sequence_parallel": False}
+# Overrides a CPU run needs: fp32 (no bf16 kernels worth using).
+CPU_OVERRIDES = {"precision": "fp32"}
 
 
 @dataclass(kw_only=True, slots=True)

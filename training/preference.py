@@ -31,18 +31,19 @@ from qvl.foundation.errors import DataError
 from qvl.kernels.speed_sync_free import LossCheck
 from qvl.recipes.preference import ADAPTERS, PreferenceConfig
 from qvl.training.preference_loss import METRICS, PairLogps, pair_losses
-from qvl.training.step import balanced_vision_inputs, host_batch, model_inputs, to_device
+from qvl.training.step import balanced_vision_inputs, host_batch, model_inputs, padded_length, to_device
 
 PREFERENCE_LOSS = "dpo loss"  # the reporting key of a preference stage's loss, where SFT reports "lm loss"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class PairLayout:
-    """Where a micro-batch's sides are, on the device: each token's sub-sequence (`subs` for the PP padding), the
-    sub-sequence indices of each pair's sides, each side's learned-token count, and its reference log-prob."""
+    """Where a micro-batch's sides are, on the device: each token's sub-sequence (`subs` with the padding,
+    qvl.training.step.padded_length), the sub-sequence indices of each pair's sides, each side's learned-token count,
+    and its reference log-prob."""
 
     token_sub: torch.Tensor  # int64 [T]
-    subs: int  # sub-sequences, the PP padding's included
+    subs: int  # sub-sequences, the padding's included
     chosen: torch.Tensor  # int64 [pairs]
     rejected: torch.Tensor  # int64 [pairs]
     tokens: torch.Tensor  # float32 [subs] learned tokens per sub-sequence
@@ -151,9 +152,8 @@ def preference_forward_step(
     device = next(model.parameters()).device
     cfg = state.cfg
     settings: PreferenceConfig = cfg.qvl.preference
-    pad_to = cfg.model.seq_length if cfg.model.pipeline_model_parallel_size > 1 else None
     batch = next(data_iterator)
-    kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to)
+    kwargs, loss_mask = model_inputs(batch, device, pad_to=padded_length(cfg.model, batch.tokens.shape[1]))
     layout = pair_layout(
         batch, device, padded_to=kwargs["input_ids"].shape[1], precomputed=settings.reference == "precomputed"
     )

@@ -200,12 +200,11 @@ def _forward_pass(config: Any, model: list, run: ReferenceRun) -> None:
 def _reference_step(model_config: Any, data_iterator: Iterator, model: Any):
     """Forward step of the pass: a pack through the model, each sub-sequence's summed log-prob collected."""
     from qvl.training.preference import pair_layout
-    from qvl.training.step import host_batch, model_inputs
+    from qvl.training.step import host_batch, model_inputs, padded_length
 
     device = next(model.parameters()).device
     batch = next(data_iterator)
-    pad_to = model_config.seq_length if model_config.pipeline_model_parallel_size > 1 else None
-    kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to)
+    kwargs, loss_mask = model_inputs(batch, device, pad_to=padded_length(model_config, batch.tokens.shape[1]))
     layout = pair_layout(batch, device, padded_to=kwargs["input_ids"].shape[1], precomputed=False)
     output = model(**kwargs, host_batch=host_batch(model, batch, kwargs, device))
     subs = len(batch.cu_seqlens_q) - 1

@@ -26,14 +26,26 @@ _KINDS = (
 )
 
 
+def padded_length(model_config: Any, tokens: int) -> int | None:
+    """The length a pack of `tokens` is padded to under `model_config`'s layout, None where it is not: `seq_length`
+    under pipeline parallelism (stages exchange activations in buffers of one size); under sequence parallelism the
+    next multiple of the tensor-parallel size (each rank holds an equal share of the sequence)."""
+    if model_config.pipeline_model_parallel_size > 1:
+        return model_config.seq_length
+    tp = getattr(model_config, "tensor_model_parallel_size", 1)
+    if getattr(model_config, "sequence_parallel", False) and tp > 1 and tokens % tp:
+        return -(-tokens // tp) * tp
+    return None
+
+
 def model_inputs(
     batch: Any, device: torch.device, pad_to: int | None = None, graph_shapes: GraphShapes | None = None
 ) -> tuple[dict, torch.Tensor]:
     """Keyword arguments for the model's forward and the loss mask, from a qvl PackedBatch.
 
-    `pad_to`: pipeline parallelism sends activations between stages in buffers of a fixed
-    `seq_length`, so a shorter pack is padded to it with one extra sub-sequence of pad tokens that
-    attends only to itself and carries no loss; its `PackedSeqParams` is then a `PaddedPack` that says where the pad
+    `pad_to` (`padded_length`): pipeline parallelism sends activations between stages in buffers of a fixed
+    `seq_length`, and sequence parallelism splits the pack evenly over the tensor-parallel ranks, so a pack is padded
+    with one extra sub-sequence of pad tokens that attends only to itself and carries no loss; its `PackedSeqParams` is then a `PaddedPack` that says where the pad
     starts, which an MoE router leaves out of its balancing statistics (qvl.kernels.fix_moe_pad_tokens).
     `graph_shapes`: where the language model's layers replay as CUDA graphs (qvl.kernels.speed_cuda_graphs), every
     pack is padded so, its `cu_seqlens` made a fixed-size tensor (inert zero-length sub-sequences at the end) and its
@@ -193,8 +205,8 @@ def forward_step(
     registry's patched `train_step` passes it), instead of each loss being read as it comes."""
     device = next(model.parameters()).device
     model_config = state.cfg.model
-    pad_to = model_config.seq_length if model_config.pipeline_model_parallel_size > 1 else None
     batch = next(data_iterator)
+    pad_to = padded_length(model_config, batch.tokens.shape[1])
     kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to, graph_shapes=graph_shapes(state.cfg))
     if state.cfg.qvl.vision_balance:
         kwargs = balanced_vision_inputs(model, kwargs)

@@ -105,7 +105,6 @@ def test_stand_in_classes_refuse_use():
     ("field", "value", "message"),
     [
         ("fp8", "hybrid", "FP8 needs Transformer Engine"),
-        ("sequence_parallel", True, "sequence parallelism"),
         ("transformer_impl", "transformer_engine", "transformer_impl='local'"),
         ("tp_comm_overlap", True, "tp_comm_overlap=False"),
     ],

@@ -1,8 +1,9 @@
-"""Training parity through qvl's parallel paths: tensor parallel 2, pipeline parallel 2, and data parallel 2 (with
-the vision work balanced over the replicas for Qwen2.5-VL), each on two gloo processes, against transformers'
-single-process Trainer on the same conversations (docs/parity.md). Tiny Qwen2.5-VL and Qwen3.5-VL (its
-Gated DeltaNet layers split over TP, its hybrid layer pattern over PP, its MTP head trained), and Qwen3-VL-MoE at
-expert parallel 2, fp32, the parity sample set."""
+"""Training parity through qvl's parallel paths: tensor parallel 2 (with sequence parallelism, the recipes' default,
+and for Qwen2.5-VL without), pipeline parallel 2, and data parallel 2 (with the vision work balanced over the
+replicas for Qwen2.5-VL), each on two gloo processes, against transformers' single-process Trainer on the same
+conversations (docs/parity.md). Tiny Qwen2.5-VL and Qwen3.5-VL (its Gated DeltaNet layers split over TP, its hybrid
+layer pattern over PP, its MTP head trained), and Qwen3-VL-MoE at expert, pipeline and tensor parallel 2, fp32, the
+parity sample set."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from tests.training.test_parity import OPTIONS, SEQ_LENGTH, STEPS
 pytestmark = pytest.mark.slow
 FAMILY = "qwen2_5_vl"
 LAYOUTS = {
-    "tp2": {"tensor_parallel": 2},
+    "tp2": {"tensor_parallel": 2},  # with sequence parallelism, on with TP unless asked otherwise
+    "tp2_no_sp": {"tensor_parallel": 2, "sequence_parallel": False},
     "pp2": {"pipeline_parallel": 2},
     "dp2_vision_balance": {"vision_balance": True},
 }
 # Qwen3.5-VL: its Megatron vision tower is split over TP itself, so data parallelism without vision balancing
 QWEN3_5_LAYOUTS = {"tp2": {"tensor_parallel": 2}, "pp2": {"pipeline_parallel": 2}, "dp2": {}}
-MOE_LAYOUTS = {"ep2": {"expert_parallel": 2}, "pp2": {"pipeline_parallel": 2}}
+MOE_LAYOUTS = {"ep2": {"expert_parallel": 2}, "pp2": {"pipeline_parallel": 2}, "tp2": {"tensor_parallel": 2}}
 
 
 def parity_on_ranks(hf_path: str, data: str, root: str, layouts: dict | None = None) -> dict:
@@ -110,13 +112,15 @@ def moe_report(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
 def test_moe_parallel_layout_takes_the_single_process_transformers_step(moe_report, layout):
-    """Qwen3-VL-MoE with its experts split over two processes (Megatron-Core's all-to-all token dispatcher on gloo),
-    and its layers over two pipeline stages (each pack padded to seq_length: the load-balancing loss must leave the
-    pad out, qvl.kernels.fix_moe_pad_tokens): transformers' step with Megatron-Core's balancing loss, every expert's
-    weights compared under their HF names."""
+    """Qwen3-VL-MoE with its experts split over two processes (Megatron-Core's all-to-all token dispatcher on gloo);
+    its layers over two pipeline stages (each pack padded to seq_length: the load-balancing loss must leave the pad
+    out, qvl.kernels.fix_moe_pad_tokens); tensor parallel with sequence parallelism (which an MoE layer needs with TP:
+    each rank routes its share of the pack, and the deepstack features' gradient is summed over the ranks,
+    qvl.kernels.fix_qwen3_vl_deepstack_sp): transformers' step, with Megatron-Core's balancing loss where one model
+    replica trains, every expert's weights compared under their HF names."""
     report = moe_report[layout]
     assert report["ok"], report["failures"]
     assert report["conversations"] == 4 and report["tensors_compared"] > 50
     assert [r["step"] for r in report["steps"]] == list(range(1, STEPS + 1))
-    if layout == "pp2":  # one model replica: the reference adds the balancing loss too (elsewhere it is off)
+    if layout != "ep2":  # one model replica: the reference adds the balancing loss too (off with data parallelism)
         assert all(r["moe_aux_loss_qvl"] and r["moe_aux_loss_hf"] for r in report["steps"])

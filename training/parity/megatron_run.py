@@ -187,9 +187,10 @@ def _export(bridge, model: list, tasks: list | None, dtype=torch.float32) -> dic
 
 def _load_balancing_loss(model_config: Any) -> float | None:
     """The step's load-balancing loss as the routers add it, coefficient included, from Megatron-Core's MoE metrics
-    tracker (which holds it over the coefficient), read before the loop's logging reduces and clears it, and summed
-    over the pipeline stages' layers (collective there; the parity check keeps the loss off where other ranks split a
-    pack's tokens); None where it is off (the loop's logging creates the tracker's entries all the same)."""
+    tracker (which holds it over the coefficient), read before the loop's logging reduces and clears it, and reduced
+    as that logging does (collective): each loss summed over the group its router's statistics span (a pack's
+    tensor-parallel shares) and over the pipeline stages' layers. The parity check keeps the loss off where ranks
+    train different packs. None where it is off (the loop's logging creates the tracker's entries all the same)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -197,13 +198,19 @@ def _load_balancing_loss(model_config: Any) -> float | None:
     if not coefficient:
         return None
     metrics = get_moe_metrics_tracker().metrics
-    found = [metrics[name].values.sum() for name in LOAD_BALANCING_NAMES if name in metrics]
-    total = torch.stack(found).sum() if found else torch.zeros(())
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        total = total.clone()
+    entries = [metrics[name] for name in LOAD_BALANCING_NAMES if name in metrics]
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if not entries and stages == 1:
+        return None
+    total = torch.zeros(())
+    for entry in entries:
+        value = entry.values.sum()
+        if entry.reduce_group is not None and entry.reduce_group.size() > 1:
+            torch.distributed.all_reduce(value, group=entry.reduce_group)
+        total = total + value.cpu()
+    if stages > 1:  # a stage without MoE layers holds no entry and adds nothing
         torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-        found = found or [total]  # a stage without MoE layers holds no entry; the others' sum is the step's
-    return float(total) * coefficient if found else None
+    return float(total) * coefficient
 
 
 def _mean_loss(loss_dict: dict | None, key: str) -> float | None:

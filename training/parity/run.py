@@ -226,12 +226,10 @@ def mtp_comparable(spec: ParitySpec, recipe: str) -> bool:
 
 def moe_aux_comparable(spec: ParitySpec) -> bool:
     """Whether the reference can add Megatron's load-balancing loss as qvl's side does (qvl.training.parity.moe_aux):
-    the token-weighted loss it is defined with, on one model replica whose routers see each pack whole: one process,
-    or every process a pipeline stage (elsewhere the routers' counts are reduced over tensor, context or data-parallel
-    ranks); with adapters too, at the recipe's coefficient (frozen routers still steer the adapters' gradients)."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    stages_only = int(spec.options.get("pipeline_parallel", 1)) == world
-    return stages_only and spec.loss_average == "token"
+    the token-weighted loss it is defined with, on one model replica (every process a tensor or pipeline share of it,
+    so that each pack's expert counts are the whole pack's; data-parallel replicas train different packs); with
+    adapters too, at the recipe's coefficient (frozen routers still steer the adapters' gradients)."""
+    return _data_parallel(spec.options) == 1 and spec.loss_average == "token"
 
 
 def moe_aux(config) -> tuple[str, float] | None:
@@ -377,8 +375,8 @@ def moe_note(config) -> list[str]:
         return [
             "MoE load balancing: Megatron adds its auxiliary loss (the recipe's moe_aux_loss_coeff) over each pack's "
             "tokens; this check set model.moe_aux_loss_coeff=0 to compare the language-model loss alone (the "
-            "reference adds Megatron's loss where one model replica sees each pack whole: one process or pipeline "
-            "stages only, with --loss-average token)."
+            "reference adds Megatron's loss on one model replica, without data parallelism, with --loss-average "
+            "token)."
         ]
     kind, coefficient = on
     return [
