@@ -377,6 +377,13 @@ def _check_divisible(model: Any, o: RecipeOptions, name: str) -> None:
     check_layout(layout_facts(model, name), layout)
     if o.sequence_parallel and o.tensor_parallel == 1:
         raise ConfigError("sequence_parallel=True needs tensor_parallel >= 2; set sequence_parallel=False")
+    fixed = "pipeline_parallel > 1" if o.pipeline_parallel > 1 else "cuda_graphs=True" if o.cuda_graphs else None
+    if o.sequence_parallel and fixed and o.seq_length % o.tensor_parallel:
+        raise ConfigError(
+            f"seq_length={o.seq_length} is not a multiple of tensor_parallel={o.tensor_parallel}: with {fixed} every "
+            "pack is padded to seq_length, which sequence parallelism splits evenly over the TP ranks; use "
+            f"seq_length={o.seq_length // o.tensor_parallel * o.tensor_parallel}"
+        )
 
 
 def _check_vision_balance(arch: Architecture, o: RecipeOptions) -> None:

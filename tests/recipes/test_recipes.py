@@ -162,6 +162,13 @@ def test_vision_balance_is_refused_for_qwen3_vl():
         get_recipe("qwen3_vl_8b_sft").fn(vision_balance=True)
 
 
+@pytest.mark.parametrize("fixed", [dict(pipeline_parallel=2), dict(cuda_graphs=True)])
+def test_a_padded_seq_length_must_split_evenly_over_the_sequence_parallel_ranks(fixed):
+    with pytest.raises(ValueError, match="seq_length=4097 is not a multiple of tensor_parallel=2.*use seq_length=4096"):
+        get_recipe("qwen2_5_vl_3b_sft").fn(tensor_parallel=2, seq_length=4097, **fixed)
+    get_recipe("qwen2_5_vl_3b_sft").fn(tensor_parallel=2, seq_length=4097)  # each pack is padded to an even length
+
+
 def test_old_recipe_spellings_keep_working_with_a_note(recipes, caplog):
     renamed = [name for name in recipes if old_name(name)]
     assert {name.split("_vl_")[0] for name in renamed} == {"qwen2_5", "qwen3_5", "qwen3_6", "qwen3_8"}
