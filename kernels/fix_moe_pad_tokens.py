@@ -1,13 +1,14 @@
 """The pad tokens of a padded pack left out of the MoE router's statistics (patch group "fix-moe-pad-tokens" of
 qvl.foundation.patches).
 
-Under pipeline parallelism every pack is padded to `seq_length` with one extra sub-sequence of pad tokens
-(qvl.training.step.model_inputs): stages exchange activations in buffers of one size. Those tokens carry no loss,
+Under pipeline parallelism every pack is padded to `seq_length` with one extra sub-sequence of pad tokens, and
+under sequence parallelism to a multiple of the TP size (qvl.training.step.padded_length): stages exchange
+activations in buffers of one size, and the TP ranks split a pack evenly. Those tokens carry no loss,
 but an MoE layer routes them like any other token, and Megatron-Core 0.19.2's router counts them in its
 load-balancing loss (the tokens each expert took and the mean router probability), its z-loss and, with an expert
 bias, the tokens per expert that update the bias. Pad tokens are one token id at positions that count from 0, so
 they route alike and pull the balancing loss towards spreading them. The same pack trained without pipeline
-parallelism has no pad and a different balancing loss.
+or sequence parallelism has no pad and a different balancing loss.
 
 Megatron-Core has the means: a layer's `padding_mask` (True where a token is pad) keeps pad tokens out of all three
 (router.py `routing`, moe_utils.py `compute_routing_scores_for_aux_loss`) and still routes them, so the layer's

@@ -22,6 +22,7 @@ import contextlib
 import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from qvl.foundation import patch_entries, patches
 from qvl.foundation.errors import ConfigError
@@ -46,7 +47,7 @@ class Target:
     mtp: bool | None = None  # multi-token-prediction layers trained
     peft: bool | None = None  # adapters (LoRA, DoRA)
     preference: bool | None = None  # a preference stage (DPO and its variants) of an MoE model
-    padded_moe: bool | None = None  # an MoE model whose packs are padded to seq_length (pipeline parallelism)
+    padded_moe: bool | None = None  # an MoE model whose packs are padded (pipeline or sequence parallelism)
     cuda_graphs: bool | None = None  # the run asks for its layers as CUDA graphs (recipe option cuda_graphs)
     async_save: bool | None = None  # checkpoints written by another process while training goes on
     exact_fp32: bool | None = None  # the run asks for IEEE fp32 products on CUDA (qvl.exact_fp32: a parity check)
@@ -82,15 +83,20 @@ class Target:
             cuda_graphs=bool(getattr(getattr(config, "qvl", None), "cuda_graphs", False)) if known else None,
             async_save=bool(getattr(getattr(config, "checkpoint", None), "async_save", False)) if known else None,
             exact_fp32=bool(getattr(getattr(config, "qvl", None), "exact_fp32", False)) if known else None,
-            padded_moe=bool(getattr(model, "num_moe_experts", None))
-            and (getattr(model, "pipeline_model_parallel_size", 1) or 1) > 1
-            if known
-            else None,
+            padded_moe=bool(getattr(model, "num_moe_experts", None)) and packs_padded(model) if known else None,
             preference=bool(getattr(getattr(config, "qvl", None), "preference", None))
             and bool(getattr(model, "num_moe_experts", None))
             if known
             else None,
         )
+
+
+def packs_padded(model: Any) -> bool:
+    """Whether a run of `model` (the language model's provider) pads its packs (qvl.training.step.padded_length):
+    pipeline stages exchange buffers of one size, sequence parallelism splits a pack evenly over the TP ranks."""
+    stages = getattr(model, "pipeline_model_parallel_size", 1) or 1
+    tp = getattr(model, "tensor_model_parallel_size", 1) or 1
+    return stages > 1 or (bool(getattr(model, "sequence_parallel", False)) and tp > 1)
 
 
 def current_device() -> str:
@@ -179,8 +185,9 @@ RULES: tuple[Rule, ...] = (
          condition="a preference stage (DPO) trains an MoE model: its loss counts pairs, not tokens",
          on=lambda t: t.preference),
     Rule(group="fix-moe-pad-tokens", scope="training",
-         condition="the model has MoE layers and pipeline parallelism pads its packs to seq_length (the router leaves "
-                   "the pad out of its balancing statistics)",
+         condition="the model has MoE layers and its packs are padded: to seq_length under pipeline parallelism, to a "
+                   "multiple of the TP size under sequence parallelism (the router leaves the pad out of its balancing "
+                   "statistics)",
          on=lambda t: t.padded_moe),
     Rule(group="fix-qwen3-vl-deepstack-sp", scope="training",
          condition="the model has Megatron-Bridge's Qwen3-VL vision tower (its deepstack features are split over the "

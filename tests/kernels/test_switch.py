@@ -105,9 +105,14 @@ def test_targets_read_the_model_parts_from_the_config():
     assert not switch.is_on("speed-hf-vision", target)
 
 
-@pytest.mark.parametrize(("experts", "stages", "on"), [(4, 2, True), (4, 1, False), (None, 2, False)])
-def test_only_an_moe_model_whose_packs_are_padded_masks_the_pad_in_its_routers(experts, stages, on):
-    config = _config("qwen3_vl_moe", num_moe_experts=experts, pipeline_model_parallel_size=stages)
+@pytest.mark.parametrize(
+    ("experts", "stages", "tp", "sp", "on"),
+    [(4, 2, 1, False, True), (4, 1, 2, True, True), (4, 1, 2, False, False), (4, 1, 1, False, False),
+     (None, 2, 2, True, False)],
+)  # fmt: skip
+def test_only_an_moe_model_whose_packs_are_padded_masks_the_pad_in_its_routers(experts, stages, tp, sp, on):
+    config = _config("qwen3_vl_moe", num_moe_experts=experts, pipeline_model_parallel_size=stages,
+                     tensor_model_parallel_size=tp, sequence_parallel=sp)  # fmt: skip
     target = Target.of(config, device="cuda")
     assert target.padded_moe is on
     assert ("fix-moe-pad-tokens" in switch.training_groups(target)) is on
