@@ -21,7 +21,7 @@ import pytest
 
 from qvl.foundation.families import FAMILIES
 from qvl.training.loop import read_losses
-from tests.run_qvl import gloo_threads, left_as_found, qvl_in_process
+from tests.run_qvl import gloo_threads, left_as_found, qvl_in_process, qvl_on_two_ranks
 from tests.stopped_job import copy_step
 
 STEPS = 3
@@ -217,3 +217,28 @@ def test_a_reference_from_another_checkpoint_is_refused_in_one_line(preference_r
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert f"pretrained_checkpoint={other.resolve()}" in err[0] and "qvl reference" in err[0], err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preference_run", ["qwen3_vl_moe"], indirect=True)
+def test_dpo_at_tensor_parallel_2_gives_the_single_process_reference_and_losses(preference_run, tmp_path):
+    """The reference pass and full-model DPO of an MoE model on two gloo processes at TP=2, with the sequence
+    parallelism it needs there: each pack padded to an even length (a pad sub-sequence after the pairs, which the
+    pair layout and the routers leave out), the deepstack features' gradient summed over the ranks. The reference
+    table and the losses are one process's within fp32 rounding."""
+    from qvl.data.reference import TABLE
+
+    data = tmp_path / "data"
+    shutil.copytree(preference_run.data, data, ignore=shutil.ignore_patterns("reference"))
+    common = [a if not a.startswith("data=") else f"data={data}" for a in preference_run.common]
+    name = recipe(preference_run.family, "dpo")
+    qvl_on_two_ranks("reference", name, *common, "tensor_parallel=2")
+    with np.load(preference_run.data / "reference" / TABLE) as one, np.load(data / "reference" / TABLE) as two:
+        assert sorted(one.files) == sorted(two.files)
+        for key in one.files:
+            np.testing.assert_allclose(two[key], one[key], rtol=1e-5, atol=1e-5)
+    qvl_on_two_ranks("train", name, *common, "tensor_parallel=2", "--run-dir", str(tmp_path / "run"))
+    one, two = read_losses(preference_run.run), read_losses(tmp_path / "run")
+    assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-5), (one, two)
