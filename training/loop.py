@@ -85,10 +85,12 @@ def prepare_config(request: TrainRequest, *, cpu: bool | None = None, tiny_dir: 
 
 
 def check_inputs(info, config, run_dir: Path) -> None:
-    """Refuse, before any model is built, what Megatron-Bridge would only find after: no pretrained checkpoint
-    for a fine-tune, a missing or truncated checkpoint, a missing dataset, an unwritable run directory."""
+    """Refuse, before any model is built, what Megatron-Bridge would only find after: a layout this machine cannot
+    build, no pretrained checkpoint for a fine-tune, a missing or truncated checkpoint, a missing dataset, an
+    unwritable run directory."""
     from qvl.recipes.datasets import check_dataset, check_dataset_matches_recipe  # imports Megatron-Bridge
 
+    check_layout_runs_here(config.model)
     check_writable("--run-dir", run_dir)
     if config.checkpoint.save:  # checkpoint.save=none trains without saving
         check_writable("checkpoint_dir", Path(config.checkpoint.save))
@@ -104,6 +106,18 @@ def check_inputs(info, config, run_dir: Path) -> None:
     check_dataset(config.dataset)
     config.set_data_parallel_size()  # from WORLD_SIZE, as Megatron-Bridge's runtime_config_update does
     check_dataset_matches_recipe(config)
+
+
+def check_layout_runs_here(model: Any) -> None:
+    """Refuse a parallel layout that this machine's packages cannot build (each rank would fail an assertion while
+    building its model): context parallelism, whose only attention in Megatron-Core is Transformer Engine's."""
+    cp = getattr(model, "context_parallel_size", 1) or 1
+    if cp > 1 and not megatron.have_transformer_engine():
+        raise ConfigError(
+            f"context_parallel={cp} needs Transformer Engine: Megatron-Core's only context-parallel attention is TE's, "
+            "and without TE qvl's attention keeps each sequence on one rank; train where TE is installed (a NeMo "
+            "container has it), or set context_parallel=1"
+        )
 
 
 def check_writable(what: str, path: Path) -> None:

@@ -178,6 +178,16 @@ def test_fine_tune_without_pretrained_checkpoint_is_refused(capsys, tmp_path):
     assert "pretrained_checkpoint is not set; pass pretrained_checkpoint=DIR" in line and "qvl convert import" in line
 
 
+def test_context_parallelism_without_te_is_refused_before_a_model_is_built(capsys, tmp_path):
+    from qvl.foundation.megatron import have_transformer_engine
+
+    if have_transformer_engine():
+        pytest.skip("Transformer Engine is installed: its attention runs context parallelism")
+    line = one_error_line(capsys, ["train", "qwen2_5_vl_3b_sft", "--model", "tiny", "context_parallel=2", "--run-dir",
+                                   str(tmp_path)])  # fmt: skip
+    assert "context_parallel=2 needs Transformer Engine" in line and "or set context_parallel=1" in line
+
+
 def test_stop_after_is_not_logged_as_a_failure():
     from qvl.training.loop import _CleanExitFilter
 
