@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from qvl.foundation import megatron, runtime
+from qvl.kernels import switch
 from qvl.training.mtp import MTP_LOSS, LossesWithMtp
 from qvl.training.parity import decay
 from qvl.training.parity.adapters import AdapterRecord, adapter_hook, take_adapters
@@ -202,12 +203,13 @@ def _load_balancing_loss(model_config: Any) -> float | None:
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     if not entries and stages == 1:
         return None
-    total = torch.zeros(())
+    device = entries[0].values.device if entries else torch.device(switch.current_device())
+    total = torch.zeros((), device=device)  # where the process group's backend reduces (NCCL: the GPU)
     for entry in entries:
         value = entry.values.sum()
         if entry.reduce_group is not None and entry.reduce_group.size() > 1:
             torch.distributed.all_reduce(value, group=entry.reduce_group)
-        total = total + value.cpu()
+        total = total + value
     if stages > 1:  # a stage without MoE layers holds no entry and adds nothing
         torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     return float(total) * coefficient
