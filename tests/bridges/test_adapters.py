@@ -19,6 +19,7 @@ from qvl.bridges.adapters import (  # noqa: E402
     QvlLoRA,
     adapter_config,
     check_dora_layout,
+    check_expert_adapter_layout,
     global_name,
     target_modules,
 )
@@ -90,6 +91,23 @@ def test_targets_by_meaning_come_from_the_family_record_and_language_is_the_defa
 def test_bad_adapter_options_are_refused_naming_the_fix(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         adapter_config(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("targets", "etp", "tp", "refused"),
+    [(("language", "experts"), None, 2, True), (("experts",), 2, 1, True), (("language", "experts"), 1, 2, False),
+     (("language",), None, 4, False), (("language", "experts"), None, 1, False)],
+)  # fmt: skip
+def test_expert_adapters_are_refused_where_the_tp_ranks_split_the_experts(targets, etp, tp, refused):
+    from types import SimpleNamespace
+
+    peft = SimpleNamespace(targets=list(targets))
+    model = SimpleNamespace(expert_tensor_parallel_size=etp, tensor_model_parallel_size=tp)
+    if not refused:
+        check_expert_adapter_layout(peft, model)
+        return
+    with pytest.raises(ConfigError, match=r"expert tensor parallel size of 2 .* model.expert_tensor_parallel_size=1"):
+        check_expert_adapter_layout(peft, model)
 
 
 def test_dora_is_refused_at_tensor_parallel_above_one():
