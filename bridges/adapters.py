@@ -109,8 +109,9 @@ def check_expert_adapter_layout(peft: Any, model: Any) -> None:
     """Refuse adapters on MoE experts that are split over tensor-parallel ranks (`expert_tensor_parallel_size`, which
     defaults to `tensor_parallel`). Such an expert's linears leave their TP communication to the token dispatcher,
     and Megatron-Bridge's adapters on them then skip theirs too: each rank's adapter factors take a part of their
-    gradient only. At TP=2 the LoRA losses of Qwen3-VL-MoE left one process's by 0.7% at step 4, against 2e-5
-    with the experts whole on each rank (tests/training/test_train_peft.py)."""
+    gradient only. At TP=2, with adapters on the experts alone, the LoRA loss of Qwen3-VL-MoE left one process's by
+    0.7% at step 4; with the experts whole on each rank (and the language adapters too) by 2e-5
+    (tests/training/test_train_peft.py)."""
     if "experts" not in (getattr(peft, "targets", None) or ()):
         return
     etp = getattr(model, "expert_tensor_parallel_size", None) or getattr(model, "tensor_model_parallel_size", 1)
