@@ -94,19 +94,27 @@ def test_bad_adapter_options_are_refused_naming_the_fix(kwargs, message):
 
 
 @pytest.mark.parametrize(
-    ("targets", "etp", "tp", "refused"),
-    [(("language", "experts"), None, 2, True), (("experts",), 2, 1, True), (("language", "experts"), 1, 2, False),
-     (("language",), None, 4, False), (("language", "experts"), None, 1, False)],
+    ("targets", "etp", "tp", "ep", "refused"),
+    [
+        (("language", "experts"), None, 2, 1, r"expert tensor parallel size of 2 .* model.expert_tensor_parallel_size=1"),
+        (("experts",), 2, 1, 1, r"expert tensor parallel size of 2"),
+        (("experts",), None, 1, 2, r"adapter_targets=experts alone .*\(adapter_targets=language,experts\)"),
+        (("experts",), 1, 2, 1, r"adapter_targets=experts alone"),
+        (("language", "experts"), 1, 2, 2, None),
+        (("experts",), None, 1, 1, None),
+        (("language",), None, 4, 8, None),
+    ],
 )  # fmt: skip
-def test_expert_adapters_are_refused_where_the_tp_ranks_split_the_experts(targets, etp, tp, refused):
+def test_expert_adapters_are_refused_where_megatron_trains_them_wrong(targets, etp, tp, ep, refused):
     from types import SimpleNamespace
 
     peft = SimpleNamespace(targets=list(targets))
-    model = SimpleNamespace(expert_tensor_parallel_size=etp, tensor_model_parallel_size=tp)
-    if not refused:
+    model = SimpleNamespace(expert_tensor_parallel_size=etp, tensor_model_parallel_size=tp,
+                            expert_model_parallel_size=ep)  # fmt: skip
+    if refused is None:
         check_expert_adapter_layout(peft, model)
         return
-    with pytest.raises(ConfigError, match=r"expert tensor parallel size of 2 .* model.expert_tensor_parallel_size=1"):
+    with pytest.raises(ConfigError, match=refused):
         check_expert_adapter_layout(peft, model)
 
 
