@@ -45,8 +45,9 @@ def model_inputs(
 
     `pad_to` (`padded_length`): pipeline parallelism sends activations between stages in buffers of a fixed
     `seq_length`, and sequence parallelism splits the pack evenly over the tensor-parallel ranks, so a pack is padded
-    with one extra sub-sequence of pad tokens that attends only to itself and carries no loss; its `PackedSeqParams` is then a `PaddedPack` that says where the pad
-    starts, which an MoE router leaves out of its balancing statistics (qvl.kernels.fix_moe_pad_tokens).
+    with one extra sub-sequence of pad tokens that attends only to itself and carries no loss; its `PackedSeqParams`
+    is then a `PaddedPack` that says where the pad starts, which an MoE router leaves out of its balancing statistics
+    (qvl.kernels.fix_moe_pad_tokens).
     `graph_shapes`: where the language model's layers replay as CUDA graphs (qvl.kernels.speed_cuda_graphs), every
     pack is padded so, its `cu_seqlens` made a fixed-size tensor (inert zero-length sub-sequences at the end) and its
     `max_seqlen` the same for all.
