@@ -55,9 +55,8 @@ def summed_over_ranks(original: Callable) -> Callable:
                              sequence_parallel=False):  # fmt: skip
         split = functools.partial(original, tp_size=tp_size, tp_rank=tp_rank, cp_size=cp_size, cp_rank=cp_rank,
                                   sequence_parallel=sequence_parallel)  # fmt: skip
-        if not (sequence_parallel and tp_size > 1 and cp_size == 1) or visual_pos_masks is None:
-            return split(visual_pos_masks, deepstack_visual_embeds)
-        if not deepstack_visual_embeds:
+        split_over_tp = sequence_parallel and tp_size > 1 and cp_size == 1
+        if not split_over_tp or visual_pos_masks is None or not deepstack_visual_embeds:
             return split(visual_pos_masks, deepstack_visual_embeds)
         features = deepstack_visual_embeds[0]
         index = torch.arange(features.shape[0], device=features.device)

@@ -13,6 +13,7 @@ from qvl.kernels.speed_cuda_graphs import GraphShapes, fixed_size_cu_seqlens, gr
 from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows
 from qvl.kernels.speed_rotary import mark_whole_pack
 from qvl.kernels.speed_sync_free import HostBatch, LossCheck, PlaceholderMismatchError, masked_loss
+from qvl.kernels.switch import packs_padded
 from qvl.kernels.tower_inputs import DistinctVision, VisionSources, distinct_rows, distinct_vision
 from qvl.kernels.vision_placement import host_vision_placement
 from qvl.training import mtp
@@ -30,12 +31,12 @@ def padded_length(model_config: Any, tokens: int) -> int | None:
     """The length a pack of `tokens` is padded to under `model_config`'s layout, None where it is not: `seq_length`
     under pipeline parallelism (stages exchange activations in buffers of one size); under sequence parallelism the
     next multiple of the tensor-parallel size (each rank holds an equal share of the sequence)."""
+    if not packs_padded(model_config):
+        return None
     if model_config.pipeline_model_parallel_size > 1:
         return model_config.seq_length
-    tp = getattr(model_config, "tensor_model_parallel_size", 1)
-    if getattr(model_config, "sequence_parallel", False) and tp > 1 and tokens % tp:
-        return -(-tokens // tp) * tp
-    return None
+    tp = model_config.tensor_model_parallel_size
+    return -(-tokens // tp) * tp if tokens % tp else None
 
 
 def model_inputs(
