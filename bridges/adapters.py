@@ -106,33 +106,19 @@ def _check_dora_targets(record: Any, targets: tuple[str, ...]) -> None:
 
 
 def check_expert_adapter_layout(peft: Any, model: Any) -> None:
-    """Refuse two layouts where Megatron trains adapters on MoE experts wrongly or cannot save them.
+    """Refuse adapters on MoE experts alone where the experts have an optimizer of their own (expert parallelism, or
+    experts whole on each of several TP ranks): the other optimizer trains nothing, and Megatron-Core 0.19.2's
+    checkpoint save of a chained optimizer reads the empty member's state (the first save failed: "'NoneType' object
+    has no attribute 'param_groups'", then its `state_dict`).
 
-    Adapters on experts alone, where the experts have an optimizer of their own (expert parallelism, or experts
-    whole on each of several TP ranks): the other optimizer trains nothing, and Megatron-Core 0.19.2's checkpoint
-    save of a chained optimizer reads the empty member's state (the first save failed: "'NoneType' object has no
-    attribute 'param_groups'", then its `state_dict`).
-
-    Adapters on MoE experts that are split over tensor-parallel ranks (`expert_tensor_parallel_size`, which
-    defaults to `tensor_parallel`). Such an expert's linears leave their TP communication to the token dispatcher,
-    and Megatron-Bridge's adapters on them then skip theirs too: each rank's adapter factors take a part of their
-    gradient only. At TP=2, with adapters on the experts alone, the LoRA loss of Qwen3-VL-MoE left one process's by
-    0.7% at step 4; with the experts whole on each rank (and the language adapters too) by 2e-5
-    (tests/training/test_train_peft.py)."""
+    (Experts split over tensor-parallel ranks train their adapters with patch group "fix-expert-adapter-tp".)"""
     targets = tuple(getattr(peft, "targets", None) or ())
-    if "experts" not in targets:
+    if targets != ("experts",):
         return
     tp = getattr(model, "tensor_model_parallel_size", 1) or 1
     etp = getattr(model, "expert_tensor_parallel_size", None) or tp
-    if etp > 1:
-        raise ConfigError(
-            f"adapter_targets with experts at an expert tensor parallel size of {etp} (expert_tensor_parallel_size "
-            "defaults to tensor_parallel): Megatron-Bridge's expert adapters do not sum their gradients over the "
-            "ranks that split an expert; set model.expert_tensor_parallel_size=1 (each expert whole on its rank), or "
-            "drop experts from adapter_targets"
-        )
     ep = getattr(model, "expert_model_parallel_size", 1) or 1
-    if targets == ("experts",) and (ep > 1 or etp != tp):
+    if ep > 1 or etp != tp:
         raise ConfigError(
             "adapter_targets=experts alone with the experts in an optimizer of their own (expert_parallel > 1, or "
             "experts whole on each of several TP ranks): the other optimizer then trains nothing, and Megatron-Core "

@@ -141,6 +141,13 @@ PATCHES: tuple[Patch, ...] = (
           why="under sequence parallelism each TP rank slices its visual tokens' rows out of the deepstack features, "
               "so the gradient reaching the tensor-parallel mergers and tower differs per rank and each rank's "
               "weight gradients cover its own tokens only"),
+    # --- fix-expert-adapter-tp: qvl.kernels.fix_expert_adapter_tp (training adapters on MoE experts)
+    Patch(group="fix-expert-adapter-tp", target="megatron.bridge.peft.utils:ParallelLinearAdapter.forward",
+          replacement="qvl.kernels.fix_expert_adapter_tp:summed_over_expert_ranks", version=MBRIDGE,
+          params=("self", "x"),
+          why="an expert adapter's factors skip their tensor-parallel communication as the expert's linears do (the "
+              "token dispatcher's), so where expert_tensor_parallel_size > 1 its bottleneck's gradient (linear_fc1) "
+              "or its bottleneck (linear_fc2) is one rank's part only"),
     # --- fix-peft-without-te: qvl.kernels.fix_peft_without_te.without_te() (around every PEFT transform, where TE is
     # absent: qvl.bridges.adapters' LoRA and DoRA apply it themselves)
     *(

@@ -193,6 +193,10 @@ RULES: tuple[Rule, ...] = (
          condition="the model has Megatron-Bridge's Qwen3-VL vision tower (its deepstack features are split over the "
                    "tensor-parallel ranks under sequence parallelism)",
          on=lambda t: None if t.hf_vision_tower is None else not t.hf_vision_tower),
+    Rule(group="fix-expert-adapter-tp", scope="training",
+         condition="the run trains adapters (it changes only adapters on MoE experts that expert_tensor_parallel_size "
+                   "> 1 splits over ranks)",
+         on=lambda t: t.peft),
     Rule(group="fix-peft-without-te", scope="model",
          condition="the run trains adapters (LoRA, DoRA) and Transformer Engine is not installed",
          on=lambda t: _both(t.peft, not t.transformer_engine)),
