@@ -105,28 +105,6 @@ def _check_dora_targets(record: Any, targets: tuple[str, ...]) -> None:
         )
 
 
-def check_expert_adapter_layout(peft: Any, model: Any) -> None:
-    """Refuse adapters on MoE experts alone where the experts have an optimizer of their own (expert parallelism, or
-    experts whole on each of several TP ranks): the other optimizer trains nothing, and Megatron-Core 0.19.2's
-    checkpoint save of a chained optimizer reads the empty member's state (the first save failed: "'NoneType' object
-    has no attribute 'param_groups'", then its `state_dict`).
-
-    (Experts split over tensor-parallel ranks train their adapters with patch group "fix-expert-adapter-tp".)"""
-    targets = tuple(getattr(peft, "targets", None) or ())
-    if targets != ("experts",):
-        return
-    tp = getattr(model, "tensor_model_parallel_size", 1) or 1
-    etp = getattr(model, "expert_tensor_parallel_size", None) or tp
-    ep = getattr(model, "expert_model_parallel_size", 1) or 1
-    if ep > 1 or etp != tp:
-        raise ConfigError(
-            "adapter_targets=experts alone with the experts in an optimizer of their own (expert_parallel > 1, or "
-            "experts whole on each of several TP ranks): the other optimizer then trains nothing, and Megatron-Core "
-            "0.19.2 cannot save an empty optimizer's checkpoint; add language to adapter_targets "
-            "(adapter_targets=language,experts)"
-        )
-
-
 def check_dora_layout(method: str, tensor_parallel: int) -> None:
     """Refuse DoRA at TP > 1: Megatron-Bridge's weight norm of a row-parallel linear covers one rank's columns."""
     if method == "dora" and tensor_parallel > 1:

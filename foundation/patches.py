@@ -148,6 +148,13 @@ PATCHES: tuple[Patch, ...] = (
           why="an expert adapter's factors skip their tensor-parallel communication as the expert's linears do (the "
               "token dispatcher's), so where expert_tensor_parallel_size > 1 its bottleneck's gradient (linear_fc1) "
               "or its bottleneck (linear_fc2) is one rank's part only"),
+    # --- fix-empty-optimizer: qvl.kernels.fix_empty_optimizer (training adapters)
+    Patch(group="fix-empty-optimizer", target="megatron.bridge.training.optim:get_megatron_optimizer",
+          replacement="qvl.kernels.fix_empty_optimizer:dropping_empty_members", version=MBRIDGE,
+          params=("config", "model_chunks", "config_overrides", "use_gloo_process_groups", "pg_collection"),
+          why="it chains a dense and an expert optimizer whenever a model has expert-parallel parameters; where only "
+              "expert adapters train, the dense one has nothing to train on any rank, and a checkpoint save of the "
+              "chain reads its param groups and state (None)"),
     # --- fix-peft-without-te: qvl.kernels.fix_peft_without_te.without_te() (around every PEFT transform, where TE is
     # absent: qvl.bridges.adapters' LoRA and DoRA apply it themselves)
     *(

@@ -197,6 +197,10 @@ RULES: tuple[Rule, ...] = (
          condition="the run trains adapters (it changes only adapters on MoE experts that expert_tensor_parallel_size "
                    "> 1 splits over ranks)",
          on=lambda t: t.peft),
+    Rule(group="fix-empty-optimizer", scope="training",
+         condition="the run trains adapters (it changes only an optimizer chain with a member that trains nothing on "
+                   "any rank: adapters on MoE experts alone)",
+         on=lambda t: t.peft),
     Rule(group="fix-peft-without-te", scope="model",
          condition="the run trains adapters (LoRA, DoRA) and Transformer Engine is not installed",
          on=lambda t: _both(t.peft, not t.transformer_engine)),

@@ -88,11 +88,9 @@ def check_inputs(info, config, run_dir: Path) -> None:
     """Refuse, before any model is built, what Megatron-Bridge would only find after: a layout this machine cannot
     build, no pretrained checkpoint for a fine-tune, a missing or truncated checkpoint, a missing dataset, an
     unwritable run directory."""
-    from qvl.bridges.adapters import check_expert_adapter_layout  # imports Megatron-Bridge
     from qvl.recipes.datasets import check_dataset, check_dataset_matches_recipe
 
     check_layout_runs_here(config.model)
-    check_expert_adapter_layout(config.peft, config.model)
     check_writable("--run-dir", run_dir)
     if config.checkpoint.save:  # checkpoint.save=none trains without saving
         check_writable("checkpoint_dir", Path(config.checkpoint.save))

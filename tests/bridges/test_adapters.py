@@ -19,7 +19,6 @@ from qvl.bridges.adapters import (  # noqa: E402
     QvlLoRA,
     adapter_config,
     check_dora_layout,
-    check_expert_adapter_layout,
     global_name,
     target_modules,
 )
@@ -91,32 +90,6 @@ def test_targets_by_meaning_come_from_the_family_record_and_language_is_the_defa
 def test_bad_adapter_options_are_refused_naming_the_fix(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         adapter_config(**kwargs)
-
-
-@pytest.mark.parametrize(
-    ("targets", "etp", "tp", "ep", "refused"),
-    [
-        (("language", "experts"), None, 2, 1, None),
-        (("experts",), None, 2, 1, None),
-        (("experts",), 2, 1, 1, r"adapter_targets=experts alone"),
-        (("experts",), None, 1, 2, r"adapter_targets=experts alone .*\(adapter_targets=language,experts\)"),
-        (("experts",), 1, 2, 1, r"adapter_targets=experts alone"),
-        (("language", "experts"), 1, 2, 2, None),
-        (("experts",), None, 1, 1, None),
-        (("language",), None, 4, 8, None),
-    ],
-)  # fmt: skip
-def test_expert_adapters_alone_are_refused_where_megatron_cannot_save_them(targets, etp, tp, ep, refused):
-    from types import SimpleNamespace
-
-    peft = SimpleNamespace(targets=list(targets))
-    model = SimpleNamespace(expert_tensor_parallel_size=etp, tensor_model_parallel_size=tp,
-                            expert_model_parallel_size=ep)  # fmt: skip
-    if refused is None:
-        check_expert_adapter_layout(peft, model)
-        return
-    with pytest.raises(ConfigError, match=refused):
-        check_expert_adapter_layout(peft, model)
 
 
 def test_dora_is_refused_at_tensor_parallel_above_one():

@@ -340,25 +340,50 @@ def test_expert_parallel_2_trains_the_expert_adapters_and_they_export(peft_run, 
     assert resumed == {step: losses[step] for step in (3, 4)}
 
 
+def _experts_alone(peft_run: PeftRun) -> list[str]:
+    return [a for a in peft_run.args if not a.startswith("adapter_targets=")] + ["adapter_targets=experts"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("peft_run", ["qwen3_vl_moe"], indirect=True)
-def test_expert_adapters_split_over_tensor_parallel_2_give_the_single_process_losses(peft_run, tmp_path):
-    """Adapters on the experts alone at TP=2 (with the sequence parallelism an MoE layer needs there): each expert is
-    split over the two ranks (expert_tensor_parallel_size defaults to TP) and so are its adapters, whose factors take
-    the communication the expert's linears leave to the token dispatcher (patch group "fix-expert-adapter-tp"). One
-    process's losses within 5e-5 (measured 1.1e-5 at step 4; without the group 0.69% off). The TP-split checkpoint
-    exports as one peft adapter that matches the trained model."""
-    args = [a for a in peft_run.args if not a.startswith("adapter_targets=")] + ["adapter_targets=experts"]
+def test_expert_adapters_alone_at_tensor_parallel_2_give_the_single_process_losses(peft_run, tmp_path):
+    """Adapters on the experts alone at TP=2 (with the sequence parallelism an MoE layer needs there), one process's
+    losses within 5e-5 in both layouts of the experts:
+    - split over the two ranks (expert_tensor_parallel_size defaults to TP), and so are their adapters, whose factors
+      take the communication the expert's linears leave to the token dispatcher (patch group "fix-expert-adapter-tp";
+      measured 1.1e-5 at step 4, 0.69% off without it); the TP-split checkpoint exports as one peft adapter that
+      matches the trained model;
+    - whole on each rank (model.expert_tensor_parallel_size=1), where the experts have an optimizer of their own and
+      the dense one trains nothing: it saves its checkpoints (patch group "fix-empty-optimizer")."""
+    args = _experts_alone(peft_run)
     with left_as_found():
         qvl_in_process("train", *args, "--run-dir", str(tmp_path / "one"))
-    qvl_on_two_ranks("train", *args, "tensor_parallel=2", "--run-dir", str(tmp_path / "run"))
-    one, two = read_losses(tmp_path / "one"), read_losses(tmp_path / "run")
-    assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
-    for step in one:
-        assert two[step] == pytest.approx(one[step], rel=5e-5), (one, two)
-    tp2 = PeftRun(family=peft_run.family, hf=peft_run.hf, run=tmp_path / "run", resumed=None, log="", args=[])
-    report = _export(tp2, tmp_path / "adapter", None)
+    one = read_losses(tmp_path / "one")
+    assert sorted(one) == list(range(1, STEPS + 1))
+    for name, layout in (("split", []), ("whole", ["model.expert_tensor_parallel_size=1"])):
+        qvl_on_two_ranks("train", *args, "tensor_parallel=2", *layout, "--run-dir", str(tmp_path / name))
+        two = read_losses(tmp_path / name)
+        assert sorted(two) == sorted(one) and (tmp_path / name / "checkpoints" / "iter_0000004").is_dir()
+        for step in one:
+            assert two[step] == pytest.approx(one[step], rel=5e-5), (name, one, two)
+    split = PeftRun(family=peft_run.family, hf=peft_run.hf, run=tmp_path / "split", resumed=None, log="", args=[])
+    report = _export(split, tmp_path / "adapter", None)
     assert report["ok"] and report["adapter_max_abs_diff"] <= 1e-5 and report["adapter_effect"] > 1e-2, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_run", ["qwen3_vl_moe"], indirect=True)
+def test_expert_adapters_alone_at_expert_parallel_2_save_and_resume_exactly(peft_run, tmp_path):
+    """Adapters on the experts alone at expert_parallel=2: the dense optimizer trains nothing on either rank and leaves
+    the chain (patch group "fix-empty-optimizer"; without it the first save failed: "'NoneType' object has no
+    attribute 'param_groups'"); the run resumed from its step-2 checkpoint reproduces its losses bit for bit."""
+    args = _experts_alone(peft_run)
+    qvl_on_two_ranks("train", *args, "expert_parallel=2", "--run-dir", str(tmp_path / "run"))
+    losses = read_losses(tmp_path / "run")
+    assert sorted(losses) == list(range(1, STEPS + 1)) and losses[STEPS] < losses[1] - 0.1, losses
+    copy_step(tmp_path / "run" / "checkpoints", tmp_path / "resumed" / "checkpoints", step=2)
+    qvl_on_two_ranks("train", *args, "expert_parallel=2", "--run-dir", str(tmp_path / "resumed"))
+    assert read_losses(tmp_path / "resumed") == {step: losses[step] for step in (3, 4)}
 
 
 def _resumed_on_two_ranks(peft_run: PeftRun, run: Path, layout: str, resumed: Path) -> dict[int, float]:
