@@ -79,7 +79,7 @@ def _expert_forward(adapter: Any, x: torch.Tensor) -> torch.Tensor:
         h = _SummedBothWays.apply(h, group)
     h = adapter.activation(h)
     if adapter.input_is_parallel:
-        block = F.linear(h, adapter.linear_out.weight)
+        block, _ = adapter.linear_out(h, runtime_gather_output=False)  # this rank's columns
         out = _column_block(block, rank=torch.distributed.get_rank(group), ranks=ranks)
     else:
         out, _ = adapter.linear_out(copy_to_tensor_model_parallel_region(h, group=group))
