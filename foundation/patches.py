@@ -170,6 +170,12 @@ PATCHES: tuple[Patch, ...] = (
             ("module_matcher", "HAVE_TE_ROW_LINEAR"),
         )
     ),
+    # --- speed-grouped-experts: qvl.kernels.speed_grouped_experts (training an MoE model without TE)
+    Patch(group="speed-grouped-experts", target="megatron.core.transformer.moe.experts:SequentialMLP.forward",
+          replacement="qvl.kernels.speed_grouped_experts:grouped_experts", version=MCORE,
+          params=("self", "permuted_local_hidden_states", "tokens_per_expert", "permuted_probs"),
+          why="without TE the experts run one after another: a host read of the token counts per layer, and per "
+              "local expert a split, two GEMMs and the activation; torch's grouped GEMM runs them as two"),
     # --- speed-optimizer: qvl.kernels.speed_optimizer (around every training loop, any device)
     Patch(group="speed-optimizer", target="megatron.core.optimizer.clip_grads:l2_norm_impl",
           replacement="qvl.kernels.speed_optimizer:foreach_l2_norm", version=MCORE,

@@ -49,6 +49,7 @@ class Target:
     preference: bool | None = None  # a preference stage (DPO and its variants) of an MoE model
     padded_moe: bool | None = None  # an MoE model whose packs are padded (pipeline or sequence parallelism)
     cuda_graphs: bool | None = None  # the run asks for its layers as CUDA graphs (recipe option cuda_graphs)
+    grouped_experts: bool | None = None  # the run asks for grouped-GEMM experts (recipe option grouped_experts)
     async_save: bool | None = None  # checkpoints written by another process while training goes on
     exact_fp32: bool | None = None  # the run asks for IEEE fp32 products on CUDA (qvl.exact_fp32: a parity check)
 
@@ -81,6 +82,7 @@ class Target:
             mtp=bool(getattr(model, "mtp_num_layers", None)) if known else None,
             peft=getattr(config, "peft", None) is not None if known else None,
             cuda_graphs=bool(getattr(getattr(config, "qvl", None), "cuda_graphs", False)) if known else None,
+            grouped_experts=bool(getattr(getattr(config, "qvl", None), "grouped_experts", False)) if known else None,
             async_save=bool(getattr(getattr(config, "checkpoint", None), "async_save", False)) if known else None,
             exact_fp32=bool(getattr(getattr(config, "qvl", None), "exact_fp32", False)) if known else None,
             padded_moe=bool(getattr(model, "num_moe_experts", None)) and packs_padded(model) if known else None,
@@ -158,6 +160,10 @@ RULES: tuple[Rule, ...] = (
                    "so they can be captured; the vision tower is graphed with them). It changes nothing where a layer "
                    "cannot be captured: pipeline stages, MoE and Gated DeltaNet layers (speed_cuda_graphs.eager_layers)",
          on=lambda t: _both(t.cuda_graphs, t.device == "cuda" and t.torch_adam)),
+    Rule(group="speed-grouped-experts", scope="training",
+         condition="the run asks for it (grouped_experts=true) and Transformer Engine is not installed (an MoE layer's "
+                   "experts are then Megatron-Core's SequentialMLP; it changes only those)",
+         on=lambda t: _both(t.grouped_experts, not t.transformer_engine)),
     # read when a model's layers are built and its config validated (before the loop): applied from the first
     # provider qvl fixes for the rest of the process (qvl.kernels.torch_wgrad_accum.provide_kernels)
     Rule(group="torch-wgrad-accum", scope="training", condition="Apex is not installed",

@@ -76,6 +76,9 @@ class QvlTrainingConfig:
     # qvl.kernels.tower_graphs; the switch applies the group on CUDA without TE or Apex). Off until the graphs' GPU
     # tests have passed on a GPU.
     cuda_graphs: bool = False
+    # An MoE layer's local experts as two grouped GEMMs instead of one expert after another (qvl.kernels.
+    # speed_grouped_experts; the switch applies the group without TE). Off until its GPU test has passed on a GPU.
+    grouped_experts: bool = False
     # IEEE fp32 products on CUDA where torch's convolutions and Triton's dots (flash-linear-attention's among them)
     # would round them to TF32 (qvl.kernels.fix_fla_tf32): slower; `qvl verify-training --precision fp32` sets it there.
     exact_fp32: bool = False
@@ -147,6 +150,7 @@ def build_config(*, arch: Architecture, stage: str, options: RecipeOptions) -> C
             vision_recompute_blocks=o.vision_recompute_blocks,
             compile=o.compile,
             cuda_graphs=o.cuda_graphs,
+            grouped_experts=o.grouped_experts,
             preference=preference,
         ),
         model=model,

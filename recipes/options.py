@@ -58,6 +58,9 @@ class RecipeOptions:
     # without TE or Apex; a model with MoE or Gated DeltaNet layers stays eager); off until their GPU tests have passed
     # (tests/kernels/test_speed_cuda_graphs.py, tests/kernels/test_tower_graphs.py)
     cuda_graphs: bool = False
+    # An MoE layer's local experts as two grouped GEMMs (patch group speed-grouped-experts, without TE): off until
+    # its GPU test has passed (tests/kernels/test_speed_grouped_experts.py)
+    grouped_experts: bool = False
     optimizer_offload: float = 0.0  # fraction of optimizer state on CPU (Megatron-Core hybrid-device optimizer)
     freeze: tuple[str, ...] = ()  # any of vision, projector, language
     # Multi-token prediction (Qwen3.5 / 3.6 / 3.8): train the checkpoint's MTP layers beside the LM, their loss

@@ -254,6 +254,19 @@ def test_a_load_balancing_loss_twice_as_large_fails_the_check(parity_inputs, tmp
     assert any(f == "step 1 load-balancing loss differs by 1 (rel)" for f in report.failures), report.failures
 
 
+def test_grouped_experts_take_the_transformers_step(parity_inputs, tmp_path, monkeypatch):
+    """With grouped_experts=true (patch group speed-grouped-experts) Qwen3-VL-MoE's experts run as two grouped GEMMs
+    in every MoE layer, and its steps are still transformers' within the parity tolerances."""
+    from qvl.kernels import speed_grouped_experts
+
+    calls = []
+    grouped = speed_grouped_experts.grouped_forward
+    monkeypatch.setattr(speed_grouped_experts, "grouped_forward", lambda *a: calls.append(1) or grouped(*a))
+    report = run(parity_inputs, tmp_path, "qwen3_vl_moe", options={"grouped_experts": True})
+    assert report.ok, report.failures
+    assert len(calls) >= STEPS  # at least one MoE layer's forward per step ran grouped
+
+
 def test_json_goes_alone_to_stdout(parity_inputs, tmp_path, capsys):
     """`--json` prints the report and nothing else on stdout (Megatron's and the Trainer's output go to stderr)."""
     from qvl.launchers.cli import main
