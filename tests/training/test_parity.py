@@ -256,13 +256,15 @@ def test_a_load_balancing_loss_twice_as_large_fails_the_check(parity_inputs, tmp
 
 def test_grouped_experts_take_the_transformers_step(parity_inputs, tmp_path, monkeypatch):
     """With grouped_experts=true (patch group speed-grouped-experts) Qwen3-VL-MoE's experts run as two grouped GEMMs
-    in every MoE layer, and its steps are still transformers' within the parity tolerances."""
+    in every MoE layer, also where the MoE layers are recomputed in the backward (recompute_modules=moe: twice the
+    grouped forwards), and its steps are still transformers' within the parity tolerances."""
     from qvl.kernels import speed_grouped_experts
 
     calls = []
     grouped = speed_grouped_experts.grouped_forward
     monkeypatch.setattr(speed_grouped_experts, "grouped_forward", lambda *a: calls.append(1) or grouped(*a))
-    report = run(parity_inputs, tmp_path, "qwen3_vl_moe", options={"grouped_experts": True})
+    options = {"grouped_experts": True, "recompute": "selective", "recompute_modules": "moe"}
+    report = run(parity_inputs, tmp_path, "qwen3_vl_moe", options=options)
     assert report.ok, report.failures
     assert len(calls) >= STEPS  # at least one MoE layer's forward per step ran grouped
 
