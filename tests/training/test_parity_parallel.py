@@ -130,5 +130,6 @@ def test_moe_parallel_layout_takes_the_single_process_transformers_step(moe_repo
     assert report["ok"], report["failures"]
     assert report["conversations"] == 4 and report["tensors_compared"] > 50
     assert [r["step"] for r in report["steps"]] == list(range(1, STEPS + 1))
-    if not layout.startswith("ep2"):  # one model replica: the reference adds the balancing loss too (off with data parallelism)
+    # one model replica: the reference adds the balancing loss too (off with data parallelism)
+    if not layout.startswith("ep2"):
         assert all(r["moe_aux_loss_qvl"] and r["moe_aux_loss_hf"] for r in report["steps"])
