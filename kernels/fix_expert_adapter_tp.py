@@ -52,6 +52,11 @@ class _SummedBothWays(torch.autograd.Function):
         return grad, None
 
 
+def summed_both_ways(partial: torch.Tensor, group: Any) -> torch.Tensor:
+    """`partial` summed over `group`, and its gradient too (see `_SummedBothWays`)."""
+    return _SummedBothWays.apply(partial, group)
+
+
 def split_over_ranks(adapter: Any) -> int:
     """The number of expert-TP ranks that split `adapter`'s factors (1: an adapter of a dense linear, or an expert
     whole on each rank)."""
@@ -61,7 +66,7 @@ def split_over_ranks(adapter: Any) -> int:
     return torch.distributed.get_world_size(group)
 
 
-def _column_block(block: torch.Tensor, *, rank: int, ranks: int) -> torch.Tensor:
+def column_block(block: torch.Tensor, *, rank: int, ranks: int) -> torch.Tensor:
     """`block` (this rank's columns of the output) at its place in a zero tensor of all the ranks' columns."""
     width = block.shape[-1]
     return F.pad(block, (rank * width, (ranks - 1 - rank) * width))
@@ -76,11 +81,11 @@ def _expert_forward(adapter: Any, x: torch.Tensor) -> torch.Tensor:
         x = adapter.dropout(x)
     h, _ = adapter.linear_in(x)  # fc1: gathered, whole; fc2: this rank's rows' partial sum
     if adapter.input_is_parallel:
-        h = _SummedBothWays.apply(h, group)
+        h = summed_both_ways(h, group)
     h = adapter.activation(h)
     if adapter.input_is_parallel:
         block, _ = adapter.linear_out(h, runtime_gather_output=False)  # this rank's columns
-        out = _column_block(block, rank=torch.distributed.get_rank(group), ranks=ranks)
+        out = column_block(block, rank=torch.distributed.get_rank(group), ranks=ranks)
     else:
         out, _ = adapter.linear_out(copy_to_tensor_model_parallel_region(h, group=group))
     if adapter.dropout_position == "post":

@@ -11,18 +11,22 @@ on SM90/SM100, a loop of GEMMs elsewhere, and a CPU kernel), which takes the gro
 
 Here the local experts run as `linear_fc1` of all of them (one grouped GEMM), the activation and the routing weights
 on all the tokens at once (upstream's functions: the same values per token), and `linear_fc2` (one grouped GEMM).
+LoRA adapters on the experts (Megatron-Bridge's `LoRALinear` around each expert linear) run as two more grouped GEMMs
+per linear, with the communication qvl.kernels.fix_expert_adapter_tp gives them where the expert-TP ranks split them.
 The experts' parameters stay the same modules, names and checkpoints (conversion, adapters and exports see no
 change). The stacked weights are made in the forward and again in the backward rather than kept for it, so memory
 grows by one layer's local expert weights at a time, not by every layer's. Weight gradients come out of one grouped
 GEMM per linear, in the weights' dtype (the CUTLASS kernels write bf16; an fp32 output falls back to a loop with a
 host read), and go to `main_grad` as one cast and one foreach add where Megatron-Core's DDP gave the parameters one,
 flagged as its fused linears flag them: in bf16 each micro-batch's weight gradient is rounded to bf16 before it is
-accumulated, as in Megatron-Core without gradient-accumulation fusion.
+accumulated, as in Megatron-Core without gradient-accumulation fusion. Frozen weights (a PEFT run's experts) get no
+weight-gradient GEMM.
 
-A layer runs upstream's forward where this cannot give the same function: one local expert, adapters on the experts
-(LoRA wraps each expert's linears), biases, FP8/FP4, TE's activation module, clamped or offset GLUs, the activation
-recomputed on its own (`recompute_modules` with `moe_act`), delayed weight gradients, float64, widths whose rows are
-not 16-byte aligned (grouped_mm's layout rule), and a micro-batch that routes no token here.
+A layer runs upstream's forward where this cannot give the same function: one local expert, adapters other than
+LoRA (or LoRA with dropout or an activation), biases, FP8/FP4, TE's activation module, clamped or offset GLUs, the
+activation recomputed on its own (`recompute_modules` with `moe_act`), delayed weight gradients, float64, widths
+whose rows are not 16-byte aligned (grouped_mm's layout rule, a LoRA rank included), and a micro-batch that routes
+no token here.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from qvl.kernels.fix_expert_adapter_tp import column_block, split_over_ranks, summed_both_ways
 
 GROUP = "speed-grouped-experts"
 
@@ -79,7 +85,6 @@ def weight_gradients(weights: tuple[torch.Tensor, ...], stacked: torch.Tensor) -
 def groupable(experts: Any, tokens: torch.Tensor) -> bool:
     """Whether `experts` (a SequentialMLP) on `tokens` can run as grouped GEMMs with the same function (see the
     module text for each condition)."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     config = experts.config
     if experts.num_local_experts < 2 or tokens.dim() != 2 or tokens.shape[0] == 0 or not tokens.is_contiguous():
@@ -94,15 +99,73 @@ def groupable(experts: Any, tokens: torch.Tensor) -> bool:
         return False
     if config.bias_activation_fusion and not (config.gated_linear_unit and config.activation_func is F.silu):
         return False
-    for expert in experts.local_experts:
-        fc1, fc2 = getattr(expert, "linear_fc1", None), getattr(expert, "linear_fc2", None)
-        if type(fc1) is not ColumnParallelLinear or type(fc2) is not RowParallelLinear:
-            return False  # adapters wrap them (LoRALinear), or another linear
-        if fc1.bias is not None or fc2.bias is not None or fc1.weight.dtype != tokens.dtype:
-            return False
-    first = experts.local_experts[0]
-    widths = (tokens.shape[1], first.linear_fc1.weight.shape[0], first.linear_fc2.weight.shape[1])
+    parts = [expert_linears(expert) for expert in experts.local_experts]
+    if any(p is None for p in parts) or len({tuple(a is None for a in p[1]) for p in parts}) != 1:
+        return False  # another linear, an adapter we cannot group, or experts adapted differently
+    (fc1, fc2), (lora1, lora2) = parts[0]
+    if fc1.weight.dtype != tokens.dtype:
+        return False
+    widths = [tokens.shape[1], *fc1.weight.shape, *fc2.weight.shape]
+    for lora in (lora1, lora2):
+        if lora is not None:
+            widths += [*lora.linear_in.weight.shape, *lora.linear_out.weight.shape]
     return tokens.data_ptr() % 16 == 0 and all(width * tokens.element_size() % 16 == 0 for width in widths)
+
+
+def expert_linears(expert: Any) -> tuple[tuple[Any, Any], tuple[Any, Any]] | None:
+    """((linear_fc1, linear_fc2), (their LoRA adapters or None)) of a local expert: Megatron-Core's plain parallel
+    linears, each bare or wrapped by Megatron-Bridge's LoRA (an enabled `ParallelLinearAdapter`, identity activation,
+    no dropout); None where anything else is there."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    bases, adapters = [], []
+    for name, kind in (("linear_fc1", ColumnParallelLinear), ("linear_fc2", RowParallelLinear)):
+        linear, adapter = getattr(expert, name, None), None
+        if type(linear).__name__ == "LoRALinear":  # Megatron-Bridge's wrapper (megatron.bridge.peft.lora_layers)
+            adapter, linear = (linear.adapter if linear._adapter_enabled else None), linear.to_wrap
+            if adapter is not None and not lora_groupable(adapter):
+                return None
+        if type(linear) is not kind or linear.bias is not None:
+            return None
+        bases.append(linear)
+        adapters.append(adapter)
+    return (bases[0], bases[1]), (adapters[0], adapters[1])
+
+
+def lora_groupable(adapter: Any) -> bool:
+    """Whether a LoRA adapter is the plain low-rank product the grouped path computes (Megatron-Bridge's
+    `ParallelLinearAdapter` with an identity activation, no dropout, no all-to-all)."""
+    return (
+        type(adapter).__name__ == "ParallelLinearAdapter"
+        and isinstance(adapter.activation, torch.nn.Identity)
+        and isinstance(adapter.dropout, torch.nn.Identity)
+        and not adapter.use_a2a
+    )
+
+
+def lora_output(adapters: list[Any], tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Every local expert's LoRA adapter of one linear on its tokens, as grouped GEMMs: the adapter's forward, with
+    the communication qvl.kernels.fix_expert_adapter_tp gives it where the expert-TP ranks split it."""
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_tensor_model_parallel_region,
+    )
+
+    first = adapters[0]
+    group, ranks = first.tp_group, split_over_ranks(first)
+    hidden = GroupedLinear.apply(tokens, ends, *(a.linear_in.weight for a in adapters))
+    if first.input_is_parallel:  # linear_fc2: this rank's input rows, a partial sum
+        if ranks > 1:
+            hidden = summed_both_ways(hidden, group)
+        out = GroupedLinear.apply(hidden, ends, *(a.linear_out.weight for a in adapters))
+        if ranks > 1:
+            out = column_block(out, rank=torch.distributed.get_rank(group), ranks=ranks)
+    else:  # linear_fc1: this rank's bottleneck columns, gathered
+        if ranks > 1:
+            hidden = gather_from_tensor_model_parallel_region(hidden, group=group)
+            hidden = copy_to_tensor_model_parallel_region(hidden, group=group)
+        out = GroupedLinear.apply(hidden, ends, *(a.linear_out.weight for a in adapters))
+    return out * (first.alpha / first.dim)
 
 
 def activation(experts: Any, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -127,10 +190,14 @@ def grouped_forward(experts: Any, tokens: torch.Tensor, tokens_per_expert: torch
         tokens = (probs.unsqueeze(-1) * tokens).to(tokens.dtype)
         probs = torch.ones_like(probs)
     ends = torch.cumsum(tokens_per_expert.to(device=tokens.device, non_blocking=True), 0, dtype=torch.int32)
-    local = experts.local_experts
-    hidden = GroupedLinear.apply(tokens, ends, *(expert.linear_fc1.weight for expert in local))
-    hidden = activation(experts, hidden, probs)
-    return GroupedLinear.apply(hidden, ends, *(expert.linear_fc2.weight for expert in local)), None
+    parts = [expert_linears(expert) for expert in experts.local_experts]
+    outputs = tokens
+    for k in (0, 1):  # linear_fc1, then the activation, then linear_fc2
+        inputs = outputs if k == 0 else activation(experts, outputs, probs)
+        outputs = GroupedLinear.apply(inputs, ends, *(bases[k].weight for bases, _ in parts))
+        if parts[0][1][k] is not None:
+            outputs = outputs + lora_output([adapters[k] for _, adapters in parts], inputs, ends)
+    return outputs, None
 
 
 def grouped_experts(original: Callable) -> Callable:

@@ -10,7 +10,7 @@ import torch
 
 from qvl.foundation import distributed
 from qvl.kernels import fix_expert_adapter_tp
-from qvl.kernels.fix_expert_adapter_tp import _column_block, _expert_forward, split_over_ranks, summed_over_expert_ranks
+from qvl.kernels.fix_expert_adapter_tp import _expert_forward, column_block, split_over_ranks, summed_over_expert_ranks
 
 
 def _adapter(*, input_is_parallel: bool, is_expert: bool = True):
@@ -65,7 +65,7 @@ def test_only_expert_adapters_split_over_several_ranks_leave_upstreams_forward(m
     assert forward(SimpleNamespace(is_expert=True), 3) == "qvl" and calls == [1, 2]
 
 
-def test_a_ranks_column_block_lands_in_its_place_and_the_rest_is_zero():
+def test_a_rankscolumn_block_lands_in_its_place_and_the_rest_is_zero():
     block = torch.tensor([[1.0, 2.0]])
-    assert torch.equal(_column_block(block, rank=0, ranks=3), torch.tensor([[1.0, 2.0, 0, 0, 0, 0]]))
-    assert torch.equal(_column_block(block, rank=2, ranks=3), torch.tensor([[0, 0, 0, 0, 1.0, 2.0]]))
+    assert torch.equal(column_block(block, rank=0, ranks=3), torch.tensor([[1.0, 2.0, 0, 0, 0, 0]]))
+    assert torch.equal(column_block(block, rank=2, ranks=3), torch.tensor([[0, 0, 0, 0, 1.0, 2.0]]))

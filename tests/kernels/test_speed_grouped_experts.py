@@ -107,7 +107,7 @@ def test_upstreams_forward_runs_where_the_grouped_one_is_not_the_same_function(e
         patched.setattr(experts.config, "recompute_modules", ["moe_act"])
         assert forward(experts, tokens, counts, probs)[0] == "upstream"
     expert = experts.local_experts[0]
-    linear, expert.linear_fc1 = expert.linear_fc1, torch.nn.Identity()  # adapters: LoRA wraps the expert's linear
+    linear, expert.linear_fc1 = expert.linear_fc1, torch.nn.Identity()  # another module in the linear's place
     try:
         assert not groupable(experts, tokens)
     finally:
