@@ -210,7 +210,21 @@ def _stage_activations(x: PlanInputs, stage: int, weight_bytes: int) -> float:
     acts *= _in_flight(x, stage)
     if recompute == "full":  # one layer rebuilt at a time for backward
         acts += layer_activation_bytes(model, lm, tokens, recompute=None, modules=[])
-    return acts
+    return acts + (grouped_experts_bytes(x, weight_bytes) if layers else 0.0)
+
+
+def grouped_experts_bytes(x: PlanInputs, weight_bytes: int) -> float:
+    """The transient bytes of patch group speed-grouped-experts (recipe option grouped_experts) in one MoE layer's
+    backward (qvl.kernels.speed_grouped_experts): the local experts' `linear_fc1` weights stacked (the larger linear:
+    2/3 of an expert's weights with a GLU) and, where the experts train, their stacked weight gradient and its fp32
+    copy for main_grad. Zero without the option or without experts."""
+    if not getattr(getattr(x.cfg, "qvl", None), "grouped_experts", False):
+        return 0.0
+    _, expert_layer = lm_layer_params(x.model)
+    local = expert_layer / (x.parallel.layout.expert_parallel * x.parallel.expert_tensor_parallel)
+    fc1 = local * (2 / 3 if x.model.gated_linear_unit else 1 / 2)
+    trains = x.cfg.peft is None and not x.model.freeze_language_model
+    return fc1 * (weight_bytes + (weight_bytes + 4 if trains else 0))
 
 
 def _stage_memory(x: PlanInputs, params: list[StageParams]) -> list[StageMemory]:

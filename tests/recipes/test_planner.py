@@ -357,3 +357,24 @@ def test_a_graphed_vision_tower_keeps_its_buckets_pad_rows(layout):
         assert graphed - eager == pytest.approx(tower / BUCKETS_PER_DOUBLING)
     else:
         assert graphed == eager
+
+
+def test_grouped_experts_add_one_layers_stacked_expert_weights_to_the_activations():
+    """grouped_experts=true (qvl.kernels.speed_grouped_experts): each stage's activations grow by its local experts'
+    linear_fc1 weights stacked, their bf16 weight gradient and its fp32 copy (Qwen3-VL-30B-A3B at EP=8: 16 local
+    experts of 2 x 768 x 2048, split over the SFT recipe's TP=2), one layer at a time; with adapters (the PEFT
+    recipe: TP=1) the experts are frozen: the stack alone; a dense model is unchanged."""
+
+    def fc1(plan) -> float:  # the local experts' linear_fc1 weights; each expert split over the TP ranks (ETP = TP)
+        return 128 / plan.layout["expert_parallel"] * 2 * 768 * 2048 / plan.layout["tensor_parallel"]
+
+    off = plan_recipe("qwen3_vl_30b_a3b_sft", {"expert_parallel": 8}, gpus=8)
+    on = plan_recipe("qwen3_vl_30b_a3b_sft", {"expert_parallel": 8, "grouped_experts": True}, gpus=8)
+    assert on.layout == off.layout and off.layout["tensor_parallel"] == 2
+    for before, after in zip(off.stages, on.stages, strict=True):
+        assert after.activations - before.activations == pytest.approx(fc1(on) * (2 + 2 + 4))
+    peft_off = plan_recipe("qwen3_vl_30b_a3b_peft", {"expert_parallel": 8}, gpus=8)
+    peft_on = plan_recipe("qwen3_vl_30b_a3b_peft", {"expert_parallel": 8, "grouped_experts": True}, gpus=8)
+    assert peft_on.stages[0].activations - peft_off.stages[0].activations == pytest.approx(fc1(peft_on) * 2)
+    dense = plan_recipe("qwen2_5_vl_7b_sft", {"grouped_experts": True}, gpus=8)
+    assert dense.stages[0].activations == plan_recipe("qwen2_5_vl_7b_sft", {}, gpus=8).stages[0].activations
