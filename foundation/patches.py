@@ -176,6 +176,13 @@ PATCHES: tuple[Patch, ...] = (
           params=("self", "permuted_local_hidden_states", "tokens_per_expert", "permuted_probs"),
           why="without TE the experts run one after another: a host read of the token counts per layer, and per "
               "local expert a split, two GEMMs and the activation; torch's grouped GEMM runs them as two"),
+    # --- speed-moe-identity-sort: qvl.kernels.speed_moe_identity_sort (training an MoE model)
+    Patch(group="speed-moe-identity-sort", target="megatron.core.transformer.moe.token_dispatcher:sort_chunks_by_idxs",
+          replacement="qvl.kernels.speed_moe_identity_sort:skipping_identity", version=MCORE,
+          params=("input", "split_sizes", "sorted_idxs", "probs", "fused"),
+          why="with one expert-parallel and one expert-TP rank the all-to-all dispatcher's sort by local expert is the "
+              "identity, yet it splits the tokens at counts read to the host and concatenates them again, forward "
+              "and backward"),
     # --- speed-optimizer: qvl.kernels.speed_optimizer (around every training loop, any device)
     Patch(group="speed-optimizer", target="megatron.core.optimizer.clip_grads:l2_norm_impl",
           replacement="qvl.kernels.speed_optimizer:foreach_l2_norm", version=MCORE,

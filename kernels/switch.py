@@ -47,6 +47,7 @@ class Target:
     mtp: bool | None = None  # multi-token-prediction layers trained
     peft: bool | None = None  # adapters (LoRA, DoRA)
     preference: bool | None = None  # a preference stage (DPO and its variants) of an MoE model
+    moe: bool | None = None  # the model has MoE layers
     padded_moe: bool | None = None  # an MoE model whose packs are padded (pipeline or sequence parallelism)
     cuda_graphs: bool | None = None  # the run asks for its layers as CUDA graphs (recipe option cuda_graphs)
     grouped_experts: bool | None = None  # the run asks for grouped-GEMM experts (recipe option grouped_experts)
@@ -85,6 +86,7 @@ class Target:
             grouped_experts=bool(getattr(getattr(config, "qvl", None), "grouped_experts", False)) if known else None,
             async_save=bool(getattr(getattr(config, "checkpoint", None), "async_save", False)) if known else None,
             exact_fp32=bool(getattr(getattr(config, "qvl", None), "exact_fp32", False)) if known else None,
+            moe=bool(getattr(model, "num_moe_experts", None)) if known else None,
             padded_moe=bool(getattr(model, "num_moe_experts", None)) and packs_padded(model) if known else None,
             preference=bool(getattr(getattr(config, "qvl", None), "preference", None))
             and bool(getattr(model, "num_moe_experts", None))
@@ -161,9 +163,13 @@ RULES: tuple[Rule, ...] = (
                    "cannot be captured: pipeline stages, MoE and Gated DeltaNet layers (speed_cuda_graphs.eager_layers)",
          on=lambda t: _both(t.cuda_graphs, t.device == "cuda" and t.torch_adam)),
     Rule(group="speed-grouped-experts", scope="training",
-         condition="the run asks for it (grouped_experts=true) and Transformer Engine is not installed (an MoE layer's "
-                   "experts are then Megatron-Core's SequentialMLP; it changes only those)",
-         on=lambda t: _both(t.grouped_experts, not t.transformer_engine)),
+         condition="the run asks for it (grouped_experts=true), the model has MoE layers and Transformer Engine is not "
+                   "installed (an MoE layer's experts are then Megatron-Core's SequentialMLP; it changes only those)",
+         on=lambda t: _both(t.moe, bool(t.grouped_experts) and not t.transformer_engine)),
+    Rule(group="speed-moe-identity-sort", scope="training",
+         condition="the model has MoE layers (it changes only the all-to-all dispatcher's sort where its order is the "
+                   "identity: one expert-parallel and one expert-TP rank, its indices on the host)",
+         on=lambda t: t.moe),
     # read when a model's layers are built and its config validated (before the loop): applied from the first
     # provider qvl fixes for the rest of the process (qvl.kernels.torch_wgrad_accum.provide_kernels)
     Rule(group="torch-wgrad-accum", scope="training", condition="Apex is not installed",

@@ -57,6 +57,15 @@ def test_the_answer_is_the_targets_not_this_machines():
     assert switch.is_on("torch-gated-delta", qwen35) and switch.is_on("torch-qwen3-vl-vision", qwen35)
     assert not switch.is_on("torch-gated-delta", dataclasses.replace(qwen35, fla=True))  # fla's Triton kernels
     assert switch.is_on("torch-gated-delta", dataclasses.replace(qwen35, fla=True, device="cpu"))  # fla needs CUDA
+    # MoE: the identity sort skipped always; grouped experts asked for, and without TE (TE groups its own)
+    moe = dataclasses.replace(bare_gpu, moe=True)
+    assert switch.is_on("speed-moe-identity-sort", moe) and not switch.is_on("speed-moe-identity-sort", bare_gpu)
+    assert not switch.is_on("speed-grouped-experts", moe)
+    grouped = dataclasses.replace(moe, grouped_experts=True)
+    assert switch.is_on("speed-grouped-experts", grouped)
+    assert switch.is_on("speed-grouped-experts", dataclasses.replace(grouped, device="cpu"))
+    assert not switch.is_on("speed-grouped-experts", dataclasses.replace(grouped, transformer_engine=True))
+    assert not switch.is_on("speed-grouped-experts", dataclasses.replace(bare_gpu, grouped_experts=True))  # dense
 
 
 def test_without_a_model_the_model_groups_are_left_open():
