@@ -281,9 +281,13 @@ def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: s
     wheel's prebuilt dataset helpers, the faster paths where TE and Apex are absent, ...), applied for the loop only;
     qvl's rendezvous rule; and no rerun-state singleton or MoE metrics tracker left behind by a run earlier in this
     process (a test, a notebook): `pretrain()` asserts there is no rerun state, and the tracker sizes its per-layer
-    entries by the first MoE model it saw, so a later model with more layers (or MTP layers) would index past them."""
+    entries by the first MoE model it saw, so a later model with more layers (or MTP layers) would index past them.
+    Nor an MoE auxiliary-loss scale: a backward through an MoE layer outside a loop leaves a 0-d one, and the loop's
+    `set_loss_scale` copies its 1-element scale into it ("output with shape [] doesn't match the broadcast shape
+    [1]")."""
     from megatron.core.rerun_state_machine import destroy_rerun_state_machine
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     if loop == "pretrain":
         from megatron.bridge.training.pretrain import pretrain as run_loop
@@ -291,6 +295,7 @@ def run_megatron_loop(config: Any, forward_step: Any, callbacks: Any, *, loop: s
         from megatron.bridge.training.finetune import finetune as run_loop
     destroy_rerun_state_machine()
     destroy_moe_metrics_tracker()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # set again from the loop's first scale
     # One rule for every launch (torchrun, srun starting each rank, one process), set for this loop only: the
     # process group outlives the loop and holds the port, so a process started afterwards from here must not
     # inherit it.

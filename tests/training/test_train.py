@@ -134,21 +134,31 @@ def test_pipeline_parallel_2_trains_the_packed_dataset_like_one_stage(dataset, t
 
 def test_a_training_loop_starts_without_the_moe_metrics_of_an_earlier_run(monkeypatch):
     """Megatron-Core's MoE metrics tracker sizes its per-layer entries by the first MoE model of the process; a
-    later run with more layers (or MTP layers) would index past them, so each loop starts without one."""
+    later run with more layers (or MTP layers) would index past them, so each loop starts without one. Nor with the
+    0-d auxiliary-loss scale an MoE backward outside a loop leaves (the loop's 1-element scale would not copy into
+    it)."""
     from qvl.foundation import megatron
 
     megatron.import_megatron_bridge()
     from megatron.bridge.training import pretrain as pretrain_module
     from megatron.core.transformer.moe import moe_logging
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from qvl.training.loop import run_megatron_loop
 
     earlier = moe_logging.get_moe_metrics_tracker()
     earlier.record("load_balancing_loss", torch.tensor(1.0), layer_number=1, num_layers=4)
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", torch.tensor(1.0))  # as a backward leaves it
     seen = []
-    monkeypatch.setattr(pretrain_module, "pretrain", lambda *a, **k: seen.append(moe_logging.get_moe_metrics_tracker()))
+
+    def pretrain(*args, **kwargs):
+        seen.append(moe_logging.get_moe_metrics_tracker())
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))  # what Megatron-Bridge's initialisation does first
+
+    monkeypatch.setattr(pretrain_module, "pretrain", pretrain)
     run_megatron_loop(SimpleNamespace(model=SimpleNamespace(), peft=None), forward_step=None, callbacks=None)
     assert seen and seen[0] is not earlier and not seen[0].metrics
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale.shape == (1,)
 
 
 @pytest.mark.slow
