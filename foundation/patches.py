@@ -145,16 +145,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch(group="fix-expert-adapter-tp", target="megatron.bridge.peft.utils:ParallelLinearAdapter.forward",
           replacement="qvl.kernels.fix_expert_adapter_tp:summed_over_expert_ranks", version=MBRIDGE,
           params=("self", "x"),
-          why="an expert adapter's factors skip their tensor-parallel communication as the expert's linears do (the "
-              "token dispatcher's), so where expert_tensor_parallel_size > 1 its bottleneck's gradient (linear_fc1) "
-              "or its bottleneck (linear_fc2) is one rank's part only"),
+          why="where expert_tensor_parallel_size > 1 an expert adapter skips its TP communication as the expert's "
+              "linears do: its bottleneck (linear_fc2) or the bottleneck's gradient (linear_fc1) is one rank's part"),
     # --- fix-empty-optimizer: qvl.kernels.fix_empty_optimizer (training adapters)
     Patch(group="fix-empty-optimizer", target="megatron.bridge.training.optim:get_megatron_optimizer",
           replacement="qvl.kernels.fix_empty_optimizer:dropping_empty_members", version=MBRIDGE,
           params=("config", "model_chunks", "config_overrides", "use_gloo_process_groups", "pg_collection"),
-          why="it chains a dense and an expert optimizer whenever a model has expert-parallel parameters; where only "
-              "expert adapters train, the dense one has nothing to train on any rank, and a checkpoint save of the "
-              "chain reads its param groups and state (None)"),
+          why="with expert adapters alone the chain's dense optimizer trains nothing on any rank, and the first "
+              "checkpoint save reads its param groups and state (None)"),
     # --- fix-peft-without-te: qvl.kernels.fix_peft_without_te.without_te() (around every PEFT transform, where TE is
     # absent: qvl.bridges.adapters' LoRA and DoRA apply it themselves)
     *(
@@ -174,15 +172,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch(group="speed-grouped-experts", target="megatron.core.transformer.moe.experts:SequentialMLP.forward",
           replacement="qvl.kernels.speed_grouped_experts:grouped_experts", version=MCORE,
           params=("self", "permuted_local_hidden_states", "tokens_per_expert", "permuted_probs"),
-          why="without TE the experts run one after another: a host read of the token counts per layer, and per "
-              "local expert a split, two GEMMs and the activation; torch's grouped GEMM runs them as two"),
+          why="without TE the experts run one after another (a host read per layer, a split, two GEMMs and the "
+              "activation per expert); torch's grouped GEMM runs them as two"),
     # --- speed-moe-identity-sort: qvl.kernels.speed_moe_identity_sort (training an MoE model)
     Patch(group="speed-moe-identity-sort", target="megatron.core.transformer.moe.token_dispatcher:sort_chunks_by_idxs",
           replacement="qvl.kernels.speed_moe_identity_sort:skipping_identity", version=MCORE,
           params=("input", "split_sizes", "sorted_idxs", "probs", "fused"),
-          why="with one expert-parallel and one expert-TP rank the all-to-all dispatcher's sort by local expert is the "
-              "identity, yet it splits the tokens at counts read to the host and concatenates them again, forward "
-              "and backward"),
+          why="with one EP and one expert-TP rank the dispatcher's sort by local expert is the identity, yet it "
+              "splits the tokens at counts read to the host and concatenates them again"),
     # --- speed-optimizer: qvl.kernels.speed_optimizer (around every training loop, any device)
     Patch(group="speed-optimizer", target="megatron.core.optimizer.clip_grads:l2_norm_impl",
           replacement="qvl.kernels.speed_optimizer:foreach_l2_norm", version=MCORE,

@@ -72,22 +72,37 @@ def column_block(block: torch.Tensor, *, rank: int, ranks: int) -> torch.Tensor:
     return F.pad(block, (rank * width, (ranks - 1 - rank) * width))
 
 
-def _expert_forward(adapter: Any, x: torch.Tensor) -> torch.Tensor:
-    """`ParallelLinearAdapter.forward` of an expert adapter split over the expert-TP ranks (see the module text)."""
-    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+def split_product(adapter: Any, x: torch.Tensor, first: Callable, second: Callable) -> torch.Tensor:
+    """An adapter's low-rank product `second(activation(first(x)))` with the communication the unsplit product
+    implies where the expert-TP ranks split its factors (see the module text): `first(v)` gives this rank's
+    bottleneck (linear_fc1: its columns; linear_fc2: its partial sum over its input rows), `second(h)` this rank's
+    output columns. The per-expert forward here and the grouped one (qvl.kernels.speed_grouped_experts) share it."""
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_tensor_model_parallel_region,
+    )
 
     group, ranks = adapter.tp_group, split_over_ranks(adapter)
+    h = first(x)
+    if ranks > 1 and adapter.input_is_parallel:
+        h = summed_both_ways(h, group)
+    elif ranks > 1:  # the columns gathered; the gradient of the whole summed over the ranks' output columns
+        h = copy_to_tensor_model_parallel_region(gather_from_tensor_model_parallel_region(h, group=group), group=group)
+    out = second(adapter.activation(h))
+    if ranks > 1 and adapter.input_is_parallel:
+        out = column_block(out, rank=torch.distributed.get_rank(group), ranks=ranks)
+    return out
+
+
+def _expert_forward(adapter: Any, x: torch.Tensor) -> torch.Tensor:
+    """`ParallelLinearAdapter.forward` of an expert adapter split over the expert-TP ranks (see the module text)."""
     if adapter.dropout_position == "pre":
         x = adapter.dropout(x)
-    h, _ = adapter.linear_in(x)  # fc1: gathered, whole; fc2: this rank's rows' partial sum
-    if adapter.input_is_parallel:
-        h = summed_both_ways(h, group)
-    h = adapter.activation(h)
-    if adapter.input_is_parallel:
-        block, _ = adapter.linear_out(h, runtime_gather_output=False)  # this rank's columns
-        out = column_block(block, rank=torch.distributed.get_rank(group), ranks=ranks)
-    else:
-        out, _ = adapter.linear_out(copy_to_tensor_model_parallel_region(h, group=group))
+    if adapter.input_is_parallel:  # a row-parallel factor: its partial sum, not reduced (explicit expert comm)
+        first = lambda v: adapter.linear_in(v)[0]  # noqa: E731
+    else:  # this rank's columns, not gathered
+        first = lambda v: adapter.linear_in(v, runtime_gather_output=False)[0]  # noqa: E731
+    out = split_product(adapter, x, first, lambda h: adapter.linear_out(h, runtime_gather_output=False)[0])
     if adapter.dropout_position == "post":
         out = adapter.dropout(out)
     return out * (adapter.alpha / adapter.dim)

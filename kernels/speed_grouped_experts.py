@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from qvl.kernels.fix_expert_adapter_tp import column_block, split_over_ranks, summed_both_ways
+from qvl.kernels.fix_expert_adapter_tp import split_product
 
 GROUP = "speed-grouped-experts"
 
@@ -83,33 +83,39 @@ def weight_gradients(weights: tuple[torch.Tensor, ...], stacked: torch.Tensor) -
 
 
 def groupable(experts: Any, tokens: torch.Tensor) -> bool:
-    """Whether `experts` (a SequentialMLP) on `tokens` can run as grouped GEMMs with the same function (see the
-    module text for each condition)."""
+    """Whether `experts` (a SequentialMLP) on `tokens` can run as grouped GEMMs with the same function."""
+    return grouped_parts(experts, tokens) is not None
+
+
+def grouped_parts(experts: Any, tokens: torch.Tensor) -> list | None:
+    """Each local expert's `expert_linears` where `experts` (a SequentialMLP) on `tokens` can run as grouped GEMMs
+    with the same function, else None (see the module text for each condition)."""
 
     config = experts.config
     if experts.num_local_experts < 2 or tokens.dim() != 2 or tokens.shape[0] == 0 or not tokens.is_contiguous():
-        return False
+        return None
     if tokens.dtype not in (torch.bfloat16, torch.float16, torch.float32):  # grouped_mm has no float64 kernel
-        return False
+        return None
     if config.fp8 or getattr(config, "fp4", None) or config.use_te_activation_func or config.delay_wgrad_compute:
-        return False
+        return None
     if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0):
-        return False
+        return None
     if "moe_act" in (config.recompute_modules or []) and config.recompute_granularity == "selective":
-        return False
+        return None
     if config.bias_activation_fusion and not (config.gated_linear_unit and config.activation_func is F.silu):
-        return False
+        return None
     parts = [expert_linears(expert) for expert in experts.local_experts]
     if any(p is None for p in parts) or len({tuple(a is None for a in p[1]) for p in parts}) != 1:
-        return False  # another linear, an adapter we cannot group, or experts adapted differently
+        return None  # another linear, an adapter we cannot group, or experts adapted differently
     (fc1, fc2), (lora1, lora2) = parts[0]
     if fc1.weight.dtype != tokens.dtype:
-        return False
+        return None
     widths = [tokens.shape[1], *fc1.weight.shape, *fc2.weight.shape]
     for lora in (lora1, lora2):
         if lora is not None:
             widths += [*lora.linear_in.weight.shape, *lora.linear_out.weight.shape]
-    return tokens.data_ptr() % 16 == 0 and all(width * tokens.element_size() % 16 == 0 for width in widths)
+    aligned = tokens.data_ptr() % 16 == 0 and all(width * tokens.element_size() % 16 == 0 for width in widths)
+    return parts if aligned else None
 
 
 def expert_linears(expert: Any) -> tuple[tuple[Any, Any], tuple[Any, Any]] | None:
@@ -146,26 +152,12 @@ def lora_groupable(adapter: Any) -> bool:
 def lora_output(adapters: list[Any], tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Every local expert's LoRA adapter of one linear on its tokens, as grouped GEMMs: the adapter's forward, with
     the communication qvl.kernels.fix_expert_adapter_tp gives it where the expert-TP ranks split it."""
-    from megatron.core.tensor_parallel import (
-        copy_to_tensor_model_parallel_region,
-        gather_from_tensor_model_parallel_region,
-    )
+
+    def grouped(factor: str) -> Callable:
+        return lambda v: GroupedLinear.apply(v, ends, *(getattr(a, factor).weight for a in adapters))
 
     first = adapters[0]
-    group, ranks = first.tp_group, split_over_ranks(first)
-    hidden = GroupedLinear.apply(tokens, ends, *(a.linear_in.weight for a in adapters))
-    if first.input_is_parallel:  # linear_fc2: this rank's input rows, a partial sum
-        if ranks > 1:
-            hidden = summed_both_ways(hidden, group)
-        out = GroupedLinear.apply(hidden, ends, *(a.linear_out.weight for a in adapters))
-        if ranks > 1:
-            out = column_block(out, rank=torch.distributed.get_rank(group), ranks=ranks)
-    else:  # linear_fc1: this rank's bottleneck columns, gathered
-        if ranks > 1:
-            hidden = gather_from_tensor_model_parallel_region(hidden, group=group)
-            hidden = copy_to_tensor_model_parallel_region(hidden, group=group)
-        out = GroupedLinear.apply(hidden, ends, *(a.linear_out.weight for a in adapters))
-    return out * (first.alpha / first.dim)
+    return split_product(first, tokens, grouped("linear_in"), grouped("linear_out")) * (first.alpha / first.dim)
 
 
 def activation(experts: Any, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -184,13 +176,13 @@ def activation(experts: Any, hidden: torch.Tensor, probs: torch.Tensor) -> torch
     return (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
 
 
-def grouped_forward(experts: Any, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
-    """`SequentialMLP.forward` as two grouped GEMMs: (output, None)."""
+def grouped_forward(experts: Any, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                    parts: list) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """`SequentialMLP.forward` as two grouped GEMMs, given the experts' `grouped_parts`: (output, None)."""
     if experts.config.moe_apply_probs_on_input:  # as upstream: top-1 only, weights on the input, then ones
         tokens = (probs.unsqueeze(-1) * tokens).to(tokens.dtype)
         probs = torch.ones_like(probs)
     ends = torch.cumsum(tokens_per_expert.to(device=tokens.device, non_blocking=True), 0, dtype=torch.int32)
-    parts = [expert_linears(expert) for expert in experts.local_experts]
     outputs = tokens
     for k in (0, 1):  # linear_fc1, then the activation, then linear_fc2
         inputs = outputs if k == 0 else activation(experts, outputs, probs)
@@ -205,8 +197,9 @@ def grouped_experts(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        if not groupable(self, permuted_local_hidden_states):
+        parts = grouped_parts(self, permuted_local_hidden_states)
+        if parts is None:
             return original(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-        return grouped_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        return grouped_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, parts)
 
     return forward
