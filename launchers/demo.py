@@ -121,7 +121,7 @@ def _stages(out: Path, device: list[str], steps: int, recipes: DemoRecipes) -> l
         ),
         Stage(
             name=f"plan ({recipes.plan_size} SFT, {recipes.plan_gpus} x H100)",
-            args=["plan", recipes.planned, "--gpus", str(recipes.plan_gpus), "--gpu", "h100"],
+            args=["plan", recipes.planned, "--gpus", str(recipes.plan_gpus), "--gpu", "h100", "--json"],
         ),
         Stage(
             name="train (SFT, tiny)",
@@ -212,6 +212,8 @@ def run_demo(args: argparse.Namespace) -> int:
         results[stage.name] = {"seconds": round(stage.seconds, 1), "artifact": str(stage.artifact or "")}
         if stage.name.startswith("verify"):
             results[stage.name]["report"] = json.loads(Path(stage.args[stage.args.index("--report") + 1]).read_text())
+        elif stage.args[0] == "plan":
+            results[stage.name]["plan"] = plan_summary(json.loads(stage.output))
     if args.stage == "dpo":
         results["dpo"] = read_records(out / "dpo")
         results["pairs"] = json.loads((out / "pairs-data" / "report.json").read_text())
@@ -219,6 +221,14 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results, indent=2, default=str))
     return 0 if all(r["report"]["ok"] for k, r in results.items() if k.startswith("verify")) else 1
+
+
+def plan_summary(plan: dict) -> dict:
+    """What the demo keeps of `qvl plan --json`: whether it fits, the fullest stage's GiB per GPU, the layout and the
+    MFU estimate."""
+    worst = max(plan["stages"], key=lambda stage: stage["total_gib"])
+    return {"fits": plan["fits"], "gib_per_gpu": worst["total_gib"], "mfu_estimate": plan["mfu"],
+            "layout": plan["layout"], "problems": plan["problems"]}  # fmt: skip
 
 
 def read_records(run: Path) -> list[dict]:
@@ -261,6 +271,10 @@ def summary_table(results: dict, out: Path, data: dict, losses: dict[int, float]
             detail = f"max diff {r['max_abs_diff']:.1g}, {r['tensors_compared']} tensors " + (
                 "ok" if r["ok"] else "DIFFER"
             )
+        elif "plan" in result:
+            plan = result["plan"]
+            detail = (f"{'fits' if plan['fits'] else 'DOES NOT FIT'}, {plan['gib_per_gpu']:.1f} GiB/GPU, "
+                      f"MFU est. {plan['mfu_estimate']:.0%}")  # fmt: skip
         elif name.startswith("train (DPO") and results.get("dpo"):
             first, last = results["dpo"][0], results["dpo"][-1]
             detail = (f"loss {first['loss']:.3f} -> {last['loss']:.3f}, reward accuracy "

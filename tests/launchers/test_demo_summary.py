@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 from rich.table import Table
 
 from qvl.launchers.demo import summary_table
+
+PLAN = {"fits": True, "gib_per_gpu": 61.17, "mfu_estimate": 0.4804, "layout": {}, "problems": []}
 
 
 def test_the_summary_fits_80_columns_one_line_per_stage(tmp_path):
@@ -18,7 +21,7 @@ def test_the_summary_fits_80_columns_one_line_per_stage(tmp_path):
         "prepare data": {"seconds": 12.3, "artifact": str(out / "data")},
         "convert HF -> Megatron": {"seconds": 20, "artifact": str(out / "megatron")},
         "verify conversion": {"seconds": 30, "artifact": "", "report": verify},
-        "plan (7B SFT, 8 x H100)": {"seconds": 9, "artifact": ""},
+        "plan (7B SFT, 8 x H100)": {"seconds": 9, "artifact": "", "plan": PLAN},
         "train (SFT, tiny)": {"seconds": 160, "artifact": str(out / "train")},
         "export SFT -> HF": {"seconds": 20, "artifact": str(out / "export")},
         "verify SFT export": {"seconds": 25, "artifact": "", "report": verify},
@@ -31,6 +34,7 @@ def test_the_summary_fits_80_columns_one_line_per_stage(tmp_path):
         (row,) = [line for line in lines if line.strip().startswith(stage)]  # the whole name on one line
         assert row
     assert any("loss 6.349 -> 4.905, 2 steps" in line and "train/" in line for line in lines)
+    assert any(line.strip().startswith("plan") and "fits, 61.2 GiB/GPU, MFU est. 48%" in line for line in lines)
     assert sum("max diff 1e-07, 105 tensors ok" in line for line in lines) == 2  # each verification on its line
     assert not any(str(Path(out)) in line for line in lines[1:])  # artifacts relative to the output folder
 
@@ -63,3 +67,18 @@ def test_the_dpo_stages_are_commands_qvl_parses_and_train_from_the_sft_run(tmp_p
     assert reference[:2] == ["reference", "qwen3_vl_2b_dpo"] and train[:2] == ["train", "qwen3_vl_2b_dpo"]
     assert f"pretrained_checkpoint={out / 'train' / 'checkpoints'}" in reference and set(reference[2:6]) <= set(train)
     assert (out / "pairs" / "pairs-trl.jsonl").is_file()  # the sample pairs the prepare stage reads
+
+
+def test_the_plan_stage_keeps_what_qvl_plan_json_says():
+    """The demo's plan row comes from `qvl plan --json` (the same dict: `plan_dict`): the fullest stage's GiB per GPU,
+    whether it fits, the MFU estimate."""
+    from qvl.launchers.commands.recipes import plan_dict
+    from qvl.launchers.demo import demo_recipes, plan_summary
+    from qvl.recipes.planner import plan_recipe
+
+    recipes = demo_recipes("qwen2_5_vl")
+    plan = plan_recipe(recipes.planned, {}, gpus=recipes.plan_gpus, gpu="h100")
+    summary = plan_summary(plan_dict(recipes.planned, plan))
+    assert summary["fits"] is plan.fits is True and summary["problems"] == []
+    assert summary["gib_per_gpu"] == pytest.approx(max(s.total for s in plan.stages) / 2**30, abs=1e-3)
+    assert summary["mfu_estimate"] == plan.mfu and summary["layout"] == plan.layout
