@@ -111,7 +111,7 @@ def _stages(out: Path, device: list[str], steps: int, recipes: DemoRecipes) -> l
             artifact=data,
         ),
         Stage(
-            name="convert HF -> Megatron",
+            name="import HF -> Megatron",
             args=["convert", "import", str(hf), str(mega), "--dtype", "fp32", *device],
             artifact=mega,
         ),
@@ -120,11 +120,11 @@ def _stages(out: Path, device: list[str], steps: int, recipes: DemoRecipes) -> l
             args=["convert", "verify", str(hf), str(mega), "--report", str(out / "verify-conversion.json"), *device],
         ),
         Stage(
-            name=f"plan ({recipes.plan_size} SFT, {recipes.plan_gpus} x H100)",
+            name=f"plan ({recipes.plan_size}, {recipes.plan_gpus} x H100)",
             args=["plan", recipes.planned, "--gpus", str(recipes.plan_gpus), "--gpu", "h100", "--json"],
         ),
         Stage(
-            name="train (SFT, tiny)",
+            name=f"train (SFT, {steps} steps)",
             args=["train", *train, "--model", "tiny", "--run-dir", str(run), *device],
             artifact=run,
         ),
@@ -153,7 +153,7 @@ def dpo_recipe(family: str) -> str:
 def preference_stages(out: Path, device: list[str], steps: int, recipes: DemoRecipes) -> list[Stage]:
     """The DPO stages, from the SFT run in `out/train` (written by the SFT stages before them)."""
     jsonl, media = write_preference_samples(out / "pairs", format="trl", count=PAIRS)
-    hf, data, sft, run, export = out / "hf", out / "pairs-data", out / "train", out / "dpo", out / "dpo-export"
+    hf, data, sft, run, export = out / "hf", out / "dpo-data", out / "train", out / "dpo", out / "dpo-export"
     recipe = [
         dpo_recipe(recipes.family),
         f"data={data}",
@@ -173,12 +173,12 @@ def preference_stages(out: Path, device: list[str], steps: int, recipes: DemoRec
             artifact=data,
         ),
         Stage(
-            name="reference (the SFT model)",
+            name="reference log-probs",
             args=["reference", *recipe, "--model", "tiny", *device],
             artifact=data / "reference",
         ),
         Stage(
-            name="train (DPO, tiny)",
+            name=f"train (DPO, {steps} steps)",
             args=["train", *recipe, *training, "--model", "tiny", "--run-dir", str(run), *device],
             artifact=run,
         ),
@@ -216,7 +216,7 @@ def run_demo(args: argparse.Namespace) -> int:
             results[stage.name]["plan"] = plan_summary(json.loads(stage.output))
     if args.stage == "dpo":
         results["dpo"] = read_records(out / "dpo")
-        results["pairs"] = json.loads((out / "pairs-data" / "report.json").read_text())
+        results["pairs"] = json.loads((out / "dpo-data" / "report.json").read_text())
     _summarise(results, out, console, Table)
     if args.json:
         print(json.dumps(results, indent=2, default=str))
@@ -257,10 +257,12 @@ def summary_table(results: dict, out: Path, data: dict, losses: dict[int, float]
     """The stages as a table that reads at 80 columns: artifacts relative to the output folder, short results."""
     from rich import box
 
-    table = table_cls(title=f"qvl demo ({out})", box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left")
+    table = table_cls(
+        title=f"qvl demo ({out})", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, title_justify="left"
+    )
     table.add_column("stage", no_wrap=True)
     table.add_column("s", justify="right", no_wrap=True)
-    table.add_column("result")
+    table.add_column("result", min_width=27)  # the longest result: a DPO run's losses and reward accuracy
     table.add_column("output", no_wrap=True)
     for name, result in results.items():
         if not isinstance(result, dict) or "seconds" not in result:
@@ -268,24 +270,21 @@ def summary_table(results: dict, out: Path, data: dict, losses: dict[int, float]
         detail = ""
         if "report" in result:
             r = result["report"]
-            detail = f"max diff {r['max_abs_diff']:.1g}, {r['tensors_compared']} tensors " + (
-                "ok" if r["ok"] else "DIFFER"
-            )
+            detail = f"{'ok' if r['ok'] else 'DIFFER'}, max diff {r['max_abs_diff']:.1g}"
         elif "plan" in result:
             plan = result["plan"]
-            detail = (f"{'fits' if plan['fits'] else 'DOES NOT FIT'}, {plan['gib_per_gpu']:.1f} GiB/GPU, "
-                      f"MFU est. {plan['mfu_estimate']:.0%}")  # fmt: skip
+            fits = "" if plan["fits"] else "no fit: "
+            detail = f"{fits}{plan['gib_per_gpu']:.1f} GiB/GPU, MFU ~{plan['mfu_estimate']:.0%}"
         elif name.startswith("train (DPO") and results.get("dpo"):
             first, last = results["dpo"][0], results["dpo"][-1]
-            detail = (f"loss {first['loss']:.3f} -> {last['loss']:.3f}, reward accuracy "
-                      f"{first['reward_accuracy']:.2f} -> {last['reward_accuracy']:.2f}")  # fmt: skip
+            detail = f"loss {first['loss']:.2f} -> {last['loss']:.2f}, acc {last['reward_accuracy']:.2f}"
         elif name.startswith("train") and losses:
-            detail = f"loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f}, {len(losses)} steps"
+            detail = f"loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f}"
         elif name.startswith("prepare pairs") and results.get("pairs"):
             pairs = results["pairs"]
-            detail = f"{pairs['accepted']} pairs, {pairs['quarantined']} quarantined"
+            detail = f"{pairs['accepted']} kept, {pairs['quarantined']} quarantined"
         elif name.startswith("prepare"):
-            detail = f"{data.get('accepted')} accepted, {data.get('quarantined')} quarantined"
+            detail = f"{data.get('accepted')} kept, {data.get('quarantined')} quarantined"
         artifact = Path(result["artifact"]) if result["artifact"] else None
         shown = f"{artifact.relative_to(out)}/" if artifact and artifact.is_relative_to(out) else str(artifact or "")
         table.add_row(name, f"{result['seconds']:.0f}", detail, shown)

@@ -13,30 +13,48 @@ from qvl.launchers.demo import summary_table
 PLAN = {"fits": True, "gib_per_gpu": 61.17, "mfu_estimate": 0.4804, "layout": {}, "problems": []}
 
 
-def test_the_summary_fits_80_columns_one_line_per_stage(tmp_path):
+@pytest.mark.parametrize("dpo", [False, True], ids=["sft", "dpo"])
+def test_the_summary_fits_80_columns_one_line_per_stage(tmp_path, dpo):
     out = tmp_path / "a-fairly-long-output-folder-name" / ".demo"
     verify = {"max_abs_diff": 1.5e-07, "tensors_compared": 105, "ok": True}
     results = {
         "output": str(out),
         "prepare data": {"seconds": 12.3, "artifact": str(out / "data")},
-        "convert HF -> Megatron": {"seconds": 20, "artifact": str(out / "megatron")},
+        "import HF -> Megatron": {"seconds": 20, "artifact": str(out / "megatron")},
         "verify conversion": {"seconds": 30, "artifact": "", "report": verify},
-        "plan (7B SFT, 8 x H100)": {"seconds": 9, "artifact": "", "plan": PLAN},
-        "train (SFT, tiny)": {"seconds": 160, "artifact": str(out / "train")},
+        "plan (7B, 8 x H100)": {"seconds": 9, "artifact": "", "plan": PLAN},
+        "train (SFT, 20 steps)": {"seconds": 160, "artifact": str(out / "train")},
         "export SFT -> HF": {"seconds": 20, "artifact": str(out / "export")},
         "verify SFT export": {"seconds": 25, "artifact": "", "report": verify},
     }
+    if dpo:  # the longest artifact path: the reference table inside the pairs' dataset
+        results |= {
+            "prepare pairs": {"seconds": 11, "artifact": str(out / "dpo-data")},
+            "reference log-probs": {"seconds": 15, "artifact": str(out / "dpo-data" / "reference")},
+            "train (DPO, 20 steps)": {"seconds": 136, "artifact": str(out / "dpo")},
+            "export DPO -> HF": {"seconds": 16, "artifact": str(out / "dpo-export")},
+            "verify DPO export": {"seconds": 19, "artifact": "", "report": verify},
+            "dpo": [{"loss": 0.6931, "reward_accuracy": 0.0}, {"loss": 0.2104, "reward_accuracy": 1.0}],
+            "pairs": {"accepted": 24, "quarantined": 5},
+        }
     console = Console(width=80, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
     console.print(summary_table(results, out, {"accepted": 48, "quarantined": 3}, {1: 6.349, 20: 4.905}, Table))
     lines = console.export_text().splitlines()
     assert max(len(line.rstrip()) for line in lines) <= 80
-    for stage in (k for k in results if k != "output"):
-        (row,) = [line for line in lines if line.strip().startswith(stage)]  # the whole name on one line
-        assert row
-    assert any("loss 6.349 -> 4.905, 2 steps" in line and "train/" in line for line in lines)
-    assert any(line.strip().startswith("plan") and "fits, 61.2 GiB/GPU, MFU est. 48%" in line for line in lines)
-    assert sum("max diff 1e-07, 105 tensors ok" in line for line in lines) == 2  # each verification on its line
+    stages = [k for k, v in results.items() if isinstance(v, dict) and "seconds" in v]
+    rule = next(i for i, line in enumerate(lines) if line.strip().startswith("───"))
+    rows = [line for line in lines[rule + 1 :] if line.strip()]
+    assert len(rows) == len(stages)  # no result folded onto a second line
+    for stage, row in zip(stages, rows, strict=True):
+        assert row.strip().startswith(stage), (stage, row)  # the whole name on its own row
+    assert any("loss 6.349 -> 4.905" in line and "train/" in line for line in lines)
+    assert any(line.strip().startswith("plan") and "61.2 GiB/GPU, MFU ~48%" in line for line in lines)
+    assert sum("ok, max diff 1e-07" in line for line in lines) == (3 if dpo else 2)  # each verification on its line
     assert not any(str(Path(out)) in line for line in lines[1:])  # artifacts relative to the output folder
+    if dpo:
+        assert any("loss 0.69 -> 0.21, acc 1.00" in line and "dpo/" in line for line in lines)
+        assert any("24 kept, 5 quarantined" in line for line in lines)
+        assert any("dpo-data/reference/" in line for line in lines)
 
 
 def test_every_family_has_a_demo_its_tiny_sft_and_a_planned_size():
@@ -60,7 +78,7 @@ def test_the_dpo_stages_are_commands_qvl_parses_and_train_from_the_sft_run(tmp_p
 
     out = tmp_path / ".demo"
     stages = preference_stages(out, ["--device", "cpu"], 4, demo_recipes("qwen3_vl"))
-    assert [s.name for s in stages][:3] == ["prepare pairs", "reference (the SFT model)", "train (DPO, tiny)"]
+    assert [s.name for s in stages][:3] == ["prepare pairs", "reference log-probs", "train (DPO, 4 steps)"]
     for stage in stages:
         build_parser().parse_args(stage.args)
     reference, train = stages[1].args, stages[2].args
