@@ -200,13 +200,32 @@ def _import_megatron_bridge() -> types.ModuleType:
 IMPORT_GROUP = "speed-import"  # the patch group applied while Megatron-Bridge imports
 
 
-def deferred_compile(compile_now: Callable[..., Any]) -> Callable[..., Any]:
+def import_megatron_core() -> types.ModuleType:
+    """Import `megatron.core` alone, as `import_megatron_bridge()` begins: under `speed-import`. Megatron-Core
+    decorates its fused functions at import (`@jit_fuser`), so its first import decides what they are for the life of
+    the process; code that needs Megatron-Core before the bridge (the CPU runtime) imports it here."""
+    if "megatron.core" in sys.modules:
+        return sys.modules["megatron.core"]
+    return in_a_thread_of_its_own(_import_megatron_core)
+
+
+def _import_megatron_core() -> types.ModuleType:
+    with gc_paused(), patches.applied(IMPORT_GROUP):
+        return importlib.import_module("megatron.core")
+
+
+def deferred_compile(
+    compile_now: Callable[..., Any], *, fusions_usable: Callable[[], bool] = jit_fusions_usable
+) -> Callable[..., Any]:
     """`torch.compile` for the functions Megatron-Core decorates at import (`@jit_fuser`, `@torch.compile`): the
-    decorated function is made with `compile_now` at its first call instead.
+    decorated function is made with `compile_now` at its first call instead, and only where the fusions can run
+    (`fusions_usable()`: CUDA and Triton); elsewhere it stays the eager function.
 
     torch.compile does no compiling before a first call anyway, but building its wrapper imports TorchInductor's
     compile_fx (~2 CPU s per process), which a process that never calls a fused function (a launcher, a converter, a
-    CPU rank with the fusions off) then never needs. Modules and other objects are compiled as before."""
+    CPU rank with the fusions off) then never needs. On the CPU a first call would build the function as C++ with the
+    system compiler in every new process (Qwen3.5's attention output gate, ~4 CPU s a process), for element-wise
+    helpers that eager runs as fast. Modules and other objects are compiled as before."""
 
     def compile_at_first_call(model: Any = None, **options: Any) -> Any:
         if model is None:  # `@torch.compile(...)` with options: the decorator
@@ -223,7 +242,7 @@ def deferred_compile(compile_now: Callable[..., Any]) -> Callable[..., Any]:
             if torch.compiler.is_compiling():  # inside a compiled region: traced inline, as a nested compile is
                 return model(*args, **kwargs)
             if compiled is None:
-                compiled = compile_now(model, **options)
+                compiled = compile_now(model, **options) if fusions_usable() else model
             return compiled(*args, **kwargs)
 
         # As on what torch.compile returns: code that unwraps a compiled function (qvl.kernels.torch_gated_delta keeps

@@ -42,10 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import logging
 import types
 from collections.abc import Callable, Iterator
@@ -57,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 
 from qvl.foundation import patches
 from qvl.foundation.errors import UnsupportedOnCPU
-from qvl.foundation.megatron import NO_TE_SETTINGS, import_megatron_bridge
+from qvl.foundation.megatron import NO_TE_SETTINGS, import_megatron_bridge, import_megatron_core
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +257,7 @@ def activate(*, force: bool = False) -> bool:
     if torch.cuda.is_available() and not force:
         logger.info("CUDA is available: the CPU runtime stays off")
         return False
-    importlib.import_module("megatron.core")
+    import_megatron_core()  # the cpu-runtime patches replace some of its functions
     patches.apply("cpu-runtime")
     logging.getLogger(_RNG_LOGGER).addFilter(_RNG_WARNING_FILTER)
     _STATE.mode = _CudaToCpuMode()

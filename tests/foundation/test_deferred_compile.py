@@ -1,10 +1,17 @@
-"""speed-import: torch.compile, while Megatron-Bridge imports, makes each decorated function at its first call."""
+"""speed-import: torch.compile, while Megatron-Bridge imports, makes each decorated function at its first call, and
+only where the fusions can run (CUDA and Triton); elsewhere the function stays eager."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
 from qvl.foundation.megatron import deferred_compile
+
+ROOT = Path(__file__).parents[2]
 
 
 def _spy() -> tuple[list, object]:
@@ -19,7 +26,7 @@ def _spy() -> tuple[list, object]:
 
 def test_a_decorated_function_is_compiled_at_its_first_call_once_with_its_options():
     calls, compile_now = _spy()
-    compile = deferred_compile(compile_now)
+    compile = deferred_compile(compile_now, fusions_usable=lambda: True)
 
     @compile
     def plain(x):
@@ -38,6 +45,32 @@ def test_a_decorated_function_is_compiled_at_its_first_call_once_with_its_option
     assert calls == [("plain", {}), ("with_options", {"dynamic": False, "mode": "max-autotune-no-cudagraphs"})]
 
 
+def test_where_the_fusions_cannot_run_a_decorated_function_stays_eager():
+    calls, compile_now = _spy()
+
+    @deferred_compile(compile_now, fusions_usable=lambda: False)
+    def plain(x):
+        return x + 1
+
+    assert plain(1) == 2 and plain(2) == 3 and calls == []
+
+
+def test_megatron_cores_fused_functions_run_eagerly_on_the_cpu():
+    """Qwen3.5's attention output gate (`@jit_fuser`) compiled as C++ at its first call in every CPU process."""
+    from qvl.foundation.megatron import import_megatron_bridge, jit_fusions_usable
+
+    import_megatron_bridge()
+    from megatron.core.transformer.attention import Attention
+    from torch._dynamo.utils import counters
+
+    if jit_fusions_usable():
+        return  # a GPU machine compiles them, as upstream does
+    x, gate = torch.randn(4, 1, 6), torch.randn(4, 1, 6)
+    frames = counters["frames"]["total"]
+    out = Attention._apply_output_gate(None, x, gate)
+    assert torch.equal(out, x * torch.sigmoid(gate)) and counters["frames"]["total"] == frames
+
+
 def test_a_module_is_compiled_at_once_as_before():
     calls, compile_now = _spy()
     linear = torch.nn.Linear(2, 2)
@@ -52,7 +85,7 @@ def test_inside_a_compiled_region_the_function_is_traced_inline_and_not_compiled
         calls.append(model.__name__)
         return torch.compile(model, backend="eager", **options)
 
-    @deferred_compile(compile_now)
+    @deferred_compile(compile_now, fusions_usable=lambda: True)
     def gelu_bias(x, bias):
         return torch.nn.functional.gelu(x + bias)
 
@@ -78,3 +111,19 @@ def test_megatron_cores_fused_gated_delta_helpers_still_unwrap_to_eager_function
         method = getattr(_UPSTREAM, name)
         assert hasattr(method, "_torchdynamo_orig_callable"), f"{name} is no longer under jit_fuser"
         assert not hasattr(_eager(method), "_torchdynamo_orig_callable"), name
+
+
+def test_the_cpu_runtime_switched_on_first_imports_megatron_core_with_its_fused_functions_deferred():
+    """`qvl convert import --device cpu` switches the CPU runtime on before anything imports Megatron-Bridge; that
+    first import of Megatron-Core decorated its fused functions with the real torch.compile, so every CPU process
+    compiled Qwen3.5's attention output gate as C++ (~30 s with an empty TorchInductor cache, ~3 s with a warm one)."""
+    code = (
+        "import sys, torch\n"
+        "from qvl.foundation import runtime\n"
+        "runtime.activate(force=True)\n"
+        "jit = sys.modules['megatron.core.jit']\n"
+        "print(jit.jit_fuser is torch.compile, torch.compile.__module__, 'megatron.bridge' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "torch", "False"], done.stdout + done.stderr[-2000:]
