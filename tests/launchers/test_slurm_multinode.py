@@ -1,11 +1,11 @@
 """qvl across two Slurm nodes (the `two_node_cluster` fixture: node1 and node2 in network namespaces of their own).
 
-Three tiny fine-tunes are submitted together and Slurm runs them as the two nodes' CPUs allow: `qvl launch` and
-`nemo qvl` with one process per node (srun starts each rank; qvl's rendezvous rule), and `qvl launch` with two per
-node (torchrun with c10d on each node; `nemo qvl` submits the same executor). Then the first, stopped after step 2,
-is requeued and must reproduce the uninterrupted run's losses; a rank that fails on node2 must fail the job within a
-bounded time, naming node2; and `launchers/ray_prepare.sbatch` (the documented recipe) must prepare byte-identical
-shards with Ray on both nodes.
+Two tiny fine-tunes are submitted together and Slurm runs them as the two nodes' CPUs allow: `qvl launch` with one
+process per node (srun starts each rank; qvl's rendezvous rule) and `nemo qvl` with two per node (torchrun with c10d
+on each node; `qvl launch` submits the same executor). Then the first, stopped after step 2, is requeued and must
+reproduce the losses of the same run uninterrupted on two local ranks; a rank that fails on node2 must fail the job
+within a bounded time, naming node2; and `launchers/ray_prepare.sbatch` (the documented recipe) must prepare
+byte-identical shards with Ray on both nodes.
 Selected with `-m multinode` (left out with `-m "not multinode"`).
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from qvl.training.loop import read_losses
+from tests.run_qvl import qvl_on_two_ranks
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.slow]
 
@@ -53,12 +54,12 @@ def _env(cluster, **extra: str) -> dict[str, str]:
     return env
 
 
-def _launch(inputs, name: str, *, steps: int, per_node: int, stop: int | None = None, run_dir: bool = True) -> list:
+def _launch(inputs, name: str, *, steps: int, per_node: int, stop: int | None = None) -> list:
     start = [f"data={inputs['data']}", f"hf_path={inputs['hf']}", f"pretrained_checkpoint={inputs['mcore']}"]
     argv = [QVL, "launch", RECIPE, *start, f"train_iters={steps}", *(f"{k}={v}" for k, v in TRAIN.items())]
     argv += [f"train.exit_interval={stop}"] if stop else []
     argv += [f"run.executor.processes_per_node={per_node}", "--model", "tiny", "--executor", "slurm"]
-    argv += ["--run-dir", str(inputs["root"] / name)] if run_dir else []
+    argv += ["--run-dir", str(inputs["root"] / name)]
     argv += ["--executor-config", str(inputs["site"]), "--experiments-dir", str(inputs["root"] / f"exp-{name}")]
     return [*argv, "--wait", "--json"]
 
@@ -73,13 +74,12 @@ def _nemo(inputs, *, steps: int, per_node: int) -> list:
 
 @pytest.fixture(scope="module")
 def jobs(two_node_cluster, inputs) -> dict[str, dict]:
-    """The three fine-tunes, submitted together; Slurm starts each when both nodes have its CPUs free."""
+    """The two fine-tunes, submitted together; Slurm starts each when both nodes have its CPUs free."""
     env = _env(two_node_cluster, QVL_TEST_PASSED="yes", QVL_TEST_SECRET="not-for-the-job")
     nemo_env = env | {"QVL_EXECUTOR_CONFIG": str(inputs["site"])}
     commands = {
         "launch-2x1": (_launch(inputs, "launch-2x1", steps=STEPS, per_node=1, stop=STOP), env),
-        "nemo-2x1": (_nemo(inputs, steps=STEPS, per_node=1), nemo_env | _home(inputs, "nemo-2x1")),
-        "launch-2x2": (_launch(inputs, "launch-2x2", steps=STEPS, per_node=2, run_dir=False), env),
+        "nemo-2x2": (_nemo(inputs, steps=STEPS, per_node=2), nemo_env | _home(inputs, "nemo-2x2")),
     }  # fmt: skip
     procs = {
         name: subprocess.Popen(argv, env=e, cwd=inputs["root"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -165,34 +165,29 @@ def test_the_job_environment_is_the_site_file_and_what_qvl_needs(jobs, two_node_
     assert not {n for n in names if not n.startswith("SLURM")} - {"PATH", "QVL_TEST_PASSED"}, names
 
 
-def test_nemo_qvl_one_process_per_node_trains_on_both_nodes(jobs, two_node_cluster, inputs):
-    nemo = jobs["nemo-2x1"]
+def test_nemo_qvl_with_two_processes_per_node_trains_four_ranks_and_writes_the_run_beside_the_job_code(
+    jobs, two_node_cluster, inputs
+):
+    """torchrun on each node (c10d on the rule's port); without output_dir the run goes to the job folder's run/."""
+    nemo = jobs["nemo-2x2"]
     assert nemo["code"] == 0, (nemo["out"] + nemo["err"])[-3000:]
-    job_id = _nemo_job_id(inputs, "nemo-2x1")
-    assert two_node_cluster.job_state(job_id) == "COMPLETED"
-    _assert_ran_on_both_nodes(two_node_cluster, job_id, tasks=2)
-    run_dir = _nemo_run_dir(inputs, "nemo-2x1")  # no output_dir: beside the job's code/, not in it
-    assert not list(run_dir.parent.glob("code/runs"))
-    assert sorted(read_losses(run_dir)) == list(range(1, STEPS + 1))
-    assert _shards(run_dir / "checkpoints" / f"iter_{STOP:07d}") == ["__0_0.distcp", "__1_0.distcp"]
-
-
-def test_two_processes_per_node_train_four_ranks_and_write_the_run_beside_the_job_code(jobs, two_node_cluster, inputs):
-    """torchrun on each node (c10d on the rule's port); without --run-dir the run goes to the job folder's run/."""
-    result = _launched(jobs, "launch-2x2")
-    (job_id,) = result["job_ids"]
+    job_id = _nemo_job_id(inputs, "nemo-2x2")
     assert two_node_cluster.job_state(job_id) == "COMPLETED"
     _assert_ran_on_both_nodes(two_node_cluster, job_id, tasks=2)  # one torchrun per node, two workers each
-    run_dir = Path(result["folder"]) / RECIPE / "run"
+    run_dir = _nemo_run_dir(inputs, "nemo-2x2")  # beside the job's code/, not in it
+    assert not list(run_dir.parent.glob("code/runs"))
     assert sorted(read_losses(run_dir)) == list(range(1, STEPS + 1))
     assert _shards(run_dir / "checkpoints" / f"iter_{STOP:07d}") == [f"__{r}_0.distcp" for r in range(4)]
-    assert not (Path(result["folder"]) / RECIPE / "code" / "runs").exists()
 
 
 def test_a_requeued_two_node_job_resumes_and_reproduces_the_losses(jobs, two_node_cluster, inputs):
     (job_id,) = _launched(jobs, "launch-2x1")["job_ids"]
-    run_dir, reference = inputs["root"] / "launch-2x1", _nemo_run_dir(inputs, "nemo-2x1")
+    run_dir, reference = inputs["root"] / "launch-2x1", inputs["root"] / "reference"
     two_node_cluster.requeue_now(job_id)
+    # Meanwhile the same run uninterrupted on two local ranks (DP=2, as on the two nodes): the losses to reproduce.
+    start = [f"data={inputs['data']}", f"hf_path={inputs['hf']}", f"pretrained_checkpoint={inputs['mcore']}"]
+    train = [f"{k}={v}" for k, v in (TRAIN | {"train_iters": STEPS}).items()]
+    qvl_on_two_ranks("train", RECIPE, *start, *train, "--model", "tiny", "--device", "cpu", "--run-dir", str(reference))
     deadline = time.monotonic() + 300
     while not (len(read_losses(run_dir)) == STEPS and two_node_cluster.job_state(job_id) == "COMPLETED"):
         assert time.monotonic() < deadline, (two_node_cluster.job_state(job_id), read_losses(run_dir))
