@@ -5,6 +5,7 @@ path, and the loader's inputs reaching the tower inside the model as its forward
 from __future__ import annotations
 
 import traceback
+from unittest import mock
 
 import pytest
 import torch
@@ -288,13 +289,19 @@ def test_a_tower_with_exact_gelu_is_left_as_built(tower, monkeypatch):
 def check_fused_bias_ops_against_fp64(device: str, rows: tuple[int, ...]) -> None:
     """Megatron-Core's compiled bias-GELU and bias-dropout-add (dropout 0) in bf16 on `device`, against the eager ops
     they replace in the Qwen3-VL vision tower: outputs and every gradient as close to fp64 as the eager ones. The fp64
-    reference is the eager ops (the fused GELU is the same tanh formula)."""
+    reference is the eager ops (the fused GELU is the same tanh formula). Each is compiled here as `jit_fuser`
+    compiles it where the fusions run: on the CPU qvl keeps them eager (qvl.foundation.megatron.deferred_compile)."""
     import torch.nn.functional as F
+    from megatron.core.fusions import fused_bias_gelu
     from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
-    from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 
     from tests.numerics import assert_as_close_as_eager
 
+    def compiled(fn):
+        return torch.compile(getattr(fn, "_torchdynamo_orig_callable", fn))
+
+    gelu_forward, gelu_backward = compiled(fused_bias_gelu.bias_gelu), compiled(fused_bias_gelu.bias_gelu_back)
+    bias_dropout_add = compiled(bias_dropout_add_fused_train)
     generator = torch.Generator().manual_seed(0)
     width, ffn = 1024, 4096  # Qwen3-VL's vision tower
     for n in rows:
@@ -305,14 +312,16 @@ def check_fused_bias_ops_against_fp64(device: str, rows: tuple[int, ...]) -> Non
 
         def gelu(dtype, fused):
             inputs = [t.to(device, dtype).requires_grad_() for t in (y, bias)]
-            out = bias_gelu_impl(*inputs) if fused else F.gelu(inputs[0] + inputs[1], approximate="tanh")
+            out = (
+                fused_bias_gelu.bias_gelu_impl(*inputs) if fused else F.gelu(inputs[0] + inputs[1], approximate="tanh")
+            )
             out.backward(grad_ffn.to(device, dtype))
             return [out, *(t.grad for t in inputs)]
 
         def bda(dtype, fused):
             inputs = [t.to(device, dtype).requires_grad_() for t in (x, small_bias, residual)]
             if fused:
-                out = bias_dropout_add_fused_train((inputs[0], inputs[1]), inputs[2], 0.0)
+                out = bias_dropout_add((inputs[0], inputs[1]), inputs[2], 0.0)
             else:
                 out = inputs[2] + (inputs[0] + inputs[1])
             out.backward(grad_width.to(device, dtype))
@@ -322,7 +331,9 @@ def check_fused_bias_ops_against_fp64(device: str, rows: tuple[int, ...]) -> Non
                                   ("bias-dropout-add", bda, ("output", "x gradient", "bias gradient",
                                                              "residual gradient"))):  # fmt: skip
             reference = path(torch.float64, False)
-            fused, eager = path(torch.bfloat16, True), path(torch.bfloat16, False)
+            with mock.patch.multiple(fused_bias_gelu, bias_gelu=gelu_forward, bias_gelu_back=gelu_backward):
+                fused = path(torch.bfloat16, True)
+            eager = path(torch.bfloat16, False)
             for what, got, plain, exact in zip(parts, fused, eager, reference, strict=True):
                 assert_as_close_as_eager(got, plain, exact, what=f"{name} {what}, {n} rows")
 
