@@ -214,18 +214,36 @@ def _import_megatron_core() -> types.ModuleType:
         return importlib.import_module("megatron.core")
 
 
+def fuses_here(args: tuple, kwargs: dict) -> bool:
+    """Whether a call of a Megatron-Core fused function runs fused: its first tensor argument (or first tensor in a
+    tuple argument, as bias-dropout-add takes) is on CUDA, where Triton is. No tensor: `jit_fusions_usable()`."""
+    import torch
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, tuple | list):
+            value = next((item for item in value if isinstance(item, torch.Tensor)), None)
+        if isinstance(value, torch.Tensor):
+            return value.is_cuda and _triton_installed()
+    return jit_fusions_usable()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def deferred_compile(
-    compile_now: Callable[..., Any], *, fusions_usable: Callable[[], bool] = jit_fusions_usable
+    compile_now: Callable[..., Any], *, fuses: Callable[[tuple, dict], bool] = fuses_here
 ) -> Callable[..., Any]:
     """`torch.compile` for the functions Megatron-Core decorates at import (`@jit_fuser`, `@torch.compile`): the
-    decorated function is made with `compile_now` at its first call instead, and only where the fusions can run
-    (`fusions_usable()`: CUDA and Triton); elsewhere it stays the eager function.
+    decorated function is made with `compile_now` at its first call that runs fused (`fuses(args, kwargs)`: its
+    tensors on CUDA, with Triton); a call on the CPU runs the eager function, as qvl's own compiled regions do.
 
     torch.compile does no compiling before a first call anyway, but building its wrapper imports TorchInductor's
     compile_fx (~2 CPU s per process), which a process that never calls a fused function (a launcher, a converter, a
-    CPU rank with the fusions off) then never needs. On the CPU a first call would build the function as C++ with the
-    system compiler in every new process (Qwen3.5's attention output gate, ~4 CPU s a process), for element-wise
-    helpers that eager runs as fast. Modules and other objects are compiled as before."""
+    CPU rank with the fusions off) then never needs. On the CPU a call would build the function as C++ with the system
+    compiler in every new process (Qwen3.5's attention output gate: ~3 CPU s, ~30 s with an empty TorchInductor cache),
+    for element-wise helpers that eager runs as fast. Modules and other objects are compiled as before."""
 
     def compile_at_first_call(model: Any = None, **options: Any) -> Any:
         if model is None:  # `@torch.compile(...)` with options: the decorator
@@ -239,10 +257,11 @@ def deferred_compile(
         @functools.wraps(model)
         def first_call_compiles(*args: Any, **kwargs: Any) -> Any:
             nonlocal compiled
-            if torch.compiler.is_compiling():  # inside a compiled region: traced inline, as a nested compile is
+            # inside a compiled region: traced inline, as a nested compile is; on the CPU: eager
+            if torch.compiler.is_compiling() or not fuses(args, kwargs):
                 return model(*args, **kwargs)
             if compiled is None:
-                compiled = compile_now(model, **options) if fusions_usable() else model
+                compiled = compile_now(model, **options)
             return compiled(*args, **kwargs)
 
         # As on what torch.compile returns: code that unwraps a compiled function (qvl.kernels.torch_gated_delta keeps

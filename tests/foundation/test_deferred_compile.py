@@ -1,5 +1,5 @@
-"""speed-import: torch.compile, while Megatron-Bridge imports, makes each decorated function at its first call, and
-only where the fusions can run (CUDA and Triton); elsewhere the function stays eager."""
+"""speed-import: torch.compile, while Megatron-Bridge imports, makes each decorated function at its first call that
+runs fused (its tensors on CUDA, with Triton); a call on the CPU runs the eager function."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _spy() -> tuple[list, object]:
 
 def test_a_decorated_function_is_compiled_at_its_first_call_once_with_its_options():
     calls, compile_now = _spy()
-    compile = deferred_compile(compile_now, fusions_usable=lambda: True)
+    compile = deferred_compile(compile_now, fuses=lambda args, kwargs: True)
 
     @compile
     def plain(x):
@@ -45,10 +45,20 @@ def test_a_decorated_function_is_compiled_at_its_first_call_once_with_its_option
     assert calls == [("plain", {}), ("with_options", {"dynamic": False, "mode": "max-autotune-no-cudagraphs"})]
 
 
+def test_which_calls_run_fused():
+    from qvl.foundation.megatron import fuses_here, jit_fusions_usable
+
+    x = torch.ones(2)
+    assert not fuses_here((object(), x), {}) and not fuses_here(((x, x), x, 0.0), {}) and not fuses_here((), {"x": x})
+    assert fuses_here((1, "a"), {}) == jit_fusions_usable()  # no tensor: whether this machine fuses at all
+    if torch.cuda.is_available():
+        assert fuses_here((object(), x.cuda()), {}) == jit_fusions_usable()
+
+
 def test_where_the_fusions_cannot_run_a_decorated_function_stays_eager():
     calls, compile_now = _spy()
 
-    @deferred_compile(compile_now, fusions_usable=lambda: False)
+    @deferred_compile(compile_now, fuses=lambda args, kwargs: False)
     def plain(x):
         return x + 1
 
@@ -57,14 +67,12 @@ def test_where_the_fusions_cannot_run_a_decorated_function_stays_eager():
 
 def test_megatron_cores_fused_functions_run_eagerly_on_the_cpu():
     """Qwen3.5's attention output gate (`@jit_fuser`) compiled as C++ at its first call in every CPU process."""
-    from qvl.foundation.megatron import import_megatron_bridge, jit_fusions_usable
+    from qvl.foundation.megatron import import_megatron_bridge
 
     import_megatron_bridge()
     from megatron.core.transformer.attention import Attention
     from torch._dynamo.utils import counters
 
-    if jit_fusions_usable():
-        return  # a GPU machine compiles them, as upstream does
     x, gate = torch.randn(4, 1, 6), torch.randn(4, 1, 6)
     frames = counters["frames"]["total"]
     out = Attention._apply_output_gate(None, x, gate)
@@ -85,7 +93,7 @@ def test_inside_a_compiled_region_the_function_is_traced_inline_and_not_compiled
         calls.append(model.__name__)
         return torch.compile(model, backend="eager", **options)
 
-    @deferred_compile(compile_now, fusions_usable=lambda: True)
+    @deferred_compile(compile_now, fuses=lambda args, kwargs: True)
     def gelu_bias(x, bias):
         return torch.nn.functional.gelu(x + bias)
 
