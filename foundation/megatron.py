@@ -237,7 +237,8 @@ def deferred_compile(
 ) -> Callable[..., Any]:
     """`torch.compile` for the functions Megatron-Core decorates at import (`@jit_fuser`, `@torch.compile`): the
     decorated function is made with `compile_now` at its first call that runs fused (`fuses(args, kwargs)`: its
-    tensors on CUDA, with Triton); a call on the CPU runs the eager function, as qvl's own compiled regions do.
+    tensors on CUDA, with Triton), which later calls then take; a call on the CPU before that runs the eager function,
+    as qvl's own compiled regions do.
 
     torch.compile does no compiling before a first call anyway, but building its wrapper imports TorchInductor's
     compile_fx (~2 CPU s per process), which a process that never calls a fused function (a launcher, a converter, a
@@ -257,10 +258,11 @@ def deferred_compile(
         @functools.wraps(model)
         def first_call_compiles(*args: Any, **kwargs: Any) -> Any:
             nonlocal compiled
-            # inside a compiled region: traced inline, as a nested compile is; on the CPU: eager
-            if torch.compiler.is_compiling() or not fuses(args, kwargs):
+            if torch.compiler.is_compiling():  # inside a compiled region: traced inline, as a nested compile is
                 return model(*args, **kwargs)
-            if compiled is None:
+            if compiled is None:  # once a call has run fused, later ones are not asked (no check on a GPU's step)
+                if not fuses(args, kwargs):
+                    return model(*args, **kwargs)
                 compiled = compile_now(model, **options)
             return compiled(*args, **kwargs)
 

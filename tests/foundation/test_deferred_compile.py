@@ -55,6 +55,18 @@ def test_which_calls_run_fused():
         assert fuses_here((object(), x.cuda()), {}) == jit_fusions_usable()
 
 
+def test_calls_after_the_first_fused_one_are_not_asked():
+    calls, compile_now = _spy()
+    asked = []
+
+    @deferred_compile(compile_now, fuses=lambda args, kwargs: asked.append(args) or args[0] > 0)
+    def plain(x):
+        return x + 1
+
+    assert plain(-1) == 0 and plain(1) == ("compiled", 2) and plain(-5) == ("compiled", -4)
+    assert asked == [(-1,), (1,)] and calls == [("plain", {})]
+
+
 def test_where_the_fusions_cannot_run_a_decorated_function_stays_eager():
     calls, compile_now = _spy()
 
