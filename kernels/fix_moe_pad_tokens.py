@@ -31,6 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from qvl.foundation.megatron import import_megatron_core
+
+import_megatron_core()  # Megatron-Core's fused functions are decorated at its first import: under speed-import
+
 from megatron.core.packed_seq_params import PackedSeqParams
 
 GROUP = "fix-moe-pad-tokens"

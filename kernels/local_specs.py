@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from qvl.foundation.megatron import import_megatron_core
+
+import_megatron_core()  # Megatron-Core's fused functions are decorated at its first import: under speed-import
+
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 

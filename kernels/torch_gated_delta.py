@@ -24,6 +24,11 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from qvl.foundation.megatron import import_megatron_core
+
+import_megatron_core()  # Megatron-Core's fused functions are decorated at its first import: under speed-import
+
 from megatron.core.ssm.gated_delta_net import common as upstream_common
 from megatron.core.ssm.gated_delta_net import gdn as upstream_gdn
 

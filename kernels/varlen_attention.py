@@ -29,6 +29,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from qvl.foundation.megatron import import_megatron_core
+
+import_megatron_core()  # Megatron-Core's fused functions are decorated at its first import: under speed-import
+
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention

@@ -3,6 +3,7 @@ runs fused (its tensors on CUDA, with Triton); a call on the CPU runs the eager 
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +148,36 @@ def test_the_cpu_runtime_switched_on_first_imports_megatron_core_with_its_fused_
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["False", "torch", "False"], done.stdout + done.stderr[-2000:]
+
+
+def _imports_megatron(node: ast.stmt) -> bool:
+    if not isinstance(node, ast.Import | ast.ImportFrom):
+        return False
+    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    return any(n.startswith(("megatron.core", "megatron.bridge")) or n == "megatron" for n in names)
+
+
+def _calls_qvls_import(node: ast.stmt) -> bool:
+    call = node.value if isinstance(node, ast.Expr) else None
+    return isinstance(call, ast.Call) and getattr(call.func, "id", "") in (
+        "import_megatron_core",
+        "import_megatron_bridge",
+    )
+
+
+def test_every_module_imports_megatron_only_after_qvls_import_of_it():
+    """Megatron-Core's first import decides its fused functions for the life of the process: a qvl module imported
+    before any other that imported `megatron.core` at its top made them with the real torch.compile (found:
+    qvl.kernels.fix_moe_pad_tokens). Each module that imports Megatron at its top calls qvl's import first."""
+    from qvl.foundation import FOLDERS
+
+    offenders = []
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            guarded = False
+            for node in ast.parse(path.read_text()).body:
+                guarded = guarded or _calls_qvls_import(node)
+                if _imports_megatron(node) and not guarded:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+                    break
+    assert not offenders, f"import Megatron at the top before import_megatron_core() / _bridge(): {offenders}"
