@@ -133,13 +133,18 @@ NO_TE_SETTINGS: dict[str, Any] = {
 }
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def jit_fusions_usable() -> bool:
     """Whether Megatron-Core's `jit_fuser` fusions (SwiGLU's bias-activation, bias-dropout-add) can run here: they
     are `torch.compile` regions (megatron/core/jit.py) that need CUDA and Triton, not TE or Apex. On the CPU
     TorchInductor would build them as C++ with the system compiler in every new process."""
     import torch
 
-    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+    return torch.cuda.is_available() and _triton_installed()
 
 
 def no_te_settings() -> dict[str, Any]:
@@ -225,11 +230,6 @@ def fuses_here(args: tuple, kwargs: dict) -> bool:
         if isinstance(value, torch.Tensor):
             return value.is_cuda and _triton_installed()
     return jit_fusions_usable()
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def deferred_compile(

@@ -365,8 +365,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(group="speed-import", target="torch:compile", replacement="qvl.foundation.megatron:deferred_compile",
           version=TORCH, params=("model",), why="Megatron-Core's ~20 `@jit_fuser`/`@torch.compile` functions are "
           "made at their first call: making them at import loads TorchInductor's compile_fx (~2 CPU s a process); "
-          "a call on the CPU runs eagerly: compiled for the CPU, Qwen3.5's attention output gate was built as C++ "
-          "in every process (~3 s, ~30 s with an empty Inductor cache)"),
+          "a CPU call runs eagerly (compiled, it built C++ in every process: ~3 s, ~30 s with a cold cache)"),
     # --- fix-kubeflow-v2.2: while qvl.launchers renders or submits a TrainJob
     Patch(group="fix-kubeflow-v2.2", target="nemo_run.core.execution.kubeflow:KubeflowExecutor.get_job_body",
           replacement="qvl.kernels.fix_kubeflow_v2_2:runtime_patches_job_body", version=NEMO_RUN,
