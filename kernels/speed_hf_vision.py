@@ -21,22 +21,27 @@ the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `sp
   `unbind`'s backward (a full read and write of that output); bitwise transformers'.
 - `lean_block`: the block's first residual add and its second norm one compiled region (`add_rms_norm`,
   Qwen2-VL's `add_layer_norm`): the sum and the normed sum written in one pass forward, and backward the norm's input
-  gradient and the residual stream's gradient added in the same kernel instead of by autograd's eager `add`.
+  gradient and the residual stream's gradient added in the same kernel instead of by autograd's eager `add`. Its
+  second residual add goes with the next block's first norm the same way (`ResidualCarry`, in a tower call whose
+  blocks are neither recomputed nor compiled: `tower_kwargs(inputs, tower)`), so that a tower's blocks have no
+  eager add left but the last block's, forward or backward.
 - `lean_gated_mlp` / `lean_mlp`: the MLP's activation (Qwen2.5-VL's `silu(gate) * up`, Qwen2-VL's QuickGELU) one
   compiled region each way on CUDA, eager elsewhere (bitwise transformers').
 
 `compile_vision_blocks` (the recipe option `compile=True`) compiles each whole block on CUDA.
 
-`tower_kwargs(inputs)` are the keyword arguments a tower call takes for the inputs the loader computed on the host
-from that call's `grid_thw` (qvl.kernels.tower_inputs; qvl's Qwen2-VL / Qwen2.5-VL forward passes them,
-qvl.kernels.speed_sync_free): transformers pops them from the tower's kwargs instead of computing them with
-`.tolist()` loops, and the attention function (qvl.kernels.varlen_attention.hf_varlen_attention) takes the longest
-block as a Python int, so the tower's forward reads nothing back from the device.
+`tower_kwargs(inputs, tower)` are the keyword arguments a tower call takes for the inputs the loader computed on the
+host from that call's `grid_thw` (qvl.kernels.tower_inputs; qvl's Qwen2-VL / Qwen2.5-VL forward passes them,
+qvl.kernels.speed_sync_free, and so do the tower's graphs, qvl.kernels.tower_graphs): transformers pops them from the
+tower's kwargs instead of computing them with `.tolist()` loops, and the attention function
+(qvl.kernels.varlen_attention.hf_varlen_attention) takes the longest block as a Python int, so the tower's forward
+reads nothing back from the device; with the tower, the call's `ResidualCarry` too.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +58,8 @@ logger = logging.getLogger(__name__)
 GROUP = "speed-hf-vision"
 # Keyword the tower passes through its blocks to the attention function: ((cu_seqlens, longest block), ...).
 MAX_SEQLENS_KWARG = "packed_max_seqlens"
+# Keyword the tower passes through its blocks: the call's ResidualCarry.
+CARRY_KWARG = "residual_carry"
 
 
 def rms_norm(weight: torch.Tensor, hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
@@ -204,26 +211,66 @@ def _add_norm(
     return None
 
 
+@dataclass(kw_only=True, slots=True, eq=False)
+class ResidualCarry:
+    """One tower call's hand-over of a block's last residual add to the next block's first norm (`lean_block`).
+
+    transformers' tower loop passes each block's output to the next block, which norms it first: an eager add at the
+    end of a block (and backward, autograd's eager add of the two gradients of its sum), then a norm. A lean block
+    that knows the next block's first norm (`next_norms`) writes the sum and the normed sum in one region instead
+    (`add_rms_norm`, `add_layer_norm`): it returns the sum, as before, and leaves the normed sum here; the next
+    block takes it if its input is that very sum (`take`), else norms its input itself. Made per tower call
+    (`for_tower`): nothing outlives the call."""
+
+    next_norms: dict[torch.nn.Module, torch.nn.Module]  # a block -> the next block's first norm (none for the last)
+    handed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)  # (a block's output, its normed output)
+
+    @classmethod
+    def for_tower(cls, tower: torch.nn.Module) -> ResidualCarry | None:
+        """The carry of one call of `tower` (an HF vision tower); None where a block is recomputed (a rerun in
+        backward must see what its first run saw, and the carry has moved on by then) or compiled (`compile=True`
+        fuses inside each block)."""
+        blocks = list(getattr(tower, "blocks", ()))
+        if any(getattr(b, "gradient_checkpointing", False) or b._compiled_call_impl is not None for b in blocks):
+            return None
+        return cls(next_norms={block: after.norm1 for block, after in zip(blocks, blocks[1:])})
+
+    def take(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The normed `hidden_states` the previous block left, None if it left none for this very tensor."""
+        handed, self.handed = self.handed, None
+        return handed[1] if handed is not None and handed[0] is hidden_states else None
+
+
 def lean_block(original):
     """Patch factory for the HF vision block's forward (Qwen2-VL `Qwen2VLVisionBlock`, Qwen2.5-VL
     `Qwen2_5_VLVisionBlock`): transformers' `h = h + attn(norm1(h)); h = h + mlp(norm2(h))` with the first add and
     `norm2` one region (`add_rms_norm`, `add_layer_norm`): eagerly the same ops (bitwise transformers'); compiled, one
     kernel each way where there were an add and a norm forward and a norm and autograd's add of the two gradients
-    of `h` backward. The second add stays with the block: the next norm is the next block's. Another norm, or the
-    deprecated `rotary_pos_emb`, runs transformers' forward."""
+    of `h` backward. With the call's `ResidualCarry`, the second add and the next block's `norm1` likewise (this block
+    takes its own `norm1`'s output from the carry). Another norm, or the deprecated `rotary_pos_emb`, runs
+    transformers' forward."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 
     def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
+        carry = kwargs.pop(CARRY_KWARG, None)
         if "rotary_pos_emb" in kwargs:
             return original(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs)
-        normed = self.norm1(hidden_states)
+        normed = carry.take(hidden_states) if carry is not None else None
+        if normed is None:
+            normed = self.norm1(hidden_states)
         attended = self.attn(normed, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
         folded = _add_norm(self.norm2, hidden_states, attended, Qwen2_5_VLRMSNorm)
         if folded is None:
             hidden_states = hidden_states + attended
             return hidden_states + self.mlp(self.norm2(hidden_states))
         hidden_states, normed = folded
-        return hidden_states + self.mlp(normed)
+        delta = self.mlp(normed)
+        after = carry.next_norms.get(self) if carry is not None else None
+        handed = _add_norm(after, hidden_states, delta, Qwen2_5_VLRMSNorm) if after is not None else None
+        if handed is None:
+            return hidden_states + delta
+        carry.handed = handed
+        return handed[0]
 
     return forward
 
@@ -267,12 +314,16 @@ def lean_mlp(original):
     return forward
 
 
-def tower_kwargs(inputs: TowerInputs) -> dict[str, Any]:
-    """The forward kwargs transformers' vision helpers pop (transformers/vision_utils.py), plus the block lengths."""
+def tower_kwargs(inputs: TowerInputs, tower: torch.nn.Module | None = None) -> dict[str, Any]:
+    """The forward kwargs transformers' vision helpers pop (transformers/vision_utils.py), plus the block lengths, and
+    with the `tower` called, its call's `ResidualCarry` (where its blocks allow one)."""
     kwargs: dict[str, Any] = {"position_ids": inputs.position_ids, "cu_seqlens": inputs.cu_seqlens}
     if inputs.window_index is not None:
         kwargs |= {"window_index": inputs.window_index, "cu_window_seqlens": inputs.cu_window_seqlens}
     kwargs[MAX_SEQLENS_KWARG] = inputs.max_seqlens()
+    carry = ResidualCarry.for_tower(tower) if tower is not None else None
+    if carry is not None:
+        kwargs[CARRY_KWARG] = carry
     return kwargs
 
 

@@ -140,7 +140,7 @@ def _vision_embeddings(model, calls: list[_TowerCall], like: torch.Tensor) -> li
             if graphs is not None:  # replayed as CUDA graphs where the language model's layers are
                 output = graphs(pixels, call.inputs, call.grid)
             else:
-                given = tower_kwargs(call.inputs) if isinstance(call.inputs, TowerInputs) else {}
+                given = tower_kwargs(call.inputs, visual) if isinstance(call.inputs, TowerInputs) else {}
                 output = visual(pixels, grid_thw=call.grid, **given).pooler_output
             check_tower_rows(visual, [output], pixels.shape[0], merged)
             outputs.append(output)

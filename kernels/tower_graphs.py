@@ -204,7 +204,7 @@ class _BucketGraph:
             cu_window_seqlens=self.cu_window_seqlens,
             max_window_seqlen=graphs.window,
         )
-        return (graphs.tower(self.pixels, grid_thw=None, **tower_kwargs(inputs)).pooler_output,)
+        return (graphs.tower(self.pixels, grid_thw=None, **tower_kwargs(inputs, graphs.tower)).pooler_output,)
 
     def backward_pass(self, outputs: tuple[torch.Tensor, ...]) -> None:
         """The tower's backward from `grad_outputs`, every trained parameter's gradient added into its `main_grad`."""
@@ -375,7 +375,7 @@ class TowerGraphs:
 
     def eager(self, pixels: torch.Tensor, inputs: Any, grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The tower called as without graphs: its outputs."""
-        given = tower_kwargs(inputs) if isinstance(inputs, TowerInputs) else {}
+        given = tower_kwargs(inputs, self.tower) if isinstance(inputs, TowerInputs) else {}
         return (self.tower(pixels, grid_thw=grid_thw, **given).pooler_output,)
 
     def outputs(self, pixels: torch.Tensor, inputs: Any, grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -210,10 +210,11 @@ def test_lean_tower_reads_nothing_back_on_the_cuda_path(family, varlen_as_on_cud
 @pytest.mark.parametrize("cuda_path", [True, False], ids=["varlen", "sdpa-loop"])
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
 def test_lean_block_attention_and_mlp_are_transformers_bit_for_bit(family, cuda_path, request):
-    """The lean block forward (the first residual add and the second norm as one region), attention forward (no
-    permutes, no device max of the block lengths, the rotary's backward writing qkv's gradient) and MLP forward (the
-    activation as one region) against transformers' forwards with the same attention function and inputs: outputs
-    and every gradient bitwise equal, in bf16."""
+    """The lean block forward (the first residual add and the second norm as one region, the second add and the next
+    block's first norm as another), attention forward (no permutes, no device max of the block lengths, the rotary's
+    backward writing qkv's gradient) and MLP forward (the activation as one region) against transformers' forwards
+    with the same attention function and inputs: outputs and every gradient bitwise equal, in bf16; only the first
+    block's first norm runs as a module (the others' run inside the previous block's region)."""
     from qvl.kernels.varlen_attention import register_hf_varlen_attention
 
     if cuda_path:
@@ -227,17 +228,23 @@ def test_lean_block_attention_and_mlp_are_transformers_bit_for_bit(family, cuda_
             if not lean:
                 for factory in ("lean_block", "lean_attention", "lean_gated_mlp", "lean_mlp"):
                     patch.setattr(speed_hf_vision, factory, lambda original: original)
-            calls = []
+            calls, normed = [], []
             patch.setattr(torch.Tensor, "max", lambda self, *a, **k: calls.append(1) or torch.max(self, *a, **k))
+            hooks = [
+                b.norm1.register_forward_hook(lambda *_, i=i: normed.append(i)) for i, b in enumerate(tower.blocks)
+            ]
             tower.zero_grad()
             with patches.applied(speed_hf_vision.GROUP):
-                out = tower(x, grid_thw=GRIDS, **speed_hf_vision.tower_kwargs(inputs)).pooler_output
+                out = tower(x, grid_thw=GRIDS, **speed_hf_vision.tower_kwargs(inputs, tower)).pooler_output
                 out.float().square().sum().backward()
-        results.append((out, [p.grad.clone() for p in tower.parameters()], len(calls)))
-    (lean_out, lean_grads, lean_maxes), (hf_out, hf_grads, hf_maxes) = results
+            for hook in hooks:
+                hook.remove()
+        results.append((out, [p.grad.clone() for p in tower.parameters()], len(calls), normed))
+    (lean_out, lean_grads, lean_maxes, lean_normed), (hf_out, hf_grads, hf_maxes, hf_normed) = results
     assert torch.equal(lean_out, hf_out)
     assert all(torch.equal(a, b) for a, b in zip(lean_grads, hf_grads, strict=True))
     assert lean_maxes == 0 and hf_maxes == tower.config.depth  # transformers' device max in every block
+    assert lean_normed == [0] and hf_normed == list(range(tower.config.depth))
 
 
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
@@ -353,7 +360,7 @@ def test_lean_tower_matches_transformers_on_cuda_bf16(family):
     reference.float().square().sum().backward()
     inputs = tower_inputs_for_config(GRIDS, tower.config).to("cuda")
     with patches.applied(speed_hf_vision.GROUP):
-        lean = tower(x, grid_thw=grid, **speed_hf_vision.tower_kwargs(inputs)).pooler_output
+        lean = tower(x, grid_thw=grid, **speed_hf_vision.tower_kwargs(inputs, tower)).pooler_output
         lean.float().square().sum().backward()
     torch.testing.assert_close(lean, reference, rtol=2e-2, atol=2e-2)
     reference_grads = dict(reference_tower.named_parameters())

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qvl.foundation import patches
 from qvl.kernels import compiled, speed_hf_vision
 from qvl.kernels.tower_inputs import tower_inputs_for_config
-from tests.kernels.test_speed_hf_vision import GRIDS, HF_TOWER_FAMILIES, tiny_tower
+from tests.kernels.test_speed_hf_vision import GRIDS, HF_TOWER_FAMILIES, pixels, tiny_tower
 from tests.numerics import assert_as_close_as_eager
 
 
@@ -27,6 +27,23 @@ class OpsOutsideRegions(TorchDispatchMode):
         if not self.inside:
             self.ops.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
+
+
+def counting_regions(regions: list[str], mode: OpsOutsideRegions):
+    """A stand-in for `compiled.compiled`: each region call recorded in `regions`, its ops hidden from `mode`."""
+
+    def stand_in(fn):
+        def run(*args):
+            regions.append(fn.__name__)
+            mode.inside = True
+            try:
+                return fn(*args)
+            finally:
+                mode.inside = False
+
+        return run
+
+    return stand_in
 
 
 def unfused_rotated_qkv(qkv, cos, sin):
@@ -54,21 +71,9 @@ def test_block_and_rotary_take_their_compiled_regions_where_compiled_regions_run
     results = {}
     for lean in (True, False):
         regions, mode = [], OpsOutsideRegions()
-
-        def stand_in(fn, regions=regions, mode=mode):
-            def run(*args):
-                regions.append(fn.__name__)
-                mode.inside = True
-                try:
-                    return fn(*args)
-                finally:
-                    mode.inside = False
-
-            return run
-
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(compiled, "runs_compiled", lambda tensor: True)
-            patch.setattr(compiled, "compiled", stand_in)
+            patch.setattr(compiled, "compiled", counting_regions(regions, mode))
             if not lean:
                 patch.setattr(speed_hf_vision, "lean_block", lambda original: original)
                 patch.setattr(speed_hf_vision, "rotated_qkv", unfused_rotated_qkv)
@@ -150,3 +155,65 @@ def test_compiled_block_regions_are_as_close_to_fp64_as_eager_on_cuda():
     if not compiled.cuda_compile_usable():
         pytest.skip("needs Triton")
     check_block_regions_against_fp64("cuda", sizes=(4096, 6144, 10240), norms=("rms", "layer"))
+
+
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_a_towers_blocks_hand_their_last_add_to_the_next_blocks_first_norm(family, monkeypatch):
+    """With its call's `ResidualCarry`, where compiled regions run, each block's last residual add and the next
+    block's first norm are one add-and-norm region: an eager `add` fewer per block boundary forward (backward, the
+    sum of the two gradients of a block's input becomes the region's: the step census counts a region's backward,
+    benchmarks/compiled_regions.py); the outputs and gradients of the tower are those of the tower without the
+    carry, bit for bit."""
+    from qvl.kernels.varlen_attention import register_hf_varlen_attention
+
+    tower = tiny_tower(family, attention=register_hf_varlen_attention())
+    inputs = tower_inputs_for_config(GRIDS, tower.config)
+    x = pixels(tower)
+    monkeypatch.setattr(compiled, "runs_compiled", lambda tensor: True)
+    results = {}
+    for carried in (True, False):
+        regions, mode = [], OpsOutsideRegions()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(compiled, "compiled", counting_regions(regions, mode))
+            tower.zero_grad()
+            given = speed_hf_vision.tower_kwargs(inputs, tower if carried else None)
+            assert (speed_hf_vision.CARRY_KWARG in given) is carried
+            with patches.applied(speed_hf_vision.GROUP):
+                with mode:
+                    out = tower(x, grid_thw=GRIDS, **given).pooler_output
+                    forward_adds = mode.ops.count("add")
+                    out.square().sum().backward()
+        results[carried] = (out, [p.grad.clone() for p in tower.parameters()], regions, forward_adds)
+    out, grads, regions, forward_adds = results[True]
+    plain_out, plain_grads, plain_regions, plain_forward_adds = results[False]
+    norm = "add_rms_norm" if family == "qwen2_5_vl" else "add_layer_norm"
+    boundaries = tower.config.depth - 1
+    assert regions.count(norm) == plain_regions.count(norm) + boundaries == 2 * tower.config.depth - 1
+    assert forward_adds == plain_forward_adds - boundaries
+    assert torch.equal(out, plain_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+
+
+def test_a_recomputed_or_compiled_block_takes_no_carry_and_a_carry_hands_over_only_its_own_tensor():
+    """A block that reruns in backward must see what its first run saw, and a compiled block fuses inside itself:
+    a tower with either takes no carry. A carry hands the normed sum over only to the block whose input is that sum,
+    and only once."""
+    from qvl.bridges.providers import RecomputeVisionTowers
+
+    tower = tiny_tower("qwen2_5_vl")
+    carry = speed_hf_vision.ResidualCarry.for_tower(tower)
+    assert list(carry.next_norms) == list(tower.blocks[:-1])
+    assert [n for n in carry.next_norms.values()] == [b.norm1 for b in tower.blocks[1:]]
+    total, normed, other = torch.ones(2, 3), torch.zeros(2, 3), torch.ones(2, 3)
+    carry.handed = (total, normed)
+    assert carry.take(other) is None and carry.take(total) is None  # another tensor: nothing, and the hand-over ends
+    carry.handed = (total, normed)
+    assert carry.take(total) is normed and carry.take(total) is None
+    RecomputeVisionTowers(blocks=1)([tower])
+    assert speed_hf_vision.ResidualCarry.for_tower(tower) is None
+    compiled_tower = tiny_tower("qwen2_vl")
+    compiled_tower.blocks[1].compile(backend="eager")
+    assert speed_hf_vision.ResidualCarry.for_tower(compiled_tower) is None
+    assert speed_hf_vision.CARRY_KWARG not in speed_hf_vision.tower_kwargs(
+        tower_inputs_for_config(GRIDS, tower.config), tower
+    )
