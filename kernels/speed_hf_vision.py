@@ -22,9 +22,9 @@ the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `sp
 - `lean_block`: the block's first residual add and its second norm one compiled region (`add_rms_norm`,
   Qwen2-VL's `add_layer_norm`): the sum and the normed sum written in one pass forward, and backward the norm's input
   gradient and the residual stream's gradient added in the same kernel instead of by autograd's eager `add`. Its
-  second residual add goes with the next block's first norm the same way (`ResidualCarry`, in a tower call whose
-  blocks are neither recomputed nor compiled: `tower_kwargs(inputs, tower)`), so that a tower's blocks have no
-  eager add left but the last block's, forward or backward.
+  second residual add goes with the next block's first norm the same way (`ResidualCarry`, between two blocks that
+  are neither recomputed nor compiled: `tower_kwargs(inputs, tower)`), so that a tower's blocks have no eager add
+  left but the last block's, forward or backward.
 - `lean_gated_mlp` / `lean_mlp`: the MLP's activation (Qwen2.5-VL's `silu(gate) * up`, Qwen2-VL's QuickGELU) one
   compiled region each way on CUDA, eager elsewhere (bitwise transformers').
 
@@ -227,13 +227,14 @@ class ResidualCarry:
 
     @classmethod
     def for_tower(cls, tower: torch.nn.Module) -> ResidualCarry | None:
-        """The carry of one call of `tower` (an HF vision tower); None where a block is recomputed (a rerun in
-        backward must see what its first run saw, and the carry has moved on by then) or compiled (`compile=True`
-        fuses inside each block)."""
+        """The carry of one call of `tower` (an HF vision tower), between each two consecutive blocks that are
+        neither recomputed (a rerun in backward must see what its first run saw, and the carry has moved on by then)
+        nor compiled (`compile=True` fuses inside each block); None where no two are."""
         blocks = list(getattr(tower, "blocks", ()))
-        if any(getattr(b, "gradient_checkpointing", False) or b._compiled_call_impl is not None for b in blocks):
-            return None
-        return cls(next_norms={block: after.norm1 for block, after in zip(blocks, blocks[1:])})
+        plain = [not getattr(b, "gradient_checkpointing", False) and b._compiled_call_impl is None for b in blocks]
+        pairs = zip(blocks, blocks[1:], plain, plain[1:])
+        next_norms = {block: after.norm1 for block, after, *both in pairs if all(both)}
+        return cls(next_norms=next_norms) if next_norms else None
 
     def take(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The normed `hidden_states` the previous block left, None if it left none for this very tensor."""
