@@ -15,7 +15,11 @@ activation operand once each (a fused kernel reads the one and writes the other)
 
 Every call of a region then counts those kernels, once per forward run (a recomputed block runs its forward again)
 and once per backward: the autograd nodes a region creates in forward get consecutive sequence numbers, and the
-backward ops of those nodes (`torch._C._current_autograd_node()`) belong to it. Where Dynamo breaks a region into
+backward ops of those nodes (`torch._C._current_autograd_node()`) belong to it. But not the sum autograd's engine
+makes when a node's gradient reaches a tensor that already has one from elsewhere (it runs under the node that
+delivered last): where the receiving node is outside the region (the region's input, used outside it too), a CUDA
+run adds the two with an eager kernel after the compiled backward, and the census counts that `add` as such; where
+it is inside (a tensor the region uses twice), the sum is part of the compiled backward. Where Dynamo breaks a region into
 several graphs (its graph-break reasons are in the JSON), the kernels of all of them count, and the autograd
 Functions it broke at run eagerly, so their backward ops are counted one by one. The JSON lists each region under
 "compiled_regions", marked "compiled-region (Inductor's CPU kernel count)". Triton's CUDA kernels can be fused
@@ -251,8 +255,9 @@ class CompiledRegions:
             finally:
                 census.compiled_depth -= 1
             census.compiled_bytes(name, self.scaled_bytes(key, kernels, self.bytes(fn, (args, kwargs), out)))
-            if grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out)):
-                census.compiled_backward_range(start, census.sequence_probe(), name, kernels)
+            outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if grad and outputs:
+                census.compiled_backward_range(start, census.sequence_probe(), name, kernels, outputs)
             return out
 
         return compiled_region

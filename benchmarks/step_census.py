@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import pathlib
 import traceback
@@ -142,6 +143,8 @@ class Census:
         # compiled regions (benchmarks.compiled_regions): forward depth, backward ranges of autograd sequence numbers
         self.compiled_depth = 0
         self.compiled_ranges: list[tuple[int, int, list]] = []
+        self._last_returned: tuple | None = None  # the region node that last returned its gradients (`_returned`)
+        self._returned_by: dict[int, list] = {}  # a gradient's storage -> the region call that returned it
         self.compiled_regions: dict[str, dict] = {}
         self._probe_leaf = torch.zeros((), requires_grad=True)
         # the parts a CUDA run replays as CUDA graphs (the LM's layers; the HF tower is its whole "vision" region):
@@ -265,17 +268,53 @@ class Census:
             self.counts.nongemm_bytes_by_op[f"compiled-region:{name}"] += nbytes[0]
             self._compiled_stats(name)["_backward_bytes"] = nbytes[1]
 
-    def compiled_backward_range(self, start: int, end: int, name: str, kernels) -> None:
-        """The autograd nodes of one region call: sequence numbers strictly between `start` and `end`."""
-        self.compiled_ranges.append((start, end, [name, kernels, False]))
+    def compiled_backward_range(self, start: int, end: int, name: str, kernels, outputs=()) -> None:
+        """The autograd nodes of one region call: sequence numbers strictly between `start` and `end`; each of those
+        reached from its `outputs` tells the census when it has returned its gradients (`_returned`)."""
+        call = [name, kernels, False]
+        self.compiled_ranges.append((start, end, call))
+        for node in _nodes_between(outputs, start, end):
+            receivers = [edge[0]._sequence_nr() if edge[0] is not None else None for edge in node.next_functions]
+            node.register_hook(functools.partial(self._returned, node._sequence_nr(), call, receivers))  # not node
 
-    def _in_compiled_backward(self) -> bool:
+    def _returned(self, sequence_nr: int, call: list, receivers: list, grad_inputs, grad_outputs) -> None:
+        """A node of the region call `call` has returned its gradients, for the nodes `receivers`: what the engine
+        runs under it now adds them to gradients other nodes gave the same tensors, in the receivers' buffers."""
+        pointers = [_storages(g)[0] if isinstance(g, torch.Tensor) else None for g in grad_inputs]
+        self._last_returned = (sequence_nr, call, pointers, receivers)
+        self._returned_by.update((pointer, call) for pointer in pointers if pointer is not None)
+
+    def _summed_outside(self, sequence_nr: int, args, out) -> bool:
+        """Whether an op under the region node `sequence_nr` is the engine's sum of a gradient that node returned
+        with one from outside its region call (on CUDA an eager kernel after the compiled backward). A sum into a
+        node of the same call, or with gradients the same call returned (or sums that hold one: the compiled
+        backward sums those first), is inside its compiled backward."""
+        returned = self._last_returned
+        if returned is None or returned[0] != sequence_nr:
+            return False  # the node's own backward
+        _, call, pointers, receivers = returned
+        operands = _storages(args)
+        into = [
+            receiver for pointer, receiver in zip(pointers, receivers) if pointer is not None and pointer in operands
+        ]
+        if not into:
+            return False
+        inside = all(receiver is not None and bisect_range(self.compiled_ranges, receiver) is call for receiver in into)
+        others = [storage for storage in operands if storage not in pointers]
+        outside = not inside and any(self._returned_by.get(storage) is not call for storage in others)
+        self._returned_by.update((storage, call) for storage in _storages(out))  # the sum holds this call's part
+        return outside
+
+    def _in_compiled_backward(self, args=(), out=None) -> bool:
         node = torch._C._current_autograd_node()
         if node is None or not self.compiled_ranges:
             return False
-        payload = bisect_range(self.compiled_ranges, node._sequence_nr())
+        sequence_nr = node._sequence_nr()
+        payload = bisect_range(self.compiled_ranges, sequence_nr)
         if payload is None or (payload[1].breaks and _eager_function_node(node)):
             return False  # outside, or an autograd Function Dynamo broke the region's graph at: it runs eagerly
+        if self._summed_outside(sequence_nr, args, out):
+            return False
         name, kernels, charged = payload
         if not charged and self.counting:
             payload[2] = True
@@ -309,7 +348,7 @@ class Census:
             return
         if in_collective():  # the CPU backend's own copies (Gloo at one rank): NCCL's collective stands for them
             return
-        if self.compiled_depth or self._in_compiled_backward():  # Inductor's kernels stand for all but GEMMs
+        if self.compiled_depth or self._in_compiled_backward(args, out):  # Inductor's kernels stand for all but GEMMs
             if name in GEMM_OPS:
                 counts.launches[name] += 1
                 self._gemm(name, args, kwargs, out, counts)
@@ -396,6 +435,26 @@ def _add(total: RegionCounts, counts: RegionCounts) -> None:
                  "h2d_copies", "h2d_pageable", "h2d_bytes"):  # fmt: skip
         setattr(total, name, getattr(total, name) + getattr(counts, name))
     total.largest_temporary_bytes = max(total.largest_temporary_bytes, counts.largest_temporary_bytes)
+
+
+def _storages(tree: Any) -> list[int]:
+    """The storage addresses of the tensors in `tree`."""
+    return [t.untyped_storage().data_ptr() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _nodes_between(outputs, start: int, end: int) -> list:
+    """The autograd nodes with sequence numbers strictly between `start` and `end` that `outputs` lead back to."""
+    nodes, seen = [], set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        sequence_nr = node._sequence_nr()
+        if sequence_nr in seen or not start < sequence_nr < end:
+            continue
+        seen.add(sequence_nr)
+        nodes.append(node)
+        stack.extend(edge[0] for edge in node.next_functions if edge[0] is not None)
+    return nodes
 
 
 def _eager_function_node(node) -> bool:

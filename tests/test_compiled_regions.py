@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.compiled_regions import LABEL, CompiledRegions, inductor_kernels, kernel_calls
+from benchmarks.compiled_regions import LABEL, CompiledRegions, RegionKernels, inductor_kernels, kernel_calls
 from benchmarks.step_census import Census, WidthMap
 from qvl.kernels.speed_hf_vision import rotary_fp32
 
@@ -90,3 +90,32 @@ def test_graph_bytes_read_each_argument_once_and_write_a_gradient_returned_twice
         shape=lambda dims: tuple(1280 if d == width else d for d in dims),
     )
     assert wide.forward_bytes == 16 * (4 * unit + weight.nbytes) + rstd
+
+
+def _adds_outside_regions(used_outside: bool, monkeypatch) -> dict[str, int]:
+    """The eager ops of one backward through a region that uses its input three times (`(a * a).sin() + a`), with
+    the input also used outside the region or not (the region's own kernels stubbed: what is counted outside it is
+    the question here)."""
+    from benchmarks import compiled_regions
+
+    monkeypatch.setattr(compiled_regions, "inductor_kernels_apart", lambda *a, **k: RegionKernels(forward=1, backward=1,
+                        graphs=2))  # fmt: skip
+    census = Census(WidthMap(dims={}))
+    region = CompiledRegions(census).region("thrice", lambda a: (a * a).sin() + a)
+    leaf = torch.randn(64, 32, requires_grad=True)
+    with census.tracking(), census.counted():
+        a = leaf * 2.0  # its gradients are summed in this node's buffer
+        losses = [region(a).sum()] + ([a.exp().sum()] if used_outside else [])
+        torch.autograd.backward(losses)
+    ops = census.summary(1)["step"]["ops"]
+    assert ops["compiled-region:thrice"] == 2
+    return {name: count for name, count in ops.items() if name in ("add", "add_")}
+
+
+def test_the_engines_sum_of_a_regions_gradient_with_one_from_outside_is_eager(monkeypatch):
+    """A region's input used three times inside it gets one gradient from its compiled backward on CUDA (AOTAutograd
+    sums the three): no eager sum. Used outside too, autograd's engine adds that gradient to the outside one with a
+    kernel of its own: one eager `add`. On the CPU the engine sums each of the region's three pieces as it arrives,
+    under the region's nodes; the census counts one of those sums, the first with the outside gradient in it."""
+    assert _adds_outside_regions(False, monkeypatch) == {}
+    assert sum(_adds_outside_regions(True, monkeypatch).values()) == 1
