@@ -19,8 +19,8 @@ backward ops of those nodes (`torch._C._current_autograd_node()`) belong to it. 
 makes when a node's gradient reaches a tensor that already has one from elsewhere (it runs under the node that
 delivered last): where the receiving node is outside the region (the region's input, used outside it too), a CUDA
 run adds the two with an eager kernel after the compiled backward, and the census counts that `add` as such; where
-it is inside (a tensor the region uses twice), the sum is part of the compiled backward. Where Dynamo breaks a region into
-several graphs (its graph-break reasons are in the JSON), the kernels of all of them count, and the autograd
+it is inside (a tensor the region uses twice), the sum is part of the compiled backward. Where Dynamo breaks a
+region into several graphs (its graph-break reasons are in the JSON), the kernels of all of them count, and the autograd
 Functions it broke at run eagerly, so their backward ops are counted one by one. The JSON lists each region under
 "compiled_regions", marked "compiled-region (Inductor's CPU kernel count)". Triton's CUDA kernels can be fused
 differently from gcc's loops; the counts are Inductor's plan for the graph on the CPU, not a CUDA measurement.
