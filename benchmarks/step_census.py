@@ -280,7 +280,7 @@ class Census:
     def _returned(self, sequence_nr: int, call: list, receivers: list, grad_inputs, grad_outputs) -> None:
         """A node of the region call `call` has returned its gradients, for the nodes `receivers`: what the engine
         runs under it now adds them to gradients other nodes gave the same tensors, in the receivers' buffers."""
-        pointers = [_storages(g)[0] if isinstance(g, torch.Tensor) else None for g in grad_inputs]
+        pointers = [g.untyped_storage().data_ptr() if isinstance(g, torch.Tensor) else None for g in grad_inputs]
         self._last_returned = (sequence_nr, call, pointers, receivers)
         self._returned_by.update((pointer, call) for pointer in pointers if pointer is not None)
 

@@ -189,8 +189,16 @@ def import_megatron_bridge() -> types.ModuleType:
     return in_a_thread_of_its_own(_import_megatron_bridge)
 
 
-def _import_megatron_bridge() -> types.ModuleType:
+@contextlib.contextmanager
+def _importing_megatron() -> Iterator[None]:
+    """How qvl imports Megatron-Core and Megatron-Bridge: the collector paused, KEPT_OUT's packages out of reach of
+    plugin loaders, and `speed-import` applied (its first import decides Megatron-Core's fused functions)."""
     with gc_paused(), kept_out(tuple(entry.package for entry in KEPT_OUT)), patches.applied(IMPORT_GROUP):
+        yield
+
+
+def _import_megatron_bridge() -> types.ModuleType:
+    with _importing_megatron():
         importlib.import_module("megatron.core")  # decides HAVE_TE before anything else can
         sys.meta_path.insert(0, _FINDER)
         try:
@@ -215,7 +223,7 @@ def import_megatron_core() -> types.ModuleType:
 
 
 def _import_megatron_core() -> types.ModuleType:
-    with gc_paused(), patches.applied(IMPORT_GROUP):
+    with _importing_megatron():
         return importlib.import_module("megatron.core")
 
 
