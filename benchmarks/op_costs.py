@@ -17,9 +17,13 @@ if TYPE_CHECKING:
 # In-place ops that overwrite their destination without reading it (counted once, as the write).
 OVERWRITE_OPS = frozenset({"copy_", "zero_", "fill_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_",
                            "bernoulli_", "random_", "exponential_"})  # fmt: skip
-# In-place ops that write a few rows of their destination: counted as the reads of what they are given.
+# In-place ops that write a few rows of their destination: counted as the reads of what they are given and the
+# rows they write (`partial_write_bytes`), not as the whole destination.
 PARTIAL_WRITE_OPS = frozenset({"index_put_", "_index_put_impl_", "index_add_", "index_copy_", "index_fill_",
                                "scatter_", "scatter_add_", "scatter_reduce_", "masked_scatter_", "put_"})  # fmt: skip
+# Those of them that add into the rows they write (read first): always, or where their `accumulate` argument is set.
+ACCUMULATING_OPS = frozenset({"index_add_", "scatter_add_", "scatter_reduce_"})
+ACCUMULATE_ARG_OPS = frozenset({"index_put_", "_index_put_impl_", "put_"})
 # Arguments a schema marks written that the kernel leaves alone without a grad scaler (bf16 training has none):
 # fused Adam unscales its gradients in place only when given `grad_scale`.
 UNSCALED_ARGS = {"_fused_adam_": frozenset({"grads"}), "_fused_adamw_": frozenset({"grads"})}
@@ -42,8 +46,8 @@ def in_collective() -> bool:
 
 def read_and_written(func, name: str, args, kwargs) -> list[torch.Tensor]:
     """The tensors an in-place op reads and then writes back (its schema's `a!` arguments): already counted once as
-    inputs, they move their bytes a second time. Overwritten destinations (`copy_`, `out=`) and a few rows written
-    (`index_put_`) are counted once, as inputs."""
+    inputs, they move their bytes a second time. Overwritten destinations (`copy_`, `out=`) are counted once, as
+    inputs; a few rows written (`index_put_`) are `partial_write_bytes`'."""
     if name in OVERWRITE_OPS or name in PARTIAL_WRITE_OPS:
         return []
     unwritten = UNSCALED_ARGS.get(name, frozenset()) if kwargs.get("grad_scale") is None else frozenset()
@@ -54,6 +58,19 @@ def read_and_written(func, name: str, args, kwargs) -> list[torch.Tensor]:
         value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
         tensors += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
     return tensors
+
+
+def partial_write_bytes(func, name: str, args, kwargs, widths: WidthMap) -> float:
+    """Bytes of an op of PARTIAL_WRITE_OPS: what it is given besides its destination (indices, values), and the
+    destination's rows it writes, as many elements as its largest other tensor holds (the values or the indices),
+    read too where it accumulates into them."""
+    destination, *given = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    rows = max((widths.numel(t) for t in given), default=0) * destination.element_size()
+    accumulates = name in ACCUMULATING_OPS
+    if name in ACCUMULATE_ARG_OPS:
+        position = [arg.name for arg in func._schema.arguments].index("accumulate")
+        accumulates = bool(args[position] if position < len(args) else kwargs.get("accumulate", False))
+    return sum(widths.nbytes(t) for t in given) + rows * (2 if accumulates else 1)
 
 
 def row_pitch_aligned(tensor: torch.Tensor, widths: WidthMap) -> bool:
@@ -72,8 +89,8 @@ def row_pitch_aligned(tensor: torch.Tensor, widths: WidthMap) -> bool:
 
 def gemm_flops(name: str, args, out, widths: WidthMap) -> tuple[float, list[torch.Tensor], tuple]:
     """(real FLOPs, matrix operands, (M, K, N, batch)) of one GEMM-class op."""
-    if name in ("mm", "addmm", "_scaled_mm", "addbmm", "bmm", "baddbmm"):
-        a, b = (args[1], args[2]) if name in ("addmm", "addbmm", "baddbmm") else (args[0], args[1])
+    if name in ("mm", "addmm", "addmm_", "_scaled_mm", "addbmm", "bmm", "baddbmm"):
+        a, b = (args[1], args[2]) if name in ("addmm", "addmm_", "addbmm", "baddbmm") else (args[0], args[1])
         (m, k), n = widths.shape(tuple(a.shape[-2:])), widths.shape((b.shape[-1],))[0]
         batch = a.shape[0] if a.dim() == 3 else 1
         return 2.0 * batch * m * k * n, [a, b, out], (m, k, n, batch)

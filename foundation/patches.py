@@ -267,6 +267,11 @@ PATCHES: tuple[Patch, ...] = (
           why="without TE the backward allocates its dummy weight gradient with device=torch.cuda.current_device(), "
               "which the CPU runtime cannot redirect inside a backward pass; TE's helper name, allocated as upstream "
               "does on this process's device"),
+    Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:F",
+          replacement="qvl.kernels.torch_wgrad_accum:embedding_into_main_grad", version=MCORE,
+          why="VocabParallelEmbedding's F.embedding writes a dense [vocab, hidden] weight gradient per micro-batch that "
+              "DDP adds into main_grad (and autograd first adds a tied output layer's zeroed placeholder to it): ~6 GB "
+              "of traffic per micro-batch for Qwen's vocabulary; a marked weight's rows go into main_grad instead"),
     Patch(group="torch-wgrad-accum", target="megatron.core.tensor_parallel.layers:HAVE_TE",
           replacement="qvl.kernels.torch_wgrad_accum:take_dummy_from_stand_in", version=MCORE,
           why="selects get_dummy_wgrad in the backward (and, under CPU offloading, which needs TE, marks inputs)"),

@@ -26,7 +26,10 @@ the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `sp
   are neither recomputed nor compiled: `tower_kwargs(inputs, tower)`), so that a tower's blocks have no eager add
   left but the last block's, forward or backward.
 - `lean_gated_mlp` / `lean_mlp`: the MLP's activation (Qwen2.5-VL's `silu(gate) * up`, Qwen2-VL's QuickGELU) one
-  compiled region each way on CUDA, eager elsewhere (bitwise transformers').
+  compiled region each way on CUDA, eager elsewhere (bitwise transformers'). Qwen2.5-VL's gate and up projections
+  read one input, whose gradient the second GEMM's epilogue sums (`linears_of_one_input`) instead of an eager `add`
+  after both: the one result of this group that is not transformers' bit for bit in bf16 (one rounding instead of
+  two; in fp32 the same sum in another order).
 
 `compile_vision_blocks` (the recipe option `compile=True`) compiles each whole block on CUDA.
 
@@ -51,6 +54,7 @@ from qvl.foundation import patches
 from qvl.foundation.families import family_of_vision_config
 from qvl.kernels import compiled
 from qvl.kernels.speed_aligned_widths import hf_vision_towers
+from qvl.kernels.torch_wgrad_accum import linears_of_one_input
 from qvl.kernels.tower_inputs import TowerInputs
 
 logger = logging.getLogger(__name__)
@@ -289,13 +293,15 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 def lean_gated_mlp(original):
     """Patch factory for `Qwen2_5_VLMLP.forward`: the gate's SiLU and the product one compiled region each way on
     CUDA with Triton (eagerly: two kernels forward, three backward, and the activation written and read back), the
-    same math eagerly elsewhere (bitwise transformers'). Another activation runs transformers' forward."""
+    same math eagerly elsewhere (bitwise transformers'); the gate and up projections' input gradients summed in their
+    second GEMM (qvl.kernels.torch_wgrad_accum.linears_of_one_input: one bf16 rounding instead of two, no eager add).
+    Another activation runs transformers' forward."""
     from transformers.activations import SiLUActivation
 
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
         if type(self.act_fn) is not SiLUActivation:
             return original(self, hidden_state)
-        gate, up = self.gate_proj(hidden_state), self.up_proj(hidden_state)
+        gate, up = linears_of_one_input(hidden_state, self.gate_proj, self.up_proj)
         return self.down_proj(compiled.region(silu_gate, gate)(gate, up))
 
     return forward

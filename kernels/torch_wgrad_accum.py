@@ -19,9 +19,23 @@ The patch group `torch-wgrad-accum` (qvl.foundation.patches) puts these in Megat
 (`wgrad_gemm_accum_fp32` / `_fp16`) and its import check, and allocates the placeholder gradient the backward hands
 autograd on this process's device; `use_fused_wgrad_accumulation(provider)` applies it and turns the option on
 wherever the model is built without Transformer Engine (every device has a path above). Not covered: Megatron-Core's
-deferred embedding wgrad (`defer_embedding_wgrad_compute`, pipeline-parallel only) imports Apex itself. The replicated HF vision tower (Qwen2-VL,
-Qwen2.5-VL: most of the model's parameter tensors) is transformers' `nn.Linear`s, which Megatron's option does not
-reach: a pre-wrap hook gives each of them `MainGradLinear`'s backward, the same accumulation and flag.
+deferred embedding wgrad (`defer_embedding_wgrad_compute`, pipeline-parallel only) imports Apex itself. The
+replicated HF vision tower (Qwen2-VL, Qwen2.5-VL: most of the model's parameter tensors) is transformers'
+`nn.Linear`s, which Megatron's option does not reach: a pre-wrap hook gives each of them `MainGradLinear`'s backward,
+the same accumulation and flag.
+
+The word embedding is the largest weight and the option does not reach it either: `F.embedding`'s backward writes a
+dense `[vocab, hidden]` gradient per micro-batch (622 MB in bf16 for Qwen2.5-VL-3B's 151,936 x 2,048), which DDP's
+hook then adds into the fp32 `main_grad` (3.1 GB read and written); with the output layer tied to it on the same stage
+(Megatron-Core then sets `zero_out_wgrad`) the output layer's backward also hands autograd a zeroed placeholder of that
+size, and autograd adds the two first: ~6 GB of memory traffic per micro-batch for a few thousand rows. A second
+pre-wrap hook marks each first-stage word embedding (`main_grad_embeddings`), and in the group Megatron-Core's
+`VocabParallelEmbedding` calls `EmbeddingIntoMainGrad` for a marked weight with a `main_grad`: the gradient rows are
+added into `main_grad` (`index_put_` with `accumulate=True`, in fp32: on CUDA a sort-based kernel, the same order every
+run), the flag set, and autograd handed no gradient where the tied output layer hands it its placeholder (else an
+unwritten one, as the linears do); `zero_out_wgrad` is cleared while the path is taken, since every contribution is
+then in `main_grad` already. Not marked: `deterministic_mode` (the module indexes the weight instead) and Megatron's
+GTP weight rematerialisation.
 
 Numerics: in fp32 the GEMM adds its product into `main_grad` instead of into a zeroed `.grad` that the hook adds
 after, so the sums are the same but may round differently (tests/kernels/test_torch_wgrad_accum.py measures it); in bf16 the
@@ -35,6 +49,7 @@ import importlib.util
 import logging
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -128,6 +143,7 @@ def use_fused_wgrad_accumulation(provider: Any) -> None:
     provide_kernels()
     if not have_transformer_engine():
         provider.gradient_accumulation_fusion = True
+    provider.register_pre_wrap_hook(main_grad_embeddings)
     if getattr(provider, "vision_config", None) is not None:
         provider.register_pre_wrap_hook(main_grad_linears)
 
@@ -179,6 +195,160 @@ class LinearIntoMainGrad(torch.autograd.Function):
         )
         grad_bias = _bias_gradient(ctx.bias, grad_2d) if ctx.bias is not None and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias
+
+
+# The attribute `main_grad_embeddings` sets on a word embedding's weight: its `EmbeddingRoute`.
+EMBEDDING_ROUTE = "qvl_embedding_into_main_grad"
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EmbeddingRoute:
+    """How a marked word embedding hands its gradient over: `shared` when the output layer of the same stage uses the
+    same weight (its backward then hands autograd the weight's placeholder gradient), and Megatron-Core's
+    `zero_out_wgrad` as the model was built (restored where a call cannot take the path)."""
+
+    shared: bool
+    zero_out_wgrad: bool
+
+
+def main_grad_embeddings(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Pre-wrap hook: mark the word embeddings of the first stage for `EmbeddingIntoMainGrad` (when the model's
+    `gradient_accumulation_fusion` is on, so that a tied output layer's gradient is in `main_grad` too, and
+    `deterministic_mode` is off)."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    config = getattr(model[0], "config", None) if model else None
+    if not getattr(config, "gradient_accumulation_fusion", False) or getattr(config, "deterministic_mode", False):
+        return model
+    for chunk in model:
+        for module in chunk.modules():
+            embedding = getattr(getattr(module, "embedding", None), "word_embeddings", None)
+            if not isinstance(module, LanguageModule) or not module.pre_process or embedding is None:
+                continue
+            if getattr(embedding, "gtp_remat_size", 1) > 1:  # the forward embeds a rematerialised copy
+                continue
+            route = EmbeddingRoute(
+                shared=bool(module.share_embeddings_and_output_weights and module.post_process),
+                zero_out_wgrad=bool(getattr(embedding.weight, "zero_out_wgrad", False)),
+            )
+            setattr(embedding.weight, EMBEDDING_ROUTE, route)
+    return model
+
+
+class FunctionalWithEmbeddingIntoMainGrad:
+    """`torch.nn.functional` as megatron/core/tensor_parallel/layers.py sees it in the group (`F`, of which that module
+    calls only `F.embedding`): the embedding of a marked weight with a `main_grad` is `EmbeddingIntoMainGrad`,
+    everything else torch's."""
+
+    def __init__(self, functional: Any):
+        self._functional = functional
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._functional, name)
+
+    def embedding(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        route = getattr(weight, EMBEDDING_ROUTE, None)
+        if route is None:
+            return self._functional.embedding(input, weight, *args, **kwargs)
+        routed = (
+            not args
+            and not kwargs
+            and torch.is_grad_enabled()
+            and weight.requires_grad
+            and getattr(weight, "main_grad", None) is not None
+            and hasattr(weight, "grad_added_to_main_grad")
+        )
+        if route.zero_out_wgrad:  # the DDP hook would add the placeholder gradients into main_grad
+            weight.zero_out_wgrad = not routed
+        if not routed:
+            return self._functional.embedding(input, weight, *args, **kwargs)
+        return EmbeddingIntoMainGrad.apply(input, weight, route.shared)
+
+
+def embedding_into_main_grad(original: Any) -> FunctionalWithEmbeddingIntoMainGrad:
+    """Patch factory for `layers.F` (torch.nn.functional): `FunctionalWithEmbeddingIntoMainGrad` around it."""
+    return FunctionalWithEmbeddingIntoMainGrad(original)
+
+
+class EmbeddingIntoMainGrad(torch.autograd.Function):
+    """`F.embedding` forward; backward adds the gradient rows into the weight's `main_grad` and sets its
+    `grad_added_to_main_grad`; autograd gets no gradient for a `shared` weight (the tied output layer hands it the
+    placeholder) and an unwritten placeholder otherwise, for the DDP hook, which then skips its add."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, shared: bool) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.param, ctx.shared = weight, shared
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        param = ctx.param
+        embedding_gradient_into(param.main_grad, ids, grad_output)
+        param.grad_added_to_main_grad = True
+        if ctx.shared:
+            return None, None, None
+        return None, torch.empty(param.main_grad.shape, dtype=param.dtype, device=param.device), None
+
+
+def embedding_gradient_into(main_grad: torch.Tensor, ids: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """`main_grad[ids] += grad_output` over repeated ids, in `main_grad`'s dtype (the rows are not summed in bf16
+    first, as the dense gradient was)."""
+    rows = grad_output.reshape(-1, grad_output.shape[-1]).to(main_grad.dtype)
+    main_grad.index_put_((ids.reshape(-1),), rows, accumulate=True)
+
+
+def linears_of_one_input(
+    input: torch.Tensor, first: torch.nn.Module, second: torch.nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`first(input), second(input)` for two linears of one class (`nn.Linear`, or `MainGradLinear`: weight and bias
+    gradients into `main_grad`) that read one input, such as Qwen2.5-VL's vision gate and up projections:
+    `LinearsOfOneInput`. Other modules (an adapter around a linear) are called as they are."""
+    kind = type(first)
+    if kind not in (torch.nn.Linear, MainGradLinear) or type(second) is not kind:
+        return first(input), second(input)
+    into_main_grad = kind is MainGradLinear
+    return LinearsOfOneInput.apply(input, into_main_grad, first.weight, first.bias, second.weight, second.bias)
+
+
+class LinearsOfOneInput(torch.autograd.Function):
+    """Two `F.linear`s of one input. Backward, the input's gradient is one GEMM and a second that adds its product
+    into the first's result (`addmm_`, beta = 1: the add is the GEMM's epilogue, and in bf16 the sum is rounded once)
+    instead of two GEMMs and autograd's eager add of their results (a read of two and a write of one input-sized
+    tensor); the weight and bias gradients as autograd's or, `into_main_grad`, as `LinearIntoMainGrad`'s."""
+
+    @staticmethod
+    def forward(ctx, input, into_main_grad: bool, first_weight, first_bias, second_weight, second_bias):
+        ctx.save_for_backward(input, first_weight, second_weight)
+        ctx.params, ctx.biases = (first_weight, second_weight), (first_bias, second_bias)
+        ctx.into_main_grad = into_main_grad
+        return F.linear(input, first_weight, first_bias), F.linear(input, second_weight, second_bias)
+
+    @staticmethod
+    def backward(ctx, first_grad: torch.Tensor, second_grad: torch.Tensor):
+        input, first_weight, second_weight = ctx.saved_tensors
+        grads = (first_grad, second_grad)
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = first_grad.matmul(first_weight)
+            grad_input.view(-1, grad_input.shape[-1]).addmm_(
+                second_grad.reshape(-1, second_grad.shape[-1]), second_weight
+            )
+        input_2d = input.reshape(-1, input.shape[-1])
+        weights, biases = [], []
+        for i, (param, bias, grad) in enumerate(zip(ctx.params, ctx.biases, grads)):
+            grad_2d = grad.reshape(-1, grad.shape[-1])
+            weight_grad = bias_grad = None
+            if ctx.needs_input_grad[2 + 2 * i]:
+                weight_grad = (
+                    _weight_gradient(param, grad_2d, input_2d) if ctx.into_main_grad else grad_2d.t().mm(input_2d)
+                )
+            if bias is not None and ctx.needs_input_grad[3 + 2 * i]:
+                bias_grad = _bias_gradient(bias, grad_2d) if ctx.into_main_grad else grad_2d.sum(0)
+            weights.append(weight_grad)
+            biases.append(bias_grad)
+        return grad_input, None, weights[0], biases[0], weights[1], biases[1]
 
 
 def bias_gradient_into(main_grad: torch.Tensor, grad_2d: torch.Tensor) -> None:

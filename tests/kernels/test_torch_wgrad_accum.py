@@ -4,6 +4,8 @@ fusion on and off (fp32, CPU): the same losses and `main_grad`s up to fp32 round
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -11,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qvl.foundation import patches
 from qvl.kernels import torch_wgrad_accum
 from qvl.kernels.torch_wgrad_accum import MainGradLinear, accumulate_wgrad
+from tests.numerics import assert_as_close_as_eager
 
 STEPS, MICRO_BATCHES, LR = 3, 2, 0.5
 
@@ -112,6 +115,73 @@ def test_bf16_on_cpu_without_a_kernel_keeps_the_unfused_numerics_and_with_one_ru
     assert not torch_wgrad_accum.mixed_precision_addmm_usable(torch.device("cpu"))  # the kernel is gone again
 
 
+def _pair(dtype: torch.dtype, seed: int = 5) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(64, 96, dtype=dtype), torch.nn.Linear(64, 80, dtype=dtype)
+
+
+def _grads_of_pair(first, second, x, fused: bool) -> tuple[torch.Tensor, ...]:
+    """Outputs, the input's gradient and the parameters' of `first(x)` and `second(x)` under a fixed loss."""
+    x = x.detach().clone().requires_grad_()
+    a, b = torch_wgrad_accum.linears_of_one_input(x, first, second) if fused else (first(x), second(x))
+    (a.double().sin().sum() + b.double().cos().sum()).backward()
+    params = [p.grad.clone() for p in (*first.parameters(), *second.parameters())]
+    for module in (first, second):
+        module.zero_grad(set_to_none=True)
+    return a, b, x.grad, *params
+
+
+def test_two_linears_of_one_input_sum_the_input_gradient_in_the_second_gemm():
+    """Qwen2.5-VL's gate and up projections: outputs, weight and bias gradients bit for bit those of two `nn.Linear`
+    calls; the input's gradient one GEMM and one `addmm_` into its result, no eager add (fp32: the same sum in another
+    order; bf16: one rounding instead of two, at least as close to float64 as autograd's sum)."""
+    first, second = _pair(torch.float32)
+    x = torch.randn(3, 50, 64)
+    fused, plain = _grads_of_pair(first, second, x, True), _grads_of_pair(first, second, x, False)
+    for i, (a, b) in enumerate(zip(fused, plain, strict=True)):
+        if i == 2:  # the input's gradient
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(a, b), i
+    with _AtenOps() as fused_ops:
+        _grads_of_pair(first, second, x, True)
+    with _AtenOps() as plain_ops:
+        _grads_of_pair(first, second, x, False)
+    adds = [ops.names.count("aten.add.Tensor") for ops in (fused_ops, plain_ops)]
+    assert adds == [1, 2]  # the loss's; autograd's sum of the two input gradients only without
+    assert fused_ops.names.count("aten.addmm_.default") == 1 and "aten.addmm_.default" not in plain_ops.names
+
+    first, second, x = first.bfloat16(), second.bfloat16(), x.bfloat16()
+    exact = _grads_of_pair(*(copy.deepcopy(m).double() for m in (first, second)), x.double(), False)[2]
+    fused, plain = _grads_of_pair(first, second, x, True)[2], _grads_of_pair(first, second, x, False)[2]
+    assert not torch.equal(fused, plain)
+    assert_as_close_as_eager(fused, plain, exact, what="bf16 input gradient", slack=1.0)
+
+
+def test_two_linears_of_one_input_accumulate_into_main_grad_and_leave_other_modules_alone():
+    """`MainGradLinear`s add their weight and bias gradients into `main_grad`; `nn.Linear`s (the fusion off) return
+    them to autograd even where DDP gave their parameters a `main_grad`."""
+    plain_first, plain_second = _pair(torch.float32, seed=6)
+    first, second = _pair(torch.float32, seed=6)
+    for module in (first, second, plain_first, plain_second):
+        for param in module.parameters():
+            param.main_grad, param.grad_added_to_main_grad = torch.zeros_like(param), False
+    for module in (first, second):
+        module.__class__ = MainGradLinear
+    x = torch.randn(40, 64)
+    _grads_of_pair(first, second, x, True)
+    expected = _grads_of_pair(plain_first, plain_second, x, True)[3:]
+    for param, plain_param, grad in zip(
+        (*first.parameters(), *second.parameters()), (*plain_first.parameters(), *plain_second.parameters()), expected
+    ):
+        assert param.grad_added_to_main_grad and not plain_param.grad_added_to_main_grad
+        assert not plain_param.main_grad.any()
+        torch.testing.assert_close(param.main_grad, grad, rtol=1e-6, atol=1e-7)
+    adapter = torch.nn.Sequential(plain_first)  # not a plain linear: called as it is
+    a, b = torch_wgrad_accum.linears_of_one_input(x, adapter, plain_second)
+    assert a.grad_fn.name() == "AddmmBackward0" and b.grad_fn.name() == "AddmmBackward0"
+
+
 class _AtenOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -139,9 +209,29 @@ def test_megatron_kernels_stand_in_for_apex():
         patches.apply(torch_wgrad_accum.GROUP)
 
 
+class _VocabSizedOps(TorchDispatchMode):
+    """The ops whose result has the word embedding's shape: in-place writes into its `main_grad` (`into`), and new
+    tensors (`others`: its dense gradient, their sums, a placeholder)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight, self.into, self.others = weight, set(), set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if isinstance(out, torch.Tensor) and out.shape == self.weight.shape and name != "detach":
+            if out.data_ptr() == self.weight.main_grad.data_ptr():
+                self.into.add(name)
+            elif not any(isinstance(a, torch.Tensor) and a.data_ptr() == out.data_ptr() for a in args):
+                self.others.add(name)
+        return out
+
+
 def train_with_and_without_fusion(hf_path: str) -> dict:
     """A tiny Qwen2.5-VL built by its recipe (fp32), through Megatron-Core's DDP: STEPS SGD steps of MICRO_BATCHES
-    micro-batches with gradient_accumulation_fusion on, then off, from the same weights."""
+    micro-batches with gradient_accumulation_fusion on, then off, from the same weights; with its word embedding and
+    output layer separate (the tiny config's), then tied."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.utils import unwrap_model
@@ -152,25 +242,28 @@ def train_with_and_without_fusion(hf_path: str) -> dict:
 
     parallel_state.destroy_model_parallel()
     distributed.init_distributed(tensor_parallel=1)
-    initial, out = None, {}
-    for fused in (True, False):
+    initial, out = {}, {}
+    for tied, fused in ((False, True), (False, False), (True, True), (True, False)):
         cfg = get_recipe("qwen2_5_vl_3b_sft").fn(hf_path=hf_path, precision="fp32", tensor_parallel=1)
         fusion_by_recipe = cfg.model.gradient_accumulation_fusion
         cfg.model.gradient_accumulation_fusion = fused
+        cfg.model.share_embeddings_and_output_weights = tied
         cfg.model.finalize()
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
         (model,) = cfg.model.provide_distributed_model(ddp_config=ddp, use_cpu_initialization=True)
         vlm = unwrap_model(model)
-        if initial is None:
-            initial = {k: v.clone() for k, v in vlm.state_dict().items() if isinstance(v, torch.Tensor)}
-        vlm.load_state_dict(initial, strict=False)
-        losses, marked = [], set()
+        if tied not in initial:
+            initial[tied] = {k: v.clone() for k, v in vlm.state_dict().items() if isinstance(v, torch.Tensor)}
+        vlm.load_state_dict(initial[tied], strict=False)
+        embedding = vlm.language_model.embedding.word_embeddings.weight
+        losses, marked, vocab_sized = [], set(), _VocabSizedOps(embedding)
         for step in range(STEPS):
             model.zero_grad_buffer()
             for micro_batch in range(MICRO_BATCHES):
                 batch = _batch(vlm.config, [[1, 8, 8], [1, 4, 8]], seed=10 * step + micro_batch)
                 loss = (model(**_forward_kwargs(batch)) * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-                loss.backward()
+                with vocab_sized:
+                    loss.backward()
                 losses.append(float(loss))
             marked |= {n for n, p in vlm.named_parameters() if p.grad_added_to_main_grad}
             finalize_model_grads([model])
@@ -180,8 +273,9 @@ def train_with_and_without_fusion(hf_path: str) -> dict:
                 for p in model.parameters():
                     p -= LR * p.main_grad
         tower_linears = sum(isinstance(m, MainGradLinear) for m in vlm.visual.modules())
-        out[fused] = {"losses": losses, "grads": grads, "marked": marked, "tower_linears": tower_linears,
-                      "by_recipe": fusion_by_recipe}  # fmt: skip
+        out[tied, fused] = {"losses": losses, "grads": grads, "marked": marked, "tower_linears": tower_linears,
+                            "by_recipe": fusion_by_recipe, "into_main_grad": vocab_sized.into, "vocab_sized": vocab_sized.others,
+                            "shared": vlm.language_model.output_layer.weight is None}  # fmt: skip
     parallel_state.destroy_model_parallel()
     return out
 
@@ -204,8 +298,20 @@ def trained(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-def test_megatron_training_with_fusion_matches_the_unfused_path(trained):
-    fused, unfused = trained[True], trained[False]
+@pytest.mark.parametrize("tied", [False, True], ids=["separate-output-layer", "tied-output-layer"])
+def test_megatron_training_with_fusion_matches_the_unfused_path(trained, tied):
+    fused, unfused = trained[tied, True], trained[tied, False]
+    assert fused["shared"] == unfused["shared"] == tied
+    # The word embedding's gradient rows went into main_grad (tied, the output layer's GEMM too); no dense gradient,
+    # sum or zeroed placeholder of its size was written (only unwritten placeholders for the DDP hook: tied, the output
+    # layer's alone, as it no longer zeroes it).
+    # Without the fusion: the dense gradient, the output layer's (`mm`, of the same shape) and, tied, autograd's sum of
+    # the two, then DDP's add into main_grad.
+    assert fused["into_main_grad"] == ({"index_put_", "addmm_"} if tied else {"index_put_"})
+    assert fused["vocab_sized"] == {"empty"}
+    assert unfused["into_main_grad"] == {"add_"}
+    assert unfused["vocab_sized"] == {"embedding_dense_backward", "mm"} | ({"add"} if tied else set())
+    assert "language_model.embedding.word_embeddings.weight" in fused["marked"]
     assert fused["by_recipe"]  # the recipe turns it on (no TE here)
     # Every linear weight of the LM and of the HF tower skipped the DDP hook's add; nothing did without the fusion.
     assert unfused["marked"] == set() and unfused["tower_linears"] == 0
