@@ -195,6 +195,9 @@ def second_profile_checks(result: dict, model: StepTimeModel) -> list[dict]:
     the eager optimizer, the host) ran code since changed, and is not compared."""
     ops, parts = result["step"]["ops"], model.parts(result["step"])
     calls = {name: ops.get(name, 0) for name in SECOND_PROFILE["calls"]}
+    # Qwen2.5-VL's gate and up projections' second input-gradient GEMM adds into the first's result now (`addmm_`);
+    # that run's code made it an `mm`.
+    calls["mm"] += ops.get("addmm_", 0)
     checks = [{"figure": f"GEMM and attention calls per step, census / 2026-11-26 H100 profile: {calls} / "
                          f"{SECOND_PROFILE['calls']}", "value": calls == SECOND_PROFILE["calls"], "goal": "equal",
                "met": calls == SECOND_PROFILE["calls"]}]  # fmt: skip
