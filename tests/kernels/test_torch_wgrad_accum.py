@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qvl.foundation import patches
 from qvl.kernels import torch_wgrad_accum
 from qvl.kernels.torch_wgrad_accum import MainGradLinear, accumulate_wgrad
-from tests.numerics import assert_as_close_as_eager
+from tests.numerics import assert_as_close_as_eager, relative_error
 
 STEPS, MICRO_BATCHES, LR = 3, 2, 0.5
 
@@ -360,3 +360,40 @@ def test_bf16_fused_accumulation_matches_the_unfused_path_on_cuda():
     fused(x).backward(grad)
     torch.testing.assert_close(fused.weight.main_grad, plain.weight.grad.float(), rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(fused.bias.grad, plain.bias.grad)  # the same reduction of the same bf16 gradient
+
+
+def _embedding_gradients(device: str, dtype: torch.dtype, micro_batches: int = 4, vocab: int = 4096):
+    """The word embedding's gradient over `micro_batches` packs of repeated ids: into an fp32 main_grad by
+    `embedding_gradient_into`, by the dense path (F.embedding's backward, then the fp32 add) and in float64."""
+    torch.manual_seed(3)
+    weight = torch.randn(vocab, 256, device=device, dtype=dtype, requires_grad=True)
+    main_grad = torch.zeros(vocab, 256, device=device)
+    dense, exact = main_grad.clone(), main_grad.double()
+    for _ in range(micro_batches):
+        ids = torch.randint(0, vocab // 8, (2048,), device=device)  # every id used ~16 times
+        grad = torch.randn(2048, 256, device=device, dtype=dtype)
+        torch_wgrad_accum.embedding_gradient_into(main_grad, ids, grad)
+        (weight_grad,) = torch.autograd.grad(torch.nn.functional.embedding(ids, weight), weight, grad)
+        dense += weight_grad.float()
+        exact.index_add_(0, ids, grad.double())
+    return main_grad, dense, exact
+
+
+def test_embedding_gradient_rows_go_into_main_grad_as_the_dense_gradient_would():
+    """fp32: the dense path's sums to fp32 rounding; bf16 gradients: the rows summed in fp32 (the dense gradient is
+    rounded to bf16 per micro-batch first), so at least as close to float64."""
+    main_grad, dense, exact = _embedding_gradients("cpu", torch.float32)
+    torch.testing.assert_close(main_grad, dense, rtol=1e-5, atol=1e-5)
+    main_grad, dense, exact = _embedding_gradients("cpu", torch.bfloat16)
+    assert relative_error(main_grad, exact) < relative_error(dense, exact) / 10
+
+
+@pytest.mark.gpu
+def test_embedding_gradient_into_main_grad_on_cuda_is_exact_to_fp32_and_the_same_every_run():
+    """On CUDA `index_put_` with `accumulate=True` sorts the ids and sums each row's gradients in one order: two runs
+    give the same bits (what docs/performance.md says), and bf16 gradients land closer to float64 than the dense
+    path's bf16 gradient does."""
+    first, dense, exact = _embedding_gradients("cuda", torch.bfloat16)
+    second, _, _ = _embedding_gradients("cuda", torch.bfloat16)
+    assert torch.equal(first, second)
+    assert relative_error(first, exact) < relative_error(dense, exact)
