@@ -27,9 +27,10 @@ the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `sp
   left but the last block's, forward or backward.
 - `lean_gated_mlp` / `lean_mlp`: the MLP's activation (Qwen2.5-VL's `silu(gate) * up`, Qwen2-VL's QuickGELU) one
   compiled region each way on CUDA, eager elsewhere (bitwise transformers'). Qwen2.5-VL's gate and up projections
-  read one input, whose gradient the second GEMM's epilogue sums (`linears_of_one_input`) instead of an eager `add`
-  after both: the one result of this group that is not transformers' bit for bit in bf16 (one rounding instead of
-  two; in fp32 the same sum in another order).
+  and its activation are one autograd Function (`SiluGatedProjections`): backward the activation's region also sums
+  the two bias gradients as it writes the gate and up gradients, and the input's gradient is summed in the second
+  GEMM's epilogue instead of an eager `add` after both, the one result of this group that is not transformers' bit
+  for bit in bf16 (one rounding instead of two; in fp32 the same sum in another order).
 
 `compile_vision_blocks` (the recipe option `compile=True`) compiles each whole block on CUDA.
 
@@ -54,7 +55,7 @@ from qvl.foundation import patches
 from qvl.foundation.families import family_of_vision_config
 from qvl.kernels import compiled
 from qvl.kernels.speed_aligned_widths import hf_vision_towers
-from qvl.kernels.torch_wgrad_accum import linears_of_one_input
+from qvl.kernels.torch_wgrad_accum import MainGradLinear, bias_gradient_of_sum, weight_gradient
 from qvl.kernels.tower_inputs import TowerInputs
 
 logger = logging.getLogger(__name__)
@@ -290,19 +291,87 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
+def silu_gate_gradient(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of `silu_gate`'s inputs: autograd's ops on the same values (its backward bit for bit)."""
+    return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
+def silu_gate_gradient_and_sums(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`silu_gate_gradient` and the two gradients' sums over the patches in fp32 (the gate and up projections' bias
+    gradients), which one compiled region takes from the values it writes instead of reading them back."""
+    gate_grad, up_grad = silu_gate_gradient(gate, up, grad)
+    gate_sum = gate_grad.reshape(-1, gate_grad.shape[-1]).sum(0, dtype=torch.float32)
+    up_sum = up_grad.reshape(-1, up_grad.shape[-1]).sum(0, dtype=torch.float32)
+    return gate_grad, up_grad, gate_sum, up_sum
+
+
+def silu_gated_projections(x: torch.Tensor, gate_proj: torch.nn.Module, up_proj: torch.nn.Module) -> torch.Tensor:
+    """`silu(gate_proj(x)) * up_proj(x)` as `SiluGatedProjections` where both are linears of one class (`nn.Linear`,
+    or qvl.kernels.torch_wgrad_accum's `MainGradLinear`), else by calling the modules (an adapter around one)."""
+    kind = type(gate_proj)
+    if kind not in (torch.nn.Linear, MainGradLinear) or type(up_proj) is not kind:
+        gate, up = gate_proj(x), up_proj(x)
+        return compiled.region(silu_gate, gate)(gate, up)
+    into_main_grad = kind is MainGradLinear and getattr(gate_proj.weight, "main_grad", None) is not None
+    return SiluGatedProjections.apply(x, into_main_grad, gate_proj.weight, gate_proj.bias, up_proj.weight, up_proj.bias)
+
+
+class SiluGatedProjections(torch.autograd.Function):
+    """Qwen2.5-VL's vision MLP up to its down projection, `silu(x Wg^T + bg) * (x Wu^T + bu)`, keeping `gate` and `up`
+    for backward (as the compiled `silu_gate` region did). Backward:
+    - the activation's gradient one compiled region on CUDA (`silu_gate_gradient`); with the weights' gradients going
+      into `main_grad` (`into_main_grad`, DDP's fusion on), that region also sums the gate and up gradients into the
+      two bias gradients as it writes them (`silu_gate_gradient_and_sums`), where two bias-gradient regions read both
+      back (2 x 66 MB per block and pack at Qwen2.5-VL's width and 9,680 patches);
+    - `x`'s gradient one GEMM and a second that adds its product into the first's result (`addmm_`, beta = 1: the add
+      is the GEMM's epilogue, in bf16 one rounding instead of two) instead of two GEMMs and autograd's eager add;
+    - the weight gradients as `MainGradLinear`'s or, without `into_main_grad`, as autograd's.
+    Eagerly (CPU) everything but `x`'s gradient is transformers' bit for bit (the bias gradients: the same sums as
+    `bias_gradient_into`'s)."""
+
+    @staticmethod
+    def forward(ctx, x, into_main_grad: bool, gate_weight, gate_bias, up_weight, up_bias):
+        gate, up = F.linear(x, gate_weight, gate_bias), F.linear(x, up_weight, up_bias)
+        ctx.save_for_backward(x, gate, up, gate_weight, up_weight)
+        # The parameters themselves, for their main_grad (recomputed forwards save detached aliases without it).
+        ctx.params, ctx.biases, ctx.into_main_grad = (gate_weight, up_weight), (gate_bias, up_bias), into_main_grad
+        return compiled.region(silu_gate, gate)(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, gate, up, gate_weight, up_weight = ctx.saved_tensors
+        if ctx.into_main_grad:
+            gate_grad, up_grad, *sums = compiled.region(silu_gate_gradient_and_sums, gate)(gate, up, grad)
+        else:
+            (gate_grad, up_grad), sums = compiled.region(silu_gate_gradient, gate)(gate, up, grad), (None, None)
+        grads = [gate_grad.reshape(-1, gate_grad.shape[-1]), up_grad.reshape(-1, up_grad.shape[-1])]
+        x_grad = None
+        if ctx.needs_input_grad[0]:
+            x_grad = gate_grad.matmul(gate_weight)
+            x_grad.view(-1, x_grad.shape[-1]).addmm_(grads[1], up_weight)
+        x_2d = x.reshape(-1, x.shape[-1])
+        params = []
+        for i, (weight, bias, grad_2d, column_sum) in enumerate(zip(ctx.params, ctx.biases, grads, sums)):
+            weight_grad = bias_grad = None
+            if ctx.needs_input_grad[2 + 2 * i]:
+                weight_grad = weight_gradient(weight, grad_2d, x_2d) if ctx.into_main_grad else grad_2d.t().mm(x_2d)
+            if bias is not None and ctx.needs_input_grad[3 + 2 * i]:
+                bias_grad = bias_gradient_of_sum(bias, column_sum) if ctx.into_main_grad else grad_2d.sum(0)
+            params += [weight_grad, bias_grad]
+        return x_grad, None, *params
+
+
 def lean_gated_mlp(original):
-    """Patch factory for `Qwen2_5_VLMLP.forward`: the gate's SiLU and the product one compiled region each way on
-    CUDA with Triton (eagerly: two kernels forward, three backward, and the activation written and read back), the
-    same math eagerly elsewhere (bitwise transformers'); the gate and up projections' input gradients summed in their
-    second GEMM (qvl.kernels.torch_wgrad_accum.linears_of_one_input: one bf16 rounding instead of two, no eager add).
-    Another activation runs transformers' forward."""
+    """Patch factory for `Qwen2_5_VLMLP.forward`: the gate and up projections and the activation as
+    `silu_gated_projections` (the activation one compiled region each way on CUDA with Triton; eagerly two kernels
+    forward, three backward, and the activation written and read back); bitwise transformers' on a CPU but for the
+    input's gradient (one bf16 rounding fewer). Another activation runs transformers' forward."""
     from transformers.activations import SiLUActivation
 
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
         if type(self.act_fn) is not SiLUActivation:
             return original(self, hidden_state)
-        gate, up = linears_of_one_input(hidden_state, self.gate_proj, self.up_proj)
-        return self.down_proj(compiled.region(silu_gate, gate)(gate, up))
+        return self.down_proj(silu_gated_projections(hidden_state, self.gate_proj, self.up_proj))
 
     return forward
 

@@ -189,9 +189,7 @@ class LinearIntoMainGrad(torch.autograd.Function):
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_weight = (
-            _weight_gradient(ctx.param, grad_2d, input.reshape(-1, input.shape[-1]))
-            if ctx.needs_input_grad[1]
-            else None
+            weight_gradient(ctx.param, grad_2d, input.reshape(-1, input.shape[-1])) if ctx.needs_input_grad[1] else None
         )
         grad_bias = _bias_gradient(ctx.bias, grad_2d) if ctx.bias is not None and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias
@@ -299,58 +297,6 @@ def embedding_gradient_into(main_grad: torch.Tensor, ids: torch.Tensor, grad_out
     main_grad.index_put_((ids.reshape(-1),), rows, accumulate=True)
 
 
-def linears_of_one_input(
-    input: torch.Tensor, first: torch.nn.Module, second: torch.nn.Module
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`first(input), second(input)` for two linears of one class (`nn.Linear`, or `MainGradLinear`: weight and bias
-    gradients into `main_grad`) that read one input, such as Qwen2.5-VL's vision gate and up projections:
-    `LinearsOfOneInput`. Other modules (an adapter around a linear) are called as they are."""
-    kind = type(first)
-    if kind not in (torch.nn.Linear, MainGradLinear) or type(second) is not kind:
-        return first(input), second(input)
-    into_main_grad = kind is MainGradLinear
-    return LinearsOfOneInput.apply(input, into_main_grad, first.weight, first.bias, second.weight, second.bias)
-
-
-class LinearsOfOneInput(torch.autograd.Function):
-    """Two `F.linear`s of one input. Backward, the input's gradient is one GEMM and a second that adds its product
-    into the first's result (`addmm_`, beta = 1: the add is the GEMM's epilogue, and in bf16 the sum is rounded once)
-    instead of two GEMMs and autograd's eager add of their results (a read of two and a write of one input-sized
-    tensor); the weight and bias gradients as autograd's or, `into_main_grad`, as `LinearIntoMainGrad`'s."""
-
-    @staticmethod
-    def forward(ctx, input, into_main_grad: bool, first_weight, first_bias, second_weight, second_bias):
-        ctx.save_for_backward(input, first_weight, second_weight)
-        ctx.params, ctx.biases = (first_weight, second_weight), (first_bias, second_bias)
-        ctx.into_main_grad = into_main_grad
-        return F.linear(input, first_weight, first_bias), F.linear(input, second_weight, second_bias)
-
-    @staticmethod
-    def backward(ctx, first_grad: torch.Tensor, second_grad: torch.Tensor):
-        input, first_weight, second_weight = ctx.saved_tensors
-        grads = (first_grad, second_grad)
-        grad_input = None
-        if ctx.needs_input_grad[0]:
-            grad_input = first_grad.matmul(first_weight)
-            grad_input.view(-1, grad_input.shape[-1]).addmm_(
-                second_grad.reshape(-1, second_grad.shape[-1]), second_weight
-            )
-        input_2d = input.reshape(-1, input.shape[-1])
-        weights, biases = [], []
-        for i, (param, bias, grad) in enumerate(zip(ctx.params, ctx.biases, grads)):
-            grad_2d = grad.reshape(-1, grad.shape[-1])
-            weight_grad = bias_grad = None
-            if ctx.needs_input_grad[2 + 2 * i]:
-                weight_grad = (
-                    _weight_gradient(param, grad_2d, input_2d) if ctx.into_main_grad else grad_2d.t().mm(input_2d)
-                )
-            if bias is not None and ctx.needs_input_grad[3 + 2 * i]:
-                bias_grad = _bias_gradient(bias, grad_2d) if ctx.into_main_grad else grad_2d.sum(0)
-            weights.append(weight_grad)
-            biases.append(bias_grad)
-        return grad_input, None, weights[0], biases[0], weights[1], biases[1]
-
-
 def bias_gradient_into(main_grad: torch.Tensor, grad_2d: torch.Tensor) -> None:
     """`main_grad += grad_2d.sum(0)`, the sum in `main_grad`'s dtype (in fp32 the same values as the unfused sum and
     add; with bf16 gradients the sum is not rounded to bf16 first)."""
@@ -368,7 +314,20 @@ def _bias_gradient(bias: torch.Tensor, grad_2d: torch.Tensor) -> torch.Tensor | 
     return torch.empty(main_grad.shape, dtype=bias.dtype, device=bias.device)  # for the DDP hook, which skips it
 
 
-def _weight_gradient(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor | None:
+def bias_gradient_of_sum(bias: torch.Tensor, column_sum: torch.Tensor) -> torch.Tensor:
+    """The bias gradient from its already summed `grad_2d.sum(0)` (fp32, from a region that wrote `grad_2d`), added
+    into its `main_grad` where DDP gave it one (one small add; the placeholder returned), else in the bias's dtype."""
+    main_grad = getattr(bias, "main_grad", None)
+    if main_grad is None or not hasattr(bias, "grad_added_to_main_grad"):
+        return column_sum.to(bias.dtype)
+    main_grad.add_(column_sum)
+    bias.grad_added_to_main_grad = True
+    return torch.empty(main_grad.shape, dtype=bias.dtype, device=bias.device)  # for the DDP hook, which skips it
+
+
+def weight_gradient(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor | None:
+    """The weight gradient `grad_2d^T @ input_2d`, added into its `main_grad` in the GEMM where DDP gave it one
+    (the placeholder returned, or None without DDP's flag)."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
         return grad_2d.t().mm(input_2d)

@@ -61,6 +61,13 @@ def tiny_tower(family: str, dtype=torch.float32, attention: str = "sdpa"):
     return tower
 
 
+def plain_mlp_front(x, gate_proj, up_proj):
+    """Qwen2.5-VL's gate and up projections called one by one and the activation region, as transformers' MLP runs
+    (`silu_gated_projections` sums their input gradient in its second GEMM, not transformers' bits)."""
+    gate = gate_proj(x)
+    return compiled.region(speed_hf_vision.silu_gate, gate)(gate, up_proj(x))
+
+
 def pixels(tower, dtype=torch.float32) -> torch.Tensor:
     config = tower.config
     width = config.in_channels * config.temporal_patch_size * config.patch_size**2
@@ -216,7 +223,7 @@ def test_lean_block_attention_and_mlp_are_transformers_bit_for_bit(family, cuda_
     with the same attention function and inputs: outputs and every gradient bitwise equal, in bf16; only the first
     block's first norm runs as a module (the others' run inside the previous block's region). The gate and up
     projections run as two calls here: their input gradient's sum in one GEMM is one bf16 rounding fewer, not
-    transformers' bits (tests/kernels/test_torch_wgrad_accum.py holds it against fp64)."""
+    transformers' bits (tests/kernels/test_speed_hf_vision_block.py holds it against fp64)."""
     from qvl.kernels.varlen_attention import register_hf_varlen_attention
 
     if cuda_path:
@@ -227,7 +234,7 @@ def test_lean_block_attention_and_mlp_are_transformers_bit_for_bit(family, cuda_
     results = []
     for lean in (True, False):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(speed_hf_vision, "linears_of_one_input", lambda x, first, second: (first(x), second(x)))
+            patch.setattr(speed_hf_vision, "silu_gated_projections", plain_mlp_front)
             if not lean:
                 for factory in ("lean_block", "lean_attention", "lean_gated_mlp", "lean_mlp"):
                     patch.setattr(speed_hf_vision, factory, lambda original: original)

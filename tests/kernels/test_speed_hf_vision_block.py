@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qvl.foundation import patches
 from qvl.kernels import compiled, speed_hf_vision
 from qvl.kernels.tower_inputs import tower_inputs_for_config
-from tests.kernels.test_speed_hf_vision import GRIDS, HF_TOWER_FAMILIES, pixels, tiny_tower
+from tests.kernels.test_speed_hf_vision import GRIDS, HF_TOWER_FAMILIES, pixels, plain_mlp_front, tiny_tower
 from tests.numerics import assert_as_close_as_eager
 
 
@@ -74,6 +74,7 @@ def test_block_and_rotary_take_their_compiled_regions_where_compiled_regions_run
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(compiled, "runs_compiled", lambda tensor: True)
             patch.setattr(compiled, "compiled", counting_regions(regions, mode))
+            patch.setattr(speed_hf_vision, "silu_gated_projections", plain_mlp_front)  # its own tests: below
             if not lean:
                 patch.setattr(speed_hf_vision, "lean_block", lambda original: original)
                 patch.setattr(speed_hf_vision, "rotated_qkv", unfused_rotated_qkv)
@@ -243,3 +244,98 @@ def test_with_its_first_blocks_recomputed_the_carried_tower_trains_as_the_plain_
     (out, grads), (plain_out, plain_grads) = results
     assert torch.equal(out, plain_out)
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+
+
+def _mlp_front(dtype: torch.dtype, seed: int = 5) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    """A gate and an up projection of Qwen2.5-VL's vision MLP, at toy widths."""
+    torch.manual_seed(seed)
+    return torch.nn.Linear(64, 96, dtype=dtype), torch.nn.Linear(64, 96, dtype=dtype)
+
+
+def _run_mlp_front(gate_proj, up_proj, x, fused: bool) -> tuple[torch.Tensor, ...]:
+    """The activation, the input's gradient and the parameters' (`.grad`, else `main_grad`) under a fixed loss:
+    `silu_gated_projections` or transformers' composition."""
+    x = x.detach().clone().requires_grad_()
+    if fused:
+        out = speed_hf_vision.silu_gated_projections(x, gate_proj, up_proj)
+    else:
+        out = speed_hf_vision.silu_gate(gate_proj(x), up_proj(x))
+    out.double().sin().sum().backward()
+    params = [*gate_proj.parameters(), *up_proj.parameters()]
+    grads = [(p.grad if getattr(p, "main_grad", None) is None else p.main_grad).clone() for p in params]
+    for module in (gate_proj, up_proj):
+        module.zero_grad(set_to_none=True)
+    return out, x.grad, *grads
+
+
+def test_gate_and_up_projections_sum_the_input_gradient_in_the_second_gemm():
+    """`silu_gated_projections` against two `nn.Linear` calls and the activation: output, weight and bias gradients
+    bit for bit; the input's gradient one GEMM and one `addmm_` into its result, no eager add (fp32: the same sum in
+    another order; bf16: one rounding instead of two, at least as close to float64 as autograd's sum)."""
+    gate_proj, up_proj = _mlp_front(torch.float32)
+    x = torch.randn(3, 50, 64)
+    with OpsOutsideRegions() as fused_ops:
+        fused = _run_mlp_front(gate_proj, up_proj, x, True)
+    with OpsOutsideRegions() as plain_ops:
+        plain = _run_mlp_front(gate_proj, up_proj, x, False)
+    for i, (a, b) in enumerate(zip(fused, plain, strict=True)):
+        if i == 1:  # the input's gradient
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(a, b), i
+    assert "add" not in fused_ops.ops and plain_ops.ops.count("add") == 1  # autograd's sum of the two
+    assert fused_ops.ops.count("addmm_") == 1 and "addmm_" not in plain_ops.ops
+
+    gate_proj, up_proj, x = gate_proj.bfloat16(), up_proj.bfloat16(), x.bfloat16()
+    exact_modules = (torch.nn.Linear(64, 96, dtype=torch.float64) for _ in range(2))
+    exact_gate, exact_up = exact_modules
+    exact_gate.load_state_dict(gate_proj.state_dict()), exact_up.load_state_dict(up_proj.state_dict())
+    exact = _run_mlp_front(exact_gate, exact_up, x.double(), False)[1]
+    fused, plain = _run_mlp_front(gate_proj, up_proj, x, True)[1], _run_mlp_front(gate_proj, up_proj, x, False)[1]
+    assert not torch.equal(fused, plain)
+    assert_as_close_as_eager(fused, plain, exact, what="bf16 input gradient", slack=1.0)
+
+
+def test_gate_and_up_bias_gradients_are_summed_in_the_activations_gradient_region(monkeypatch):
+    """With DDP's `main_grad` (the HF tower's `MainGradLinear`s): where compiled regions run, the backward calls one
+    region that writes the gate and up gradients and sums them into the two bias gradients, and no bias-gradient
+    region reads them back; every `main_grad` is what the linears called one by one give, bit for bit (fp32). Plain
+    `nn.Linear`s with a `main_grad` (the fusion off) return their gradients to autograd."""
+    from qvl.kernels.torch_wgrad_accum import MainGradLinear
+
+    def linears(main_grad_linear: bool):
+        modules = _mlp_front(torch.float32, seed=6)
+        for module in modules:
+            for param in module.parameters():
+                param.main_grad, param.grad_added_to_main_grad = torch.zeros_like(param), False
+            if main_grad_linear:
+                module.__class__ = MainGradLinear
+        return modules
+
+    regions: list[str] = []
+    mode = OpsOutsideRegions()
+    monkeypatch.setattr(compiled, "runs_compiled", lambda tensor: True)
+    monkeypatch.setattr(compiled, "compiled", counting_regions(regions, mode))
+    x = torch.randn(40, 64)
+    fused_modules = linears(True)
+    with mode:
+        fused = _run_mlp_front(*fused_modules, x, True)
+    assert regions == ["silu_gate", "silu_gate_gradient_and_sums"]
+    assert all(p.grad_added_to_main_grad for m in fused_modules for p in m.parameters())
+    regions.clear()
+    reference = _run_mlp_front(*linears(True), x, False)
+    assert regions.count("bias_gradient_into") == 2  # the linears' own: each reads its gradient back
+    for a, b in zip(fused[2:], reference[2:], strict=True):
+        assert torch.equal(a, b)
+    plain_modules = linears(False)
+    _run_mlp_front(*plain_modules, x, True)
+    assert not any(p.grad_added_to_main_grad or p.main_grad.any() for m in plain_modules for p in m.parameters())
+
+
+def test_gate_and_up_projections_that_are_not_plain_linears_are_called_as_they_are():
+    gate_proj, up_proj = _mlp_front(torch.float32)
+    adapter = torch.nn.Sequential(gate_proj)  # an adapter around the linear, as PEFT wraps one
+    x = torch.randn(7, 64)
+    out = speed_hf_vision.silu_gated_projections(x, adapter, up_proj)
+    assert torch.equal(out, speed_hf_vision.silu_gate(gate_proj(x), up_proj(x)))
+    assert out.grad_fn.name() != "SiluGatedProjectionsBackward"

@@ -4,8 +4,6 @@ fusion on and off (fp32, CPU): the same losses and `main_grad`s up to fp32 round
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -13,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qvl.foundation import patches
 from qvl.kernels import torch_wgrad_accum
 from qvl.kernels.torch_wgrad_accum import MainGradLinear, accumulate_wgrad
-from tests.numerics import assert_as_close_as_eager, relative_error
+from tests.numerics import relative_error
 
 STEPS, MICRO_BATCHES, LR = 3, 2, 0.5
 
@@ -113,73 +111,6 @@ def test_bf16_on_cpu_without_a_kernel_keeps_the_unfused_numerics_and_with_one_ru
     # fp32 accumulation of the bf16 products: much closer to the exact sum than the bf16-rounded product
     assert (fused.double() - exact).abs().max() < (unfused.double() - exact).abs().max() / 10
     assert not torch_wgrad_accum.mixed_precision_addmm_usable(torch.device("cpu"))  # the kernel is gone again
-
-
-def _pair(dtype: torch.dtype, seed: int = 5) -> tuple[torch.nn.Linear, torch.nn.Linear]:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(64, 96, dtype=dtype), torch.nn.Linear(64, 80, dtype=dtype)
-
-
-def _grads_of_pair(first, second, x, fused: bool) -> tuple[torch.Tensor, ...]:
-    """Outputs, the input's gradient and the parameters' of `first(x)` and `second(x)` under a fixed loss."""
-    x = x.detach().clone().requires_grad_()
-    a, b = torch_wgrad_accum.linears_of_one_input(x, first, second) if fused else (first(x), second(x))
-    (a.double().sin().sum() + b.double().cos().sum()).backward()
-    params = [p.grad.clone() for p in (*first.parameters(), *second.parameters())]
-    for module in (first, second):
-        module.zero_grad(set_to_none=True)
-    return a, b, x.grad, *params
-
-
-def test_two_linears_of_one_input_sum_the_input_gradient_in_the_second_gemm():
-    """Qwen2.5-VL's gate and up projections: outputs, weight and bias gradients bit for bit those of two `nn.Linear`
-    calls; the input's gradient one GEMM and one `addmm_` into its result, no eager add (fp32: the same sum in another
-    order; bf16: one rounding instead of two, at least as close to float64 as autograd's sum)."""
-    first, second = _pair(torch.float32)
-    x = torch.randn(3, 50, 64)
-    fused, plain = _grads_of_pair(first, second, x, True), _grads_of_pair(first, second, x, False)
-    for i, (a, b) in enumerate(zip(fused, plain, strict=True)):
-        if i == 2:  # the input's gradient
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        else:
-            assert torch.equal(a, b), i
-    with _AtenOps() as fused_ops:
-        _grads_of_pair(first, second, x, True)
-    with _AtenOps() as plain_ops:
-        _grads_of_pair(first, second, x, False)
-    adds = [ops.names.count("aten.add.Tensor") for ops in (fused_ops, plain_ops)]
-    assert adds == [1, 2]  # the loss's; autograd's sum of the two input gradients only without
-    assert fused_ops.names.count("aten.addmm_.default") == 1 and "aten.addmm_.default" not in plain_ops.names
-
-    first, second, x = first.bfloat16(), second.bfloat16(), x.bfloat16()
-    exact = _grads_of_pair(*(copy.deepcopy(m).double() for m in (first, second)), x.double(), False)[2]
-    fused, plain = _grads_of_pair(first, second, x, True)[2], _grads_of_pair(first, second, x, False)[2]
-    assert not torch.equal(fused, plain)
-    assert_as_close_as_eager(fused, plain, exact, what="bf16 input gradient", slack=1.0)
-
-
-def test_two_linears_of_one_input_accumulate_into_main_grad_and_leave_other_modules_alone():
-    """`MainGradLinear`s add their weight and bias gradients into `main_grad`; `nn.Linear`s (the fusion off) return
-    them to autograd even where DDP gave their parameters a `main_grad`."""
-    plain_first, plain_second = _pair(torch.float32, seed=6)
-    first, second = _pair(torch.float32, seed=6)
-    for module in (first, second, plain_first, plain_second):
-        for param in module.parameters():
-            param.main_grad, param.grad_added_to_main_grad = torch.zeros_like(param), False
-    for module in (first, second):
-        module.__class__ = MainGradLinear
-    x = torch.randn(40, 64)
-    _grads_of_pair(first, second, x, True)
-    expected = _grads_of_pair(plain_first, plain_second, x, True)[3:]
-    for param, plain_param, grad in zip(
-        (*first.parameters(), *second.parameters()), (*plain_first.parameters(), *plain_second.parameters()), expected
-    ):
-        assert param.grad_added_to_main_grad and not plain_param.grad_added_to_main_grad
-        assert not plain_param.main_grad.any()
-        torch.testing.assert_close(param.main_grad, grad, rtol=1e-6, atol=1e-7)
-    adapter = torch.nn.Sequential(plain_first)  # not a plain linear: called as it is
-    a, b = torch_wgrad_accum.linears_of_one_input(x, adapter, plain_second)
-    assert a.grad_fn.name() == "AddmmBackward0" and b.grad_fn.name() == "AddmmBackward0"
 
 
 class _AtenOps(TorchDispatchMode):
