@@ -4,6 +4,8 @@ gradient; eagerly transformers' outputs and gradients bit for bit; compiled, as 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -339,3 +341,35 @@ def test_gate_and_up_projections_that_are_not_plain_linears_are_called_as_they_a
     out = speed_hf_vision.silu_gated_projections(x, adapter, up_proj)
     assert torch.equal(out, speed_hf_vision.silu_gate(gate_proj(x), up_proj(x)))
     assert out.grad_fn.name() != "SiluGatedProjectionsBackward"
+
+
+@pytest.mark.gpu
+def test_gate_and_up_projections_into_main_grad_are_as_close_to_fp64_as_eager_on_cuda():
+    """bf16 on CUDA, the tower's `MainGradLinear`s with fp32 `main_grad`s: `silu_gated_projections` (compiled
+    activation and gradient-and-sums regions, `addmm_`) against the linears called one by one with the activation
+    eagerly, both against float64, at Qwen2.5-VL's vision widths; input gradient and every `main_grad`."""
+    from qvl.kernels.torch_wgrad_accum import MainGradLinear
+
+    if not compiled.cuda_compile_usable():
+        pytest.skip("needs Triton")
+    torch.manual_seed(0)
+    modules = [torch.nn.Linear(1280, 3456, device="cuda") for _ in range(2)]
+    x = torch.randn(4096, 1280, device="cuda")
+
+    def run(dtype, fused: bool):
+        gate_proj, up_proj = (copy.deepcopy(m).to(dtype) for m in modules)
+        for module in (gate_proj, up_proj):
+            module.__class__ = MainGradLinear
+            for param in module.parameters():
+                param.main_grad = torch.zeros(
+                    param.shape, device="cuda", dtype=torch.float64 if dtype == torch.float64 else torch.float32
+                )
+                param.grad_added_to_main_grad = False
+        out = _run_mlp_front(gate_proj, up_proj, x.to(dtype), fused)
+        return out[1], *out[2:]
+
+    exact = run(torch.float64, False)
+    fused, eager = run(torch.bfloat16, True), run(torch.bfloat16, False)
+    names = ("input gradient", "gate weight", "gate bias", "up weight", "up bias")
+    for name, a, b, ref in zip(names, fused, eager, exact, strict=True):
+        assert_as_close_as_eager(a, b, ref, what=name)
