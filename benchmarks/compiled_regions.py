@@ -431,6 +431,8 @@ def cuda_compiled_regions(census):
         speed_hf_vision.silu_gate: "vision MLP silu_gate",
         speed_hf_vision.silu_gate_gradient: "vision MLP silu_gate gradient",
         speed_hf_vision.silu_gate_gradient_and_sums: "vision MLP silu_gate gradient and bias sums",
+        speed_hf_vision.quick_gelu_gradient: "vision MLP quick_gelu gradient",
+        speed_hf_vision.quick_gelu_gradient_and_sum: "vision MLP quick_gelu gradient and bias sum",
         speed_hf_vision.quick_gelu: "vision MLP quick_gelu",
         speed_rotary.rotary_whole_pack: "LM rotary",
         speed_rotary.rotary_absolute: "Qwen3-VL rotary",

@@ -26,11 +26,11 @@ the vision rotary, fp32 rotate-half with a `cat` per tensor. The patch group `sp
   are neither recomputed nor compiled: `tower_kwargs(inputs, tower)`), so that a tower's blocks have no eager add
   left but the last block's, forward or backward.
 - `lean_gated_mlp` / `lean_mlp`: the MLP's activation (Qwen2.5-VL's `silu(gate) * up`, Qwen2-VL's QuickGELU) one
-  compiled region each way on CUDA, eager elsewhere (bitwise transformers'). Qwen2.5-VL's gate and up projections
-  and its activation are one autograd Function (`SiluGatedProjections`): backward the activation's region also sums
-  the two bias gradients as it writes the gate and up gradients, and the input's gradient is summed in the second
-  GEMM's epilogue instead of an eager `add` after both, the one result of this group that is not transformers' bit
-  for bit in bf16 (one rounding instead of two; in fp32 the same sum in another order).
+  compiled region each way on CUDA, eager elsewhere (bitwise transformers'). The MLP's input projections and its
+  activation are one autograd Function (`ActivatedProjections`): backward the activation's region also sums the
+  projections' bias gradients as it writes their output gradients, and Qwen2.5-VL's input gradient (gate and up) is
+  summed in the second GEMM's epilogue instead of an eager `add` after both, the one result of this group that is not
+  transformers' bit for bit in bf16 (one rounding instead of two; in fp32 the same sum in another order).
 
 `compile_vision_blocks` (the recipe option `compile=True`) compiles each whole block on CUDA.
 
@@ -305,65 +305,107 @@ def silu_gate_gradient_and_sums(gate: torch.Tensor, up: torch.Tensor, grad: torc
     return gate_grad, up_grad, gate_sum, up_sum
 
 
-def silu_gated_projections(x: torch.Tensor, gate_proj: torch.nn.Module, up_proj: torch.nn.Module) -> torch.Tensor:
-    """`silu(gate_proj(x)) * up_proj(x)` as `SiluGatedProjections` where both are linears of one class (`nn.Linear`,
-    or qvl.kernels.torch_wgrad_accum's `MainGradLinear`), else by calling the modules (an adapter around one)."""
-    kind = type(gate_proj)
-    if kind not in (torch.nn.Linear, MainGradLinear) or type(up_proj) is not kind:
-        gate, up = gate_proj(x), up_proj(x)
-        return compiled.region(silu_gate, gate)(gate, up)
-    into_main_grad = kind is MainGradLinear and getattr(gate_proj.weight, "main_grad", None) is not None
-    return SiluGatedProjections.apply(x, into_main_grad, gate_proj.weight, gate_proj.bias, up_proj.weight, up_proj.bias)
+def quick_gelu_gradient(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor]:
+    """The gradient of `quick_gelu`'s input: autograd's ops on the same values (its backward bit for bit)."""
+    sigmoid = torch.sigmoid(1.702 * x)
+    return (grad * sigmoid + torch.ops.aten.sigmoid_backward(grad * x, sigmoid) * 1.702,)
 
 
-class SiluGatedProjections(torch.autograd.Function):
-    """Qwen2.5-VL's vision MLP up to its down projection, `silu(x Wg^T + bg) * (x Wu^T + bu)`, keeping `gate` and `up`
-    for backward (as the compiled `silu_gate` region did). Backward:
-    - the activation's gradient one compiled region on CUDA (`silu_gate_gradient`); with the weights' gradients going
-      into `main_grad` (`into_main_grad`, DDP's fusion on), that region also sums the gate and up gradients into the
-      two bias gradients as it writes them (`silu_gate_gradient_and_sums`), where two bias-gradient regions read both
-      back (2 x 66 MB per block and pack at Qwen2.5-VL's width and 9,680 patches);
-    - `x`'s gradient one GEMM and a second that adds its product into the first's result (`addmm_`, beta = 1: the add
-      is the GEMM's epilogue, in bf16 one rounding instead of two) instead of two GEMMs and autograd's eager add;
+def quick_gelu_gradient_and_sum(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quick_gelu_gradient` and its sum over the patches in fp32 (fc1's bias gradient), as one region."""
+    (x_grad,) = quick_gelu_gradient(x, grad)
+    return x_grad, x_grad.reshape(-1, x_grad.shape[-1]).sum(0, dtype=torch.float32)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Activation:
+    """An MLP's activation over its input projections' outputs (`fn`), with its backward written out: the
+    projections' output gradients (`gradient`), and those with their sums over the patches (`gradient_and_sums`)."""
+
+    fn: Any
+    gradient: Any
+    gradient_and_sums: Any
+
+
+SILU_GATE = Activation(fn=silu_gate, gradient=silu_gate_gradient, gradient_and_sums=silu_gate_gradient_and_sums)
+QUICK_GELU = Activation(fn=quick_gelu, gradient=quick_gelu_gradient, gradient_and_sums=quick_gelu_gradient_and_sum)
+
+
+def activated_projections(
+    x: torch.Tensor, projections: tuple[torch.nn.Module, ...], activation: Activation
+) -> torch.Tensor:
+    """`activation.fn(*(p(x) for p in projections))` as `ActivatedProjections` where the projections are linears of
+    one class (`nn.Linear`, or qvl.kernels.torch_wgrad_accum's `MainGradLinear`), else by calling the modules (an
+    adapter around one), the activation one compiled region."""
+    kind = type(projections[0])
+    if kind not in (torch.nn.Linear, MainGradLinear) or any(type(p) is not kind for p in projections):
+        outputs = [projection(x) for projection in projections]
+        return compiled.region(activation.fn, outputs[0])(*outputs)
+    into_main_grad = kind is MainGradLinear and getattr(projections[0].weight, "main_grad", None) is not None
+    params = [tensor for projection in projections for tensor in (projection.weight, projection.bias)]
+    return ActivatedProjections.apply(x, activation, into_main_grad, *params)
+
+
+class ActivatedProjections(torch.autograd.Function):
+    """An HF vision MLP up to its output projection: its input projections (Qwen2.5-VL's gate and up, Qwen2-VL's
+    fc1) and its activation, keeping the projections' outputs for backward (as the compiled activation region did).
+    Backward:
+    - the activation's gradient one compiled region on CUDA (`activation.gradient`); with the weights' gradients
+      going into `main_grad` (`into_main_grad`, DDP's fusion on), that region also sums the projections' output
+      gradients into their bias gradients as it writes them (`activation.gradient_and_sums`), where a bias-gradient
+      region per projection read them back (66 MB per projection, block and pack at Qwen2.5-VL's width and 9,680
+      patches);
+    - `x`'s gradient one GEMM per projection, each after the first adding its product into the first's result
+      (`addmm_`, beta = 1: the add is the GEMM's epilogue, in bf16 one rounding instead of two) instead of autograd's
+      eager add;
     - the weight gradients as `MainGradLinear`'s or, without `into_main_grad`, as autograd's.
-    Eagerly (CPU) everything but `x`'s gradient is transformers' bit for bit (the bias gradients: the same sums as
-    `bias_gradient_into`'s)."""
+    Eagerly (CPU) everything but a two-projection `x` gradient is transformers' bit for bit (the bias gradients: the
+    same sums as `bias_gradient_into`'s)."""
 
     @staticmethod
-    def forward(ctx, x, into_main_grad: bool, gate_weight, gate_bias, up_weight, up_bias):
-        gate, up = F.linear(x, gate_weight, gate_bias), F.linear(x, up_weight, up_bias)
-        ctx.save_for_backward(x, gate, up, gate_weight, up_weight)
+    def forward(ctx, x, activation: Activation, into_main_grad: bool, *params):
+        weights, biases = params[0::2], params[1::2]
+        outputs = [F.linear(x, weight, bias) for weight, bias in zip(weights, biases)]
+        ctx.save_for_backward(x, *outputs, *weights)
         # The parameters themselves, for their main_grad (recomputed forwards save detached aliases without it).
-        ctx.params, ctx.biases, ctx.into_main_grad = (gate_weight, up_weight), (gate_bias, up_bias), into_main_grad
-        return compiled.region(silu_gate, gate)(gate, up)
+        ctx.weights, ctx.biases, ctx.activation, ctx.into_main_grad = weights, biases, activation, into_main_grad
+        return compiled.region(activation.fn, outputs[0])(*outputs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, gate, up, gate_weight, up_weight = ctx.saved_tensors
+        count = len(ctx.weights)
+        x, *saved = ctx.saved_tensors
+        outputs, weights = saved[:count], saved[count:]
         if ctx.into_main_grad:
-            gate_grad, up_grad, *sums = compiled.region(silu_gate_gradient_and_sums, gate)(gate, up, grad)
+            *output_grads, sums = _split(compiled.region(ctx.activation.gradient_and_sums, x)(*outputs, grad), count)
         else:
-            (gate_grad, up_grad), sums = compiled.region(silu_gate_gradient, gate)(gate, up, grad), (None, None)
-        grads = [gate_grad.reshape(-1, gate_grad.shape[-1]), up_grad.reshape(-1, up_grad.shape[-1])]
+            output_grads, sums = compiled.region(ctx.activation.gradient, x)(*outputs, grad), (None,) * count
         x_grad = None
         if ctx.needs_input_grad[0]:
-            x_grad = gate_grad.matmul(gate_weight)
-            x_grad.view(-1, x_grad.shape[-1]).addmm_(grads[1], up_weight)
+            x_grad = output_grads[0].matmul(weights[0])
+            for output_grad, weight in zip(output_grads[1:], weights[1:]):
+                x_grad.view(-1, x_grad.shape[-1]).addmm_(output_grad.reshape(-1, output_grad.shape[-1]), weight)
         x_2d = x.reshape(-1, x.shape[-1])
         params = []
-        for i, (weight, bias, grad_2d, column_sum) in enumerate(zip(ctx.params, ctx.biases, grads, sums)):
+        for i, (weight, bias, output_grad, column_sum) in enumerate(zip(ctx.weights, ctx.biases, output_grads, sums)):
+            grad_2d = output_grad.reshape(-1, output_grad.shape[-1])
             weight_grad = bias_grad = None
-            if ctx.needs_input_grad[2 + 2 * i]:
+            if ctx.needs_input_grad[3 + 2 * i]:
                 weight_grad = weight_gradient(weight, grad_2d, x_2d) if ctx.into_main_grad else grad_2d.t().mm(x_2d)
-            if bias is not None and ctx.needs_input_grad[3 + 2 * i]:
+            if bias is not None and ctx.needs_input_grad[4 + 2 * i]:
                 bias_grad = bias_gradient_of_sum(bias, column_sum) if ctx.into_main_grad else grad_2d.sum(0)
             params += [weight_grad, bias_grad]
-        return x_grad, None, *params
+        return x_grad, None, None, *params
+
+
+def _split(results: tuple[torch.Tensor, ...], count: int) -> tuple:
+    """`gradient_and_sums`' results (`count` gradients, then `count` sums) as (*gradients, sums)."""
+    return (*results[:count], results[count:])
 
 
 def lean_gated_mlp(original):
     """Patch factory for `Qwen2_5_VLMLP.forward`: the gate and up projections and the activation as
-    `silu_gated_projections` (the activation one compiled region each way on CUDA with Triton; eagerly two kernels
+    `activated_projections` (the activation one compiled region each way on CUDA with Triton; eagerly two kernels
     forward, three backward, and the activation written and read back); bitwise transformers' on a CPU but for the
     input's gradient (one bf16 rounding fewer). Another activation runs transformers' forward."""
     from transformers.activations import SiLUActivation
@@ -371,21 +413,21 @@ def lean_gated_mlp(original):
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
         if type(self.act_fn) is not SiLUActivation:
             return original(self, hidden_state)
-        return self.down_proj(silu_gated_projections(hidden_state, self.gate_proj, self.up_proj))
+        return self.down_proj(activated_projections(hidden_state, (self.gate_proj, self.up_proj), SILU_GATE))
 
     return forward
 
 
 def lean_mlp(original):
-    """Patch factory for Qwen2-VL's `VisionMlp.forward`: QuickGELU one compiled region each way on CUDA with Triton
-    (eagerly three kernels forward), eager elsewhere (bitwise transformers'). Another activation runs transformers'."""
+    """Patch factory for Qwen2-VL's `VisionMlp.forward`: fc1 and QuickGELU as `activated_projections` (QuickGELU one
+    compiled region each way on CUDA with Triton; eagerly three kernels forward), bitwise transformers' on a CPU.
+    Another activation runs transformers'."""
     from transformers.activations import QuickGELUActivation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if type(self.act) is not QuickGELUActivation:
             return original(self, x)
-        hidden = self.fc1(x)
-        return self.fc2(compiled.region(quick_gelu, hidden)(hidden))
+        return self.fc2(activated_projections(x, (self.fc1,), QUICK_GELU))
 
     return forward
 

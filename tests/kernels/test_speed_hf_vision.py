@@ -61,11 +61,11 @@ def tiny_tower(family: str, dtype=torch.float32, attention: str = "sdpa"):
     return tower
 
 
-def plain_mlp_front(x, gate_proj, up_proj):
-    """Qwen2.5-VL's gate and up projections called one by one and the activation region, as transformers' MLP runs
-    (`silu_gated_projections` sums their input gradient in its second GEMM, not transformers' bits)."""
-    gate = gate_proj(x)
-    return compiled.region(speed_hf_vision.silu_gate, gate)(gate, up_proj(x))
+def plain_mlp_front(x, projections, activation):
+    """An MLP's input projections called one by one and its activation region, as transformers' MLP runs
+    (`activated_projections` sums Qwen2.5-VL's input gradient in its second GEMM, not transformers' bits)."""
+    outputs = [projection(x) for projection in projections]
+    return compiled.region(activation.fn, outputs[0])(*outputs)
 
 
 def pixels(tower, dtype=torch.float32) -> torch.Tensor:
@@ -234,7 +234,7 @@ def test_lean_block_attention_and_mlp_are_transformers_bit_for_bit(family, cuda_
     results = []
     for lean in (True, False):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(speed_hf_vision, "silu_gated_projections", plain_mlp_front)
+            patch.setattr(speed_hf_vision, "activated_projections", plain_mlp_front)
             if not lean:
                 for factory in ("lean_block", "lean_attention", "lean_gated_mlp", "lean_mlp"):
                     patch.setattr(speed_hf_vision, factory, lambda original: original)

@@ -76,7 +76,7 @@ def test_block_and_rotary_take_their_compiled_regions_where_compiled_regions_run
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(compiled, "runs_compiled", lambda tensor: True)
             patch.setattr(compiled, "compiled", counting_regions(regions, mode))
-            patch.setattr(speed_hf_vision, "silu_gated_projections", plain_mlp_front)  # its own tests: below
+            patch.setattr(speed_hf_vision, "activated_projections", plain_mlp_front)  # its own tests: below
             if not lean:
                 patch.setattr(speed_hf_vision, "lean_block", lambda original: original)
                 patch.setattr(speed_hf_vision, "rotated_qkv", unfused_rotated_qkv)
@@ -248,65 +248,75 @@ def test_with_its_first_blocks_recomputed_the_carried_tower_trains_as_the_plain_
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
 
 
-def _mlp_front(dtype: torch.dtype, seed: int = 5) -> tuple[torch.nn.Linear, torch.nn.Linear]:
-    """A gate and an up projection of Qwen2.5-VL's vision MLP, at toy widths."""
+# The MLPs' input projections and activations: Qwen2.5-VL's gate and up with SiLU-gating, Qwen2-VL's fc1 with QuickGELU.
+MLP_FRONTS = {"qwen2_5_vl": (2, speed_hf_vision.SILU_GATE), "qwen2_vl": (1, speed_hf_vision.QUICK_GELU)}
+
+
+def _mlp_front(family: str, dtype: torch.dtype = torch.float32, seed: int = 5) -> tuple[torch.nn.Linear, ...]:
+    """The family's MLP input projections at toy widths."""
     torch.manual_seed(seed)
-    return torch.nn.Linear(64, 96, dtype=dtype), torch.nn.Linear(64, 96, dtype=dtype)
+    return tuple(torch.nn.Linear(64, 96, dtype=dtype) for _ in range(MLP_FRONTS[family][0]))
 
 
-def _run_mlp_front(gate_proj, up_proj, x, fused: bool) -> tuple[torch.Tensor, ...]:
+def _run_mlp_front(projections, x, fused: bool) -> tuple[torch.Tensor, ...]:
     """The activation, the input's gradient and the parameters' (`.grad`, else `main_grad`) under a fixed loss:
-    `silu_gated_projections` or transformers' composition."""
+    `activated_projections` or transformers' composition (the projections one by one, then the activation)."""
+    activation = speed_hf_vision.SILU_GATE if len(projections) == 2 else speed_hf_vision.QUICK_GELU
     x = x.detach().clone().requires_grad_()
     if fused:
-        out = speed_hf_vision.silu_gated_projections(x, gate_proj, up_proj)
+        out = speed_hf_vision.activated_projections(x, projections, activation)
     else:
-        out = speed_hf_vision.silu_gate(gate_proj(x), up_proj(x))
+        out = activation.fn(*(projection(x) for projection in projections))
     out.double().sin().sum().backward()
-    params = [*gate_proj.parameters(), *up_proj.parameters()]
+    params = [p for projection in projections for p in projection.parameters()]
     grads = [(p.grad if getattr(p, "main_grad", None) is None else p.main_grad).clone() for p in params]
-    for module in (gate_proj, up_proj):
-        module.zero_grad(set_to_none=True)
+    for projection in projections:
+        projection.zero_grad(set_to_none=True)
     return out, x.grad, *grads
 
 
-def test_gate_and_up_projections_sum_the_input_gradient_in_the_second_gemm():
-    """`silu_gated_projections` against two `nn.Linear` calls and the activation: output, weight and bias gradients
-    bit for bit; the input's gradient one GEMM and one `addmm_` into its result, no eager add (fp32: the same sum in
-    another order; bf16: one rounding instead of two, at least as close to float64 as autograd's sum)."""
-    gate_proj, up_proj = _mlp_front(torch.float32)
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_mlp_input_projections_sum_the_input_gradient_in_the_gemms(family):
+    """`activated_projections` against the projections called one by one and the activation: output, weight and bias
+    gradients bit for bit. With two projections (Qwen2.5-VL) the input's gradient is one GEMM and one `addmm_` into
+    its result, no eager add (fp32: the same sum in another order; bf16: one rounding instead of two, at least as
+    close to float64 as autograd's sum); with one (Qwen2-VL) it is bit for bit too, in bf16."""
+    projections = _mlp_front(family)
     x = torch.randn(3, 50, 64)
     with OpsOutsideRegions() as fused_ops:
-        fused = _run_mlp_front(gate_proj, up_proj, x, True)
+        fused = _run_mlp_front(projections, x, True)
     with OpsOutsideRegions() as plain_ops:
-        plain = _run_mlp_front(gate_proj, up_proj, x, False)
+        plain = _run_mlp_front(projections, x, False)
+    two = len(projections) == 2
     for i, (a, b) in enumerate(zip(fused, plain, strict=True)):
-        if i == 1:  # the input's gradient
+        if i == 1 and two:  # the input's gradient
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         else:
             assert torch.equal(a, b), i
-    assert "add" not in fused_ops.ops and plain_ops.ops.count("add") == 1  # autograd's sum of the two
-    assert fused_ops.ops.count("addmm_") == 1 and "addmm_" not in plain_ops.ops
+    assert fused_ops.ops.count("addmm_") == int(two) and "addmm_" not in plain_ops.ops
+    assert fused_ops.ops.count("add") == plain_ops.ops.count("add") - int(two)  # autograd's sum of the two
 
-    gate_proj, up_proj, x = gate_proj.bfloat16(), up_proj.bfloat16(), x.bfloat16()
-    exact_modules = (torch.nn.Linear(64, 96, dtype=torch.float64) for _ in range(2))
-    exact_gate, exact_up = exact_modules
-    exact_gate.load_state_dict(gate_proj.state_dict()), exact_up.load_state_dict(up_proj.state_dict())
-    exact = _run_mlp_front(exact_gate, exact_up, x.double(), False)[1]
-    fused, plain = _run_mlp_front(gate_proj, up_proj, x, True)[1], _run_mlp_front(gate_proj, up_proj, x, False)[1]
-    assert not torch.equal(fused, plain)
-    assert_as_close_as_eager(fused, plain, exact, what="bf16 input gradient", slack=1.0)
+    projections, x = tuple(p.bfloat16() for p in projections), x.bfloat16()
+    fused, plain = _run_mlp_front(projections, x, True), _run_mlp_front(projections, x, False)
+    if not two:
+        assert all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))
+        return
+    exact_projections = tuple(copy.deepcopy(p).double() for p in projections)
+    exact = _run_mlp_front(exact_projections, x.double(), False)[1]
+    assert not torch.equal(fused[1], plain[1])
+    assert_as_close_as_eager(fused[1], plain[1], exact, what="bf16 input gradient", slack=1.0)
 
 
-def test_gate_and_up_bias_gradients_are_summed_in_the_activations_gradient_region(monkeypatch):
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_mlp_bias_gradients_are_summed_in_the_activations_gradient_region(family, monkeypatch):
     """With DDP's `main_grad` (the HF tower's `MainGradLinear`s): where compiled regions run, the backward calls one
-    region that writes the gate and up gradients and sums them into the two bias gradients, and no bias-gradient
-    region reads them back; every `main_grad` is what the linears called one by one give, bit for bit (fp32). Plain
-    `nn.Linear`s with a `main_grad` (the fusion off) return their gradients to autograd."""
+    region that writes the projections' output gradients and sums them into their bias gradients, and no
+    bias-gradient region reads them back; every `main_grad` is what the linears called one by one give, bit for bit
+    (fp32). Plain `nn.Linear`s with a `main_grad` (the fusion off) return their gradients to autograd."""
     from qvl.kernels.torch_wgrad_accum import MainGradLinear
 
     def linears(main_grad_linear: bool):
-        modules = _mlp_front(torch.float32, seed=6)
+        modules = _mlp_front(family, seed=6)
         for module in modules:
             for param in module.parameters():
                 param.main_grad, param.grad_added_to_main_grad = torch.zeros_like(param), False
@@ -314,6 +324,7 @@ def test_gate_and_up_bias_gradients_are_summed_in_the_activations_gradient_regio
                 module.__class__ = MainGradLinear
         return modules
 
+    activation = MLP_FRONTS[family][1]
     regions: list[str] = []
     mode = OpsOutsideRegions()
     monkeypatch.setattr(compiled, "runs_compiled", lambda tensor: True)
@@ -321,31 +332,31 @@ def test_gate_and_up_bias_gradients_are_summed_in_the_activations_gradient_regio
     x = torch.randn(40, 64)
     fused_modules = linears(True)
     with mode:
-        fused = _run_mlp_front(*fused_modules, x, True)
-    assert regions == ["silu_gate", "silu_gate_gradient_and_sums"]
+        fused = _run_mlp_front(fused_modules, x, True)
+    assert regions == [activation.fn.__name__, activation.gradient_and_sums.__name__]
     assert all(p.grad_added_to_main_grad for m in fused_modules for p in m.parameters())
     regions.clear()
-    reference = _run_mlp_front(*linears(True), x, False)
-    assert regions.count("bias_gradient_into") == 2  # the linears' own: each reads its gradient back
+    reference = _run_mlp_front(linears(True), x, False)
+    assert regions.count("bias_gradient_into") == len(fused_modules)  # the linears' own: each reads its gradient
     for a, b in zip(fused[2:], reference[2:], strict=True):
         assert torch.equal(a, b)
     plain_modules = linears(False)
-    _run_mlp_front(*plain_modules, x, True)
+    _run_mlp_front(plain_modules, x, True)
     assert not any(p.grad_added_to_main_grad or p.main_grad.any() for m in plain_modules for p in m.parameters())
 
 
-def test_gate_and_up_projections_that_are_not_plain_linears_are_called_as_they_are():
-    gate_proj, up_proj = _mlp_front(torch.float32)
+def test_mlp_input_projections_that_are_not_plain_linears_are_called_as_they_are():
+    gate_proj, up_proj = _mlp_front("qwen2_5_vl")
     adapter = torch.nn.Sequential(gate_proj)  # an adapter around the linear, as PEFT wraps one
     x = torch.randn(7, 64)
-    out = speed_hf_vision.silu_gated_projections(x, adapter, up_proj)
+    out = speed_hf_vision.activated_projections(x, (adapter, up_proj), speed_hf_vision.SILU_GATE)
     assert torch.equal(out, speed_hf_vision.silu_gate(gate_proj(x), up_proj(x)))
-    assert out.grad_fn.name() != "SiluGatedProjectionsBackward"
+    assert out.grad_fn.name() != "ActivatedProjectionsBackward"
 
 
 @pytest.mark.gpu
 def test_gate_and_up_projections_into_main_grad_are_as_close_to_fp64_as_eager_on_cuda():
-    """bf16 on CUDA, the tower's `MainGradLinear`s with fp32 `main_grad`s: `silu_gated_projections` (compiled
+    """bf16 on CUDA, the tower's `MainGradLinear`s with fp32 `main_grad`s: `activated_projections` (compiled
     activation and gradient-and-sums regions, `addmm_`) against the linears called one by one with the activation
     eagerly, both against float64, at Qwen2.5-VL's vision widths; input gradient and every `main_grad`."""
     from qvl.kernels.torch_wgrad_accum import MainGradLinear
@@ -365,7 +376,7 @@ def test_gate_and_up_projections_into_main_grad_are_as_close_to_fp64_as_eager_on
                     param.shape, device="cuda", dtype=torch.float64 if dtype == torch.float64 else torch.float32
                 )
                 param.grad_added_to_main_grad = False
-        out = _run_mlp_front(gate_proj, up_proj, x.to(dtype), fused)
+        out = _run_mlp_front((gate_proj, up_proj), x.to(dtype), fused)
         return out[1], *out[2:]
 
     exact = run(torch.float64, False)
