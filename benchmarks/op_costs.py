@@ -60,6 +60,15 @@ def read_and_written(func, name: str, args, kwargs) -> list[torch.Tensor]:
     return tensors
 
 
+def nongemm_bytes(func, name: str, args, kwargs, widths: WidthMap, *, inputs, outputs, inplace: bool) -> float:
+    """Bytes a non-GEMM op moves: its inputs, its outputs unless in place, and what an in-place op writes back
+    (`read_and_written`); a few rows written, `partial_write_bytes`."""
+    if name in PARTIAL_WRITE_OPS:
+        return partial_write_bytes(func, name, args, kwargs, widths)
+    tensors = inputs + ([] if inplace else outputs) + read_and_written(func, name, args, kwargs)
+    return sum(widths.nbytes(t) for t in tensors)
+
+
 def partial_write_bytes(func, name: str, args, kwargs, widths: WidthMap) -> float:
     """Bytes of an op of PARTIAL_WRITE_OPS: what it is given besides its destination (indices, values), and the
     destination's rows it writes, as many elements as its largest other tensor holds (the values or the indices),

@@ -41,14 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from benchmarks import step_kernels
 from benchmarks.compiled_regions import LABEL, bisect_range
-from benchmarks.op_costs import (
-    PARTIAL_WRITE_OPS,
-    gemm_flops,
-    in_collective,
-    partial_write_bytes,
-    read_and_written,
-    row_pitch_aligned,
-)
+from benchmarks.op_costs import gemm_flops, in_collective, nongemm_bytes, row_pitch_aligned
 
 REGIONS = ("lm", "vision", "loss", "optimizer", "other")
 GEMM_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "addbmm", "_scaled_mm", "convolution",
@@ -386,11 +379,7 @@ class Census:
         if name in GEMM_OPS:
             self._gemm(name, args, kwargs, out, counts)
             return
-        if name in PARTIAL_WRITE_OPS:
-            nbytes = partial_write_bytes(func, name, args, kwargs, self.widths)
-        else:
-            tensors = inputs + ([] if inplace else outputs) + read_and_written(func, name, args, kwargs)
-            nbytes = sum(self.widths.nbytes(t) for t in tensors)
+        nbytes = nongemm_bytes(func, name, args, kwargs, self.widths, inputs=inputs, outputs=outputs, inplace=inplace)
         counts.nongemm_bytes += nbytes
         counts.nongemm_bytes_by_op[name] += nbytes
         if self.region == "optimizer" and not inplace:

@@ -376,8 +376,9 @@ class ActivatedProjections(torch.autograd.Function):
         count = len(ctx.weights)
         x, *saved = ctx.saved_tensors
         outputs, weights = saved[:count], saved[count:]
-        if ctx.into_main_grad:
-            *output_grads, sums = _split(compiled.region(ctx.activation.gradient_and_sums, x)(*outputs, grad), count)
+        if ctx.into_main_grad:  # `count` gradients, then their `count` sums
+            results = compiled.region(ctx.activation.gradient_and_sums, x)(*outputs, grad)
+            output_grads, sums = results[:count], results[count:]
         else:
             output_grads, sums = compiled.region(ctx.activation.gradient, x)(*outputs, grad), (None,) * count
         x_grad = None
@@ -396,11 +397,6 @@ class ActivatedProjections(torch.autograd.Function):
                 bias_grad = bias_gradient_of_sum(bias, column_sum) if ctx.into_main_grad else grad_2d.sum(0)
             params += [weight_grad, bias_grad]
         return x_grad, None, None, *params
-
-
-def _split(results: tuple[torch.Tensor, ...], count: int) -> tuple:
-    """`gradient_and_sums`' results (`count` gradients, then `count` sums) as (*gradients, sums)."""
-    return (*results[:count], results[count:])
 
 
 def lean_gated_mlp(original):

@@ -284,10 +284,10 @@ class EmbeddingIntoMainGrad(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         param = ctx.param
         embedding_gradient_into(param.main_grad, ids, grad_output)
-        param.grad_added_to_main_grad = True
-        if ctx.shared:
+        if ctx.shared:  # the tied output layer hands autograd the placeholder: none allocated here
+            param.grad_added_to_main_grad = True
             return None, None, None
-        return None, torch.empty(param.main_grad.shape, dtype=param.dtype, device=param.device), None
+        return None, added_to_main_grad(param), None
 
 
 def embedding_gradient_into(main_grad: torch.Tensor, ids: torch.Tensor, grad_output: torch.Tensor) -> None:
@@ -310,8 +310,7 @@ def _bias_gradient(bias: torch.Tensor, grad_2d: torch.Tensor) -> torch.Tensor | 
     if main_grad is None or not hasattr(bias, "grad_added_to_main_grad"):
         return grad_2d.sum(0)
     compiled.region(bias_gradient_into, grad_2d)(main_grad, grad_2d)
-    bias.grad_added_to_main_grad = True
-    return torch.empty(main_grad.shape, dtype=bias.dtype, device=bias.device)  # for the DDP hook, which skips it
+    return added_to_main_grad(bias)
 
 
 def bias_gradient_of_sum(bias: torch.Tensor, column_sum: torch.Tensor) -> torch.Tensor:
@@ -321,8 +320,7 @@ def bias_gradient_of_sum(bias: torch.Tensor, column_sum: torch.Tensor) -> torch.
     if main_grad is None or not hasattr(bias, "grad_added_to_main_grad"):
         return column_sum.to(bias.dtype)
     main_grad.add_(column_sum)
-    bias.grad_added_to_main_grad = True
-    return torch.empty(main_grad.shape, dtype=bias.dtype, device=bias.device)  # for the DDP hook, which skips it
+    return added_to_main_grad(bias)
 
 
 def weight_gradient(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor | None:
@@ -334,9 +332,15 @@ def weight_gradient(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch
     accumulate_wgrad(main_grad, grad_2d, input_2d)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
-    weight.grad_added_to_main_grad = True
-    # A gradient still goes to the parameter, so its DDP hook runs (and skips its add): Megatron-Core does the same.
-    return torch.empty(main_grad.shape, dtype=weight.dtype, device=weight.device)
+    return added_to_main_grad(weight)
+
+
+def added_to_main_grad(param: torch.Tensor) -> torch.Tensor:
+    """Tell DDP's hook that `param`'s gradient is in its `main_grad` already (`grad_added_to_main_grad`), and return
+    the unwritten placeholder gradient autograd hands the parameter so that the hook still runs (and skips its add),
+    as Megatron-Core's fused linears do. Allocated only: no kernel."""
+    param.grad_added_to_main_grad = True
+    return torch.empty(param.main_grad.shape, dtype=param.dtype, device=param.device)
 
 
 @contextlib.contextmanager
