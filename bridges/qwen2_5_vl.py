@@ -14,6 +14,8 @@ qvl.bridges.fixes, as for every family.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from qvl.foundation.megatron import import_megatron_bridge
 
@@ -62,10 +64,14 @@ class Qwen25VLModel(upstream_model.Qwen25VLModel):
         loss_mask: torch.Tensor | None = None,
         host_batch: HostBatch | None = None,
         vision_sources: VisionSources | None = None,
+        output_processor: Callable[..., Any] | None = None,
+        output_processor_context: Any = None,
     ) -> torch.Tensor:
         """Upstream's forward; for a packed micro-batch of qvl's loader with its `host_batch`, the same result
         without host reads (qvl.kernels.speed_sync_free.loader_positions_forward). `vision_sources`: the pixels hold
-        each distinct image once (qvl.training.step.model_inputs)."""
+        each distinct image once (qvl.training.step.model_inputs). `output_processor` and its context go to the language
+        model's `_postprocess` on that path (upstream's forward runs its own postprocess: the losses at every
+        position)."""
         if not speed_sync_free.takes_loader_positions(
             host_batch, input_ids=input_ids, position_ids=position_ids, packed_seq_params=packed_seq_params
         ):
@@ -105,6 +111,8 @@ class Qwen25VLModel(upstream_model.Qwen25VLModel):
             loss_mask=loss_mask,
             runtime_gather_output=runtime_gather_output,
             packed_seq_params=packed_seq_params,
+            output_processor=output_processor,
+            output_processor_context=output_processor_context,
         )
 
 

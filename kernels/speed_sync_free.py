@@ -217,6 +217,8 @@ def loader_positions_forward(
     loss_mask: torch.Tensor | None,
     runtime_gather_output: bool | None,
     packed_seq_params: Any,
+    output_processor: Any = None,
+    output_processor_context: Any = None,
 ) -> torch.Tensor:
     """`Qwen25VLModel.forward` for a packed micro-batch of qvl's loader: its positions as given, the vision features
     placed and checked from `host`, nothing read from the device (`takes_loader_positions` says when it applies)."""
@@ -240,6 +242,8 @@ def loader_positions_forward(
         loss_mask=loss_mask,
         runtime_gather_output=runtime_gather_output,
         packed_seq_params=packed_seq_params,
+        output_processor=output_processor,
+        output_processor_context=output_processor_context,
     )
 
 

@@ -82,6 +82,10 @@ class QvlTrainingConfig:
     # IEEE fp32 products on CUDA where torch's convolutions and Triton's dots (flash-linear-attention's among them)
     # would round them to TF32 (qvl.kernels.fix_fla_tf32): slower; `qvl verify-training --precision fp32` sets it there.
     exact_fp32: bool = False
+    # The output layer and the loss run at the positions whose loss counts only (qvl.kernels.loss_rows): not at image
+    # placeholders, prompts or pad. The same loss and gradients (the output layer's weight gradient summed over fewer
+    # rows may round its last bit differently); false runs them at every position, as Megatron-Core does.
+    loss_rows_only: bool = True
     # A preference stage's loss and reference (qvl.recipes.preference); None trains the language-model loss (pretraining,
     # SFT, PEFT). The training loop picks its forward step by it (qvl.training.loop.stage_step).
     preference: PreferenceConfig | None = None

@@ -31,7 +31,14 @@ from qvl.foundation.errors import DataError
 from qvl.kernels.speed_sync_free import LossCheck
 from qvl.recipes.preference import ADAPTERS, PreferenceConfig
 from qvl.training.preference_loss import METRICS, PairLogps, pair_losses
-from qvl.training.step import balanced_vision_inputs, host_batch, model_inputs, padded_length, to_device
+from qvl.training.step import (
+    balanced_vision_inputs,
+    host_batch,
+    loss_rows_arguments,
+    model_inputs,
+    padded_length,
+    to_device,
+)
 
 PREFERENCE_LOSS = "dpo loss"  # the reporting key of a preference stage's loss, where SFT reports "lm loss"
 
@@ -161,23 +168,27 @@ def preference_forward_step(
         kwargs = balanced_vision_inputs(model, kwargs)
     reference = None
     if settings.reference == ADAPTERS:
-        reference = adapters_off_logps(cfg.peft, model, batch, kwargs, loss_mask, layout, device)
+        reference = adapters_off_logps(cfg, model, batch, kwargs, loss_mask, layout, device)
+    rows = loss_rows_arguments(cfg, batch, device)  # the output layer at the learned tokens only
     with fix_preference_moe_aux.weighted_per_pair(model, pairs=layout.pairs):
-        output = model(**kwargs, host_batch=host_batch(model, batch, kwargs, device))
+        output = model(**kwargs, **rows, host_batch=host_batch(model, batch, kwargs, device))
     # NaN and Inf are checked once after the step through `loss_check` (qvl.kernels.speed_sync_free)
     return output, partial(preference_loss, layout, loss_mask, settings, reference, loss_check=loss_check)
 
 
 def adapters_off_logps(
-    peft: Any, model: Any, batch: Any, kwargs: dict, loss_mask: torch.Tensor, layout: PairLayout, device
+    cfg: Any, model: Any, batch: Any, kwargs: dict, loss_mask: torch.Tensor, layout: PairLayout, device
 ) -> torch.Tensor:
-    """The reference's summed log-prob per sub-sequence: the same model with its adapters switched off, no gradient
-    (one pipeline stage holds the whole model: the recipe refuses reference=adapters with pipeline parallelism)."""
+    """The reference's summed log-prob per sub-sequence: the same model with its adapters (`cfg.peft`) switched off,
+    no gradient (one pipeline stage holds the whole model: the recipe refuses reference=adapters with pipeline
+    parallelism)."""
     from megatron.core.utils import unwrap_model
 
+    peft = cfg.peft
     context = peft.disable_adapter(unwrap_model(model)) if peft is not None else contextlib.nullcontext()
     with torch.no_grad(), context:
-        output = model(**kwargs, host_batch=host_batch(model, batch, kwargs, device))
+        rows = loss_rows_arguments(cfg, batch, device)
+        output = model(**kwargs, **rows, host_batch=host_batch(model, batch, kwargs, device))
     if isinstance(output, tuple):
         output, loss_mask = output
     return side_logps(output, loss_mask, layout).detach()

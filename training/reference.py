@@ -171,7 +171,7 @@ def _forward_pass(config: Any, model: list, run: ReferenceRun) -> None:
         iterators = [iter(group) for _ in model]  # one per virtual pipeline chunk
         with torch.no_grad():
             results = forward_backward(
-                forward_step_func=partial(_reference_step, config.model),
+                forward_step_func=partial(_reference_step, config),
                 data_iterator=iterators if len(model) > 1 else iterators[0],
                 model=model,
                 num_microbatches=len(group),
@@ -197,16 +197,18 @@ def _forward_pass(config: Any, model: list, run: ReferenceRun) -> None:
     torch.distributed.barrier()
 
 
-def _reference_step(model_config: Any, data_iterator: Iterator, model: Any):
-    """Forward step of the pass: a pack through the model, each sub-sequence's summed log-prob collected."""
+def _reference_step(config: Any, data_iterator: Iterator, model: Any):
+    """Forward step of the pass: a pack through the model, each sub-sequence's summed log-prob collected (the output
+    layer at the learned tokens only, as the training step runs it: qvl.kernels.loss_rows)."""
     from qvl.training.preference import pair_layout
-    from qvl.training.step import host_batch, model_inputs, padded_length
+    from qvl.training.step import host_batch, loss_rows_arguments, model_inputs, padded_length
 
     device = next(model.parameters()).device
     batch = next(data_iterator)
-    kwargs, loss_mask = model_inputs(batch, device, pad_to=padded_length(model_config, batch.tokens.shape[1]))
+    kwargs, loss_mask = model_inputs(batch, device, pad_to=padded_length(config.model, batch.tokens.shape[1]))
     layout = pair_layout(batch, device, padded_to=kwargs["input_ids"].shape[1], precomputed=False)
-    output = model(**kwargs, host_batch=host_batch(model, batch, kwargs, device))
+    rows = loss_rows_arguments(config, batch, device)
+    output = model(**kwargs, **rows, host_batch=host_batch(model, batch, kwargs, device))
     subs = len(batch.cu_seqlens_q) - 1
     pack = torch.tensor(list(batch.packs), dtype=torch.float64)
     return output, partial(_collect, layout, loss_mask, subs, pack)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from qvl.data.count import IGNORE_INDEX
+from qvl.kernels.loss_rows import LossRows, host_loss_rows, loss_rows_output
 from qvl.kernels.speed_cuda_graphs import GraphShapes, fixed_size_cu_seqlens, graph_shapes
 from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows
 from qvl.kernels.speed_rotary import mark_whole_pack
@@ -212,10 +213,9 @@ def forward_step(
     kwargs, loss_mask = model_inputs(batch, device, pad_to=pad_to, graph_shapes=graph_shapes(state.cfg))
     if state.cfg.qvl.vision_balance:
         kwargs = balanced_vision_inputs(model, kwargs)
-    # with MTP layers the model also returns their per-token losses (qvl.training.mtp)
     with mtp.states_kept(model_config):
         output = model(
-            **kwargs, **mtp.model_arguments(model_config), host_batch=host_batch(model, batch, kwargs, device)
+            **kwargs, **output_arguments(state.cfg, batch, device), host_batch=host_batch(model, batch, kwargs, device)
         )
     if isinstance(output, tuple):  # some VLM paths return (losses, loss_mask) under context parallelism
         output, loss_mask = output
@@ -228,6 +228,26 @@ def forward_step(
         loss_check=loss_check,
     )
     return output, mtp.loss_function(main_loss, model_config)
+
+
+def output_arguments(cfg: Any, batch: Any, device: torch.device) -> dict[str, Any]:
+    """The language model's output processor and its context (Megatron-Core's `GPTModel._postprocess` hook): with MTP
+    layers the one that also returns their per-token losses (qvl.training.mtp), else `loss_rows_arguments`'."""
+    if mtp.mtp_depths(cfg.model):
+        return mtp.model_arguments(cfg.model)
+    return loss_rows_arguments(cfg, batch, device)
+
+
+def loss_rows_arguments(cfg: Any, batch: Any, device: torch.device) -> dict[str, Any]:
+    """With `qvl.loss_rows_only`, the output processor that runs the output layer and the loss at the pack's
+    loss-bearing positions only (qvl.kernels.loss_rows); none under context parallelism (a rank holds a slice of the
+    pack) or for a micro-batch of more than one pack."""
+    if not cfg.qvl.loss_rows_only or cfg.model.context_parallel_size > 1:
+        return {}
+    rows = host_loss_rows(batch.loss_mask, batch.labels, ignore_index=IGNORE_INDEX)
+    if rows is None:
+        return {}
+    return {"output_processor": loss_rows_output, "output_processor_context": LossRows(rows=to_device(rows, device))}
 
 
 def tower_inputs_by_kind(batch: Any, kwargs: dict, device: torch.device) -> dict[str, Any]:

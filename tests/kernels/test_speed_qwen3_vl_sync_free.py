@@ -230,7 +230,8 @@ def step_loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Ten
 
     config = types.SimpleNamespace(
         model=types.SimpleNamespace(pipeline_model_parallel_size=1, seq_length=batch.tokens.shape[1]),
-        qvl=types.SimpleNamespace(vision_balance=False),
+        # the output layer at every position, as upstream's forward runs it (its rows-only path: test_loss_rows.py)
+        qvl=types.SimpleNamespace(vision_balance=False, loss_rows_only=False),
         rerun_state_machine=types.SimpleNamespace(check_for_nan_in_loss=False, check_for_spiky_loss=False),
     )
     reads = HostReads()

@@ -1,0 +1,199 @@
+"""The output layer and the loss at a pack's loss-bearing positions only (qvl.kernels.loss_rows; the training
+setting `qvl.loss_rows_only`): qvl's forward step gives the whole-pack path's masked loss and gradients with the output
+layer run on those rows only, for Qwen2.5-VL (qvl's loader forward) and Qwen3-VL (Megatron-Bridge's forward, the hook
+passed on); a pack without a loss-bearing position trains nothing and still runs backward; under sequence
+parallelism (two gloo ranks, TP=2) the losses and gradients are those of the whole-pack path.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from qvl.data.count import IGNORE_INDEX
+from qvl.foundation import distributed, patches
+from qvl.foundation.distributed import start_ranks
+from qvl.kernels.loss_rows import LossRows, host_loss_rows, loss_rows_output
+from tests.tiny_megatron import tiny_megatron_model
+
+TEXT = 20  # the first ordinary token id of the tiny vocabulary (tests/kernels/test_speed_sync_free.py)
+
+
+def test_host_rows_are_where_the_mask_is_set_and_the_label_is_not_ignored():
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1]], dtype=torch.float32)
+    labels = torch.tensor([[5, 6, IGNORE_INDEX, 7, 8, 9]])
+    assert host_loss_rows(mask, labels, ignore_index=IGNORE_INDEX).tolist() == [1, 4, 5]
+    assert host_loss_rows(torch.zeros(1, 4), torch.zeros(1, 4), ignore_index=IGNORE_INDEX).tolist() == [0]  # none
+    assert host_loss_rows(torch.ones(2, 4), torch.zeros(2, 4), ignore_index=IGNORE_INDEX) is None  # two packs
+
+
+def _config(seq_length: int, *, loss_rows_only: bool) -> types.SimpleNamespace:
+    """The parts of a ConfigContainer qvl's forward step reads."""
+    return types.SimpleNamespace(
+        model=types.SimpleNamespace(pipeline_model_parallel_size=1, seq_length=seq_length, context_parallel_size=1),
+        qvl=types.SimpleNamespace(vision_balance=False, loss_rows_only=loss_rows_only),
+        rerun_state_machine=types.SimpleNamespace(check_for_nan_in_loss=False, check_for_spiky_loss=False),
+    )
+
+
+def _text_answers(batch) -> types.SimpleNamespace:
+    """`batch` with the loss on its text tokens only, and not on the first text token of the pack."""
+    mask = (batch.tokens >= TEXT).float()
+    mask[0, 0] = 0.0
+    return types.SimpleNamespace(**{**vars(batch), "loss_mask": mask})
+
+
+def _kept(batch) -> torch.Tensor:
+    """The positions whose loss counts [s]: the loss mask, less the labels the loader ignores (a sample's last)."""
+    return (batch.loss_mask[0] > 0) & (batch.labels[0] != IGNORE_INDEX)
+
+
+def _step(model, batch, *, loss_rows_only: bool):
+    """qvl's forward step and its loss function, then backward: (per-token losses, loss, tokens, gradients, the rows
+    the output layer was given)."""
+    from qvl.kernels import speed_rotary, speed_sync_free
+    from qvl.training.step import forward_step
+
+    seen: list[int] = []
+    hook = model.language_model.output_layer.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+    model.zero_grad(set_to_none=True)
+    state = types.SimpleNamespace(cfg=_config(batch.tokens.shape[1], loss_rows_only=loss_rows_only))
+    try:
+        with patches.applied(speed_rotary.GROUP, speed_sync_free.GROUP):
+            losses, loss_function = forward_step(state, iter([batch]), model)
+            loss, tokens, _ = loss_function(losses)
+            loss.backward()
+    finally:
+        hook.remove()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return losses.detach(), loss.detach(), int(tokens), grads, seen
+
+
+def _assert_same_training(rows_path, whole_path, keep: torch.Tensor) -> None:
+    losses, loss, tokens, grads, _ = rows_path
+    whole_losses, whole_loss, whole_tokens, whole_grads, _ = whole_path
+    assert tokens == whole_tokens == int(keep.sum())
+    torch.testing.assert_close(loss, whole_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(losses[0, keep], whole_losses[0, keep], rtol=1e-6, atol=0)
+    assert torch.all(losses[0, ~keep] == 0) and torch.all(whole_losses[0, ~keep] != 0)
+    assert grads.keys() == whole_grads.keys()
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    """Each family's tiny Megatron model (and HF config), built by qvl's provider in fp32 on first use."""
+    from qvl.foundation import runtime
+
+    runtime.activate(force=True)
+    distributed.init_distributed()
+    built: dict[str, tuple] = {}
+    try:
+        yield lambda family: built.setdefault(family, tiny_megatron_model(family, gradient_accumulation_fusion=False))
+    finally:
+        distributed.destroy_distributed()
+
+
+@pytest.fixture
+def qwen2_5_vl(tiny_models):
+    return tiny_models("qwen2_5_vl")
+
+
+def _qwen2_5_vl_batch(model, hf_config):
+    import math
+
+    from tests.kernels.test_speed_sync_free import _batch
+
+    patch_dim = math.prod(model.visual.patch_embed.proj.weight.shape[1:])
+    return _text_answers(_batch("qwen2_5_vl", hf_config, patch_dim))
+
+
+def test_qwen2_5_vl_output_layer_runs_on_the_loss_rows_with_the_same_loss_and_gradients(qwen2_5_vl):
+    model, hf_config = qwen2_5_vl
+    batch = _qwen2_5_vl_batch(model, hf_config)
+    rows_path = _step(model, batch, loss_rows_only=True)
+    whole_path = _step(model, batch, loss_rows_only=False)
+    keep = _kept(batch)
+    assert whole_path[4] == [batch.tokens.shape[1]] and rows_path[4] == [int(keep.sum())]
+    assert rows_path[4][0] < batch.tokens.shape[1] / 2  # most of the pack is vision placeholders
+    _assert_same_training(rows_path, whole_path, keep)
+    assert any(name.startswith("visual.") for name in rows_path[3])  # the tower still learns through the rows
+
+
+def test_a_pack_without_loss_trains_nothing_and_still_runs_backward(qwen2_5_vl):
+    model, hf_config = qwen2_5_vl
+    batch = _qwen2_5_vl_batch(model, hf_config)
+    batch.loss_mask = torch.zeros_like(batch.loss_mask)
+    losses, loss, tokens, grads, seen = _step(model, batch, loss_rows_only=True)
+    assert seen == [1] and tokens == 0 and float(loss) == 0.0  # one row through the output layer, its loss masked
+    assert grads and all(torch.all(grad == 0) for grad in grads.values())
+
+
+def test_qwen3_vl_passes_the_hook_to_its_language_model(tiny_models):
+    from tests.kernels import test_speed_qwen3_vl_sync_free as qwen3_vl
+
+    model, _ = tiny_models(qwen3_vl.FAMILY)
+    batch = _text_answers(qwen3_vl.pack(model, "both"))
+    rows_path = _step(model, batch, loss_rows_only=True)
+    whole_path = _step(model, batch, loss_rows_only=False)
+    keep = _kept(batch)
+    assert rows_path[4] == [int(keep.sum())] and whole_path[4] == [batch.tokens.shape[1]]
+    _assert_same_training(rows_path, whole_path, keep)
+
+
+# --- sequence parallelism: two gloo ranks, TP=2 ------------------------------------------------------------------
+
+
+def _sequence_parallel_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+
+    from qvl.foundation import runtime
+    from qvl.kernels import torch_sequence_parallel_norm
+    from tests import megatron_smoke as smoke
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    runtime.activate()
+    distributed.init_distributed(tensor_parallel=2)
+    try:
+        shape = smoke.TinyGPT(seq_length=16)
+        with patches.applied(torch_sequence_parallel_norm.GROUP):  # torch's norms refuse sequence parallelism
+            model = smoke.build_model(shape, smoke.transformer_config(shape, sequence_parallel=True))
+        batch = smoke.synthetic_batches(shape, micro_batch_size=1, count=1, seed=3)[0]
+        mask = torch.zeros(1, shape.seq_length)
+        mask[0, [1, 2, 5, 9, 10, 11, 15]] = 1.0
+        positions = torch.arange(shape.seq_length)[None]
+        rows = LossRows(rows=host_loss_rows(mask, batch["labels"], ignore_index=IGNORE_INDEX))
+        results = {}
+        for name, hook in (("rows", {"output_processor": loss_rows_output, "output_processor_context": rows}),
+                           ("whole", {})):  # fmt: skip
+            model.zero_grad(set_to_none=True)
+            losses = model(batch["tokens"], positions, attention_mask=None, labels=batch["labels"], **hook)
+            # as Megatron's schedules run it: the engine called directly, inside the CPU runtime's device mode (a
+            # Tensor.backward() would run outside it: the mode is off while it handles the call)
+            custom_backward((losses * mask).sum(), None)
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results[name] = (losses.detach(), grads)
+        assert model.output_layer.sequence_parallel  # put back after the rows' call
+        torch.save({"mask": mask, **results}, f"{out}/rank{rank}.pt")
+    finally:
+        distributed.destroy_distributed()
+
+
+@pytest.mark.slow
+def test_sequence_parallel_gives_the_whole_pack_losses_and_gradients(tmp_path, free_port):
+    start_ranks(_sequence_parallel_worker, (free_port, str(tmp_path)), 2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        keep = result["mask"][0] > 0
+        (losses, grads), (whole_losses, whole_grads) = result["rows"], result["whole"]
+        torch.testing.assert_close(losses[0, keep], whole_losses[0, keep], rtol=1e-6, atol=0)
+        assert torch.all(losses[0, ~keep] == 0)
+        assert grads.keys() == whole_grads.keys() and "output_layer.weight" in grads
+        for name, grad in whole_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
