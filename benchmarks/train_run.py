@@ -242,6 +242,7 @@ def train_once(spec: dict) -> dict:
     if planned is not None:
         result["vision_recompute_from_plan"] = planned
     result["patch_groups"] = groups.summary(config)
+    result["loss_rows_only"] = config.qvl.loss_rows_only  # the output layer at the loss rows (qvl.kernels.loss_rows)
     if breakdown is not None:
         result["profile"] = breakdown.summary()
     if spec["mode"] == "packed":

@@ -29,6 +29,7 @@ import torch
 
 from qvl.foundation import patches
 from qvl.kernels import fix_mtp_loss
+from qvl.kernels.loss_rows import LossRows, losses_at_rows
 from qvl.kernels.packed_shift import shift_in_sequences
 
 MTP_LOSS = "mtp loss"  # the reporting key, beside Megatron-Bridge's "lm loss"
@@ -48,9 +49,12 @@ def mtp_depths(config: Any) -> int:
     return int(getattr(config, "mtp_num_layers", None) or 0)
 
 
-def model_arguments(config: Any) -> dict[str, Any]:
-    """The forward arguments that make a model with MTP layers return `LossesWithMtp` (none without MTP)."""
-    return {"output_processor": losses_with_mtp} if mtp_depths(config) else {}
+def model_arguments(config: Any, rows: LossRows | None = None) -> dict[str, Any]:
+    """The forward arguments that make a model with MTP layers return `LossesWithMtp` (none without MTP); with
+    `rows`, each head runs at its loss-bearing rows only (qvl.kernels.loss_rows)."""
+    if not mtp_depths(config):
+        return {}
+    return {"output_processor": losses_with_mtp, **({"output_processor_context": rows} if rows is not None else {})}
 
 
 def states_kept(config: Any) -> contextlib.AbstractContextManager:
@@ -71,10 +75,12 @@ def losses_with_mtp(
     compute_language_model_loss: Callable,
     scale_logits: Callable,
     config: Any,
+    context: LossRows | None = None,
     **_: Any,
 ) -> LossesWithMtp:
     """Output processor for `GPTModel._postprocess`: per-token losses of the main head and each MTP depth, from
-    the states [(1 + depths) * s, b, h] that "fix-mtp-loss" leaves whole, through the shared output layer."""
+    the states [(1 + depths) * s, b, h] that "fix-mtp-loss" leaves whole, through the shared output layer; with
+    `context` (qvl.kernels.loss_rows), each at the rows where its mask is set only."""
     depths = mtp_depths(config)
     cu_seqlens = packed_seq_params.cu_seqlens_q if packed_seq_params is not None else None
     targets, mask = labels, (loss_mask if loss_mask is not None else torch.ones_like(labels)).float()
@@ -82,8 +88,23 @@ def losses_with_mtp(
     for depth, states in enumerate(torch.chunk(hidden_states, 1 + depths, dim=0)):
         if depth:
             targets, mask = shift_in_sequences(targets, cu_seqlens), shift_in_sequences(mask, cu_seqlens)
-        logits, _ = output_layer(states, weight=output_weight, runtime_gather_output=runtime_gather_output)
-        losses.append(compute_language_model_loss(targets, scale_logits(logits)))
+        if context is not None:
+            rows = (context.rows, *context.mtp_rows)[depth]
+            losses.append(
+                losses_at_rows(
+                    states,
+                    rows,
+                    targets,
+                    output_layer=output_layer,
+                    output_weight=output_weight,
+                    runtime_gather_output=runtime_gather_output,
+                    compute_language_model_loss=compute_language_model_loss,
+                    scale_logits=scale_logits,
+                )
+            )
+        else:
+            logits, _ = output_layer(states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+            losses.append(compute_language_model_loss(targets, scale_logits(logits)))
         masks.append(mask)
     return LossesWithMtp(main=losses[0], mtp=tuple(losses[1:]), mtp_masks=tuple(masks[1:]))
 

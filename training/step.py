@@ -232,22 +232,32 @@ def forward_step(
 
 def output_arguments(cfg: Any, batch: Any, device: torch.device) -> dict[str, Any]:
     """The language model's output processor and its context (Megatron-Core's `GPTModel._postprocess` hook): with MTP
-    layers the one that also returns their per-token losses (qvl.training.mtp), else `loss_rows_arguments`'."""
+    layers the one that also returns their per-token losses (qvl.training.mtp), else `loss_rows_arguments`'; each
+    head at its loss-bearing rows only with `qvl.loss_rows_only`."""
     if mtp.mtp_depths(cfg.model):
-        return mtp.model_arguments(cfg.model)
+        return mtp.model_arguments(cfg.model, loss_rows(cfg, batch, device, mtp_depths=mtp.mtp_depths(cfg.model)))
     return loss_rows_arguments(cfg, batch, device)
 
 
 def loss_rows_arguments(cfg: Any, batch: Any, device: torch.device) -> dict[str, Any]:
     """With `qvl.loss_rows_only`, the output processor that runs the output layer and the loss at the pack's
-    loss-bearing positions only (qvl.kernels.loss_rows); none under context parallelism (a rank holds a slice of the
-    pack) or for a micro-batch of more than one pack."""
+    loss-bearing positions only (qvl.kernels.loss_rows); none where `loss_rows` gives none."""
+    rows = loss_rows(cfg, batch, device)
+    return {} if rows is None else {"output_processor": loss_rows_output, "output_processor_context": rows}
+
+
+def loss_rows(cfg: Any, batch: Any, device: torch.device, *, mtp_depths: int = 0) -> LossRows | None:
+    """The pack's loss-bearing positions (and each MTP depth's) on `device`, with `qvl.loss_rows_only`; None under
+    context parallelism (a rank holds a slice of the pack) or for a micro-batch of more than one pack."""
     if not cfg.qvl.loss_rows_only or cfg.model.context_parallel_size > 1:
-        return {}
-    rows = host_loss_rows(batch.loss_mask, batch.labels, ignore_index=IGNORE_INDEX)
-    if rows is None:
-        return {}
-    return {"output_processor": loss_rows_output, "output_processor_context": LossRows(rows=to_device(rows, device))}
+        return None
+    found = host_loss_rows(
+        batch.loss_mask, batch.labels, ignore_index=IGNORE_INDEX, cu_seqlens=batch.cu_seqlens_q, mtp_depths=mtp_depths
+    )
+    if found is None:
+        return None
+    main, *depths = (to_device(rows, device) for rows in found)
+    return LossRows(rows=main, mtp_rows=tuple(depths))
 
 
 def tower_inputs_by_kind(batch: Any, kwargs: dict, device: torch.device) -> dict[str, Any]:

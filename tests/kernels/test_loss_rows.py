@@ -1,7 +1,8 @@
 """The output layer and the loss at a pack's loss-bearing positions only (qvl.kernels.loss_rows; the training
 setting `qvl.loss_rows_only`): qvl's forward step gives the whole-pack path's masked loss and gradients with the output
 layer run on those rows only, for Qwen2.5-VL (qvl's loader forward) and Qwen3-VL (Megatron-Bridge's forward, the hook
-passed on); a pack without a loss-bearing position trains nothing and still runs backward; under sequence
+passed on); Qwen3.5-VL's MTP depth at its own rows; a pack without a loss-bearing position trains nothing and still
+runs backward; under sequence
 parallelism (two gloo ranks, TP=2) the losses and gradients are those of the whole-pack path.
 """
 
@@ -24,8 +25,15 @@ TEXT = 20  # the first ordinary token id of the tiny vocabulary (tests/kernels/t
 def test_host_rows_are_where_the_mask_is_set_and_the_label_is_not_ignored():
     mask = torch.tensor([[0, 1, 1, 0, 1, 1]], dtype=torch.float32)
     labels = torch.tensor([[5, 6, IGNORE_INDEX, 7, 8, 9]])
-    assert host_loss_rows(mask, labels, ignore_index=IGNORE_INDEX).tolist() == [1, 4, 5]
-    assert host_loss_rows(torch.zeros(1, 4), torch.zeros(1, 4), ignore_index=IGNORE_INDEX).tolist() == [0]  # none
+    (rows,) = host_loss_rows(mask, labels, ignore_index=IGNORE_INDEX)
+    assert rows.tolist() == [1, 4, 5]
+    # an MTP depth: the mask moved one position left inside each sample ([0, 3) and [3, 6)), each sample's last cut
+    main, depth = host_loss_rows(
+        mask, labels, ignore_index=IGNORE_INDEX, cu_seqlens=torch.tensor([0, 3, 6]), mtp_depths=1
+    )
+    assert main.tolist() == [1, 4, 5] and depth.tolist() == [0, 3, 4]
+    (none,) = host_loss_rows(torch.zeros(1, 4), torch.zeros(1, 4), ignore_index=IGNORE_INDEX)
+    assert none.tolist() == [0]  # no loss-bearing position: the first, masked
     assert host_loss_rows(torch.ones(2, 4), torch.zeros(2, 4), ignore_index=IGNORE_INDEX) is None  # two packs
 
 
@@ -144,6 +152,74 @@ def test_qwen3_vl_passes_the_hook_to_its_language_model(tiny_models):
     _assert_same_training(rows_path, whole_path, keep)
 
 
+def test_with_mtp_each_depth_runs_at_its_own_rows(tiny_models, tmp_path):
+    """Qwen3.5-VL with its MTP layer: the main head and the depth, each at the rows its mask keeps, give the
+    whole-pack path's losses (main and MTP, as the step's loss function adds them) and gradients."""
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.data.load import build_packed_datasets
+    from qvl.data.samples import write_sample_dataset
+    from qvl.launchers.cli import main
+    from qvl.training.mtp import LossesWithMtp
+
+    model, _ = tiny_models("qwen3_5_vl")
+    assert model.config.mtp_num_layers == 1
+    jsonl, media = write_sample_dataset(tmp_path / "samples", count=6, with_bad=False)
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", "qwen3_5_vl")
+    prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", "qwen3_5_vl", "--hf-path", str(hf)]
+    assert main(["data", "prepare", *prepare, "--seq-length", "512", "--output", str(tmp_path / "data")]) == 0
+    config = types.SimpleNamespace(
+        path=str(tmp_path / "data"), hf_path=str(hf), family="qwen3_5_vl", micro_batch_size=1, num_workers=0
+    )
+    batch = next(iter(build_packed_datasets(config, None)[0]))
+    assert len(batch.cu_seqlens_q) > 2  # several samples: the depth's rows stop at each sample's end
+    rows_path = _mtp_step(model, batch, loss_rows_only=True)
+    whole_path = _mtp_step(model, batch, loss_rows_only=False)
+    (outputs, loss, report, grads, seen), (whole, whole_loss, whole_report, whole_grads, whole_seen) = (
+        rows_path,
+        whole_path,
+    )
+    assert isinstance(outputs, LossesWithMtp) and len(outputs.mtp) == 1
+    keep = _kept(batch)
+    depth_keep = outputs.mtp_masks[0][0] > 0
+    assert whole_seen == [batch.tokens.shape[1]] * 2 and seen == [int(keep.sum()), int(depth_keep.sum())]
+    main_rows, depth_rows = host_loss_rows(
+        batch.loss_mask, batch.labels, ignore_index=IGNORE_INDEX, cu_seqlens=batch.cu_seqlens_q, mtp_depths=1
+    )
+    # the host's rows of the depth are where the model's shifted mask is set, not the main head's
+    assert depth_rows.tolist() == torch.nonzero(depth_keep).reshape(-1).tolist() != main_rows.tolist()
+    torch.testing.assert_close(loss, whole_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(report["mtp loss"], whole_report["mtp loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(outputs.main[0, keep], whole.main[0, keep], rtol=1e-6, atol=0)
+    torch.testing.assert_close(outputs.mtp[0][0, depth_keep], whole.mtp[0][0, depth_keep], rtol=1e-6, atol=0)
+    assert grads.keys() == whole_grads.keys() and any(".mtp." in name or name.startswith("mtp.") for name in grads)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _mtp_step(model, batch, *, loss_rows_only: bool):
+    """qvl's forward step with MTP, its loss function, backward: (outputs, loss, report, gradients, output rows)."""
+    from qvl.kernels import speed_rotary
+    from qvl.training.step import forward_step
+
+    cfg = types.SimpleNamespace(
+        model=model.config,  # the provider: MTP depths, its loss scale, the layout
+        qvl=types.SimpleNamespace(vision_balance=False, loss_rows_only=loss_rows_only),
+        rerun_state_machine=types.SimpleNamespace(check_for_nan_in_loss=False, check_for_spiky_loss=False),
+    )
+    seen: list[int] = []
+    hook = model.language_model.output_layer.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+    model.zero_grad(set_to_none=True)
+    try:
+        with patches.applied(speed_rotary.GROUP):
+            outputs, loss_function = forward_step(types.SimpleNamespace(cfg=cfg), iter([batch]), model)
+            loss, _, report = loss_function(outputs)
+            loss.backward()
+    finally:
+        hook.remove()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return outputs, loss.detach(), {k: v.detach() for k, v in report.items()}, grads, seen
+
+
 # --- sequence parallelism: two gloo ranks, TP=2 ------------------------------------------------------------------
 
 
@@ -168,7 +244,7 @@ def _sequence_parallel_worker(rank: int, port: int, out: str) -> None:
         mask = torch.zeros(1, shape.seq_length)
         mask[0, [1, 2, 5, 9, 10, 11, 15]] = 1.0
         positions = torch.arange(shape.seq_length)[None]
-        rows = LossRows(rows=host_loss_rows(mask, batch["labels"], ignore_index=IGNORE_INDEX))
+        rows = LossRows(rows=host_loss_rows(mask, batch["labels"], ignore_index=IGNORE_INDEX)[0])
         results = {}
         for name, hook in (("rows", {"output_processor": loss_rows_output, "output_processor_context": rows}),
                            ("whole", {})):  # fmt: skip
