@@ -428,6 +428,7 @@ def cuda_compiled_regions(census):
         speed_hf_vision.add_rms_norm: "vision add+RMSNorm",
         speed_hf_vision.add_layer_norm: "vision add+LayerNorm",
         speed_hf_vision.rotary_qkv_gradient: "vision rotary qkv gradient",
+        speed_hf_vision.rotary_qkv_gradient_and_sum: "vision rotary qkv gradient and bias sum",
         speed_hf_vision.silu_gate: "vision MLP silu_gate",
         speed_hf_vision.silu_gate_gradient: "vision MLP silu_gate gradient",
         speed_hf_vision.silu_gate_gradient_and_sums: "vision MLP silu_gate gradient and bias sums",

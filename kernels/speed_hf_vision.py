@@ -137,6 +137,16 @@ def rotary_qkv_gradient(
     return torch.stack((*unrotated, grad_v), dim=1)
 
 
+@compiled.first_dim_dynamic
+def rotary_qkv_gradient_and_sum(
+    grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_qkv_gradient` and its sum over the patches in fp32 (the qkv projection's bias gradient), which one
+    compiled region takes from the values it writes instead of reading them back."""
+    grad = rotary_qkv_gradient(grad_q, grad_k, grad_v, cos, sin)
+    return grad, grad.reshape(grad.shape[0], -1).sum(0, dtype=torch.float32)
+
+
 class RotaryQKV(torch.autograd.Function):
     """`[tokens, 3, heads, dim]` qkv to the rotated q and k and v (a view), through `rotary_fp32`; backward one
     `rotary_qkv_gradient` (one compiled region on CUDA where two were: the rotary's backward, then the `stack`)."""
@@ -152,6 +162,47 @@ class RotaryQKV(torch.autograd.Function):
     def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
         cos, sin = ctx.saved_tensors
         return compiled.region(rotary_qkv_gradient, grad_q)(grad_q, grad_k, grad_v, cos, sin), None, None
+
+
+class ProjectedRotaryQKV(torch.autograd.Function):
+    """`RotaryQKV` with the attention's qkv projection inside, for a `MainGradLinear` whose gradients go into
+    `main_grad`: backward, the qkv gradient region also sums the gradient into the projection's bias gradient as it
+    writes it (`rotary_qkv_gradient_and_sum`), where the linear's bias-gradient region read it back (74 MB per block
+    and pack at Qwen2.5-VL's width and 9,680 patches); the input and weight gradients are the linear's (`main_grad`
+    through `weight_gradient`). Eagerly every output and `main_grad` is the linear then `RotaryQKV` bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, cos, sin, heads: int):
+        q, k, v = F.linear(x, weight, bias).view(x.shape[0], 3, heads, -1).unbind(1)
+        ctx.save_for_backward(x, weight, cos, sin)
+        # The parameters themselves, for their main_grad (recomputed forwards save detached aliases without it).
+        ctx.weight, ctx.bias = weight, bias
+        q, k = compiled.region(rotary_fp32, q)(q, k, cos, sin)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
+        x, weight, cos, sin = ctx.saved_tensors
+        grad_qkv, column_sum = compiled.region(rotary_qkv_gradient_and_sum, grad_q)(grad_q, grad_k, grad_v, cos, sin)
+        grad_2d = grad_qkv.reshape(x.shape[0], -1)
+        x_grad = grad_2d.matmul(weight) if ctx.needs_input_grad[0] else None
+        weight_grad = weight_gradient(ctx.weight, grad_2d, x) if ctx.needs_input_grad[1] else None
+        bias_grad = None
+        if ctx.bias is not None and ctx.needs_input_grad[2]:
+            bias_grad = bias_gradient_of_sum(ctx.bias, column_sum)
+        return x_grad, weight_grad, bias_grad, None, None, None
+
+
+def projected_rotated_qkv(
+    hidden_states: torch.Tensor, qkv: torch.nn.Module, heads: int, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """q and k rotated and v of `[tokens, hidden]` `hidden_states` through the attention's `qkv` projection: as
+    `ProjectedRotaryQKV` where it is a `MainGradLinear` with a `main_grad` (DDP's fusion on) and the angles are not
+    trained, else the projection called, then `rotated_qkv`."""
+    into_main_grad = type(qkv) is MainGradLinear and getattr(qkv.weight, "main_grad", None) is not None
+    if into_main_grad and not (cos.requires_grad or sin.requires_grad):
+        return ProjectedRotaryQKV.apply(hidden_states, qkv.weight, qkv.bias, cos, sin, heads)
+    return rotated_qkv(qkv(hidden_states).view(hidden_states.shape[0], 3, heads, -1), cos, sin)
 
 
 def rotated_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -180,7 +231,7 @@ def lean_attention(original):
         if not known or position_embeddings is None or self.config._attn_implementation != HF_VARLEN_ATTENTION:
             return original(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs)
         tokens = hidden_states.shape[0]
-        q, k, v = rotated_qkv(self.qkv(hidden_states).view(tokens, 3, self.num_heads, -1), *position_embeddings)
+        q, k, v = projected_rotated_qkv(hidden_states, self.qkv, self.num_heads, *position_embeddings)
         longest = longest_block(cu_seqlens, known, None)
         dropout_p = self.attention_dropout if self.training else 0.0
         out = packed_attention(q, k, v, cu_seqlens, cu_seqlens, longest, longest, self.scaling, dropout_p, False)

@@ -155,8 +155,8 @@ def test_regions_compiled_on_cuda_are_counted_as_inductors_kernels(tiny):
     assert {"vision rotary", "SwiGLU swiglu", "SwiGLU swiglu_back"} <= set(regions)
     assert all(r["count"] == LABEL for r in regions.values())
     # the rotary one fused kernel each way: forward its region, backward the qkv gradient's (a region of its own,
-    # called from RotaryQKV's backward, counted as its forward run)
-    rotary, gradient = regions["vision rotary"], regions["vision rotary qkv gradient"]
+    # called from the projected rotary's backward with the bias sum, counted as its forward run)
+    rotary, gradient = regions["vision rotary"], regions["vision rotary qkv gradient and bias sum"]
     assert (rotary["forward_kernels"], rotary["backward_kernels"], gradient["forward_kernels"]) == (1, 0, 1)
     assert rotary["forward_runs"] == 2 * gradient["forward_runs"] > 0  # vision recompute reruns the forward
     assert regions["vision add+RMSNorm"]["backward_kernels"] == 1

@@ -103,6 +103,54 @@ def test_block_and_rotary_take_their_compiled_regions_where_compiled_regions_run
     assert all(torch.equal(a, b) for a, b in zip(weights, hf_weights, strict=True))
 
 
+def test_qkv_bias_gradient_is_summed_in_the_rotary_gradient_region(monkeypatch):
+    """With DDP's `main_grad` (the tower's `MainGradLinear` qkv projection): where compiled regions run, the
+    attention's backward calls the qkv gradient region that also sums the projection's bias gradient, and no
+    bias-gradient region reads it back; the outputs, the input's gradient and every `main_grad` are the linear then
+    `RotaryQKV`'s bit for bit (fp32). A plain linear with a `main_grad` (the fusion off) takes the unfused path."""
+    from qvl.kernels.torch_wgrad_accum import MainGradLinear
+
+    heads, head_dim, hidden, rows = 4, 16, 64, 40
+
+    def qkv_linear(main_grad_linear: bool = True) -> torch.nn.Linear:
+        torch.manual_seed(7)
+        linear = torch.nn.Linear(hidden, 3 * heads * head_dim)
+        for param in linear.parameters():
+            param.main_grad, param.grad_added_to_main_grad = torch.zeros_like(param), False
+        if main_grad_linear:
+            linear.__class__ = MainGradLinear
+        return linear
+
+    angles = torch.randn(rows, head_dim // 2).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    x, probes = torch.randn(rows, hidden), [torch.randn(rows, heads, head_dim) for _ in range(3)]
+
+    def run(linear, projected: bool) -> tuple[torch.Tensor, ...]:
+        inputs = x.clone().requires_grad_()
+        if projected:
+            outputs = speed_hf_vision.projected_rotated_qkv(inputs, linear, heads, cos, sin)
+        else:
+            outputs = speed_hf_vision.rotated_qkv(linear(inputs).view(rows, 3, heads, -1), cos, sin)
+        sum((output * probe).sum() for output, probe in zip(outputs, probes, strict=True)).backward()
+        return (*outputs, inputs.grad, linear.weight.main_grad.clone(), linear.bias.main_grad.clone())
+
+    regions, mode = [], OpsOutsideRegions()
+    monkeypatch.setattr(compiled, "runs_compiled", lambda tensor: True)
+    monkeypatch.setattr(compiled, "compiled", counting_regions(regions, mode))
+    linear = qkv_linear()
+    projected = run(linear, True)
+    assert regions == ["rotary_fp32", "rotary_qkv_gradient_and_sum"]
+    assert linear.weight.grad_added_to_main_grad and linear.bias.grad_added_to_main_grad
+    regions.clear()
+    reference = run(qkv_linear(), False)
+    assert sorted(regions) == ["bias_gradient_into", "rotary_fp32", "rotary_qkv_gradient"]  # the linear's own sum
+    assert all(torch.equal(a, b) for a, b in zip(projected, reference, strict=True))
+    assert projected[-1].abs().sum() > 0  # the bias gradient arrived
+    plain = qkv_linear(main_grad_linear=False)
+    q, *_ = speed_hf_vision.projected_rotated_qkv(x.requires_grad_(), plain, heads, cos, sin)
+    assert q.grad_fn.name() != "ProjectedRotaryQKVBackward"
+
+
 def check_block_regions_against_fp64(device: str, *, sizes: tuple[int, ...], norms: tuple[str, ...]) -> None:
     """The add-and-norm regions and the qkv gradient region compiled (for `device`) against fp64: outputs and
     gradients as close as the eager functions, and one graph for every patch count."""
