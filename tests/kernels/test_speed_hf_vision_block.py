@@ -162,6 +162,7 @@ def check_block_regions_against_fp64(device: str, *, sizes: tuple[int, ...], nor
     add_norms = {"rms": speed_hf_vision.add_rms_norm, "layer": speed_hf_vision.add_layer_norm}
     regions = {name: compiled.CompiledRegion(add_norms[name]) for name in norms}
     gradient_region = compiled.CompiledRegion(speed_hf_vision.rotary_qkv_gradient)
+    summing_region = compiled.CompiledRegion(speed_hf_vision.rotary_qkv_gradient_and_sum)
     graphs = counters["stats"]["unique_graphs"]
     generator = torch.Generator(device).manual_seed(0)
 
@@ -193,7 +194,13 @@ def check_block_regions_against_fp64(device: str, *, sizes: tuple[int, ...], nor
         eager = speed_hf_vision.rotary_qkv_gradient(*grads, angles.cos(), angles.sin())
         assert fast.shape == (n, 3, heads, head_dim)
         assert_as_close_as_eager(fast, eager, exact, what=f"qkv gradient, {n} patches")
-    assert counters["stats"]["unique_graphs"] == graphs + len(regions) + 1  # one graph each for every size
+        # with the qkv projection's bias gradient: the same gradient, and its fp32 column sum
+        summed, column_sum = summing_region(*grads, angles.cos(), angles.sin())
+        assert column_sum.dtype == torch.float32
+        assert_as_close_as_eager(summed, eager, exact, what=f"qkv gradient beside its sum, {n} patches")
+        eager_sum = eager.reshape(n, -1).sum(0, dtype=torch.float32)
+        assert_as_close_as_eager(column_sum, eager_sum, exact.reshape(n, -1).sum(0), what=f"qkv bias sum, {n} patches")
+    assert counters["stats"]["unique_graphs"] == graphs + len(regions) + 2  # one graph each for every size
 
 
 @pytest.mark.slow  # Inductor compilations for the CPU (~20 s on 2 cores)
