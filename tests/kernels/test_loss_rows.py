@@ -16,7 +16,8 @@ import torch
 from qvl.data.count import IGNORE_INDEX
 from qvl.foundation import distributed, patches
 from qvl.foundation.distributed import start_ranks
-from qvl.kernels.loss_rows import LossRows, host_loss_rows, loss_rows_output
+from qvl.kernels.loss_rows import LossRows, host_loss_rows, loss_rows_output, losses_at_rows
+from tests.numerics import assert_as_close_as_eager
 from tests.tiny_megatron import tiny_megatron_model
 
 TEXT = 20  # the first ordinary token id of the tiny vocabulary (tests/kernels/test_speed_sync_free.py)
@@ -218,6 +219,62 @@ def _mtp_step(model, batch, *, loss_rows_only: bool):
         hook.remove()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return outputs, loss.detach(), {k: v.detach() for k, v in report.items()}, grads, seen
+
+
+class _Head(torch.nn.Module):
+    """An output layer as `losses_at_rows` calls it: `(logits, bias)` of `[s, b, h]` states, no sequence parallelism."""
+
+    sequence_parallel = False
+    tp_group = None
+
+    def forward(self, x, weight, runtime_gather_output=None):
+        return x @ weight.t(), None
+
+
+def _head_gradients(device: str, dtype: torch.dtype, *, rows: torch.Tensor | None, seed: int = 0):
+    """The per-token losses, and the gradients of the states and the output weight, of qvl's cross-entropy over a
+    random head at `dtype`: at `rows` only (`losses_at_rows`) or at every position."""
+    from qvl.kernels.speed_cross_entropy import vocab_parallel_cross_entropy
+
+    generator = torch.Generator().manual_seed(seed)
+    tokens, hidden, vocab = 300, 64, 1000
+    states = torch.randn(tokens, 1, hidden, generator=generator).to(device, dtype).requires_grad_()
+    weight = (0.1 * torch.randn(vocab, hidden, generator=generator)).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (1, tokens), generator=generator).to(device)
+    mask = (torch.rand(1, tokens, generator=generator) < 0.3).to(device)
+    loss = lambda labels, logits: vocab_parallel_cross_entropy(logits, labels.t(), None).t()  # noqa: E731
+    if rows is None:
+        losses = loss(labels, _Head()(states, weight)[0])
+    else:
+        losses = losses_at_rows(
+            states, rows.to(device), labels, output_layer=_Head(), output_weight=weight, runtime_gather_output=None,
+            compute_language_model_loss=loss, scale_logits=lambda logits: logits,
+        )  # fmt: skip
+    (losses.float() * mask).sum().backward()
+    return losses.detach() * mask, states.grad, weight.grad, mask
+
+
+def _check_head(device: str) -> None:
+    _, _, _, mask = _head_gradients("cpu", torch.float32, rows=None)
+    (rows,) = host_loss_rows(mask.cpu().float(), torch.zeros(mask.shape, dtype=torch.long), ignore_index=IGNORE_INDEX)
+    exact = _head_gradients(device, torch.float64, rows=None)
+    eager = _head_gradients(device, torch.bfloat16, rows=None)
+    fast = _head_gradients(device, torch.bfloat16, rows=rows)
+    for what, a, b, c in zip(("losses", "states' gradient", "weight gradient"), fast[:3], eager[:3], exact[:3]):
+        assert_as_close_as_eager(a.double(), b.double(), c, what=f"loss rows, {what}")
+
+
+def test_the_rows_path_is_as_close_to_fp64_as_the_whole_pack_in_bf16():
+    """bf16, the rows' losses and gradients (the output layer's weight gradient summed over fewer rows) as close to
+    float64 as the whole pack's (eagerly on the CPU; the same check on CUDA with the compiled regions below)."""
+    _check_head("cpu")
+
+
+@pytest.mark.gpu
+def test_the_rows_path_is_as_close_to_fp64_as_the_whole_pack_on_cuda():
+    """On CUDA, qvl's cross-entropy compiled (its regions with dynamic row counts), the rows' losses and gradients in
+    bf16 as close to float64 as the whole pack's."""
+    _check_head("cuda")
 
 
 # --- sequence parallelism: two gloo ranks, TP=2 ------------------------------------------------------------------
