@@ -13,7 +13,9 @@ Memory per GPU (the most loaded pipeline stage decides):
   micro-batches in flight (interleaving: x (1 + (PP-1)/(PP*VPP)), the same formula's penalty). Full
   recompute keeps each layer's input plus one layer's working set. The vision tower's activations sit on
   stage 0 (replicated over TP for the HF towers of Qwen2-VL / Qwen2.5-VL; with `vision_balance` each rank keeps
-  those of its 1/TP share of the images, plus the moved pixels and embeddings, `vision_balance_buffer_bytes`).
+  those of its 1/TP share of the images, plus the moved pixels and embeddings, `vision_balance_buffer_bytes`). The
+  last stage keeps the logits the loss needs for backward: of the workload's text tokens only where the output layer
+  runs at the loss-bearing positions (`qvl.loss_rows_only`, qvl.kernels.loss_rows), else of every token.
 FLOPs: `qvl.foundation.cost` (forward FLOPs; x3 for training, +1 forward for full recompute). MFU is an estimate
 from a roofline: GEMM efficiency, pipeline bubble, unoverlapped TP/EP/DP communication.
 """
@@ -172,6 +174,15 @@ def _loss_bytes_per_logit(x: PlanInputs, weight_bytes: int) -> int:
     return weight_bytes if x.lean_cross_entropy else 4
 
 
+def _loss_rows(x: PlanInputs, tokens: float) -> float:
+    """Of a micro-batch's `tokens`, those the output layer and the loss run at: with `qvl.loss_rows_only` (one
+    context-parallel rank) at most the text share of the workload (the loss counts at no image token), else all."""
+    settings = getattr(x.cfg, "qvl", None)
+    if not getattr(settings, "loss_rows_only", False) or x.parallel.layout.context_parallel > 1:
+        return tokens
+    return tokens * (1 - x.workload.vision_token_fraction)
+
+
 def vision_recompute_blocks(qvl_options: Any, vision: VisionShape) -> int:
     """How many of the HF vision tower's blocks recompute in backward under the config's `qvl` section."""
     if not getattr(qvl_options, "vision_recompute", False):
@@ -202,7 +213,8 @@ def _stage_activations(x: PlanInputs, stage: int, weight_bytes: int) -> float:
         acts += vision_activation_bytes(model, vision, tower_rows, **tower)
         acts += tokens * 2 * lm.hidden_size
     if stage == pp - 1:  # the final norm's output, fp32 (same source), and what the loss keeps per logit
-        head = tokens * (4 * lm.hidden_size + _loss_bytes_per_logit(x, weight_bytes) * padded_vocab(model)) / tp
+        logits = _loss_rows(x, tokens) * _loss_bytes_per_logit(x, weight_bytes) * padded_vocab(model)
+        head = (tokens * 4 * lm.hidden_size + logits) / tp
         # each MTP depth: its eh_proj input (2h), one more decoder layer and one more pass through the loss
         mtp = tokens * 2 * lm.hidden_size * weight_bytes / tp
         mtp += layer_activation_bytes(model, lm, tokens, recompute=recompute, modules=modules) + head

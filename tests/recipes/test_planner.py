@@ -302,12 +302,26 @@ def test_the_loss_keeps_what_the_cross_entropy_in_use_keeps():
         target = dataclasses.replace(Target.of(cfg, device="cuda"), **packages)
         return plan_config(cfg, gpus=2, target=target).stages[-1].activations
 
-    logits = cfg.model.seq_length * shapes.padded_vocab(cfg.model)  # one micro-batch in flight on the last stage
+    # one micro-batch in flight on the last stage; the loss at its text tokens only (qvl.loss_rows_only), half of
+    # them in the default workload
+    logits = cfg.model.seq_length * shapes.padded_vocab(cfg.model) * 0.5
     lean, fp32 = last_stage(fusion=True), last_stage(fusion=False)
     assert fp32 - lean == pytest.approx(2 * logits)
     assert last_stage(fusion=True, transformer_engine=True) == fp32  # TE on the target GPU: Megatron-Core's own
     assert last_stage(fusion=True, apex=True) == fp32
     assert plan_config(cfg, gpus=2).stages[-1].activations == lean  # by default: this environment's packages
+
+
+def test_the_loss_rows_keep_the_logits_of_the_text_tokens_only():
+    """With `qvl.loss_rows_only` (the default) the last stage keeps the logits of the workload's text tokens only;
+    off, of every token."""
+    cfg = get_recipe("qwen2_5_vl_3b_sft").fn(tensor_parallel=1, pipeline_parallel=2)
+    workload = Workload(seq_length=cfg.model.seq_length, vision_token_fraction=0.75)
+    rows = plan_config(cfg, gpus=2, workload=workload).stages[-1].activations
+    cfg.qvl.loss_rows_only = False
+    every = plan_config(cfg, gpus=2, workload=workload).stages[-1].activations
+    logits = cfg.model.seq_length * shapes.padded_vocab(cfg.model) * 2  # qvl's cross-entropy keeps bf16 logits
+    assert every - rows == pytest.approx(0.75 * logits)
 
 
 def test_a_graphed_tower_with_sizes_planned_from_the_dataset_counts_the_rows_they_add(tmp_path):
