@@ -2,9 +2,9 @@
 setting `qvl.loss_rows_only`): qvl's forward step gives the whole-pack path's masked loss and gradients with the output
 layer run on those rows only, for Qwen2.5-VL (qvl's loader forward) and Qwen3-VL (Megatron-Bridge's forward, the hook
 passed on); Qwen3.5-VL's MTP depth at its own rows; a pack without a loss-bearing position trains nothing and still
-runs backward; under sequence
-parallelism (two gloo ranks, TP=2) the losses and gradients are those of the whole-pack path.
-"""
+runs backward; in bf16 the rows' losses and gradients are as close to float64 as the whole pack's (CPU, and CUDA with
+the compiled cross-entropy); under sequence parallelism (two gloo ranks, TP=2) the losses and gradients are those of
+the whole-pack path."""
 
 from __future__ import annotations
 
