@@ -419,7 +419,14 @@ def cuda_compiled_regions(census):
     import importlib
 
     from qvl.foundation import megatron
-    from qvl.kernels import compiled, speed_cross_entropy, speed_hf_vision, speed_rotary, torch_wgrad_accum
+    from qvl.kernels import (
+        compiled,
+        hf_vision_mlp,
+        speed_cross_entropy,
+        speed_hf_vision,
+        speed_rotary,
+        torch_wgrad_accum,
+    )
 
     regions = CompiledRegions(census, opaque=opaque_varlen_attention)
     region_names = {
@@ -429,12 +436,12 @@ def cuda_compiled_regions(census):
         speed_hf_vision.add_layer_norm: "vision add+LayerNorm",
         speed_hf_vision.rotary_qkv_gradient: "vision rotary qkv gradient",
         speed_hf_vision.rotary_qkv_gradient_and_sum: "vision rotary qkv gradient and bias sum",
-        speed_hf_vision.silu_gate: "vision MLP silu_gate",
-        speed_hf_vision.silu_gate_gradient: "vision MLP silu_gate gradient",
-        speed_hf_vision.silu_gate_gradient_and_sums: "vision MLP silu_gate gradient and bias sums",
-        speed_hf_vision.quick_gelu_gradient: "vision MLP quick_gelu gradient",
-        speed_hf_vision.quick_gelu_gradient_and_sum: "vision MLP quick_gelu gradient and bias sum",
-        speed_hf_vision.quick_gelu: "vision MLP quick_gelu",
+        hf_vision_mlp.silu_gate: "vision MLP silu_gate",
+        hf_vision_mlp.silu_gate_gradient: "vision MLP silu_gate gradient",
+        hf_vision_mlp.silu_gate_gradient_and_sums: "vision MLP silu_gate gradient and bias sums",
+        hf_vision_mlp.quick_gelu_gradient: "vision MLP quick_gelu gradient",
+        hf_vision_mlp.quick_gelu_gradient_and_sum: "vision MLP quick_gelu gradient and bias sum",
+        hf_vision_mlp.quick_gelu: "vision MLP quick_gelu",
         speed_rotary.rotary_whole_pack: "LM rotary",
         speed_rotary.rotary_absolute: "Qwen3-VL rotary",
         torch_wgrad_accum.bias_gradient_into: "vision bias gradient",

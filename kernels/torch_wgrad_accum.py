@@ -335,6 +335,12 @@ def weight_gradient(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch
     return added_to_main_grad(weight)
 
 
+def into_main_grad(linear: torch.nn.Module) -> bool:
+    """Whether `linear`'s gradients go into `main_grad`: a `MainGradLinear` that DDP gave a `main_grad` (its fusion
+    on); a plain `nn.Linear` with one returns its gradients to autograd."""
+    return type(linear) is MainGradLinear and getattr(linear.weight, "main_grad", None) is not None
+
+
 def added_to_main_grad(param: torch.Tensor) -> torch.Tensor:
     """Tell DDP's hook that `param`'s gradient is in its `main_grad` already (`grad_added_to_main_grad`), and return
     the unwritten placeholder gradient autograd hands the parameter so that the hook still runs (and skips its add),

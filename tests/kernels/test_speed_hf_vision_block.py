@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qvl.foundation import patches
-from qvl.kernels import compiled, speed_hf_vision
+from qvl.kernels import compiled, hf_vision_mlp, speed_hf_vision
 from qvl.kernels.tower_inputs import tower_inputs_for_config
 from tests.kernels.test_speed_hf_vision import GRIDS, HF_TOWER_FAMILIES, pixels, plain_mlp_front, tiny_tower
 from tests.numerics import assert_as_close_as_eager
@@ -304,7 +304,7 @@ def test_with_its_first_blocks_recomputed_the_carried_tower_trains_as_the_plain_
 
 
 # The MLPs' input projections and activations: Qwen2.5-VL's gate and up with SiLU-gating, Qwen2-VL's fc1 with QuickGELU.
-MLP_FRONTS = {"qwen2_5_vl": (2, speed_hf_vision.SILU_GATE), "qwen2_vl": (1, speed_hf_vision.QUICK_GELU)}
+MLP_FRONTS = {"qwen2_5_vl": (2, hf_vision_mlp.SILU_GATE), "qwen2_vl": (1, hf_vision_mlp.QUICK_GELU)}
 
 
 def _mlp_front(family: str, dtype: torch.dtype = torch.float32, seed: int = 5) -> tuple[torch.nn.Linear, ...]:
@@ -316,10 +316,10 @@ def _mlp_front(family: str, dtype: torch.dtype = torch.float32, seed: int = 5) -
 def _run_mlp_front(projections, x, fused: bool) -> tuple[torch.Tensor, ...]:
     """The activation, the input's gradient and the parameters' (`.grad`, else `main_grad`) under a fixed loss:
     `activated_projections` or transformers' composition (the projections one by one, then the activation)."""
-    activation = speed_hf_vision.SILU_GATE if len(projections) == 2 else speed_hf_vision.QUICK_GELU
+    activation = hf_vision_mlp.SILU_GATE if len(projections) == 2 else hf_vision_mlp.QUICK_GELU
     x = x.detach().clone().requires_grad_()
     if fused:
-        out = speed_hf_vision.activated_projections(x, projections, activation)
+        out = hf_vision_mlp.activated_projections(x, projections, activation)
     else:
         out = activation.fn(*(projection(x) for projection in projections))
     out.double().sin().sum().backward()
@@ -404,8 +404,8 @@ def test_mlp_input_projections_that_are_not_plain_linears_are_called_as_they_are
     gate_proj, up_proj = _mlp_front("qwen2_5_vl")
     adapter = torch.nn.Sequential(gate_proj)  # an adapter around the linear, as PEFT wraps one
     x = torch.randn(7, 64)
-    out = speed_hf_vision.activated_projections(x, (adapter, up_proj), speed_hf_vision.SILU_GATE)
-    assert torch.equal(out, speed_hf_vision.silu_gate(gate_proj(x), up_proj(x)))
+    out = hf_vision_mlp.activated_projections(x, (adapter, up_proj), hf_vision_mlp.SILU_GATE)
+    assert torch.equal(out, hf_vision_mlp.silu_gate(gate_proj(x), up_proj(x)))
     assert out.grad_fn.name() != "ActivatedProjectionsBackward"
 
 
