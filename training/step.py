@@ -234,8 +234,9 @@ def output_arguments(cfg: Any, batch: Any, device: torch.device) -> dict[str, An
     """The language model's output processor and its context (Megatron-Core's `GPTModel._postprocess` hook): with MTP
     layers the one that also returns their per-token losses (qvl.training.mtp), else `loss_rows_arguments`'; each
     head at its loss-bearing rows only with `qvl.loss_rows_only`."""
-    if mtp.mtp_depths(cfg.model):
-        return mtp.model_arguments(cfg.model, loss_rows(cfg, batch, device, mtp_depths=mtp.mtp_depths(cfg.model)))
+    depths = mtp.mtp_depths(cfg.model)
+    if depths:
+        return mtp.model_arguments(cfg.model, loss_rows(cfg, batch, device, mtp_depths=depths))
     return loss_rows_arguments(cfg, batch, device)
 
 
