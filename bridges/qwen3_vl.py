@@ -43,7 +43,7 @@ from qvl.bridges.fixes import mrope_section
 from qvl.bridges.providers import freeze_as_configured, provider_as
 from qvl.foundation import megatron, patches
 from qvl.foundation.megatron import have_transformer_engine
-from qvl.kernels import speed_qwen3_vl_sync_free, speed_qwen3_vl_tower, torch_qwen3_vl_vision
+from qvl.kernels import speed_qwen3_vl_sync_free, speed_qwen3_vl_tower, torch_qwen3_vl_vision, torch_wgrad_accum
 from qvl.kernels.local_specs import local_gpt_layer_spec
 from qvl.kernels.speed_sync_free import HostBatch
 from qvl.kernels.tower_inputs import MegatronTowerInputs, VisionSources
@@ -107,8 +107,10 @@ class Qwen3VLModel(upstream_model.Qwen3VLModel, TakesVisionPlacement):
         _adopt(self.vision_model, Qwen3VLVisionModel)
         _adopt(getattr(self.language_model, "decoder", None), Qwen3VLTransformerBlock)
         vision = getattr(self, "vision_model", None)
-        if vision is not None and not have_transformer_engine() and megatron.jit_fusions_usable():
-            speed_qwen3_vl_tower.fuse_bias_ops(vision)  # its bias-GELU and bias-dropout-add fused, as the LM's SwiGLU
+        if vision is not None and not have_transformer_engine():
+            torch_wgrad_accum.megatron_tower_linears_into_main_grad(vision, self.config)  # as the LM's linears
+            if megatron.jit_fusions_usable():
+                speed_qwen3_vl_tower.fuse_bias_ops(vision)  # its bias-GELU and bias-dropout-add fused, as the LM's
 
     def forward(
         self,

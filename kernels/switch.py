@@ -148,6 +148,10 @@ RULES: tuple[Rule, ...] = (
     Rule(group="fix-megatron-setup", scope="training", condition="always", on=lambda t: True),
     Rule(group="fix-adam-resume", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
     Rule(group="speed-optimizer", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
+    Rule(group="speed-small-grads", scope="training",
+         condition="always (it changes only 1-D parameters' gradient hooks, and not where DDP overlaps its gradient "
+                   "reduction with the backward)",
+         on=lambda t: True),
     Rule(group="speed-rotary", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
     Rule(group="speed-sync-free", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
     Rule(group="speed-cross-entropy", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),

@@ -59,6 +59,7 @@ from qvl.foundation import patches
 from qvl.foundation.megatron import have_transformer_engine
 from qvl.kernels import compiled
 from qvl.kernels.speed_aligned_widths import hf_vision_towers
+from qvl.kernels.speed_small_grads import add_into_main_grad
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,28 @@ class LinearIntoMainGrad(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
+def megatron_tower_linears_into_main_grad(tower: torch.nn.Module, language_config: Any) -> int:
+    """Give the linears of Megatron-Bridge's Qwen3-VL vision tower (built from Megatron-Core's local modules) the
+    language model's `gradient_accumulation_fusion`; the number of linears changed.
+
+    `get_vision_model_config` (megatron/bridge/models/qwen_vl/modelling_qwen3_vl/transformer_config.py) makes the
+    tower's config from scratch and copies the recompute, TP and CUDA-graph settings of the language model's, not this
+    one: each tower linear's weight gradient went through a bf16 `.grad` that DDP's hook then added into the fp32
+    `main_grad` (Qwen3-VL-4B's census step: 848 adds, 33 GB). A local linear reads the setting in its forward
+    (`self.gradient_accumulation_fusion`), and Megatron-Core's backward takes the fused path only for a weight with a
+    `main_grad`, as for the language model's."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    if not getattr(language_config, "gradient_accumulation_fusion", False):
+        return 0
+    linears = [m for m in tower.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    for linear in linears:
+        linear.gradient_accumulation_fusion = True
+    if linears:
+        linears[0].config.gradient_accumulation_fusion = True  # the tower's config, for what reads it later
+    return len(linears)
+
+
 # The attribute `main_grad_embeddings` sets on a word embedding's weight: its `EmbeddingRoute`.
 EMBEDDING_ROUTE = "qvl_embedding_into_main_grad"
 
@@ -315,11 +338,11 @@ def _bias_gradient(bias: torch.Tensor, grad_2d: torch.Tensor) -> torch.Tensor | 
 
 def bias_gradient_of_sum(bias: torch.Tensor, column_sum: torch.Tensor) -> torch.Tensor:
     """The bias gradient from its already summed `grad_2d.sum(0)` (fp32, from a region that wrote `grad_2d`), added
-    into its `main_grad` where DDP gave it one (one small add; the placeholder returned), else in the bias's dtype."""
-    main_grad = getattr(bias, "main_grad", None)
-    if main_grad is None or not hasattr(bias, "grad_added_to_main_grad"):
+    into its `main_grad` where DDP gave it one (one small add, with the other small gradients at the end of the backward
+    under speed-small-grads; the placeholder returned), else in the bias's dtype."""
+    if getattr(bias, "main_grad", None) is None or not hasattr(bias, "grad_added_to_main_grad"):
         return column_sum.to(bias.dtype)
-    main_grad.add_(column_sum)
+    add_into_main_grad(bias, column_sum)
     return added_to_main_grad(bias)
 
 

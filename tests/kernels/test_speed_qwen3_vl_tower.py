@@ -28,7 +28,7 @@ def tower():
     runtime.activate(force=True)
     distributed.init_distributed()
     try:
-        model, _ = tiny_megatron_model("qwen3_vl")
+        model, _ = tiny_megatron_model("qwen3_vl", gradient_accumulation_fusion=False)  # no DDP: no main_grad
         (vision,) = speed_qwen3_vl_tower.megatron_vision_towers(model)
         assert type(vision).__module__ == "qvl.bridges.qwen3_vl"  # qvl's tower class
         with torch.no_grad():  # norms at 1 and biases at 0 would hide a mix-up: perturb them
@@ -256,7 +256,7 @@ def _check_fused_tower(tower, calls) -> None:
     import torch.nn.functional as F
     from megatron.core.transformer.mlp import MLP
 
-    model, _ = tiny_megatron_model("qwen3_vl")
+    model, _ = tiny_megatron_model("qwen3_vl", gradient_accumulation_fusion=False)  # no DDP: no main_grad
     (fused,) = speed_qwen3_vl_tower.megatron_vision_towers(model)
     fused.load_state_dict(tower.state_dict())
     assert fused.config.bias_activation_fusion and fused.config.bias_dropout_fusion
@@ -350,3 +350,46 @@ def test_the_fused_bias_ops_are_as_close_to_fp64_as_eager_on_cuda():
     if not compiled.cuda_compile_usable():
         pytest.skip("needs Triton")
     check_fused_bias_ops_against_fp64("cuda", rows=(4096, 10240))
+
+
+def test_the_towers_linears_add_their_weight_gradients_into_main_grad_as_the_language_models_do(tower):
+    """Megatron-Bridge makes the tower's config without the language model's `gradient_accumulation_fusion`; qvl's
+    model gives its linears the setting (torch_wgrad_accum.megatron_tower_linears_into_main_grad): with DDP's
+    `main_grad` each weight gradient goes there inside its GEMM and the weight's `.grad` is a placeholder, equal to
+    autograd's gradient within fp32 rounding."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from qvl.foundation import distributed, runtime
+
+    off = [m for m in tower.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    assert off and not any(linear.gradient_accumulation_fusion for linear in off)  # the fixture's LM has it off
+    runtime.activate(force=True)  # puts back redirections an earlier test undid through the registry
+    parallel_state.destroy_model_parallel()  # whatever an earlier test of this process left
+    distributed.init_distributed()
+    try:
+        _check_tower_into_main_grad()
+    finally:
+        distributed.destroy_distributed()
+
+
+def _check_tower_into_main_grad() -> None:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    model, _ = tiny_megatron_model("qwen3_vl")  # as training builds it: the fusion on (no TE here)
+    (fused,) = speed_qwen3_vl_tower.megatron_vision_towers(model)
+    assert model.config.gradient_accumulation_fusion and fused.config.gradient_accumulation_fusion
+    linears = {name: m for name, m in fused.named_modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)}
+    assert linears and all(linear.gradient_accumulation_fusion for linear in linears.values())
+    x = pixels(fused)
+    for linear in linears.values():  # autograd's gradients first
+        linear.gradient_accumulation_fusion = False
+    expected = run(fused, x, GRIDS)[2]
+    for linear in linears.values():
+        linear.gradient_accumulation_fusion = True
+        linear.weight.main_grad = torch.zeros_like(linear.weight)
+        linear.weight.grad_added_to_main_grad = False
+    run(fused, x, GRIDS)
+    for name, linear in linears.items():
+        assert linear.weight.grad_added_to_main_grad, name
+        torch.testing.assert_close(linear.weight.main_grad, expected[f"{name}.weight"], rtol=1e-5, atol=1e-6)

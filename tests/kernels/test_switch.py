@@ -37,8 +37,8 @@ def test_the_answer_is_the_targets_not_this_machines():
     bare_gpu = Target(device="cuda", hf_vision_tower=True, gated_delta_net=False, mtp=False, peft=False,
                       cuda_graphs=True, async_save=False)  # fmt: skip
     assert switch.training_groups(bare_gpu) == (
-        "fix-megatron-setup", "fix-adam-resume", "speed-optimizer", "speed-rotary", "speed-sync-free",
-        "speed-jit-warmup", "speed-sync-save", "speed-cross-entropy", "speed-cuda-graphs", "torch-wgrad-accum",
+        "fix-megatron-setup", "fix-adam-resume", "speed-optimizer", "speed-small-grads", "speed-rotary",
+        "speed-sync-free", "speed-jit-warmup", "speed-sync-save", "speed-cross-entropy", "speed-cuda-graphs", "torch-wgrad-accum",
         "speed-hf-vision",
     )  # fmt: skip
     with_te = dataclasses.replace(bare_gpu, transformer_engine=True)
