@@ -6,8 +6,9 @@ Megatron-Core's DDP registers a hook per parameter (`DistributedDataParallel._ma
 megatron/core/distributed/distributed_data_parallel.py) that adds the parameter's `.grad` into its fp32 `main_grad`
 as soon as autograd has it. A weight's gradient goes into `main_grad` inside its GEMM (qvl.kernels.torch_wgrad_accum)
 and the hook skips it; what the hooks still add are the 1-D parameters' gradients, a few thousand elements each and
-one launch each per micro-batch: 1,600 of the 12,217 launches of the step census's Qwen2.5-VL step, 3,688 of
-Qwen3-VL-4B's 21,562 (benchmarks/RESULTS.md), where the host launches as fast as the GPU runs.
+one launch each per micro-batch: with qvl's own bias-sum adds (below), 1,600 of the 12,217 launches of the step
+census's Qwen2.5-VL step and ~2,800 of Qwen3-VL-4B's 21,562 (benchmarks/RESULTS.md), where the host launches about as
+fast as the GPU runs.
 
 Here a 1-D parameter's hook keeps the gradient (and releases the parameter's `.grad`, as upstream's does) and, at the
 first such call in a backward, asks autograd's engine to call `SmallGradients.flush` when that backward ends
