@@ -12,13 +12,13 @@ fast as the GPU runs.
 
 Here a 1-D parameter's hook keeps the gradient (and releases the parameter's `.grad`, as upstream's does) and, at the
 first such call in a backward, asks autograd's engine to call `SmallGradients.flush` when that backward ends
-(`queue_callback`): one `_foreach_copy_` widens the kept bf16
-gradients into an fp32 scratch buffer (its CUDA kernel converts dtypes on its fast path), one `_foreach_add_` adds
-them into their `main_grad`s (each launch covers up to 64 tensors, 448 with CUDA 13 builds). Every element is its gradient widened to fp32 and added once, as upstream's `add_` does: `main_grad` is the
-same bit for bit. The gradients are held until the backward ends: a few MB for a Qwen-VL model. A recomputed region's
-reentrant backward (Megatron-Core's `CheckpointFunction`) is a backward of its own inside the outer one: its
-gradients go in when it ends. A backward that raises leaves what it kept out of `main_grad` (upstream's hooks would
-have added those that had run; the run stops there either way).
+(`queue_callback`): one `_foreach_copy_` widens the kept bf16 gradients into an fp32 scratch buffer (its CUDA kernel
+converts dtypes on its fast path), one `_foreach_add_` adds them into their `main_grad`s (each launch covers up to 64
+tensors, 448 with CUDA 13 builds). Every element is its gradient widened to fp32 and added once, as upstream's `add_`
+does: `main_grad` is the same bit for bit. The gradients are held until the backward ends: a few MB for a Qwen-VL
+model. A recomputed region's reentrant backward (Megatron-Core's `CheckpointFunction`) is a backward of its own inside
+the outer one: its gradients go in when it ends. A backward that raises leaves what it kept out of `main_grad`
+(upstream's hooks would have added those that had run; the run stops there either way).
 
 qvl's own bias-gradient regions (the HF vision tower's qkv, gate and up projections: qvl.kernels.speed_hf_vision,
 qvl.kernels.hf_vision_mlp) sum a bias gradient in fp32 and add it into `main_grad` themselves; they hand the sum to
