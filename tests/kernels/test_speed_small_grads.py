@@ -67,7 +67,7 @@ def _ddp_like(model: torch.nn.Module, factory, **ddp_config) -> types.SimpleName
     ddp = types.SimpleNamespace(ddp_config=types.SimpleNamespace(**config), grad_accs=[],
                                 param_to_bucket_group={p: 0 for p in model.parameters()})  # fmt: skip
     for param in model.parameters():
-        param.main_grad = torch.zeros(param.shape, dtype=torch.float32)
+        param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
         param.grad_added_to_main_grad = False
         accumulator = param.expand_as(param).grad_fn.next_functions[0][0]
         accumulator.register_hook(factory(ddp, param))
@@ -75,13 +75,13 @@ def _ddp_like(model: torch.nn.Module, factory, **ddp_config) -> types.SimpleName
     return ddp
 
 
-def _train(dtype: torch.dtype, factory, micro_batches: int = 3) -> tuple[_Model, list[str]]:
-    model = _Model(dtype)
+def _train(dtype: torch.dtype, factory, micro_batches: int = 3, device: str = "cpu") -> tuple[_Model, list[str]]:
+    model = _Model(dtype).to(device)
     _ddp_like(model, factory)
     writes = _Writes([p.main_grad for p in model.parameters()])
     generator = torch.Generator().manual_seed(1)
     for _ in range(micro_batches):
-        x = torch.randn(16, 24, generator=generator).to(dtype)
+        x = torch.randn(16, 24, generator=generator).to(device, dtype)
         with writes:
             (model(x).float() ** 2).sum().backward()
         assert all(p.grad is None for p in model.parameters())  # every gradient went into main_grad, then released
@@ -101,6 +101,19 @@ def test_the_1d_gradients_go_into_main_grad_when_the_backward_ends_bit_for_bit(u
     # parameters' in one foreach add per backward (bf16 gradients widened first, into a scratch buffer).
     assert their_writes == ["add_"] * 4 * 3
     assert sorted(our_writes) == sorted(["add_", "_foreach_add_"] * 3)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_foreach_kernels_give_the_hooks_main_grad_bit_for_bit(upstream_factory):
+    """The same on the device: the widening copy's and the add's CUDA kernels (their fast paths), the callback on the
+    caller's stream after autograd's leaf streams."""
+    from qvl.kernels.speed_small_grads import batched_hook
+
+    theirs, _ = _train(torch.bfloat16, upstream_factory, device="cuda")
+    ours, writes = _train(torch.bfloat16, batched_hook(upstream_factory), device="cuda")
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a.main_grad, b.main_grad) and a.main_grad.abs().sum() > 0, name
+    assert sorted(writes) == sorted(["add_", "_foreach_add_"] * 3)
 
 
 def test_a_hook_outside_a_backward_adds_at_once(upstream_factory):
