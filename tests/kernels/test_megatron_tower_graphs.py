@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import types
 
+import pytest
 import torch
 
 from qvl.kernels import tower_graphs
@@ -53,10 +54,29 @@ def _megatron_ddp_like(tower):
             del param.main_grad, param.grad_added_to_main_grad
 
 
-def test_every_call_of_a_qwen3_vl_bucket_gives_the_towers_rows_deepstack_and_gradients(tower):
+@contextlib.contextmanager
+def _fused_linears(tower, fused: bool):
+    """The tower's linears with `gradient_accumulation_fusion` as training builds them (`fused`: their weight
+    gradients into `main_grad` inside the GEMM) while inside; as built after."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    linears = [m for m in tower.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    built = [linear.gradient_accumulation_fusion for linear in linears]
+    for linear in linears:
+        linear.gradient_accumulation_fusion = fused
+    try:
+        yield
+    finally:
+        for linear, flag in zip(linears, built, strict=True):
+            linear.gradient_accumulation_fusion = flag
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["autograd-wgrad", "wgrad-into-main-grad"])
+def test_every_call_of_a_qwen3_vl_bucket_gives_the_towers_rows_deepstack_and_gradients(tower, fused):
     """Megatron-Bridge's Qwen3-VL tower (qvl's prepared forward) against its graphs on the CPU (`EagerReplay`): each
     call's embeddings and deepstack features, and the sum of the calls' gradients in `main_grad`, are the eager
-    tower's (to rounding: the position table's gradient sums a video's frames in another order)."""
+    tower's (to rounding: the position table's gradient sums a video's frames in another order); with the linears'
+    weight gradients going into `main_grad` in their GEMMs (training's build) or through autograd."""
     from qvl.kernels.tower_graphs import MegatronTowerGraphs
 
     params = dict(tower.named_parameters())
@@ -69,7 +89,7 @@ def test_every_call_of_a_qwen3_vl_bucket_gives_the_towers_rows_deepstack_and_gra
         for name, grad in zip(params, grads, strict=True):
             expected[name] += grad
         wants.append((embeds.detach(), [d.detach() for d in deepstack]))
-    with _megatron_ddp_like(tower):
+    with _megatron_ddp_like(tower), _fused_linears(tower, fused):
         graphs = MegatronTowerGraphs(tower, cuda=False)
         for index, grid in enumerate(MEGATRON_CALLS):
             pixels, inputs, _ = _megatron_call(tower, grid, seed=index)
@@ -82,6 +102,8 @@ def test_every_call_of_a_qwen3_vl_bucket_gives_the_towers_rows_deepstack_and_gra
             _megatron_loss((embeds, deepstack), index).backward()
         assert [b.bucket.patches for b in graphs.buckets.values()] == [208, 32]
         assert graphs.stats()["calls"] == {"warm-up": 2, "captured": 1, "replayed": 1}, graphs.stats()
+        weights = [m.weight for m in tower.modules() if hasattr(m, "gradient_accumulation_fusion")]
+        assert weights and all(w.grad_added_to_main_grad == fused for w in weights)  # the path each took
         for name, param in params.items():
             assert param.grad is None
             scale = float(expected[name].abs().max()) + 1e-6
