@@ -50,7 +50,11 @@ SHARE_A_WORKER = {
     "munge_daemon": ("tests/launchers/test_slurm_real.py", "tests/launchers/test_slurm_multinode.py"),
     "tiny_census": ("tests/test_bench_step.py", "tests/kernels/test_speed_sync_free.py"),
     # one fresh interpreter checks the import-time claims of both (tests/foundation/conftest.py)
-    "fresh_import_report": ("tests/foundation/test_patches.py", "tests/foundation/test_runtime.py"),
+    "fresh_import_report": (
+        "tests/foundation/test_patches.py",
+        "tests/foundation/test_runtime.py",
+        "tests/foundation/test_deferred_compile.py",
+    ),
 }
 # The groups a worker takes second (each worker starts at once; the Slurm tests may first wait for the packages
 # installing in the background); the rest go by their number of slow tests, most first.

@@ -1,4 +1,5 @@
-"""The fresh interpreter that checks qvl's import-time claims once for test_patches.py and test_runtime.py."""
+"""The fresh interpreter that checks qvl's import-time claims once for test_patches.py, test_runtime.py and
+test_deferred_compile.py."""
 
 from __future__ import annotations
 

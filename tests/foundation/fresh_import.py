@@ -52,6 +52,22 @@ def transformer_engine_free() -> dict:
     return {"te_present": False}
 
 
+def fused_functions_eager_on_the_cpu() -> None:
+    """Megatron-Core's fused functions, decorated at its first import (qvl's, under speed-import), run eagerly on the
+    CPU: Qwen3.5's attention output gate compiles no frame."""
+    from qvl.foundation.megatron import import_megatron_bridge
+
+    import_megatron_bridge()
+    from megatron.core.transformer.attention import Attention
+    from torch._dynamo.utils import counters
+
+    x, gate = torch.randn(4, 1, 6), torch.randn(4, 1, 6)
+    frames = counters["frames"]["total"]
+    out = Attention._apply_output_gate(None, x, gate)
+    assert torch.equal(out, x * torch.sigmoid(gate)), "the gate's values"
+    assert counters["frames"]["total"] == frames, "the gate was compiled on the CPU"
+
+
 def every_module_switches_nothing_on() -> None:
     from qvl.foundation import FOLDERS
 
@@ -75,4 +91,5 @@ def every_module_switches_nothing_on() -> None:
 if __name__ == "__main__":
     report("registration_first", registration_first)
     report("transformer_engine_free", transformer_engine_free)
+    report("fused_functions_eager_on_the_cpu", fused_functions_eager_on_the_cpu)
     report("every_module_switches_nothing_on", every_module_switches_nothing_on)
