@@ -114,21 +114,23 @@ def batched_hook(original):
             or getattr(param, "is_gtp_weight_remat", False)
         ):
             return original(self, param)
+        upstream = original(self, param)  # every call this one does not keep a gradient of
         if not hasattr(self, _ATTRIBUTE):
             setattr(self, _ATTRIBUTE, SmallGradients())
         small: SmallGradients = getattr(self, _ATTRIBUTE)
         setattr(param, _ATTRIBUTE, small)
 
         def hook(*unused: Any) -> None:
-            if is_graph_capturing() or param not in self.param_to_bucket_group:
-                return
-            adds = param.grad is not None and (
-                not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)
+            keeps = (
+                torch._C._current_graph_task_id() != -1
+                and not is_graph_capturing()
+                and param in self.param_to_bucket_group
+                and param.grad is not None
+                and (not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False))
             )
-            if adds and torch._C._current_graph_task_id() != -1:
-                small.keep(param.main_grad, param.grad.data)
-            elif adds:
-                param.main_grad.add_(param.grad.data)
+            if not keeps:
+                return upstream(*unused)
+            small.keep(param.main_grad, param.grad.data)
             param.grad = None
 
         return hook

@@ -196,9 +196,9 @@ class LinearIntoMainGrad(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
-def megatron_tower_linears_into_main_grad(tower: torch.nn.Module, language_config: Any) -> int:
+def megatron_tower_linears_into_main_grad(tower: torch.nn.Module, language_config: Any) -> None:
     """Give the linears of Megatron-Bridge's Qwen3-VL vision tower (built from Megatron-Core's local modules) the
-    language model's `gradient_accumulation_fusion`; the number of linears changed.
+    language model's `gradient_accumulation_fusion`.
 
     `get_vision_model_config` (megatron/bridge/models/qwen_vl/modelling_qwen3_vl/transformer_config.py) makes the
     tower's config from scratch and copies the recompute, TP and CUDA-graph settings of the language model's, not this
@@ -209,13 +209,11 @@ def megatron_tower_linears_into_main_grad(tower: torch.nn.Module, language_confi
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     if not getattr(language_config, "gradient_accumulation_fusion", False):
-        return 0
-    linears = [m for m in tower.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
-    for linear in linears:
-        linear.gradient_accumulation_fusion = True
-    if linears:
-        linears[0].config.gradient_accumulation_fusion = True  # the tower's config, for what reads it later
-    return len(linears)
+        return
+    for linear in tower.modules():
+        if isinstance(linear, ColumnParallelLinear | RowParallelLinear):
+            linear.gradient_accumulation_fusion = True
+    tower.config.gradient_accumulation_fusion = True  # the tower's config, as its linears now run
 
 
 # The attribute `main_grad_embeddings` sets on a word embedding's weight: its `EmbeddingRoute`.

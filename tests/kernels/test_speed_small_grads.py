@@ -144,18 +144,22 @@ def test_a_gradient_already_in_main_grad_is_not_added_again(upstream_factory):
 def test_upstreams_hook_where_the_backward_must_see_each_gradient(upstream_factory, setting):
     from qvl.kernels.speed_small_grads import batched_hook
 
-    made = []
+    made = set()
 
     def upstream(ddp, param):
-        made.append(param)
-        return upstream_factory(ddp, param)
+        hook = upstream_factory(ddp, param)
+        made.add(hook)
+        return hook
 
-    model = _Model(torch.float32)
-    _ddp_like(model, batched_hook(upstream), **{setting: True})
-    assert len(made) == 4  # every parameter's hook is upstream's
-    plain = _Model(torch.float32)
-    _ddp_like(plain, batched_hook(upstream))
-    assert len(made) == 4 + 1  # the weight alone (2-D) without the setting
+    def registered(factory, **settings) -> list:
+        hooks = []
+        _ddp_like(_Model(torch.float32), lambda ddp, p: hooks.append(factory(ddp, p)) or hooks[-1], **settings)
+        return hooks
+
+    hooks = registered(batched_hook(upstream), **{setting: True})
+    assert len(hooks) == 4 and all(hook in made for hook in hooks)  # every parameter's hook is upstream's
+    hooks = registered(batched_hook(upstream))
+    assert [hook in made for hook in hooks] == [True, False, False, False]  # the weight alone (2-D) without it
 
 
 def test_a_backward_that_raised_leaves_nothing_for_the_next(upstream_factory):
