@@ -28,6 +28,17 @@ ACCUMULATE_ARG_OPS = frozenset({"index_put_", "_index_put_impl_", "put_"})
 # fused Adam unscales its gradients in place only when given `grad_scale`.
 UNSCALED_ARGS = {"_fused_adam_": frozenset({"grads"}), "_fused_adamw_": frozenset({"grads"})}
 ALIGN_BYTES = 16  # Hopper's TMA needs 16-byte row pitches; else cuBLAS falls back to align2/align4 sm80 kernels
+# torch's multi-tensor kernels (ATen/native/cuda/MultiTensorApply.cuh, builds for CUDA 13 and newer, as torch 2.14's
+# wheels are): one launch takes at most this many tensors per list depth (1 to 5 lists) and this many blocks of
+# MULTI_TENSOR_CHUNK elements each; a tensor's chunks go on in the next launch where the blocks run out.
+MULTI_TENSOR_MAX_TENSORS = (770, 448, 336, 252, 210)
+MULTI_TENSOR_MAX_TENSORS_SCALAR_LIST = (672, 448, 336, 252, 210)
+MULTI_TENSOR_MAX_BLOCKS = 2240
+MULTI_TENSOR_CHUNK = 65536
+# Fused optimizers: their tensor lists besides `state_steps` (a step count per tensor, not walked in chunks).
+FUSED_OPTIMIZER_OPS = frozenset({"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"})
+# Multi-tensor reductions: a per-chunk kernel, then one kernel that finishes each tensor's result.
+MULTI_TENSOR_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
 
 
 _C10D_FILE = "distributed_c10d.py"
@@ -80,6 +91,41 @@ def partial_write_bytes(func, name: str, args, kwargs, widths: WidthMap) -> floa
         position = [arg.name for arg in func._schema.arguments].index("accumulate")
         accumulates = bool(args[position] if position < len(args) else kwargs.get("accumulate", False))
     return sum(widths.nbytes(t) for t in given) + rows * (2 if accumulates else 1)
+
+
+def multi_tensor_kernels(func, name: str, args, kwargs, widths: WidthMap) -> int:
+    """CUDA kernels a `_foreach_*` or fused-optimizer op launches at the real widths, on its fast route (tensors on
+    one device, dense, one dtype per list: the step's lists are): torch's `multi_tensor_apply` walks the first list's
+    tensors in chunks, launching whenever a launch's tensors or blocks are full; empty tensors are skipped. The lists
+    are the op's `Tensor[]` arguments and, out of place (it returns a list), its result; a reduction adds its
+    finishing kernel."""
+    lists, scalar_list = [], False
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        kind = str(arg.type)
+        scalar_list = scalar_list or kind.startswith("List[number]") or kind.startswith("List[Scalar]")
+        if kind.startswith("List[Tensor]") and value and arg.name != "state_steps":
+            lists.append(value)
+    if not lists:
+        return 1
+    reduction = name in MULTI_TENSOR_REDUCTIONS
+    result_list = bool(func._schema.returns) and not reduction and name not in FUSED_OPTIMIZER_OPS
+    depth = min(len(lists) + result_list, 5)
+    max_tensors = (MULTI_TENSOR_MAX_TENSORS_SCALAR_LIST if scalar_list else MULTI_TENSOR_MAX_TENSORS)[depth - 1]
+    launches = tensors = blocks = 0
+    for tensor in lists[0]:
+        chunks = math.ceil(widths.numel(tensor) / MULTI_TENSOR_CHUNK)
+        if not chunks:
+            continue
+        tensors += 1
+        for chunk in range(chunks):
+            blocks += 1
+            if (tensors == max_tensors and chunk == chunks - 1) or blocks == MULTI_TENSOR_MAX_BLOCKS:
+                launches += 1
+                blocks = 0
+                tensors = 0 if chunk == chunks - 1 else 1
+    launches += blocks > 0
+    return launches + (reduction and launches > 0)
 
 
 def row_pitch_aligned(tensor: torch.Tensor, widths: WidthMap) -> bool:
