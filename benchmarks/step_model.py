@@ -124,16 +124,16 @@ def with_pad_work(step: dict, graphs: dict | None) -> dict:
 def graphed_launches(result: dict, graphed: dict, *, tower_launches_per_call: int | None) -> dict:
     """ESTIMATED host launches per step where `speed-cuda-graphs` replays the language model's layers (Megatron-Core's
     per-layer graphs) and, given `tower_launches_per_call` (an HF tower: qvl.kernels.tower_graphs), the vision tower:
-    the census's ops outside those parts, plus per layer call a forward and a backward replay, a copy of each input
-    tensor (at most: Megatron-Core skips those already in place) and one of the output's gradient, plus per tower call
-    its launches. `graphed` is the census's tally (benchmarks.step_census.Census.graphed). The GPU's work is the same
+    the census's ops outside those parts, plus per layer call a forward and a backward replay and a copy of each input
+    tensor but the previous layer's output (`lm_layer_input_copies`: Megatron-Core's graphs chain the layers), plus one
+    copy of an output gradient per micro-batch (the last layer's), plus per tower call its launches. `graphed` is the census's tally (benchmarks.step_census.Census.graphed). The GPU's work is the same
     but for the tower's pad rows: each call padded up to its bucket's rows (at most 1/8 more), whose work is taken as
     the tower's per row (`pad_work`; its attention too, which the pad rows' own block makes an upper bound)."""
     step, vision = result["step"], result["regions"]["vision"]
     layer_calls = graphed.get("lm_layer_calls", 0)
     removed = graphed.get("lm_layers_launching_ops", 0)
     removed_views = graphed.get("lm_layers_view_ops", 0)
-    added = 2 * layer_calls + graphed.get("lm_layer_input_tensors", 0) + layer_calls
+    added = 2 * layer_calls + graphed.get("lm_layer_input_copies", 0) + graphed.get("lm_layer_chains", 0)
     tower_calls, padding = graphed.get("tower_calls", 0), 0.0
     if tower_launches_per_call is not None and tower_calls:
         removed += vision["kernel_launching_ops"]
@@ -148,6 +148,8 @@ def graphed_launches(result: dict, graphed: dict, *, tower_launches_per_call: in
         "graphed_launching_ops": removed,
         "replays_and_copies": added,
         "lm_layer_calls": layer_calls,
+        "lm_layer_input_copies": graphed.get("lm_layer_input_copies", 0),
+        "lm_layer_chains": graphed.get("lm_layer_chains", 0),
         "tower_calls": tower_calls if tower_launches_per_call is not None else 0,
         "tower_padding_share": round(padding, 4),
         "pad_work": {key: round(vision[key] * padding, 4) for key in GPU_WORK},

@@ -38,19 +38,36 @@ class Regions:
     def mark_graphed_layers(self, layers: list) -> None:
         """Tally the ops of the language model's layers, which a CUDA run with `speed-cuda-graphs` replays: their
         forward from the first layer's call to the last one's return, their backward from the gradient reaching the
-        last layer's output to the one leaving the first layer's input; and the tensors a replay copies in."""
+        last layer's output to the one leaving the first layer's input; and the tensors a replay copies in. Megatron-
+        Core's graphs chain the layers (megatron/core/transformer/cuda_graphs.py, 0.19.2): a layer whose input is the
+        previous layer's output takes it in that graph's output buffer, and a layer's output gradient arrives in the
+        next graph's input-gradient buffer, both without a copy. So each layer call copies its tensors but that
+        output, and each chain of layer calls (a micro-batch) copies one output gradient, its last layer's."""
         census = self.census
         if not layers:
             return
+        previous = {"output": None}  # the last layer call's output: the next call's input, in its graph's buffer
 
         def begin(module, args, kwargs):
             census.graph_begin()
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if census.counting:
                 census.graphed["lm_layer_calls"] += len(layers)
-                census.graphed["lm_layer_input_tensors"] += len(layers) * _tensor_count((args, kwargs))
+                census.graphed["lm_layer_chains"] += 1
             if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
                 hidden.register_hook(lambda grad: census.graph_end("lm_layers"))
+
+        def copies_in(module, args, kwargs):
+            if census.counting:
+                tensors = _tensors((args, kwargs))
+                census.graphed["lm_layer_input_copies"] += sum(t is not previous["output"] for t in tensors)
+
+        def keep_output(module, args, kwargs, output):
+            previous["output"] = output[0] if isinstance(output, tuple) else output
+
+        for layer in layers:
+            layer.register_forward_pre_hook(copies_in, with_kwargs=True)
+            layer.register_forward_hook(keep_output, with_kwargs=True)
 
         def end(module, args, kwargs, output):
             census.graph_end("lm_layers")
@@ -141,12 +158,13 @@ def marked(batches, census):
         yield batch
 
 
-def _tensor_count(tree) -> int:
+def _tensors(tree) -> list[torch.Tensor]:
     """Tensors among `tree`'s leaves and the fields of its dataclass leaves (PackedSeqParams)."""
-    count = 0
+    tensors = []
     for leaf in pytree.tree_leaves(tree):
         if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            count += sum(isinstance(getattr(leaf, f.name), torch.Tensor) for f in dataclasses.fields(leaf))
-        else:
-            count += isinstance(leaf, torch.Tensor)
-    return count
+            fields = (getattr(leaf, f.name) for f in dataclasses.fields(leaf))
+            tensors += [value for value in fields if isinstance(value, torch.Tensor)]
+        elif isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+    return tensors
