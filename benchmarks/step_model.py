@@ -126,9 +126,10 @@ def graphed_launches(result: dict, graphed: dict, *, tower_launches_per_call: in
     per-layer graphs) and, given `tower_launches_per_call` (an HF tower: qvl.kernels.tower_graphs), the vision tower:
     the census's ops outside those parts, plus per layer call a forward and a backward replay and a copy of each input
     tensor but the previous layer's output (`lm_layer_input_copies`: Megatron-Core's graphs chain the layers), plus one
-    copy of an output gradient per micro-batch (the last layer's), plus per tower call its launches. `graphed` is the census's tally (benchmarks.step_census.Census.graphed). The GPU's work is the same
-    but for the tower's pad rows: each call padded up to its bucket's rows (at most 1/8 more), whose work is taken as
-    the tower's per row (`pad_work`; its attention too, which the pad rows' own block makes an upper bound)."""
+    copy of an output gradient per micro-batch (the last layer's), plus per tower call its launches. `graphed` is the
+    census's tally (benchmarks.step_census.Census.graphed). The GPU's work is the same but for the tower's pad rows:
+    each call padded up to its bucket's rows (at most 1/8 more), whose work is taken as the tower's per row
+    (`pad_work`; its attention too, which the pad rows' own block makes an upper bound)."""
     step, vision = result["step"], result["regions"]["vision"]
     layer_calls = graphed.get("lm_layer_calls", 0)
     removed = graphed.get("lm_layers_launching_ops", 0)
