@@ -93,12 +93,14 @@ def partial_write_bytes(func, name: str, args, kwargs, widths: WidthMap) -> floa
     return sum(widths.nbytes(t) for t in given) + rows * (2 if accumulates else 1)
 
 
-def multi_tensor_kernels(func, name: str, args, kwargs, widths: WidthMap) -> int:
-    """CUDA kernels a `_foreach_*` or fused-optimizer op launches at the real widths, on its fast route (tensors on
-    one device, dense, one dtype per list: the step's lists are): torch's `multi_tensor_apply` walks the first list's
-    tensors in chunks, launching whenever a launch's tensors or blocks are full; empty tensors are skipped. The lists
-    are the op's `Tensor[]` arguments and, out of place (it returns a list), its result; a reduction adds its
-    finishing kernel."""
+def kernels_launched(func, name: str, args, kwargs, widths: WidthMap) -> int:
+    """CUDA kernels an op launches: one, but for a `_foreach_*` or fused-optimizer op those of its multi-tensor apply
+    at the real widths, on its fast route (tensors on one device, dense, one dtype per list: the step's lists are):
+    torch's `multi_tensor_apply` walks the first list's tensors in chunks, launching whenever a launch's tensors or
+    blocks are full; empty tensors are skipped (none at all: 0). The lists are the op's `Tensor[]` arguments and, out
+    of place (it returns a list), its result; a reduction adds its finishing kernel."""
+    if not name.startswith("_foreach") and name not in FUSED_OPTIMIZER_OPS:
+        return 1
     lists, scalar_list = [], False
     for i, arg in enumerate(func._schema.arguments):
         value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)

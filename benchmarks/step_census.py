@@ -11,9 +11,8 @@ kernels, and the torch modes that watch the step, are in benchmarks.step_kernels
 - packed attention is torch's varlen kernel on CUDA; here one stand-in call (`FakeFlash`) per attention, recorded
   as `_flash_attention_forward` / `_flash_attention_backward` with the FLOPs of the real call;
 - `F.rms_norm` is `_fused_rms_norm` on CUDA (CPU's composite runs pow/mean/rsqrt);
-- torch's Adam/AdamW default to foreach kernels on CUDA (CPU runs the per-tensor loop); a foreach or fused-optimizer
-  op launches as many kernels as CUDA's multi-tensor apply takes for its lists at the real widths
-  (`op_costs.multi_tensor_kernels`);
+- torch's Adam/AdamW default to foreach kernels on CUDA (CPU runs the per-tensor loop), each as many launches as
+  CUDA's multi-tensor apply takes for its lists at the real widths (`op_costs.kernels_launched`);
 - a `.to(device)` of a host tensor is a host-to-device copy (here the device is the CPU, so it would be free).
 
 A tensor is "host" when it came from the loader or from a factory call without a device; everything computed from a
@@ -43,14 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from benchmarks import step_kernels
 from benchmarks.compiled_regions import LABEL, bisect_range
-from benchmarks.op_costs import (
-    FUSED_OPTIMIZER_OPS,
-    gemm_flops,
-    in_collective,
-    multi_tensor_kernels,
-    nongemm_bytes,
-    row_pitch_aligned,
-)
+from benchmarks.op_costs import gemm_flops, in_collective, kernels_launched, nongemm_bytes, row_pitch_aligned
 
 REGIONS = ("lm", "vision", "loss", "optimizer", "other")
 GEMM_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "addbmm", "_scaled_mm", "convolution",
@@ -380,12 +372,10 @@ class Census:
         if not inplace and outputs and all(t.numel() == 0 for t in outputs) and not name.startswith("_foreach"):
             counts.empty += 1
             return
-        kernels = 1
-        if name.startswith("_foreach") or name in FUSED_OPTIMIZER_OPS:
-            kernels = multi_tensor_kernels(func, name, args, kwargs, self.widths)
-            if not kernels:  # every tensor empty
-                counts.empty += 1
-                return
+        kernels = kernels_launched(func, name, args, kwargs, self.widths)
+        if not kernels:  # a multi-tensor op whose tensors are all empty
+            counts.empty += 1
+            return
         counts.launches[name] += kernels
         if name in VALUE_SIZED_OPS or (
             name in ("index", "index_put", "index_put_") and _bool_index(args) and not _scalar_value(name, args)
