@@ -59,8 +59,9 @@ class Target:
             raise ConfigError(f"device={self.device!r} is not a run's device; use one of: {', '.join(DEVICES)}")
 
     @property
-    def torch_adam(self) -> bool:
-        """Megatron-Core's optimizer falls back to torch Adam and Python loops: neither TE nor Apex provides it."""
+    def torch_stack(self) -> bool:
+        """Neither TE nor Apex is installed: Megatron-Core's optimizer falls back to torch Adam and Python loops, and
+        the step takes qvl's torch paths."""
         return not (self.transformer_engine or self.apex)
 
     @classmethod
@@ -140,21 +141,23 @@ def _both(fact: bool | None, rest: bool) -> bool | None:
 
 
 _NO_TE_APEX = "neither Transformer Engine nor Apex is installed (Megatron-Core falls back to torch Adam and loops)"
+# qvl's torch paths for the step: where either is installed (a NeMo container) the run keeps that stack's own kernels
+_TORCH_STACK = "neither Transformer Engine nor Apex is installed (with either, the run keeps that stack's own paths)"
 RULES: tuple[Rule, ...] = (
     Rule(group="cpu-runtime", scope="process", condition="the run's device is the CPU",
          on=lambda t: t.device == "cpu"),
     Rule(group="cpu-training", scope="training", condition="the run's device is the CPU",
          on=lambda t: t.device == "cpu"),
     Rule(group="fix-megatron-setup", scope="training", condition="always", on=lambda t: True),
-    Rule(group="fix-adam-resume", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
-    Rule(group="speed-optimizer", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
+    Rule(group="fix-adam-resume", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_stack),
+    Rule(group="speed-optimizer", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_stack),
     Rule(group="speed-small-grads", scope="training",
          condition="always (it changes only 1-D parameters' gradient hooks, and not where DDP overlaps its gradient "
                    "reduction with the backward)",
          on=lambda t: True),
-    Rule(group="speed-rotary", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
-    Rule(group="speed-sync-free", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
-    Rule(group="speed-cross-entropy", scope="training", condition=_NO_TE_APEX, on=lambda t: t.torch_adam),
+    Rule(group="speed-rotary", scope="training", condition=_TORCH_STACK, on=lambda t: t.torch_stack),
+    Rule(group="speed-sync-free", scope="training", condition=_TORCH_STACK, on=lambda t: t.torch_stack),
+    Rule(group="speed-cross-entropy", scope="training", condition=_TORCH_STACK, on=lambda t: t.torch_stack),
     Rule(group="speed-jit-warmup", scope="training",
          condition="always (the warm-up still runs where the model uses a fusion it compiles)", on=lambda t: True),
     Rule(group="speed-sync-save", scope="training",
@@ -165,7 +168,7 @@ RULES: tuple[Rule, ...] = (
                    "is installed (the layers then read nothing back to the host, qvl's whole-pack rotary among them, "
                    "so they can be captured; the vision tower is graphed with them). It changes nothing where a layer "
                    "cannot be captured: pipeline stages, MoE and Gated DeltaNet layers (speed_cuda_graphs.eager_layers)",
-         on=lambda t: _both(t.cuda_graphs, t.device == "cuda" and t.torch_adam)),
+         on=lambda t: _both(t.cuda_graphs, t.device == "cuda" and t.torch_stack)),
     Rule(group="speed-grouped-experts", scope="training",
          condition="the run asks for it (grouped_experts=true), the model has MoE layers and Transformer Engine is not "
                    "installed (an MoE layer's experts are then Megatron-Core's SequentialMLP; it changes only those)",

@@ -90,7 +90,7 @@ def test_here_the_switch_agrees_with_what_the_applying_code_checks(cpu_runtime):
 
     here = Target.of(device=switch.current_device())
     assert here.device == "cpu"  # the CPU runtime is active
-    assert here.torch_adam == (not distrib_optimizer.HAVE_APEX_OR_TE)
+    assert here.torch_stack == (not distrib_optimizer.HAVE_APEX_OR_TE)
     model = dataclasses.replace(here, hf_vision_tower=False, gated_delta_net=True, mtp=True, peft=True)
     assert switch.is_on("torch-gated-delta", model) == (not fla_usable())
     assert switch.is_on("torch-qwen3-vl-vision", model) == (not have_transformer_engine())
