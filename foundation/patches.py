@@ -44,6 +44,7 @@ NEMO_RUN = pinned("nemo-run")
 MODELOPT = pinned("nvidia-modelopt")
 FLA = pinned("fla-core")  # GPU machines only (launchers/requirements-gpu.txt): its entries are checked there
 _RUNTIME = "qvl.foundation.runtime"
+_GRAPHS = "qvl.foundation.graph_replay"
 _CUDA_WHY = "Megatron calls torch.cuda process-state functions unconditionally around communication and timing"
 _RNG_WHY = (
     "the model-parallel RNG tracker forks the CUDA generator; on CPU it must fork the CPU generator so dropout "
@@ -90,6 +91,23 @@ PATCHES: tuple[Patch, ...] = (
           replacement=f"{_RUNTIME}:split_sizes_as_numpy", version=MCORE, params=("tensor", "as_numpy", "record_stream"),
           why="the all-to-all token dispatcher makes its split sizes numpy only when they are CUDA tensors; on CPU they "
               "stay tensors, which torch.distributed.all_to_all_single refuses: every expert_parallel > 1 step failed"),
+    # --- cpu-cuda-graphs: qvl.foundation.graph_replay.recorded_graphs() (CPU tests and smoke runs of graphed steps)
+    *(Patch(group="cpu-cuda-graphs", target=f"torch.cuda:{name}", replacement=f"{_GRAPHS}:{factory}", why=why,
+            version=TORCH) for name, factory, why in (
+        ("CUDAGraph", "recorded_graph_class", "a graph needs a device: here a capture records the aten ops it runs "
+                                              "and a replay runs them again on the same tensors"),
+        ("graph", "recorded_capture_class", "its capture context synchronizes the device and sets a stream"),
+        ("graph_pool_handle", "pool_handles", "a graph pool is device memory; a token stands for it"),
+        ("is_current_stream_capturing", "capturing_here", "it asks the device's stream"),
+        ("memory_stats", "empty_memory_stats", "Megatron-Core logs the allocator's figures around its captures"),
+        ("set_stream", "no_op", "Megatron-Core moves its captures off the default stream"),
+        ("_sleep", "no_op", "Megatron-Core puts a wait kernel on each side stream it joins to a capture"))),
+    *(Patch(group="cpu-cuda-graphs", target=f"torch._C:{name}", replacement=f"{_GRAPHS}:no_op",
+            why="Megatron-Core allocates its graphs' static buffers in the graph pool of the device",
+            version=TORCH) for name in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool")),
+    Patch(group="cpu-cuda-graphs", target="megatron.core.transformer.cuda_graphs:_ensure_generator_state_is_cudagraph_safe",
+          replacement=f"{_GRAPHS}:generator_as_it_is", version=MCORE, params=("gen",),
+          why="it reads each generator's graph-safe state, which only a device's generator has"),
     # --- fix-megatron-setup: around every Megatron-Bridge training loop qvl runs, on any device
     Patch(group="fix-megatron-setup", target="megatron.bridge.training.initialize:compile_helpers",
           replacement="qvl.foundation.megatron:prebuilt_dataset_helpers", version=MBRIDGE,
@@ -250,12 +268,18 @@ PATCHES: tuple[Patch, ...] = (
           why="the native fused cross-entropy keeps an fp32 softmax of the logits for backward (twice the bf16 "
               "logits), moves ~17 GB per 4k pack over Qwen's vocabulary and rounds the logits' gradient to bf16 in "
               "fp32 training; qvl's keeps the logits, recomputes the softmax (~4.7 GB) and keeps their dtype"),
-    # --- speed-cuda-graphs: qvl.kernels.speed_cuda_graphs (around every training loop on CUDA)
+    # --- speed-cuda-graphs: qvl.kernels.speed_cuda_graphs (around every training loop that asks for graphs)
     Patch(group="speed-cuda-graphs", target="megatron.bridge.training.setup:initialize_megatron",
           replacement="qvl.kernels.speed_cuda_graphs:with_layer_graphs", version=MBRIDGE, params=("cfg",),
           why="without TE the step is bound by the host (an H100 idle 31% of the step, ~17k launches); before "
               "Megatron is initialised the language model's config asks for Megatron-Core's own per-layer CUDA "
               "graphs (cuda_graph_impl='local'), so the RNG tracker is graph-safe and the layers build graph managers"),
+    Patch(group="speed-cuda-graphs", target="megatron.bridge.models.gpt_provider:validate_cuda_graph_configuration",
+          replacement="qvl.kernels.speed_cuda_graphs:allowing_layer_graphs", version=MBRIDGE, params=("config",),
+          why="when it builds the language model it refuses cuda_graph_impl='local' except for full-iteration graphs "
+              "(per-layer graphs only through TE): every run with cuda_graphs=true failed at its build (seen with the "
+              "CPU's recorded graphs); Megatron-Core's schedules capture and replay the local per-layer graphs "
+              "themselves, so the settings with_layer_graphs gave pass, any others are checked as upstream does"),
     Patch(group="speed-cuda-graphs", target="megatron.core.transformer.cuda_graphs:ArgMetadata",
           replacement="qvl.kernels.speed_cuda_graphs:keeping_whole_pack", version=MCORE, params=("arg",),
           why="the graphs' static input buffers are plain tensors and its type check (_check_supported_type) refuses "
@@ -416,9 +440,13 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model:Qwen3VLVisionModel",
                 attribute="_uses_vision_cuda_graph", used_in="qvl.kernels.speed_qwen3_vl_tower", version=MBRIDGE,
                 why="a tower padded for vision CUDA graphs has no packed blocks: it keeps upstream's forward"),
-    PrivateRead(target="torch._C", attribute="_disabled_torch_function_impl", used_in="qvl.kernels.speed_rotary",
-                version=TORCH, why="a cu_seqlens tensor subclass that only marks a whole pack, with no subclass "
-                                   "dispatch (as torch's own nn.Parameter)"),
+    PrivateRead(target="torch._C", attribute="DisableTorchFunctionSubclass", used_in="qvl.kernels.speed_rotary",
+                version=TORCH, why="a cu_seqlens tensor subclass that only marks a whole pack runs every op as a plain "
+                                   "tensor (torch's documented pattern for a subclass's __torch_function__)"),
+    PrivateRead(target="torch.autograd.grad_mode", attribute="_unsafe_preserve_version_counter",
+                used_in="qvl.foundation.graph_replay", version=TORCH,
+                why="a recorded CUDA graph's replay writes the capture's tensors as a device's replay does, without "
+                    "bumping their version counters"),
     PrivateRead(target="megatron.bridge.models.qwen_vl.qwen3_vl_provider:Qwen3VLModelProvider",
                 attribute="_pg_collection", used_in="qvl.bridges.qwen3_vl", version=MBRIDGE,
                 why="the provider's process groups, passed to the model as upstream's provide() does"),

@@ -133,12 +133,17 @@ def _null_stream_context(*args, **kwargs):
     return contextlib.nullcontext()
 
 
-def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
-    return torch.get_rng_state()
+def _cpu_rng_state(*args, graph_safe: bool = False, **kwargs) -> torch.Tensor | torch.Generator:
+    # graph_safe: Megatron-Core's tracker for CUDA graphs keeps generators, not state tensors; a copy of the CPU
+    # generator keeps the same fork-and-restore semantics (qvl.foundation.graph_replay runs graphs on the CPU)
+    return torch.default_generator.clone_state() if graph_safe else torch.get_rng_state()
 
 
-def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
-    torch.set_rng_state(new_state)
+def _set_cpu_rng_state(new_state: torch.Tensor | torch.Generator, *args, **kwargs) -> None:
+    if isinstance(new_state, torch.Generator):
+        torch.default_generator.set_state(new_state.get_state())
+    else:
+        torch.set_rng_state(new_state)
 
 
 # Replacement factories named by qvl.foundation.patches (group "cpu-runtime"): each gets the original.
@@ -195,13 +200,21 @@ def allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def seed_rng_tracker_too(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def set_random_seed(seed_, *args, **kwargs):
-        original(seed_, *args, **kwargs)
+    def set_random_seed(seed_, data_parallel_random_init=False, te_rng_tracker=False, inference_rng_tracker=False,
+                        use_cudagraphable_rng=False, **kwargs):  # fmt: skip
+        original(seed_, data_parallel_random_init, te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng,
+                 **kwargs)  # fmt: skip
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        # the seed upstream would have used (it offsets by pipeline rank)
-        model_parallel_cuda_manual_seed(seed_ + 100 * parallel_state.get_pipeline_model_parallel_rank())
+        # the seed upstream would have used (it offsets by pipeline rank), and its tracker: graph-safe where the
+        # model asks for CUDA graphs (qvl.foundation.graph_replay runs them on the CPU)
+        model_parallel_cuda_manual_seed(
+            seed_ + 100 * parallel_state.get_pipeline_model_parallel_rank(),
+            te_rng_tracker,
+            inference_rng_tracker,
+            use_cudagraphable_rng,
+        )
 
     return set_random_seed
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from qvl.foundation import graph_replay
 from qvl.foundation.errors import ConfigError, QvlError
 from qvl.kernels.speed_rotary import WholePackCuSeqlens, mark_whole_pack
 
@@ -216,8 +217,12 @@ def fixed_size_cu_seqlens(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 def layer_graph_settings() -> dict[str, Any]:
-    """The TransformerConfig fields that make Megatron-Core capture each whole layer as graphs of its own."""
-    return {"cuda_graph_impl": "local", "cuda_graph_modules": [], "cuda_graph_warmup_steps": WARMUP_STEPS}
+    """The TransformerConfig fields that make Megatron-Core capture each whole layer as graphs of its own.
+    `use_te_rng_tracker`: Megatron-Bridge's GPT provider asserts it for any CUDA graphs; without TE Megatron-Core
+    makes its own tracker instead, graph-safe where graphs are asked for (tensor_parallel.random's
+    `initialize_rng_tracker`), which is what these graphs need."""
+    return {"cuda_graph_impl": "local", "cuda_graph_modules": [], "cuda_graph_warmup_steps": WARMUP_STEPS,
+            "use_te_rng_tracker": True}  # fmt: skip
 
 
 def with_layer_graphs(original):
@@ -227,7 +232,7 @@ def with_layer_graphs(original):
 
     @functools.wraps(original)
     def initialize_megatron(cfg, *args, **kwargs):
-        if torch.cuda.is_available() and not graphs_requested(cfg.model):
+        if graph_replay.can_capture() and not graphs_requested(cfg.model):
             layers, tower = graphed_parts(cfg)
             if not layers:
                 logger.warning("speed-cuda-graphs: %s; cuda_graphs=true changes nothing in this run", eager_layers(cfg))
@@ -246,6 +251,20 @@ def with_layer_graphs(original):
         return original(cfg, *args, **kwargs)
 
     return initialize_megatron
+
+
+def allowing_layer_graphs(original):
+    """Patch factory for Megatron-Bridge's `validate_cuda_graph_configuration` as its GPT provider calls it when it
+    builds the language model: the whole-layer local graphs `with_layer_graphs` set (marked by TOWER_GRAPHS) pass;
+    any other configuration is checked as upstream checks it."""
+
+    @functools.wraps(original)
+    def validate_cuda_graph_configuration(config, *args, **kwargs):
+        if graphs_requested(config) and hasattr(config, TOWER_GRAPHS) and not getattr(config, "cuda_graph_modules"):
+            return None
+        return original(config, *args, **kwargs)
+
+    return validate_cuda_graph_configuration
 
 
 def keeping_whole_pack(original):

@@ -36,13 +36,24 @@ from qvl.kernels import compiled
 GROUP = "speed-rotary"
 
 
+_KEEPS_TYPE = frozenset({torch.Tensor.clone, torch.clone, torch.Tensor.detach, torch.detach})
+
+
 class WholePackCuSeqlens(torch.Tensor):
     """The `cu_seqlens` of a pack whose sub-sequences cover it from its first token to its last (qvl's forward step
-    builds them so). Only the type says it: every op on it returns an ordinary tensor, and eager kernels and custom
-    ops (torch's varlen attention) take it as one. Inside a torch.compile graph Dynamo refuses it as a custom op's
-    input: no compiled region takes the language model's `cu_seqlens`."""
+    builds them so). Only the type says it: every op on it returns an ordinary tensor but a copy or an alias of it
+    (`clone`, `detach`: the same bounds, as Megatron-Core's CUDA graphs hand a shared input buffer to each layer and
+    clone the buffers for their warm-up), and eager kernels and custom ops (torch's varlen attention) take it as
+    one. Inside a torch.compile graph Dynamo refuses it as a custom op's input: no compiled region takes the language
+    model's `cu_seqlens`."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # as nn.Parameter: no subclass dispatch
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **(kwargs or {}))
+        if func in _KEEPS_TYPE and isinstance(result, torch.Tensor):
+            return result.as_subclass(cls)
+        return result
 
 
 def mark_whole_pack(cu_seqlens: torch.Tensor) -> WholePackCuSeqlens:

@@ -164,11 +164,16 @@ RULES: tuple[Rule, ...] = (
          condition="the run saves its checkpoints synchronously (checkpoint.async_save off, every recipe's default)",
          on=lambda t: None if t.async_save is None else not t.async_save),
     Rule(group="speed-cuda-graphs", scope="training",
-         condition="the run asks for it (cuda_graphs=true), its device is CUDA and neither Transformer Engine nor Apex "
-                   "is installed (the layers then read nothing back to the host, qvl's whole-pack rotary among them, "
-                   "so they can be captured; the vision tower is graphed with them). It changes nothing where a layer "
-                   "cannot be captured: pipeline stages, MoE and Gated DeltaNet layers (speed_cuda_graphs.eager_layers)",
-         on=lambda t: _both(t.cuda_graphs, t.device == "cuda" and t.torch_stack)),
+         condition="the run asks for it (cuda_graphs=true) and neither Transformer Engine nor Apex is installed (the "
+                   "layers then read nothing back to the host, qvl's whole-pack rotary among them, so they can be "
+                   "captured; the vision tower is graphed with them; on the CPU through cpu-cuda-graphs). It changes "
+                   "nothing where a layer cannot be captured: pipeline stages, MoE and Gated DeltaNet layers "
+                   "(speed_cuda_graphs.eager_layers)",
+         on=lambda t: _both(t.cuda_graphs, t.torch_stack)),
+    Rule(group="cpu-cuda-graphs", scope="training",
+         condition="the run asks for CUDA graphs (cuda_graphs=true) and its device is the CPU: captures are recorded "
+                   "and replayed as the ops they ran (a check of the graphed step, not a faster one)",
+         on=lambda t: _both(t.cuda_graphs, t.device == "cpu")),
     Rule(group="speed-grouped-experts", scope="training",
          condition="the run asks for it (grouped_experts=true), the model has MoE layers and Transformer Engine is not "
                    "installed (an MoE layer's experts are then Megatron-Core's SequentialMLP; it changes only those)",

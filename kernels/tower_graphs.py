@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from qvl.foundation import graph_replay
 from qvl.kernels.speed_hf_vision import tower_kwargs
 from qvl.kernels.tower_buckets import MAX_GRAPHS, TowerBucket, bucket_size, planned_sizes, tower_bucket, tower_unit
 from qvl.kernels.tower_inputs import MegatronTowerInputs, TowerInputs
@@ -463,7 +464,7 @@ def _graphs_of(model: Any, attribute: str, graphs_type: type[TowerGraphs]) -> To
     from qvl.kernels.speed_cuda_graphs import TOWER_DATASET, TOWER_SIZES, dataset_tower_calls, tower_graphs_allowed
 
     tower = getattr(model, attribute, None)
-    if tower is None or not tower_graphs_allowed(model.config) or not torch.cuda.is_available():
+    if tower is None or not tower_graphs_allowed(model.config) or not graph_replay.can_capture():
         return None
     graphs = getattr(tower, "qvl_graphs", None)
     if graphs is None:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from qvl.foundation import graph_replay
 from qvl.foundation.megatron import import_megatron_core
 
 import_megatron_core()  # Megatron-Core's fused functions are decorated at its first import: under speed-import
@@ -204,7 +205,13 @@ class SDPAttention(DotProductAttention):
         return self._packed_loop(query, key, value, params, causal, dropout_p)
 
     def _packed_loop(self, query, key, value, params: PackedSeqParams, causal, dropout_p) -> torch.Tensor:
-        """One SDPA call per sub-sequence (CPU, fp32, dropout, padded layouts, torch < 2.10)."""
+        """One SDPA call per sub-sequence (CPU, fp32, dropout, padded layouts, torch < 2.10); inside a CUDA graph
+        capture, which cannot read the bounds on the host, one masked call (`block_masked_attention`)."""
+        unpadded = params.cu_seqlens_q_padded is None and params.cu_seqlens_kv_padded is None
+        if unpadded and graph_replay.is_capturing():
+            out = block_masked_attention(query, key, value, params.cu_seqlens_q, params.cu_seqlens_kv,
+                                         causal=causal, scale=self.softmax_scale, dropout_p=dropout_p)  # fmt: skip
+            return out.reshape(out.shape[0], -1)
         starts_q, lengths_q = _segments(params.cu_seqlens_q, params.cu_seqlens_q_padded)
         starts_kv, lengths_kv = _segments(params.cu_seqlens_kv, params.cu_seqlens_kv_padded)
         check_longest(lengths_q, params.max_seqlen_q)
@@ -219,6 +226,43 @@ class SDPAttention(DotProductAttention):
             v = value[sk0 : sk0 + sk_len].transpose(0, 1).unsqueeze(0)
             out[sq0 : sq0 + sq_len] = self._sdpa(q, k, v, None, causal, dropout_p)[0].transpose(0, 1)
         return out.reshape(out.shape[0], -1)
+
+
+def block_masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Attention over packed blocks as one SDPA call whose mask keeps each row to its own block (causal: to the
+    block's rows up to its own, the blocks of `cu_q` and `cu_k` then the same), `[tokens, heads, dim]` in and out.
+    The mask is made on the device from the bounds, so nothing is read on the host (a CUDA graph capture of the
+    per-block loop's path, which reads them); rows after the last bound are zero, as the loop leaves them. Memory
+    grows with the square of the rows: for the captures of tests and CPU runs, not for a GPU's varlen kernel."""
+    rows_q = torch.arange(q.shape[0], device=q.device)
+    rows_k = torch.arange(k.shape[0], device=k.device)
+    block_q = torch.searchsorted(cu_q[1:].contiguous(), rows_q.to(cu_q.dtype), right=True)
+    block_k = torch.searchsorted(cu_k[1:].contiguous(), rows_k.to(cu_k.dtype), right=True)
+    mask = block_q[:, None] == block_k[None, :]
+    if causal:
+        mask &= rows_k[None, :] <= rows_q[:, None]
+    outside = rows_q >= cu_q[-1]
+    mask |= outside[:, None]  # a row without keys would make NaNs, also in the gradients of the others
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )[0].transpose(0, 1)
+    return out.masked_fill(outside[:, None, None], 0)
 
 
 def check_longest(lengths: list[int], given: int | torch.Tensor | None) -> None:
@@ -312,6 +356,8 @@ def packed_attention(
         max_q = _max_length(cu_q) if max_q is None else max_q
         max_k = _max_length(cu_k) if max_k is None else max_k
         return varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=is_causal, scale=scaling)
+    if graph_replay.is_capturing():  # the bounds cannot be read on the host
+        return block_masked_attention(q, k, v, cu_q, cu_k, causal=is_causal, scale=scaling, dropout_p=dropout_p)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     check_longest([b - a for a, b in zip(bounds_q, bounds_q[1:])], max_q)

@@ -48,8 +48,10 @@ def test_the_answer_is_the_targets_not_this_machines():
     cpu = dataclasses.replace(bare_gpu, device="cpu")
     assert switch.training_groups(cpu)[0] == "cpu-training" and switch.is_on("cpu-runtime", cpu)
     assert not switch.is_on("cpu-runtime", bare_gpu)
-    # CUDA graphs: asked for, on a CUDA device only, and only where qvl's layers read nothing back (no TE, no Apex)
-    assert switch.is_on("speed-cuda-graphs", bare_gpu) and not switch.is_on("speed-cuda-graphs", cpu)
+    # CUDA graphs: asked for, and only where qvl's layers read nothing back (no TE, no Apex); on the CPU recorded
+    assert switch.is_on("speed-cuda-graphs", bare_gpu) and not switch.is_on("cpu-cuda-graphs", bare_gpu)
+    assert switch.is_on("speed-cuda-graphs", cpu) and switch.is_on("cpu-cuda-graphs", cpu)
+    assert not switch.is_on("cpu-cuda-graphs", dataclasses.replace(cpu, cuda_graphs=False))
     assert not switch.is_on("speed-cuda-graphs", dataclasses.replace(bare_gpu, cuda_graphs=False))
     assert not switch.is_on("speed-cuda-graphs", with_te)
     assert not switch.is_on("speed-cuda-graphs", dataclasses.replace(bare_gpu, apex=True))
