@@ -51,6 +51,7 @@ HOST_READ_METHODS = frozenset({"item", "tolist", "__bool__", "__int__", "__float
 VALUE_SIZED_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
                              "unique_dim", "bincount", "histc"})  # fmt: skip
 CAPTURE_ERROR = "operation not permitted when stream is capturing"
+_FROM_PYTHON = frozenset({"lift_fresh", "lift_fresh_copy", "lift"})  # `torch.tensor(data)`: a host tensor
 
 
 class GraphCaptureError(RuntimeError):
@@ -108,8 +109,8 @@ class _Placement:
                 "on the device"
             )
 
-    def place(self, inputs: list[torch.Tensor], result: Any) -> None:
-        host = all(self.on_host(t) for t in inputs)
+    def place(self, name: str, inputs: list[torch.Tensor], result: Any) -> None:
+        host = name in _FROM_PYTHON or all(self.on_host(t) for t in inputs)
         for t in pytree.tree_leaves(result):
             if isinstance(t, torch.Tensor):
                 self.made[t] = True
@@ -141,7 +142,7 @@ class _Recorder(TorchDispatchMode):
         if name == "_local_scalar_dense" or name in VALUE_SIZED_OPS or _bool_index(name, args):
             self.placement.refuse_read(f"aten.{name}", inputs)
         result = func(*args, **kwargs)
-        self.placement.place(inputs, result)
+        self.placement.place(name, inputs, result)
         self.graph.ops.append(
             RecordedOp(func=func, args=args, kwargs=kwargs, written=_written_outputs(args, kwargs, result))
         )

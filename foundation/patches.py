@@ -280,6 +280,12 @@ PATCHES: tuple[Patch, ...] = (
               "(per-layer graphs only through TE): every run with cuda_graphs=true failed at its build (seen with the "
               "CPU's recorded graphs); Megatron-Core's schedules capture and replay the local per-layer graphs "
               "themselves, so the settings with_layer_graphs gave pass, any others are checked as upstream does"),
+    Patch(group="speed-cuda-graphs", target="megatron.bridge.training.train:_delete_cuda_graphs",
+          replacement="qvl.kernels.speed_cuda_graphs:deleting_layer_graphs", version=MBRIDGE,
+          params=("cuda_graph_helper",),
+          why="at the end of its loop it deletes full-iteration and TE graphs, not Megatron-Core's local per-layer "
+              "ones: their memory outlived the run, and the next run in the process failed at its first graphed "
+              "layer (the global record still said its graphs were made)"),
     Patch(group="speed-cuda-graphs", target="megatron.core.transformer.cuda_graphs:ArgMetadata",
           replacement="qvl.kernels.speed_cuda_graphs:keeping_whole_pack", version=MCORE, params=("arg",),
           why="the graphs' static input buffers are plain tensors and its type check (_check_supported_type) refuses "

@@ -225,6 +225,17 @@ def layer_graph_settings() -> dict[str, Any]:
             "use_te_rng_tracker": True}  # fmt: skip
 
 
+def graph_safe_rng_tracker() -> None:
+    """Megatron-Core makes its model-parallel RNG tracker once per process and keeps it: after a run without graphs
+    in this process (a notebook's second run) it would not be graph-safe, and the graphs' managers refuse it. A tracker
+    that is not graph-safe is made again, graph-safe; the seeding that follows keeps it and adds the run's seeds."""
+    from megatron.core.tensor_parallel import random
+
+    tracker = random.get_cuda_rng_tracker() if random._CUDA_RNG_STATE_TRACKER_INITIALIZED else None
+    if tracker is not None and not getattr(tracker, "use_cudagraphable_rng", False):
+        random.initialize_rng_tracker(use_cudagraphable_rng=True, force_reset=True)
+
+
 def with_layer_graphs(original):
     """Patch factory for Megatron-Bridge's `initialize_megatron` as setup() calls it: the language model's config set
     for whole-layer CUDA graphs first (where CUDA is; the step census runs a CUDA run's groups on the CPU), and marked
@@ -239,6 +250,7 @@ def with_layer_graphs(original):
             else:
                 for name, value in layer_graph_settings().items():
                     setattr(cfg.model, name, value)
+                graph_safe_rng_tracker()
                 setattr(cfg.model, TOWER_GRAPHS, tower)
                 setattr(cfg.model, TOWER_DATASET, planned_dataset(cfg) if tower else None)
                 setattr(cfg.model, TOWER_SIZES, planned_size_count(cfg))
@@ -265,6 +277,22 @@ def allowing_layer_graphs(original):
         return original(config, *args, **kwargs)
 
     return validate_cuda_graph_configuration
+
+
+def deleting_layer_graphs(original):
+    """Patch factory for Megatron-Bridge's `_delete_cuda_graphs`, run when its training loop ends: Megatron-Core's
+    local per-layer graphs are deleted too (`delete_cuda_graphs`: the runners, the global record and the pool), so
+    their memory goes with the run and a later run in this process captures its own."""
+
+    @functools.wraps(original)
+    def _delete_cuda_graphs(cuda_graph_helper):
+        original(cuda_graph_helper)
+        from megatron.core.transformer import cuda_graphs
+
+        if cuda_graphs._CudagraphGlobalRecord.cudagraph_created or cuda_graphs._CudagraphGlobalRecord.cudagraph_record:
+            cuda_graphs.delete_cuda_graphs()
+
+    return _delete_cuda_graphs
 
 
 def keeping_whole_pack(original):

@@ -246,8 +246,9 @@ def indexed_forward(
 
 def add_deepstack_at(hidden_states: torch.Tensor, positions: torch.Tensor, visual_embeds: torch.Tensor) -> torch.Tensor:
     """Upstream's `_deepstack_process` with int64 row indices into the [b*s] tokens instead of a boolean mask:
-    `hidden_states[mask, :] = hidden_states[mask, :].clone() + visual_embeds`, the same sum and copy."""
-    hidden_states = hidden_states.transpose(0, 1).contiguous()  # [b, s, h]
-    rows = hidden_states.view(-1, hidden_states.shape[-1])
-    rows.index_copy_(0, positions, rows.index_select(0, positions) + visual_embeds)
-    return hidden_states.transpose(0, 1).contiguous()
+    `hidden_states[mask, :] = hidden_states[mask, :].clone() + visual_embeds`, the same sums (each position once).
+    Out of place: the hidden states may be a CUDA-graphed layer's output, which autograd forbids writing in place."""
+    batch, tokens, width = hidden_states.shape[1], hidden_states.shape[0], hidden_states.shape[-1]
+    rows = hidden_states.transpose(0, 1).reshape(-1, width)  # [b*s, h]
+    rows = rows.index_add(0, positions, visual_embeds)
+    return rows.view(batch, tokens, width).transpose(0, 1).contiguous()

@@ -141,6 +141,26 @@ def test_layers_whose_shapes_follow_the_pack_keep_the_model_eager(family, monkey
     assert warned == [f"speed-cuda-graphs: {reason}; cuda_graphs=true changes nothing in this run"]
 
 
+def test_megatron_bridge_builds_the_layer_graphs_qvl_asks_for_and_checks_the_rest():
+    """Megatron-Bridge 0.6.2 refuses `cuda_graph_impl="local"` but for full-iteration graphs; the whole-layer graphs
+    this group sets (Megatron-Core's schedules capture and replay them) pass, anything else meets upstream's check."""
+    megatron.import_megatron_bridge()
+    from megatron.bridge.models import gpt_provider
+
+    qvl = types.SimpleNamespace(**speed_cuda_graphs.layer_graph_settings(), **{speed_cuda_graphs.TOWER_GRAPHS: True})
+    scoped = types.SimpleNamespace(**vars(qvl) | {"cuda_graph_modules": ["attn"]})
+    unmarked = types.SimpleNamespace(**speed_cuda_graphs.layer_graph_settings())
+    for config in (qvl, scoped, unmarked):
+        with pytest.raises(ValueError, match="only for full-iteration"):
+            gpt_provider.validate_cuda_graph_configuration(config)
+    with patches.applied(speed_cuda_graphs.GROUP):
+        gpt_provider.validate_cuda_graph_configuration(qvl)
+        for config in (scoped, unmarked):
+            with pytest.raises(ValueError, match="only for full-iteration"):
+                gpt_provider.validate_cuda_graph_configuration(config)
+    assert qvl.use_te_rng_tracker  # the provider asserts it for any graphs; without TE Megatron-Core's tracker serves
+
+
 def test_graph_buffers_keep_the_whole_pack_type():
     megatron.import_megatron_bridge()
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -192,3 +212,43 @@ def test_a_pack_at_the_graphs_fixed_shapes_trains_as_it_does_eagerly(tmp_path, c
             torch.testing.assert_close(fixed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     finally:
         distributed.destroy_distributed()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_run_with_cuda_graphs_trains_on_the_cpu_as_it_does_eagerly(family, tmp_path, monkeypatch):
+    """`qvl train ... cuda_graphs=true --device cpu`: Megatron-Core's per-layer graphs and qvl's vision tower graphs
+    (HF tower; Megatron-Bridge's Qwen3-VL tower) are captured after the first step and replayed as recorded
+    (cpu-cuda-graphs). Every micro-batch after the capture replays them, and the losses are the eager run's. Before
+    this ran, every such run failed on a GPU too: at the model's build (Megatron-Bridge's checks), at the first
+    capture (the whole-pack bounds lost their type) and, for Qwen3-VL, at the first deepstack add after a graph."""
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.data.samples import write_sample_dataset
+    from qvl.foundation.graph_replay import RecordedGraph
+    from qvl.training.loop import read_losses
+    from tests.run_qvl import qvl_in_process
+
+    jsonl, media = write_sample_dataset(tmp_path / "samples")
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
+    prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", family, "--hf-path", str(hf)]
+    qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(tmp_path / "data"))
+    recipe = {"qwen2_5_vl": "qwen2_5_vl_3b_pretrain", "qwen3_vl": "qwen3_vl_2b_pretrain"}[family]
+    args = [recipe, "train_iters=4", "global_batch_size=2", "micro_batch_size=1", "seq_length=256", "warmup_iters=1",
+            "lr=1e-3", "save_interval=100", "log_interval=1", f"data={tmp_path / 'data'}", f"hf_path={hf}",
+            "--model", "tiny", "--device", "cpu"]  # fmt: skip
+    replays, captures = [], []
+    replay, capture_end = RecordedGraph.replay, RecordedGraph.capture_end
+    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(len(self.ops)) or replay(self))
+    monkeypatch.setattr(RecordedGraph, "capture_end", lambda self: capture_end(self) or captures.append(self))
+    qvl_in_process("train", *args, "--run-dir", str(tmp_path / "eager"))
+    assert not captures
+    out = qvl_in_process("train", *args, "cuda_graphs=true", "--run-dir", str(tmp_path / "graphed"))
+    assert "the language model's layers replay as CUDA graphs from step 2" in out
+    layers = len(captures) - 2  # each layer's forward and backward, and the tower's bucket (one size)
+    assert layers >= 4 and layers % 2 == 0
+    # the layers' graphs at the 6 micro-batches of steps 2 to 4; the tower's also at the call that captured them
+    assert len(replays) == 6 * layers + 7 * 2
+    eager, graphed = read_losses(tmp_path / "eager"), read_losses(tmp_path / "graphed")
+    assert sorted(graphed) == [1, 2, 3, 4]
+    for step, loss in eager.items():
+        assert graphed[step] == pytest.approx(loss, rel=1e-5), step

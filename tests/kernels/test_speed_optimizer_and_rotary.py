@@ -128,6 +128,18 @@ def test_packed_rotary_equals_the_per_subsequence_loop_bitwise_without_host_read
         assert len(reads) == 1
 
 
+def test_whole_pack_bounds_stay_marked_through_a_copy_or_an_alias_and_nothing_else():
+    """Megatron-Core's CUDA graphs hand a shared input buffer to each layer as a detached alias and clone their
+    buffers for the warm-up; the bounds are the same, so the mark stays. Any other op gives a plain tensor."""
+    from qvl.kernels.speed_rotary import WholePackCuSeqlens, mark_whole_pack
+
+    cu = mark_whole_pack(torch.tensor([0, 5, 8], dtype=torch.int32))
+    for alias in (cu.clone(), torch.clone(cu), cu.detach(), torch.clone(cu).detach().requires_grad_(False)):
+        assert type(alias) is WholePackCuSeqlens and torch.equal(alias, cu)
+    for other in (cu + 1, cu[1:], cu.to(torch.int64), torch.zeros_like(cu), cu.diff()):
+        assert type(other) is torch.Tensor
+
+
 def _rotary_inputs(device: str = "cpu", tokens: int = 32):
     generator = torch.Generator().manual_seed(1)
     t = torch.randn(tokens, 4, 16, generator=generator).to(device, torch.bfloat16)

@@ -1,7 +1,8 @@
 """The replicated HF vision tower replayed as CUDA graphs at bucketed shapes (qvl.kernels.tower_graphs). On the CPU the
 same buffers, padding and gradient routing run through `EagerReplay`: every call of a bucket (the eager first one, the
 captured second, replays, and the eager fallback while a backward is pending) gives the tower's own output rows, and
-the gradients reach `main_grad` as Megatron-Core's DDP would put them there. The CUDA graphs run on a GPU (`gpu`)."""
+the gradients reach `main_grad` as Megatron-Core's DDP would put them there. The graphs' own tests run on a GPU
+(`gpu`) and, with the graphs recorded and replayed as captured (qvl.foundation.graph_replay), on the CPU."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qvl.foundation import patches
+from qvl.foundation.graph_replay import recorded_graphs
 from qvl.kernels import speed_hf_vision, tower_graphs
 from qvl.kernels.speed_hf_vision import tower_kwargs
 from qvl.kernels.torch_wgrad_accum import MainGradLinear
@@ -312,10 +314,11 @@ def test_calls_the_graphs_cannot_take_run_eagerly():
         assert graphs.eager_reason(inputs) == "a window of 17 rows (the graphs' longest is 16)"
 
 
-def _graphed_against_eager_on_cuda(family: str, micro_batches: list[tuple[torch.Tensor, ...]], calls: dict) -> None:
-    """bf16 on CUDA with qvl's varlen attention (as training runs the tower): the tower calls of `micro_batches` (each
-    micro-batch's calls, then its backward) through captured graphs and through the same passes re-run eagerly give
-    the same rows and `main_grad`s; both count `calls` by kind."""
+def _graphed_against_eager(family: str, micro_batches: list[tuple[torch.Tensor, ...]], calls: dict) -> None:
+    """bf16 with qvl's varlen attention (as training runs the tower), on CUDA or on the CPU with recorded graphs
+    (qvl.foundation.graph_replay): the tower calls of `micro_batches` (each micro-batch's calls, then its backward)
+    through captured graphs and through the same passes re-run eagerly give the same rows and `main_grad`s; both
+    count `calls` by kind."""
     register_hf_varlen_attention()
     with patches.applied(speed_hf_vision.GROUP):
         base = tiny_tower(family, dtype=torch.bfloat16, attention=HF_VARLEN_ATTENTION).cuda()
@@ -344,12 +347,21 @@ def _graphed_against_eager_on_cuda(family: str, micro_batches: list[tuple[torch.
             torch.testing.assert_close(graph_grads[name], want, rtol=2e-2, atol=2e-2 * scale, msg=name)
 
 
+@pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
+def test_recorded_graphs_replay_what_the_eager_replay_computes(family, cpu_runtime):
+    """The GPU tests below with the graphs recorded on the CPU: replayed as captured, Python not run again."""
+    with recorded_graphs():
+        _graphed_against_eager(family, [(grid,) for grid in CALLS[:3]], {"warm-up": 1, "captured": 1, "replayed": 1})
+        micro_batches = [(CALLS[0], CALLS[3])] * 3 + [(CALLS[3], CALLS[0])]
+        _graphed_against_eager(family, micro_batches, {"warm-up": 2, "captured": 2, "replayed": 1, "eager": 3})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)
 def test_the_cuda_graphs_replay_what_the_eager_replay_computes(family):
     """Calls of two sizes in one bucket, a backward after each: the eager first, then captured, then replayed."""
     micro_batches = [(grid,) for grid in CALLS[:3]]
-    _graphed_against_eager_on_cuda(family, micro_batches, {"warm-up": 1, "captured": 1, "replayed": 1})
+    _graphed_against_eager(family, micro_batches, {"warm-up": 1, "captured": 1, "replayed": 1})
 
 
 @pytest.mark.gpu
@@ -358,7 +370,7 @@ def test_two_sizes_in_one_pool_keep_their_gradients_on_cuda(family):
     """Micro-batches of two tower calls of two sizes, the backward after both (the order that would let one size's
     replay overwrite the other's saved activations in the shared pool): the second call of each waits, eagerly."""
     micro_batches = [(CALLS[0], CALLS[3])] * 3 + [(CALLS[3], CALLS[0])]
-    _graphed_against_eager_on_cuda(family, micro_batches, {"warm-up": 2, "captured": 2, "replayed": 1, "eager": 3})
+    _graphed_against_eager(family, micro_batches, {"warm-up": 2, "captured": 2, "replayed": 1, "eager": 3})
 
 
 @pytest.mark.parametrize("family", HF_TOWER_FAMILIES)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from qvl.foundation import distributed
+from tests.numerics import assert_equal_up_to_summation_order
 
 
 def naive_attention(q, k, v, causal: bool) -> torch.Tensor:
@@ -71,6 +72,36 @@ def test_packed_attention_equals_per_sequence(attention_factory, causal):
     packed[: lengths[0]].sum().backward()
     assert q.grad[lengths[0] :].abs().sum() == 0 and k.grad[lengths[0] :].abs().sum() == 0
     assert q.grad[: lengths[0]].abs().sum() > 0
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_inside_a_graph_capture_packed_blocks_are_one_masked_call_that_reads_nothing_back(attention_factory, causal):
+    """A CUDA graph cannot hold the per-block loop's host reads of the bounds: captured, the packed path is one SDPA
+    call masked to each row's block (a zero-length block, GQA, and rows after the last bound, which stay zero), the
+    loop's values and gradients."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from qvl.foundation.graph_replay import recorded_graphs
+    from qvl.kernels.varlen_attention import packed_attention
+
+    attention = attention_factory(causal)
+    cu = torch.tensor([0, 5, 5, 14, 17], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(20, heads, 8, generator=gen) for heads in (4, 2, 2))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
+    results = []
+    for capture in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with recorded_graphs():
+            context = torch.cuda.graph(torch.cuda.CUDAGraph()) if capture else nullcontext()
+            with context:  # a capture refuses any read of the bounds on the host
+                out = attention(*leaves, attention_mask=None, packed_seq_params=params)
+                hf = packed_attention(*(t.detach() for t in leaves), cu, cu, 9, 9, None, 0.0, causal)
+                out.square().sum().backward()
+        results.append((out.detach(), hf.reshape(out.shape), *(t.grad for t in leaves)))
+    for what, loop, masked in zip(("out", "hf out", "dq", "dk", "dv"), *results, strict=True):
+        assert_equal_up_to_summation_order(masked[:17], loop[:17], what=what)
+    assert results[1][0][17:].abs().sum() == 0 and results[1][1][17:].abs().sum() == 0
 
 
 def test_a_longest_block_given_shorter_than_a_block_is_refused(attention_factory):
