@@ -242,7 +242,7 @@ def variant_spec(
             "warmup_iters": 1,
             "save_interval": 10**6,
             "log_interval": 10**6,
-            "cuda_graphs": True,  # every speed group on (the switch leaves it off where the device is not CUDA)
+            "cuda_graphs": True,  # every speed group on (on the CPU the graphs are recorded: the graphed step checked)
             **setup.options,
             **dict(variant.options),
         },

@@ -261,6 +261,7 @@ class RunGroups:
     off: tuple[str, ...]
     applied: tuple[str, ...] = ()
     tower: dict | None = None  # the vision tower's CUDA graphs after the last step (qvl.kernels.tower_graphs)
+    layer_graphs: bool = False  # Megatron-Core made the layers' graphs (they are deleted when the loop ends)
 
     @classmethod
     def of(cls, config, *, off, device: str | None = None) -> RunGroups:
@@ -279,6 +280,9 @@ class RunGroups:
         if context.state.train_state.step == 0:  # the first step's end callbacks (the step is not counted yet)
             self.applied = tuple(g for g in patches.GROUPS if patches.is_applied(g))
         self.tower = tower_graph_stats(context.model)
+        from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+        self.layer_graphs = bool(_CudagraphGlobalRecord.cudagraph_created)
 
     def summary(self, config) -> dict:
         """The run's groups, whether its language model's layers ran as CUDA graphs, and its tower's graphs."""
@@ -286,9 +290,7 @@ class RunGroups:
 
         graphs = {"requested": graphs_requested(config.model)}
         if graphs["requested"]:
-            from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
-
-            graphs["created"] = bool(_CudagraphGlobalRecord.cudagraph_created)
+            graphs["created"] = self.layer_graphs
             graphs["vision_tower"] = self.tower
         return {"decided_on": list(self.decided), "applied_around_loop": list(self.training),
                 "applied_in_step_1": list(self.applied), "left_off": list(self.off), "cuda_graphs": graphs}  # fmt: skip

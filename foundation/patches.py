@@ -446,6 +446,14 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.vision_model:Qwen3VLVisionModel",
                 attribute="_uses_vision_cuda_graph", used_in="qvl.kernels.speed_qwen3_vl_tower", version=MBRIDGE,
                 why="a tower padded for vision CUDA graphs has no packed blocks: it keeps upstream's forward"),
+    PrivateRead(target="megatron.core.transformer:cuda_graphs", attribute="_CudagraphGlobalRecord",
+                used_in="qvl.kernels.speed_cuda_graphs, benchmarks.train_run", version=MCORE,
+                why="whether Megatron-Core made its local per-layer graphs (it keeps no public flag): they are deleted "
+                    "when the loop ends only if made, and a benchmark run reports them"),
+    PrivateRead(target="megatron.core.tensor_parallel:random", attribute="_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+                used_in="qvl.kernels.speed_cuda_graphs", version=MCORE,
+                why="a tracker made earlier in the process is kept by later seeding; a graphed run remakes it "
+                    "graph-safe only if one exists"),
     PrivateRead(target="torch._C", attribute="DisableTorchFunctionSubclass", used_in="qvl.kernels.speed_rotary",
                 version=TORCH, why="a cu_seqlens tensor subclass that only marks a whole pack runs every op as a plain "
                                    "tensor (torch's documented pattern for a subclass's __torch_function__)"),

@@ -34,8 +34,10 @@ Redirections (undone by `deactivate()`); the attribute replacements among them a
    (Upstream's `make` of the dataset helpers, which the wheel ships built, is not CPU-specific: the group
    "fix-megatron-setup" around every training loop handles it, qvl.foundation.megatron.prebuilt_dataset_helpers.)
 8. Model configuration: `check_cpu_config()` refuses what CPU cannot run (FP8, sequence parallelism,
-   Transformer Engine specs, CUDA graphs, communication overlap, hybrid-device optimizer offload) with
-   the reason and the fix, and `cpu_safe_config_overrides()` lists the fusion flags to turn off.
+   Transformer Engine specs, CUDA graphs set by hand, communication overlap, hybrid-device optimizer offload)
+   with the reason and the fix, and `cpu_safe_config_overrides()` lists the fusion flags to turn off. The
+   recipe option `cuda_graphs=true` does run on the CPU: its graphs are recorded and replayed as the ops they
+   ran (patch group "cpu-cuda-graphs", qvl.foundation.graph_replay).
 """
 
 from __future__ import annotations
@@ -324,7 +326,12 @@ _CPU_REFUSALS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
         "use the local layer spec (transformer_impl='local')",
     ),
     ("enable_cuda_graph", lambda v: bool(v), "CUDA graphs need CUDA", "set enable_cuda_graph=False"),
-    ("cuda_graph_impl", lambda v: v not in (None, "none"), "CUDA graphs need CUDA", "set cuda_graph_impl='none'"),
+    (
+        "cuda_graph_impl",
+        lambda v: v not in (None, "none"),
+        "CUDA graphs need CUDA",
+        "set cuda_graph_impl='none' (the recipe option cuda_graphs=true runs qvl's graphed step on the CPU, recorded)",
+    ),
     (
         "tp_comm_overlap",
         lambda v: bool(v),

@@ -22,11 +22,24 @@ no captured graph matches). qvl's forward step makes them so (`graph_shapes`, qv
 What changes upstream (the registry's entries of this group):
 - `megatron.bridge.training.setup:initialize_megatron` (`with_layer_graphs`): before Megatron is initialised, the
   language model's config asks for whole-layer graphs; Megatron-Bridge's initialize then seeds a graph-safe RNG
-  tracker from it, and the layers build their graph managers when the model is built. On a machine without CUDA it
-  changes nothing (the step census applies the groups of a CUDA run on the CPU).
+  tracker from it (one made earlier in the process without graphs is made again: `graph_safe_rng_tracker`), and the
+  layers build their graph managers when the model is built. Where no graph can be captured (no CUDA, and not the
+  CPU's recorded graphs) it changes nothing: the step census applies the groups of a CUDA run on the CPU.
+- `megatron.bridge.models.gpt_provider:validate_cuda_graph_configuration` (`allowing_layer_graphs`): Megatron-Bridge
+  0.6.2 refuses local graphs that are not full-iteration ones when it builds the model; these pass. Its provider also
+  asserts `use_te_rng_tracker` for any graphs, which the settings give (without TE, Megatron-Core's own tracker).
+- `megatron.bridge.training.train:_delete_cuda_graphs` (`deleting_layer_graphs`): Megatron-Core's local graphs are
+  deleted when the loop ends, as Megatron-Bridge deletes TE's.
 - `megatron.core.transformer.cuda_graphs:ArgMetadata` (`keeping_whole_pack`): the static input buffers Megatron-Core
   allocates are plain tensors, and its type check refuses tensor subclasses; qvl's `WholePackCuSeqlens` (the rotary's
-  no-host-read path, qvl.kernels.speed_rotary) keeps its type in the buffer.
+  no-host-read path, qvl.kernels.speed_rotary) keeps its type in the buffer (and through the `clone` and `detach`
+  the graphs' warm-up and shared buffers make of it: its own `__torch_function__`).
+
+On the CPU the group runs with the graphs recorded (patch group "cpu-cuda-graphs", qvl.foundation.graph_replay): the
+same managers, buffers and copies, each capture's ops replayed as recorded. That is how Megatron-Bridge's refusal and
+assertion, the lost whole-pack type and Qwen3-VL's in-place deepstack add into a graphed layer's output
+(qvl.kernels.speed_qwen3_vl_sync_free) were found before any GPU ran them; tests/kernels/test_speed_cuda_graphs.py
+trains tiny Qwen2.5-VL and Qwen3-VL both ways.
 
 The replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) is graphed by qvl's own forward where this group asked for the
 layers' graphs (`graphs_requested`): qvl.kernels.tower_graphs, at bucketed patch counts, since every pack has its own

@@ -1,8 +1,9 @@
 """The patch group speed-cuda-graphs (qvl.kernels.speed_cuda_graphs): the language model's layers replayed as
 Megatron-Core's CUDA graphs at fixed shapes. On the CPU: the fixed-size `cu_seqlens` (extra entries inert), that a
 pack given the graphs' fixed shapes trains exactly as it does eagerly (outputs and gradients), that Megatron-Core's
-graph buffers keep qvl's whole-pack type, and that the group asks for graphs only where CUDA is. The graphs themselves
-run on a GPU (tests/test_bench_train.py, `gpu`)."""
+graph buffers keep qvl's whole-pack type, that the group asks for graphs only where they can be captured, and (slow)
+that a run with the graphs recorded on the CPU (qvl.foundation.graph_replay) trains as it does eagerly. The device's
+own capture runs on a GPU (tests/test_bench_train.py, `gpu`)."""
 
 from __future__ import annotations
 
