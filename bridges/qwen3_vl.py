@@ -74,10 +74,12 @@ class Qwen3VLTransformerBlock(upstream_block.Qwen3VLTransformerBlock):
     def _deepstack_process(
         self, hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor
     ) -> torch.Tensor:
-        """Upstream's for a boolean mask; for the int64 [b*s] row indices qvl's forward passes, the same sum and copy
-        without host reads (qvl.kernels.speed_qwen3_vl_sync_free.add_deepstack_at)."""
+        """Upstream's sum at the visual tokens' rows, out of place (the hidden states may be a CUDA-graphed layer's
+        output, which autograd forbids writing in place: qvl.kernels.speed_qwen3_vl_sync_free.add_deepstack_at). qvl's
+        forward passes int64 [b*s] row indices, read nothing back; a boolean mask (each rank's share under sequence
+        parallelism) gives its rows as upstream's boolean index reads them."""
         if visual_pos_masks.dtype == torch.bool:
-            return super()._deepstack_process(hidden_states, visual_pos_masks, visual_embeds)
+            visual_pos_masks = visual_pos_masks.reshape(-1).nonzero().squeeze(1)
         return speed_qwen3_vl_sync_free.add_deepstack_at(hidden_states, visual_pos_masks, visual_embeds)
 
 

@@ -12,7 +12,11 @@ same arguments: the same tensor objects. An op's result that is a new tensor (no
 argument) is copied into the tensor the capture made, so that later ops, which hold that tensor, read the new
 values, as a replayed kernel writes the capture's memory. Version counters are left as a replay leaves them on a
 device: unchanged. The capture also runs the ops once (a CUDA capture does not, but its warm-up does), so code that
-captures sees the values it would see after a replay.
+captures sees the values it would see after a replay. A collective (`torch.distributed`'s functions, seen as torch
+functions) is recorded whole, waited for, as a device's graph holds a NCCL kernel: gloo finishes some of them in
+ops of its own when their work is waited for, which must not replay on the capture's buffers. A backward that
+`torch.autograd.grad` runs inside a capture is captured too (the recording stays on for it, qvl.foundation.runtime's
+`grad_with_mode_on`).
 
 A capture refuses what a device's capture refuses, with its error ("operation not permitted when stream is
 capturing"): a read of a device tensor on the host (`.item()`, `.tolist()`, `bool()`, ... and ops whose output size
@@ -68,11 +72,19 @@ class RecordedOp:
     written: tuple[tuple[int, torch.Tensor], ...]  # (position in the flattened result, the capture's tensor)
 
     def run(self) -> None:
-        result = self.func(*self.args, **self.kwargs)
-        if self.written:
-            outputs = pytree.tree_leaves(result)
-            for index, captured in self.written:
-                captured.copy_(outputs[index])
+        outputs = _completed(self.func(*self.args, **self.kwargs))
+        for index, captured in self.written:
+            captured.copy_(outputs[index])
+
+
+def _completed(result: Any) -> list:
+    """`result`'s leaves, a collective's work waited for: gloo finishes some collectives in a callback of their work
+    (a reduce-scatter's split and copies), which must run as part of the op, not be recorded as ops of their own."""
+    outputs = pytree.tree_leaves(result)
+    for output in outputs:
+        if not isinstance(output, torch.Tensor) and callable(getattr(output, "wait", None)):
+            output.wait()
+    return outputs
 
 
 def _storages(tree: Any) -> set[int]:
@@ -134,9 +146,12 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, graph: RecordedGraph, placement: _Placement) -> None:
         super().__init__()
         self.graph, self.placement = graph, placement
+        self.inside_collective = 0  # a collective recorded whole: the ops it runs are its own
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.inside_collective:
+            return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         inputs = _tensors((args, kwargs))
         if name == "_local_scalar_dense" or name in VALUE_SIZED_OPS or _bool_index(name, args):
@@ -149,18 +164,53 @@ class _Recorder(TorchDispatchMode):
         return result
 
 
-class _HostReads(TorchFunctionMode):
-    """The host reads that dispatch no op (`.tolist()`, `.numpy()`, `.cpu()` of a CPU tensor)."""
+class _FunctionLevel(TorchFunctionMode):
+    """What a capture sees above the ops: host reads that dispatch no op (`.tolist()`, `.numpy()`, `.cpu()` of a CPU
+    tensor), and collectives (`torch.distributed`'s functions), recorded whole. A collective's backend may finish it
+    with ops of its own after its dispatched op (gloo's reduce-scatter copies its result out of a buffer of its own
+    when it is waited for), which would replay on the capture's buffers; a device's graph holds the collective as one
+    kernel, and so does this one: the call, waited for, is one recorded op, the ops inside it not recorded."""
 
-    def __init__(self, placement: _Placement) -> None:
+    def __init__(self, placement: _Placement, recorder: _Recorder) -> None:
         super().__init__()
-        self.placement = placement
+        self.placement, self.recorder = placement, recorder
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
             self.placement.refuse_read(f"Tensor.{name}()", [args[0]])
-        return func(*args, **(kwargs or {}))
+        if func is torch.autograd.grad:  # the backward it runs is captured too: this mode stays on for it
+            from qvl.foundation.runtime import grad_with_mode_on
+
+            return grad_with_mode_on(self, args, kwargs)
+        if getattr(func, "__module__", "") != "torch.distributed.distributed_c10d":
+            return func(*args, **kwargs)
+        self.recorder.inside_collective += 1
+        try:
+            result = func(*args, **kwargs)
+            _completed(result)
+        finally:
+            self.recorder.inside_collective -= 1
+        self.recorder.graph.ops.append(RecordedOp(func=func, args=args, kwargs=kwargs, written=()))
+        return _Waited(result) if callable(getattr(result, "wait", None)) else result
+
+
+class _Waited:
+    """An async collective's work, waited for where it was recorded: the caller's `wait()` (gloo's reduce-scatter
+    copies its result out again at every wait) has nothing left to do."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
 
 
 class RecordedGraph:
@@ -170,7 +220,7 @@ class RecordedGraph:
 
     def __init__(self, keep_graph: bool = False) -> None:
         self.ops: list[RecordedOp] = []
-        self._modes: tuple[_Recorder, _HostReads] | None = None
+        self._modes: tuple[_Recorder, _FunctionLevel] | None = None
         self._pool: tuple[int, int] | None = None
         self.replays = 0
 
@@ -180,7 +230,8 @@ class RecordedGraph:
         self.ops.clear()
         self._pool = pool if pool is not None else graph_pool_handle()
         placement = _Placement()
-        self._modes = (_Recorder(self, placement), _HostReads(placement))
+        recorder = _Recorder(self, placement)
+        self._modes = (recorder, _FunctionLevel(placement, recorder))
         for mode in self._modes:
             mode.__enter__()
         RecordedGraph._capturing = self

@@ -98,7 +98,39 @@ class _CudaToCpuMode(TorchFunctionMode):
             )
             if len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool):
                 args = (args[0], _CPU, *args[2:])
+        if func is torch.autograd.grad:
+            return grad_with_mode_on(self, args, kwargs)
         return func(*args, **kwargs)
+
+
+def grad_with_mode_on(mode: TorchFunctionMode, args: tuple, kwargs: dict):
+    """`torch.autograd.grad` with `mode` (a TorchFunctionMode handling that call) on while its backward runs. A mode
+    is off while it handles a call, and here the call is the whole backward, whose nodes run with the thread's state
+    as it was when the engine started: custom Functions' backward that make tensors on "cuda" (Megatron-Core's TP
+    collectives) would miss this runtime's redirection, and a recorded CUDA graph's capture its backward
+    (qvl.foundation.graph_replay). (Megatron-Core's schedules call the engine directly, without a torch function; its
+    CUDA graphs' warm-ups and captures call `torch.autograd.grad`.) So the engine is called here as `grad` calls it,
+    the mode on."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    names = ("outputs", "inputs", "grad_outputs", "retain_graph", "create_graph", "only_inputs", "allow_unused")
+    bound = dict(zip(names, args)) | kwargs
+    plain = not bound.get("is_grads_batched") and not bound.get("materialize_grads")
+    outputs, inputs = bound["outputs"], bound["inputs"]
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
+    if not plain or not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+        return torch.autograd.grad(*args, **kwargs)  # what this does not cover runs as before (the mode off)
+    grad_outputs = _tensor_or_tensors_to_tuple(bound.get("grad_outputs"), len(outputs))
+    grad_outputs = _make_grads(outputs, grad_outputs, is_grads_batched=False)
+    create_graph = bound.get("create_graph", False)
+    retain_graph = create_graph if bound.get("retain_graph") is None else bound["retain_graph"]
+    allow_unused = bool(bound.get("allow_unused"))
+    with mode:
+        return _engine_run_backward(
+            outputs, grad_outputs, retain_graph, create_graph, tuple(inputs), allow_unused, accumulate_grad=False
+        )
 
 
 # ---------------------------------------------------------------------------------------------------

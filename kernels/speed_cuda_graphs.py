@@ -38,8 +38,8 @@ What changes upstream (the registry's entries of this group):
 On the CPU the group runs with the graphs recorded (patch group "cpu-cuda-graphs", qvl.foundation.graph_replay): the
 same managers, buffers and copies, each capture's ops replayed as recorded. That is how Megatron-Bridge's refusal and
 assertion, the lost whole-pack type and Qwen3-VL's in-place deepstack add into a graphed layer's output
-(qvl.kernels.speed_qwen3_vl_sync_free) were found before any GPU ran them; tests/kernels/test_speed_cuda_graphs.py
-trains tiny Qwen2.5-VL and Qwen3-VL both ways.
+(qvl.kernels.speed_qwen3_vl_sync_free, qvl.bridges.qwen3_vl) were found before any GPU ran them;
+tests/kernels/test_speed_cuda_graphs.py trains tiny Qwen2.5-VL and Qwen3-VL both ways, Qwen3-VL also at TP=2.
 
 The replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) is graphed by qvl's own forward where this group asked for the
 layers' graphs (`graphs_requested`): qvl.kernels.tower_graphs, at bucketed patch counts, since every pack has its own

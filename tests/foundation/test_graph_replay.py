@@ -129,3 +129,36 @@ def test_the_cpu_generator_forks_graph_safely(cpu_runtime):
     assert not torch.equal(first, second)  # the tracker's state moved on between forks
     torch.manual_seed(123)
     torch.testing.assert_close(first, torch.rand(3))  # the tracker's stream is its seed's
+
+
+def replayed_collectives() -> dict:
+    """On a rank of a two-rank job: an all-gather, a reduce-scatter (gloo finishes it when its work is waited for)
+    and an async all-reduce captured, then replayed on new inputs; what the replay wrote and what eager gives."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    with recorded_graphs():
+        x = torch.zeros(4)
+        gathered, scattered, reduced = torch.zeros(8), torch.zeros(2), torch.zeros(4)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dist.all_gather_into_tensor(gathered, x * 1)
+            dist.reduce_scatter_tensor(scattered, x * 2)
+            handle = dist.all_reduce(torch.add(x, 0, out=reduced), async_op=True)
+            handle.wait()
+        x.copy_(torch.arange(4.0) + 10 * rank)
+        graph.replay()
+        replayed = [t.clone() for t in (gathered, scattered, reduced)]
+    eager = [torch.zeros(8), torch.zeros(2), x.clone()]
+    dist.all_gather_into_tensor(eager[0], x)
+    dist.reduce_scatter_tensor(eager[1], x * 2)
+    dist.all_reduce(eager[2])
+    return {"replayed": replayed, "eager": eager}
+
+
+def test_collectives_are_recorded_whole_and_replay_on_new_inputs():
+    from qvl.foundation.distributed import run_on_ranks
+
+    for rank in run_on_ranks(replayed_collectives, world_size=2, cpu=True):
+        for got, want in zip(rank["replayed"], rank["eager"], strict=True):
+            assert torch.equal(got, want)

@@ -35,6 +35,28 @@ def test_cuda_device_arguments_land_on_cpu(cpu_runtime):
     assert x.pin_memory() is x
 
 
+def test_a_backward_run_by_autograd_grad_keeps_the_redirection(cpu_runtime):
+    """A mode is off while it handles a call, and `torch.autograd.grad` is one call for its whole backward: a custom
+    Function's backward that makes a tensor on "cuda" (Megatron-Core's TP collectives do, inside its CUDA graphs'
+    captures) must still land on the CPU."""
+
+    class OnCudaInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * torch.full(grad.shape, 2.0, device=torch.cuda.current_device())
+
+    x = torch.ones(3, requires_grad=True)
+    y = OnCudaInBackward.apply(x)
+    (grad,) = torch.autograd.grad(y, x, torch.ones(3), retain_graph=True)
+    assert torch.equal(grad, torch.full((3,), 2.0))
+    (grad,) = torch.autograd.grad(outputs=[y.sum()], inputs=[x])
+    assert torch.equal(grad, torch.full((3,), 2.0))
+
+
 def test_tensor_type_reports_cuda_names(cpu_runtime):
     assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
     assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"

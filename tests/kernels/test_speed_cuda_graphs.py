@@ -253,3 +253,30 @@ def test_a_run_with_cuda_graphs_trains_on_the_cpu_as_it_does_eagerly(family, tmp
     assert sorted(graphed) == [1, 2, 3, 4]
     for step, loss in eager.items():
         assert graphed[step] == pytest.approx(loss, rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_a_run_with_cuda_graphs_at_tensor_parallel_2_trains_as_it_does_eagerly(tmp_path):
+    """Qwen3-VL at TP=2 (sequence parallelism on, as every recipe turns it on with TP), two gloo ranks: the layers'
+    graphs hold the sequence-parallel all-gathers and reduce-scatters, and the deepstack features are added at each
+    rank's boolean mask into a graphed layer's output; the losses are the eager run's."""
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.data.samples import write_sample_dataset
+    from qvl.training.loop import read_losses
+    from tests.run_qvl import qvl_in_process, qvl_on_two_ranks
+
+    family = "qwen3_vl"
+    jsonl, media = write_sample_dataset(tmp_path / "samples")
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
+    prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", family, "--hf-path", str(hf)]
+    qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(tmp_path / "data"))
+    args = ["qwen3_vl_2b_pretrain", "train_iters=3", "global_batch_size=2", "micro_batch_size=1", "seq_length=256",
+            "warmup_iters=1", "lr=1e-3", "save_interval=100", "log_interval=1", "tensor_parallel=2",
+            f"data={tmp_path / 'data'}", f"hf_path={hf}", "--model", "tiny", "--device", "cpu"]  # fmt: skip
+    qvl_on_two_ranks("train", *args, "--run-dir", str(tmp_path / "eager"))
+    out = qvl_on_two_ranks("train", *args, "cuda_graphs=true", "--run-dir", str(tmp_path / "graphed"))
+    assert "the language model's layers replay as CUDA graphs from step 2" in out
+    eager, graphed = read_losses(tmp_path / "eager"), read_losses(tmp_path / "graphed")
+    assert sorted(graphed) == [1, 2, 3]
+    for step, loss in eager.items():
+        assert graphed[step] == pytest.approx(loss, rel=1e-5), step

@@ -424,8 +424,9 @@ def test_positions_that_do_not_fit_the_features_are_refused(model):
 
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_indexed_deepstack_is_the_masked_one_bit_for_bit(model, batch_size):
-    """The deepstack addition alone, qvl's decoder at flat [b*s] indices vs upstream's boolean mask: values and
-    gradients."""
+    """The deepstack addition alone, qvl's decoder at flat [b*s] indices or a boolean mask vs upstream's boolean
+    mask: values and gradients; and out of place, so that it takes a CUDA-graphed layer's output (a custom
+    Function's, which upstream's in-place write is refused)."""
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_block import Qwen3VLTransformerBlock
 
     decoder = model.language_model.decoder
@@ -448,6 +449,22 @@ def test_indexed_deepstack_is_the_masked_one_bit_for_bit(model, batch_size):
     assert all(map(torch.equal, got, expected))
     assert not torch.equal(expected[0], hidden)  # the features were added
     assert all(map(torch.equal, run(decoder._deepstack_process, mask), expected))  # a boolean mask: upstream's
+
+    class LayerGraph(torch.autograd.Function):  # returns its input as it is, as a graph replay returns its buffer
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    graphed = lambda where: lambda h, w, e: decoder._deepstack_process(LayerGraph.apply(h), w, e)  # noqa: E731
+    for where in (mask, mask.reshape(-1).nonzero().flatten()):
+        assert all(map(torch.equal, run(graphed(where), where), expected))
+    if batch_size == 1:  # upstream's write into the view of the function's output
+        with pytest.raises(RuntimeError, match="view and is being modified inplace"):
+            run(lambda h, w, e: upstream(LayerGraph.apply(h), w, e), mask)
 
 
 @pytest.mark.parametrize("modality", ["both", "videos"])
