@@ -108,7 +108,10 @@ def eager_layers(cfg: Any) -> str | None:
     shapes follow the pack's contents cannot be captured at the pack's fixed size. Those are a MoE layer (each expert
     takes the tokens routed to it: their counts are read to the host to split the tokens, which a capture refuses) and
     a Gated DeltaNet layer (its chunked kernels cut each sub-sequence into 64-token chunks whose number they read from
-    `cu_seqlens` on the host). One such layer keeps the stage eager: the model's structure, not a family's name."""
+    `cu_seqlens` on the host). One such layer keeps the stage eager: the model's structure, not a family's name. So
+    does a frozen language model (adapters, freeze=language): the capture's warm-up takes the gradient of the first
+    layer's input, which then needs none; and full activation recompute, under which Megatron-Core 0.19.2 cannot
+    make the graphs (`create_cudagraphs` asserts on the shared buffers' count)."""
     model = cfg.model
     if getattr(model, "pipeline_model_parallel_size", 1) > 1:
         return "pipeline parallelism keeps the layers eager"
@@ -123,6 +126,14 @@ def eager_layers(cfg: Any) -> str | None:
         get_linear_attention_pattern(model)
     ):
         return "Gated DeltaNet layers (chunks counted from cu_seqlens on the host) keep the model eager"
+    if getattr(cfg, "peft", None) is not None or getattr(model, "freeze_language_model", False):
+        # Megatron-Core 0.19.2's capture warms each graph up with the gradient of its inputs, and the first layer's
+        # input needs none here: torch.autograd.grad refuses an empty list (seen with the CPU's recorded graphs)
+        return "a frozen language model (adapters, or freeze=language) keeps the layers eager"
+    if getattr(model, "recompute_granularity", None) == "full":
+        # a recomputed layer runs its forward again inside the backward: Megatron-Core 0.19.2's graphs then lose the
+        # record of the buffers they share, and creating them asserts (seen with the CPU's recorded graphs)
+        return "full activation recompute keeps the layers eager"
     return None
 
 

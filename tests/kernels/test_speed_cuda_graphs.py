@@ -142,6 +142,26 @@ def test_layers_whose_shapes_follow_the_pack_keep_the_model_eager(family, monkey
     assert warned == [f"speed-cuda-graphs: {reason}; cuda_graphs=true changes nothing in this run"]
 
 
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"peft": object()}, "a frozen language model"),
+        ({"freeze_language_model": True}, "a frozen language model"),
+        ({"recompute_granularity": "full"}, "full activation recompute"),
+        ({"recompute_granularity": "selective"}, None),
+    ],
+)
+def test_runs_megatron_core_cannot_capture_keep_their_layers_eager(change, reason):
+    """Found by training them with the CPU's recorded graphs: Megatron-Core 0.19.2's warm-up takes the gradient of the
+    first layer's input, which a frozen language model's needs none of (`torch.autograd.grad` refuses no inputs), and
+    under full recompute creating the graphs asserts. Selective recompute (the default of some recipes) trains."""
+    model = types.SimpleNamespace(pipeline_model_parallel_size=1, num_moe_experts=None, recompute_granularity=None)
+    cfg = types.SimpleNamespace(model=model, peft=change.pop("peft", None))
+    vars(model).update(change)
+    got = speed_cuda_graphs.eager_layers(cfg)
+    assert got == reason if reason is None else got.startswith(reason)
+
+
 def test_megatron_bridge_builds_the_layer_graphs_qvl_asks_for_and_checks_the_rest():
     """Megatron-Bridge 0.6.2 refuses `cuda_graph_impl="local"` but for full-iteration graphs; the whole-layer graphs
     this group sets (Megatron-Core's schedules capture and replay them) pass, anything else meets upstream's check."""
