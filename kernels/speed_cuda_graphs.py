@@ -152,9 +152,11 @@ def graphed_parts(cfg: Any) -> tuple[bool, bool]:
 
 
 def graph_shapes(config: Any) -> GraphShapes | None:
-    """The fixed shapes of a run whose layers are graphed (a ConfigContainer), None for an eager run."""
+    """The fixed shapes of a run whose layers are graphed (a ConfigContainer), None for an eager run: a micro-batch of
+    several packs is their tokens one after the other (`micro_batch_size` x `seq_length`) and their sub-sequences."""
     if not graphs_requested(config.model):
         return None
+    packs = getattr(getattr(config, "train", None), "micro_batch_size", 1) or 1
     seq_length = config.model.seq_length
     path = getattr(config.dataset, "path", None)
     if path is None:
@@ -162,7 +164,9 @@ def graph_shapes(config: Any) -> GraphShapes | None:
             "speed-cuda-graphs needs an offline-packed dataset (its fullest pack fixes cu_seqlens' size); "
             "set dataset.path to a `qvl data prepare` folder"
         )
-    return GraphShapes(tokens=seq_length, slots=most_sub_sequences(str(path)) + 1, max_seqlen=seq_length)
+    return GraphShapes(
+        tokens=packs * seq_length, slots=packs * most_sub_sequences(str(path)) + 1, max_seqlen=seq_length
+    )
 
 
 @functools.cache

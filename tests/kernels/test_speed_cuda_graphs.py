@@ -42,6 +42,9 @@ def test_graph_shapes_come_from_the_fullest_pack_of_the_dataset(tmp_path):
     config = types.SimpleNamespace(model=model, dataset=types.SimpleNamespace(path=str(tmp_path)))
     # five sub-sequences at most, and the pad sub-sequence a short pack gets
     assert speed_cuda_graphs.graph_shapes(config) == GraphShapes(tokens=4096, slots=6, max_seqlen=4096)
+    # two packs a micro-batch: their tokens one after the other (found training so with the CPU's recorded graphs)
+    config.train = types.SimpleNamespace(micro_batch_size=2)
+    assert speed_cuda_graphs.graph_shapes(config) == GraphShapes(tokens=8192, slots=11, max_seqlen=4096)
     assert speed_cuda_graphs.graph_shapes(types.SimpleNamespace(model=types.SimpleNamespace(seq_length=8))) is None
     config.dataset.path = None
     with pytest.raises(ConfigError, match="needs an offline-packed dataset"):
