@@ -166,6 +166,30 @@ def step_code(*, baseline: bool):
         yield
 
 
+@contextlib.contextmanager
+def replays_counted(census, config: StepConfig):
+    """CUDA graphs recorded on the CPU (qvl.foundation.graph_replay), each replay counted as the one launch a CUDA
+    graph's replay is, the ops it runs again not counted: what the host launches in a graphed step. The graphs'
+    fixed shapes are the config's (its packs have no dataset folder to plan them from)."""
+    from qvl.foundation import graph_replay
+    from qvl.kernels.speed_cuda_graphs import GraphShapes
+
+    replay = graph_replay.RecordedGraph.replay
+    shapes = GraphShapes(tokens=config.seq_length, slots=config.samples_per_pack + 1, max_seqlen=config.seq_length)
+
+    def counted_replay(graph) -> None:
+        census.graph_replay()
+        with census.paused():
+            replay(graph)
+
+    with (
+        graph_replay.recorded_graphs(),
+        mock.patch.object(graph_replay.RecordedGraph, "replay", counted_replay),
+        mock.patch("qvl.training.step.graph_shapes", lambda cfg: shapes),
+    ):
+        yield
+
+
 def census_worker(spec_path: pathlib.Path) -> int:
     """Train two steps of the spec's config and write the census of the second (the training child)."""
     from benchmarks.compiled_regions import cuda_compiled_regions
@@ -195,10 +219,14 @@ def census_worker(spec_path: pathlib.Path) -> int:
                  "log_interval": 10**6, "precision": "bf16-mixed", "vision_recompute": config.vision_recompute}  # fmt: skip
     if spec.get("compile"):
         overrides["compile"] = True
+    if spec.get("recorded_graphs"):
+        overrides["cuda_graphs"] = True
     code = contextlib.ExitStack()  # the step's code, before or after: from the provider (aligned widths) on
     code.enter_context(step_code(baseline=spec["baseline"]))
     if not spec["baseline"] and not spec.get("eager_regions"):  # what CUDA runs compiled (benchmarks.compiled_regions)
         code.enter_context(cuda_compiled_regions(census))
+    if spec.get("recorded_graphs"):  # the graphed step as it runs, its graphs recorded: each replay one launch
+        code.enter_context(replays_counted(census, config))
     _, cfg = prepare_config(TrainRequest(recipe=config.recipe, overrides=overrides, run_dir=out / "run"))
     if not spec["baseline"]:  # what a training loop on a CUDA device applies (qvl.training.loop.run_megatron_loop)
         code.enter_context(switch.applied_for_training(switch.Target.of(cfg, device="cuda")))
@@ -223,7 +251,8 @@ def census_worker(spec_path: pathlib.Path) -> int:
             stack.enter_context(census.tracking())
         if step == 2:
             _numels(context.model, census.widths)
-            regions.install(context.model, get_model_config(context.model[0]))
+            if not spec.get("recorded_graphs"):  # Megatron-Core refuses a graphed layer's forward pre-hooks
+                regions.install(context.model, get_model_config(context.model[0]))
             regions.set("other")
             stack.enter_context(census.counted())
 
@@ -252,13 +281,14 @@ def census_worker(spec_path: pathlib.Path) -> int:
 
 
 def census(config_name: str, out: pathlib.Path, *, baseline: bool = False, compile: bool = False,
-           eager_regions: bool = False) -> dict:  # fmt: skip
+           eager_regions: bool = False, recorded_graphs: bool = False) -> dict:  # fmt: skip
     """The census of one config (`compile`: the recipe's `compile=True`; `eager_regions`: compiled regions counted
     as their eager ops, as the CPU runs them), trained in a child process; raises with the child's log if it fails."""
     run_dir = out / f"step-{config_name}"
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"config": asdict(CONFIGS[config_name]), "out": str(run_dir), "result": str(run_dir / "census.json"),
-            "baseline": baseline, "compile": compile, "eager_regions": eager_regions}  # fmt: skip
+            "baseline": baseline, "compile": compile, "eager_regions": eager_regions,
+            "recorded_graphs": recorded_graphs}  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec))
     (run_dir / "census.json").unlink(missing_ok=True)
     from qvl.foundation import distributed
@@ -280,6 +310,18 @@ def _census_child(rank: int, spec_path: str, log_path: str) -> None:
     output_to(log_path)
     logging.basicConfig(level=logging.WARNING)
     census_worker(pathlib.Path(spec_path))
+
+
+def recorded_graphs_check(name: str, out: pathlib.Path) -> dict:
+    """The census's estimate of what the host launches in a step with speed-cuda-graphs, against that step trained
+    with its CUDA graphs recorded on the CPU (`replays_counted`: each replay one launch, the ops it replays not
+    counted)."""
+    estimate = census(name, out / "eager")["cuda_graphs"]["host_launches"]
+    recorded = census(name, out / "recorded", recorded_graphs=True)["step"]
+    measured = recorded["kernel_launching_ops"]
+    return {"config": name, "estimated_host_launches": estimate, "recorded_host_launches": measured,
+            "graph_replays": recorded["ops"].get("cudaGraphLaunch", 0),
+            "relative_difference": round(measured / estimate - 1, 4)}  # fmt: skip
 
 
 def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, compile: bool = False,
@@ -348,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager-regions", action="store_true", help="count compiled regions as their eager ops")
     parser.add_argument("--write-before", action="store_true", help=f"save the {MEASURED_CONFIG} census as the before")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    parser.add_argument("--recorded-graphs", action="store_true",
+                        help="the estimated host launches with CUDA graphs against the step trained with its graphs "
+                        "recorded on the CPU (each replay one launch)")  # fmt: skip
     parser.add_argument(
         "--calibrate", type=pathlib.Path, metavar="BENCH_TRAIN_JSON",
         help=f"a GPU run's bench_train.json: {RESULTS_CONFIG}'s estimate against its measured packed 4k step, then "
@@ -366,6 +411,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --calibrate needs the census of {RESULTS_CONFIG} as qvl trains it: --config {RESULTS_CONFIG} "
               "without --baseline, --compile or --eager-regions", file=sys.stderr)  # fmt: skip
         return 2
+    if args.recorded_graphs:
+        checks = [recorded_graphs_check(name, args.out / f"recorded-{name}") for name in names]
+        (args.out / "bench_step_recorded_graphs.json").write_text(json.dumps(checks, indent=1))
+        for check in checks:
+            print(json.dumps(check) if args.json else
+                  f"{check['config']}: host launches with CUDA graphs ESTIMATED {check['estimated_host_launches']}, "
+                  f"recorded on the CPU {check['recorded_host_launches']} ({check['graph_replays']} replays): "
+                  f"{check['relative_difference']:+.1%}")  # fmt: skip
+        return 0
     measured = None
     if args.calibrate:  # read before the censuses run: a file that cannot be fitted to ends the command at once
         try:

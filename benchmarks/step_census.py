@@ -208,6 +208,11 @@ class Census:
         counts.h2d_pageable += 0 if pinned else 1
         counts.h2d_bytes += self.widths.nbytes(tensor)
 
+    def graph_replay(self) -> None:
+        """A CUDA graph's replay: one launch (a CPU run's recorded graphs replay their ops uncounted)."""
+        if self.counting:
+            self.counts.launches["cudaGraphLaunch"] += 1
+
     def attention(self, flops: float, tensors: list[torch.Tensor], backward: bool) -> None:
         if not self.counting:
             return

@@ -168,7 +168,9 @@ def fake_varlen_kernel(census):
     (a `benchmarks.step_census.Census`)."""
 
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), **kwargs):
-        with census.paused():
+        # the stand-in's own read, for its FLOPs (the kernel reads nothing back): no torch function sees it, neither
+        # the census's sync count nor a recorded CUDA graph's capture (benchmarks.bench_step.replays_counted)
+        with census.paused(), torch._C.DisableTorchFunction():
             lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
         heads, dim = query.shape[1], census.widths.dims.get(query.shape[2], query.shape[2])
         causal = tuple(window_size) == (-1, 0)

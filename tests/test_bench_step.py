@@ -202,6 +202,17 @@ def test_the_results_structure_reproduces_the_h100_profile_gemm_counts_per_pack(
 
 
 @pytest.mark.slow
+def test_the_graphed_step_recorded_on_the_cpu_launches_what_the_census_estimates(tiny, tmp_path):
+    """The estimate against the step itself, trained with its CUDA graphs recorded (qvl.foundation.graph_replay):
+    each replay counted as one launch, the ops it replays not counted, every other op as the census counts it."""
+    recorded = bench_step.census("tiny", tmp_path, recorded_graphs=True)["step"]
+    # 2 layers' forward and backward for each of 2 micro-batches, the tower's forward and backward for each
+    assert recorded["ops"]["cudaGraphLaunch"] == 2 * 2 * 2 + 2 * 2
+    estimate = tiny["after"]["cuda_graphs"]["host_launches"]
+    assert abs(recorded["kernel_launching_ops"] / estimate - 1) < 0.15, (recorded["kernel_launching_ops"], estimate)
+
+
+@pytest.mark.slow
 def test_the_census_estimates_the_launches_cuda_graphs_leave(tiny):
     """The language model's layers (forward from the first layer's call, backward until the first layer's input
     gradient) and the HF tower (its whole region) are tallied as graphed; the estimate replaces them by replays and
