@@ -43,6 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from benchmarks import step_kernels
 from benchmarks.compiled_regions import LABEL, bisect_range
 from benchmarks.op_costs import gemm_flops, in_collective, kernels_launched, nongemm_bytes, row_pitch_aligned
+from qvl.foundation.graph_replay import VALUE_SIZED_OPS
 
 REGIONS = ("lm", "vision", "loss", "optimizer", "other")
 GEMM_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "addbmm", "_scaled_mm", "convolution",
@@ -57,9 +58,7 @@ NO_KERNEL_OPS = frozenset({
 })  # fmt: skip
 # Views whose schema declares no alias (autograd's reasons): a new tensor header, no kernel.
 UNDECLARED_VIEW_OPS = frozenset({"_unsafe_view"})
-# Ops whose output size depends on tensor values: the host waits for the device to know it.
-VALUE_SIZED_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
-                             "unique_dim", "bincount", "histc"})  # fmt: skip
+# VALUE_SIZED_OPS (qvl.foundation.graph_replay): ops whose output size depends on tensor values, a host wait each
 _SKIP_FRAMES = (  # frames of torch and of the census itself: never the call site of a sync
     f"{pathlib.Path(torch.__file__).parent}",
     __file__,

@@ -20,8 +20,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Tensor methods that read a device value on the host.
-SYNC_METHODS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"})
+from qvl.foundation.graph_replay import HOST_READ_METHODS
+
 # Factories whose tensor is on the host unless a device is given.
 _FACTORIES = frozenset({"tensor", "arange", "zeros", "ones", "full", "empty", "as_tensor", "from_numpy", "linspace",
                         "randn", "rand", "randint", "eye"})  # fmt: skip
@@ -56,7 +56,7 @@ class CensusFunctionMode(TorchFunctionMode):
         if name == "pin_memory" and args and isinstance(args[0], torch.Tensor):
             census.mark_host(args[0], pinned=True)
             return args[0]
-        if name in SYNC_METHODS and args and isinstance(args[0], torch.Tensor) and not census.is_host(args[0]):
+        if name in HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor) and not census.is_host(args[0]):
             census.sync(f".{name.strip('_')}()")
             census.in_sync += 1
             try:

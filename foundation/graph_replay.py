@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -213,10 +214,15 @@ class _Waited:
         return getattr(self.work, name)
 
 
+_THREAD = threading.local()  # the graph this thread captures (a capture is the thread's: its modes are)
+
+
+def _capturing() -> RecordedGraph | None:
+    return getattr(_THREAD, "graph", None)
+
+
 class RecordedGraph:
     """Stands in for `torch.cuda.CUDAGraph` (the methods its callers use): see the module docstring."""
-
-    _capturing: RecordedGraph | None = None
 
     def __init__(self, keep_graph: bool = False) -> None:
         self.ops: list[RecordedOp] = []
@@ -225,7 +231,7 @@ class RecordedGraph:
         self.replays = 0
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global", **kwargs: Any) -> None:
-        if RecordedGraph._capturing is not None:
+        if _capturing() is not None:
             raise RuntimeError("a CUDA graph capture is already under way on this thread")
         self.ops.clear()
         self._pool = pool if pool is not None else graph_pool_handle()
@@ -234,18 +240,18 @@ class RecordedGraph:
         self._modes = (recorder, _FunctionLevel(placement, recorder))
         for mode in self._modes:
             mode.__enter__()
-        RecordedGraph._capturing = self
+        _THREAD.graph = self
 
     def capture_end(self) -> None:
-        if RecordedGraph._capturing is not self or self._modes is None:
+        if _capturing() is not self or self._modes is None:
             raise RuntimeError("capture_end without this graph's capture_begin")
         for mode in reversed(self._modes):
             mode.__exit__(None, None, None)
         self._modes = None
-        RecordedGraph._capturing = None
+        _THREAD.graph = None
 
     def replay(self) -> None:
-        if RecordedGraph._capturing is not None:
+        if _capturing() is not None:
             raise RuntimeError("a graph cannot be replayed while another one is captured")
         touched = {id(t): t for op in self.ops for t in pytree.tree_leaves((op.args, op.kwargs, op.written))
                    if isinstance(t, torch.Tensor)}  # fmt: skip
@@ -300,13 +306,13 @@ def graph_pool_handle() -> tuple[int, int]:
 
 
 def is_current_stream_capturing() -> bool:
-    return RecordedGraph._capturing is not None
+    return _capturing() is not None
 
 
 def is_capturing() -> bool:
     """Whether a CUDA graph capture is under way on this thread: a recorded one, or one on a CUDA device (asking
     torch.cuda where no device is would fail)."""
-    if RecordedGraph._capturing is not None:
+    if _capturing() is not None:
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qvl.bridges.tiny_model import tiny_hf_config
 from qvl.foundation import patches
 from qvl.foundation.families import TINY_TOKEN_IDS
+from qvl.foundation.graph_replay import VALUE_SIZED_OPS
 from qvl.kernels import speed_qwen3_vl_sync_free, speed_qwen3_vl_tower, speed_rotary, vision_placement
 from qvl.kernels.tower_inputs import tower_inputs_for_config
 from qvl.kernels.vision_placement import VisionPlacement
@@ -47,7 +48,6 @@ MODALITIES = {  # the pixel fields a micro-batch keeps
 _INDEX_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
 # As benchmarks/step_census.py: tensor methods that read a value on the host, and ops whose output size is a value.
 _READ_METHODS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"})
-_VALUE_SIZED_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive"})
 
 
 def _bool_indexing(name: str, args) -> bool:
@@ -104,7 +104,7 @@ class HostReads:
         class Ops(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 name = func.overloadpacket.__name__
-                if name in _VALUE_SIZED_OPS or _bool_indexing(name, args):
+                if name in VALUE_SIZED_OPS or _bool_indexing(name, args):
                     reads.record(name)
                 return func(*args, **(kwargs or {}))
 
