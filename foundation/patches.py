@@ -457,6 +457,14 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
     PrivateRead(target="torch._C", attribute="DisableTorchFunctionSubclass", used_in="qvl.kernels.speed_rotary",
                 version=TORCH, why="a cu_seqlens tensor subclass that only marks a whole pack runs every op as a plain "
                                    "tensor (torch's documented pattern for a subclass's __torch_function__)"),
+    *(PrivateRead(target=target, attribute=attribute, used_in="qvl.foundation.runtime", version=TORCH,
+                  why="torch.autograd.grad's own steps after its torch-function check, run with a TorchFunctionMode "
+                      "kept on for the backward (the CPU runtime's device redirection, a recorded graph's capture)")
+      for target, attribute in (("torch:autograd", "_make_grads"), ("torch:autograd", "_tensor_or_tensors_to_tuple"),
+                                ("torch.autograd:graph", "_engine_run_backward"))),
+    PrivateRead(target="torch._C", attribute="DisableTorchFunction", used_in="benchmarks.step_kernels",
+                version=TORCH, why="the census's attention stand-in reads its bounds for its FLOPs unseen by torch "
+                                   "functions (its own count, a recorded graph's capture): the kernel reads nothing"),
     PrivateRead(target="torch.autograd.grad_mode", attribute="_unsafe_preserve_version_counter",
                 used_in="qvl.foundation.graph_replay", version=TORCH,
                 why="a recorded CUDA graph's replay writes the capture's tensors as a device's replay does, without "
