@@ -35,7 +35,7 @@ from qvl.foundation.errors import ConfigError, ConversionError
 from qvl.foundation.families import FAMILIES
 from qvl.foundation.layout import ParallelLayout, check_layout
 from qvl.foundation.megatron import import_megatron_bridge
-from qvl.kernels import speed_aligned_widths, torch_wgrad_accum
+from qvl.kernels import speed_aligned_widths, speed_cuda_graphs, torch_wgrad_accum
 
 logger = logging.getLogger(__name__)
 
@@ -288,6 +288,7 @@ def load_megatron(bridge, megatron_dir: Path) -> list:
     overrides = {
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        **speed_cuda_graphs.eager_settings(),  # a run trained with CUDA graphs saved them in its config
     }
     model = bridge.load_megatron_model(str(megatron_dir), mp_overrides=overrides, wrap_with_ddp=False)
     # Built from the checkpoint's run_config.yaml (padded widths, no pre-wrap hooks): the export learns the HF

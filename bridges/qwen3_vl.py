@@ -114,6 +114,13 @@ class Qwen3VLModel(upstream_model.Qwen3VLModel, TakesVisionPlacement):
             if megatron.jit_fusions_usable():
                 speed_qwen3_vl_tower.fuse_bias_ops(vision)  # its bias-GELU and bias-dropout-add fused, as the LM's
 
+    def _expose_language_model_for_cuda_graph_helper(self) -> None:
+        """Upstream registers the language model's decoder again on the root where the language model asks for CUDA
+        graphs, for Transformer Engine's graph helper: its parameters then appear twice in the sharded state dict (a
+        root `decoder.*` beside `language_model.decoder.*`), and loading a converted checkpoint into a graphed run
+        failed on them (seen with the CPU's recorded graphs). qvl's graphs are Megatron-Core's local ones, which
+        need none of it (qvl.kernels.speed_cuda_graphs)."""
+
     def forward(
         self,
         input_ids: torch.Tensor | None,

@@ -20,6 +20,7 @@ import torch
 
 from qvl.bridges.checkpoints import check_megatron_checkpoint
 from qvl.foundation.megatron import import_megatron_bridge
+from qvl.kernels import speed_cuda_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ _LOAD_SETTINGS = {
     "pipeline_dtype": torch.float32,
     "bf16": False,
     "fp16": False,
+    **speed_cuda_graphs.eager_settings(),  # a run trained with CUDA graphs saved them in its config
 }
 
 

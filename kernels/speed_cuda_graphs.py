@@ -109,9 +109,8 @@ def eager_layers(cfg: Any) -> str | None:
     takes the tokens routed to it: their counts are read to the host to split the tokens, which a capture refuses) and
     a Gated DeltaNet layer (its chunked kernels cut each sub-sequence into 64-token chunks whose number they read from
     `cu_seqlens` on the host). One such layer keeps the stage eager: the model's structure, not a family's name. So
-    does a frozen language model (adapters, freeze=language): the capture's warm-up takes the gradient of the first
-    layer's input, which then needs none; and full activation recompute, under which Megatron-Core 0.19.2 cannot
-    make the graphs (`create_cudagraphs` asserts on the shared buffers' count)."""
+    does full activation recompute, under which Megatron-Core 0.19.2 cannot make the graphs (`create_cudagraphs`
+    asserts on the shared buffers' count)."""
     model = cfg.model
     if getattr(model, "pipeline_model_parallel_size", 1) > 1:
         return "pipeline parallelism keeps the layers eager"
@@ -126,10 +125,6 @@ def eager_layers(cfg: Any) -> str | None:
         get_linear_attention_pattern(model)
     ):
         return "Gated DeltaNet layers (chunks counted from cu_seqlens on the host) keep the model eager"
-    if getattr(cfg, "peft", None) is not None or getattr(model, "freeze_language_model", False):
-        # Megatron-Core 0.19.2's capture warms each graph up with the gradient of its inputs, and the first layer's
-        # input needs none here: torch.autograd.grad refuses an empty list (seen with the CPU's recorded graphs)
-        return "a frozen language model (adapters, or freeze=language) keeps the layers eager"
     if getattr(model, "recompute_granularity", None) == "full":
         # a recomputed layer runs its forward again inside the backward: Megatron-Core 0.19.2's graphs then lose the
         # record of the buffers they share, and creating them asserts (seen with the CPU's recorded graphs)
@@ -149,6 +144,17 @@ def graphed_parts(cfg: Any) -> tuple[bool, bool]:
     overlapped = getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False)
     balanced = bool(getattr(getattr(cfg, "qvl", None), "vision_balance", False))
     return layers, layers and not overlapped and not balanced
+
+
+def graphable_input(model_config: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The language model's input (the first graphed layer's), made to require a gradient where the run's layers are
+    graphed and it needs none (a frozen language model: adapters, freeze=language). Megatron-Core 0.19.2's capture
+    warms each layer's graph up with the gradient of its inputs, and `torch.autograd.grad` refuses an empty list (seen
+    with the CPU's recorded graphs). The gradient the first layer then computes for it (one layer's input-gradient
+    GEMMs) goes nowhere."""
+    if graphs_requested(model_config) and torch.is_grad_enabled() and not hidden_states.requires_grad:
+        return hidden_states.detach().requires_grad_()
+    return hidden_states
 
 
 def graph_shapes(config: Any) -> GraphShapes | None:
@@ -251,6 +257,13 @@ def layer_graph_settings() -> dict[str, Any]:
     `initialize_rng_tracker`), which is what these graphs need."""
     return {"cuda_graph_impl": "local", "cuda_graph_modules": [], "cuda_graph_warmup_steps": WARMUP_STEPS,
             "use_te_rng_tracker": True}  # fmt: skip
+
+
+def eager_settings() -> dict[str, Any]:
+    """The TransformerConfig fields of a model built from a graphed run's saved config to load it (an export, a
+    check): the run's config carries the graphs it trained with (`layer_graph_settings`), which a load refuses
+    (`inference_cuda_graph_scope` was normalised before the graphs were set) and does not need."""
+    return {"cuda_graph_impl": "none", "cuda_graph_modules": [], "use_te_rng_tracker": False}
 
 
 def graph_safe_rng_tracker() -> None:

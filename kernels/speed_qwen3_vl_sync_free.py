@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from qvl.foundation.errors import QvlError
+from qvl.kernels import speed_cuda_graphs
 from qvl.kernels.tower_graphs import megatron_tower_graphs
 from qvl.kernels.tower_inputs import MegatronTowerInputs
 from qvl.kernels.vision_placement import IMAGES, VIDEOS, VisionOrder, VisionPlacement, VisionPositionsMismatch
@@ -221,7 +222,9 @@ def indexed_forward(
     vision_embeds, deepstack = _vision_features(model, data, grid, tower_inputs)
     if placement.order is not None:  # each distinct image encoded once: every placeholder gets its rows
         vision_embeds, deepstack = placement.order.placed(vision_embeds, deepstack)
-    decoder_input = _embeddings(model, input_ids, positions, vision_embeds)
+    decoder_input = speed_cuda_graphs.graphable_input(
+        model.config, _embeddings(model, input_ids, positions, vision_embeds)
+    )
     model.language_model.rotary_pos_emb.is_thd_format = True
     torch.cuda.nvtx.range_pop()
     torch.cuda.nvtx.range_push("Qwen3VLModel.forward.language_model")

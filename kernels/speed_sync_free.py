@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from qvl.foundation.errors import QvlError
+from qvl.kernels import speed_cuda_graphs
 from qvl.kernels.speed_hf_vision import tower_kwargs
 from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows
 from qvl.kernels.tower_graphs import tower_graphs
@@ -233,6 +234,7 @@ def loader_positions_forward(
             image_grid_thw=image_grid_thw,
             video_grid_thw=video_grid_thw,
         )
+        inputs_embeds = speed_cuda_graphs.graphable_input(model.config, inputs_embeds)
     return model.language_model.forward(
         input_ids=None,
         position_ids=position_ids,

@@ -148,21 +148,46 @@ def test_layers_whose_shapes_follow_the_pack_keep_the_model_eager(family, monkey
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        ({"peft": object()}, "a frozen language model"),
-        ({"freeze_language_model": True}, "a frozen language model"),
         ({"recompute_granularity": "full"}, "full activation recompute"),
         ({"recompute_granularity": "selective"}, None),
+        ({"peft": object()}, None),  # the first layer's input is made to need a gradient: `graphable_input`
+        ({"freeze_language_model": True}, None),
     ],
 )
 def test_runs_megatron_core_cannot_capture_keep_their_layers_eager(change, reason):
-    """Found by training them with the CPU's recorded graphs: Megatron-Core 0.19.2's warm-up takes the gradient of the
-    first layer's input, which a frozen language model's needs none of (`torch.autograd.grad` refuses no inputs), and
-    under full recompute creating the graphs asserts. Selective recompute (the default of some recipes) trains."""
+    """Found by training with the CPU's recorded graphs: under full recompute creating the graphs asserts. Selective
+    recompute (the default of some recipes) and a frozen language model (adapters) train graphed."""
     model = types.SimpleNamespace(pipeline_model_parallel_size=1, num_moe_experts=None, recompute_granularity=None)
     cfg = types.SimpleNamespace(model=model, peft=change.pop("peft", None))
     vars(model).update(change)
     got = speed_cuda_graphs.eager_layers(cfg)
     assert got == reason if reason is None else got.startswith(reason)
+
+
+def test_a_frozen_language_models_input_needs_a_gradient_only_where_graphs_capture_it():
+    """Megatron-Core 0.19.2's capture warms each graph up with the gradient of its inputs: a frozen language model's
+    input (adapters, freeze=language) is made to need one where the layers are graphed; elsewhere it is left as is."""
+    graphed = types.SimpleNamespace(**speed_cuda_graphs.layer_graph_settings())
+    eager = types.SimpleNamespace(cuda_graph_impl="none")
+    frozen, trained = torch.ones(3, 1, 2), torch.ones(3, 1, 2, requires_grad=True) * 2
+    got = speed_cuda_graphs.graphable_input(graphed, frozen)
+    assert got.requires_grad and got.is_leaf and torch.equal(got, frozen)
+    assert speed_cuda_graphs.graphable_input(graphed, trained) is trained  # its gradient flows back as it did
+    assert speed_cuda_graphs.graphable_input(eager, frozen) is frozen
+    with torch.no_grad():  # evaluation: nothing to capture a backward for
+        assert speed_cuda_graphs.graphable_input(graphed, frozen) is frozen
+
+
+def test_a_graphed_runs_saved_config_loads_without_its_graphs():
+    """An export or check builds the model from the run's saved config, which carries the graphs it trained with
+    (Megatron-Core then refuses the pair of settings it was saved with): loads reset them (qvl.bridges.convert,
+    qvl.bridges.trained)."""
+    from qvl.bridges import trained
+
+    settings = speed_cuda_graphs.eager_settings()
+    assert settings["cuda_graph_impl"] == "none" and not settings["cuda_graph_modules"]
+    assert set(settings) <= set(speed_cuda_graphs.layer_graph_settings())  # each graph setting the run set, undone
+    assert all(trained._LOAD_SETTINGS[name] == value for name, value in settings.items())
 
 
 def test_megatron_bridge_builds_the_layer_graphs_qvl_asks_for_and_checks_the_rest():
@@ -276,6 +301,41 @@ def test_a_run_with_cuda_graphs_trains_on_the_cpu_as_it_does_eagerly(family, tmp
     assert sorted(graphed) == [1, 2, 3, 4]
     for step, loss in eager.items():
         assert graphed[step] == pytest.approx(loss, rel=1e-5), step
+    # the graphed run's checkpoint exports (its saved config carries the graphs, which a load must not build)
+    exported = qvl_in_process("convert", "export", str(tmp_path / "graphed"), str(tmp_path / "hf-out"), "--hf", str(hf),
+                              "--device", "cpu")  # fmt: skip
+    assert "checked against the trained model" in exported and exported.rstrip().endswith("OK")
+
+
+@pytest.mark.slow
+def test_lora_with_cuda_graphs_trains_on_the_cpu_as_it_does_eagerly(tmp_path):
+    """Qwen3-VL LoRA from a converted checkpoint: the frozen language model's input is made to need a gradient for the
+    graphs' warm-up (`graphable_input`), the checkpoint loads (Megatron-Bridge's Qwen3-VL model registered its decoder
+    twice where graphs are on), the losses are the eager run's and the adapters export as a peft adapter."""
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.data.samples import write_sample_dataset
+    from qvl.training.loop import read_losses
+    from tests.run_qvl import qvl_in_process
+
+    family = "qwen3_vl"
+    jsonl, media = write_sample_dataset(tmp_path / "samples")
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
+    prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", family, "--hf-path", str(hf)]
+    qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(tmp_path / "data"))
+    qvl_in_process("convert", "import", str(hf), str(tmp_path / "megatron"), "--dtype", "fp32", "--device", "cpu")
+    args = ["qwen3_vl_2b_peft", "train_iters=3", "global_batch_size=2", "micro_batch_size=1", "seq_length=256",
+            "warmup_iters=1", "lr=1e-3", "save_interval=100", "log_interval=1", f"data={tmp_path / 'data'}",
+            f"hf_path={hf}", f"pretrained_checkpoint={tmp_path / 'megatron'}", "--model", "tiny", "--device", "cpu"]  # fmt: skip
+    qvl_in_process("train", *args, "--run-dir", str(tmp_path / "eager"))
+    out = qvl_in_process("train", *args, "cuda_graphs=true", "--run-dir", str(tmp_path / "graphed"))
+    assert "the language model's layers replay as CUDA graphs from step 2" in out
+    eager, graphed = read_losses(tmp_path / "eager"), read_losses(tmp_path / "graphed")
+    assert sorted(graphed) == [1, 2, 3]
+    for step, loss in eager.items():
+        assert graphed[step] == pytest.approx(loss, rel=1e-5), step
+    exported = qvl_in_process("convert", "export-adapter", str(tmp_path / "graphed"), str(hf), str(tmp_path / "lora"),
+                              "--device", "cpu")  # fmt: skip
+    assert exported.rstrip().endswith("OK (tolerance 1e-05)")
 
 
 @pytest.mark.slow
