@@ -46,8 +46,8 @@ layers' graphs (`graphs_requested`): qvl.kernels.tower_graphs, at bucketed patch
 (the sizes planned from the dataset's packs where a micro-batch is one pack: `planned_dataset`, `TOWER_DATASET`).
 Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL) likewise, from qvl's Qwen3-VL forward
 (qvl.kernels.tower_graphs.MegatronTowerGraphs). Not graphed: the embedding and output layer, the loss and the optimizer;
-nothing where a layer cannot be captured at fixed shapes (`eager_layers`: pipeline stages, MoE and Gated DeltaNet
-layers).
+nothing where a layer cannot be captured at fixed shapes or Megatron-Core cannot make its graphs (`eager_layers`:
+pipeline stages, MoE and Gated DeltaNet layers, full activation recompute).
 """
 
 from __future__ import annotations
