@@ -58,7 +58,6 @@ NO_KERNEL_OPS = frozenset({
 })  # fmt: skip
 # Views whose schema declares no alias (autograd's reasons): a new tensor header, no kernel.
 UNDECLARED_VIEW_OPS = frozenset({"_unsafe_view"})
-# VALUE_SIZED_OPS (qvl.foundation.graph_replay): ops whose output size depends on tensor values, a host wait each
 _SKIP_FRAMES = (  # frames of torch and of the census itself: never the call site of a sync
     f"{pathlib.Path(torch.__file__).parent}",
     __file__,
@@ -207,8 +206,7 @@ class Census:
         counts.h2d_pageable += 0 if pinned else 1
         counts.h2d_bytes += self.widths.nbytes(tensor)
 
-    def graph_replay(self) -> None:
-        """A CUDA graph's replay: one launch (a CPU run's recorded graphs replay their ops uncounted)."""
+    def graph_replay(self) -> None:  # one launch (a CPU run's recorded graphs replay their ops uncounted)
         if self.counting:
             self.counts.launches["cudaGraphLaunch"] += 1
 

@@ -227,6 +227,7 @@ class RecordedGraph:
     def __init__(self, keep_graph: bool = False) -> None:
         self.ops: list[RecordedOp] = []
         self._modes: tuple[_Recorder, _FunctionLevel] | None = None
+        self._touched: tuple[torch.Tensor, ...] = ()
         self._pool: tuple[int, int] | None = None
         self.replays = 0
 
@@ -249,20 +250,21 @@ class RecordedGraph:
             mode.__exit__(None, None, None)
         self._modes = None
         _THREAD.graph = None
+        touched = {id(t): t for op in self.ops for t in pytree.tree_leaves((op.args, op.kwargs, op.written))
+                   if isinstance(t, torch.Tensor)}  # fmt: skip
+        self._touched = tuple(touched.values())  # what a replay writes or reads: their version counters kept
 
     def replay(self) -> None:
         if _capturing() is not None:
             raise RuntimeError("a graph cannot be replayed while another one is captured")
-        touched = {id(t): t for op in self.ops for t in pytree.tree_leaves((op.args, op.kwargs, op.written))
-                   if isinstance(t, torch.Tensor)}  # fmt: skip
-        tensors = tuple(touched.values())
-        with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(tensors):
+        with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(self._touched):
             for op in self.ops:
                 op.run()
         self.replays += 1
 
     def reset(self) -> None:
         self.ops.clear()
+        self._touched = ()
 
     def pool(self) -> tuple[int, int]:
         if self._pool is None:

@@ -263,6 +263,40 @@ def test_a_pack_at_the_graphs_fixed_shapes_trains_as_it_does_eagerly(tmp_path, c
         distributed.destroy_distributed()
 
 
+def _tiny_run(tmp_path, family: str, recipe: str, steps: int, *extra: str) -> list[str]:
+    """A tiny `family` checkpoint and the sample set prepared for it in `tmp_path`; the `qvl train` arguments of
+    `recipe` over them on the CPU for `steps` steps of two micro-batches."""
+    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
+    from qvl.data.samples import write_sample_dataset
+    from tests.run_qvl import qvl_in_process
+
+    jsonl, media = write_sample_dataset(tmp_path / "samples")
+    hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
+    prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", family, "--hf-path", str(hf)]
+    qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(tmp_path / "data"))
+    return [recipe, f"train_iters={steps}", "global_batch_size=2", "micro_batch_size=1", "seq_length=256",
+            "warmup_iters=1", "lr=1e-3", "save_interval=100", "log_interval=1", f"data={tmp_path / 'data'}",
+            f"hf_path={hf}", *extra, "--model", "tiny", "--device", "cpu"]  # fmt: skip
+
+
+def _eager_and_graphed(tmp_path, args: list[str], steps: int, train=None, after_eager=None) -> None:
+    """`qvl train ARGS` eagerly, then (`after_eager()` called between) with `cuda_graphs=true` (`train`: how, default
+    in this process): the graphed run says its layers replay and gives the eager run's losses."""
+    from qvl.training.loop import read_losses
+    from tests.run_qvl import qvl_in_process
+
+    train = train or qvl_in_process
+    train("train", *args, "--run-dir", str(tmp_path / "eager"))
+    if after_eager is not None:
+        after_eager()
+    out = train("train", *args, "cuda_graphs=true", "--run-dir", str(tmp_path / "graphed"))
+    assert "the language model's layers replay as CUDA graphs from step 2" in out
+    eager, graphed = read_losses(tmp_path / "eager"), read_losses(tmp_path / "graphed")
+    assert sorted(graphed) == list(range(1, steps + 1))
+    for step, loss in eager.items():
+        assert graphed[step] == pytest.approx(loss, rel=1e-5), step
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_a_run_with_cuda_graphs_trains_on_the_cpu_as_it_does_eagerly(family, tmp_path, monkeypatch):
@@ -271,38 +305,27 @@ def test_a_run_with_cuda_graphs_trains_on_the_cpu_as_it_does_eagerly(family, tmp
     (cpu-cuda-graphs). Every micro-batch after the capture replays them, and the losses are the eager run's. Before
     this ran, every such run failed on a GPU too: at the model's build (Megatron-Bridge's checks), at the first
     capture (the whole-pack bounds lost their type) and, for Qwen3-VL, at the first deepstack add after a graph."""
-    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
-    from qvl.data.samples import write_sample_dataset
     from qvl.foundation.graph_replay import RecordedGraph
-    from qvl.training.loop import read_losses
     from tests.run_qvl import qvl_in_process
 
-    jsonl, media = write_sample_dataset(tmp_path / "samples")
-    hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
-    prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", family, "--hf-path", str(hf)]
-    qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(tmp_path / "data"))
     recipe = {"qwen2_5_vl": "qwen2_5_vl_3b_pretrain", "qwen3_vl": "qwen3_vl_2b_pretrain"}[family]
-    args = [recipe, "train_iters=4", "global_batch_size=2", "micro_batch_size=1", "seq_length=256", "warmup_iters=1",
-            "lr=1e-3", "save_interval=100", "log_interval=1", f"data={tmp_path / 'data'}", f"hf_path={hf}",
-            "--model", "tiny", "--device", "cpu"]  # fmt: skip
+    args = _tiny_run(tmp_path, family, recipe, 4)
     replays, captures = [], []
     replay, capture_end = RecordedGraph.replay, RecordedGraph.capture_end
     monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(len(self.ops)) or replay(self))
     monkeypatch.setattr(RecordedGraph, "capture_end", lambda self: capture_end(self) or captures.append(self))
-    qvl_in_process("train", *args, "--run-dir", str(tmp_path / "eager"))
-    assert not captures
-    out = qvl_in_process("train", *args, "cuda_graphs=true", "--run-dir", str(tmp_path / "graphed"))
-    assert "the language model's layers replay as CUDA graphs from step 2" in out
+
+    def nothing_captured() -> None:
+        assert not captures
+
+    _eager_and_graphed(tmp_path, args, 4, after_eager=nothing_captured)
     layers = len(captures) - 2  # each layer's forward and backward, and the tower's bucket (one size)
     assert layers >= 4 and layers % 2 == 0
     # the layers' graphs at the 6 micro-batches of steps 2 to 4; the tower's also at the call that captured them
     assert len(replays) == 6 * layers + 7 * 2
-    eager, graphed = read_losses(tmp_path / "eager"), read_losses(tmp_path / "graphed")
-    assert sorted(graphed) == [1, 2, 3, 4]
-    for step, loss in eager.items():
-        assert graphed[step] == pytest.approx(loss, rel=1e-5), step
     # the graphed run's checkpoint exports (its saved config carries the graphs, which a load must not build)
-    exported = qvl_in_process("convert", "export", str(tmp_path / "graphed"), str(tmp_path / "hf-out"), "--hf", str(hf),
+    hf = str(tmp_path / "hf")
+    exported = qvl_in_process("convert", "export", str(tmp_path / "graphed"), str(tmp_path / "hf-out"), "--hf", hf,
                               "--device", "cpu")  # fmt: skip
     assert "checked against the trained model" in exported and exported.rstrip().endswith("OK")
 
@@ -312,28 +335,13 @@ def test_lora_with_cuda_graphs_trains_on_the_cpu_as_it_does_eagerly(tmp_path):
     """Qwen3-VL LoRA from a converted checkpoint: the frozen language model's input is made to need a gradient for the
     graphs' warm-up (`graphable_input`), the checkpoint loads (Megatron-Bridge's Qwen3-VL model registered its decoder
     twice where graphs are on), the losses are the eager run's and the adapters export as a peft adapter."""
-    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
-    from qvl.data.samples import write_sample_dataset
-    from qvl.training.loop import read_losses
     from tests.run_qvl import qvl_in_process
 
-    family = "qwen3_vl"
-    jsonl, media = write_sample_dataset(tmp_path / "samples")
-    hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
-    prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", family, "--hf-path", str(hf)]
-    qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(tmp_path / "data"))
-    qvl_in_process("convert", "import", str(hf), str(tmp_path / "megatron"), "--dtype", "fp32", "--device", "cpu")
-    args = ["qwen3_vl_2b_peft", "train_iters=3", "global_batch_size=2", "micro_batch_size=1", "seq_length=256",
-            "warmup_iters=1", "lr=1e-3", "save_interval=100", "log_interval=1", f"data={tmp_path / 'data'}",
-            f"hf_path={hf}", f"pretrained_checkpoint={tmp_path / 'megatron'}", "--model", "tiny", "--device", "cpu"]  # fmt: skip
-    qvl_in_process("train", *args, "--run-dir", str(tmp_path / "eager"))
-    out = qvl_in_process("train", *args, "cuda_graphs=true", "--run-dir", str(tmp_path / "graphed"))
-    assert "the language model's layers replay as CUDA graphs from step 2" in out
-    eager, graphed = read_losses(tmp_path / "eager"), read_losses(tmp_path / "graphed")
-    assert sorted(graphed) == [1, 2, 3]
-    for step, loss in eager.items():
-        assert graphed[step] == pytest.approx(loss, rel=1e-5), step
-    exported = qvl_in_process("convert", "export-adapter", str(tmp_path / "graphed"), str(hf), str(tmp_path / "lora"),
+    megatron_dir, hf = str(tmp_path / "megatron"), str(tmp_path / "hf")
+    args = _tiny_run(tmp_path, "qwen3_vl", "qwen3_vl_2b_peft", 3, f"pretrained_checkpoint={megatron_dir}")
+    qvl_in_process("convert", "import", hf, megatron_dir, "--dtype", "fp32", "--device", "cpu")
+    _eager_and_graphed(tmp_path, args, 3)
+    exported = qvl_in_process("convert", "export-adapter", str(tmp_path / "graphed"), hf, str(tmp_path / "lora"),
                               "--device", "cpu")  # fmt: skip
     assert exported.rstrip().endswith("OK (tolerance 1e-05)")
 
@@ -343,23 +351,7 @@ def test_a_run_with_cuda_graphs_at_tensor_parallel_2_trains_as_it_does_eagerly(t
     """Qwen3-VL at TP=2 (sequence parallelism on, as every recipe turns it on with TP), two gloo ranks: the layers'
     graphs hold the sequence-parallel all-gathers and reduce-scatters, and the deepstack features are added at each
     rank's boolean mask into a graphed layer's output; the losses are the eager run's."""
-    from qvl.bridges.tiny_model import write_tiny_hf_checkpoint
-    from qvl.data.samples import write_sample_dataset
-    from qvl.training.loop import read_losses
-    from tests.run_qvl import qvl_in_process, qvl_on_two_ranks
+    from tests.run_qvl import qvl_on_two_ranks
 
-    family = "qwen3_vl"
-    jsonl, media = write_sample_dataset(tmp_path / "samples")
-    hf = write_tiny_hf_checkpoint(tmp_path / "hf", family)
-    prepare = ["--input", str(jsonl), "--media-root", str(media), "--family", family, "--hf-path", str(hf)]
-    qvl_in_process("data", "prepare", *prepare, "--seq-length", "256", "--output", str(tmp_path / "data"))
-    args = ["qwen3_vl_2b_pretrain", "train_iters=3", "global_batch_size=2", "micro_batch_size=1", "seq_length=256",
-            "warmup_iters=1", "lr=1e-3", "save_interval=100", "log_interval=1", "tensor_parallel=2",
-            f"data={tmp_path / 'data'}", f"hf_path={hf}", "--model", "tiny", "--device", "cpu"]  # fmt: skip
-    qvl_on_two_ranks("train", *args, "--run-dir", str(tmp_path / "eager"))
-    out = qvl_on_two_ranks("train", *args, "cuda_graphs=true", "--run-dir", str(tmp_path / "graphed"))
-    assert "the language model's layers replay as CUDA graphs from step 2" in out
-    eager, graphed = read_losses(tmp_path / "eager"), read_losses(tmp_path / "graphed")
-    assert sorted(graphed) == [1, 2, 3]
-    for step, loss in eager.items():
-        assert graphed[step] == pytest.approx(loss, rel=1e-5), step
+    args = _tiny_run(tmp_path, "qwen3_vl", "qwen3_vl_2b_pretrain", 3, "tensor_parallel=2")
+    _eager_and_graphed(tmp_path, args, 3, train=qvl_on_two_ranks)
