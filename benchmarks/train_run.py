@@ -285,12 +285,14 @@ class RunGroups:
         self.layer_graphs = bool(_CudagraphGlobalRecord.cudagraph_created)
 
     def summary(self, config) -> dict:
-        """The run's groups, whether its language model's layers ran as CUDA graphs, and its tower's graphs."""
-        from qvl.kernels.speed_cuda_graphs import graphs_requested
+        """The run's groups, whether its language model's layers ran as CUDA graphs, and its tower's graphs (marked
+        graphed with the layers or alone, where the layers cannot be captured)."""
+        from qvl.kernels.speed_cuda_graphs import graphs_requested, tower_graphs_allowed
 
-        graphs = {"requested": graphs_requested(config.model)}
+        graphs = {"requested": graphs_requested(config.model), "tower_requested": tower_graphs_allowed(config.model)}
         if graphs["requested"]:
             graphs["created"] = self.layer_graphs
+        if graphs["requested"] or graphs["tower_requested"]:
             graphs["vision_tower"] = self.tower
         return {"decided_on": list(self.decided), "applied_around_loop": list(self.training),
                 "applied_in_step_1": list(self.applied), "left_off": list(self.off), "cuda_graphs": graphs}  # fmt: skip

@@ -41,13 +41,16 @@ assertion, the lost whole-pack type and Qwen3-VL's in-place deepstack add into a
 (qvl.kernels.speed_qwen3_vl_sync_free, qvl.bridges.qwen3_vl) were found before any GPU ran them;
 tests/kernels/test_speed_cuda_graphs.py trains tiny Qwen2.5-VL and Qwen3-VL both ways, Qwen3-VL also at TP=2.
 
-The replicated HF vision tower (Qwen2-VL, Qwen2.5-VL) is graphed by qvl's own forward where this group asked for the
-layers' graphs (`graphs_requested`): qvl.kernels.tower_graphs, at bucketed patch counts, since every pack has its own
-(the sizes planned from the dataset's packs where a micro-batch is one pack: `planned_dataset`, `TOWER_DATASET`).
-Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL) likewise, from qvl's Qwen3-VL forward
-(qvl.kernels.tower_graphs.MegatronTowerGraphs). Not graphed: the embedding and output layer, the loss and the optimizer;
-nothing where a layer cannot be captured at fixed shapes or Megatron-Core cannot make its graphs (`eager_layers`:
-pipeline stages, MoE and Gated DeltaNet layers, full activation recompute).
+The vision tower is graphed by qvl's own forward where this group marked it (`tower_graphs_allowed`): the replicated
+HF tower (Qwen2-VL, Qwen2.5-VL) by qvl.kernels.tower_graphs, Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL)
+by its `MegatronTowerGraphs`, at bucketed patch counts, since every pack has its own (the sizes planned from the
+dataset's packs where a micro-batch is one pack: `planned_dataset`, `TOWER_DATASET`). Its calls are bucketed on their
+own, so it replays as graphs also where the layers cannot be captured (MoE and Gated DeltaNet models, full activation
+recompute): the tower is most of a step's launches (the step census: 7,184 of 10,698 for Qwen2.5-VL-3B's shapes), and
+the language model's packs are not padded for it. Not graphed: the embedding and output layer, the loss and the
+optimizer; the layers where they cannot be captured at fixed shapes or Megatron-Core cannot make their graphs
+(`eager_layers`: pipeline stages, MoE and Gated DeltaNet layers, full activation recompute); the tower under pipeline
+parallelism, DDP's overlapped gradient reduction or balanced vision work (`eager_tower`).
 """
 
 from __future__ import annotations
@@ -96,9 +99,10 @@ def graphs_requested(model_config: Any) -> bool:
 
 
 def tower_graphs_allowed(model_config: Any) -> bool:
-    """Whether a replicated HF vision tower replays as graphs with the layers (qvl.kernels.tower_graphs): not where
-    DDP reduces gradients while the backward runs, which needs each parameter's gradient hook."""
-    return graphs_requested(model_config) and getattr(model_config, TOWER_GRAPHS, False)
+    """Whether the vision tower of a model with `model_config` (the language model's TransformerConfig) replays as
+    graphs (qvl.kernels.tower_graphs): where this group marked it so (`with_layer_graphs`, from `eager_tower`),
+    whether or not the language model's layers are graphed too."""
+    return bool(getattr(model_config, TOWER_GRAPHS, False))
 
 
 def eager_layers(cfg: Any) -> str | None:
@@ -132,18 +136,31 @@ def eager_layers(cfg: Any) -> str | None:
     return None
 
 
+def eager_tower(cfg: Any) -> str | None:
+    """Why the vision tower of `cfg`'s run (a ConfigContainer) stays eager under this group, None where it replays as
+    graphs, with the layers' graphs or without them (a MoE or Gated DeltaNet model, full recompute: the tower's calls
+    are bucketed on their own, and the language model's packs are not padded for it). Eager: under pipeline
+    parallelism (the first stage runs several micro-batches' forwards before their backwards, and a bucket's graphs
+    take one at a time), where DDP overlaps its gradient reduction with the backward (the tower's graphs add into
+    main_grad without the parameters' hooks), or where the vision work is balanced over ranks
+    (qvl.training.vision_balance encodes eagerly)."""
+    if getattr(cfg.model, "pipeline_model_parallel_size", 1) > 1:
+        return "pipeline parallelism keeps the vision tower eager"
+    if getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False):
+        return (
+            "with ddp.overlap_grad_reduce the vision tower stays eager (its graphs add gradients into main_grad "
+            "without the parameters' hooks that overlap needs)"
+        )
+    if getattr(getattr(cfg, "qvl", None), "vision_balance", False):
+        return "vision_balance keeps the vision tower eager (it encodes each rank's share of the images eagerly)"
+    return None
+
+
 def graphed_parts(cfg: Any) -> tuple[bool, bool]:
-    """(layers, tower): what a run of `cfg` (a ConfigContainer) replays as CUDA graphs where this group applies. The
-    layers where they can be captured (`eager_layers`); the vision tower with them, unless DDP overlaps its gradient
-    reduction with the backward (the tower's graphs add into main_grad without the parameters' hooks) or the vision
-    work is balanced over ranks (qvl.training.vision_balance encodes eagerly). A tower without graphed layers stays
-    eager too: its graphs need the graph-safe RNG tracker that Megatron-Bridge sets up for the layers' graphs (the
-    Megatron tower's attention forks it), and a pack padded to fixed shapes for nothing would add pad tokens to a MoE
-    model's load-balancing loss."""
-    layers = eager_layers(cfg) is None
-    overlapped = getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False)
-    balanced = bool(getattr(getattr(cfg, "qvl", None), "vision_balance", False))
-    return layers, layers and not overlapped and not balanced
+    """(layers, tower): what a run of `cfg` (a ConfigContainer) replays as CUDA graphs where this group applies: the
+    language model's layers where they can be captured (`eager_layers`), the vision tower where its calls can
+    (`eager_tower`), each without the other."""
+    return eager_layers(cfg) is None, eager_tower(cfg) is None
 
 
 def graphable_input(model_config: Any, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -267,40 +284,43 @@ def eager_settings() -> dict[str, Any]:
 
 
 def graph_safe_rng_tracker() -> None:
-    """Megatron-Core makes its model-parallel RNG tracker once per process and keeps it: after a run without graphs
-    in this process (a notebook's second run) it would not be graph-safe, and the graphs' managers refuse it. A tracker
-    that is not graph-safe is made again, graph-safe; the seeding that follows keeps it and adds the run's seeds."""
+    """Megatron-Core makes its model-parallel RNG tracker once per process and keeps it, graph-safe only where the
+    language model's config asks for graphs when Megatron-Bridge seeds it. Graphed layers and a graphed tower both
+    need it graph-safe (a tower's attention forks it inside the capture): a tracker that is not graph-safe, or none
+    yet, is made graph-safe here, before the seeding, which keeps it and adds the run's seeds (after a run without
+    graphs in this process, a notebook's second run, the one it left would not be graph-safe)."""
     from megatron.core.tensor_parallel import random
 
     tracker = random.get_cuda_rng_tracker() if random._CUDA_RNG_STATE_TRACKER_INITIALIZED else None
-    if tracker is not None and not getattr(tracker, "use_cudagraphable_rng", False):
+    if tracker is None or not getattr(tracker, "use_cudagraphable_rng", False):
         random.initialize_rng_tracker(use_cudagraphable_rng=True, force_reset=True)
 
 
 def with_layer_graphs(original):
     """Patch factory for Megatron-Bridge's `initialize_megatron` as setup() calls it: the language model's config set
-    for whole-layer CUDA graphs first (where CUDA is; the step census runs a CUDA run's groups on the CPU), and marked
-    for the vision tower's graphs unless DDP overlaps its gradient reduction with the backward."""
+    for whole-layer CUDA graphs first, where its layers can be captured (`eager_layers`), and marked for the vision
+    tower's graphs where its calls can (`eager_tower`), where CUDA is (the step census runs a CUDA run's groups on
+    the CPU)."""
 
     @functools.wraps(original)
     def initialize_megatron(cfg, *args, **kwargs):
         if graph_replay.can_capture() and not graphs_requested(cfg.model):
-            layers, tower = graphed_parts(cfg)
-            if not layers:
-                logger.warning("speed-cuda-graphs: %s; cuda_graphs=true changes nothing in this run", eager_layers(cfg))
-            else:
+            layers, tower = eager_layers(cfg), eager_tower(cfg)
+            if layers is None:
                 for name, value in layer_graph_settings().items():
                     setattr(cfg.model, name, value)
-                graph_safe_rng_tracker()
-                setattr(cfg.model, TOWER_GRAPHS, tower)
-                setattr(cfg.model, TOWER_DATASET, planned_dataset(cfg) if tower else None)
-                setattr(cfg.model, TOWER_SIZES, planned_size_count(cfg))
                 logger.info("speed-cuda-graphs: the language model's layers replay as CUDA graphs from step 2")
-                if getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False):
-                    logger.warning(
-                        "speed-cuda-graphs: with ddp.overlap_grad_reduce the vision tower stays eager (its graphs "
-                        "add gradients into main_grad without the parameters' hooks that overlap needs)"
-                    )
+                if tower is not None:
+                    logger.warning("speed-cuda-graphs: %s", tower)
+            elif tower is None:
+                logger.warning("speed-cuda-graphs: %s; the vision tower alone replays as CUDA graphs", layers)
+            else:
+                logger.warning("speed-cuda-graphs: %s; cuda_graphs=true changes nothing in this run", layers)
+            if layers is None or tower is None:
+                graph_safe_rng_tracker()
+            setattr(cfg.model, TOWER_GRAPHS, tower is None)
+            setattr(cfg.model, TOWER_DATASET, planned_dataset(cfg) if tower is None else None)
+            setattr(cfg.model, TOWER_SIZES, planned_size_count(cfg))
         return original(cfg, *args, **kwargs)
 
     return initialize_megatron

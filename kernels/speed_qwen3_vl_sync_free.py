@@ -151,7 +151,7 @@ def _vision_features(
         return None, None
     if data.shape[0] > 0:
         graphs = megatron_tower_graphs(model)
-        if graphs is not None:  # replayed as CUDA graphs where the language model's layers are
+        if graphs is not None:  # replayed as CUDA graphs (speed-cuda-graphs)
             embeds, deepstack = graphs(data, tower_inputs, grid)
         else:
             embeds, deepstack = model.vision_model(hidden_states=data, grid_thw=grid, tower_inputs=tower_inputs)

@@ -138,7 +138,7 @@ def _vision_embeddings(model, calls: list[_TowerCall], like: torch.Tensor) -> li
         outputs = []
         for call in calls:
             pixels = call.pixels.type(visual.dtype)
-            if graphs is not None:  # replayed as CUDA graphs where the language model's layers are
+            if graphs is not None:  # replayed as CUDA graphs (speed-cuda-graphs)
                 output = graphs(pixels, call.inputs, call.grid)
             else:
                 given = tower_kwargs(call.inputs, visual) if isinstance(call.inputs, TowerInputs) else {}

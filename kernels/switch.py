@@ -166,9 +166,10 @@ RULES: tuple[Rule, ...] = (
     Rule(group="speed-cuda-graphs", scope="training",
          condition="the run asks for it (cuda_graphs=true) and neither Transformer Engine nor Apex is installed (the "
                    "layers then read nothing back to the host, qvl's whole-pack rotary among them, so they can be "
-                   "captured; the vision tower is graphed with them; on the CPU through cpu-cuda-graphs). It changes "
-                   "nothing where a layer cannot be captured: pipeline stages, MoE and Gated DeltaNet layers, full "
-                   "activation recompute (speed_cuda_graphs.eager_layers)",
+                   "captured; on the CPU through cpu-cuda-graphs). The layers stay eager where one cannot be captured: "
+                   "pipeline stages, MoE and Gated DeltaNet layers, full activation recompute "
+                   "(speed_cuda_graphs.eager_layers); the vision tower is graphed with or without them, but under "
+                   "pipeline parallelism, DDP's overlapped reduction or vision_balance (speed_cuda_graphs.eager_tower)",
          on=lambda t: _both(t.cuda_graphs, t.torch_stack)),
     Rule(group="cpu-cuda-graphs", scope="training",
          condition="the run asks for CUDA graphs (cuda_graphs=true) and its device is the CPU: captures are recorded "

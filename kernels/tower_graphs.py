@@ -1,6 +1,7 @@
 """The vision tower replayed as CUDA graphs at bucketed shapes: the replicated HF tower (Qwen2-VL, Qwen2.5-VL), and
 Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL; `MegatronTowerGraphs`, at the end); the tower's part of patch
-group "speed-cuda-graphs" (qvl.kernels.speed_cuda_graphs), on where the language model's layers are graphed.
+group "speed-cuda-graphs" (qvl.kernels.speed_cuda_graphs), on with the language model's layers' graphs and where
+those cannot be captured (MoE and Gated DeltaNet models, full recompute: `eager_tower` says where it is not).
 
 Why: the step census (benchmarks/RESULTS.md) counts 12,280 of a step's 15,994 kernel-launching ops in the vision
 tower (forward, recompute and backward of every block for 8 packs): graphing the language model alone cannot bring a
@@ -450,13 +451,13 @@ def launches_per_call(*, windowed: bool, outputs: int = 1, megatron: bool = Fals
 
 def megatron_tower_graphs(model: Any) -> MegatronTowerGraphs | None:
     """The graphs of a Qwen3-VL / Qwen3.5-VL model's Megatron vision tower (`model.vision_model`), made on first use,
-    where its language model's layers replay as CUDA graphs; None elsewhere (eager)."""
+    where speed-cuda-graphs marked the tower graphed (`tower_graphs_allowed`); None elsewhere (eager)."""
     return _graphs_of(model, "vision_model", MegatronTowerGraphs)
 
 
 def tower_graphs(model: Any) -> TowerGraphs | None:
-    """The graphs of a Qwen2-VL / Qwen2.5-VL model's replicated tower (`model.visual`), made on first use, where its
-    language model's layers replay as CUDA graphs (speed-cuda-graphs on: a CUDA run); None elsewhere (eager)."""
+    """The graphs of a Qwen2-VL / Qwen2.5-VL model's replicated tower (`model.visual`), made on first use, where
+    speed-cuda-graphs marked the tower graphed (`tower_graphs_allowed`: a CUDA run); None elsewhere (eager)."""
     return _graphs_of(model, "visual", TowerGraphs)
 
 

@@ -81,8 +81,9 @@ def test_a_run_too_short_to_replay_sixteen_sizes_plans_fewer(monkeypatch):
 
 
 def test_layer_graphs_are_asked_for_only_where_cuda_is(monkeypatch):
-    seen = []
+    seen, trackers = [], []
     initialize = speed_cuda_graphs.with_layer_graphs(lambda cfg, **kwargs: seen.append(dict(vars(cfg.model))))
+    monkeypatch.setattr(speed_cuda_graphs, "graph_safe_rng_tracker", lambda: trackers.append(True))
     config = lambda pp, overlap=False, mbs=1: types.SimpleNamespace(  # noqa: E731
         model=types.SimpleNamespace(cuda_graph_impl="none", pipeline_model_parallel_size=pp),
         ddp=types.SimpleNamespace(overlap_grad_reduce=overlap),
@@ -91,7 +92,7 @@ def test_layer_graphs_are_asked_for_only_where_cuda_is(monkeypatch):
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the step census: a CUDA run's groups on the CPU
     initialize(config(1), restart_store=None)
-    assert seen.pop()["cuda_graph_impl"] == "none"
+    assert seen.pop()["cuda_graph_impl"] == "none" and not trackers
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     initialize(config(1))
     graphed = {"pipeline_model_parallel_size": 1, **speed_cuda_graphs.layer_graph_settings()}
@@ -99,23 +100,52 @@ def test_layer_graphs_are_asked_for_only_where_cuda_is(monkeypatch):
     planned = {speed_cuda_graphs.TOWER_GRAPHS: True, speed_cuda_graphs.TOWER_DATASET: "/data/packed",
                speed_cuda_graphs.TOWER_SIZES: 16}  # fmt: skip
     assert model == {**graphed, **planned}  # the tower's bucket sizes planned from the dataset's packs
-    assert speed_cuda_graphs.tower_graphs_allowed(types.SimpleNamespace(**model))
+    assert speed_cuda_graphs.tower_graphs_allowed(types.SimpleNamespace(**model)) and trackers.pop()
     initialize(config(1, mbs=2))  # a micro-batch of two packs: its tower calls are not the packs'
     assert seen.pop()[speed_cuda_graphs.TOWER_DATASET] is None
     initialize(config(1, overlap=True))  # DDP's overlap needs the parameters' hooks: the tower stays eager
     model = seen.pop()
     assert model == {**graphed, **planned, speed_cuda_graphs.TOWER_GRAPHS: False, speed_cuda_graphs.TOWER_DATASET: None}
     assert not speed_cuda_graphs.tower_graphs_allowed(types.SimpleNamespace(**model))
-    initialize(config(2))  # pipeline stages keep their layers eager
-    assert seen.pop()["cuda_graph_impl"] == "none"
+    trackers.clear()
+    initialize(config(2))  # pipeline stages keep their layers eager, and the tower (a stage's forwards run ahead)
+    model = seen.pop()
+    assert model["cuda_graph_impl"] == "none" and not speed_cuda_graphs.tower_graphs_allowed(
+        types.SimpleNamespace(**model)
+    )
+    assert not trackers  # nothing graphed: the RNG tracker is Megatron-Bridge's as it makes it
+
+
+def test_graphs_make_the_rng_tracker_graph_safe(monkeypatch):
+    """Graphed layers or a graphed tower need Megatron-Core's RNG tracker graph-safe (an attention forks it inside a
+    capture). Megatron-Bridge makes it so only where the layers are graphed, and Megatron-Core keeps the first tracker
+    a process makes: none yet, or one that is not graph-safe (a notebook's earlier eager run), is made graph-safe;
+    a graph-safe one is kept."""
+    megatron.import_megatron_bridge()
+    from megatron.core.tensor_parallel import random
+
+    monkeypatch.setattr(random, "_CUDA_RNG_STATE_TRACKER", None)
+    monkeypatch.setattr(random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
+    speed_cuda_graphs.graph_safe_rng_tracker()
+    made = random.get_cuda_rng_tracker()
+    assert made.use_cudagraphable_rng
+    speed_cuda_graphs.graph_safe_rng_tracker()
+    assert random.get_cuda_rng_tracker() is made  # kept
+    random.initialize_rng_tracker(force_reset=True)  # an eager run's
+    assert not random.get_cuda_rng_tracker().use_cudagraphable_rng
+    speed_cuda_graphs.graph_safe_rng_tracker()
+    assert random.get_cuda_rng_tracker().use_cudagraphable_rng
+    random.initialize_rng_tracker()  # Megatron-Bridge's seeding of an eager-layer run keeps it
+    assert random.get_cuda_rng_tracker().use_cudagraphable_rng
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_layers_whose_shapes_follow_the_pack_keep_the_model_eager(family, monkeypatch, caplog):
+def test_layers_whose_shapes_follow_the_pack_stay_eager_and_the_tower_is_graphed_alone(family, monkeypatch, caplog):
     """A MoE layer reads its tokens per expert to the host and a Gated DeltaNet layer its chunks: neither can be
-    captured, so a model with one keeps its layers and tower eager (one warning) instead of asking Megatron-Core to
-    capture them, and its packs are not padded (pad tokens would count in a MoE model's load-balancing loss). Judged from
-    the provider Megatron builds the model from, as a run's `initialize_megatron` sees it."""
+    captured, so a model with one keeps its layers eager (one warning) instead of asking Megatron-Core to capture them,
+    and its packs are not padded (pad tokens would count in a MoE model's load-balancing loss). Its vision tower, whose
+    calls are bucketed on their own, still replays as graphs. Judged from the provider Megatron builds the model
+    from, as a run's `initialize_megatron` sees it."""
     from qvl.bridges.providers import auto_bridge
     from qvl.bridges.tiny_model import tiny_hf_config
 
@@ -131,18 +161,43 @@ def test_layers_whose_shapes_follow_the_pack_keep_the_model_eager(family, monkey
         train=types.SimpleNamespace(train_iters=1_000, global_batch_size=8),
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(speed_cuda_graphs, "graph_safe_rng_tracker", lambda: None)  # the process's tracker untouched
     with caplog.at_level("WARNING", logger=speed_cuda_graphs.__name__):
         speed_cuda_graphs.with_layer_graphs(lambda cfg: None)(cfg)
     warned = [r.getMessage() for r in caplog.records if r.name == speed_cuda_graphs.__name__]
     reason = speed_cuda_graphs.eager_layers(cfg)
+    assert speed_cuda_graphs.tower_graphs_allowed(provider)
     if expected is None:
         assert reason is None and speed_cuda_graphs.graphed_parts(cfg) == (True, True)
         assert provider.cuda_graph_impl == "local" and not warned
         return
-    assert reason.startswith(expected) and speed_cuda_graphs.graphed_parts(cfg) == (False, False)
-    assert provider.cuda_graph_impl == "none" and not speed_cuda_graphs.tower_graphs_allowed(provider)
+    assert reason.startswith(expected) and speed_cuda_graphs.graphed_parts(cfg) == (False, True)
+    assert provider.cuda_graph_impl == "none"
     assert speed_cuda_graphs.graph_shapes(cfg) is None  # no pack padded to seq_length
-    assert warned == [f"speed-cuda-graphs: {reason}; cuda_graphs=true changes nothing in this run"]
+    assert warned == [f"speed-cuda-graphs: {reason}; the vision tower alone replays as CUDA graphs"]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"pipeline_model_parallel_size": 2}, "pipeline parallelism"),
+        ({"overlap_grad_reduce": True}, "with ddp.overlap_grad_reduce"),
+        ({"vision_balance": True}, "vision_balance"),
+        ({"num_moe_experts": 8, "recompute_granularity": "full"}, None),  # the layers' reasons are not the tower's
+    ],
+)
+def test_the_tower_stays_eager_where_its_calls_cannot_take_their_graphs_one_at_a_time(change, reason):
+    """A pipeline stage runs several micro-batches' forwards before their backwards (a bucket's graphs take one at a
+    time), DDP's overlap needs the parameters' gradient hooks, and balanced vision work is encoded eagerly."""
+    model = types.SimpleNamespace(pipeline_model_parallel_size=change.pop("pipeline_model_parallel_size", 1))
+    cfg = types.SimpleNamespace(
+        model=model,
+        ddp=types.SimpleNamespace(overlap_grad_reduce=change.pop("overlap_grad_reduce", False)),
+        qvl=types.SimpleNamespace(vision_balance=change.pop("vision_balance", False)),
+    )
+    vars(model).update(change)
+    got = speed_cuda_graphs.eager_tower(cfg)
+    assert got == reason if reason is None else got.startswith(reason)
 
 
 @pytest.mark.parametrize(
@@ -279,9 +334,13 @@ def _tiny_run(tmp_path, family: str, recipe: str, steps: int, *extra: str) -> li
             f"hf_path={hf}", *extra, "--model", "tiny", "--device", "cpu"]  # fmt: skip
 
 
-def _eager_and_graphed(tmp_path, args: list[str], steps: int, train=None, after_eager=None) -> None:
+LAYERS_GRAPHED = "the language model's layers replay as CUDA graphs from step 2"
+TOWER_ALONE = "the vision tower alone replays as CUDA graphs"
+
+
+def _eager_and_graphed(tmp_path, args: list[str], steps: int, train=None, after_eager=None, said=LAYERS_GRAPHED):
     """`qvl train ARGS` eagerly, then (`after_eager()` called between) with `cuda_graphs=true` (`train`: how, default
-    in this process): the graphed run says its layers replay and gives the eager run's losses."""
+    in this process): the graphed run says what it graphs (`said`) and gives the eager run's losses."""
     from qvl.training.loop import read_losses
     from tests.run_qvl import qvl_in_process
 
@@ -290,7 +349,7 @@ def _eager_and_graphed(tmp_path, args: list[str], steps: int, train=None, after_
     if after_eager is not None:
         after_eager()
     out = train("train", *args, "cuda_graphs=true", "--run-dir", str(tmp_path / "graphed"))
-    assert "the language model's layers replay as CUDA graphs from step 2" in out
+    assert said in out
     eager, graphed = read_losses(tmp_path / "eager"), read_losses(tmp_path / "graphed")
     assert sorted(graphed) == list(range(1, steps + 1))
     for step, loss in eager.items():
@@ -328,6 +387,33 @@ def test_a_run_with_cuda_graphs_trains_on_the_cpu_as_it_does_eagerly(family, tmp
     exported = qvl_in_process("convert", "export", str(tmp_path / "graphed"), str(tmp_path / "hf-out"), "--hf", hf,
                               "--device", "cpu")  # fmt: skip
     assert "checked against the trained model" in exported and exported.rstrip().endswith("OK")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "recipe", "extra"),
+    [
+        ("qwen3_5_vl_moe", "qwen3_5_vl_35b_a3b_pretrain", ()),  # MoE and Gated DeltaNet layers, Megatron's tower
+        ("qwen2_5_vl", "qwen2_5_vl_3b_pretrain", ("recompute=full",)),  # full recompute, the HF tower with windows
+    ],
+)
+def test_a_model_whose_layers_stay_eager_trains_with_its_vision_tower_graphed(
+    family, recipe, extra, tmp_path, monkeypatch
+):
+    """Where the language model's layers cannot be captured, `cuda_graphs=true` still replays the vision tower as
+    graphs (recorded on the CPU): one bucket size's forward and backward captured at its second call and replayed at
+    every later one, no layer captured, no pack padded, and the losses are the eager run's."""
+    from qvl.foundation.graph_replay import RecordedGraph
+
+    args = _tiny_run(tmp_path, family, recipe, 4, *extra)
+    replays, captures = [], []
+    replay, capture_end = RecordedGraph.replay, RecordedGraph.capture_end
+    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(len(self.ops)) or replay(self))
+    monkeypatch.setattr(RecordedGraph, "capture_end", lambda self: capture_end(self) or captures.append(self))
+    _eager_and_graphed(tmp_path, args, 4, said=TOWER_ALONE)
+    assert len(captures) == 2  # the tower's bucket: its forward and its backward, no layer's
+    assert len(replays) == 7 * 2  # the call that captured them and the 6 after it
+    assert all(replays)
 
 
 @pytest.mark.slow

@@ -255,16 +255,23 @@ def test_the_pad_rows_are_blocks_and_windows_of_their_own():
     assert split.cu_seqlens.tolist() == inputs.cu_seqlens.tolist() + [264, 360] + [368] * 11
 
 
-def test_the_tower_is_graphed_only_where_the_language_models_layers_are(monkeypatch):
-    config = types.SimpleNamespace(cuda_graph_impl="none", qvl_tower_graphs=True)
-    model = types.SimpleNamespace(visual=torch.nn.Linear(2, 2), config=config)
+def test_the_tower_is_graphed_where_speed_cuda_graphs_marked_it(monkeypatch):
+    """With the language model's layers graphed or without them (MoE and Gated DeltaNet layers, full recompute: the
+    tower alone), not where the group left it eager (DDP overlapping its reduction), and not on a machine without
+    CUDA running a CUDA run's groups (the census)."""
+    config = types.SimpleNamespace(cuda_graph_impl="none", qvl_tower_graphs=False)
+    model = types.SimpleNamespace(visual=tiny_tower("qwen2_vl"), config=config)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     assert tower_graphs.tower_graphs(model) is None  # an eager run
-    config.cuda_graph_impl, config.qvl_tower_graphs = "local", False
+    config.cuda_graph_impl = "local"
     assert tower_graphs.tower_graphs(model) is None  # graphed layers, DDP overlapping its reduction
-    config.qvl_tower_graphs = True
+    for impl in ("local", "none"):  # with the layers' graphs, and alone
+        config.cuda_graph_impl, config.qvl_tower_graphs = impl, True
+        assert isinstance(tower_graphs.tower_graphs(model), TowerGraphs), impl
+        del model.visual.qvl_graphs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert tower_graphs.tower_graphs(model) is None  # a CUDA run's config on a machine without CUDA (the census)
+    assert tower_graphs.tower_graphs(model) is None
 
 
 def test_a_run_plans_its_towers_bucket_sizes_from_its_dataset(monkeypatch, tmp_path):
