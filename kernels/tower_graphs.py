@@ -474,8 +474,10 @@ def _graphs_of(model: Any, attribute: str, graphs_type: type[TowerGraphs]) -> To
         most = getattr(model.config, TOWER_SIZES, MAX_GRAPHS)
         graphs = graphs_type(tower, planned_calls=calls, planned_most=most)
         if graphs.sizes:
+            count = len(graphs.sizes)
             logger.info(
-                "speed-cuda-graphs: the vision tower's %d bucket sizes planned from %s", len(graphs.sizes), dataset
-            )
+                "speed-cuda-graphs: the vision tower's %d bucket size%s planned from %s",
+                count, "" if count == 1 else "s", dataset,
+            )  # fmt: skip
         tower.qvl_graphs = graphs  # a plain attribute: not a submodule, not in the state dict
     return graphs
