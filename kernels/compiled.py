@@ -61,6 +61,17 @@ def first_dim_dynamic(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+# What a region that cannot be compiled raises: Dynamo's and Inductor's errors, and the plain Exception Dynamo raises
+# for a full-graph function compiled more often than its recompile_limit (8 in torch 2.14: a region met at new static
+# sizes, dtypes or grad modes, e.g. the rotary at each model's head counts in one process) instead of running it eagerly
+COMPILE_ERRORS = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._inductor.exc.InductorError,
+    # (named so since torch 2.7; the GPU image's torch may differ from the pinned one)
+    getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException),
+)
+
+
 class CompiledRegion:
     """`fn` compiled as one graph with dynamic shapes (packs differ in length: every size symbolic, or only each
     tensor's first dimension where `fn` is `first_dim_dynamic`); eager from the first failure to compile on, with a
@@ -82,7 +93,7 @@ class CompiledRegion:
                         torch._dynamo.maybe_mark_dynamic(arg, 0)
             try:
                 return self.graph(*args, **kwargs)
-            except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as error:
+            except COMPILE_ERRORS as error:
                 self.eager = True
                 name = f"{self.fn.__module__}.{self.fn.__qualname__}"
                 logger.warning("compiled region %s could not be compiled and runs eagerly: %s", name, error)

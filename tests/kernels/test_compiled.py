@@ -48,6 +48,25 @@ def test_a_region_that_cannot_compile_runs_eagerly_with_one_warning(caplog):
     assert "_double_plus_one could not be compiled and runs eagerly: no kernel for this op" in record.getMessage()
 
 
+def test_a_region_past_dynamos_recompile_limit_runs_eagerly(caplog):
+    """A full-graph function compiled more often than Dynamo's recompile_limit raises FailOnRecompileLimitHit, a plain
+    Exception, where Dynamo would otherwise run the frame eagerly: the region runs eagerly from then on, with its
+    warning, instead of stopping the run (Dynamo itself, its eager backend standing in for Inductor)."""
+    torch._dynamo.reset()
+    region = compiled.CompiledRegion(_double_plus_one)
+    region.graph = torch.compile(_double_plus_one, backend="eager", fullgraph=True, dynamic=True)
+    x32, x64 = torch.arange(3.0), torch.arange(3.0, dtype=torch.float64)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING, "qvl.kernels.compiled"):
+            assert torch.equal(region(x32), x32 * 2 + 1) and not region.eager
+            assert torch.equal(region(x64), x64 * 2 + 1)  # a new dtype: a second compile, past the limit
+    finally:
+        torch._dynamo.reset()
+    assert region.eager
+    warned = [r.getMessage() for r in caplog.records if r.name == "qvl.kernels.compiled"]
+    assert len(warned) == 1 and "_double_plus_one could not be compiled and runs eagerly" in warned[0], warned
+
+
 def test_other_errors_are_not_swallowed():
     region = compiled.CompiledRegion(_double_plus_one)
 

@@ -81,6 +81,7 @@ _FLA_FP32 = r"""
 import json, sys, torch
 from qvl.foundation import patches
 from qvl.kernels import fix_fla_tf32, torch_gated_delta
+from qvl.training.parity.exact import recurrent_delta_rule
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 from tests.kernels.test_torch_gated_delta import _strong_decay_inputs
 from tests.numerics import relative_error
@@ -96,7 +97,12 @@ def run(rule, dtype):
     (out.double() * weight).sum().backward()
     return [out, *(t.grad for t in leaves)]
 
-truth = run(torch_gated_delta.recurrent_gated_delta_rule, torch.float64)
+def fp64_rule(q, k, v, g, beta, cu_seqlens):  # the recurrence in float64 (the torch rule's computes in fp32)
+    bounds = cu_seqlens.tolist()
+    pieces = [recurrent_delta_rule(*(t[:, a:b] for t in (q, k, v, g, beta)))[0] for a, b in zip(bounds, bounds[1:])]
+    return torch.cat(pieces, dim=1), None
+
+truth = run(fp64_rule, torch.float64)
 torch_chunked = run(torch_gated_delta.chunk_gated_delta_rule, torch.float32)
 with fix_fla_tf32.arithmetic(exact), patches.applied(*([fix_fla_tf32.PATCH_GROUP] if exact else [])):
     fla = run(chunk_gated_delta_rule, torch.float32)

@@ -43,7 +43,7 @@ def _run(forward, experts, tokens, counts, probs):
     tokens.grad = probs.grad = None
     out, bias = forward(experts, tokens, counts, probs)
     assert bias is None
-    (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+    (out * torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape)).sum().backward()
     return out.detach(), [tokens.grad, probs.grad, *(p.grad for p in experts.parameters())]
 
 
