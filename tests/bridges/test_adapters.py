@@ -252,7 +252,8 @@ def test_bf16_adapter_forward_and_backward_on_cuda_against_the_unadapted_layer(m
 
     distributed.init_distributed()
     try:
-        model = adapter_config(family="qwen2_5_vl", method=method, rank=RANK, alpha=ALPHA)(_model().cuda().bfloat16())
+        # adapters are built from the layer's config (CPU initialisation, fp32): added first, then moved with the model
+        model = adapter_config(family="qwen2_5_vl", method=method, rank=RANK, alpha=ALPHA)(_model()).cuda().bfloat16()
         wrapped = model.language_model.decoder.layers[0].self_attention.linear_qkv
         x = torch.randn(64, 2, IN, device="cuda", dtype=torch.bfloat16)
         unadapted, _ = wrapped.to_wrap(x)
