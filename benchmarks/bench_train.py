@@ -258,7 +258,10 @@ def train_all(
     """Train the specs in child processes (Megatron state stays out of this one), and on a GPU each in its own: a
     finished pretrain() leaves its model and optimizer allocated (an H100 run measured the next run's peak on top
     of the last one's ~34 GiB, and a third run failed to allocate its gradient buffer). After a failed run the
-    rest go to a fresh process. `on_result(index, result)` is called as each run's result arrives, in order."""
+    rest go to a fresh process; a process that ends without its run's result (killed for memory, a crash in a kernel)
+    gives that run an error for its result, and the rest go on too. The processes write into train_log.txt as they
+    run, so a run cut off by a time limit leaves its log. `on_result(index, result)` is called as each run's result
+    arrives, in order."""
     log, results = setup.out / "train_log.txt", [pathlib.Path(json.loads(p.read_text())["result"]) for p in specs]
     log.write_text("")
     for result in results:
@@ -267,11 +270,16 @@ def train_all(
     while pending := [spec for spec, result in zip(specs, results, strict=True) if not result.is_file()]:
         command = [sys.executable, "-m", "benchmarks.bench_train", "--worker", *map(str, pending[:per_process])]
         root = pathlib.Path(__file__).resolve().parents[1]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=root)
         with log.open("a") as f:
-            f.write(done.stdout + done.stderr)
-        if done.returncode not in (0, train_run.RESTART) or not results[specs.index(pending[0])].is_file():
-            raise RuntimeError(f"training failed (exit {done.returncode}); see {log}:\n{done.stderr[-3000:]}")
+            done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=root)
+        first = results[specs.index(pending[0])]
+        if done.returncode not in (0, train_run.RESTART) or not first.is_file():
+            tail = log.read_text(errors="replace")[-3000:]
+            logger.error("a training process ended with exit %s before its run's result; see %s:\n%s",
+                         done.returncode, log, tail)  # fmt: skip
+            if not first.is_file():
+                first.write_text(json.dumps({"error": f"the run's process ended with exit {done.returncode} "
+                                             f"before its result (see {log.name})"}))  # fmt: skip
         for index in range(len(specs) - len(pending), len(specs)):
             if on_result is not None and results[index].is_file():
                 on_result(index, json.loads(results[index].read_text()))
@@ -447,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{results['model']} {variant['name']}: {r['tokens_per_s_per_gpu']} tokens/s/GPU, "
                   f"MFU {r['mfu_megatron_bridge']} (Bridge) {r['mfu_six_n']} (6N), data wait {r['data_wait_fraction']}, "
-                  f"peak {r['peak_memory_gib']} GiB, idle {r.get('profile', {}).get('share_of_step', {}).get('idle')}")  # fmt: skip
+                  f"peak {r['peak_memory_gib']} GiB, idle {(r.get('profile', {}).get('share_of_step') or {}).get('idle')}")  # fmt: skip
     for row in results.get("comparisons", []):
         losses = row.get("loss_max_relative_difference")
         print(f"{row['figure']}: {row['value']}" + ("" if losses is None else f" (losses differ by <= {losses})"))

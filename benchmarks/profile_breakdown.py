@@ -106,7 +106,15 @@ class StepBreakdown:
 
     def _busy(self, wall: float) -> None:
         if self.cuda:
-            busy = busy_seconds(device_intervals(self.profiler))
+            intervals = device_intervals(self.profiler)
+            self.result["device_events"] = len(intervals)
+            if not intervals:  # CUPTI recorded nothing (a profiler and graph problem, not an idle GPU)
+                self.result |= {"busy_step": self.first, "step_s": round(wall, 4), "gpu_busy_s": None,
+                                "gpu_idle_s": None, "gpu_idle_share": None,
+                                "profile_problem": f"the profiler recorded no device activity in step {self.first}: "
+                                                   "idle and shares unknown"}  # fmt: skip
+                return
+            busy = busy_seconds(intervals)
         else:
             busy = sum(category_seconds(self.profiler.events(), cuda=False).values())
         self.result |= {"busy_step": self.first, "step_s": round(wall, 4), "gpu_busy_s": round(min(busy, wall), 4),
@@ -136,6 +144,9 @@ class StepBreakdown:
         if "work_s" not in self.result or "step_s" not in self.result:
             return self.result
         busy, idle = self.result["gpu_busy_s"], self.result["gpu_idle_s"]
+        if busy is None or not sum(self.result["work_s"].values()):  # nothing recorded: no shares rather than 0s
+            problem = self.result.get("profile_problem") or "the profiler attributed no work to any category"
+            return self.result | {"share_of_step": None, "profile_problem": problem}
         step = busy + idle
         shares = {name: round(self.result["work_share"][name] * busy / step, 4) for name in CATEGORIES}
         return self.result | {"share_of_step": shares | {"idle": round(idle / step, 4)}}

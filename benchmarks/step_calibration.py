@@ -73,6 +73,9 @@ class MeasuredStep:
         ):
             raise ValueError(f"{path}: the packed {seq_length} run has no GPU profile breakdown; run bench_train "
                              "with --profile on a GPU")  # fmt: skip
+        if profile.get("gpu_busy_s") is None or "profile_problem" in profile:
+            raise ValueError(f"{path}: the packed {seq_length} run's profile is unusable "
+                             f"({profile.get('profile_problem', 'no shares')}); profile it again")  # fmt: skip
         if run.get("vision_recompute_from_plan"):
             raise ValueError(f"{path}: the packed {seq_length} run recomputed vision blocks "
                              f"({run['vision_recompute_from_plan']}); the census configuration does not")  # fmt: skip

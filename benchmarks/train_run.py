@@ -429,6 +429,10 @@ def summarize(raw: dict, config, *, gpu_peak_flops: float | None) -> dict:
     result = {
         "steps_measured": len(steps),
         "step_seconds": round(seconds / len(steps), 4),
+        # each step's: a step where a vision tower bucket is captured (its second call) synchronises the device and
+        # empties the allocator's cache, so the mean carries captures the median leaves out
+        "step_seconds_each": [round(s["seconds"], 4) for s in steps],
+        "step_seconds_median": round(float(np.median([s["seconds"] for s in steps])), 4),
         "tokens_per_s_per_gpu": round(tokens / seconds, 1),
         "data_wait_fraction": round(sum(s["wait"] for s in steps) / seconds, 4),
         "peak_memory_gib": None if raw["peak_memory_bytes"] is None else round(raw["peak_memory_bytes"] / 2**30, 2),
@@ -462,8 +466,8 @@ def worker(spec_paths: list[pathlib.Path]) -> int:
         try:
             result = train_once(spec)
         # One variant failing (say, out of GPU memory at 8k) must not lose the others' figures: the error is the
-        # result, with its traceback in train_log.txt.
-        except Exception as error:  # noqa: BLE001
+        # result, with its traceback in train_log.txt. SystemExit too: Megatron and its helpers exit on some errors.
+        except (Exception, SystemExit) as error:  # noqa: BLE001
             logger.exception("%s run at %s failed", spec["mode"], spec["overrides"]["seq_length"])
             pathlib.Path(spec["result"]).write_text(json.dumps({"error": f"{type(error).__name__}: {error}"[:2000]}))
             return RESTART

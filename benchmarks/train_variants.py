@@ -196,7 +196,7 @@ def checks(results: dict) -> list[dict]:
                         "met": ratio >= GOALS["packed_over_padded"],
                     }
                 )
-            idle = packed.get("profile", {}).get("share_of_step", {}).get("idle")
+            idle = (packed.get("profile", {}).get("share_of_step") or {}).get("idle")
             if idle is not None:
                 out.append({"figure": f"GPU idle share of the step, packed at {n}", "value": idle,
                             "goal": f"< {GOALS['gpu_idle']}", "met": idle < GOALS["gpu_idle"]})  # fmt: skip

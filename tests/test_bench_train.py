@@ -6,6 +6,8 @@ loader's packs/s with and without worker processes; the variants' command-line s
 from __future__ import annotations
 
 import json
+import pathlib
+import types
 
 import pytest
 import torch
@@ -28,6 +30,8 @@ def test_tiny_training_benchmark_writes_every_figure(tmp_path):
     for mode in ("packed", "padded"):
         figures = run[mode]
         assert figures["steps_measured"] == 2 and figures["tokens_per_s_per_gpu"] > 0
+        assert len(figures["step_seconds_each"]) == 2
+        assert min(figures["step_seconds_each"]) <= figures["step_seconds_median"] <= max(figures["step_seconds_each"])
         assert 0 <= figures["data_wait_fraction"] < 1
         # Bridge's formula, qvl's cost model and 6N agree within a factor of 2 on the tiny model
         rates = [figures[f"tflops_{name}"] for name in ("megatron_bridge", "qvl_cost_model", "six_n")]
@@ -107,6 +111,65 @@ def test_a_real_shape_run_recomputes_as_few_vision_blocks_as_its_plan_on_the_gpu
 
     limit = train_plan.PLAN_HEADROOM * GPUS["h100"].memory_gib
     assert total_gib(planned) <= limit < total_gib({**planned, "vision_recompute_blocks": blocks - 1})
+
+
+def test_a_run_whose_process_dies_gets_an_error_and_the_rest_still_train(tmp_path, monkeypatch):
+    """One GPU call, no second chance: a training process that dies without its run's result (killed for memory, a
+    crash in a kernel) gives that run an error as its result and the runs after it still train in a fresh process;
+    the processes write into train_log.txt as they run (a run cut off by the stage's limit leaves its log)."""
+    import subprocess
+
+    from benchmarks import bench_train
+
+    specs, results = [], []
+    for index in range(3):
+        results.append(tmp_path / f"result-{index}.json")
+        specs.append(tmp_path / f"spec-{index}.json")
+        specs[-1].write_text(json.dumps({"result": str(results[-1])}))
+    commands = []
+
+    def run(command, *, stdout, stderr, cwd):
+        assert stderr is subprocess.STDOUT and stdout.name == str(tmp_path / "train_log.txt")
+        pending = [pathlib.Path(arg) for arg in command[command.index("--worker") + 1 :]]
+        commands.append([p.name for p in pending])
+        stdout.write(f"training {pending[0].name}\n")
+        if len(commands) == 1:  # the first process dies in its first run (SIGKILL)
+            return subprocess.CompletedProcess(command, -9)
+        for spec in pending:
+            pathlib.Path(json.loads(spec.read_text())["result"]).write_text('{"losses": [1.0]}')
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(bench_train.subprocess, "run", run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one run per process, as on a GPU
+    seen = []
+    setup = types.SimpleNamespace(out=tmp_path)
+    got = bench_train.train_all(setup, specs, on_result=lambda index, result: seen.append(index))
+    assert commands == [["spec-0.json"], ["spec-1.json"], ["spec-2.json"]]
+    assert got[0] == {"error": "the run's process ended with exit -9 before its result (see train_log.txt)"}
+    assert got[1:] == [{"losses": [1.0]}] * 2 and seen == [0, 1, 2]
+    assert (tmp_path / "train_log.txt").read_text().splitlines() == [f"training spec-{i}.json" for i in range(3)]
+
+
+def test_a_profile_without_device_activity_gives_no_idle_and_no_shares(tmp_path):
+    """CUPTI can record nothing (profiling around graph captures is a known case): that is no figure, not a GPU idle
+    for the whole step with every kind of work at zero; the checks then leave the idle goal out."""
+    from benchmarks.profile_breakdown import StepBreakdown
+
+    breakdown = StepBreakdown(tmp_path / "profile.txt", first=4)
+    breakdown.cuda = True
+    breakdown.profiler = types.SimpleNamespace(profiler=types.SimpleNamespace(
+        kineto_results=types.SimpleNamespace(events=lambda: [])))  # fmt: skip
+    breakdown._busy(1.5)
+    breakdown.result["work_s"] = dict.fromkeys(CATEGORIES, 0.0)
+    summary = breakdown.summary()
+    assert summary["gpu_idle_share"] is None and summary["share_of_step"] is None and summary["device_events"] == 0
+    assert summary["profile_problem"] == "the profiler recorded no device activity in step 4: idle and shares unknown"
+    packed = {"profile": summary, "data_wait_fraction": 0.01, "mfu_megatron_bridge": 0.3}
+    checks = train_variants.checks({"loader": [], "gpu_kind": "h100", "runs": [{"seq_length": 4096, "packed": packed}]})
+    assert [c["figure"] for c in checks] == [
+        "data-wait fraction at 4096",
+        "MFU (Megatron-Bridge formula), packed at 4096",
+    ]
 
 
 def test_kernels_are_classified_by_kind():

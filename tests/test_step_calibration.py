@@ -26,7 +26,7 @@ def previous() -> StepTimeModel:
 
 
 def bench_train_json(path, *, step_s=1.4, idle=0.3, graphed=True, tower_calls=None, planned=None, profile=True,
-                     error=None):  # fmt: skip
+                     error=None, problem=None):  # fmt: skip
     """A bench_train.json whose base packed 4k run took `step_s`, its GPU idle for `idle` of the profiled step, its
     tower's calls by kind `tower_calls` (qvl.kernels.tower_graphs stats; default: replayed but for the first two)."""
     busy = step_s * (1 - idle)
@@ -37,6 +37,8 @@ def bench_train_json(path, *, step_s=1.4, idle=0.3, graphed=True, tower_calls=No
         result["profile"] = {"device": "cuda kernels", "gpu_busy_s": busy, "gpu_idle_s": step_s * idle,
                              "work_s": {"gemm": 0.6 * busy, "attention": 0.1 * busy, "elementwise": 0.25 * busy,
                                         "optimizer": 0.04 * busy, "other": 0.01 * busy}}  # fmt: skip
+    if problem is not None:  # what profile_breakdown writes where the profiler recorded no device activity
+        result["profile"] |= {"gpu_busy_s": None, "gpu_idle_s": None, "profile_problem": problem}
     if planned is not None:
         result["vision_recompute_from_plan"] = planned
     if error is not None:
@@ -110,6 +112,7 @@ def test_the_goal_is_the_estimate_before_the_refit_within_ten_percent(tmp_path, 
         ({"profile": False}, "no GPU profile breakdown; run bench_train with --profile on a GPU"),
         ({"planned": {"vision_recompute": True}}, "recomputed vision blocks .* the census configuration does not"),
         ({"error": "OutOfMemoryError: CUDA out of memory"}, "the packed 4096 run failed \\(OutOfMemoryError"),
+        ({"problem": "no device activity in step 9"}, "profile is unusable \\(no device activity in step 9\\)"),
     ],
 )
 def test_a_run_the_census_configuration_cannot_be_fitted_to_is_refused_saying_why(tmp_path, kwargs, message):
