@@ -246,7 +246,11 @@ def train_once(spec: dict) -> dict:
     if breakdown is not None:
         result["profile"] = breakdown.summary()
     if spec["mode"] == "packed":
-        result["plan"] = train_plan.planner_estimate(config, _step_figures(raw), kind)
+        try:  # the plan beside the figures: a defect in it must not lose the run's measured ones
+            result["plan"] = train_plan.planner_estimate(config, _step_figures(raw), kind)
+        except Exception as error:  # noqa: BLE001
+            logger.exception("qvl plan's estimate for the run failed")
+            result["plan"] = {"error": f"{type(error).__name__}: {error}"[:500]}
     return result
 
 

@@ -200,7 +200,7 @@ def checks(results: dict) -> list[dict]:
             if idle is not None:
                 out.append({"figure": f"GPU idle share of the step, packed at {n}", "value": idle,
                             "goal": f"< {GOALS['gpu_idle']}", "met": idle < GOALS["gpu_idle"]})  # fmt: skip
-            if packed.get("plan") and packed.get("peak_memory_gib"):
+            if (packed.get("plan") or {}).get("total_gib") and packed.get("peak_memory_gib"):  # not a failed plan
                 error = packed["plan"]["total_gib"] / packed["peak_memory_gib"] - 1
                 out.append(
                     {

@@ -172,6 +172,24 @@ def test_a_profile_without_device_activity_gives_no_idle_and_no_shares(tmp_path)
     ]
 
 
+def test_the_plan_beside_a_real_shape_runs_figures_is_made_from_its_measured_steps(tmp_path):
+    """On a GPU each packed run's result carries `qvl plan`'s memory for it, made from the steps it measured (a path
+    the CPU's tiny runs skip: they have no GPU kind); the census configuration's run at 4k as the H100 gives it."""
+    from benchmarks import bench_train, train_plan
+    from qvl.training.loop import TrainRequest, prepare_config
+
+    hf_path = bench_train.write_model_dir(tmp_path / "hf", "qwen2_5_vl_3b", 12)
+    overrides = {"hf_path": str(hf_path), "seq_length": 4096, "global_batch_size": 8}
+    config = prepare_config(TrainRequest(recipe="qwen2_5_vl_3b_pretrain", overrides=overrides, run_dir=tmp_path / "r"),
+                            cpu=False)[1]  # fmt: skip
+    steps = [{"lengths": [780] * 5, "grids": [[1, 44, 44]] * 5} for _ in range(8)]  # 8 packs of 5 LLaVA-like samples
+    plan = train_plan.planner_estimate(config, steps, "h100")
+    parts = ("params_gib", "grads_gib", "optimizer_gib", "activations_gib", "overhead_gib")
+    assert plan["gpu"] == "h100" and 0 < plan["mfu_estimate"] < 1
+    assert plan["total_gib"] == pytest.approx(sum(plan[part] for part in parts), abs=0.05)
+    assert train_plan.planner_estimate(config, steps, None) is None  # off the planner's GPUs
+
+
 def test_kernels_are_classified_by_kind():
     assert classify("nvjet_sm90_tss_192x192_64x3_1x2_h_badd_coopB_NTN") == "gemm"
     assert classify("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<96, 128>>") == "attention"
