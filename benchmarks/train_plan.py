@@ -42,7 +42,7 @@ def planner_estimate(config, steps: list[dict], gpu: str | None) -> dict | None:
 # planner's error on measured runs was -7% (4k, vision recompute) and more than -13% (4k without, before the speed
 # groups; benchmarks/RESULTS.md).
 PLAN_HEADROOM = 0.85
-REHEARSED_GPU = "h100"  # the GPU kind `bench_train --rehearse` plans its runs for (the smaller of those lent)
+REHEARSED_GPUS = ("h100", "h200")  # the GPU kinds `bench_train --rehearse` plans and checks its runs for (those lent)
 
 
 def vision_recompute_from_plan(spec: dict, gpu: str | None) -> dict:

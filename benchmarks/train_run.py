@@ -324,7 +324,8 @@ def padded_checks(spec: dict) -> contextlib.AbstractContextManager:
 
 def check_spec(spec: dict) -> dict:
     """What `train_once` does before training, for a CUDA run of `spec` on any machine (`bench_train --rehearse`):
-    the config built and validated as Megatron-Bridge's loop validates it (the dataset against the recipe), and the
+    the config built and validated as Megatron-Bridge's loop validates it (the dataset against the recipe) for each
+    GPU kind lent (its plan may choose other vision blocks to recompute: each different config checked), and the
     patch groups a CUDA run of it applies, less those the spec leaves off."""
     from qvl.foundation import megatron
     from qvl.training.loop import TrainRequest, prepare_config
@@ -332,20 +333,23 @@ def check_spec(spec: dict) -> dict:
     megatron.import_megatron_bridge()
     from megatron.bridge.training.config import runtime_config_update
 
-    planned = (
-        train_plan.vision_recompute_from_plan(spec, train_plan.REHEARSED_GPU)
-        if spec.get("vision_recompute_from_plan")
-        else {}
-    )
-    request = TrainRequest(recipe=spec["recipe"], overrides={**spec["overrides"], **planned},
-                           run_dir=pathlib.Path(spec["run_dir"]), model="tiny" if spec["tiny"] else None)  # fmt: skip
-    _, config = prepare_config(request, cpu=False)
-    with padded_checks(spec):
-        runtime_config_update(config)  # what pretrain() does first: mixed precision resolved, then validate()
+    checked, plans = {}, {}
+    for gpu in train_plan.REHEARSED_GPUS:  # each lent kind's plan may choose other vision recompute: each config
+        planned = train_plan.vision_recompute_from_plan(spec, gpu) if spec.get("vision_recompute_from_plan") else {}
+        plans[gpu] = planned
+        key = json.dumps(planned, sort_keys=True)
+        if key in checked:
+            continue
+        request = TrainRequest(recipe=spec["recipe"], overrides={**spec["overrides"], **planned},
+                               run_dir=pathlib.Path(spec["run_dir"]), model="tiny" if spec["tiny"] else None)  # fmt: skip
+        _, config = prepare_config(request, cpu=False)
+        with padded_checks(spec):
+            runtime_config_update(config)  # what pretrain() does first: mixed precision resolved, then validate()
+        checked[key] = config
     groups = RunGroups.of(config, off=spec.get("groups_off", ()), device="cuda")
     return {"seq_length": config.model.seq_length, "global_batch_size": config.train.global_batch_size,
             "train_iters": config.train.train_iters, "groups_around_loop": list(groups.training),
-            f"vision_recompute_from_plan_{train_plan.REHEARSED_GPU}": planned}  # fmt: skip
+            "vision_recompute_from_plan": plans, "configs_checked": len(checked)}  # fmt: skip
 
 
 def _attach_anatomy(spec: dict, config, callbacks):
