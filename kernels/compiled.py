@@ -13,6 +13,11 @@ and runs eagerly from then on, so training goes on at eager speed instead of sto
 (torch's own switch) runs every region eagerly. The step census (benchmarks/compiled_regions.py) counts each region
 as the kernels Inductor generates for it.
 
+Inside a CUDA graph capture a region never compiles: compiling launches Triton's autotuning benchmarks and
+synchronises, which a capture refuses. It runs the code compiled for it before (the graphs' warm-up runs each
+captured pass first, at the same shapes) and, where that code's guards do not hold, the call's eager ops, which the
+graph captures as it does any others (torch.compiler's `eager_on_recompile` stance).
+
 Shapes: a region is compiled with every size symbolic (`dynamic=True`: packs differ in length), unless its function is
 marked `@first_dim_dynamic`, which keeps every size but the first dimension of each tensor argument static. With
 symbolic inner sizes Inductor's kernels split a flat index by sizes known only at run time (integer divisions in
@@ -28,6 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from qvl.foundation import graph_replay
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +99,9 @@ class CompiledRegion:
                     if isinstance(arg, torch.Tensor) and arg.dim():
                         torch._dynamo.maybe_mark_dynamic(arg, 0)
             try:
+                if graph_replay.is_capturing():  # compiled code where its guards hold, else this call's ops eagerly
+                    with torch.compiler.set_stance("eager_on_recompile"):
+                        return self.graph(*args, **kwargs)
                 return self.graph(*args, **kwargs)
             except COMPILE_ERRORS as error:
                 self.eager = True

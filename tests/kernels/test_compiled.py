@@ -67,6 +67,32 @@ def test_a_region_past_dynamos_recompile_limit_runs_eagerly(caplog):
     assert len(warned) == 1 and "_double_plus_one could not be compiled and runs eagerly" in warned[0], warned
 
 
+def test_inside_a_graph_capture_a_region_runs_its_compiled_code_or_its_eager_ops_and_never_compiles(monkeypatch):
+    """Compiling inside a CUDA graph capture would run Triton's autotuning (a synchronisation the capture refuses):
+    there the region takes the code compiled before where its guards hold, else the call's ops eagerly; outside a
+    capture a new input compiles as before (Dynamo itself, a counting eager backend standing in for Inductor)."""
+    torch._dynamo.reset()
+    compiles = []
+
+    def backend(graph_module, inputs):
+        compiles.append(graph_module)
+        return graph_module.forward
+
+    region = compiled.CompiledRegion(_double_plus_one)
+    region.graph = torch.compile(_double_plus_one, backend=backend, fullgraph=True, dynamic=True)
+    x32, x64 = torch.arange(3.0), torch.arange(3.0, dtype=torch.float64)
+    try:
+        assert torch.equal(region(x32), x32 * 2 + 1) and len(compiles) == 1
+        monkeypatch.setattr(compiled.graph_replay, "is_capturing", lambda: True)
+        assert torch.equal(region(torch.arange(5.0)), torch.arange(5.0) * 2 + 1)  # the compiled code: guards hold
+        assert torch.equal(region(x64), x64 * 2 + 1) and len(compiles) == 1  # a new dtype: eager, not compiled
+        monkeypatch.setattr(compiled.graph_replay, "is_capturing", lambda: False)
+        assert torch.equal(region(x64), x64 * 2 + 1) and len(compiles) == 2  # outside a capture it compiles
+    finally:
+        torch._dynamo.reset()
+    assert not region.eager
+
+
 def test_other_errors_are_not_swallowed():
     region = compiled.CompiledRegion(_double_plus_one)
 
