@@ -257,11 +257,9 @@ def train_all(
 ) -> list[dict]:
     """Train the specs in child processes (Megatron state stays out of this one), and on a GPU each in its own: a
     finished pretrain() leaves its model and optimizer allocated (an H100 run measured the next run's peak on top
-    of the last one's ~34 GiB, and a third run failed to allocate its gradient buffer). After a failed run the
-    rest go to a fresh process; a process that ends without its run's result (killed for memory, a crash in a kernel)
-    gives that run an error for its result, and the rest go on too. The processes write into train_log.txt as they
-    run, so a run cut off by a time limit leaves its log. `on_result(index, result)` is called as each run's result
-    arrives, in order."""
+    of the last one's ~34 GiB, and a third run failed to allocate its gradient buffer). After a failed run, or a
+    process that dies (its run's result an error), the rest go to a fresh process; all write into train_log.txt as
+    they run. `on_result(index, result)` is called as each run's result arrives, in order."""
     log, results = setup.out / "train_log.txt", [pathlib.Path(json.loads(p.read_text())["result"]) for p in specs]
     log.write_text("")
     for result in results:
@@ -269,17 +267,13 @@ def train_all(
     per_process = 1 if torch.cuda.is_available() else len(specs)  # the tiny CPU runs share one (imports cost)
     while pending := [spec for spec, result in zip(specs, results, strict=True) if not result.is_file()]:
         command = [sys.executable, "-m", "benchmarks.bench_train", "--worker", *map(str, pending[:per_process])]
-        root = pathlib.Path(__file__).resolve().parents[1]
         with log.open("a") as f:
-            done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=root)
+            done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=pathlib.Path(__file__).parents[1])
         first = results[specs.index(pending[0])]
-        if done.returncode not in (0, train_run.RESTART) or not first.is_file():
-            tail = log.read_text(errors="replace")[-3000:]
-            logger.error("a training process ended with exit %s before its run's result; see %s:\n%s",
-                         done.returncode, log, tail)  # fmt: skip
-            if not first.is_file():
-                first.write_text(json.dumps({"error": f"the run's process ended with exit {done.returncode} "
-                                             f"before its result (see {log.name})"}))  # fmt: skip
+        if not first.is_file():  # the process died in its first run: that run's error, the rest go on
+            logger.error("a training process ended with exit %s before its run's result; see %s", done.returncode, log)
+            first.write_text(json.dumps({"error": f"the run's process ended with exit {done.returncode} "
+                                         f"before its result (see {log.name})"}))  # fmt: skip
         for index in range(len(specs) - len(pending), len(specs)):
             if on_result is not None and results[index].is_file():
                 on_result(index, json.loads(results[index].read_text()))

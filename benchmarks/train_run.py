@@ -333,23 +333,19 @@ def check_spec(spec: dict) -> dict:
     megatron.import_megatron_bridge()
     from megatron.bridge.training.config import runtime_config_update
 
-    checked, plans = {}, {}
-    for gpu in train_plan.REHEARSED_GPUS:  # each lent kind's plan may choose other vision recompute: each config
-        planned = train_plan.vision_recompute_from_plan(spec, gpu) if spec.get("vision_recompute_from_plan") else {}
-        plans[gpu] = planned
-        key = json.dumps(planned, sort_keys=True)
-        if key in checked:
-            continue
+    plans = {gpu: train_plan.vision_recompute_from_plan(spec, gpu) if spec.get("vision_recompute_from_plan") else {}
+             for gpu in train_plan.REHEARSED_GPUS}  # fmt: skip
+    distinct = {json.dumps(planned, sort_keys=True): planned for planned in plans.values()}
+    for planned in distinct.values():  # each lent kind's plan may recompute other vision blocks: each config
         request = TrainRequest(recipe=spec["recipe"], overrides={**spec["overrides"], **planned},
                                run_dir=pathlib.Path(spec["run_dir"]), model="tiny" if spec["tiny"] else None)  # fmt: skip
         _, config = prepare_config(request, cpu=False)
         with padded_checks(spec):
             runtime_config_update(config)  # what pretrain() does first: mixed precision resolved, then validate()
-        checked[key] = config
     groups = RunGroups.of(config, off=spec.get("groups_off", ()), device="cuda")
     return {"seq_length": config.model.seq_length, "global_batch_size": config.train.global_batch_size,
             "train_iters": config.train.train_iters, "groups_around_loop": list(groups.training),
-            "vision_recompute_from_plan": plans, "configs_checked": len(checked)}  # fmt: skip
+            "vision_recompute_from_plan": plans, "configs_checked": len(distinct)}  # fmt: skip
 
 
 def _attach_anatomy(spec: dict, config, callbacks):

@@ -452,8 +452,8 @@ PRIVATE_READS: tuple[PrivateRead, ...] = (
                     "when the loop ends only if made, and a benchmark run reports them"),
     PrivateRead(target="megatron.core.tensor_parallel:random", attribute="_CUDA_RNG_STATE_TRACKER_INITIALIZED",
                 used_in="qvl.kernels.speed_cuda_graphs", version=MCORE,
-                why="a tracker made earlier in the process is kept by later seeding; a graphed run remakes it "
-                    "graph-safe only if one exists"),
+                why="a tracker made earlier in the process is kept by later seeding: a graphed run makes it "
+                    "graph-safe (anew where none is made yet or it is not) before Megatron-Bridge seeds it"),
     PrivateRead(target="torch._C", attribute="DisableTorchFunctionSubclass", used_in="qvl.kernels.speed_rotary",
                 version=TORCH, why="a cu_seqlens tensor subclass that only marks a whole pack runs every op as a plain "
                                    "tensor (torch's documented pattern for a subclass's __torch_function__)"),

@@ -27,6 +27,7 @@ on an H100 for ~100 MB, benchmarks/RESULTS.md) pays for them, a flat elementwise
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -99,10 +100,10 @@ class CompiledRegion:
                     if isinstance(arg, torch.Tensor) and arg.dim():
                         torch._dynamo.maybe_mark_dynamic(arg, 0)
             try:
-                if graph_replay.is_capturing():  # compiled code where its guards hold, else this call's ops eagerly
-                    with torch.compiler.set_stance("eager_on_recompile"):
-                        return self.graph(*args, **kwargs)
-                return self.graph(*args, **kwargs)
+                # inside a capture: the compiled code where its guards hold, else this call's ops eagerly
+                capturing = graph_replay.is_capturing()
+                with torch.compiler.set_stance("eager_on_recompile") if capturing else contextlib.nullcontext():
+                    return self.graph(*args, **kwargs)
             except COMPILE_ERRORS as error:
                 self.eager = True
                 name = f"{self.fn.__module__}.{self.fn.__qualname__}"
