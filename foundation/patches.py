@@ -57,6 +57,12 @@ def _cuda(name: str, factory: str, why: str = _CUDA_WHY) -> Patch:
                  version=TORCH)  # fmt: skip
 
 
+# targets two groups replace, and their parameters
+_ROUTER_ATTACH = "megatron.core.transformer.moe.router:TopKRouter.attach_and_log_load_balancing_loss"
+_ROUTER_ATTACH_PARAMS = ("self", "activation", "aux_loss_coeff", "aux_loss", "aux_loss_name", "reduce_group")
+_FORWARD_MLP_PARAMS = ("self", "hidden_states", "inference_context", "padding_mask", "packed_seq_params")
+
+
 PATCHES: tuple[Patch, ...] = (
     # --- cpu-runtime: qvl.foundation.runtime.activate() (CPU only; a no-op where CUDA exists)
     _cuda("current_device", "answer_device_zero", "callers index devices; 0 is a CUDA ordinal the runtime maps to CPU"),
@@ -136,20 +142,28 @@ PATCHES: tuple[Patch, ...] = (
               "mean through a global tracker and reads packed bounds to the host; qvl.training.mtp computes the "
               "MTP loss from the states instead"),
     # --- fix-preference-moe-aux: qvl.kernels.fix_preference_moe_aux (around a preference step's forward of an MoE model)
-    Patch(group="fix-preference-moe-aux",
-          target="megatron.core.transformer.moe.router:TopKRouter.attach_and_log_load_balancing_loss",
+    Patch(group="fix-preference-moe-aux", target=_ROUTER_ATTACH, params=_ROUTER_ATTACH_PARAMS,
           replacement="qvl.kernels.fix_preference_moe_aux:counted_in_pairs", version=MCORE,
-          params=("self", "activation", "aux_loss_coeff", "aux_loss", "aux_loss_name", "reduce_group"),
           why="with calculate_per_token_loss it multiplies the balancing loss by the micro-batch's tokens, assuming the "
               "loss counts tokens; a preference loss counts pairs, so the balancing loss would weigh tokens/pairs "
               "times its SFT weight"),
     # --- fix-moe-pad-tokens: qvl.kernels.fix_moe_pad_tokens (training an MoE model whose packs are padded)
     Patch(group="fix-moe-pad-tokens", target="megatron.core.transformer.transformer_layer:TransformerLayer._forward_mlp",
-          replacement="qvl.kernels.fix_moe_pad_tokens:masking_pad", version=MCORE,
-          params=("self", "hidden_states", "inference_context", "padding_mask", "packed_seq_params"),
+          replacement="qvl.kernels.fix_moe_pad_tokens:masking_pad", version=MCORE, params=_FORWARD_MLP_PARAMS,
           why="Megatron-Bridge's Qwen3-VL language model passes no padding mask to its layers, so the router counts a "
               "padded pack's pad tokens in its load-balancing loss, z-loss and expert-bias counts; the step marks "
               "where the pad starts and the layer masks it"),
+    Patch(group="fix-moe-pad-tokens",
+          target="megatron.core.transformer.transformer_layer:MoETransformerLayer._forward_mlp",
+          replacement="qvl.kernels.fix_moe_pad_tokens:masking_pad", version=MCORE, params=_FORWARD_MLP_PARAMS,
+          why="qvl's MoE layers are MoETransformerLayers (qvl.kernels.local_specs), whose own _forward_mlp runs the "
+              "router's CUDA graph without the base class's: the mask is made there, as one of that graph's inputs"),
+    Patch(group="fix-moe-pad-tokens", target=_ROUTER_ATTACH, params=_ROUTER_ATTACH_PARAMS,
+          replacement="qvl.kernels.fix_moe_pad_tokens:weighed_evenly", version=MCORE,
+          why="with calculate_per_token_loss it scales a rank's balancing-loss share by the rank's token count, but "
+              "with a padding mask that count is the reduce group's total (the all-reduce of the tokens per expert "
+              "writes into the local counts): a masked pack's balancing loss weighed TP times too much; divided by "
+              "the group's size"),
     # --- fix-qwen3-vl-deepstack-sp: qvl.kernels.fix_qwen3_vl_deepstack_sp (training a model with the Qwen3-VL tower)
     Patch(group="fix-qwen3-vl-deepstack-sp",
           target="megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model:split_deepstack_embs",

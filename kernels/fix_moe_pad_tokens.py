@@ -19,6 +19,18 @@ nothing read back from the device). While this group is applied, an MoE layer gi
 the mask for its own tokens: its tensor-parallel rank's share of the sequence under sequence parallelism. A layer
 recomputed in the backward is called with the same pack and builds the same mask.
 
+Upstream's masked count is not this rank's. With `calculate_per_token_loss` the router scales this rank's share of
+the balancing loss by its token count times the tensor- and context-parallel ranks
+(`TopKRouter.attach_and_log_load_balancing_loss`), so that each rank's share weighs what the group's tokens weigh.
+Without a mask the count is the rank's rows; with one, Megatron-Core 0.19.2 sums the tokens per expert that the
+mask keeps, after the all-reduce over the group has written the group's totals into them
+(`get_tokens_per_expert_and_token_count`: `reduce_from_tensor_model_parallel_region` reduces in place), so the count
+is the group's and the share weighs TP times too much: with sequence parallelism at TP=2, the balancing loss of every
+padded pack weighed twice that of an unpadded one. With this group applied, a masked count is divided by its
+group's size: the group's mean, what each rank counts where nothing is masked. Measured: tiny Qwen3-VL-MoE at TP=2,
+its packs padded to `seq_length` (CUDA graphs) against the same packs padded to an even length, step-3 loss 7e-5
+(relative) apart before, the same after.
+
 Not covered: context parallelism splits each sub-sequence over the ranks in chunks; a layer there keeps
 upstream's behaviour (no mask).
 """
@@ -74,3 +86,22 @@ def masking_pad(original: Callable) -> Callable:
         )
 
     return _forward_mlp
+
+
+def weighed_evenly(original: Callable) -> Callable:
+    """Replacement factory for `TopKRouter.attach_and_log_load_balancing_loss`: a masked router's token count (a
+    tensor) is its reduce group's total, as upstream makes it (the all-reduce of the tokens per expert writes into
+    the local counts it then sums), so this rank's count is that total over the group's size: every rank of the group
+    weighs its share of the balancing loss alike, as where no pad is masked. A count given as a number (no mask, or
+    a preference step's pairs: qvl.kernels.fix_preference_moe_aux) is left as it is."""
+
+    @functools.wraps(original)
+    def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
+                                           *args, **kwargs):  # fmt: skip
+        count = kwargs.get("valid_token_count")
+        ranks = reduce_group.size() if reduce_group is not None else 1
+        if isinstance(count, torch.Tensor) and ranks > 1:
+            kwargs["valid_token_count"] = count / ranks
+        return original(self, activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group, *args, **kwargs)
+
+    return attach_and_log_load_balancing_loss

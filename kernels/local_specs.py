@@ -10,16 +10,21 @@ import_megatron_core()  # Megatron-Core's fused functions are decorated at its f
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import MoETransformerLayer
 
 from qvl.kernels.varlen_attention import use_sdpa_attention
 
 
 def local_gpt_layer_spec(config: Any, vp_stage: int | None = None) -> ModuleSpec:
-    """Megatron-Core's local GPT layer (dense or MoE) for `config`, with SDPA core attention."""
+    """Megatron-Core's local GPT layer (dense or MoE) for `config`, with SDPA core attention. A MoE layer is
+    Megatron-Core's MoETransformerLayer, as its hybrid models build theirs: eagerly the same layer, whose router and
+    combine Megatron-Core's local CUDA graphs can capture apart from its experts (qvl.kernels.speed_cuda_graphs)."""
     spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
         moe_grouped_gemm=False,
         qk_layernorm=config.qk_layernorm,
         normalization=config.normalization,
     )
+    if config.num_moe_experts:
+        spec.module = MoETransformerLayer
     return use_sdpa_attention(spec)

@@ -39,17 +39,25 @@ On the CPU the group runs with the graphs recorded (patch group "cpu-cuda-graphs
 same managers, buffers and copies, each capture's ops replayed as recorded. That is how Megatron-Bridge's refusal and
 assertion, the lost whole-pack type and Qwen3-VL's in-place deepstack add into a graphed layer's output
 (qvl.kernels.speed_qwen3_vl_sync_free, qvl.bridges.qwen3_vl) were found before any GPU ran them;
-tests/kernels/test_speed_cuda_graphs.py trains tiny Qwen2.5-VL and Qwen3-VL both ways, Qwen3-VL also at TP=2.
+tests/kernels/test_speed_cuda_graphs.py trains tiny Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE both ways, Qwen3-VL and
+Qwen3-VL-MoE also at TP=2.
+
+A MoE layer is captured in part (`moe_graphs`), as Megatron-Core 0.19.2's own training graphs capture it: its router
+(with the all-to-all dispatcher's preprocessing, whose counts the graph copies to the host) and its combine are two
+graphs each way, the attention and the experts between them run eagerly, and the layer's call is eager. Its packs are
+padded to `seq_length` as for whole layers; the pad is masked out of the router's balancing loss
+(qvl.kernels.fix_moe_pad_tokens), the mask one of the router graph's inputs.
 
 The vision tower is graphed by qvl's own forward where this group marked it (`tower_graphs_allowed`): the replicated
 HF tower (Qwen2-VL, Qwen2.5-VL) by qvl.kernels.tower_graphs, Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL)
 by its `MegatronTowerGraphs`, at bucketed patch counts, since every pack has its own (the sizes planned from the
 dataset's packs where a micro-batch is one pack: `planned_dataset`, `TOWER_DATASET`). Its calls are bucketed on their
-own, so it replays as graphs also where the layers cannot be captured (MoE and Gated DeltaNet models, full activation
+own, so it replays as graphs also where the layers cannot be captured (Gated DeltaNet models, full activation
 recompute): the tower is most of a step's launches (the step census: 7,184 of 10,698 for Qwen2.5-VL-3B's shapes), and
 the language model's packs are not padded for it. Not graphed: the embedding and output layer, the loss and the
 optimizer; the layers where they cannot be captured at fixed shapes or Megatron-Core cannot make their graphs
-(`eager_layers`: pipeline stages, MoE and Gated DeltaNet layers, full activation recompute); the tower under pipeline
+(`eager_layers`: pipeline stages, Gated DeltaNet layers, full activation recompute), a MoE layer's attention and
+experts; the tower under pipeline
 parallelism, DDP's overlapped gradient reduction or balanced vision work (`eager_tower`).
 """
 
@@ -91,6 +99,7 @@ class GraphShapes:
     tokens: int
     slots: int
     max_seqlen: int
+    whole_layers: bool = True  # False: MoE layers' partial graphs (`moe_graphs`), whose layer calls are eager
 
 
 def graphs_requested(model_config: Any) -> bool:
@@ -107,28 +116,32 @@ def tower_graphs_allowed(model_config: Any) -> bool:
 
 def eager_layers(cfg: Any) -> str | None:
     """Why the language model of `cfg`'s run (a ConfigContainer) keeps its layers eager under this group, None where
-    they replay as graphs. A graph replays the shapes it captured, and the whole layer is captured
-    (`layer_graph_settings`): pipeline stages send activations between micro-batches of other stages; a layer whose
-    shapes follow the pack's contents cannot be captured at the pack's fixed size. Those are a MoE layer (each expert
-    takes the tokens routed to it: their counts are read to the host to split the tokens, which a capture refuses) and
-    a Gated DeltaNet layer (its chunked kernels cut each sub-sequence into 64-token chunks whose number they read from
-    `cu_seqlens` on the host). One such layer keeps the stage eager: the model's structure, not a family's name. So
-    does full activation recompute, under which Megatron-Core 0.19.2 cannot make the graphs (`create_cudagraphs`
-    asserts on the shared buffers' count)."""
+    they replay as graphs. A graph replays the shapes it captured (`layer_graph_settings`): pipeline stages send
+    activations between micro-batches of other stages; a Gated DeltaNet layer's shapes follow the pack's contents (its
+    chunked kernels cut each sub-sequence into 64-token chunks whose number they read from `cu_seqlens` on the host).
+    One such layer keeps the stage eager: the model's structure, not a family's name. A MoE layer is graphed in part
+    (`moe_graphs`), except where its all-to-all dispatcher reads its splits to the host inside the router (a capacity
+    factor without padding to it, or the router's fp8 padding: Megatron-Core 0.19.2 refuses to capture those). Full
+    activation recompute keeps the layers eager too: Megatron-Core 0.19.2 cannot make the graphs then
+    (`create_cudagraphs` asserts on the shared buffers' count)."""
     model = cfg.model
     if getattr(model, "pipeline_model_parallel_size", 1) > 1:
         return "pipeline parallelism keeps the layers eager"
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-        get_linear_attention_pattern,
-        get_moe_layer_pattern,
-    )
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
 
-    if getattr(model, "num_moe_experts", None) and any(get_moe_layer_pattern(model)):
-        return "MoE layers (tokens per expert read to the host) keep the model eager"
     if getattr(model, "experimental_attention_variant", None) == "gated_delta_net" and any(
         get_linear_attention_pattern(model)
     ):
         return "Gated DeltaNet layers (chunks counted from cu_seqlens on the host) keep the model eager"
+    if moe_graphs(model) and getattr(model, "moe_token_dispatcher_type", None) == "alltoall":
+        dropping = getattr(model, "moe_expert_capacity_factor", None) is not None and not getattr(
+            model, "moe_pad_expert_input_to_capacity", False
+        )
+        if dropping or getattr(model, "moe_router_padding_for_fp8", False):
+            return (
+                "MoE layers whose all-to-all dispatcher reads its splits to the host inside the router (a capacity "
+                "factor without moe_pad_expert_input_to_capacity, or moe_router_padding_for_fp8) keep the model eager"
+            )
     if getattr(model, "recompute_granularity", None) == "full":
         # a recomputed layer runs its forward again inside the backward: Megatron-Core 0.19.2's graphs then lose the
         # record of the buffers they share, and creating them asserts (seen with the CPU's recorded graphs)
@@ -136,9 +149,22 @@ def eager_layers(cfg: Any) -> str | None:
     return None
 
 
+def moe_graphs(model: Any) -> bool:
+    """Whether the language model (its provider or TransformerConfig) has MoE layers, whose graphs are partial
+    (`layer_graph_settings`): an expert takes the tokens routed to it, whose counts its dispatcher reads to the host
+    to split them, so Megatron-Core 0.19.2's MoETransformerLayer (qvl.kernels.local_specs) captures what comes before
+    (the pre-MLP norm, the router, its load-balancing loss and the dispatcher's preprocessing, whose counts come to the
+    host in the graph's copies) and what comes after (the combine and the residual add), and runs the attention and
+    the experts between them eagerly. Those layers' calls are then eager: a pack's pad may be marked
+    (qvl.kernels.fix_moe_pad_tokens) and the mask is one of the router graph's inputs."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_moe_layer_pattern
+
+    return bool(getattr(model, "num_moe_experts", None)) and any(get_moe_layer_pattern(model))
+
+
 def eager_tower(cfg: Any) -> str | None:
     """Why the vision tower of `cfg`'s run (a ConfigContainer) stays eager under this group, None where it replays as
-    graphs, with the layers' graphs or without them (a MoE or Gated DeltaNet model, full recompute: the tower's calls
+    graphs, with the layers' graphs or without them (a Gated DeltaNet model, full recompute: the tower's calls
     are bucketed on their own, and the language model's packs are not padded for it). Eager: under pipeline
     parallelism (the first stage runs several micro-batches' forwards before their backwards, and a bucket's graphs
     take one at a time), where DDP overlaps its gradient reduction with the backward (the tower's graphs add into
@@ -188,7 +214,10 @@ def graph_shapes(config: Any) -> GraphShapes | None:
             "set dataset.path to a `qvl data prepare` folder"
         )
     return GraphShapes(
-        tokens=packs * seq_length, slots=packs * most_sub_sequences(str(path)) + 1, max_seqlen=seq_length
+        tokens=packs * seq_length,
+        slots=packs * most_sub_sequences(str(path)) + 1,
+        max_seqlen=seq_length,
+        whole_layers=not getattr(config.model, "cuda_graph_modules", None),
     )
 
 
@@ -267,12 +296,17 @@ def fixed_size_cu_seqlens(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:
     return mark_whole_pack(padded) if isinstance(cu_seqlens, WholePackCuSeqlens) else padded
 
 
-def layer_graph_settings() -> dict[str, Any]:
-    """The TransformerConfig fields that make Megatron-Core capture each whole layer as graphs of its own.
+def layer_graph_settings(model: Any = None) -> dict[str, Any]:
+    """The TransformerConfig fields that make Megatron-Core capture the language model's layers (`model`, its
+    provider; None: a dense one) as graphs of their own: each whole layer, or a MoE layer's router and combine
+    (`moe_graphs`; Megatron-Core's enum members: the fields are set after the config normalised its strings).
     `use_te_rng_tracker`: Megatron-Bridge's GPT provider asserts it for any CUDA graphs; without TE Megatron-Core
     makes its own tracker instead, graph-safe where graphs are asked for (tensor_parallel.random's
     `initialize_rng_tracker`), which is what these graphs need."""
-    return {"cuda_graph_impl": "local", "cuda_graph_modules": [], "cuda_graph_warmup_steps": WARMUP_STEPS,
+    from megatron.core.transformer.enums import CudaGraphModule
+
+    modules = [CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess] if moe_graphs(model) else []
+    return {"cuda_graph_impl": "local", "cuda_graph_modules": modules, "cuda_graph_warmup_steps": WARMUP_STEPS,
             "use_te_rng_tracker": True}  # fmt: skip
 
 
@@ -307,9 +341,14 @@ def with_layer_graphs(original):
         if graph_replay.can_capture() and not graphs_requested(cfg.model):
             layers, tower = eager_layers(cfg), eager_tower(cfg)
             if layers is None:
-                for name, value in layer_graph_settings().items():
+                for name, value in layer_graph_settings(cfg.model).items():
                     setattr(cfg.model, name, value)
-                logger.info("speed-cuda-graphs: the language model's layers replay as CUDA graphs from step 2")
+                logger.info(
+                    "speed-cuda-graphs: the language model's layers replay as CUDA graphs from step 2%s",
+                    " (each MoE layer's router and combine; its attention and experts eager)"
+                    if cfg.model.cuda_graph_modules
+                    else "",
+                )
                 if tower is not None:
                     logger.warning("speed-cuda-graphs: %s", tower)
             elif tower is None:
@@ -328,12 +367,13 @@ def with_layer_graphs(original):
 
 def allowing_layer_graphs(original):
     """Patch factory for Megatron-Bridge's `validate_cuda_graph_configuration` as its GPT provider calls it when it
-    builds the language model: the whole-layer local graphs `with_layer_graphs` set (marked by TOWER_GRAPHS) pass;
-    any other configuration is checked as upstream checks it."""
+    builds the language model: the local graphs `with_layer_graphs` set (marked by TOWER_GRAPHS: whole layers, or MoE
+    layers' router and combine) pass; any other configuration is checked as upstream checks it."""
 
     @functools.wraps(original)
     def validate_cuda_graph_configuration(config, *args, **kwargs):
-        if graphs_requested(config) and hasattr(config, TOWER_GRAPHS) and not getattr(config, "cuda_graph_modules"):
+        ours = layer_graph_settings(config)["cuda_graph_modules"]
+        if graphs_requested(config) and hasattr(config, TOWER_GRAPHS) and config.cuda_graph_modules == ours:
             return None
         return original(config, *args, **kwargs)
 

@@ -48,7 +48,7 @@ class Target:
     peft: bool | None = None  # adapters (LoRA, DoRA)
     preference: bool | None = None  # a preference stage (DPO and its variants) of an MoE model
     moe: bool | None = None  # the model has MoE layers
-    padded_moe: bool | None = None  # an MoE model whose packs are padded (pipeline or sequence parallelism)
+    padded_moe: bool | None = None  # an MoE model whose packs are padded (pipeline, sequence parallelism, graphs)
     cuda_graphs: bool | None = None  # the run asks for its layers as CUDA graphs (recipe option cuda_graphs)
     grouped_experts: bool | None = None  # the run asks for grouped-GEMM experts (recipe option grouped_experts)
     async_save: bool | None = None  # checkpoints written by another process while training goes on
@@ -72,6 +72,7 @@ class Target:
         vision = getattr(model, "vision_config", None)
         family = family_of_vision_config(type(vision).__name__) if vision is not None else None
         known = model is not None
+        cuda_graphs = bool(getattr(getattr(config, "qvl", None), "cuda_graphs", False))
         return cls(
             device=device or current_device(),
             transformer_engine=have_transformer_engine(),
@@ -83,12 +84,14 @@ class Target:
             else None,
             mtp=bool(getattr(model, "mtp_num_layers", None)) if known else None,
             peft=getattr(config, "peft", None) is not None if known else None,
-            cuda_graphs=bool(getattr(getattr(config, "qvl", None), "cuda_graphs", False)) if known else None,
+            cuda_graphs=cuda_graphs if known else None,
             grouped_experts=bool(getattr(getattr(config, "qvl", None), "grouped_experts", False)) if known else None,
             async_save=bool(getattr(getattr(config, "checkpoint", None), "async_save", False)) if known else None,
             exact_fp32=bool(getattr(getattr(config, "qvl", None), "exact_fp32", False)) if known else None,
             moe=bool(getattr(model, "num_moe_experts", None)) if known else None,
-            padded_moe=bool(getattr(model, "num_moe_experts", None)) and packs_padded(model) if known else None,
+            padded_moe=bool(getattr(model, "num_moe_experts", None)) and (packs_padded(model) or cuda_graphs)
+            if known
+            else None,
             preference=bool(getattr(getattr(config, "qvl", None), "preference", None))
             and bool(getattr(model, "num_moe_experts", None))
             if known
@@ -166,8 +169,9 @@ RULES: tuple[Rule, ...] = (
     Rule(group="speed-cuda-graphs", scope="training",
          condition="the run asks for it (cuda_graphs=true) and neither Transformer Engine nor Apex is installed (the "
                    "layers then read nothing back to the host, qvl's whole-pack rotary among them, so they can be "
-                   "captured; on the CPU through cpu-cuda-graphs). The layers stay eager where one cannot be captured: "
-                   "pipeline stages, MoE and Gated DeltaNet layers, full activation recompute "
+                   "captured; on the CPU through cpu-cuda-graphs). A MoE layer's router and combine are captured, its "
+                   "attention and experts run eagerly (speed_cuda_graphs.moe_graphs). The layers stay eager where one "
+                   "cannot be captured: pipeline stages, Gated DeltaNet layers, full activation recompute "
                    "(speed_cuda_graphs.eager_layers); the vision tower is graphed with or without them, but under "
                    "pipeline parallelism, DDP's overlapped reduction or vision_balance (speed_cuda_graphs.eager_tower)",
          on=lambda t: _both(t.cuda_graphs, t.torch_stack)),
@@ -210,9 +214,9 @@ RULES: tuple[Rule, ...] = (
          condition="a preference stage (DPO) trains an MoE model: its loss counts pairs, not tokens",
          on=lambda t: t.preference),
     Rule(group="fix-moe-pad-tokens", scope="training",
-         condition="the model has MoE layers and its packs are padded: to seq_length under pipeline parallelism, to a "
-                   "multiple of the TP size under sequence parallelism (the router leaves the pad out of its balancing "
-                   "statistics)",
+         condition="the model has MoE layers and its packs are padded: to seq_length under pipeline parallelism or "
+                   "CUDA graphs (cuda_graphs=true), to a multiple of the TP size under sequence parallelism (the router "
+                   "leaves the pad out of its balancing statistics)",
          on=lambda t: t.padded_moe),
     Rule(group="fix-qwen3-vl-deepstack-sp", scope="training",
          condition="the model has Megatron-Bridge's Qwen3-VL vision tower (its deepstack features are split over the "

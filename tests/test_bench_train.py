@@ -251,6 +251,26 @@ def test_the_qwen3_vl_tower_trains_graphed_as_it_does_eagerly(device, tmp_path):
 
 
 @EITHER_DEVICE
+def test_a_moe_models_routers_and_combines_train_graphed_as_they_do_eagerly(device, tmp_path):
+    """speed-cuda-graphs with MoE layers (Qwen3-VL-MoE): each layer's router, with the all-to-all dispatcher's
+    preprocessing whose counts come to the host in the graph's copies, and its combine captured and replayed, the
+    attention and experts eager between them; the eager run's losses (its packs unpadded, the graphed run's pad
+    masked out of the balancing loss)."""
+    from benchmarks import bench_train
+
+    _on(device)
+    variants = ["256:packed:steps=4", "256:packed:-speed-cuda-graphs:steps=4"]
+    argv = ["--model", "tiny_qwen3_vl_moe", "--variants", *variants, "--out", str(tmp_path)]
+    assert bench_train.main(argv) == 0
+    graphed, eager = (v["result"] for v in json.loads((tmp_path / "bench_train.json").read_text())["variants"])
+    assert "error" not in graphed, graphed.get("error")
+    graphs = graphed["patch_groups"]["cuda_graphs"]
+    assert graphs["requested"] and graphs["created"], graphs
+    assert graphed["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-2)
+    assert graphed["losses"] == pytest.approx(eager["losses"], rel=LOSS_REL[device])
+
+
+@EITHER_DEVICE
 def test_the_tower_alone_trains_graphed_where_the_layers_cannot_be(device, tmp_path):
     """speed-cuda-graphs under full recompute (Megatron-Core cannot make the layers' graphs): the layers eager, the
     vision tower's buckets captured and replayed alone, and the eager run's losses."""

@@ -52,7 +52,7 @@ def model_inputs(
     (qvl.kernels.fix_moe_pad_tokens).
     `graph_shapes`: where the language model's layers replay as CUDA graphs (qvl.kernels.speed_cuda_graphs), every
     pack is padded so, its `cu_seqlens` made a fixed-size tensor (inert zero-length sub-sequences at the end) and its
-    `max_seqlen` the same for all.
+    `max_seqlen` the same for all; where a MoE layer's graphs are partial, every pack is a `PaddedPack` too.
 
     Where the loader says that images (videos) repeat in the micro-batch (`image_sources`: a preference pair's sides
     share them), the model is given each distinct one's pixels once, gathered on the host before the copy, and
@@ -81,9 +81,10 @@ def model_inputs(
     cu = mark_whole_pack(cu)  # it ends at the pack's last token: no host read in the rotary (kernels/speed_rotary.py)
     max_seqlen = max(batch.max_seqlen, padding)
     # a padded pack says where its pad starts, for an MoE router to leave it out (qvl.kernels.fix_moe_pad_tokens); not
-    # under graphs, whose captured arguments would then differ from pack to pack
+    # under whole-layer graphs, whose captured arguments would then differ from pack to pack. Under a MoE layer's
+    # partial graphs (its calls eager) every pack says so, padded or not: the mask is one of the router graph's inputs
     pack_params = PackedSeqParams
-    if padding > 0 and graph_shapes is None:
+    if (padding > 0 and graph_shapes is None) or (graph_shapes is not None and not graph_shapes.whole_layers):
         pack_params = partial(PaddedPack, pad_from=pad_to - padding)
     if graph_shapes is not None:
         cu, max_seqlen = fixed_size_cu_seqlens(cu, graph_shapes.slots), graph_shapes.max_seqlen

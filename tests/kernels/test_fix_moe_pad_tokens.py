@@ -101,3 +101,38 @@ def test_a_padded_pack_balances_experts_as_the_pack_alone(family, cpu_runtime, m
         assert any(not torch.allclose(loss, unpadded) for (_, loss, _), (_, unpadded, _) in zip(counted, losses))
     finally:
         distributed.destroy_distributed()
+
+
+def counted_on_rank(lengths: list[int]) -> tuple[float, float, int]:
+    """On each of two gloo ranks (a tensor-parallel group): upstream's masked token count for this rank's share of
+    `lengths` (rank 0's and rank 1's unmasked tokens of 8), the count the group's router scales its balancing loss by
+    (`weighed_evenly`), and what it makes of a count given as a number (no mask)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import get_tokens_per_expert_and_token_count
+
+    from qvl.kernels.fix_moe_pad_tokens import weighed_evenly
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    routing_map = torch.zeros(8, 4, dtype=torch.bool)
+    unmasked = lengths[torch.distributed.get_rank()]
+    routing_map[:unmasked, 0] = routing_map[:unmasked, 1] = True  # top-2 of 4 experts; the rest masked out
+    _, local, total = get_tokens_per_expert_and_token_count(routing_map, group, topk=2, with_padding_mask=True)
+    assert float(total) == sum(lengths)
+    seen = []
+    attach = weighed_evenly(lambda self, *args, valid_token_count: seen.append(valid_token_count))
+    router = SimpleNamespace(tp_cp_group=group)
+    attach(router, None, 1e-3, None, "load_balancing_loss", group, valid_token_count=local)
+    attach(router, None, 1e-3, None, "load_balancing_loss", group, valid_token_count=8)
+    return float(local), float(seen[0]), seen[1]
+
+
+def test_a_masked_routers_count_is_its_groups_mean_not_its_total():
+    """Megatron-Core 0.19.2's masked count is the reduce group's total (its all-reduce writes into the local counts it
+    sums): with 6 and 2 of 8 tokens unmasked on two tensor-parallel ranks, each counts 8, so a masked pack's balancing
+    loss weighed twice an unmasked one's (whose count is the rank's 8 rows). The group makes it the mean, 4; a count
+    given as a number stays. If upstream stops counting the group's total, the first assertion fails and the division
+    must go."""
+    ranks = distributed.run_on_ranks(counted_on_rank, [6, 2], tensor_parallel=2, cpu=True)
+    assert [upstream for upstream, _, _ in ranks] == [8.0, 8.0]
+    assert [weighed for _, weighed, _ in ranks] == [4.0, 4.0]
+    assert [number for _, _, number in ranks] == [8, 8]

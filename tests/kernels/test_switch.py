@@ -117,13 +117,15 @@ def test_targets_read_the_model_parts_from_the_config():
 
 
 @pytest.mark.parametrize(
-    ("experts", "stages", "tp", "sp", "on"),
-    [(4, 2, 1, False, True), (4, 1, 2, True, True), (4, 1, 2, False, False), (4, 1, 1, False, False),
-     (None, 2, 2, True, False)],
+    ("experts", "stages", "tp", "sp", "graphs", "on"),
+    [(4, 2, 1, False, False, True), (4, 1, 2, True, False, True), (4, 1, 2, False, False, False),
+     (4, 1, 1, False, False, False), (4, 1, 1, False, True, True), (None, 2, 2, True, True, False)],
 )  # fmt: skip
-def test_only_an_moe_model_whose_packs_are_padded_masks_the_pad_in_its_routers(experts, stages, tp, sp, on):
+def test_only_an_moe_model_whose_packs_are_padded_masks_the_pad_in_its_routers(experts, stages, tp, sp, graphs, on):
+    """Pipeline stages, sequence parallelism and CUDA graphs (every pack padded to seq_length) pad the packs."""
     config = _config("qwen3_vl_moe", num_moe_experts=experts, pipeline_model_parallel_size=stages,
                      tensor_model_parallel_size=tp, sequence_parallel=sp)  # fmt: skip
+    config.qvl = SimpleNamespace(cuda_graphs=graphs)
     target = Target.of(config, device="cuda")
     assert target.padded_moe is on
     assert ("fix-moe-pad-tokens" in switch.training_groups(target)) is on

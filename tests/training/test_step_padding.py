@@ -54,3 +54,25 @@ def test_the_pad_is_one_more_sub_sequence_without_loss_marked_where_it_starts():
     assert kwargs["position_ids"][:, 0, 37].tolist() == [0, 0, 0]  # the pad counts from 0, as text does
     unpadded, _ = model_inputs(batch, torch.device("cpu"))
     assert type(unpadded["packed_seq_params"]) is not PaddedPack
+
+
+@pytest.mark.parametrize(("tokens", "whole_layers", "marked"), [(37, True, None), (37, False, 37), (64, False, 64)])
+def test_under_graphs_a_pack_is_marked_only_where_the_layer_calls_are_eager(tokens, whole_layers, marked):
+    """Whole-layer graphs take the pack's arguments as they captured them: nothing that differs from pack to pack. A
+    MoE layer's partial graphs are called from its eager forward, and the router graph takes the pad's mask: every
+    pack says where its pad starts, a full one too (an empty pad: a mask of one shape for every call)."""
+    from qvl.kernels.speed_cuda_graphs import GraphShapes
+
+    batch = SimpleNamespace(
+        tokens=torch.arange(1, tokens + 1)[None],
+        labels=torch.arange(1, tokens + 1)[None],
+        loss_mask=torch.ones(1, tokens),
+        position_ids=torch.arange(tokens).expand(3, 1, tokens),
+        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
+        max_seqlen=tokens,
+    )
+    shapes = GraphShapes(tokens=64, slots=3, max_seqlen=64, whole_layers=whole_layers)
+    kwargs, _ = model_inputs(batch, torch.device("cpu"), graph_shapes=shapes)
+    params = kwargs["packed_seq_params"]
+    assert kwargs["input_ids"].shape == (1, 64) and params.cu_seqlens_q.shape == (4,)
+    assert getattr(params, "pad_from", None) == marked and isinstance(params, PaddedPack) == (marked is not None)
