@@ -22,6 +22,7 @@ from qvl.foundation.errors import MissingConfigField
 from qvl.foundation.megatron import have_transformer_engine, no_te_settings
 from qvl.kernels.local_specs import local_gpt_layer_spec
 from qvl.kernels.speed_aligned_widths import align_vision_widths
+from qvl.kernels.torch_checkpoint_without_output import provide_checkpoints
 from qvl.kernels.torch_sequence_parallel_norm import provide_norms
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,10 @@ def fix_provider(provider: Any, hf_config: Any) -> None:
 
 def use_local_specs(provider: Any) -> None:
     """Build the language model from Megatron-Core's local spec with SDPA attention (no TE needed), its torch norms
-    able to take sequence parallelism (qvl.kernels.torch_sequence_parallel_norm)."""
+    able to take sequence parallelism (qvl.kernels.torch_sequence_parallel_norm) and its selective recompute's
+    checkpoints without FP8 (qvl.kernels.torch_checkpoint_without_output)."""
     provide_norms()
+    provide_checkpoints()
     provider.transformer_layer_spec = local_gpt_layer_spec
     for name, value in no_te_settings().items():
         setattr(provider, name, value)

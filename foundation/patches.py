@@ -334,6 +334,13 @@ PATCHES: tuple[Patch, ...] = (
           why="it refuses sequence_parallel, which every recipe turns on with tensor parallelism (and an MoE layer "
               "needs with it); the same norm with its parameters marked sequence_parallel, as TE's and Apex's are, "
               "so finalize_model_grads sums their gradients over the TP ranks"),
+    # --- torch-checkpoint-without-output: from building a model whose provider qvl fixed without TE (process-wide)
+    Patch(group="torch-checkpoint-without-output",
+          target="megatron.core.tensor_parallel.random:CheckpointWithoutOutput.__init__",
+          replacement="qvl.kernels.torch_checkpoint_without_output:without_fp8", version=MCORE, params=("self", "fp8"),
+          why="its default fp8=False reads as FP8 on (`fp8 is not None`), and its forward then calls TE's "
+              "FP8GlobalStateManager, a NameError without TE: selective recompute of the norms (layernorm), an "
+              "expert's activation (moe_act) or Gated DeltaNet's output norm failed at the first forward"),
     # --- torch-qwen3-vl-vision: while qvl.bridges.qwen3_vl.Qwen3VLModel.__init__ runs without TE
     *(
         Patch(group="torch-qwen3-vl-vision",

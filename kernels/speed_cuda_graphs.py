@@ -116,14 +116,15 @@ def tower_graphs_allowed(model_config: Any) -> bool:
 
 def eager_layers(cfg: Any) -> str | None:
     """Why the language model of `cfg`'s run (a ConfigContainer) keeps its layers eager under this group, None where
-    they replay as graphs. A graph replays the shapes it captured (`layer_graph_settings`): pipeline stages send
-    activations between micro-batches of other stages; a Gated DeltaNet layer's shapes follow the pack's contents (its
-    chunked kernels cut each sub-sequence into 64-token chunks whose number they read from `cu_seqlens` on the host).
-    One such layer keeps the stage eager: the model's structure, not a family's name. A MoE layer is graphed in part
-    (`moe_graphs`), except where its all-to-all dispatcher reads its splits to the host inside the router (a capacity
-    factor without padding to it, or the router's fp8 padding: Megatron-Core 0.19.2 refuses to capture those). Full
-    activation recompute keeps the layers eager too: Megatron-Core 0.19.2 cannot make the graphs then
-    (`create_cudagraphs` asserts on the shared buffers' count)."""
+        they replay as graphs. A graph replays the shapes it captured (`layer_graph_settings`): pipeline stages send
+        activations between micro-batches of other stages; a Gated DeltaNet layer's shapes follow the pack's contents (its
+        chunked kernels cut each sub-sequence into 64-token chunks whose number they read from `cu_seqlens` on the host).
+        One such layer keeps the stage eager: the model's structure, not a family's name. So does selective recompute of
+    a module the graphs cannot hold (UNGRAPHED_RECOMPUTE). A MoE layer is graphed in part
+        (`moe_graphs`), except where its all-to-all dispatcher reads its splits to the host inside the router (a capacity
+        factor without padding to it, or the router's fp8 padding: Megatron-Core 0.19.2 refuses to capture those). Full
+        activation recompute keeps the layers eager too: Megatron-Core 0.19.2 cannot make the graphs then
+        (`create_cudagraphs` asserts on the shared buffers' count)."""
     model = cfg.model
     if getattr(model, "pipeline_model_parallel_size", 1) > 1:
         return "pipeline parallelism keeps the layers eager"
@@ -146,7 +147,27 @@ def eager_layers(cfg: Any) -> str | None:
         # a recomputed layer runs its forward again inside the backward: Megatron-Core 0.19.2's graphs then lose the
         # record of the buffers they share, and creating them asserts (seen with the CPU's recorded graphs)
         return "full activation recompute keeps the layers eager"
+    recomputed = sorted(set(_selective(model)) & UNGRAPHED_RECOMPUTE)
+    if recomputed:
+        return (
+            f"selective recompute of {', '.join(recomputed)} keeps the layers eager (recompute_modules: "
+            "core_attn and mlp are recomputed inside the graphs)"
+        )
     return None
+
+
+# Selective recompute a layer's graphs cannot hold (seen with the CPU's recorded graphs): `layernorm` (and `moe_act`,
+# the same mechanism: Megatron-Core's CheckpointWithoutOutput, whose recompute hooks a graph does not replay) trains
+# other losses graphed than eagerly (2e-5 by step 4, Qwen2.5-VL and Qwen3-VL-MoE); `moe` recomputes a MoE layer's
+# partial graphs, and creating them asserts as under full recompute.
+UNGRAPHED_RECOMPUTE = frozenset({"layernorm", "moe_act", "moe"})
+
+
+def _selective(model: Any) -> list[str]:
+    """The modules `model` (its provider or TransformerConfig) recomputes selectively ([] otherwise)."""
+    if getattr(model, "recompute_granularity", None) != "selective":
+        return []
+    return list(getattr(model, "recompute_modules", None) or [])
 
 
 def moe_graphs(model: Any) -> bool:
@@ -168,8 +189,9 @@ def eager_tower(cfg: Any) -> str | None:
     are bucketed on their own, and the language model's packs are not padded for it). Eager: under pipeline
     parallelism (the first stage runs several micro-batches' forwards before their backwards, and a bucket's graphs
     take one at a time), where DDP overlaps its gradient reduction with the backward (the tower's graphs add into
-    main_grad without the parameters' hooks), or where the vision work is balanced over ranks
-    (qvl.training.vision_balance encodes eagerly)."""
+    main_grad without the parameters' hooks), where the vision work is balanced over ranks
+    (qvl.training.vision_balance encodes eagerly), or where Megatron-Bridge's tower recomputes with the language
+    model (any `recompute`)."""
     if getattr(cfg.model, "pipeline_model_parallel_size", 1) > 1:
         return "pipeline parallelism keeps the vision tower eager"
     if getattr(getattr(cfg, "ddp", None), "overlap_grad_reduce", False):
@@ -179,7 +201,24 @@ def eager_tower(cfg: Any) -> str | None:
         )
     if getattr(getattr(cfg, "qvl", None), "vision_balance", False):
         return "vision_balance keeps the vision tower eager (it encodes each rank's share of the images eagerly)"
+    recompute = getattr(cfg.model, "recompute_granularity", None)
+    if recompute and megatron_tower(cfg.model):
+        # Megatron-Bridge's Qwen3-VL tower takes the language model's recompute settings: its checkpointed blocks
+        # refuse the capture's warm-up through torch.autograd.grad (seen with the CPU's recorded graphs)
+        return (
+            f"recompute={recompute} keeps Megatron-Bridge's vision tower eager (it recomputes with the language model)"
+        )
     return None
+
+
+def megatron_tower(model: Any) -> bool:
+    """Whether the model of `model` (its provider) has Megatron-Bridge's Qwen3-VL vision tower (Qwen3-VL, Qwen3.5-VL),
+    from its family's record."""
+    from qvl.foundation.families import family_of_vision_config
+
+    vision = getattr(model, "vision_config", None)
+    family = family_of_vision_config(type(vision).__name__) if vision is not None else None
+    return family is not None and family.megatron_vision_tower
 
 
 def graphed_parts(cfg: Any) -> tuple[bool, bool]:

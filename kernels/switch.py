@@ -171,9 +171,10 @@ RULES: tuple[Rule, ...] = (
                    "layers then read nothing back to the host, qvl's whole-pack rotary among them, so they can be "
                    "captured; on the CPU through cpu-cuda-graphs). A MoE layer's router and combine are captured, its "
                    "attention and experts run eagerly (speed_cuda_graphs.moe_graphs). The layers stay eager where one "
-                   "cannot be captured: pipeline stages, Gated DeltaNet layers, full activation recompute "
-                   "(speed_cuda_graphs.eager_layers); the vision tower is graphed with or without them, but under "
-                   "pipeline parallelism, DDP's overlapped reduction or vision_balance (speed_cuda_graphs.eager_tower)",
+                   "cannot be captured: pipeline stages, Gated DeltaNet layers, full activation recompute, selective "
+                   "recompute of layernorm, moe_act or moe (speed_cuda_graphs.eager_layers); the vision tower is "
+                   "graphed with or without them, but under pipeline parallelism, DDP's overlapped reduction, "
+                   "vision_balance or, Megatron-Bridge's tower, any recompute (speed_cuda_graphs.eager_tower)",
          on=lambda t: _both(t.cuda_graphs, t.torch_stack)),
     Rule(group="cpu-cuda-graphs", scope="training",
          condition="the run asks for CUDA graphs (cuda_graphs=true) and its device is the CPU: captures are recorded "
@@ -193,6 +194,8 @@ RULES: tuple[Rule, ...] = (
          on=lambda t: not t.apex),
     # applied from the first provider qvl fixes without TE, for the rest of the process (qvl.bridges.fixes)
     Rule(group="torch-sequence-parallel-norm", scope="model", condition="Transformer Engine is not installed",
+         on=lambda t: not t.transformer_engine),
+    Rule(group="torch-checkpoint-without-output", scope="model", condition="Transformer Engine is not installed",
          on=lambda t: not t.transformer_engine),
     # also applied when a model is built outside a training loop, for the rest of that process
     Rule(group="speed-hf-vision", scope="training",

@@ -216,12 +216,18 @@ def test_moe_layers_whose_router_reads_the_host_stay_eager(change, reason):
         ({"overlap_grad_reduce": True}, "with ddp.overlap_grad_reduce"),
         ({"vision_balance": True}, "vision_balance"),
         ({"num_moe_experts": 8, "recompute_granularity": "full"}, None),  # the layers' reasons are not the tower's
+        ({"family": "qwen3_vl", "recompute_granularity": "selective"}, "recompute=selective keeps Megatron-Bridge's"),
+        ({"family": "qwen3_5_vl", "recompute_granularity": "full"}, "recompute=full keeps Megatron-Bridge's"),
+        ({"family": "qwen2_5_vl", "recompute_granularity": "full"}, None),  # the HF tower recomputes on its own terms
     ],
 )
 def test_the_tower_stays_eager_where_its_calls_cannot_take_their_graphs_one_at_a_time(change, reason):
     """A pipeline stage runs several micro-batches' forwards before their backwards (a bucket's graphs take one at a
-    time), DDP's overlap needs the parameters' gradient hooks, and balanced vision work is encoded eagerly."""
+    time), DDP's overlap needs the parameters' gradient hooks, balanced vision work is encoded eagerly, and Megatron-
+    Bridge's tower recomputes with the language model, whose checkpointed blocks refuse the capture's warm-up."""
     model = types.SimpleNamespace(pipeline_model_parallel_size=change.pop("pipeline_model_parallel_size", 1))
+    if "family" in change:  # the vision config's class names the family (its record says whose tower it is)
+        model.vision_config = type(get_family(change.pop("family")).vision_config_class, (), {})()
     cfg = types.SimpleNamespace(
         model=model,
         ddp=types.SimpleNamespace(overlap_grad_reduce=change.pop("overlap_grad_reduce", False)),
@@ -237,13 +243,23 @@ def test_the_tower_stays_eager_where_its_calls_cannot_take_their_graphs_one_at_a
     [
         ({"recompute_granularity": "full"}, "full activation recompute"),
         ({"recompute_granularity": "selective"}, None),
+        ({"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]}, None),
+        (
+            {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "layernorm"]},
+            "selective recompute of layernorm",
+        ),
+        (
+            {"recompute_granularity": "selective", "recompute_modules": ["moe", "moe_act"]},
+            "selective recompute of moe, moe_act",
+        ),
         ({"peft": object()}, None),  # the first layer's input is made to need a gradient: `graphable_input`
         ({"freeze_language_model": True}, None),
     ],
 )
 def test_runs_megatron_core_cannot_capture_keep_their_layers_eager(change, reason):
-    """Found by training with the CPU's recorded graphs: under full recompute creating the graphs asserts. Selective
-    recompute (the default of some recipes) and a frozen language model (adapters) train graphed."""
+    """Found by training with the CPU's recorded graphs: under full recompute (and selective recompute of a MoE layer)
+    creating the graphs asserts, and a recomputed norm trains other losses graphed than eagerly. Selective recompute of
+    attention and MLPs and a frozen language model (adapters) train graphed."""
     model = types.SimpleNamespace(pipeline_model_parallel_size=1, num_moe_experts=None, recompute_granularity=None)
     cfg = types.SimpleNamespace(model=model, peft=change.pop("peft", None))
     vars(model).update(change)
