@@ -374,7 +374,7 @@ _CPU_REFUSALS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
         "optimizer_cpu_offload",
         lambda v: bool(v),
         "the hybrid-device optimizer moves state between GPU and CPU",
-        "set optimizer_cpu_offload=False (everything is on the CPU already)",
+        "set optimizer_cpu_offload=False, the recipe option optimizer_offload=0 (everything is on the CPU already)",
     ),
 )
 
@@ -404,6 +404,7 @@ def cpu_training_config(config: Any) -> None:
     config.dataset.num_workers = 0
     config.dataset.pin_memory = False
     check_cpu_config(config.model)
+    check_cpu_config(config.optimizer)  # its CPU offload (the recipe's optimizer_offload)
 
 
 def cpu_safe_config_overrides() -> dict[str, Any]:

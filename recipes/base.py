@@ -72,9 +72,9 @@ class QvlTrainingConfig:
     # (qvl.kernels.speed_hf_vision.compile_vision_blocks); eager elsewhere. Off until its bf16 parity tests have run on
     # a GPU (tests/kernels/test_vision_compile.py).
     compile: bool = False
-    # The language model's layers and a replicated HF vision tower replayed as CUDA graphs (qvl.kernels.speed_cuda_graphs,
-    # qvl.kernels.tower_graphs; the switch applies the group on CUDA without TE or Apex). Off until the graphs' GPU
-    # tests have passed on a GPU.
+    # The language model's layers (a MoE layer's router and combine) and the vision tower replayed as CUDA graphs
+    # (qvl.kernels.speed_cuda_graphs, qvl.kernels.tower_graphs; the switch applies the group on CUDA without TE or
+    # Apex). Off until the graphs' GPU tests have passed on a GPU.
     cuda_graphs: bool = False
     # An MoE layer's local experts as two grouped GEMMs instead of one expert after another (qvl.kernels.
     # speed_grouped_experts; the switch applies the group without TE). Off until its GPU test has passed on a GPU.
@@ -420,12 +420,29 @@ def _check_vision_recompute(model: Any, o: RecipeOptions) -> None:
 
 
 def _apply_recompute(model: Any, o: RecipeOptions) -> None:
+    if o.recompute == "selective":
+        _check_recompute_modules(model, o.recompute_modules)
     model.recompute_granularity = None if o.recompute == "none" else o.recompute
     model.recompute_modules = list(o.recompute_modules) if o.recompute == "selective" else None
     if o.recompute == "full":
         # uniform x 1 = every layer keeps only its input; block x N = the first N layers of each stage do.
         model.recompute_method = "uniform" if o.recompute_layers is None else "block"
         model.recompute_num_layers = 1 if o.recompute_layers is None else o.recompute_layers
+
+
+def _check_recompute_modules(model: Any, modules: tuple[str, ...]) -> None:
+    """What Megatron-Core 0.19.2 refuses of a model's selective recompute, named as the recipe option is."""
+    if "moe_act" in modules and not getattr(model, "moe_grouped_gemm", False):
+        raise ConfigError(
+            "recompute_modules=moe_act: Megatron-Core recomputes an expert's activation only in its grouped-GEMM "
+            "experts (moe_grouped_gemm, with Transformer Engine); recompute the MoE layers whole "
+            "(recompute_modules=moe) or drop moe_act"
+        )
+    if "gdn_norm_out" in modules and getattr(model, "experimental_attention_variant", None) != "gated_delta_net":
+        raise ConfigError(
+            "recompute_modules=gdn_norm_out: this model has no Gated DeltaNet layers (Qwen3.5-VL has them); "
+            "drop gdn_norm_out"
+        )
 
 
 def _apply_split(model: Any, o: RecipeOptions) -> None:

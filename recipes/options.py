@@ -22,6 +22,9 @@ PRECISIONS = {
     "fp32": None,
 }
 RECOMPUTE = ("none", "selective", "full")
+# Megatron-Core 0.19.2's selective-recompute modules that a Qwen-VL model has (not mla_up_proj: no Qwen-VL attention is
+# multi-latent); what each needs of the model is checked where the recipe meets the model (qvl.recipes.base)
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "gdn_norm_out")
 FREEZABLE = {
     "vision": "freeze_vision_model",
     "projector": "freeze_vision_projection",
@@ -55,8 +58,8 @@ class RecipeOptions:
     vision_recompute_blocks: int | None = None  # with vision_recompute: the first N blocks only (None = all)
     compile: bool = False  # HF vision tower (Qwen2/2.5-VL): each block torch.compiled on CUDA (Triton)
     # The language model's layers and the vision tower replayed as CUDA graphs (patch group speed-cuda-graphs, CUDA
-    # without TE or Apex; a model with MoE or Gated DeltaNet layers stays eager); off until their GPU tests have passed
-    # (tests/kernels/test_speed_cuda_graphs.py, tests/kernels/test_tower_graphs.py)
+    # without TE or Apex; a MoE layer's router and combine only; Gated DeltaNet layers stay eager); off until their GPU
+    # tests have passed (tests/kernels/test_speed_cuda_graphs.py, tests/kernels/test_tower_graphs.py)
     cuda_graphs: bool = False
     # An MoE layer's local experts as two grouped GEMMs (patch group speed-grouped-experts, without TE): off until
     # its GPU test has passed (tests/kernels/test_speed_grouped_experts.py)
@@ -108,6 +111,8 @@ class RecipeOptions:
             self.adapter_targets = tuple(p for p in self.adapter_targets.replace("+", ",").split(",") if p)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("recompute", self.recompute, RECOMPUTE)
+        for part in self.recompute_modules:
+            _one_of("recompute_modules", part, RECOMPUTE_MODULES)
         for part in self.freeze:
             _one_of("freeze", part, FREEZABLE)
         if not 0.0 <= self.optimizer_offload <= 1.0:

@@ -139,6 +139,23 @@ def test_cpu_refuses_what_it_cannot_run(field, value, message):
         runtime.check_cpu_config(config)
 
 
+def test_a_cpu_training_config_refuses_the_optimizers_cpu_offload_by_name():
+    """The recipe's optimizer_offload sets the optimizer's field, not the model's: a CPU run named it only through a
+    traceback from torch ("can't optimize a non-leaf Tensor") until the optimizer's config was checked too."""
+    from types import SimpleNamespace
+
+    from qvl.foundation import runtime
+
+    plain = {**runtime.cpu_safe_config_overrides(), "fp8": None, "sequence_parallel": False}
+    config = SimpleNamespace(dist=SimpleNamespace(), dataset=SimpleNamespace(), model=SimpleNamespace(**plain),
+                             optimizer=SimpleNamespace(optimizer_cpu_offload=True))  # fmt: skip
+    with pytest.raises(runtime.UnsupportedOnCPU, match="optimizer_offload=0"):
+        runtime.cpu_training_config(config)
+    config.optimizer.optimizer_cpu_offload = False
+    runtime.cpu_training_config(config)
+    assert config.dist.distributed_backend == "gloo"
+
+
 def test_cpu_accepts_a_plain_fp32_config():
     from qvl.foundation import runtime
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from qvl.foundation.errors import ConfigError
 from qvl.recipes.registry import STAGES, all_recipes, current_name, get_recipe, old_name
 
 
@@ -95,6 +96,8 @@ def test_pipeline_split_is_set_from_the_model():
         ({"tensor_paralel": 2}, "'tensor_paralel' is not a recipe option; did you mean tensor_parallel"),
         ({"precision": "fp4"}, "bf16-mixed"),
         ({"recompute": "some"}, "selective"),
+        ({"recompute": "selective", "recompute_modules": "core_attn,layer_norm"}, "recompute_modules='layer_norm'"),
+        ({"recompute": "selective", "recompute_modules": "gdn_norm_out"}, "no Gated DeltaNet layers"),
         ({"optimizer_offload": 60}, "optimizer_offload=0.6"),
         ({"freeze": "eyes"}, "projector"),
         ({"virtual_pipeline": 2}, "pipeline_parallel >= 2"),
@@ -179,3 +182,17 @@ def test_old_recipe_spellings_keep_working_with_a_note(recipes, caplog):
         assert get_recipe("qwen35_vl_9b_peft") is recipes["qwen3_5_vl_9b_peft"]
     assert "'qwen25_vl_3b_sft' is now 'qwen2_5_vl_3b_sft'" in caplog.text
     assert old_name("qwen3_vl_4b_sft") is None and current_name("qwen3_vl_4b_sft") == "qwen3_vl_4b_sft"
+
+
+def test_a_moe_models_expert_activation_is_recomputed_only_where_its_experts_are_grouped():
+    """Megatron-Core recomputes an expert's activation (moe_act) only in its grouped-GEMM experts, which need TE; the
+    recipe says so in one line, with the option that recomputes the MoE layers instead (not a ValueError from inside
+    the config's finalisation at the run's start)."""
+    from qvl.foundation import megatron
+
+    if megatron.have_transformer_engine():
+        pytest.skip("with Transformer Engine the experts are grouped GEMMs")
+    with pytest.raises(ConfigError, match=r"recompute_modules=moe_act: .*recompute_modules=moe"):
+        get_recipe("qwen3_vl_30b_a3b_sft").fn(recompute="selective", recompute_modules="core_attn,moe_act")
+    cfg = get_recipe("qwen3_vl_30b_a3b_sft").fn(recompute="selective", recompute_modules="core_attn,moe")
+    assert cfg.model.recompute_modules == ["core_attn", "moe"]
