@@ -57,8 +57,8 @@ recompute): the tower is most of a step's launches (the step census: 7,184 of 10
 the language model's packs are not padded for it. Not graphed: the embedding and output layer, the loss and the
 optimizer; the layers where they cannot be captured at fixed shapes or Megatron-Core cannot make their graphs
 (`eager_layers`: pipeline stages, Gated DeltaNet layers, full activation recompute), a MoE layer's attention and
-experts; the tower under pipeline
-parallelism, DDP's overlapped gradient reduction or balanced vision work (`eager_tower`).
+experts; the tower under pipeline parallelism, DDP's overlapped gradient reduction, balanced vision work, or, Megatron-
+Bridge's tower, activation recompute (`eager_tower`).
 """
 
 from __future__ import annotations
@@ -116,15 +116,15 @@ def tower_graphs_allowed(model_config: Any) -> bool:
 
 def eager_layers(cfg: Any) -> str | None:
     """Why the language model of `cfg`'s run (a ConfigContainer) keeps its layers eager under this group, None where
-        they replay as graphs. A graph replays the shapes it captured (`layer_graph_settings`): pipeline stages send
-        activations between micro-batches of other stages; a Gated DeltaNet layer's shapes follow the pack's contents (its
-        chunked kernels cut each sub-sequence into 64-token chunks whose number they read from `cu_seqlens` on the host).
-        One such layer keeps the stage eager: the model's structure, not a family's name. So does selective recompute of
-    a module the graphs cannot hold (UNGRAPHED_RECOMPUTE). A MoE layer is graphed in part
-        (`moe_graphs`), except where its all-to-all dispatcher reads its splits to the host inside the router (a capacity
-        factor without padding to it, or the router's fp8 padding: Megatron-Core 0.19.2 refuses to capture those). Full
-        activation recompute keeps the layers eager too: Megatron-Core 0.19.2 cannot make the graphs then
-        (`create_cudagraphs` asserts on the shared buffers' count)."""
+    they replay as graphs. A graph replays the shapes it captured (`layer_graph_settings`): pipeline stages send
+    activations between micro-batches of other stages; a Gated DeltaNet layer's shapes follow the pack's contents (its
+    chunked kernels cut each sub-sequence into 64-token chunks whose number they read from `cu_seqlens` on the host).
+    One such layer keeps the stage eager: the model's structure, not a family's name. A MoE layer is graphed in part
+    (`moe_graphs`), except where its all-to-all dispatcher reads its splits to the host inside the router (a capacity
+    factor without padding to it, or the router's fp8 padding: Megatron-Core 0.19.2 refuses to capture those). Full
+    activation recompute keeps the layers eager too (Megatron-Core 0.19.2 cannot make the graphs: `create_cudagraphs`
+    asserts on the shared buffers' count), and so does selective recompute of a module the graphs cannot hold
+    (UNGRAPHED_RECOMPUTE)."""
     model = cfg.model
     if getattr(model, "pipeline_model_parallel_size", 1) > 1:
         return "pipeline parallelism keeps the layers eager"
