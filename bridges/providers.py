@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from qvl.foundation.families import family_of_vision_config
+from qvl.foundation.families import family_of_provider, family_of_vision_config
 from qvl.foundation.layout import ModelFacts
 from qvl.foundation.megatron import import_megatron_bridge
 
@@ -111,14 +111,13 @@ class RecomputeVisionTowers:
 def layout_facts(provider: Any, name: str = "the model") -> ModelFacts:
     """What a parallel layout must divide in `provider`: LM heads, KV heads, layers, experts, and the vision
     heads where the vision tower is Megatron's (TP-split); an HF vision tower is replicated over TP."""
-    vision = getattr(provider, "vision_config", None)
-    family = family_of_vision_config(type(vision).__name__) if vision is not None else None
+    family = family_of_provider(provider)
     split_vision = family is not None and family.megatron_vision_tower
     return ModelFacts(
         attention_heads=provider.num_attention_heads,
         kv_heads=provider.num_query_groups or provider.num_attention_heads,
         layers=provider.num_layers,
         experts=getattr(provider, "num_moe_experts", None) or None,
-        vision_heads=getattr(vision, "num_heads", None) if split_vision else None,
+        vision_heads=provider.vision_config.num_heads if split_vision else None,
         name=name,
     )

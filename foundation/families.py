@@ -449,3 +449,10 @@ def family_of_architecture(hf_architecture: str) -> Family | None:
 def family_of_vision_config(class_name: str) -> Family | None:
     """The family whose vision config class is called `class_name`, or None."""
     return next((f for f in FAMILIES.values() if f.vision_config_class == class_name), None)
+
+
+def family_of_provider(provider: Any) -> Family | None:
+    """The family of a Megatron-Bridge provider (or anything with a `vision_config`), from its HF vision config's
+    class; None without one or for a class no family has."""
+    vision = getattr(provider, "vision_config", None)
+    return family_of_vision_config(type(vision).__name__) if vision is not None else None

@@ -214,10 +214,9 @@ def eager_tower(cfg: Any) -> str | None:
 def megatron_tower(model: Any) -> bool:
     """Whether the model of `model` (its provider) has Megatron-Bridge's Qwen3-VL vision tower (Qwen3-VL, Qwen3.5-VL),
     from its family's record."""
-    from qvl.foundation.families import family_of_vision_config
+    from qvl.foundation.families import family_of_provider
 
-    vision = getattr(model, "vision_config", None)
-    family = family_of_vision_config(type(vision).__name__) if vision is not None else None
+    family = family_of_provider(model)
     return family is not None and family.megatron_vision_tower
 
 

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from qvl.foundation import patches
-from qvl.foundation.families import family_of_vision_config
+from qvl.foundation.families import family_of_provider
 from qvl.kernels import compiled
 from qvl.kernels.hf_vision_mlp import QUICK_GELU, SILU_GATE, activated_projections
 from qvl.kernels.speed_aligned_widths import hf_vision_towers
@@ -381,8 +381,7 @@ def use_lean_vision(provider: Any) -> bool:
     applied for the rest of the process, as the CPU runtime does: the tower's recomputed blocks (vision_recompute)
     run in backward, outside any block a forward step could scope. On CPU its numerics are transformers' bit for
     bit; on CUDA within bf16 rounding (tests/kernels/test_speed_hf_vision.py)."""
-    vision = getattr(provider, "vision_config", None)
-    family = family_of_vision_config(type(vision).__name__) if vision is not None else None
+    family = family_of_provider(provider)
     if family is None or family.megatron_vision_tower:
         return False
     provider.register_pre_wrap_hook(apply_lean_vision)

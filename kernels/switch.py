@@ -26,7 +26,7 @@ from typing import Any
 
 from qvl.foundation import patch_entries, patches
 from qvl.foundation.errors import ConfigError
-from qvl.foundation.families import family_of_vision_config
+from qvl.foundation.families import family_of_provider
 from qvl.foundation.megatron import have_transformer_engine
 
 DEVICES = ("cpu", "cuda")
@@ -69,8 +69,7 @@ class Target:
         """A run of `config` (a ConfigContainer; None: any model) on `device` (default: this process's) with the
         packages of this environment: a run launched from here installs the same stack."""
         model = getattr(config, "model", None)
-        vision = getattr(model, "vision_config", None)
-        family = family_of_vision_config(type(vision).__name__) if vision is not None else None
+        family = family_of_provider(model)
         known = model is not None
         cuda_graphs = bool(getattr(getattr(config, "qvl", None), "cuda_graphs", False))
         return cls(

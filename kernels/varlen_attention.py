@@ -41,7 +41,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from qvl.foundation.families import family_of_vision_config
+from qvl.foundation.families import family_of_provider, family_of_vision_config
 
 logger = logging.getLogger(__name__)
 
@@ -400,8 +400,7 @@ def use_varlen_vision_attention(provider: Any) -> bool:
     The attention function is chosen after the model is built, in a pre-wrap hook (Megatron-Bridge's extension
     point): at build time transformers treats any "flash" name it does not know as a hub kernel to download. A
     Megatron vision tower (Qwen3-VL) already runs `SDPAttention`; nothing to do."""
-    vision = getattr(provider, "vision_config", None)
-    family = family_of_vision_config(type(vision).__name__) if vision is not None else None
+    family = family_of_provider(provider)
     if family is None or family.megatron_vision_tower:
         return False
     register_hf_varlen_attention()
