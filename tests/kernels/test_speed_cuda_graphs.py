@@ -185,33 +185,6 @@ def test_layers_whose_shapes_follow_the_pack_stay_eager_and_the_tower_is_graphed
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        ({}, None),
-        ({"moe_expert_capacity_factor": 1.0}, "MoE layers whose all-to-all dispatcher"),
-        ({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}, None),
-        ({"moe_router_padding_for_fp8": True}, "MoE layers whose all-to-all dispatcher"),
-        ({"moe_router_padding_for_fp8": True, "moe_token_dispatcher_type": "allgather"}, None),
-    ],
-)
-def test_moe_layers_whose_router_reads_the_host_stay_eager(change, reason):
-    """Megatron-Core 0.19.2 captures a MoE layer's router and the all-to-all dispatcher's preprocessing in one graph,
-    which it refuses where that preprocessing synchronises with the host (a capacity factor that drops tokens, the
-    router's fp8 padding): those keep the layers eager, the rest graph the router and combine."""
-    from megatron.core.transformer.enums import CudaGraphModule
-
-    model = types.SimpleNamespace(pipeline_model_parallel_size=1, num_moe_experts=8, moe_layer_freq=1, num_layers=2,
-                                  moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=None,
-                                  moe_pad_expert_input_to_capacity=False, moe_router_padding_for_fp8=False)  # fmt: skip
-    vars(model).update(change)
-    got = speed_cuda_graphs.eager_layers(types.SimpleNamespace(model=model))
-    assert got == reason if reason is None else got.startswith(reason)
-    modules = speed_cuda_graphs.layer_graph_settings(model)["cuda_graph_modules"]
-    assert modules == [CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess]
-    assert speed_cuda_graphs.layer_graph_settings()["cuda_graph_modules"] == []  # a dense model's whole layers
-
-
-@pytest.mark.parametrize(
-    ("change", "reason"),
-    [
         ({"pipeline_model_parallel_size": 2}, "pipeline parallelism"),
         ({"overlap_grad_reduce": True}, "with ddp.overlap_grad_reduce"),
         ({"vision_balance": True}, "vision_balance"),
@@ -390,7 +363,6 @@ def _tiny_run(tmp_path, family: str, recipe: str, steps: int, *extra: str) -> li
 
 LAYERS_GRAPHED = "the language model's layers replay as CUDA graphs from step 2"
 TOWER_ALONE = "the vision tower alone replays as CUDA graphs"
-MOE_PARTIAL = LAYERS_GRAPHED + " (each MoE layer's router and combine; its attention and experts eager)"
 
 
 def _eager_and_graphed(
@@ -471,40 +443,6 @@ def test_a_model_whose_layers_stay_eager_trains_with_its_vision_tower_graphed(
     assert len(captures) == 2  # the tower's bucket: its forward and its backward, no layer's
     assert len(replays) == 7 * 2  # the call that captured them and the 6 after it
     assert all(replays)
-
-
-@pytest.mark.slow
-def test_a_moe_model_trains_with_its_routers_and_combines_graphed_as_it_does_eagerly(tmp_path, monkeypatch):
-    """Qwen3-VL-MoE with `cuda_graphs=true` (recorded on the CPU): each MoE layer's router (with the all-to-all
-    dispatcher's preprocessing, whose counts come to the host in the graph's copies) and its combine are captured
-    forward and backward, the attention and experts between them run eagerly, and every pack is padded to seq_length
-    with its pad masked out of the router's balancing loss (the mask one of the router graph's inputs): the losses are
-    the eager run's, which pads nothing. Without the mask the pad shifted them (2e-6 by step 4)."""
-    from qvl.foundation.graph_replay import RecordedGraph
-
-    args = _tiny_run(tmp_path, "qwen3_vl_moe", "qwen3_vl_30b_a3b_pretrain", 4)
-    replays, captures = [], []
-    replay, capture_end = RecordedGraph.replay, RecordedGraph.capture_end
-    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(len(self.ops)) or replay(self))
-    monkeypatch.setattr(RecordedGraph, "capture_end", lambda self: capture_end(self) or captures.append(self))
-    _eager_and_graphed(tmp_path, args, 4, said=MOE_PARTIAL, rel=5e-7)  # bit for bit here; the pad counted: 2.2e-6
-    moe_graphs = len(captures) - 2  # the tower's bucket: forward and backward
-    assert moe_graphs >= 8 and moe_graphs % 4 == 0  # per layer: router and combine, each forward and backward
-    assert len(replays) == 6 * moe_graphs + 7 * 2  # steps 2 to 4's micro-batches; the tower's also at its capture
-    assert all(replays)
-
-
-@pytest.mark.slow
-def test_a_moe_model_at_tensor_parallel_2_trains_with_its_routers_graphed_as_it_does_eagerly(tmp_path):
-    """Qwen3-VL-MoE at TP=2 (sequence parallelism), two gloo ranks: the router graphs hold the all-reduce of the
-    tokens per expert, and each rank masks its share of a pad that the graphs' padding to seq_length splits unevenly
-    (most of it on rank 1); the eager run pads a pack to an even length. The losses agree because a masked router
-    weighs its balancing loss by its group's mean count (fix-moe-pad-tokens): with upstream's count, the group's
-    total, the padded packs' balancing loss weighed twice and step 3 was 7e-5 (relative) apart."""
-    from tests.run_qvl import qvl_on_two_ranks
-
-    args = _tiny_run(tmp_path, "qwen3_vl_moe", "qwen3_vl_30b_a3b_pretrain", 3, "tensor_parallel=2")
-    _eager_and_graphed(tmp_path, args, 3, train=qvl_on_two_ranks, said=MOE_PARTIAL, rel=1e-6)
 
 
 @pytest.mark.slow
