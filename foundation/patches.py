@@ -418,6 +418,22 @@ PATCHES: tuple[Patch, ...] = (
             ("gdn", "chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
         )
     ),
+    # --- speed-gated-delta-sync-free: around a training loop of a model with Gated DeltaNet layers
+    #     (qvl.kernels.speed_gated_delta_sync_free; the forward step gives a pack's bounds on the host)
+    Patch(group="speed-gated-delta-sync-free",
+          target="megatron.core.ssm.gated_delta_net.common:_GDNBase._resolve_cu_seqlens",
+          replacement="qvl.kernels.speed_gated_delta_sync_free:checked_on_host", version=MCORE,
+          params=("self", "cu_seqlens_padded", "cu_seqlens_actual", "total_seq_len", "name", "cp_size"),
+          why="every Gated DeltaNet layer reads a pack's last bound and its lengths' divisibility back to the host, "
+              "for the query's and the key's bounds (with torch.equal of the two: five waits for the GPU per layer "
+              "and micro-batch); the same checks on the host values the step gives"),
+    *(
+        Patch(group="speed-gated-delta-sync-free", target=f"megatron.core.ssm.gated_delta_net.gdn:{name}",
+              replacement="qvl.kernels.speed_gated_delta_sync_free:given_chunks", version=MCORE,
+              why="fla lists a pack's 64-token chunks from its lengths on the device (a read back per micro-batch); "
+                  "given the host bounds and the list made on the host (its cu_seqlens_cpu and chunk_indices)")
+        for name in ("causal_conv1d", "chunk_gated_delta_rule")
+    ),
     # --- fix-fla-tf32: around a training loop that asks for exact fp32 on CUDA with fla (qvl.kernels.fix_fla_tf32)
     Patch(group="fix-fla-tf32", target="fla.ops.gated_delta_rule.chunk_fwd:SOLVE_TRIL_DOT_PRECISION",
           replacement="qvl.kernels.fix_fla_tf32:ieee_dots", version=FLA,

@@ -117,8 +117,8 @@ def tower_graphs_allowed(model_config: Any) -> bool:
 def eager_layers(cfg: Any) -> str | None:
     """Why the language model of `cfg`'s run (a ConfigContainer) keeps its layers eager under this group, None where
     they replay as graphs. A graph replays the shapes it captured (`layer_graph_settings`): pipeline stages send
-    activations between micro-batches of other stages; a Gated DeltaNet layer's shapes follow the pack's contents (its
-    chunked kernels cut each sub-sequence into 64-token chunks whose number they read from `cu_seqlens` on the host).
+    activations between micro-batches of other stages; a Gated DeltaNet layer's shapes follow the pack's contents (fla's
+    chunked kernels launch one program per 64-token chunk of each sub-sequence: their grids change from pack to pack).
     One such layer keeps the stage eager: the model's structure, not a family's name. A MoE layer is graphed in part
     (`moe_graphs`), except where its all-to-all dispatcher reads its splits to the host inside the router (a capacity
     factor without padding to it, or the router's fp8 padding: Megatron-Core 0.19.2 refuses to capture those). Full
@@ -133,7 +133,7 @@ def eager_layers(cfg: Any) -> str | None:
     if getattr(model, "experimental_attention_variant", None) == "gated_delta_net" and any(
         get_linear_attention_pattern(model)
     ):
-        return "Gated DeltaNet layers (chunks counted from cu_seqlens on the host) keep the model eager"
+        return "Gated DeltaNet layers (kernel grids sized by each pack's 64-token chunks) keep the model eager"
     if moe_graphs(model) and getattr(model, "moe_token_dispatcher_type", None) == "alltoall":
         dropping = getattr(model, "moe_expert_capacity_factor", None) is not None and not getattr(
             model, "moe_pad_expert_input_to_capacity", False

@@ -206,6 +206,10 @@ RULES: tuple[Rule, ...] = (
     Rule(group="torch-gated-delta", scope="model",
          condition="the model has Gated DeltaNet layers and flash-linear-attention cannot run (no CUDA or no fla)",
          on=lambda t: _both(t.gated_delta_net, not (t.device == "cuda" and t.fla))),
+    Rule(group="speed-gated-delta-sync-free", scope="training",
+         condition="the model has Gated DeltaNet layers (it changes only their checks of a pack's bounds and the "
+                   "chunk list flash-linear-attention's kernels are given: both from the host values the step gives)",
+         on=lambda t: t.gated_delta_net),
     Rule(group="fix-fla-tf32", scope="training",
          condition="the run asks for exact fp32 (qvl.exact_fp32, as `qvl verify-training --precision fp32` on CUDA "
                    "does), has Gated DeltaNet layers and runs flash-linear-attention's kernels (CUDA with fla)",

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from qvl.data.count import IGNORE_INDEX
+from qvl.foundation import patches
+from qvl.kernels import speed_gated_delta_sync_free as gated_delta
 from qvl.kernels.loss_rows import LossRows, host_loss_rows, loss_rows_output
 from qvl.kernels.speed_cuda_graphs import GraphShapes, fixed_size_cu_seqlens, graph_shapes
 from qvl.kernels.speed_qwen3_vl_sync_free import check_tower_rows
@@ -65,7 +67,7 @@ def model_inputs(
     tokens, labels = to_device(batch.tokens, device), to_device(batch.labels, device)
     # Megatron's cross-entropy has no ignore index: learn nothing where labels are IGNORE_INDEX.
     loss_mask = (to_device(batch.loss_mask, device) > 0) & (labels != IGNORE_INDEX)
-    cu = to_device(batch.cu_seqlens_q.to(torch.int32), device)
+    cu = batch.cu_seqlens_q.to(torch.int32)  # the pack's bounds, made on the host and copied once
     pad_to = graph_shapes.tokens if graph_shapes is not None else pad_to
     padding = 0 if pad_to is None else pad_to - tokens.shape[1]
     if padding < 0:
@@ -78,7 +80,6 @@ def model_inputs(
         labels = torch.nn.functional.pad(labels, (0, padding), value=0)
         loss_mask = torch.nn.functional.pad(loss_mask, (0, padding), value=False)
         cu = torch.cat([cu, cu.new_tensor([pad_to])])
-    cu = mark_whole_pack(cu)  # it ends at the pack's last token: no host read in the rotary (kernels/speed_rotary.py)
     max_seqlen = max(batch.max_seqlen, padding)
     # a padded pack says where its pad starts, for an MoE router to leave it out (qvl.kernels.fix_moe_pad_tokens); not
     # under whole-layer graphs, whose captured arguments would then differ from pack to pack. Under a MoE layer's
@@ -88,6 +89,7 @@ def model_inputs(
         pack_params = partial(PaddedPack, pad_from=pad_to - padding)
     if graph_shapes is not None:
         cu, max_seqlen = fixed_size_cu_seqlens(cu, graph_shapes.slots), graph_shapes.max_seqlen
+    cu = device_bounds(cu, device)
     kwargs = {
         "input_ids": tokens,
         "labels": labels.clamp(min=0),
@@ -112,6 +114,16 @@ def model_inputs(
             device, non_blocking=True
         )
     return kwargs, loss_mask.float()
+
+
+def device_bounds(host_cu: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A pack's bounds (`cu_seqlens`, on the host) on `device`, marked as a whole pack's: it ends at the pack's last
+    token, so the rotary reads nothing back (qvl.kernels.speed_rotary). Where Gated DeltaNet layers read nothing back
+    either (qvl.kernels.speed_gated_delta_sync_free applied), with the host values and the chunk list they take."""
+    cu = mark_whole_pack(to_device(host_cu, device))
+    if not patches.is_applied(gated_delta.GROUP) or host_cu.device.type != "cpu":
+        return cu
+    return gated_delta.with_host_bounds(cu, host_cu, to_device(gated_delta.chunk_list(host_cu), device))
 
 
 def distinct_pixels(batch: Any) -> tuple[dict[str, torch.Tensor], VisionSources | None]:

@@ -141,8 +141,8 @@ def test_graphs_make_the_rng_tracker_graph_safe(monkeypatch):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_layers_whose_shapes_follow_the_pack_stay_eager_and_the_tower_is_graphed_alone(family, monkeypatch, caplog):
-    """A Gated DeltaNet layer reads its chunks to the host: it cannot be captured, so a model with one keeps its
-    layers eager (one warning) instead of asking Megatron-Core to capture them, and its packs are not padded. Its
+    """A Gated DeltaNet layer's kernel grids follow the pack's chunks: it cannot be captured, so a model with one keeps
+    its layers eager (one warning) instead of asking Megatron-Core to capture them, and its packs are not padded. Its
     vision tower, whose calls are bucketed on their own, still replays as graphs. A MoE layer reads its tokens per
     expert to the host between its router and its experts: its router and combine are captured apart (Megatron-Core's
     partial graphs), the rest of its layer runs eagerly. Judged from the provider Megatron builds the model from, as a
