@@ -63,7 +63,7 @@ from megatron.core.transformer.multi_token_prediction import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import make_viewless_tensor
 from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 
@@ -74,7 +74,7 @@ from qvl.bridges.qwen3_vl import Qwen3VLModel
 from qvl.bridges.unconverted import recorded_tensor_names
 from qvl.foundation.errors import ConversionError
 from qvl.foundation.megatron import have_transformer_engine
-from qvl.kernels.local_specs import local_gpt_layer_spec
+from qvl.kernels.local_specs import UngraphedTransformerLayer, local_gpt_layer_spec
 from qvl.kernels.packed_shift import shift_in_sequences
 from qvl.kernels.torch_gated_delta import GatedDeltaNet
 
@@ -128,6 +128,8 @@ def _zero_centred_norms(layer: ModuleSpec) -> ModuleSpec:
 def _gated_delta_layer(attention_layer: ModuleSpec) -> ModuleSpec:
     """The full-attention layer spec with its attention replaced by a Gated DeltaNet (same norms and MLP)."""
     layer = copy.deepcopy(attention_layer)
+    if layer.module is TransformerLayer:  # dense: eager where the others are graphed (a MoE layer's hold no attention)
+        layer.module = UngraphedTransformerLayer
     layer.submodules.self_attention = ModuleSpec(
         module=GatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(

@@ -52,13 +52,15 @@ The vision tower is graphed by qvl's own forward where this group marked it (`to
 HF tower (Qwen2-VL, Qwen2.5-VL) by qvl.kernels.tower_graphs, Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL)
 by its `MegatronTowerGraphs`, at bucketed patch counts, since every pack has its own (the sizes planned from the
 dataset's packs where a micro-batch is one pack: `planned_dataset`, `TOWER_DATASET`). Its calls are bucketed on their
-own, so it replays as graphs also where the layers cannot be captured (Gated DeltaNet models, full activation
-recompute): the tower is most of a step's launches (the step census: 7,184 of 10,698 for Qwen2.5-VL-3B's shapes), and
-the language model's packs are not padded for it. Not graphed: the embedding and output layer, the loss and the
-optimizer; the layers where they cannot be captured at fixed shapes or Megatron-Core cannot make their graphs
-(`eager_layers`: pipeline stages, Gated DeltaNet layers, full activation recompute), a MoE layer's attention and
-experts; the tower under pipeline parallelism, DDP's overlapped gradient reduction, balanced vision work, or, Megatron-
-Bridge's tower, activation recompute (`eager_tower`).
+own, so it replays as graphs also where the layers cannot be captured (full activation recompute): the tower is
+most of a step's launches (the step census: 7,184 of 10,698 for Qwen2.5-VL-3B's shapes), and the language model's
+packs are not padded for it. Not graphed: the embedding and output layer, the loss and the optimizer; the layers where
+they cannot be captured at fixed shapes or Megatron-Core cannot make their graphs (`eager_layers`: pipeline stages,
+full activation recompute), a MoE layer's attention and experts, Qwen3.5's dense Gated DeltaNet layers
+(qvl.kernels.local_specs.UngraphedTransformerLayer: fla's kernels launch one program per 64-token chunk of each
+sub-sequence, so their grids follow the pack; they read nothing back under speed-gated-delta-sync-free and run eagerly
+between the graphed full-attention layers); the tower under pipeline parallelism, DDP's overlapped gradient reduction,
+balanced vision work, or, Megatron-Bridge's tower, activation recompute (`eager_tower`).
 """
 
 from __future__ import annotations
@@ -117,23 +119,17 @@ def tower_graphs_allowed(model_config: Any) -> bool:
 def eager_layers(cfg: Any) -> str | None:
     """Why the language model of `cfg`'s run (a ConfigContainer) keeps its layers eager under this group, None where
     they replay as graphs. A graph replays the shapes it captured (`layer_graph_settings`): pipeline stages send
-    activations between micro-batches of other stages; a Gated DeltaNet layer's shapes follow the pack's contents (fla's
-    chunked kernels launch one program per 64-token chunk of each sub-sequence: their grids change from pack to pack).
-    One such layer keeps the stage eager: the model's structure, not a family's name. A MoE layer is graphed in part
-    (`moe_graphs`), except where its all-to-all dispatcher reads its splits to the host inside the router (a capacity
-    factor without padding to it, or the router's fp8 padding: Megatron-Core 0.19.2 refuses to capture those). Full
-    activation recompute keeps the layers eager too (Megatron-Core 0.19.2 cannot make the graphs: `create_cudagraphs`
-    asserts on the shared buffers' count), and so does selective recompute of a module the graphs cannot hold
-    (UNGRAPHED_RECOMPUTE)."""
+    activations between micro-batches of other stages. (A Gated DeltaNet layer's kernel grids follow the pack's
+    64-token chunks: Qwen3.5's dense ones make no graph of their own and run eagerly between the graphed layers,
+    qvl.kernels.local_specs.UngraphedTransformerLayer; a MoE one's graphs hold none of its attention.) A MoE layer is
+    graphed in part (`moe_graphs`), except where its all-to-all dispatcher reads its splits to the host inside the
+    router (a capacity factor without padding to it, or the router's fp8 padding: Megatron-Core 0.19.2 refuses to
+    capture those). Full activation recompute keeps the layers eager too (Megatron-Core 0.19.2 cannot make the graphs:
+    `create_cudagraphs` asserts on the shared buffers' count), and so does selective recompute of a module the graphs
+    cannot hold (UNGRAPHED_RECOMPUTE)."""
     model = cfg.model
     if getattr(model, "pipeline_model_parallel_size", 1) > 1:
         return "pipeline parallelism keeps the layers eager"
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
-
-    if getattr(model, "experimental_attention_variant", None) == "gated_delta_net" and any(
-        get_linear_attention_pattern(model)
-    ):
-        return "Gated DeltaNet layers (kernel grids sized by each pack's 64-token chunks) keep the model eager"
     if moe_graphs(model) and getattr(model, "moe_token_dispatcher_type", None) == "alltoall":
         dropping = getattr(model, "moe_expert_capacity_factor", None) is not None and not getattr(
             model, "moe_pad_expert_input_to_capacity", False
@@ -183,9 +179,29 @@ def moe_graphs(model: Any) -> bool:
     return bool(getattr(model, "num_moe_experts", None)) and any(get_moe_layer_pattern(model))
 
 
+def eager_parts(model: Any) -> str:
+    """What of the graphed layers of `model` (the language model's provider, its graphs set) runs eagerly, in words
+    for the run's log: a MoE layer's attention and experts, or Qwen3.5's dense Gated DeltaNet layers
+    (qvl.kernels.local_specs.UngraphedTransformerLayer); "" where every layer is graphed whole."""
+    if getattr(model, "cuda_graph_modules", None):
+        return " (each MoE layer's router and combine; its attention and experts eager)"
+    if gated_delta_net(model):
+        return " (its full-attention layers; the Gated DeltaNet layers eager)"
+    return ""
+
+
+def gated_delta_net(model: Any) -> bool:
+    """Whether the language model (its provider or TransformerConfig) has Gated DeltaNet layers (Qwen3.5's pattern)."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
+
+    return getattr(model, "experimental_attention_variant", None) == "gated_delta_net" and any(
+        get_linear_attention_pattern(model)
+    )
+
+
 def eager_tower(cfg: Any) -> str | None:
     """Why the vision tower of `cfg`'s run (a ConfigContainer) stays eager under this group, None where it replays as
-    graphs, with the layers' graphs or without them (a Gated DeltaNet model, full recompute: the tower's calls
+    graphs, with the layers' graphs or without them (full recompute: the tower's calls
     are bucketed on their own, and the language model's packs are not padded for it). Eager: under pipeline
     parallelism (the first stage runs several micro-batches' forwards before their backwards, and a bucket's graphs
     take one at a time), where DDP overlaps its gradient reduction with the backward (the tower's graphs add into
@@ -383,9 +399,7 @@ def with_layer_graphs(original):
                     setattr(cfg.model, name, value)
                 logger.info(
                     "speed-cuda-graphs: the language model's layers replay as CUDA graphs from step 2%s",
-                    " (each MoE layer's router and combine; its attention and experts eager)"
-                    if cfg.model.cuda_graph_modules
-                    else "",
+                    eager_parts(cfg.model),
                 )
                 if tower is not None:
                     logger.warning("speed-cuda-graphs: %s", tower)

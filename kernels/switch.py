@@ -169,10 +169,11 @@ RULES: tuple[Rule, ...] = (
          condition="the run asks for it (cuda_graphs=true) and neither Transformer Engine nor Apex is installed (the "
                    "layers then read nothing back to the host, qvl's whole-pack rotary among them, so they can be "
                    "captured; on the CPU through cpu-cuda-graphs). A MoE layer's router and combine are captured, its "
-                   "attention and experts run eagerly (speed_cuda_graphs.moe_graphs). The layers stay eager where one "
-                   "cannot be captured: pipeline stages, Gated DeltaNet layers, full activation recompute, selective "
-                   "recompute of layernorm, moe_act or moe (speed_cuda_graphs.eager_layers); the vision tower is "
-                   "graphed with or without them, but under pipeline parallelism, DDP's overlapped reduction, "
+                   "attention and experts run eagerly (speed_cuda_graphs.moe_graphs); Qwen3.5's dense Gated DeltaNet "
+                   "layers run eagerly between the graphed full-attention ones (local_specs.UngraphedTransformerLayer). "
+                   "The layers stay eager where they cannot be captured: pipeline stages, full activation recompute, "
+                   "selective recompute of layernorm, moe_act or moe (speed_cuda_graphs.eager_layers); the vision "
+                   "tower is graphed with or without them, but under pipeline parallelism, DDP's overlapped reduction, "
                    "vision_balance or, Megatron-Bridge's tower, any recompute (speed_cuda_graphs.eager_tower)",
          on=lambda t: _both(t.cuda_graphs, t.torch_stack)),
     Rule(group="cpu-cuda-graphs", scope="training",

@@ -140,23 +140,22 @@ def test_graphs_make_the_rng_tracker_graph_safe(monkeypatch):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_layers_whose_shapes_follow_the_pack_stay_eager_and_the_tower_is_graphed_alone(family, monkeypatch, caplog):
-    """A Gated DeltaNet layer's kernel grids follow the pack's chunks: it cannot be captured, so a model with one keeps
-    its layers eager (one warning) instead of asking Megatron-Core to capture them, and its packs are not padded. Its
-    vision tower, whose calls are bucketed on their own, still replays as graphs. A MoE layer reads its tokens per
-    expert to the host between its router and its experts: its router and combine are captured apart (Megatron-Core's
-    partial graphs), the rest of its layer runs eagerly. Judged from the provider Megatron builds the model from, as a
-    run's `initialize_megatron` sees it."""
+def test_every_family_asks_for_its_layers_graphs_and_its_towers(family, monkeypatch, caplog):
+    """Every family's language model asks Megatron-Core for its layers' graphs, and its vision tower for its own:
+    whole layers, or a MoE layer's router and combine (Megatron-Core's partial graphs: the layer's attention and
+    experts run eagerly between them, a Gated DeltaNet too). A dense Gated DeltaNet layer (Qwen3.5-VL) makes no graph
+    of its own: its kernels' grids follow the pack's 64-token chunks, so it runs eagerly between the graphed
+    full-attention layers. Judged from the provider Megatron builds the model from, as a run's `initialize_megatron`
+    sees it."""
     from megatron.core.transformer.enums import CudaGraphModule
 
     from qvl.bridges.providers import auto_bridge
     from qvl.bridges.tiny_model import tiny_hf_config
+    from qvl.kernels.local_specs import UngraphedTransformerLayer
 
     megatron.import_megatron_bridge()
     hf_config = tiny_hf_config(family)
     provider = auto_bridge(hf_config).to_megatron_provider(load_weights=False)
-    layer_types = getattr(getattr(hf_config, "text_config", hf_config), "layer_types", None) or ()
-    expected = "Gated DeltaNet" if "linear_attention" in layer_types else None
     cfg = types.SimpleNamespace(
         model=provider,
         ddp=types.SimpleNamespace(overlap_grad_reduce=False),
@@ -165,21 +164,27 @@ def test_layers_whose_shapes_follow_the_pack_stay_eager_and_the_tower_is_graphed
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(speed_cuda_graphs, "graph_safe_rng_tracker", lambda: None)  # the process's tracker untouched
-    with caplog.at_level("WARNING", logger=speed_cuda_graphs.__name__):
+    with caplog.at_level("INFO", logger=speed_cuda_graphs.__name__):
         speed_cuda_graphs.with_layer_graphs(lambda cfg: None)(cfg)
-    warned = [r.getMessage() for r in caplog.records if r.name == speed_cuda_graphs.__name__]
-    reason = speed_cuda_graphs.eager_layers(cfg)
-    assert speed_cuda_graphs.tower_graphs_allowed(provider)
-    if expected is None:
-        assert reason is None and speed_cuda_graphs.graphed_parts(cfg) == (True, True)
-        assert provider.cuda_graph_impl == "local" and not warned
-        partial = [CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess] if get_family(family).moe else []
-        assert provider.cuda_graph_modules == partial
-        return
-    assert reason.startswith(expected) and speed_cuda_graphs.graphed_parts(cfg) == (False, True)
-    assert provider.cuda_graph_impl == "none"
-    assert speed_cuda_graphs.graph_shapes(cfg) is None  # no pack padded to seq_length
-    assert warned == [f"speed-cuda-graphs: {reason}; the vision tower alone replays as CUDA graphs"]
+    said = [r.getMessage() for r in caplog.records if r.name == speed_cuda_graphs.__name__]
+    assert speed_cuda_graphs.eager_layers(cfg) is None and speed_cuda_graphs.graphed_parts(cfg) == (True, True)
+    assert speed_cuda_graphs.tower_graphs_allowed(provider) and provider.cuda_graph_impl == "local"
+    moe = get_family(family).moe
+    assert provider.cuda_graph_modules == ([CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess] if moe else [])
+    layer_types = getattr(getattr(hf_config, "text_config", hf_config), "layer_types", None) or ()
+    gated_delta = "linear_attention" in layer_types
+    note = " (each MoE layer's router and combine; its attention and experts eager)" if moe else ""
+    note = note or (" (its full-attention layers; the Gated DeltaNet layers eager)" if gated_delta else "")
+    assert said == [f"speed-cuda-graphs: the language model's layers replay as CUDA graphs from step 2{note}"]
+    if gated_delta:
+        from qvl.bridges import qwen3_5_vl
+
+        attention = qwen3_5_vl._attention_layer(provider, None)
+        assert attention.module is not UngraphedTransformerLayer
+        assert (qwen3_5_vl._gated_delta_layer(attention).module is UngraphedTransformerLayer) is not moe
+        layer = types.SimpleNamespace(config=provider)
+        UngraphedTransformerLayer.create_mcore_cudagraph_manager(layer, provider)
+        assert not hasattr(layer, "cudagraph_manager")
 
 
 @pytest.mark.parametrize(
@@ -419,22 +424,14 @@ def test_a_run_with_cuda_graphs_trains_on_the_cpu_as_it_does_eagerly(family, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("family", "recipe", "extra"),
-    [
-        ("qwen3_5_vl_moe", "qwen3_5_vl_35b_a3b_pretrain", ()),  # MoE and Gated DeltaNet layers, Megatron's tower
-        ("qwen2_5_vl", "qwen2_5_vl_3b_pretrain", ("recompute=full",)),  # full recompute, the HF tower with windows
-    ],
-)
-def test_a_model_whose_layers_stay_eager_trains_with_its_vision_tower_graphed(
-    family, recipe, extra, tmp_path, monkeypatch
-):
-    """Where the language model's layers cannot be captured, `cuda_graphs=true` still replays the vision tower as
-    graphs (recorded on the CPU): one bucket size's forward and backward captured at its second call and replayed at
-    every later one, no layer captured, no pack padded, and the losses are the eager run's."""
+def test_a_model_whose_layers_stay_eager_trains_with_its_vision_tower_graphed(tmp_path, monkeypatch):
+    """Where the language model's layers cannot be captured (full recompute), `cuda_graphs=true` still replays the
+    vision tower as graphs (recorded on the CPU; the HF tower with its windows): one bucket size's forward and backward
+    captured at its second call and replayed at every later one, no layer captured, no pack padded, and the losses are
+    the eager run's."""
     from qvl.foundation.graph_replay import RecordedGraph
 
-    args = _tiny_run(tmp_path, family, recipe, 4, *extra)
+    args = _tiny_run(tmp_path, "qwen2_5_vl", "qwen2_5_vl_3b_pretrain", 4, "recompute=full")
     replays, captures = [], []
     replay, capture_end = RecordedGraph.replay, RecordedGraph.capture_end
     monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(len(self.ops)) or replay(self))

@@ -154,12 +154,14 @@ def test_on_a_gpu_with_fla_a_layers_forward_and_backward_never_synchronise():
     """CUDA with flash-linear-attention: every Gated DeltaNet layer of the tiny Qwen3.5-VL (built with the group
     applied, as a training loop builds it), forward and backward on a marked pack, under torch's sync debug mode set
     to raise; the same pack's plain bounds synchronise (the check can fail); both give the same numbers, and fla's
-    own chunk list equals the host's."""
+    own chunk list equals the host's. So do the bounds of a graphed run (speed-cuda-graphs: zero-length sub-sequences
+    after the last, between which Qwen3.5-VL's Gated DeltaNet layers run eagerly)."""
     pytest.importorskip("fla")
     from fla.ops.utils.index import prepare_chunk_indices
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from qvl.kernels import torch_gated_delta
+    from qvl.kernels.speed_cuda_graphs import fixed_size_cu_seqlens
     from qvl.training.step import device_bounds
 
     assert torch_gated_delta.fla_usable(), "fla installed but its kernels cannot run here"
@@ -194,6 +196,9 @@ def test_on_a_gpu_with_fla_a_layers_forward_and_backward_never_synchronise():
             assert isinstance(marked, HostBoundsCuSeqlens)
             reference = run(plain, "default")  # also the kernels' first calls (Triton's autotuning synchronises)
             assert all(torch.equal(a, b) for a, b in zip(run(marked, "error"), reference, strict=True))
+            graphed = device_bounds(fixed_size_cu_seqlens(host, slots=6), device)  # two zero-length tails
+            assert graphed.bounds == (0, 300, 301, 700, 1024, 1024, 1024)
+            assert all(torch.equal(a, b) for a, b in zip(run(graphed, "error"), reference, strict=True))
             with pytest.raises(RuntimeError, match="synchroniz"):
                 run(plain, "error")
     finally:

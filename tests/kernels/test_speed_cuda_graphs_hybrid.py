@@ -1,0 +1,41 @@
+"""speed-cuda-graphs with Qwen3.5's hybrid layers (slow): tiny Qwen3.5-VL trains with its full-attention layers
+graphed whole and its Gated DeltaNet layers eager between them (qvl.kernels.local_specs.UngraphedTransformerLayer), and
+tiny Qwen3.5-VL-MoE with every layer's router and combine graphed (its attention, a Gated DeltaNet or not, eager), each
+as it does eagerly (recorded on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kernels.test_speed_cuda_graphs import LAYERS_GRAPHED, _eager_and_graphed, _tiny_run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "recipe"), [("qwen3_5_vl", "qwen3_5_vl_9b_pretrain"), ("qwen3_5_vl_moe", "qwen3_5_vl_35b_a3b_pretrain")]
+)
+def test_qwen3_5_trains_with_its_layers_graphed_around_its_gated_deltanet_as_it_does_eagerly(
+    family, recipe, tmp_path, monkeypatch
+):
+    """Every pack is padded to seq_length with zero-length sub-sequences after it (the graphs' fixed shapes), which the
+    eager Gated DeltaNet layers take as they are. Dense: each full-attention layer's forward and backward captured, no
+    Gated DeltaNet layer's. MoE: each layer's router and combine, forward and backward. The vision tower's bucket too;
+    every graph replays at every later micro-batch, and the losses are the eager run's."""
+    from qvl.bridges.tiny_model import tiny_hf_config
+    from qvl.foundation.graph_replay import RecordedGraph
+
+    layer_types = tiny_hf_config(family).text_config.layer_types
+    moe = family.endswith("_moe")
+    assert "linear_attention" in layer_types and "full_attention" in layer_types
+    layer_graphs = 4 * len(layer_types) if moe else 2 * layer_types.count("full_attention")
+    note = " (each MoE layer's router and combine; its attention and experts eager)" if moe else ""
+    note = note or " (its full-attention layers; the Gated DeltaNet layers eager)"
+    args = _tiny_run(tmp_path, family, recipe, 4)
+    replays, captures = [], []
+    replay, capture_end = RecordedGraph.replay, RecordedGraph.capture_end
+    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(len(self.ops)) or replay(self))
+    monkeypatch.setattr(RecordedGraph, "capture_end", lambda self: capture_end(self) or captures.append(self))
+    _eager_and_graphed(tmp_path, args, 4, said=LAYERS_GRAPHED + note, rel=5e-7)
+    assert len(captures) == layer_graphs + 2  # and the tower's bucket: forward and backward
+    assert len(replays) == 6 * layer_graphs + 7 * 2  # steps 2 to 4's micro-batches; the tower's also at its capture
+    assert all(replays)
