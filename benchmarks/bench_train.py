@@ -50,6 +50,7 @@ MODELS = {
     "tiny": ("qwen2_5_vl_3b_pretrain", "qwen2_5_vl", None),
     "tiny_qwen3_vl": ("qwen3_vl_2b_pretrain", "qwen3_vl", None),  # Megatron-Bridge's vision tower (a gpu test)
     "tiny_qwen3_vl_moe": ("qwen3_vl_30b_a3b_pretrain", "qwen3_vl_moe", None),  # MoE layers' partial graphs (gpu test)
+    "tiny_qwen3_5_vl": ("qwen3_5_vl_9b_pretrain", "qwen3_5_vl", None),  # Gated DeltaNet layers on fla (gpu test)
     "qwen2_vl_2b": ("qwen2_vl_2b_pretrain", "qwen2_vl", "2b"),
     "qwen2_5_vl_3b": ("qwen2_5_vl_3b_pretrain", "qwen2_5_vl", "3b"),
     "qwen3_vl_2b": ("qwen3_vl_2b_pretrain", "qwen3_vl", "2b"),

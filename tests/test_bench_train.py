@@ -270,6 +270,26 @@ def test_a_moe_models_routers_and_combines_train_graphed_as_they_do_eagerly(devi
     assert graphed["losses"] == pytest.approx(eager["losses"], rel=LOSS_REL[device])
 
 
+@pytest.mark.gpu
+def test_qwen3_5s_attention_layers_train_graphed_around_its_gated_deltanet_layers_as_they_do_eagerly(tmp_path):
+    """speed-cuda-graphs with Qwen3.5-VL on a GPU: its full-attention layers captured and replayed, its Gated DeltaNet
+    layers on flash-linear-attention's kernels eager between them (the graphed run's packs padded to seq_length, with
+    zero-length sub-sequences after them), reading nothing back (speed-gated-delta-sync-free); the eager run's losses.
+    On the CPU: tests/kernels/test_speed_cuda_graphs_hybrid.py."""
+    from benchmarks import bench_train
+
+    variants = ["256:packed:steps=4", "256:packed:-speed-cuda-graphs:steps=4"]
+    argv = ["--model", "tiny_qwen3_5_vl", "--variants", *variants, "--out", str(tmp_path)]
+    assert bench_train.main(argv) == 0
+    graphed, eager = (v["result"] for v in json.loads((tmp_path / "bench_train.json").read_text())["variants"])
+    assert "error" not in graphed, graphed.get("error")
+    graphs = graphed["patch_groups"]["cuda_graphs"]
+    assert graphs["requested"] and graphs["created"], graphs
+    assert "speed-gated-delta-sync-free" in graphed["patch_groups"]["applied_around_loop"], graphed["patch_groups"]
+    assert graphed["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-2)
+    assert graphed["losses"] == pytest.approx(eager["losses"], rel=LOSS_REL["cuda"])
+
+
 @EITHER_DEVICE
 def test_the_tower_alone_trains_graphed_where_the_layers_cannot_be(device, tmp_path):
     """speed-cuda-graphs under full recompute (Megatron-Core cannot make the layers' graphs): the layers eager, the
