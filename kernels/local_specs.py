@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from qvl.foundation.megatron import import_megatron_core
@@ -26,16 +27,52 @@ def local_gpt_layer_spec(config: Any, vp_stage: int | None = None) -> ModuleSpec
         normalization=config.normalization,
     )
     if config.num_moe_experts:
-        spec.module = MoETransformerLayer
+        spec.module = GraphedAttentionMoELayer
     return use_sdpa_attention(spec)
+
+
+class GraphedAttentionMoELayer(MoETransformerLayer):
+    """Megatron-Core's MoETransformerLayer whose attention is a CUDA graph of its own where its router and combine are
+    (Megatron-Core 0.19.2's partial graphs, `cuda_graph_modules=[moe_router, moe_preprocess]`, capture those two and
+    run the rest eagerly): a third graph per layer holds the input norm, the attention and the residual add, the same
+    method (`_forward_attention`) through Megatron-Core's own CudaGraphManager, as the router's is. Not a Gated
+    DeltaNet attention, whose kernels' grids follow the pack. The graph is given the pack's bounds without the pad
+    mark the router takes (qvl.kernels.fix_moe_pad_tokens.PaddedPack: its position differs from pack to pack, and a
+    graph replays only the arguments it captured; attention does not read it)."""
+
+    def create_mcore_cudagraph_manager(self, config) -> None:
+        super().create_mcore_cudagraph_manager(config)
+        attention = getattr(self.submodules_config.self_attention, "module", None)
+        if self.use_partial_cudagraphs and attention is not None and attention.__name__ != "GatedDeltaNet":
+            from megatron.core.transformer.cuda_graphs import CudaGraphManager
+
+            self.cudagraph_manager_attention = CudaGraphManager(config, self, function_name="_graphed_attention")
+
+    def _forward_attention(self, *args, packed_seq_params=None, **kwargs):
+        if hasattr(self, "cudagraph_manager_attention"):
+            packed_seq_params = unmarked_pack(packed_seq_params)
+        return self._graphed_attention(*args, packed_seq_params=packed_seq_params, **kwargs)
+
+    def _graphed_attention(self, *args, **kwargs):
+        return super()._forward_attention(*args, **kwargs)
+
+
+def unmarked_pack(packed_seq_params: Any) -> Any:
+    """`packed_seq_params` as Megatron-Core's own PackedSeqParams (a subclass's extra fields dropped); None as is."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if packed_seq_params is None or type(packed_seq_params) is PackedSeqParams:
+        return packed_seq_params
+    fields = {f.name: getattr(packed_seq_params, f.name) for f in dataclasses.fields(PackedSeqParams) if f.init}
+    return PackedSeqParams(**fields)
 
 
 class UngraphedTransformerLayer(TransformerLayer):
     """Megatron-Core's TransformerLayer without a CUDA graph of its own: where the run's layers are graphed
     (qvl.kernels.speed_cuda_graphs) it runs eagerly between the graphed ones. Qwen3.5's dense Gated DeltaNet layers
     are these: flash-linear-attention's kernels launch one program per 64-token chunk of each sub-sequence, so their
-    grids follow the pack's lengths (a MoE layer captures only its router and combine, and runs its attention, a Gated
-    DeltaNet too, eagerly)."""
+    grids follow the pack's lengths (a MoE layer, `GraphedAttentionMoELayer`, captures its router and combine and runs
+    a Gated DeltaNet attention eagerly)."""
 
     def create_mcore_cudagraph_manager(self, config) -> None:
         return None

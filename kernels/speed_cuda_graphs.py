@@ -44,9 +44,11 @@ Qwen3-VL-MoE also at TP=2.
 
 A MoE layer is captured in part (`moe_graphs`), as Megatron-Core 0.19.2's own training graphs capture it: its router
 (with the all-to-all dispatcher's preprocessing, whose counts the graph copies to the host) and its combine are two
-graphs each way, the attention and the experts between them run eagerly, and the layer's call is eager. Its packs are
-padded to `seq_length` as for whole layers; the pad is masked out of the router's balancing loss
-(qvl.kernels.fix_moe_pad_tokens), the mask one of the router graph's inputs.
+graphs each way, the experts between them run eagerly, and the layer's call is eager; its attention (with the input
+norm and the residual add) is a third graph each way where it is not a Gated DeltaNet (qvl's
+`local_specs.GraphedAttentionMoELayer`, through the same CudaGraphManager). Its packs are padded to `seq_length` as for
+whole layers; the pad is masked out of the router's balancing loss (qvl.kernels.fix_moe_pad_tokens), the mask one of
+the router graph's inputs.
 
 The vision tower is graphed by qvl's own forward where this group marked it (`tower_graphs_allowed`): the replicated
 HF tower (Qwen2-VL, Qwen2.5-VL) by qvl.kernels.tower_graphs, Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL)
@@ -56,10 +58,10 @@ own, so it replays as graphs also where the layers cannot be captured (full acti
 most of a step's launches (the step census: 7,184 of 10,698 for Qwen2.5-VL-3B's shapes), and the language model's
 packs are not padded for it. Not graphed: the embedding and output layer, the loss and the optimizer; the layers where
 they cannot be captured at fixed shapes or Megatron-Core cannot make their graphs (`eager_layers`: pipeline stages,
-full activation recompute), a MoE layer's attention and experts, Qwen3.5's dense Gated DeltaNet layers
+full activation recompute), a MoE layer's experts, Qwen3.5's Gated DeltaNet layers (the dense ones whole
 (qvl.kernels.local_specs.UngraphedTransformerLayer: fla's kernels launch one program per 64-token chunk of each
 sub-sequence, so their grids follow the pack; they read nothing back under speed-gated-delta-sync-free and run eagerly
-between the graphed full-attention layers); the tower under pipeline parallelism, DDP's overlapped gradient reduction,
+between the graphed full-attention layers)); the tower under pipeline parallelism, DDP's overlapped gradient reduction,
 balanced vision work, or, Megatron-Bridge's tower, activation recompute (`eager_tower`).
 """
 
@@ -171,8 +173,9 @@ def moe_graphs(model: Any) -> bool:
     (`layer_graph_settings`): an expert takes the tokens routed to it, whose counts its dispatcher reads to the host
     to split them, so Megatron-Core 0.19.2's MoETransformerLayer (qvl.kernels.local_specs) captures what comes before
     (the pre-MLP norm, the router, its load-balancing loss and the dispatcher's preprocessing, whose counts come to the
-    host in the graph's copies) and what comes after (the combine and the residual add), and runs the attention and
-    the experts between them eagerly. Those layers' calls are then eager: a pack's pad may be marked
+    host in the graph's copies) and what comes after (the combine and the residual add), and runs the experts between
+    them eagerly; qvl's MoE layer (qvl.kernels.local_specs.GraphedAttentionMoELayer) graphs its attention apart too,
+    but a Gated DeltaNet. Those layers' calls are then eager: a pack's pad may be marked
     (qvl.kernels.fix_moe_pad_tokens) and the mask is one of the router graph's inputs."""
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_moe_layer_pattern
 
@@ -180,14 +183,16 @@ def moe_graphs(model: Any) -> bool:
 
 
 def eager_parts(model: Any) -> str:
-    """What of the graphed layers of `model` (the language model's provider, its graphs set) runs eagerly, in words
-    for the run's log: a MoE layer's attention and experts, or Qwen3.5's dense Gated DeltaNet layers
-    (qvl.kernels.local_specs.UngraphedTransformerLayer); "" where every layer is graphed whole."""
+    """What the graphs of `model`'s layers (the language model's provider, its graphs set) hold, in words for the
+    run's log, where not every layer is graphed whole: a MoE layer's attention, router and combine, its experts eager
+    (qvl.kernels.local_specs.GraphedAttentionMoELayer); Gated DeltaNet layers are eager (Qwen3.5's dense ones whole,
+    qvl.kernels.local_specs.UngraphedTransformerLayer)."""
+    gated_delta = gated_delta_net(model)
     if getattr(model, "cuda_graph_modules", None):
-        return " (each MoE layer's router and combine; its attention and experts eager)"
-    if gated_delta_net(model):
-        return " (its full-attention layers; the Gated DeltaNet layers eager)"
-    return ""
+        if gated_delta:
+            return " (each MoE layer's router and combine, and its full attention; Gated DeltaNet and experts eager)"
+        return " (each MoE layer's attention, router and combine; its experts eager)"
+    return " (its full-attention layers; the Gated DeltaNet layers eager)" if gated_delta else ""
 
 
 def gated_delta_net(model: Any) -> bool:

@@ -142,10 +142,10 @@ def test_graphs_make_the_rng_tracker_graph_safe(monkeypatch):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_asks_for_its_layers_graphs_and_its_towers(family, monkeypatch, caplog):
     """Every family's language model asks Megatron-Core for its layers' graphs, and its vision tower for its own:
-    whole layers, or a MoE layer's router and combine (Megatron-Core's partial graphs: the layer's attention and
-    experts run eagerly between them, a Gated DeltaNet too). A dense Gated DeltaNet layer (Qwen3.5-VL) makes no graph
-    of its own: its kernels' grids follow the pack's 64-token chunks, so it runs eagerly between the graphed
-    full-attention layers. Judged from the provider Megatron builds the model from, as a run's `initialize_megatron`
+    whole layers, or a MoE layer's router and combine (Megatron-Core's partial graphs: its experts run eagerly between
+    them) and its attention (qvl's third graph) where that is not a Gated DeltaNet. A dense Gated DeltaNet layer
+    (Qwen3.5-VL) makes no graph of its own: its kernels' grids follow the pack's 64-token chunks, so it runs eagerly
+    between the graphed full-attention layers. Judged from the provider Megatron builds the model from, as a run's `initialize_megatron`
     sees it."""
     from megatron.core.transformer.enums import CudaGraphModule
 
@@ -173,8 +173,20 @@ def test_every_family_asks_for_its_layers_graphs_and_its_towers(family, monkeypa
     assert provider.cuda_graph_modules == ([CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess] if moe else [])
     layer_types = getattr(getattr(hf_config, "text_config", hf_config), "layer_types", None) or ()
     gated_delta = "linear_attention" in layer_types
-    note = " (each MoE layer's router and combine; its attention and experts eager)" if moe else ""
-    note = note or (" (its full-attention layers; the Gated DeltaNet layers eager)" if gated_delta else "")
+    notes = {
+        (True, False): " (each MoE layer's attention, router and combine; its experts eager)",
+        (
+            True,
+            True,
+        ): " (each MoE layer's router and combine, and its full attention; Gated DeltaNet and experts eager)",
+        (False, True): " (its full-attention layers; the Gated DeltaNet layers eager)",
+        (False, False): "",
+    }
+    note = notes[moe, gated_delta]
+    if moe:
+        from qvl.kernels.local_specs import GraphedAttentionMoELayer, local_gpt_layer_spec
+
+        assert local_gpt_layer_spec(provider).module is GraphedAttentionMoELayer
     assert said == [f"speed-cuda-graphs: the language model's layers replay as CUDA graphs from step 2{note}"]
     if gated_delta:
         from qvl.bridges import qwen3_5_vl
