@@ -74,7 +74,7 @@ from qvl.bridges.qwen3_vl import Qwen3VLModel
 from qvl.bridges.unconverted import recorded_tensor_names
 from qvl.foundation.errors import ConversionError
 from qvl.foundation.megatron import have_transformer_engine
-from qvl.kernels.local_specs import UngraphedTransformerLayer, local_gpt_layer_spec
+from qvl.kernels.local_specs import GraphedMLPLayer, local_gpt_layer_spec
 from qvl.kernels.packed_shift import shift_in_sequences
 from qvl.kernels.torch_gated_delta import GatedDeltaNet
 
@@ -129,7 +129,7 @@ def _gated_delta_layer(attention_layer: ModuleSpec) -> ModuleSpec:
     """The full-attention layer spec with its attention replaced by a Gated DeltaNet (same norms and MLP)."""
     layer = copy.deepcopy(attention_layer)
     if layer.module is TransformerLayer:  # dense: eager where the others are graphed (a MoE layer's hold no attention)
-        layer.module = UngraphedTransformerLayer
+        layer.module = GraphedMLPLayer
     layer.submodules.self_attention = ModuleSpec(
         module=GatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(

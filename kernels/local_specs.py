@@ -67,12 +67,22 @@ def unmarked_pack(packed_seq_params: Any) -> Any:
     return PackedSeqParams(**fields)
 
 
-class UngraphedTransformerLayer(TransformerLayer):
-    """Megatron-Core's TransformerLayer without a CUDA graph of its own: where the run's layers are graphed
-    (qvl.kernels.speed_cuda_graphs) it runs eagerly between the graphed ones. Qwen3.5's dense Gated DeltaNet layers
-    are these: flash-linear-attention's kernels launch one program per 64-token chunk of each sub-sequence, so their
-    grids follow the pack's lengths (a MoE layer, `GraphedAttentionMoELayer`, captures its router and combine and runs
-    a Gated DeltaNet attention eagerly)."""
+class GraphedMLPLayer(TransformerLayer):
+    """Megatron-Core's dense TransformerLayer whose attention runs eagerly where the run's layers are graphed
+    (qvl.kernels.speed_cuda_graphs), and whose MLP is a CUDA graph of its own each way: the pre-MLP norm, the MLP and
+    the residual add (`_forward_mlp`), through Megatron-Core's CudaGraphManager as a MoE layer's router is. Qwen3.5's
+    dense Gated DeltaNet layers are these: flash-linear-attention's kernels launch one program per 64-token chunk of
+    each sub-sequence, so their grids follow the pack's lengths (a MoE layer, `GraphedAttentionMoELayer`, captures its
+    router and combine and runs a Gated DeltaNet attention eagerly). The graph takes the hidden states alone: a dense
+    MLP reads neither the pack's bounds nor a padding mask's batch layout."""
 
     def create_mcore_cudagraph_manager(self, config) -> None:
-        return None
+        from megatron.core.transformer.cuda_graphs import CudaGraphManager
+
+        self.cudagraph_manager_mlp = CudaGraphManager(config, self, function_name="_graphed_mlp")
+
+    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None, packed_seq_params=None):
+        return self._graphed_mlp(hidden_states, inference_context, padding_mask)
+
+    def _graphed_mlp(self, hidden_states, inference_context=None, padding_mask=None):
+        return super()._forward_mlp(hidden_states, inference_context, padding_mask=padding_mask)

@@ -58,10 +58,9 @@ own, so it replays as graphs also where the layers cannot be captured (full acti
 most of a step's launches (the step census: 7,184 of 10,698 for Qwen2.5-VL-3B's shapes), and the language model's
 packs are not padded for it. Not graphed: the embedding and output layer, the loss and the optimizer; the layers where
 they cannot be captured at fixed shapes or Megatron-Core cannot make their graphs (`eager_layers`: pipeline stages,
-full activation recompute), a MoE layer's experts, Qwen3.5's Gated DeltaNet layers (the dense ones whole
-(qvl.kernels.local_specs.UngraphedTransformerLayer: fla's kernels launch one program per 64-token chunk of each
-sub-sequence, so their grids follow the pack; they read nothing back under speed-gated-delta-sync-free and run eagerly
-between the graphed full-attention layers)); the tower under pipeline parallelism, DDP's overlapped gradient reduction,
+full activation recompute), a MoE layer's experts, Qwen3.5's Gated DeltaNet attention (fla's kernels launch one
+program per 64-token chunk of each sub-sequence, so their grids follow the pack; they read nothing back under
+speed-gated-delta-sync-free; a dense layer's MLP is graphed apart: qvl.kernels.local_specs.GraphedMLPLayer); the tower under pipeline parallelism, DDP's overlapped gradient reduction,
 balanced vision work, or, Megatron-Bridge's tower, activation recompute (`eager_tower`).
 """
 
@@ -122,8 +121,8 @@ def eager_layers(cfg: Any) -> str | None:
     """Why the language model of `cfg`'s run (a ConfigContainer) keeps its layers eager under this group, None where
     they replay as graphs. A graph replays the shapes it captured (`layer_graph_settings`): pipeline stages send
     activations between micro-batches of other stages. (A Gated DeltaNet layer's kernel grids follow the pack's
-    64-token chunks: Qwen3.5's dense ones make no graph of their own and run eagerly between the graphed layers,
-    qvl.kernels.local_specs.UngraphedTransformerLayer; a MoE one's graphs hold none of its attention.) A MoE layer is
+    64-token chunks: Qwen3.5's dense ones graph their MLP alone, qvl.kernels.local_specs.GraphedMLPLayer; a MoE one's
+    graphs hold none of its attention.) A MoE layer is
     graphed in part (`moe_graphs`), except where its all-to-all dispatcher reads its splits to the host inside the
     router (a capacity factor without padding to it, or the router's fp8 padding: Megatron-Core 0.19.2 refuses to
     capture those). Full activation recompute keeps the layers eager too (Megatron-Core 0.19.2 cannot make the graphs:
@@ -185,14 +184,14 @@ def moe_graphs(model: Any) -> bool:
 def eager_parts(model: Any) -> str:
     """What the graphs of `model`'s layers (the language model's provider, its graphs set) hold, in words for the
     run's log, where not every layer is graphed whole: a MoE layer's attention, router and combine, its experts eager
-    (qvl.kernels.local_specs.GraphedAttentionMoELayer); Gated DeltaNet layers are eager (Qwen3.5's dense ones whole,
-    qvl.kernels.local_specs.UngraphedTransformerLayer)."""
+    (qvl.kernels.local_specs.GraphedAttentionMoELayer); a Gated DeltaNet attention is eager (a dense layer's MLP
+    graphed alone, qvl.kernels.local_specs.GraphedMLPLayer)."""
     gated_delta = gated_delta_net(model)
     if getattr(model, "cuda_graph_modules", None):
         if gated_delta:
             return " (each MoE layer's router and combine, and its full attention; Gated DeltaNet and experts eager)"
         return " (each MoE layer's attention, router and combine; its experts eager)"
-    return " (its full-attention layers; the Gated DeltaNet layers eager)" if gated_delta else ""
+    return " (a Gated DeltaNet layer's MLP alone; its Gated DeltaNet eager)" if gated_delta else ""
 
 
 def gated_delta_net(model: Any) -> bool:

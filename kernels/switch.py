@@ -170,7 +170,7 @@ RULES: tuple[Rule, ...] = (
                    "layers then read nothing back to the host, qvl's whole-pack rotary among them, so they can be "
                    "captured; on the CPU through cpu-cuda-graphs). A MoE layer's attention, router and combine are "
                    "captured, its experts run eagerly (speed_cuda_graphs.moe_graphs); Qwen3.5's dense Gated DeltaNet "
-                   "layers run eagerly between the graphed full-attention ones (local_specs.UngraphedTransformerLayer). "
+                   "layers graph their MLP alone (local_specs.GraphedMLPLayer). "
                    "The layers stay eager where they cannot be captured: pipeline stages, full activation recompute, "
                    "selective recompute of layernorm, moe_act or moe (speed_cuda_graphs.eager_layers); the vision "
                    "tower is graphed with or without them, but under pipeline parallelism, DDP's overlapped reduction, "

@@ -144,14 +144,14 @@ def test_every_family_asks_for_its_layers_graphs_and_its_towers(family, monkeypa
     """Every family's language model asks Megatron-Core for its layers' graphs, and its vision tower for its own:
     whole layers, or a MoE layer's router and combine (Megatron-Core's partial graphs: its experts run eagerly between
     them) and its attention (qvl's third graph) where that is not a Gated DeltaNet. A dense Gated DeltaNet layer
-    (Qwen3.5-VL) makes no graph of its own: its kernels' grids follow the pack's 64-token chunks, so it runs eagerly
-    between the graphed full-attention layers. Judged from the provider Megatron builds the model from, as a run's `initialize_megatron`
+    (Qwen3.5-VL) graphs its MLP alone: the Gated DeltaNet kernels' grids follow the pack's 64-token chunks, so it
+    runs eagerly. Judged from the provider Megatron builds the model from, as a run's `initialize_megatron`
     sees it."""
     from megatron.core.transformer.enums import CudaGraphModule
 
     from qvl.bridges.providers import auto_bridge
     from qvl.bridges.tiny_model import tiny_hf_config
-    from qvl.kernels.local_specs import UngraphedTransformerLayer
+    from qvl.kernels.local_specs import GraphedMLPLayer
 
     megatron.import_megatron_bridge()
     hf_config = tiny_hf_config(family)
@@ -179,7 +179,7 @@ def test_every_family_asks_for_its_layers_graphs_and_its_towers(family, monkeypa
             True,
             True,
         ): " (each MoE layer's router and combine, and its full attention; Gated DeltaNet and experts eager)",
-        (False, True): " (its full-attention layers; the Gated DeltaNet layers eager)",
+        (False, True): " (a Gated DeltaNet layer's MLP alone; its Gated DeltaNet eager)",
         (False, False): "",
     }
     note = notes[moe, gated_delta]
@@ -192,11 +192,8 @@ def test_every_family_asks_for_its_layers_graphs_and_its_towers(family, monkeypa
         from qvl.bridges import qwen3_5_vl
 
         attention = qwen3_5_vl._attention_layer(provider, None)
-        assert attention.module is not UngraphedTransformerLayer
-        assert (qwen3_5_vl._gated_delta_layer(attention).module is UngraphedTransformerLayer) is not moe
-        layer = types.SimpleNamespace(config=provider)
-        UngraphedTransformerLayer.create_mcore_cudagraph_manager(layer, provider)
-        assert not hasattr(layer, "cudagraph_manager")
+        assert attention.module is not GraphedMLPLayer
+        assert (qwen3_5_vl._gated_delta_layer(attention).module is GraphedMLPLayer) is not moe
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """speed-cuda-graphs with Qwen3.5's hybrid layers (slow): tiny Qwen3.5-VL trains with its full-attention layers
-graphed whole and its Gated DeltaNet layers eager between them (qvl.kernels.local_specs.UngraphedTransformerLayer), and
+graphed whole and its Gated DeltaNet layers' MLPs alone (qvl.kernels.local_specs.GraphedMLPLayer), and
 tiny Qwen3.5-VL-MoE with every layer's router and combine graphed and a full-attention layer's attention (a Gated
 DeltaNet eager), each as it does eagerly (recorded on the CPU)."""
 
@@ -18,20 +18,22 @@ def test_qwen3_5_trains_with_its_layers_graphed_around_its_gated_deltanet_as_it_
     family, recipe, tmp_path, monkeypatch
 ):
     """Every pack is padded to seq_length with zero-length sub-sequences after it (the graphs' fixed shapes), which the
-    eager Gated DeltaNet layers take as they are. Dense: each full-attention layer's forward and backward captured, no
-    Gated DeltaNet layer's. MoE: each layer's router and combine and each full-attention layer's attention, forward and
-    backward. The vision tower's bucket too;
-    every graph replays at every later micro-batch, and the losses are the eager run's."""
+    eager Gated DeltaNets take as they are. Dense: each full-attention layer captured whole and each Gated DeltaNet
+    layer's MLP, forward and backward. MoE: each layer's router and combine and each full-attention layer's attention,
+    forward and backward. The vision tower's bucket too; every graph replays at every later micro-batch, and the
+    losses are the eager run's."""
     from qvl.bridges.tiny_model import tiny_hf_config
     from qvl.foundation.graph_replay import RecordedGraph
 
     layer_types = tiny_hf_config(family).text_config.layer_types
     moe = family.endswith("_moe")
     assert "linear_attention" in layer_types and "full_attention" in layer_types
-    # MoE: each layer's router and combine, and a full-attention layer's attention; each forward and backward
-    layer_graphs = 2 * layer_types.count("full_attention") + (4 * len(layer_types) if moe else 0)
+    full, linear = layer_types.count("full_attention"), layer_types.count("linear_attention")
+    # each forward and backward: dense, a full-attention layer whole and a Gated DeltaNet layer's MLP; MoE, every
+    # layer's router and combine and a full-attention layer's attention
+    layer_graphs = 4 * (full + linear) + 2 * full if moe else 2 * (full + linear)
     note = " (each MoE layer's router and combine, and its full attention; Gated DeltaNet and experts eager)"
-    note = note if moe else " (its full-attention layers; the Gated DeltaNet layers eager)"
+    note = note if moe else " (a Gated DeltaNet layer's MLP alone; its Gated DeltaNet eager)"
     args = _tiny_run(tmp_path, family, recipe, 4)
     replays, captures = [], []
     replay, capture_end = RecordedGraph.replay, RecordedGraph.capture_end
