@@ -27,6 +27,7 @@ values takes upstream's path.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -105,13 +106,23 @@ def checked_on_host(original: Callable) -> Callable:
 def given_chunks(original: Callable | None) -> Callable:
     """Replacement factory for fla's `causal_conv1d` and `chunk_gated_delta_rule` as Megatron-Core's gdn.py calls
     them: bounds that carry host values give the kernel those (`cu_seqlens_cpu`) and their chunk list
-    (`chunk_indices`), which it would otherwise make from the device lengths."""
+    (`chunk_indices`), which it would otherwise make from the device lengths; a kernel without those arguments (fla
+    before 0.6) is called as upstream calls it."""
+    takes = _named_parameters(original) & {"cu_seqlens_cpu", "chunk_indices"}
 
     @functools.wraps(original)
     def kernel(*args, cu_seqlens=None, **kwargs):
         if isinstance(cu_seqlens, HostBoundsCuSeqlens):
-            kwargs.setdefault("cu_seqlens_cpu", cu_seqlens.host)
-            kwargs.setdefault("chunk_indices", cu_seqlens.chunks)
+            given = {"cu_seqlens_cpu": cu_seqlens.host, "chunk_indices": cu_seqlens.chunks}
+            kwargs = {name: value for name, value in given.items() if name in takes} | kwargs
         return original(*args, cu_seqlens=cu_seqlens, **kwargs)
 
     return kernel
+
+
+def _named_parameters(function: Callable | None) -> set[str]:
+    """The parameters `function` names (none for None or a callable without a signature)."""
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return set()

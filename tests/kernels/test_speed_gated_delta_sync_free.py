@@ -90,14 +90,24 @@ def test_the_layers_checks_run_on_the_host_and_a_failed_one_raises_upstreams_err
 
 def test_flas_kernels_are_given_the_host_bounds_and_the_chunk_list():
     calls = []
-    kernel = gated_delta.given_chunks(lambda *args, **kwargs: calls.append(kwargs) or "out")
+
+    def fla_kernel(x, activation=None, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None):  # fla 0.6's names
+        calls.append({"cu_seqlens": cu_seqlens, "activation": activation, "cu_seqlens_cpu": cu_seqlens_cpu,
+                      "chunk_indices": chunk_indices})  # fmt: skip
+        calls[-1] = {name: value for name, value in calls[-1].items() if value is not None}
+        return "out"
+
+    kernel = gated_delta.given_chunks(fla_kernel)
     cu = _marked([0, 70, 100])
     assert kernel("x", activation="silu", cu_seqlens=cu) == "out"
     assert calls[-1]["cu_seqlens_cpu"] is cu.host and calls[-1]["chunk_indices"] is cu.chunks
     assert calls[-1]["cu_seqlens"] is cu and calls[-1]["activation"] == "silu"
     for plain in (torch.tensor([0, 70, 100]), None):
         kernel("x", cu_seqlens=plain)
-        assert calls[-1].keys() == {"cu_seqlens"}
+        assert calls[-1].keys() <= {"cu_seqlens"}
+    older = gated_delta.given_chunks(lambda x, cu_seqlens=None: calls.append({"cu_seqlens": cu_seqlens}))
+    older("x", cu_seqlens=cu)  # a kernel without the two arguments (fla before 0.6) is called as upstream calls it
+    assert calls[-1] == {"cu_seqlens": cu}
 
 
 @pytest.mark.parametrize("pad_to", [None, 96])
