@@ -1,6 +1,7 @@
 """speed-cuda-graphs with MoE layers (qvl.kernels.speed_cuda_graphs.moe_graphs): each layer's router and combine
-captured as Megatron-Core's partial graphs, its attention and experts eager. Which MoE runs stay eager, and (slow)
-that tiny Qwen3-VL-MoE trains with the graphs recorded on the CPU as it does eagerly, on one rank and at TP=2."""
+captured as Megatron-Core's partial graphs and its attention as qvl's third graph (local_specs.GraphedAttentionMoELayer),
+its experts eager. Which MoE runs stay eager, and (slow) that tiny Qwen3-VL-MoE trains with the graphs recorded on the
+CPU as it does eagerly, on one rank and at TP=2."""
 
 from __future__ import annotations
 
@@ -39,6 +40,27 @@ def test_moe_layers_whose_router_reads_the_host_stay_eager(change, reason):
     modules = speed_cuda_graphs.layer_graph_settings(model)["cuda_graph_modules"]
     assert modules == [CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess]
     assert speed_cuda_graphs.layer_graph_settings()["cuda_graph_modules"] == []  # a dense model's whole layers
+
+
+def test_a_moe_layers_attention_graph_takes_the_pack_without_its_pad_mark():
+    """The attention graph's arguments are the same for every pack: a padded pack's mark (where its pad starts, for
+    the router) is dropped, its bounds and lengths kept; an unmarked pack and none are passed as they are."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from qvl.kernels.fix_moe_pad_tokens import PaddedPack
+    from qvl.kernels.local_specs import unmarked_pack
+
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    marked = PaddedPack(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7, pad_from=9
+    )
+    plain = unmarked_pack(marked)
+    assert type(plain) is PackedSeqParams and not hasattr(plain, "pad_from")
+    assert (
+        plain.cu_seqlens_q is cu and plain.cu_seqlens_kv is cu and plain.max_seqlen_q == 7 and plain.qkv_format == "thd"
+    )
+    assert unmarked_pack(plain) is plain and unmarked_pack(None) is None
 
 
 @pytest.mark.slow
