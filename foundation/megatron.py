@@ -340,6 +340,12 @@ def have_transformer_engine() -> bool:
     return _is_installed("transformer_engine")
 
 
+def gated_delta_net(model: Any) -> bool:
+    """Whether the language model of `model` (its provider or TransformerConfig) has Gated DeltaNet (linear attention)
+    layers: Megatron-Core's experimental attention variant, Qwen3.5's hybrid pattern."""
+    return getattr(model, "experimental_attention_variant", None) == "gated_delta_net"
+
+
 def filter_except_qvl(original: Callable[[Any], None]) -> Callable[[Any], None]:
     """`add_filter_to_all_loggers` that leaves qvl's loggers alone.
 

@@ -78,6 +78,7 @@ import torch
 
 from qvl.foundation import graph_replay
 from qvl.foundation.errors import ConfigError, QvlError
+from qvl.foundation.megatron import gated_delta_net
 from qvl.kernels.speed_rotary import WholePackCuSeqlens, mark_whole_pack
 
 logger = logging.getLogger(__name__)
@@ -192,15 +193,6 @@ def eager_parts(model: Any) -> str:
             return " (each MoE layer's router and combine, and its full attention; Gated DeltaNet and experts eager)"
         return " (each MoE layer's attention, router and combine; its experts eager)"
     return " (a Gated DeltaNet layer's MLP alone; its Gated DeltaNet eager)" if gated_delta else ""
-
-
-def gated_delta_net(model: Any) -> bool:
-    """Whether the language model (its provider or TransformerConfig) has Gated DeltaNet layers (Qwen3.5's pattern)."""
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
-
-    return getattr(model, "experimental_attention_variant", None) == "gated_delta_net" and any(
-        get_linear_attention_pattern(model)
-    )
 
 
 def eager_tower(cfg: Any) -> str | None:

@@ -27,7 +27,7 @@ from typing import Any
 from qvl.foundation import patch_entries, patches
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import family_of_provider
-from qvl.foundation.megatron import have_transformer_engine
+from qvl.foundation.megatron import gated_delta_net, have_transformer_engine
 
 DEVICES = ("cpu", "cuda")
 SCOPES = ("process", "training", "model", "conversion", "launch", "import")
@@ -78,9 +78,7 @@ class Target:
             apex=importlib.util.find_spec("apex") is not None,
             fla=importlib.util.find_spec("fla") is not None,
             hf_vision_tower=(family is not None and not family.megatron_vision_tower) if known else None,
-            gated_delta_net=getattr(model, "experimental_attention_variant", None) == "gated_delta_net"
-            if known
-            else None,
+            gated_delta_net=gated_delta_net(model) if known else None,
             mtp=bool(getattr(model, "mtp_num_layers", None)) if known else None,
             peft=getattr(config, "peft", None) is not None if known else None,
             cuda_graphs=cuda_graphs if known else None,

@@ -19,7 +19,7 @@ from qvl.bridges.providers import RecomputeVisionTowers, layout_facts, provider_
 from qvl.foundation.errors import ConfigError
 from qvl.foundation.families import get_family
 from qvl.foundation.layout import ParallelLayout, check_layout
-from qvl.foundation.megatron import import_megatron_bridge
+from qvl.foundation.megatron import gated_delta_net, import_megatron_bridge
 from qvl.recipes.architectures import Architecture, load_hf_config
 from qvl.recipes.datasets import (
     QvlPackedDatasetConfig,
@@ -438,7 +438,7 @@ def _check_recompute_modules(model: Any, modules: tuple[str, ...]) -> None:
             "experts (moe_grouped_gemm, with Transformer Engine); recompute the MoE layers whole "
             "(recompute_modules=moe) or drop moe_act"
         )
-    if "gdn_norm_out" in modules and getattr(model, "experimental_attention_variant", None) != "gated_delta_net":
+    if "gdn_norm_out" in modules and not gated_delta_net(model):
         raise ConfigError(
             "recompute_modules=gdn_norm_out: this model has no Gated DeltaNet layers (Qwen3.5-VL has them); "
             "drop gdn_norm_out"

@@ -13,6 +13,7 @@ from typing import Any
 
 from qvl.foundation.cost import LMShape, VisionShape, shapes_from_hf_config
 from qvl.foundation.families import FAMILIES, Family, family_of_vision_config
+from qvl.foundation.megatron import gated_delta_net
 
 
 def model_shapes(model: Any) -> tuple[LMShape, VisionShape]:
@@ -112,7 +113,7 @@ def padded_vocab(model: Any) -> int:
 
 def gated_delta_layers(model: Any) -> int:
     """How many LM layers are Gated DeltaNet (linear attention) layers: Qwen3.5's hybrid pattern, else 0."""
-    if getattr(model, "experimental_attention_variant", None) != "gated_delta_net":
+    if not gated_delta_net(model):
         return 0
     freq = model.linear_attention_freq
     if isinstance(freq, int):  # one full-attention layer every `freq` (Megatron-Core's get_linear_attention_pattern)
