@@ -128,7 +128,7 @@ def _zero_centred_norms(layer: ModuleSpec) -> ModuleSpec:
 def _gated_delta_layer(attention_layer: ModuleSpec) -> ModuleSpec:
     """The full-attention layer spec with its attention replaced by a Gated DeltaNet (same norms and MLP)."""
     layer = copy.deepcopy(attention_layer)
-    if layer.module is TransformerLayer:  # dense: eager where the others are graphed (a MoE layer's hold no attention)
+    if layer.module is TransformerLayer:  # dense: its MLP graphed alone (a MoE layer's graphs hold no Gated DeltaNet)
         layer.module = GraphedMLPLayer
     layer.submodules.self_attention = ModuleSpec(
         module=GatedDeltaNet,

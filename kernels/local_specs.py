@@ -10,6 +10,7 @@ from qvl.foundation.megatron import import_megatron_core
 import_megatron_core()  # Megatron-Core's fused functions are decorated at its first import: under speed-import
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
@@ -17,9 +18,10 @@ from qvl.kernels.varlen_attention import use_sdpa_attention
 
 
 def local_gpt_layer_spec(config: Any, vp_stage: int | None = None) -> ModuleSpec:
-    """Megatron-Core's local GPT layer (dense or MoE) for `config`, with SDPA core attention. A MoE layer is
-    Megatron-Core's MoETransformerLayer, as its hybrid models build theirs: eagerly the same layer, whose router and
-    combine Megatron-Core's local CUDA graphs can capture apart from its experts (qvl.kernels.speed_cuda_graphs)."""
+    """Megatron-Core's local GPT layer (dense or MoE) for `config`, with SDPA core attention. A MoE layer is a
+    `GraphedAttentionMoELayer` (Megatron-Core's MoETransformerLayer, as its hybrid models build theirs): eagerly the same
+    layer, whose attention, router and combine CUDA graphs can capture apart from its experts
+    (qvl.kernels.speed_cuda_graphs)."""
     spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
         moe_grouped_gemm=False,
@@ -43,7 +45,7 @@ class GraphedAttentionMoELayer(MoETransformerLayer):
     def create_mcore_cudagraph_manager(self, config) -> None:
         super().create_mcore_cudagraph_manager(config)
         attention = getattr(self.submodules_config.self_attention, "module", None)
-        if self.use_partial_cudagraphs and attention is not None and attention.__name__ != "GatedDeltaNet":
+        if self.use_partial_cudagraphs and isinstance(attention, type) and not issubclass(attention, GatedDeltaNet):
             from megatron.core.transformer.cuda_graphs import CudaGraphManager
 
             self.cudagraph_manager_attention = CudaGraphManager(config, self, function_name="_graphed_attention")

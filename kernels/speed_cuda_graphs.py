@@ -60,8 +60,9 @@ packs are not padded for it. Not graphed: the embedding and output layer, the lo
 they cannot be captured at fixed shapes or Megatron-Core cannot make their graphs (`eager_layers`: pipeline stages,
 full activation recompute), a MoE layer's experts, Qwen3.5's Gated DeltaNet attention (fla's kernels launch one
 program per 64-token chunk of each sub-sequence, so their grids follow the pack; they read nothing back under
-speed-gated-delta-sync-free; a dense layer's MLP is graphed apart: qvl.kernels.local_specs.GraphedMLPLayer); the tower under pipeline parallelism, DDP's overlapped gradient reduction,
-balanced vision work, or, Megatron-Bridge's tower, activation recompute (`eager_tower`).
+speed-gated-delta-sync-free; a dense layer's MLP is graphed apart: qvl.kernels.local_specs.GraphedMLPLayer); the tower
+under pipeline parallelism, DDP's overlapped gradient reduction, balanced vision work, or, Megatron-Bridge's tower,
+activation recompute (`eager_tower`).
 """
 
 from __future__ import annotations
@@ -123,10 +124,9 @@ def eager_layers(cfg: Any) -> str | None:
     they replay as graphs. A graph replays the shapes it captured (`layer_graph_settings`): pipeline stages send
     activations between micro-batches of other stages. (A Gated DeltaNet layer's kernel grids follow the pack's
     64-token chunks: Qwen3.5's dense ones graph their MLP alone, qvl.kernels.local_specs.GraphedMLPLayer; a MoE one's
-    graphs hold none of its attention.) A MoE layer is
-    graphed in part (`moe_graphs`), except where its all-to-all dispatcher reads its splits to the host inside the
-    router (a capacity factor without padding to it, or the router's fp8 padding: Megatron-Core 0.19.2 refuses to
-    capture those). Full activation recompute keeps the layers eager too (Megatron-Core 0.19.2 cannot make the graphs:
+    graphs hold none of its attention.) A MoE layer is graphed in part (`moe_graphs`), except where its all-to-all
+    dispatcher reads its splits to the host inside the router (a capacity factor without padding to it, or the
+    router's fp8 padding: Megatron-Core 0.19.2 refuses to capture those). Full activation recompute keeps the layers eager too (Megatron-Core 0.19.2 cannot make the graphs:
     `create_cudagraphs` asserts on the shared buffers' count), and so does selective recompute of a module the graphs
     cannot hold (UNGRAPHED_RECOMPUTE)."""
     model = cfg.model

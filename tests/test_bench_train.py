@@ -213,17 +213,24 @@ def _on(device: str) -> None:
         pytest.skip("this machine runs the cuda case")
 
 
+def _graphed_and_eager(tmp_path, model: str, *extra: str, steps: int = 4) -> tuple[dict, dict]:
+    """`bench_train`'s tiny `model` trained with speed-cuda-graphs and without (`extra`: more arguments): both runs'
+    results, the graphed one without an error."""
+    from benchmarks import bench_train
+
+    variants = [f"256:packed:steps={steps}", f"256:packed:-speed-cuda-graphs:steps={steps}"]
+    assert bench_train.main(["--model", model, *extra, "--variants", *variants, "--out", str(tmp_path)]) == 0
+    graphed, eager = (v["result"] for v in json.loads((tmp_path / "bench_train.json").read_text())["variants"])
+    assert "error" not in graphed, graphed.get("error")
+    return graphed, eager
+
+
 @EITHER_DEVICE
 def test_cuda_graphs_train_as_the_eager_layers_do(device, tmp_path):
     """speed-cuda-graphs: the tiny model's layers captured after step 1 and replayed, and its tower's buckets, with
     the eager layers' losses (on a GPU the graphed run's packs padded to seq_length: bf16 GEMMs of other shapes)."""
-    from benchmarks import bench_train
-
     _on(device)
-    variants = ["256:packed:steps=4", "256:packed:-speed-cuda-graphs:steps=4"]
-    assert bench_train.main(["--model", "tiny", "--variants", *variants, "--out", str(tmp_path)]) == 0
-    graphed, eager = (v["result"] for v in json.loads((tmp_path / "bench_train.json").read_text())["variants"])
-    assert "error" not in graphed, graphed.get("error")
+    graphed, eager = _graphed_and_eager(tmp_path, "tiny")
     graphs = graphed["patch_groups"]["cuda_graphs"]
     assert graphs["requested"] and graphs["created"] and graphs["tower_requested"], graphs
     assert graphs["vision_tower"]["calls"].get("replayed", 0) > 0, graphs
@@ -236,13 +243,8 @@ def test_cuda_graphs_train_as_the_eager_layers_do(device, tmp_path):
 def test_the_qwen3_vl_tower_trains_graphed_as_it_does_eagerly(device, tmp_path):
     """speed-cuda-graphs with Megatron-Bridge's Qwen3-VL vision tower (qvl.kernels.tower_graphs.MegatronTowerGraphs):
     buckets captured and replayed, none failing to capture, and the eager run's losses."""
-    from benchmarks import bench_train
-
     _on(device)
-    variants = ["256:packed:steps=6", "256:packed:-speed-cuda-graphs:steps=6"]
-    assert bench_train.main(["--model", "tiny_qwen3_vl", "--variants", *variants, "--out", str(tmp_path)]) == 0
-    graphed, eager = (v["result"] for v in json.loads((tmp_path / "bench_train.json").read_text())["variants"])
-    assert "error" not in graphed, graphed.get("error")
+    graphed, eager = _graphed_and_eager(tmp_path, "tiny_qwen3_vl", steps=6)
     tower = graphed["patch_groups"]["cuda_graphs"]["vision_tower"]
     assert tower is not None and tower["calls"].get("captured", 0) >= 1, tower
     assert not [reason for reason in tower["eager_because"] if "capture failed" in reason], tower
@@ -252,18 +254,12 @@ def test_the_qwen3_vl_tower_trains_graphed_as_it_does_eagerly(device, tmp_path):
 
 @EITHER_DEVICE
 def test_a_moe_models_routers_and_combines_train_graphed_as_they_do_eagerly(device, tmp_path):
-    """speed-cuda-graphs with MoE layers (Qwen3-VL-MoE): each layer's router, with the all-to-all dispatcher's
-    preprocessing whose counts come to the host in the graph's copies, and its combine captured and replayed, the
-    attention and experts eager between them; the eager run's losses (its packs unpadded, the graphed run's pad
-    masked out of the balancing loss)."""
-    from benchmarks import bench_train
-
+    """speed-cuda-graphs with MoE layers (Qwen3-VL-MoE): each layer's attention, its router (with the all-to-all
+    dispatcher's preprocessing, whose counts come to the host in the graph's copies) and its combine captured and
+    replayed, the experts eager; the eager run's losses (its packs unpadded, the graphed run's pad masked out of the
+    balancing loss)."""
     _on(device)
-    variants = ["256:packed:steps=4", "256:packed:-speed-cuda-graphs:steps=4"]
-    argv = ["--model", "tiny_qwen3_vl_moe", "--variants", *variants, "--out", str(tmp_path)]
-    assert bench_train.main(argv) == 0
-    graphed, eager = (v["result"] for v in json.loads((tmp_path / "bench_train.json").read_text())["variants"])
-    assert "error" not in graphed, graphed.get("error")
+    graphed, eager = _graphed_and_eager(tmp_path, "tiny_qwen3_vl_moe")
     graphs = graphed["patch_groups"]["cuda_graphs"]
     assert graphs["requested"] and graphs["created"], graphs
     assert graphed["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-2)
@@ -272,17 +268,11 @@ def test_a_moe_models_routers_and_combines_train_graphed_as_they_do_eagerly(devi
 
 @pytest.mark.gpu
 def test_qwen3_5s_attention_layers_train_graphed_around_its_gated_deltanet_layers_as_they_do_eagerly(tmp_path):
-    """speed-cuda-graphs with Qwen3.5-VL on a GPU: its full-attention layers captured and replayed, its Gated DeltaNet
-    layers on flash-linear-attention's kernels eager between them (the graphed run's packs padded to seq_length, with
-    zero-length sub-sequences after them), reading nothing back (speed-gated-delta-sync-free); the eager run's losses.
-    On the CPU: tests/kernels/test_speed_cuda_graphs_hybrid.py."""
-    from benchmarks import bench_train
-
-    variants = ["256:packed:steps=4", "256:packed:-speed-cuda-graphs:steps=4"]
-    argv = ["--model", "tiny_qwen3_5_vl", "--variants", *variants, "--out", str(tmp_path)]
-    assert bench_train.main(argv) == 0
-    graphed, eager = (v["result"] for v in json.loads((tmp_path / "bench_train.json").read_text())["variants"])
-    assert "error" not in graphed, graphed.get("error")
+    """speed-cuda-graphs with Qwen3.5-VL on a GPU: its full-attention layers and its Gated DeltaNet layers' MLPs
+    captured and replayed, the Gated DeltaNets on flash-linear-attention's kernels eager (the graphed run's packs
+    padded to seq_length, with zero-length sub-sequences after them), reading nothing back
+    (speed-gated-delta-sync-free); the eager run's losses. On the CPU: tests/kernels/test_speed_cuda_graphs_hybrid.py."""
+    graphed, eager = _graphed_and_eager(tmp_path, "tiny_qwen3_5_vl")
     graphs = graphed["patch_groups"]["cuda_graphs"]
     assert graphs["requested"] and graphs["created"], graphs
     assert "speed-gated-delta-sync-free" in graphed["patch_groups"]["applied_around_loop"], graphed["patch_groups"]
@@ -294,14 +284,8 @@ def test_qwen3_5s_attention_layers_train_graphed_around_its_gated_deltanet_layer
 def test_the_tower_alone_trains_graphed_where_the_layers_cannot_be(device, tmp_path):
     """speed-cuda-graphs under full recompute (Megatron-Core cannot make the layers' graphs): the layers eager, the
     vision tower's buckets captured and replayed alone, and the eager run's losses."""
-    from benchmarks import bench_train
-
     _on(device)
-    variants = ["256:packed:steps=4", "256:packed:-speed-cuda-graphs:steps=4"]
-    argv = ["--model", "tiny", "--set", "recompute=full", "--variants", *variants, "--out", str(tmp_path)]
-    assert bench_train.main(argv) == 0
-    graphed, eager = (v["result"] for v in json.loads((tmp_path / "bench_train.json").read_text())["variants"])
-    assert "error" not in graphed, graphed.get("error")
+    graphed, eager = _graphed_and_eager(tmp_path, "tiny", "--set", "recompute=full")
     graphs = graphed["patch_groups"]["cuda_graphs"]
     assert not graphs["requested"] and graphs["tower_requested"], graphs
     assert graphs["vision_tower"]["calls"].get("replayed", 0) > 0, graphs
