@@ -341,6 +341,13 @@ PATCHES: tuple[Patch, ...] = (
           why="its default fp8=False reads as FP8 on (`fp8 is not None`), and its forward then calls TE's "
               "FP8GlobalStateManager, a NameError without TE: selective recompute of the norms (layernorm), an "
               "expert's activation (moe_act) or Gated DeltaNet's output norm failed at the first forward"),
+    Patch(group="torch-checkpoint-without-output",
+          target="megatron.core.tensor_parallel.random:_get_share_storage",
+          replacement="qvl.kernels.torch_checkpoint_without_output:without_extension", version=MCORE, params=(),
+          why="the recompute restores the discarded output through a C++ extension built by load_inline in the "
+              "first backward of every process: ninja and a compiler on every node, ~22 s the first time, and a "
+              "build killed once leaves a lock that every later process waits on forever; qvl copies the "
+              "recomputed bytes into the output's storage instead"),
     # --- torch-qwen3-vl-vision: while qvl.bridges.qwen3_vl.Qwen3VLModel.__init__ runs without TE
     *(
         Patch(group="torch-qwen3-vl-vision",
