@@ -74,6 +74,11 @@ class VisionRowsLink:
     backward_group: dist.ProcessGroup  # their gradient, last -> first
     pending: list = field(default_factory=list)  # unfinished sends, kept until they complete
 
+    def __reduce__(self):
+        """A live connection does not travel: pickled, or copied deeply, it arrives as None (the model provider holds
+        the link between its pipeline stages' builds, and Megatron-Bridge's conversions broadcast the provider)."""
+        return _no_link, ()
+
     def _isend(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         self.pending = [work for work in self.pending if not work.is_completed()]
         self.pending.append(dist.isend(tensor.contiguous(), dst=self.peer, group=group))
@@ -115,6 +120,10 @@ class VisionRowsLink:
         if flag.item():
             rows = _ReturnGradient.apply(rows.requires_grad_(), self)
         return full.index_put((sequence, batch), rows)
+
+
+def _no_link() -> None:
+    return None
 
 
 class _SendRows(torch.autograd.Function):
@@ -165,16 +174,26 @@ class _ReturnGradient(torch.autograd.Function):
         return None, None
 
 
-def vision_rows_link(pp_group: dist.ProcessGroup, *, first: bool) -> VisionRowsLink:
-    """The link between the first and the last rank of the pipeline group `pp_group`, seen from `first` (or the
-    last); only those two ranks call this (their groups are made with local synchronisation), and a message each way
-    creates the communicators before any forward, where a first use would wait for the other stage."""
+def vision_rows_link(pp_group: dist.ProcessGroup) -> VisionRowsLink | None:
+    """The link between the first and the last rank of the pipeline group `pp_group`, or None on a rank between them.
+
+    Every rank of the job calls this at the same point (once per model build): the two groups of every pipeline's
+    ends are made there by all ranks, in one order, as Megatron-Core makes its groups. A group made by its two members
+    alone (`use_local_synchronization`) is named from what each member made before, and torch 2.11 counts the groups a
+    rank belongs to, which differ between pipeline stages after Megatron-Core's groups: the two ends waited for each
+    other forever (Qwen3.5-VL with MTP at pipeline_parallel=2). A message each way then creates the communicators
+    before any forward, where a first use would wait for the other stage."""
     ranks = dist.get_process_group_ranks(pp_group)
-    pair = [ranks[0], ranks[-1]]
-    forward_group = dist.new_group(pair, use_local_synchronization=True)
-    backward_group = dist.new_group(pair, use_local_synchronization=True)
+    ends = (ranks[0], ranks[-1])
+    every_ends: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_ends, ends)
+    groups = {pair: (dist.new_group(list(pair)), dist.new_group(list(pair))) for pair in sorted(set(every_ends))}
+    if dist.get_rank() not in ends:
+        return None
+    first = dist.get_rank() == ends[0]
+    forward_group, backward_group = groups[ends]
     link = VisionRowsLink(
-        peer=pair[1] if first else pair[0], forward_group=forward_group, backward_group=backward_group
+        peer=ends[1] if first else ends[0], forward_group=forward_group, backward_group=backward_group
     )
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pp_group) == "nccl" else "cpu"
     token = torch.zeros(1, device=device)

@@ -273,16 +273,22 @@ class Qwen35VLGPTModel(Qwen3VLGPTModel):
         return self.pg_collection.tp if self.config.sequence_parallel else None
 
 
-def _with_mtp_inputs(model: Qwen3VLModel) -> Qwen3VLModel:
+def _with_mtp_inputs(model: Qwen3VLModel, link: VisionRowsLink | None) -> Qwen3VLModel:
     """`model` with its language model a `Qwen35VLGPTModel` (a subclass adding methods only, as
-    qvl.bridges.qwen3_vl._adopt does) and, where the MTP layers are on a later pipeline stage than the vision
-    tower, the link between the two stages' ends."""
+    qvl.bridges.qwen3_vl._adopt does) and, on the stage with the vision tower and the stage with the MTP layers when
+    they differ, `link` between the two (`vision_rows_link`)."""
     language = model.language_model
     language.__class__ = Qwen35VLGPTModel
-    pp = language.pg_collection.pp
-    if language.config.mtp_num_layers and pp.size() > 1 and (model.pre_process or language.mtp_process):
-        language.mtp_vision_link = vision_rows_link(pp, first=bool(model.pre_process))
+    if model.pre_process or language.mtp_process:
+        language.mtp_vision_link = link
     return model
+
+
+def _mtp_vision_link(model: Qwen3VLModel) -> VisionRowsLink | None:
+    """The link between the vision tower's and the MTP layers' pipeline stages (None without MTP, without pipeline
+    parallelism, and on the stages between); made by every rank (`vision_rows_link`)."""
+    pp = model.language_model.pg_collection.pp
+    return vision_rows_link(pp) if model.language_model.config.mtp_num_layers and pp.size() > 1 else None
 
 
 class _LocalLanguageSpec:
@@ -316,7 +322,9 @@ class _LocalLanguageSpec:
                 freeze_vision_model=self.freeze_vision_model,
                 freeze_vision_projection=self.freeze_vision_projection,
             )
-        return _with_mtp_inputs(model)
+        if vp_stage in (None, 0):  # once per build, on every rank: the link's groups are made by all ranks
+            self._mtp_vision_link = _mtp_vision_link(model)
+        return _with_mtp_inputs(model, self._mtp_vision_link)
 
 
 @dataclasses.dataclass

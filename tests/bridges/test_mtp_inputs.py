@@ -1,8 +1,13 @@
 """The MTP layer's next-token inputs (qvl.bridges.mtp_inputs): the main decoder input's rows where the token ahead is
 a vision placeholder, the embedding elsewhere; and at pipeline_parallel=2 the first stage's vision rows reach the
-last stage and their gradient comes back, micro-batch after micro-batch, with or without a gradient to return."""
+last stage and their gradient comes back, micro-batch after micro-batch, with or without a gradient to return; the
+link forms where the two stages hold different groups, under torch 2.11's names as under the pinned torch's."""
 
 from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
 
 import pytest
 import torch
@@ -32,13 +37,30 @@ def test_next_token_inputs_take_the_vision_rows_ahead_and_the_embedding_elsewher
     assert ahead[0].tolist() == [IMAGE, IMAGE, 2, 0, 3, 0]  # the video at 4 starts the second sample: never ahead
 
 
+def _as_torch_2_11_names_groups() -> None:
+    """In this rank: a group its members make alone (`use_local_synchronization`) named as torch 2.11 names it, from
+    the number of groups the rank belongs to (the pinned torch counts the groups every rank made), and every group's
+    connection given up after a minute (a link made that way would wait for the other stage forever, under other
+    names)."""
+    from torch.distributed import distributed_c10d
+
+    def hashed(ranks) -> str:
+        unique = f"{'_'.join(map(str, ranks))}_{len(distributed_c10d._world.pg_names)}"
+        return hashlib.sha1(unique.encode(), usedforsecurity=False).hexdigest()
+
+    distributed_c10d._hash_ranks_to_str = hashed
+    torch.distributed.new_group = functools.partial(torch.distributed.new_group, timeout=datetime.timedelta(minutes=1))
+
+
 def _two_micro_batches() -> list:
     """On each of two pipeline stages: two micro-batches with vision rows, the first with a gradient to send back,
     the second without (an evaluation forward)."""
     from megatron.core import parallel_state
 
+    _as_torch_2_11_names_groups()
+    torch.distributed.new_group([0])  # as Megatron-Core makes its groups: every rank calls, the first stage joins
     first = parallel_state.is_pipeline_first_stage()
-    link = vision_rows_link(parallel_state.get_pipeline_model_parallel_group(), first=first)
+    link = vision_rows_link(parallel_state.get_pipeline_model_parallel_group())
     found = []
     for step, wants_gradient in enumerate((True, False)):
         torch.manual_seed(step)  # the same tensors on both ranks
