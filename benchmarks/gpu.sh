@@ -8,6 +8,7 @@
 #                                           # (default: the first planned call's): rotary tests attention vision
 #                                           # train idle py:SCRIPT
 #   bash benchmarks/gpu.sh limit STAGE ELAPSED  # that stage's limit after ELAPSED seconds of a run (0: skipped)
+#   bash benchmarks/gpu.sh image-venv [DIR]  # on a CPU machine: .venv-image, the pinned stack with the image's torch
 #
 # `run` writes into $OUT (default .bench/gpu): log.txt (environment and every stage's output), gpu_tests.xml (the GPU
 # tests' outcomes and the measurements they record), bench_rotary_gpu.json,
@@ -177,6 +178,24 @@ EOF2
   ls -la "$out"
 }
 
+# The GPU image's torch (2.11, cu130) and the torchvision built for it: `image-venv` builds the pinned stack around them,
+# so that the suite and the rehearsal run on CPU under the torch the device has.
+IMAGE_TORCH=(torch==2.11.0 torchvision==0.26.0)
+image_venv() {  # $1 (default .venv-image): the pinned stack and qvl with IMAGE_TORCH, built with .venv's uv
+  local venv=${1:-.venv-image} uv=.venv/bin/uv overrides
+  [ -x "$uv" ] || { echo "error: no $uv; run 'make venv' first (it installs uv)" >&2; exit 1; }
+  overrides=$(mktemp)
+  printf '%s\n' "${IMAGE_TORCH[@]}" >"$overrides"
+  "$uv" venv -q --seed --python .venv/bin/python3 "$venv" \
+    && "$uv" pip install -q --python "$venv/bin/python" -r launchers/requirements-stack.txt setuptools wheel \
+      --override "$overrides" \
+    && "$uv" pip install -q --python "$venv/bin/python" --no-deps -r launchers/requirements-nodeps.txt \
+    && "$uv" pip install -q --python "$venv/bin/python" --no-build-isolation -e '.[test]' --override "$overrides" \
+    || { echo "error: building $venv failed" >&2; exit 1; }
+  echo "$venv: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'); run" \
+    "'$venv/bin/python -m pytest -n 2' or 'PYTHON=$venv/bin/python bash benchmarks/gpu.sh rehearse'"
+}
+
 rehearse() {
   # On a CPU machine, what the planned calls run except the GPU work (benchmarks/gpu_rehearsal.py): the wheelhouse
   # (downloaded first where missing) within the size limit, installed into a scratch prefix as `run` installs it,
@@ -201,5 +220,6 @@ case "${1:-}" in
   limit) shift; clipped_seconds "$@" ;;  # a stage's limit after so many seconds of the run (GPU_SECONDS applied)
   run) shift; run "$@" ;;
   rehearse) rehearse ;;
-  *) echo "usage: bash benchmarks/gpu.sh wheels|rehearse|run|limit   (see benchmarks/README.md)" >&2; exit 2 ;;
+  image-venv) shift; image_venv "$@" ;;
+  *) echo "usage: bash benchmarks/gpu.sh wheels|rehearse|run|limit|image-venv   (see benchmarks/README.md)" >&2; exit 2 ;;
 esac

@@ -207,8 +207,11 @@ def projected_rotated_qkv(
 
 def rotated_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q and k rotated and v from `[tokens, 3, heads, dim]` qkv; through `RotaryQKV` unless the angles are trained
-    (its backward gives them no gradient), as they are not in Qwen2-VL or Qwen2.5-VL."""
-    if cos.requires_grad or sin.requires_grad:
+    (its backward gives them no gradient), as they are not in Qwen2-VL or Qwen2.5-VL, or a compiled block is being
+    traced: there AOTAutograd derives the backward of the plain ops and Inductor fuses it with the `stack`, which is
+    what `RotaryQKV` does by hand; and torch 2.11's Dynamo fails on the Function (an AssertionError in
+    `overwrite_tensor_vt_proxy`, `compile=True`'s first forward)."""
+    if cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling():
         q, k, v = qkv.unbind(1)
         return (*compiled.region(rotary_fp32, q)(q, k, cos, sin), v)
     return RotaryQKV.apply(qkv, cos, sin)

@@ -90,7 +90,10 @@ def test_with_main_grad_linears_the_block_breaks_at_each_linear_and_still_matche
     fresh_buffers()
     (eager, _), (compiled, _) = _compiled_against_eager(tower, as_ddp_leaves_them, backend="aot_eager")
     assert len(main_grads) == 2 and any(g.abs().sum() > 0 for g in main_grads[0])
-    assert any("grad_added_to_main_grad" in reason for reason in torch._dynamo.utils.counters["graph_break"])
+    # the breaks: the linears' Functions set a flag outside their graph ("Non-nullified side effect ... on
+    # 'grad_added_to_main_grad'" on the pinned torch, "Unsafe side effect" on torch 2.11)
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    assert breaks and all("HOP" in reason and "side effect" in reason for reason in breaks), dict(breaks)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     for compiled_grad, eager_grad in zip(*main_grads):
         torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-5)
