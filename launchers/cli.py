@@ -80,7 +80,9 @@ def quiet_logging(verbose: bool) -> None:
     logging.getLogger("megatron.bridge.utils.import_utils").addFilter(_warnings_and_above)
     # torch warns once per process that a CPU-only machine has no CUDA runtime for C++ extensions.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    for category in (UserWarning, FutureWarning, DeprecationWarning):
+    # SyntaxWarning: megatron-core 0.19.2's sources have invalid escapes in docstrings, which Python 3.12 reports
+    # as it compiles a module without bytecode yet (a process's first import after installing).
+    for category in (UserWarning, FutureWarning, DeprecationWarning, SyntaxWarning):
         warnings.filterwarnings("ignore", category=category)
 
 
