@@ -181,17 +181,16 @@ EOF2
 # The GPU image's torch (2.11, cu130) and the torchvision built for it: `image-venv` builds the pinned stack around them,
 # so that the suite and the rehearsal run on CPU under the torch the device has.
 IMAGE_TORCH=(torch==2.11.0 torchvision==0.26.0)
-image_venv() {  # $1 (default .venv-image): the pinned stack and qvl with IMAGE_TORCH, built with .venv's uv
-  local venv=${1:-.venv-image} uv=.venv/bin/uv overrides
+image_venv() {  # $1 (default .venv-image): the pinned stack and qvl with IMAGE_TORCH, as `make venv` installs them
+  local venv=${1:-.venv-image} uv=$PWD/.venv/bin/uv overrides ok=0
   [ -x "$uv" ] || { echo "error: no $uv; run 'make venv' first (it installs uv)" >&2; exit 1; }
   overrides=$(mktemp)
   printf '%s\n' "${IMAGE_TORCH[@]}" >"$overrides"
-  "$uv" venv -q --seed --python .venv/bin/python3 "$venv" \
-    && "$uv" pip install -q --python "$venv/bin/python" -r launchers/requirements-stack.txt setuptools wheel \
-      --override "$overrides" \
-    && "$uv" pip install -q --python "$venv/bin/python" --no-deps -r launchers/requirements-nodeps.txt \
-    && "$uv" pip install -q --python "$venv/bin/python" --no-build-isolation -e '.[test]' --override "$overrides" \
-    || { echo "error: building $venv failed" >&2; exit 1; }
+  # the Makefile's own uv install (install-with-uv), IMAGE_TORCH overriding the pins (uv reads UV_OVERRIDE)
+  "$uv" venv -q --seed --python .venv/bin/python3 "$venv" && ln -sf "$uv" "$venv/bin/uv" \
+    && UV_OVERRIDE="$overrides" make --no-print-directory install-with-uv VENV="$venv" && ok=1
+  rm -f "$overrides"
+  (( ok )) || { echo "error: building $venv failed" >&2; exit 1; }
   echo "$venv: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'); run" \
     "'$venv/bin/python -m pytest -n 2' or 'PYTHON=$venv/bin/python bash benchmarks/gpu.sh rehearse'"
 }
