@@ -92,6 +92,41 @@ def tower_launches(cfg) -> int | None:
     return launches_per_call(windowed=getattr(vision, "window_size", None) is not None)
 
 
+def _host_indices(model: list, census) -> None:
+    """Mark the host tensors the model made before the census followed placement: Megatron-Core's all-to-all token
+    dispatcher keeps its chunk-sort indices on the host (`permute_idx_device`, "cpu" without the fused permute)."""
+    for chunk in model:
+        for module in chunk.modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            if getattr(dispatcher, "permute_idx_device", None) == "cpu":
+                census.mark_host([dispatcher.sort_input_by_local_experts, dispatcher.restore_output_by_local_experts])
+
+
+@contextlib.contextmanager
+def balanced_routing(census):
+    """A MoE router's choices made even: token t's top-k experts are (t k + j) mod E for j < k, by a fixed bias on its
+    logits (added outside the count: a stand-in, not the step's work). Each of E local experts then gets T k / E rows,
+    as a trained router's balancing loss aims for, the same in every run; and no expert's row count can equal a tiny
+    width (a random router's could, and the census would read those rows as that width's real one)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    gating = TopKRouter.gating
+
+    def balanced_gating(self, input):
+        logits = gating(self, input)
+        with census.paused(), torch.no_grad():
+            flat = logits.view(-1, logits.shape[-1])
+            tokens, experts = flat.shape
+            k = self.config.moe_router_topk
+            chosen = (torch.arange(tokens)[:, None] * k + torch.arange(k)) % experts
+            bias = torch.zeros(tokens, experts, dtype=logits.dtype).scatter_(1, chosen, 100.0).view(logits.shape)
+        with census.paused():
+            return logits + bias
+
+    with mock.patch.object(TopKRouter, "gating", balanced_gating):
+        yield
+
+
 def _numels(model: list, widths) -> None:
     """Real numels of each parameter's and each flat buffer's tiny numel (the distributed optimizer's shards and the
     gradient buffers are flat)."""
@@ -114,7 +149,7 @@ def _numels(model: list, widths) -> None:
 @contextlib.contextmanager
 def cuda_code_path(census):
     """What the CPU run swaps so that it takes a CUDA device's code path (see benchmarks.step_census)."""
-    from benchmarks.step_kernels import VARLEN_NAMES, fake_varlen_kernel
+    from benchmarks.step_kernels import VARLEN_NAMES, dispatcher_host_copies, fake_varlen_kernel
     from qvl.kernels import torch_wgrad_accum, varlen_attention
 
     def usable(query, *, dropout_p: float = 0.0, padded_layout: bool = False) -> bool:
@@ -138,6 +173,7 @@ def cuda_code_path(census):
         mock.patch.object(optimizer_module, "_get_foreach_kernels_supported_devices",
                           lambda: [*devices(), "cpu"]),
         torch_wgrad_accum.cpu_mixed_precision_addmm(),  # bf16 wgrad into fp32 main_grad: one GEMM (CUDA kernel only)
+        dispatcher_host_copies(census),
     ):  # fmt: skip
         yield
 
@@ -195,6 +231,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
     from benchmarks.compiled_regions import cuda_compiled_regions
     from benchmarks.step_census import Census, WidthMap
     from qvl.foundation import distributed, megatron, runtime
+    from qvl.foundation.families import get_family
     from qvl.kernels import switch
     from qvl.training.loop import TrainRequest, prepare_config
 
@@ -217,6 +254,10 @@ def census_worker(spec_path: pathlib.Path) -> int:
     overrides = {"hf_path": str(hf_dir), "seq_length": config.seq_length, "global_batch_size": config.packs,
                  "micro_batch_size": 1, "train_iters": 2, "warmup_iters": 1, "save_interval": 10**6,
                  "log_interval": 10**6, "precision": "bf16-mixed", "vision_recompute": config.vision_recompute}  # fmt: skip
+    if config.local_experts:  # one GPU's share of the experts (StepConfig.local_experts), on one rank
+        overrides |= {"tensor_parallel": 1, "expert_parallel": 1}
+    if config.grouped_experts:
+        overrides["grouped_experts"] = True
     if spec.get("compile"):
         overrides["compile"] = True
     if spec.get("recorded_graphs"):
@@ -225,6 +266,8 @@ def census_worker(spec_path: pathlib.Path) -> int:
     code.enter_context(step_code(baseline=spec["baseline"]))
     if not spec["baseline"] and not spec.get("eager_regions"):  # what CUDA runs compiled (benchmarks.compiled_regions)
         code.enter_context(cuda_compiled_regions(census))
+    if get_family(config.family).moe:
+        code.enter_context(balanced_routing(census))
     if spec.get("recorded_graphs"):  # the graphed step as it runs, its graphs recorded: each replay one launch
         code.enter_context(replays_counted(census, config))
     _, cfg = prepare_config(TrainRequest(recipe=config.recipe, overrides=overrides, run_dir=out / "run"))
@@ -249,6 +292,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
         step = context.state.train_state.step + 1
         if step == 1:  # placement is followed from the first step (its optimizer state is made there)
             stack.enter_context(census.tracking())
+            _host_indices(context.model, census)
         if step == 2:
             _numels(context.model, census.widths)
             if not spec.get("recorded_graphs"):  # Megatron-Core refuses a graphed layer's forward pre-hooks
@@ -272,7 +316,8 @@ def census_worker(spec_path: pathlib.Path) -> int:
               "losses": losses}  # fmt: skip
     result |= census.summary(config.packs)
     census.graphed["tower_bucket_rows"] = tower_bucket_rows(regions)
-    result["cuda_graphs"] = graphed_launches(result, census.graphed, tower_launches_per_call=tower_launches(cfg))
+    if not get_family(config.family).moe:  # a MoE layer replays in parts: `--recorded-graphs` counts that step
+        result["cuda_graphs"] = graphed_launches(result, census.graphed, tower_launches_per_call=tower_launches(cfg))
     pathlib.Path(spec["result"]).write_text(json.dumps(result, indent=1))
     return 0
 
@@ -316,12 +361,16 @@ def recorded_graphs_check(name: str, out: pathlib.Path) -> dict:
     """The census's estimate of what the host launches in a step with speed-cuda-graphs, against that step trained
     with its CUDA graphs recorded on the CPU (`replays_counted`: each replay one launch, the ops it replays not
     counted)."""
-    estimate = census(name, out / "eager")["cuda_graphs"]["host_launches"]
+    from qvl.foundation.families import get_family
+
+    # a MoE layer replays its attention, router and combine and runs its experts between them: not estimated
+    moe = get_family(CONFIGS[name].family).moe
+    estimate = None if moe else census(name, out / "eager")["cuda_graphs"]["host_launches"]
     recorded = census(name, out / "recorded", recorded_graphs=True)["step"]
     measured = recorded["kernel_launching_ops"]
     return {"config": name, "estimated_host_launches": estimate, "recorded_host_launches": measured,
-            "graph_replays": recorded["ops"].get("cudaGraphLaunch", 0),
-            "relative_difference": round(measured / estimate - 1, 4)}  # fmt: skip
+            "graph_replays": recorded["ops"].get("cudaGraphLaunch", 0), "host_syncs": recorded["host_syncs"],
+            "relative_difference": None if moe else round(measured / estimate - 1, 4)}  # fmt: skip
 
 
 def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, compile: bool = False,
@@ -415,10 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         checks = [recorded_graphs_check(name, args.out / f"recorded-{name}") for name in names]
         (args.out / "bench_step_recorded_graphs.json").write_text(json.dumps(checks, indent=1))
         for check in checks:
+            estimated = check["estimated_host_launches"]
             print(json.dumps(check) if args.json else
-                  f"{check['config']}: host launches with CUDA graphs ESTIMATED {check['estimated_host_launches']}, "
-                  f"recorded on the CPU {check['recorded_host_launches']} ({check['graph_replays']} replays): "
-                  f"{check['relative_difference']:+.1%}")  # fmt: skip
+                  f"{check['config']}: host launches with CUDA graphs ESTIMATED "
+                  f"{'(not modelled for MoE layers)' if estimated is None else estimated}, recorded on the CPU "
+                  f"{check['recorded_host_launches']} ({check['graph_replays']} replays, {check['host_syncs']} host "
+                  "syncs)" + ("" if estimated is None else f": {check['relative_difference']:+.1%}"))  # fmt: skip
         return 0
     measured = None
     if args.calibrate:  # read before the censuses run: a file that cannot be fitted to ends the command at once

@@ -151,6 +151,11 @@ def gemm_flops(name: str, args, out, widths: WidthMap) -> tuple[float, list[torc
         (m, k), n = widths.shape(tuple(a.shape[-2:])), widths.shape((b.shape[-1],))[0]
         batch = a.shape[0] if a.dim() == 3 else 1
         return 2.0 * batch * m * k * n, [a, b, out], (m, k, n, batch)
+    if name == "_grouped_mm":  # groups along a 2-D operand's rows or columns (`offs`), or a batch of 3-D ones
+        a, b = args[0], args[1]
+        (m, k), n = widths.shape(tuple(a.shape[-2:])), widths.shape((b.shape[-1],))[0]
+        batch = a.shape[0] if a.dim() == 3 and b.dim() == 3 else 1
+        return 2.0 * batch * m * k * n, [a, b, out], (m, k, n, batch)
     if name == "convolution":
         weight = args[1]
         kernel = math.prod(widths.shape(tuple(weight.shape[1:])))

@@ -46,8 +46,8 @@ from benchmarks.op_costs import gemm_flops, in_collective, kernels_launched, non
 from qvl.foundation.graph_replay import VALUE_SIZED_OPS
 
 REGIONS = ("lm", "vision", "loss", "optimizer", "other")
-GEMM_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "addbmm", "_scaled_mm", "convolution",
-                      "convolution_backward"})  # fmt: skip
+GEMM_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "addbmm", "_scaled_mm", "_grouped_mm",
+                      "convolution", "convolution_backward"})  # fmt: skip
 ATTENTION_OPS = frozenset({"_flash_attention_forward", "_flash_attention_backward"})
 # Ops that allocate or describe memory without running a kernel.
 NO_KERNEL_OPS = frozenset({

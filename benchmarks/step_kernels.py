@@ -6,13 +6,18 @@ them in `Census.tracking()`. The stand-ins count as CUDA runs them and compute w
 - `FusedRmsNorm`: `F.rms_norm` as `_fused_rms_norm` forward and `_fused_rms_norm_backward` (CPU's composite runs
   pow/mean/rsqrt);
 - `fake_varlen_kernel` and `VARLEN_NAMES`: torch's varlen attention kernel and the keywords it takes, one `FakeFlash`
-  call per attention with the FLOPs of the real call.
+  call per attention with the FLOPs of the real call;
+- `dispatcher_host_copies`: Megatron-Core's all-to-all token dispatcher copying its counts to the host and waiting
+  for them (on the CPU its copy is a no-op for a CPU tensor, and its wait an event stand-in's).
 
 Each takes the census as an argument and imports nothing of it, so `benchmarks.step_census` imports this module, not
 the reverse.
 """
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -182,3 +187,42 @@ def fake_varlen_kernel(census):
 
 VARLEN_NAMES = frozenset({"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "scale", "window_size",
                           "enable_gqa", "return_aux"})  # fmt: skip
+
+
+@contextlib.contextmanager
+def dispatcher_host_copies(census):
+    """The all-to-all token dispatcher as CUDA runs it: `maybe_move_tensor_to_cpu` of a device tensor one
+    device-to-host copy (into pinned memory: non-blocking) whose result is a host tensor, and the wait at the
+    dispatcher's sync point (`d2h_event.synchronize()`) a host sync."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    dtoh_and_synchronize = dispatcher._maybe_dtoh_and_synchronize  # upstream's, or a patch group's in its place
+
+    copies = [0]  # device-to-host copies made so far
+
+    def move_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if not isinstance(tensor, torch.Tensor) or census.is_host(tensor):
+            return tensor
+        copies[0] += 1
+        census.opaque("_to_copy (device to host)", [tensor])
+        with census.paused():
+            host = tensor.clone()
+        census.mark_host(host, pinned=True)
+        return host.numpy() if as_numpy else host
+
+    def counted(self, point, tokens_per_expert=None):
+        before = copies[0]
+        result = dtoh_and_synchronize(self, point, tokens_per_expert)
+        if copies[0] > before:  # this layer's counts went to the host: its wait is the host's
+            self._census_copied = True
+        if getattr(self, "_census_copied", False) and point == self.cuda_sync_point:
+            census.sync("d2h_event.synchronize()")
+            self._census_copied = False
+        return result
+
+    with (
+        mock.patch.object(token_dispatcher, "maybe_move_tensor_to_cpu", move_to_host),
+        mock.patch.object(dispatcher, "_maybe_dtoh_and_synchronize", counted),
+    ):
+        yield

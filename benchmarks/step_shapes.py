@@ -30,6 +30,12 @@ class StepConfig:
     image_grid: tuple[int, int, int] = (1, 44, 44)  # 1,936 patches: LLaVA-like images at Qwen's pixel budget
     text_tokens: int = 296  # per sample, besides its image's tokens (780 in all at a 44 x 44 grid)
     vision_recompute: bool = True
+    # A MoE model: its experts on one GPU, the published count split by the layout's expert parallelism (each GPU
+    # routes its tokens to all of them and gets as many token-expert rows back as it sends, so its expert work is
+    # that of one rank with `local_experts` experts at the published top-k); None: the published count. The router's
+    # logits are `local_experts` wide (a few bytes per token). `grouped_experts`: the recipe option of that name.
+    local_experts: int | None = None
+    grouped_experts: bool = False
 
 
 CONFIGS = {
@@ -46,6 +52,13 @@ CONFIGS = {
         StepConfig(name="qwen2_vl_2b", family="qwen2_vl", size="2b", recipe="qwen2_vl_2b_pretrain"),
         StepConfig(name="qwen3_vl_4b", family="qwen3_vl", size="4b", recipe="qwen3_vl_4b_pretrain",
                    vision_recompute=False),
+        # Qwen3-VL-30B-A3B, one GPU of expert parallelism 8 (16 of the 128 experts): its experts one after another
+        # (Megatron-Core's SequentialMLP, the default without TE), and as two grouped GEMMs (`grouped_experts`)
+        StepConfig(name="qwen3_vl_30b_a3b_ep8", family="qwen3_vl_moe", size="30b-a3b",
+                   recipe="qwen3_vl_30b_a3b_pretrain", vision_recompute=False, local_experts=16),
+        StepConfig(name="qwen3_vl_30b_a3b_ep8_grouped", family="qwen3_vl_moe", size="30b-a3b",
+                   recipe="qwen3_vl_30b_a3b_pretrain", vision_recompute=False, local_experts=16,
+                   grouped_experts=True),
         # tests: the RESULTS.md configuration with one pack per step (counts per pack); its structure (12 LM layers,
         # the whole ViT, 5 samples with an image each) in one short pack of small images, whose GEMM counts per pack
         # are the same (the counts follow layers, blocks and samples, not lengths); and that structure at 2 LM layers,
@@ -57,6 +70,13 @@ CONFIGS = {
         StepConfig(name="tiny", family="qwen2_5_vl", size="3b", recipe="qwen2_5_vl_3b_pretrain", layers=2,
                    vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
                    text_tokens=60),
+        # tests: the Qwen3-VL-MoE census at that size (16 local experts), one after another and grouped
+        StepConfig(name="tiny_moe", family="qwen3_vl_moe", size="30b-a3b", recipe="qwen3_vl_30b_a3b_pretrain",
+                   layers=2, vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
+                   text_tokens=60, vision_recompute=False, local_experts=16),
+        StepConfig(name="tiny_moe_grouped", family="qwen3_vl_moe", size="30b-a3b", recipe="qwen3_vl_30b_a3b_pretrain",
+                   layers=2, vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
+                   text_tokens=60, vision_recompute=False, local_experts=16, grouped_experts=True),
     )
 }  # fmt: skip
 RESULTS_CONFIG = "qwen2_5_vl_3b_12l"
@@ -71,9 +91,10 @@ DEFAULT_CONFIGS = ("qwen2_5_vl_3b_12l", "qwen2_5_vl_3b", "qwen2_vl_2b", "qwen3_v
 TINY_LM_HEAD_DIM = 10
 TINY_VOCAB = 608
 TINY_FFN = 44
-TINY_VISION_HEAD_DIM = {"qwen2_vl": 8, "qwen2_5_vl": 8, "qwen3_vl": 28}
+TINY_VISION_HEAD_DIM = {"qwen2_vl": 8, "qwen2_5_vl": 8, "qwen3_vl": 28, "qwen3_vl_moe": 28}
 TINY_VISION_FFN = 36
 TINY_QWEN3_HIDDEN = 144
+TINY_EXPERT_FFN = 56  # rows of 112 bytes in bf16: 16-byte aligned, as grouped_mm needs
 
 
 def scaled_hf_config(config: StepConfig):
@@ -98,6 +119,10 @@ def scaled_hf_config(config: StepConfig):
             TINY_VOCAB: text["vocab_size"],
             (heads // kv + 2) * hd: (heads // kv + 2) * real_head_dim}  # fmt: skip  # Megatron's qkv per KV group
     text.update(hidden_size=hidden, intermediate_size=TINY_FFN, vocab_size=TINY_VOCAB, rope_parameters=rope)
+    if "moe_intermediate_size" in text:
+        dims |= {TINY_EXPERT_FFN: text["moe_intermediate_size"], 2 * TINY_EXPERT_FFN: 2 * text["moe_intermediate_size"]}
+        text["moe_intermediate_size"] = TINY_EXPERT_FFN
+        text["num_experts"] = config.local_experts or text["num_experts"]
     if "head_dim" in text:
         text["head_dim"] = hd
     if config.layers:

@@ -206,12 +206,18 @@ PATCHES: tuple[Patch, ...] = (
           params=("self", "permuted_local_hidden_states", "tokens_per_expert", "permuted_probs"),
           why="without TE the experts run one after another (a host read per layer, a split, two GEMMs and the "
               "activation per expert); torch's grouped GEMM runs them as two"),
-    # --- speed-moe-identity-sort: qvl.kernels.speed_moe_identity_sort (training an MoE model)
-    Patch(group="speed-moe-identity-sort", target="megatron.core.transformer.moe.token_dispatcher:sort_chunks_by_idxs",
-          replacement="qvl.kernels.speed_moe_identity_sort:skipping_identity", version=MCORE,
+    # --- speed-moe-one-rank-dispatch: qvl.kernels.speed_moe_one_rank_dispatch (training an MoE model)
+    Patch(group="speed-moe-one-rank-dispatch", target="megatron.core.transformer.moe.token_dispatcher:sort_chunks_by_idxs",
+          replacement="qvl.kernels.speed_moe_one_rank_dispatch:skipping_identity", version=MCORE,
           params=("input", "split_sizes", "sorted_idxs", "probs", "fused"),
           why="with one EP and one expert-TP rank the dispatcher's sort by local expert is the identity, yet it "
               "splits the tokens at counts read to the host and concatenates them again"),
+    Patch(group="speed-moe-one-rank-dispatch",
+          target="megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+          replacement="qvl.kernels.speed_moe_one_rank_dispatch:counts_on_device", version=MCORE,
+          params=("self", "point", "tokens_per_expert"),
+          why="with one EP and one expert-TP rank (dropless) nothing is exchanged and the sort is the identity, yet "
+              "the dispatcher copies its token counts to the host and makes the host wait for them in every layer"),
     # --- speed-optimizer: qvl.kernels.speed_optimizer (around every training loop, any device)
     Patch(group="speed-optimizer", target="megatron.core.optimizer.clip_grads:l2_norm_impl",
           replacement="qvl.kernels.speed_optimizer:foreach_l2_norm", version=MCORE,

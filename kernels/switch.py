@@ -182,9 +182,9 @@ RULES: tuple[Rule, ...] = (
          condition="the run asks for it (grouped_experts=true), the model has MoE layers and Transformer Engine is not "
                    "installed (an MoE layer's experts are then Megatron-Core's SequentialMLP; it changes only those)",
          on=lambda t: _both(t.moe, bool(t.grouped_experts) and not t.transformer_engine)),
-    Rule(group="speed-moe-identity-sort", scope="training",
-         condition="the model has MoE layers (it changes only the all-to-all dispatcher's sort where its order is the "
-                   "identity: one expert-parallel and one expert-TP rank, its indices on the host)",
+    Rule(group="speed-moe-one-rank-dispatch", scope="training",
+         condition="the model has MoE layers (it changes only the all-to-all dispatcher on one expert-parallel and "
+                   "one expert-TP rank: its identity sort, and its token counts kept on the device where dropless)",
          on=lambda t: t.moe),
     # read when a model's layers are built and its config validated (before the loop): applied from the first
     # provider qvl fixes for the rest of the process (qvl.kernels.torch_wgrad_accum.provide_kernels)

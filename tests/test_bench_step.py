@@ -39,6 +39,21 @@ def test_alignment_and_flops_are_those_of_the_real_widths():
     assert (m, k, n, batch) == (100, 1280, 3420, 1) and flops == 2 * 100 * 1280 * 3420
 
 
+def test_a_grouped_gemm_counts_the_flops_of_its_groups_together():
+    """torch's grouped GEMM (qvl.kernels.speed_grouped_experts): the forward's tokens against each expert's weight, and
+    the weight gradient's groups along the tokens; either way one GEMM over all the rows at the real widths."""
+    widths = WidthMap(dims={56: 768, 144: 2048})
+    x, w = torch.zeros(100, 144, dtype=torch.bfloat16), torch.zeros(4, 144, 56, dtype=torch.bfloat16)
+    ends = torch.tensor([10, 40, 40, 100], dtype=torch.int32)
+    out = torch.nn.functional.grouped_mm(x, w, offs=ends)
+    flops, _, key = gemm_flops("_grouped_mm", (x, w, ends), out, widths)
+    assert key == (100, 2048, 768, 1) and flops == 2 * 100 * 2048 * 768
+    grad = torch.zeros(100, 56, dtype=torch.bfloat16)
+    weight_grad = torch.nn.functional.grouped_mm(grad.t(), x, offs=ends)  # [experts, 56, 144]
+    flops, _, key = gemm_flops("_grouped_mm", (grad.t(), x, ends), weight_grad, widths)
+    assert key == (768, 100, 2048, 1) and flops == 2 * 768 * 100 * 2048
+
+
 def test_a_host_sync_names_its_caller_not_the_census():
     census = Census(WidthMap(dims={}))
     with census.tracking(), census.counted():
@@ -213,6 +228,38 @@ def test_the_graphed_step_recorded_on_the_cpu_launches_what_the_census_estimates
 
 
 @pytest.mark.slow
+def test_a_moe_step_is_counted_with_its_experts_one_after_another_and_grouped(tmp_path):
+    """Qwen3-VL-MoE at 2 LM layers, 16 local experts (`tiny_moe`): Megatron-Core's SequentialMLP and qvl's grouped
+    experts do the same GEMM work, each expert the same rows (the census evens the router's choices); the first reads
+    its token counts once per layer and micro-batch and launches per expert, the second neither. The dispatcher's
+    chunk-sort indices are host tensors (no sync where the sort is checked). A MoE step is counted with its partial
+    graphs recorded, not estimated."""
+    from benchmarks.step_shapes import CONFIGS
+
+    one_by_one, grouped = (bench_step.census(name, tmp_path) for name in ("tiny_moe", "tiny_moe_grouped"))
+    config, layers_and_micro_batches = CONFIGS["tiny_moe"], 2 * 2
+    tokens = config.samples_per_pack * (config.text_tokens + config.image_grid[1] * config.image_grid[2] // 4)
+    rows = tokens * 8 // config.local_experts  # top-8 of 16
+    assert one_by_one["step"]["gemm_tflop"] == grouped["step"]["gemm_tflop"] > 0
+    fc1 = [g for g in one_by_one["gemm_shapes"] if g["op"] == "mm" and (g["k"], g["n"]) == (2048, 2 * 768)]
+    assert [(g["m"], g["calls"]) for g in fc1] == [(rows, layers_and_micro_batches * config.local_experts)]
+    assert grouped["step"]["ops"]["_grouped_mm"] == layers_and_micro_batches * 6  # 2 linears x forward, dgrad, wgrad
+    assert "_grouped_mm" not in one_by_one["step"]["ops"]
+
+    def expert_syncs(result):
+        return sum(n for site, n in result["sync_sites"].items() if "moe/" in site or "speed_moe" in site)
+
+    assert expert_syncs(one_by_one) == layers_and_micro_batches  # SequentialMLP's `tokens_per_expert.tolist()`
+    assert expert_syncs(grouped) == 0
+    assert grouped["step"]["host_syncs"] == one_by_one["step"]["host_syncs"] - layers_and_micro_batches
+    assert grouped["step"]["kernel_launching_ops"] < 0.6 * one_by_one["step"]["kernel_launching_ops"]
+    assert "cuda_graphs" not in grouped
+    check = bench_step.recorded_graphs_check("tiny_moe_grouped", tmp_path / "graphs")
+    assert check["estimated_host_launches"] is None and check["graph_replays"] > 0
+    assert check["recorded_host_launches"] < grouped["step"]["kernel_launching_ops"]
+
+
+@pytest.mark.slow
 def test_the_census_estimates_the_launches_cuda_graphs_leave(tiny):
     """The language model's layers (forward from the first layer's call, backward until the first layer's input
     gradient) and the HF tower (its whole region) are tallied as graphed; the estimate replaces them by replays and
@@ -256,18 +303,26 @@ def test_the_census_estimates_the_launches_cuda_graphs_leave(tiny):
     assert model.estimate(after["step"], graphs)["gpu_s_graphed"] == round(padded, 3)
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_12l", "qwen2_vl_2b", "qwen3_vl_4b"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_12l", "qwen2_vl_2b", "qwen3_vl_4b", "qwen3_vl_30b_a3b_ep8"])
 def test_every_tiny_width_maps_back_and_none_is_a_size_the_model_keeps(name):
     """The census maps a tensor's sizes back to the real ones by value: no mapped tiny width may also be a size the
     tiny model keeps at its real value (heads, patch and merge sizes, a flattened patch), and Megatron's fused qkv
     per head or per KV group must map to its real width (a 3 x head-dim of 36 was read as the vision FFN's width)."""
     from benchmarks.step_shapes import CONFIGS, scaled_hf_config
+    from qvl.recipes.architectures import get_architecture
 
     hf, widths = scaled_hf_config(CONFIGS[name])
     text, vision = hf.text_config, hf.vision_config
     patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     kept = {text.num_attention_heads, text.num_key_value_heads, vision.num_heads, vision.patch_size,
             vision.spatial_merge_size, vision.spatial_merge_size**2, vision.temporal_patch_size, patch}  # fmt: skip
+    if getattr(vision, "num_position_embeddings", None):  # Qwen3-VL's learned positions: a square grid
+        kept.add(int(vision.num_position_embeddings**0.5))
+    if getattr(text, "num_experts", None):  # a MoE model's experts and its top-k stay as they are
+        kept |= {text.num_experts, text.num_experts_per_tok}
+        published = get_architecture(CONFIGS[name].family, CONFIGS[name].size).text
+        assert widths.dims[text.moe_intermediate_size] == published["moe_intermediate_size"]
+        assert text.num_experts == CONFIGS[name].local_experts < published["num_experts"]
     assert not kept & set(widths.dims), kept & set(widths.dims)
     width = getattr(vision, "embed_dim", None) or vision.hidden_size
     head = width // vision.num_heads

@@ -61,7 +61,8 @@ def test_the_answer_is_the_targets_not_this_machines():
     assert switch.is_on("torch-gated-delta", dataclasses.replace(qwen35, fla=True, device="cpu"))  # fla needs CUDA
     # MoE: the identity sort skipped always; grouped experts asked for, and without TE (TE groups its own)
     moe = dataclasses.replace(bare_gpu, moe=True)
-    assert switch.is_on("speed-moe-identity-sort", moe) and not switch.is_on("speed-moe-identity-sort", bare_gpu)
+    assert switch.is_on("speed-moe-one-rank-dispatch", moe)
+    assert not switch.is_on("speed-moe-one-rank-dispatch", bare_gpu)
     assert not switch.is_on("speed-grouped-experts", moe)
     grouped = dataclasses.replace(moe, grouped_experts=True)
     assert switch.is_on("speed-grouped-experts", grouped)
