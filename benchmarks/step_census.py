@@ -84,7 +84,16 @@ class WidthMap:
         return math.prod(self.shape(tuple(tensor.shape)))
 
     def nbytes(self, tensor: torch.Tensor) -> int:
-        return self.numel(tensor) * tensor.element_size()
+        """The bytes of `tensor`'s distinct elements at the real widths: an expanded view (a stride of 0, as the index
+        Megatron-Core's unpermute expands over the hidden width) reads each element once from memory."""
+        shape = self.shape(tuple(tensor.shape))
+        if 0 in shape:
+            return 0
+        try:
+            strides = tensor.stride()
+        except RuntimeError:  # a layout without strides (sparse)
+            return math.prod(shape) * tensor.element_size()
+        return math.prod(d for d, stride in zip(shape, strides, strict=True) if stride != 0) * tensor.element_size()
 
     def pitch(self, stride: int) -> int:
         return self.dims.get(int(stride), int(stride))

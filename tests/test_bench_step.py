@@ -54,6 +54,15 @@ def test_a_grouped_gemm_counts_the_flops_of_its_groups_together():
     assert key == (768, 100, 2048, 1) and flops == 2 * 768 * 100 * 2048
 
 
+def test_an_expanded_view_counts_the_bytes_of_its_distinct_elements():
+    """Megatron-Core's unfused unpermute scatters with an index expanded over the hidden width (a stride of 0): the
+    kernel reads each index once from memory, not once per column."""
+    widths = WidthMap(dims={8: 2048})
+    index = torch.arange(100).unsqueeze(1).expand(-1, 8)
+    assert widths.nbytes(index) == 100 * 8 and widths.nbytes(index.contiguous()) == 100 * 2048 * 8
+    assert widths.nbytes(torch.zeros(0, 8)) == 0 and widths.nbytes(torch.tensor(1.0)) == 4
+
+
 def test_a_host_sync_names_its_caller_not_the_census():
     census = Census(WidthMap(dims={}))
     with census.tracking(), census.counted():
