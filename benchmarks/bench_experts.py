@@ -19,7 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.step_census import Census, WidthMap
+from benchmarks.op_costs import WidthMap
+from benchmarks.step_census import Census
 
 HIDDEN, EXPERT_WIDTH, EXPERTS, TOP_K, EXPERT_PARALLEL, PACK = 2048, 768, 128, 8, 8, 4096
 LOCAL_EXPERTS = EXPERTS // EXPERT_PARALLEL

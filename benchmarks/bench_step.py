@@ -114,14 +114,12 @@ def balanced_routing(census):
 
     def balanced_gating(self, input):
         logits = gating(self, input)
-        with census.paused(), torch.no_grad():
-            flat = logits.view(-1, logits.shape[-1])
-            tokens, experts = flat.shape
-            k = self.config.moe_router_topk
-            chosen = (torch.arange(tokens)[:, None] * k + torch.arange(k)) % experts
-            bias = torch.zeros(tokens, experts, dtype=logits.dtype).scatter_(1, chosen, 100.0).view(logits.shape)
+        experts, k = logits.shape[-1], self.config.moe_router_topk
+        tokens = logits.numel() // experts
         with census.paused():
-            return logits + bias
+            chosen = (torch.arange(tokens)[:, None] * k + torch.arange(k)) % experts
+            bias = torch.zeros(tokens, experts, dtype=logits.dtype).scatter_(1, chosen, 100.0)
+            return logits + bias.view(logits.shape)
 
     with mock.patch.object(TopKRouter, "gating", balanced_gating):
         yield
@@ -229,7 +227,8 @@ def replays_counted(census, config: StepConfig):
 def census_worker(spec_path: pathlib.Path) -> int:
     """Train two steps of the spec's config and write the census of the second (the training child)."""
     from benchmarks.compiled_regions import cuda_compiled_regions
-    from benchmarks.step_census import Census, WidthMap
+    from benchmarks.op_costs import WidthMap
+    from benchmarks.step_census import Census
     from qvl.foundation import distributed, megatron, runtime
     from qvl.foundation.families import get_family
     from qvl.kernels import switch

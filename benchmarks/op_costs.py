@@ -1,18 +1,48 @@
-"""What one aten op costs on the device, for the step census (benchmarks.step_census): a GEMM's FLOPs at the real
-widths and whether its operands' row pitches suit Hopper's kernels; the bytes an in-place op writes back on top of
+"""What one aten op costs on the device, for the step census (benchmarks.step_census): the real widths of a tiny
+model's tensors (`WidthMap`), a GEMM's FLOPs at those widths and whether its operands' row pitches suit Hopper's kernels; the bytes an in-place op writes back on top of
 what it reads; and whether an op is a CPU backend's own work inside a collective (NCCL's kernel stands for it)."""
 
 from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils import _pytree as pytree
 
-if TYPE_CHECKING:
-    from benchmarks.step_census import WidthMap
+
+@dataclass(kw_only=True, slots=True)
+class WidthMap:
+    """Tiny width -> real width (dims), and tiny numel -> real numel for flat views of parameters and buffers."""
+
+    dims: dict[int, int]
+    numels: dict[int, int] = field(default_factory=dict)
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The real shape of a tensor of tiny `shape`."""
+        if len(shape) == 1 and shape[0] not in self.dims and shape[0] in self.numels:
+            return (self.numels[shape[0]],)
+        return tuple(self.dims.get(int(d), int(d)) for d in shape)
+
+    def numel(self, tensor: torch.Tensor) -> int:
+        return math.prod(self.shape(tuple(tensor.shape)))
+
+    def nbytes(self, tensor: torch.Tensor) -> int:
+        """The bytes of `tensor`'s distinct elements at the real widths: an expanded view (a stride of 0, as the index
+        Megatron-Core's unpermute expands over the hidden width) reads each element once from memory."""
+        shape = self.shape(tuple(tensor.shape))
+        if 0 in shape:
+            return 0
+        try:
+            strides = tensor.stride()
+        except RuntimeError:  # a layout without strides (sparse)
+            return math.prod(shape) * tensor.element_size()
+        return math.prod(d for d, stride in zip(shape, strides, strict=True) if stride != 0) * tensor.element_size()
+
+    def pitch(self, stride: int) -> int:
+        return self.dims.get(int(stride), int(stride))
+
 
 # In-place ops that overwrite their destination without reading it (counted once, as the write).
 OVERWRITE_OPS = frozenset({"copy_", "zero_", "fill_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_",

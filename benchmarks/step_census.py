@@ -20,9 +20,9 @@ device tensor is on the device. Host syncs are reads of device values on the hos
 `bool()`, `int()`, ops whose output size depends on values such as `nonzero` or boolean indexing), each with the
 first call site outside torch.
 
-This module holds the recorder: `Census`, its per-region `RegionCounts`, the `WidthMap` back to real widths, and
-call sites; what one op costs (GEMM FLOPs, row-pitch alignment, the bytes an in-place op writes back, a backend's
-work inside a collective) is benchmarks.op_costs'.
+This module holds the recorder: `Census`, its per-region `RegionCounts`, and call sites; the `WidthMap` back to real
+widths and what one op costs there (GEMM FLOPs, row-pitch alignment, a tensor's bytes, the bytes an in-place op
+writes back, a backend's work inside a collective) are benchmarks.op_costs'.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import math
 import pathlib
 import traceback
 from dataclasses import dataclass, field
@@ -42,7 +41,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from benchmarks import step_kernels
 from benchmarks.compiled_regions import LABEL, bisect_range
-from benchmarks.op_costs import gemm_flops, in_collective, kernels_launched, nongemm_bytes, row_pitch_aligned
+from benchmarks.op_costs import (
+    WidthMap,
+    gemm_flops,
+    in_collective,
+    kernels_launched,
+    nongemm_bytes,
+    row_pitch_aligned,
+)
 from qvl.foundation.graph_replay import VALUE_SIZED_OPS
 
 REGIONS = ("lm", "vision", "loss", "optimizer", "other")
@@ -65,38 +71,6 @@ _SKIP_FRAMES = (  # frames of torch and of the census itself: never the call sit
     "contextlib.py",
     "/functools.py",
 )
-
-
-@dataclass(kw_only=True, slots=True)
-class WidthMap:
-    """Tiny width -> real width (dims), and tiny numel -> real numel for flat views of parameters and buffers."""
-
-    dims: dict[int, int]
-    numels: dict[int, int] = field(default_factory=dict)
-
-    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The real shape of a tensor of tiny `shape`."""
-        if len(shape) == 1 and shape[0] not in self.dims and shape[0] in self.numels:
-            return (self.numels[shape[0]],)
-        return tuple(self.dims.get(int(d), int(d)) for d in shape)
-
-    def numel(self, tensor: torch.Tensor) -> int:
-        return math.prod(self.shape(tuple(tensor.shape)))
-
-    def nbytes(self, tensor: torch.Tensor) -> int:
-        """The bytes of `tensor`'s distinct elements at the real widths: an expanded view (a stride of 0, as the index
-        Megatron-Core's unpermute expands over the hidden width) reads each element once from memory."""
-        shape = self.shape(tuple(tensor.shape))
-        if 0 in shape:
-            return 0
-        try:
-            strides = tensor.stride()
-        except RuntimeError:  # a layout without strides (sparse)
-            return math.prod(shape) * tensor.element_size()
-        return math.prod(d for d, stride in zip(shape, strides, strict=True) if stride != 0) * tensor.element_size()
-
-    def pitch(self, stride: int) -> int:
-        return self.dims.get(int(stride), int(stride))
 
 
 @dataclass(kw_only=True, slots=True)

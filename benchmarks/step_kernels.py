@@ -199,12 +199,13 @@ def dispatcher_host_copies(census):
     dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
     dtoh_and_synchronize = dispatcher._maybe_dtoh_and_synchronize  # upstream's, or a patch group's in its place
 
-    copies = [0]  # device-to-host copies made so far
+    copies = 0  # device-to-host copies made so far
 
     def move_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        nonlocal copies
         if not isinstance(tensor, torch.Tensor) or census.is_host(tensor):
             return tensor
-        copies[0] += 1
+        copies += 1
         census.opaque("_to_copy (device to host)", [tensor])
         with census.paused():
             host = tensor.clone()
@@ -212,11 +213,11 @@ def dispatcher_host_copies(census):
         return host.numpy() if as_numpy else host
 
     def counted(self, point, tokens_per_expert=None):
-        before = copies[0]
+        before = copies
         result = dtoh_and_synchronize(self, point, tokens_per_expert)
-        if copies[0] > before:  # this layer's counts went to the host: its wait is the host's
-            self._census_copied = True
-        if getattr(self, "_census_copied", False) and point == self.cuda_sync_point:
+        # a wait is the host's where this layer's counts went to the host (at its copy point, this or an earlier one)
+        self._census_copied = getattr(self, "_census_copied", False) or copies > before
+        if self._census_copied and point == self.cuda_sync_point:
             census.sync("d2h_event.synchronize()")
             self._census_copied = False
         return result

@@ -1,6 +1,6 @@
 """The shapes of the step census: the configs it counts, their tiny-width HF models, and synthetic LLaVA-like packs.
 
-Tiny widths keep the run cheap on CPU; each maps back to one real width (benchmarks.step_census.WidthMap), so GEMM
+Tiny widths keep the run cheap on CPU; each maps back to one real width (benchmarks.op_costs.WidthMap), so GEMM
 FLOPs, row pitches and elementwise bytes are those of the real model. Packs have the real lengths and image sizes.
 """
 
@@ -101,7 +101,7 @@ def scaled_hf_config(config: StepConfig):
     """(HF config with tiny widths and the real depths, WidthMap tiny -> real) for `config`."""
     import transformers
 
-    from benchmarks.step_census import WidthMap
+    from benchmarks.op_costs import WidthMap
     from qvl.foundation.families import TINY_TOKEN_IDS, get_family
     from qvl.kernels.speed_aligned_widths import aligned
     from qvl.recipes.architectures import get_architecture

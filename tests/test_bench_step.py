@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from benchmarks import bench_step, step_model
-from benchmarks.op_costs import gemm_flops, row_pitch_aligned
-from benchmarks.step_census import Census, WidthMap
+from benchmarks.op_costs import WidthMap, gemm_flops, row_pitch_aligned
+from benchmarks.step_census import Census
 
 # The census's headline figures, pinned: (recorded, relative band). The RESULTS.md configuration (qwen2_5_vl_3b_12l: 12
 # LM layers, 8 packs of 4k) takes about 15 minutes on 2 cores, too long for the suite, so its structure at 2 LM

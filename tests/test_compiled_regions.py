@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks.compiled_regions import LABEL, CompiledRegions, RegionKernels, inductor_kernels, kernel_calls
-from benchmarks.step_census import Census, WidthMap
+from benchmarks.op_costs import WidthMap
+from benchmarks.step_census import Census
 from qvl.kernels.speed_hf_vision import rotary_fp32
 
 

@@ -65,7 +65,8 @@ def test_only_a_dropless_dispatcher_on_one_rank_keeps_its_counts_on_the_device()
 def _census(layer, tokens) -> tuple[int, dict]:
     """(kernel-launching ops, host reads by site) of the layer's forward and backward in the step census (the
     dispatcher's sort indices marked as the host tensors they are, its count copies and wait as CUDA runs them)."""
-    from benchmarks.step_census import Census, WidthMap
+    from benchmarks.op_costs import WidthMap
+    from benchmarks.step_census import Census
     from benchmarks.step_kernels import dispatcher_host_copies
 
     census = Census(WidthMap(dims={}))
