@@ -147,7 +147,7 @@ def _numels(model: list, widths) -> None:
 @contextlib.contextmanager
 def cuda_code_path(census):
     """What the CPU run swaps so that it takes a CUDA device's code path (see benchmarks.step_census)."""
-    from benchmarks.step_kernels import VARLEN_NAMES, dispatcher_host_copies, fake_varlen_kernel
+    from benchmarks.step_kernels import VARLEN_NAMES, dispatcher_host_copies, fake_varlen_kernel, router_graph_waits
     from qvl.kernels import torch_wgrad_accum, varlen_attention
 
     def usable(query, *, dropout_p: float = 0.0, padded_layout: bool = False) -> bool:
@@ -172,6 +172,7 @@ def cuda_code_path(census):
                           lambda: [*devices(), "cpu"]),
         torch_wgrad_accum.cpu_mixed_precision_addmm(),  # bf16 wgrad into fp32 main_grad: one GEMM (CUDA kernel only)
         dispatcher_host_copies(census),
+        router_graph_waits(census),
     ):  # fmt: skip
         yield
 

@@ -227,3 +227,28 @@ def dispatcher_host_copies(census):
         mock.patch.object(dispatcher, "_maybe_dtoh_and_synchronize", counted),
     ):
         yield
+
+
+@contextlib.contextmanager
+def router_graph_waits(census):
+    """A MoE layer's partial CUDA graphs as CUDA runs them: between its router's graph and its experts the host waits
+    for the router's graph (`MoETransformerLayer._forward_mlp`: `_router_dtoh_event.synchronize()`, a host sync in
+    every MoE layer and micro-batch), where the CPU's stand-in event waits for nothing."""
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+    transition = MoETransformerLayer.transition_cudagraph_scope
+
+    class RouterEvent:
+        def record(self, *args, **kwargs) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            census.sync("_router_dtoh_event.synchronize()")
+
+    def counted(self, mode):
+        transition(self, mode)
+        if mode == "partial":
+            self._router_dtoh_event = RouterEvent()
+
+    with mock.patch.object(MoETransformerLayer, "transition_cudagraph_scope", counted):
+        yield

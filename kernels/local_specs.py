@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from qvl.foundation.megatron import import_megatron_core
@@ -10,11 +11,14 @@ from qvl.foundation.megatron import import_megatron_core
 import_megatron_core()  # Megatron-Core's fused functions are decorated at its first import: under speed-import
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
 from qvl.kernels.varlen_attention import use_sdpa_attention
+
+logger = logging.getLogger(__name__)
 
 
 def local_gpt_layer_spec(config: Any, vp_stage: int | None = None) -> ModuleSpec:
@@ -34,20 +38,31 @@ def local_gpt_layer_spec(config: Any, vp_stage: int | None = None) -> ModuleSpec
 
 
 class GraphedAttentionMoELayer(MoETransformerLayer):
-    """Megatron-Core's MoETransformerLayer whose attention is a CUDA graph of its own where its router and combine are
-    (Megatron-Core 0.19.2's partial graphs, `cuda_graph_modules=[moe_router, moe_preprocess]`, capture those two and
-    run the rest eagerly): a third graph per layer holds the input norm, the attention and the residual add, the same
-    method (`_forward_attention`) through Megatron-Core's own CudaGraphManager, as the router's is. Not a Gated
-    DeltaNet attention, whose kernels' grids follow the pack. The graph is given the pack's bounds without the pad
-    mark the router takes (qvl.kernels.fix_moe_pad_tokens.PaddedPack: its position differs from pack to pack, and a
-    graph replays only the arguments it captured; attention does not read it)."""
+    """Megatron-Core's MoETransformerLayer whose attention is a CUDA graph of its own where its MoE block is graphed
+    (qvl.kernels.speed_cuda_graphs): a graph per layer holds the input norm, the attention and the residual add, the
+    same method (`_forward_attention`) through Megatron-Core's own CudaGraphManager. Not a Gated DeltaNet attention,
+    whose kernels' grids follow the pack. The graph is given the pack's bounds without the pad mark the router takes
+    (qvl.kernels.fix_moe_pad_tokens.PaddedPack: its position differs from pack to pack, and a graph replays only the
+    arguments it captured; attention does not read it).
+
+    Its MoE block is either Megatron-Core 0.19.2's partial graphs (`cuda_graph_modules=[moe_router, moe_preprocess]`:
+    the router and the combine captured, the experts eager between them) or, where the run's config asks for it
+    (qvl.kernels.moe_block_graphs.WHOLE_MOE) and the layer's first call finds it possible (`eager_block`), one graph
+    each way of the whole block (`_graphed_moe`); a layer that cannot takes the partial graphs."""
 
     def create_mcore_cudagraph_manager(self, config) -> None:
-        super().create_mcore_cudagraph_manager(config)
-        attention = getattr(self.submodules_config.self_attention, "module", None)
-        if self.use_partial_cudagraphs and isinstance(attention, type) and not issubclass(attention, GatedDeltaNet):
-            from megatron.core.transformer.cuda_graphs import CudaGraphManager
+        from megatron.core.transformer.cuda_graphs import CudaGraphManager
 
+        from qvl.kernels.moe_block_graphs import WHOLE_MOE
+
+        if getattr(config, WHOLE_MOE, False):
+            self.cudagraph_manager_moe = CudaGraphManager(config, self, function_name="_graphed_moe")
+            self.block_checked = False
+        else:
+            super().create_mcore_cudagraph_manager(config)
+        graphed = self.use_partial_cudagraphs or hasattr(self, "cudagraph_manager_moe")
+        attention = getattr(self.submodules_config.self_attention, "module", None)
+        if graphed and isinstance(attention, type) and not issubclass(attention, GatedDeltaNet):
             self.cudagraph_manager_attention = CudaGraphManager(config, self, function_name="_graphed_attention")
 
     def _forward_attention(self, *args, packed_seq_params=None, **kwargs):
@@ -58,11 +73,44 @@ class GraphedAttentionMoELayer(MoETransformerLayer):
     def _graphed_attention(self, *args, **kwargs):
         return super()._forward_attention(*args, **kwargs)
 
+    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None, packed_seq_params=None):
+        if inference_context is None and self._whole_block(hidden_states):
+            from qvl.foundation import patches
+            from qvl.kernels import fix_moe_pad_tokens
+
+            if padding_mask is None and patches.is_applied(fix_moe_pad_tokens.GROUP):
+                padding_mask = fix_moe_pad_tokens.pad_mask(self, hidden_states, packed_seq_params)
+            return self._graphed_moe(hidden_states, padding_mask, getattr(packed_seq_params, "tokens_per_sample", None))
+        return super()._forward_mlp(hidden_states, inference_context, padding_mask, packed_seq_params)
+
+    def _whole_block(self, hidden_states) -> bool:
+        """Whether this layer's MoE block runs as one graph: asked for, and possible at its first call; a layer where
+        it is not takes Megatron-Core's partial graphs from this call on (their managers made before their first
+        call, as the record of the graphs' order needs)."""
+        if not hasattr(self, "cudagraph_manager_moe"):
+            return False
+        if not self.block_checked:
+            from qvl.kernels.moe_block_graphs import eager_block
+
+            self.block_checked = True
+            reason = eager_block(self, hidden_states)
+            if reason is not None:
+                logger.warning("speed-cuda-graphs: layer %s graphs its router and combine apart: %s",
+                               self.layer_number, reason)  # fmt: skip
+                del self.cudagraph_manager_moe
+                self.transition_cudagraph_scope("partial")
+                return False
+        return True
+
+    def _graphed_moe(self, hidden_states, padding_mask=None, tokens_per_sample=None):
+        """The pre-MLP norm, the MoE block and the residual add, Megatron-Core's eager `_forward_mlp` (the graph's
+        function: tensors and numbers in, the pack's bounds not needed)."""
+        packed = None if tokens_per_sample is None else PackedSeqParams(tokens_per_sample=tokens_per_sample)
+        return super()._forward_mlp(hidden_states, padding_mask=padding_mask, packed_seq_params=packed)
+
 
 def unmarked_pack(packed_seq_params: Any) -> Any:
     """`packed_seq_params` as Megatron-Core's own PackedSeqParams (a subclass's extra fields dropped); None as is."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     if packed_seq_params is None or type(packed_seq_params) is PackedSeqParams:
         return packed_seq_params
     fields = {f.name: getattr(packed_seq_params, f.name) for f in dataclasses.fields(PackedSeqParams) if f.init}

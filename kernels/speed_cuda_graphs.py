@@ -48,7 +48,9 @@ graphs each way, the experts between them run eagerly, and the layer's call is e
 norm and the residual add) is a third graph each way where it is not a Gated DeltaNet (qvl's
 `local_specs.GraphedAttentionMoELayer`, through the same CudaGraphManager). Its packs are padded to `seq_length` as for
 whole layers; the pad is masked out of the router's balancing loss (qvl.kernels.fix_moe_pad_tokens), the mask one of
-the router graph's inputs.
+the router graph's inputs. Where the run's experts are grouped on one expert rank (`grouped_experts=true`, EP and expert
+TP 1, dropless) nothing of the MoE block reads back to the host or changes shape, and the whole block is one graph
+each way (qvl.kernels.moe_block_graphs): no router graph to wait for and no eager experts.
 
 The vision tower is graphed by qvl's own forward where this group marked it (`tower_graphs_allowed`): the replicated
 HF tower (Qwen2-VL, Qwen2.5-VL) by qvl.kernels.tower_graphs, Megatron-Bridge's Qwen3-VL tower (Qwen3-VL, Qwen3.5-VL)
@@ -80,6 +82,7 @@ import torch
 from qvl.foundation import graph_replay
 from qvl.foundation.errors import ConfigError, QvlError
 from qvl.foundation.megatron import gated_delta_net
+from qvl.kernels.moe_block_graphs import WHOLE_MOE, whole_moe_blocks
 from qvl.kernels.speed_rotary import WholePackCuSeqlens, mark_whole_pack
 
 logger = logging.getLogger(__name__)
@@ -184,10 +187,15 @@ def moe_graphs(model: Any) -> bool:
 
 def eager_parts(model: Any) -> str:
     """What the graphs of `model`'s layers (the language model's provider, its graphs set) hold, in words for the
-    run's log, where not every layer is graphed whole: a MoE layer's attention, router and combine, its experts eager
+    run's log, where not every layer is graphed whole: a MoE layer's attention and its MoE block whole where the run
+    asks for that (qvl.kernels.moe_block_graphs), else its attention, router and combine, its experts eager
     (qvl.kernels.local_specs.GraphedAttentionMoELayer); a Gated DeltaNet attention is eager (a dense layer's MLP
     graphed alone, qvl.kernels.local_specs.GraphedMLPLayer)."""
     gated_delta = gated_delta_net(model)
+    if getattr(model, WHOLE_MOE, False):  # qvl.kernels.moe_block_graphs
+        if gated_delta:
+            return " (each MoE layer's whole MoE block, experts included, and its full attention; Gated DeltaNet eager)"
+        return " (each MoE layer's attention and its whole MoE block, experts included)"
     if getattr(model, "cuda_graph_modules", None):
         if gated_delta:
             return " (each MoE layer's router and combine, and its full attention; Gated DeltaNet and experts eager)"
@@ -349,7 +357,8 @@ def fixed_size_cu_seqlens(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:
 def layer_graph_settings(model: Any = None) -> dict[str, Any]:
     """The TransformerConfig fields that make Megatron-Core capture the language model's layers (`model`, its
     provider; None: a dense one) as graphs of their own: each whole layer, or a MoE layer's router and combine
-    (`moe_graphs`; Megatron-Core's enum members: the fields are set after the config normalised its strings).
+    (`moe_graphs`; Megatron-Core's enum members: the fields are set after the config normalised its strings), and
+    qvl's mark of MoE layers that capture their whole MoE block instead (qvl.kernels.moe_block_graphs).
     `use_te_rng_tracker`: Megatron-Bridge's GPT provider asserts it for any CUDA graphs; without TE Megatron-Core
     makes its own tracker instead, graph-safe where graphs are asked for (tensor_parallel.random's
     `initialize_rng_tracker`), which is what these graphs need."""
@@ -357,7 +366,7 @@ def layer_graph_settings(model: Any = None) -> dict[str, Any]:
 
     modules = [CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess] if moe_graphs(model) else []
     return {"cuda_graph_impl": "local", "cuda_graph_modules": modules, "cuda_graph_warmup_steps": WARMUP_STEPS,
-            "use_te_rng_tracker": True}  # fmt: skip
+            "use_te_rng_tracker": True, WHOLE_MOE: whole_moe_blocks(model)}  # fmt: skip
 
 
 def eager_settings() -> dict[str, Any]:

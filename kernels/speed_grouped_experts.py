@@ -82,6 +82,17 @@ def weight_gradients(weights: tuple[torch.Tensor, ...], stacked: torch.Tensor) -
     return [torch.empty_like(w) if flag else None for w, flag in zip(weights, flagged, strict=True)]
 
 
+def reads_nothing_back(tokens: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM on `tokens` (their device and dtype) takes the groups' ends without reading them to
+    the host: its CUTLASS kernels (bf16 on SM90 and SM100) and its CPU kernel do; elsewhere it loops over the groups
+    at ends copied to the host (aten's `_grouped_mm_fallback`), which a CUDA graph cannot capture."""
+    if tokens.device.type == "cpu":
+        return True
+    if tokens.device.type != "cuda" or tokens.dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(tokens.device)[0] in (9, 10)
+
+
 def groupable(experts: Any, tokens: torch.Tensor) -> bool:
     """Whether `experts` (a SequentialMLP) on `tokens` can run as grouped GEMMs with the same function."""
     return grouped_parts(experts, tokens) is not None

@@ -72,7 +72,8 @@ class QvlTrainingConfig:
     # (qvl.kernels.speed_hf_vision.compile_vision_blocks); eager elsewhere. Off until its bf16 parity tests have run on
     # a GPU (tests/kernels/test_vision_compile.py).
     compile: bool = False
-    # The language model's layers (a MoE layer's attention, router and combine) and the vision tower replayed as CUDA
+    # The language model's layers (a MoE layer's attention, router and combine; its whole MoE block with grouped
+    # experts on one expert rank, qvl.kernels.moe_block_graphs) and the vision tower replayed as CUDA
     # graphs (qvl.kernels.speed_cuda_graphs, qvl.kernels.tower_graphs; the switch applies the group on CUDA without TE or
     # Apex). Off until the graphs' GPU tests have passed on a GPU.
     cuda_graphs: bool = False

@@ -58,7 +58,8 @@ class RecipeOptions:
     vision_recompute_blocks: int | None = None  # with vision_recompute: the first N blocks only (None = all)
     compile: bool = False  # HF vision tower (Qwen2/2.5-VL): each block torch.compiled on CUDA (Triton)
     # The language model's layers and the vision tower replayed as CUDA graphs (patch group speed-cuda-graphs, CUDA
-    # without TE or Apex; a MoE layer's attention, router and combine; Gated DeltaNet layers stay eager); off until their
+    # without TE or Apex; a MoE layer's attention, router and combine, or with grouped_experts on one expert rank its
+    # attention and whole MoE block; Gated DeltaNet layers stay eager); off until their
     # GPU tests have passed (tests/kernels/test_speed_cuda_graphs.py, tests/kernels/test_tower_graphs.py)
     cuda_graphs: bool = False
     # An MoE layer's local experts as two grouped GEMMs (patch group speed-grouped-experts, without TE): off until

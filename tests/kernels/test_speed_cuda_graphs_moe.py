@@ -98,3 +98,41 @@ def test_a_moe_model_at_tensor_parallel_2_trains_with_its_routers_graphed_as_it_
 
     args = _tiny_run(tmp_path, "qwen3_vl_moe", "qwen3_vl_30b_a3b_pretrain", 3, "tensor_parallel=2")
     _eager_and_graphed(tmp_path, args, 3, train=qvl_on_two_ranks, said=MOE_PARTIAL, rel=1e-6)
+
+
+MOE_WHOLE = LAYERS_GRAPHED + " (each MoE layer's attention and its whole MoE block, experts included)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("falls_back", [False, True])
+def test_a_moe_model_with_grouped_experts_trains_with_its_moe_blocks_graphed_whole(falls_back, tmp_path, monkeypatch,
+                                                                                   caplog):  # fmt: skip
+    """Qwen3-VL-MoE with `grouped_experts=true cuda_graphs=true` on one rank (recorded on the CPU): each MoE layer's
+    whole MoE block (qvl.kernels.moe_block_graphs: router, dispatch, grouped experts, combine) is one graph each way
+    and its attention another, so nothing of the layer runs eagerly and the host waits for no router graph; the
+    capture refuses any host read, as a device's does. The losses are the eager run's with grouped experts (without
+    the pad mask as the block graph's input they were 2e-6 apart by step 4). A layer whose first call finds its
+    block cannot be captured whole (`falls_back`: `eager_block` gives a reason) says so and takes Megatron-Core's
+    router and combine graphs, with the same losses."""
+    from qvl.bridges.tiny_model import tiny_hf_config
+    from qvl.foundation.graph_replay import RecordedGraph
+    from qvl.kernels import local_specs, moe_block_graphs
+
+    args = _tiny_run(tmp_path, "qwen3_vl_moe", "qwen3_vl_30b_a3b_pretrain", 4, "grouped_experts=true")
+    replays, captures, partial = [], [], []
+    replay, capture_end = RecordedGraph.replay, RecordedGraph.capture_end
+    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(len(self.ops)) or replay(self))
+    monkeypatch.setattr(RecordedGraph, "capture_end", lambda self: capture_end(self) or captures.append(self))
+    scope = local_specs.GraphedAttentionMoELayer.transition_cudagraph_scope
+    monkeypatch.setattr(local_specs.GraphedAttentionMoELayer, "transition_cudagraph_scope",
+                        lambda self, mode: partial.append(mode) or scope(self, mode))  # fmt: skip
+    if falls_back:
+        monkeypatch.setattr(moe_block_graphs, "eager_block", lambda layer, hidden: "a reason")
+    _eager_and_graphed(tmp_path, args, 4, said=MOE_WHOLE, rel=5e-7)
+    layers = tiny_hf_config("qwen3_vl_moe").text_config.num_hidden_layers
+    graphs = 6 if falls_back else 4  # per layer: attention and MoE block, or attention, router and combine; each way
+    assert partial == ["partial"] * layers if falls_back else not partial
+    assert ("graphs its router and combine apart: a reason" in caplog.text) is falls_back
+    assert len(captures) - 2 == graphs * layers  # and the tower's bucket, forward and backward
+    assert len(replays) == 6 * graphs * layers + 7 * 2
+    assert all(replays)
