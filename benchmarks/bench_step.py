@@ -316,8 +316,10 @@ def census_worker(spec_path: pathlib.Path) -> int:
               "losses": losses}  # fmt: skip
     result |= census.summary(config.packs)
     census.graphed["tower_bucket_rows"] = tower_bucket_rows(regions)
-    if not get_family(config.family).moe:  # a MoE layer replays in parts: `--recorded-graphs` counts that step
-        result["cuda_graphs"] = graphed_launches(result, census.graphed, tower_launches_per_call=tower_launches(cfg))
+    moe = get_family(config.family).moe
+    if not moe or config.grouped_experts:  # else a MoE layer's experts run between its graphs: not estimated
+        result["cuda_graphs"] = graphed_launches(result, census.graphed, tower_launches_per_call=tower_launches(cfg),
+                                                 moe_blocks=moe)  # fmt: skip
     pathlib.Path(spec["result"]).write_text(json.dumps(result, indent=1))
     return 0
 
@@ -357,15 +359,16 @@ def _census_child(rank: int, spec_path: str, log_path: str) -> None:
     census_worker(pathlib.Path(spec_path))
 
 
-def recorded_graphs_check(name: str, out: pathlib.Path) -> dict:
-    """The census's estimate of what the host launches in a step with speed-cuda-graphs, against that step trained
-    with its CUDA graphs recorded on the CPU (`replays_counted`: each replay one launch, the ops it replays not
-    counted)."""
+def recorded_graphs_check(name: str, out: pathlib.Path, eager: dict | None = None) -> dict:
+    """The census's estimate of what the host launches in a step with speed-cuda-graphs (from `eager`, the config's
+    census where already made), against that step trained with its CUDA graphs recorded on the CPU
+    (`replays_counted`: each replay one launch, the ops it replays not counted)."""
     from qvl.foundation.families import get_family
 
-    # a MoE layer replays its attention, router and combine and runs its experts between them: not estimated
-    moe = get_family(CONFIGS[name].family).moe
-    estimate = None if moe else census(name, out / "eager")["cuda_graphs"]["host_launches"]
+    # a MoE layer with sequential experts replays its attention, router and combine and runs its experts between
+    # them: not estimated (with grouped experts on one rank its whole MoE block is one graph: qvl.kernels.moe_block_graphs)
+    moe = get_family(CONFIGS[name].family).moe and not CONFIGS[name].grouped_experts
+    estimate = None if moe else (eager or census(name, out / "eager"))["cuda_graphs"]["host_launches"]
     recorded = census(name, out / "recorded", recorded_graphs=True)["step"]
     measured = recorded["kernel_launching_ops"]
     return {"config": name, "estimated_host_launches": estimate, "recorded_host_launches": measured,

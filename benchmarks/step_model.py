@@ -112,6 +112,10 @@ class StepTimeModel:
         return {k: round(v, 3) for k, v in (parts | {"estimated_step_s": total}).items()}
 
 
+# A MoE layer whose MoE block is a graph of its own (qvl.kernels.moe_block_graphs: grouped experts on one expert rank)
+# replays two graphs each way where a whole layer replays one, and copies in the pack's pad mask, made eagerly per call.
+MOE_BLOCK_LAUNCHES = 2 + 1
+
 GPU_WORK = ("gemm_tflop", "gemm_misaligned_tflop", "attention_tflop", "nongemm_gb")
 
 
@@ -121,12 +125,14 @@ def with_pad_work(step: dict, graphs: dict | None) -> dict:
     return step | {key: step[key] + pad.get(key, 0.0) for key in GPU_WORK}
 
 
-def graphed_launches(result: dict, graphed: dict, *, tower_launches_per_call: int | None) -> dict:
+def graphed_launches(result: dict, graphed: dict, *, tower_launches_per_call: int | None,
+                     moe_blocks: bool = False) -> dict:  # fmt: skip
     """ESTIMATED host launches per step where `speed-cuda-graphs` replays the language model's layers (Megatron-Core's
     per-layer graphs) and, given `tower_launches_per_call` (an HF tower: qvl.kernels.tower_graphs), the vision tower:
     the census's ops outside those parts, plus per layer call a forward and a backward replay and a copy of each input
     tensor but the previous layer's output (`lm_layer_input_copies`: Megatron-Core's graphs chain the layers), plus one
-    copy of an output gradient per micro-batch (the last layer's), plus per tower call its launches. `graphed` is the
+    copy of an output gradient per micro-batch (the last layer's), plus per tower call its launches (with `moe_blocks`,
+    MoE layers whose whole MoE block is a graph of its own, MOE_BLOCK_LAUNCHES more per layer call). `graphed` is the
     census's tally (benchmarks.step_census.Census.graphed). The GPU's work is the same but for the tower's pad rows:
     each call padded up to its bucket's rows (at most 1/8 more), whose work is taken as the tower's per row
     (`pad_work`; its attention too, which the pad rows' own block makes an upper bound)."""
@@ -135,6 +141,7 @@ def graphed_launches(result: dict, graphed: dict, *, tower_launches_per_call: in
     removed = graphed.get("lm_layers_launching_ops", 0)
     removed_views = graphed.get("lm_layers_view_ops", 0)
     added = 2 * layer_calls + graphed.get("lm_layer_input_copies", 0) + graphed.get("lm_layer_chains", 0)
+    added += MOE_BLOCK_LAUNCHES * layer_calls if moe_blocks else 0
     tower_calls, padding = graphed.get("tower_calls", 0), 0.0
     if tower_launches_per_call is not None and tower_calls:
         removed += vision["kernel_launching_ops"]
