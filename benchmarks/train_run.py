@@ -266,6 +266,7 @@ class RunGroups:
     applied: tuple[str, ...] = ()
     tower: dict | None = None  # the vision tower's CUDA graphs after the last step (qvl.kernels.tower_graphs)
     layer_graphs: bool = False  # Megatron-Core made the layers' graphs (they are deleted when the loop ends)
+    moe_blocks: dict | None = None  # how the MoE layers' blocks were graphed (`moe_block_modes`), None: no MoE layer
 
     @classmethod
     def of(cls, config, *, off, device: str | None = None) -> RunGroups:
@@ -287,6 +288,7 @@ class RunGroups:
         from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
         self.layer_graphs = bool(_CudagraphGlobalRecord.cudagraph_created)
+        self.moe_blocks = moe_block_modes(context.model)
 
     def summary(self, config) -> dict:
         """The run's groups, whether its language model's layers ran as CUDA graphs, and its tower's graphs (marked
@@ -296,10 +298,27 @@ class RunGroups:
         graphs = {"requested": graphs_requested(config.model), "tower_requested": tower_graphs_allowed(config.model)}
         if graphs["requested"]:
             graphs["created"] = self.layer_graphs
+            if self.moe_blocks is not None:
+                graphs["moe_blocks"] = self.moe_blocks
         if graphs["requested"] or graphs["tower_requested"]:
             graphs["vision_tower"] = self.tower
         return {"decided_on": list(self.decided), "applied_around_loop": list(self.training),
                 "applied_in_step_1": list(self.applied), "left_off": list(self.off), "cuda_graphs": graphs}  # fmt: skip
+
+
+def moe_block_modes(model: list) -> dict | None:
+    """How many MoE layers of `model` (its chunks) replay their whole MoE block as one graph (`whole`:
+    qvl.kernels.moe_block_graphs), their router and combine apart (`partial`), or neither (`eager`); None where it has
+    no MoE layer."""
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+    modes = {"whole": 0, "partial": 0, "eager": 0}
+    for chunk in model:
+        for module in chunk.modules():
+            if isinstance(module, MoETransformerLayer):
+                whole = hasattr(module, "cudagraph_manager_moe")
+                modes["whole" if whole else "partial" if module.use_partial_cudagraphs else "eager"] += 1
+    return modes if any(modes.values()) else None
 
 
 def tower_graph_stats(model: list) -> dict | None:

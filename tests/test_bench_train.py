@@ -262,8 +262,24 @@ def test_a_moe_models_routers_and_combines_train_graphed_as_they_do_eagerly(devi
     graphed, eager = _graphed_and_eager(tmp_path, "tiny_qwen3_vl_moe")
     graphs = graphed["patch_groups"]["cuda_graphs"]
     assert graphs["requested"] and graphs["created"], graphs
+    assert graphs["moe_blocks"]["partial"] > 0 and graphs["moe_blocks"]["whole"] == 0, graphs
     assert graphed["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-2)
     assert graphed["losses"] == pytest.approx(eager["losses"], rel=LOSS_REL[device])
+
+
+@pytest.mark.gpu
+def test_a_moe_models_whole_moe_blocks_train_graphed_as_they_do_eagerly(tmp_path):
+    """speed-cuda-graphs with grouped experts on one rank (Qwen3-VL-MoE, bf16 on the GPU's CUTLASS grouped GEMMs):
+    each MoE layer's whole MoE block captured and replayed as one graph each way (qvl.kernels.moe_block_graphs), no
+    layer falling back to the router and combine graphs; the eager run's losses. On the CPU:
+    tests/kernels/test_speed_cuda_graphs_moe.py."""
+    graphed, eager = _graphed_and_eager(tmp_path, "tiny_qwen3_vl_moe", "--set", "grouped_experts=true")
+    graphs = graphed["patch_groups"]["cuda_graphs"]
+    assert graphs["requested"] and graphs["created"], graphs
+    assert graphs["moe_blocks"]["whole"] > 0 and graphs["moe_blocks"]["partial"] == 0, graphs
+    assert "speed-grouped-experts" in graphed["patch_groups"]["applied_around_loop"], graphed["patch_groups"]
+    assert graphed["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-2)
+    assert graphed["losses"] == pytest.approx(eager["losses"], rel=LOSS_REL["cuda"])
 
 
 @pytest.mark.gpu
