@@ -1,7 +1,8 @@
 """speed-cuda-graphs with MoE layers (qvl.kernels.speed_cuda_graphs.moe_graphs): each layer's router and combine
 captured as Megatron-Core's partial graphs and its attention as qvl's third graph (local_specs.GraphedAttentionMoELayer),
-its experts eager. Which MoE runs stay eager, and (slow) that tiny Qwen3-VL-MoE trains with the graphs recorded on the
-CPU as it does eagerly, on one rank and at TP=2."""
+its experts eager; with grouped experts on one rank the whole MoE block as one graph (qvl.kernels.moe_block_graphs).
+Which MoE runs stay eager, and (slow) that tiny Qwen3-VL-MoE trains with the graphs recorded on the CPU as it does
+eagerly: in parts on one rank and at TP=2, whole with grouped experts (full training and LoRA on the experts)."""
 
 from __future__ import annotations
 
@@ -136,3 +137,26 @@ def test_a_moe_model_with_grouped_experts_trains_with_its_moe_blocks_graphed_who
     assert len(captures) - 2 == graphs * layers  # and the tower's bucket, forward and backward
     assert len(replays) == 6 * graphs * layers + 7 * 2
     assert all(replays)
+
+
+@pytest.mark.slow
+def test_lora_on_grouped_experts_trains_with_the_moe_blocks_graphed_whole(tmp_path, monkeypatch):
+    """Qwen3-VL-MoE LoRA from a converted checkpoint, adapters on the experts too, grouped: the frozen experts' grouped
+    GEMMs (no weight gradient) and their adapters' grouped GEMMs inside each layer's MoE block graph, no layer falling
+    back; the losses are the eager run's and the adapters export as a peft adapter."""
+    from qvl.kernels import local_specs
+    from tests.run_qvl import qvl_in_process
+
+    megatron_dir, hf = str(tmp_path / "megatron"), str(tmp_path / "hf")
+    args = _tiny_run(tmp_path, "qwen3_vl_moe", "qwen3_vl_30b_a3b_peft", 3, f"pretrained_checkpoint={megatron_dir}",
+                     "grouped_experts=true", "adapter_targets=language,vision,merger,experts")  # fmt: skip
+    qvl_in_process("convert", "import", hf, megatron_dir, "--dtype", "fp32", "--device", "cpu")
+    partial = []
+    scope = local_specs.GraphedAttentionMoELayer.transition_cudagraph_scope
+    monkeypatch.setattr(local_specs.GraphedAttentionMoELayer, "transition_cudagraph_scope",
+                        lambda self, mode: partial.append(mode) or scope(self, mode))  # fmt: skip
+    _eager_and_graphed(tmp_path, args, 3, said=MOE_WHOLE)
+    assert not partial
+    exported = qvl_in_process("convert", "export-adapter", str(tmp_path / "graphed"), hf, str(tmp_path / "lora"),
+                              "--device", "cpu")  # fmt: skip
+    assert exported.rstrip().endswith("OK (tolerance 1e-05)")
