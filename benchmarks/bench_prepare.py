@@ -22,8 +22,8 @@ import sys
 
 import numpy as np
 
-# (width, height) of typical LLaVA-665k sources: COCO, GQA, OCR-VQA, TextVQA, VG.
-RESOLUTIONS = ((640, 480), (500, 375), (640, 427), (480, 640), (336, 336), (1024, 768), (800, 600), (683, 1024))
+from benchmarks.bench_data import RESOLUTIONS
+
 WORDS = (
     "the a an image shows picture of in on with and is are what where how many color red blue green man woman "
     "dog cat street table food sign building sky car train bus people standing sitting holding looking left right "
@@ -79,7 +79,7 @@ def write_llava_like(
     slots = int(counts.sum())
     pool = n_images if n_images is not None else slots
     for k in range(pool):
-        width, height = RESOLUTIONS[k % len(RESOLUTIONS)]
+        height, width = RESOLUTIONS[k % len(RESOLUTIONS)]
         make_jpeg(media / f"{k:07d}.jpg", width, height, rng)
     choice = np.arange(slots) % pool
     reuse = rng.random(slots) < shared

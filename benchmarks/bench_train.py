@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from benchmarks import train_run, train_variants
+from benchmarks.bench_data import RESOLUTIONS
 from benchmarks.train_variants import Variant
 
 logger = logging.getLogger(__name__)
@@ -49,15 +50,13 @@ logger = logging.getLogger(__name__)
 MODELS = {
     "tiny": ("qwen2_5_vl_3b_pretrain", "qwen2_5_vl", None),
     "tiny_qwen3_vl": ("qwen3_vl_2b_pretrain", "qwen3_vl", None),  # Megatron-Bridge's vision tower (a gpu test)
-    "tiny_qwen3_vl_moe": ("qwen3_vl_30b_a3b_pretrain", "qwen3_vl_moe", None),  # MoE layers' partial graphs (gpu test)
+    "tiny_qwen3_vl_moe": ("qwen3_vl_30b_a3b_pretrain", "qwen3_vl_moe", None),  # MoE layers' graphs (gpu tests)
     "tiny_qwen3_5_vl": ("qwen3_5_vl_9b_pretrain", "qwen3_5_vl", None),  # Gated DeltaNet layers on fla (gpu test)
     "qwen2_vl_2b": ("qwen2_vl_2b_pretrain", "qwen2_vl", "2b"),
     "qwen2_5_vl_3b": ("qwen2_5_vl_3b_pretrain", "qwen2_5_vl", "3b"),
     "qwen3_vl_2b": ("qwen3_vl_2b_pretrain", "qwen3_vl", "2b"),
     "qwen3_vl_4b": ("qwen3_vl_4b_pretrain", "qwen3_vl", "4b"),
 }
-# (height, width) of typical LLaVA-665k sources: COCO, GQA, OCR-VQA, TextVQA, VG (as in bench_data).
-RESOLUTIONS = ((480, 640), (375, 500), (427, 640), (640, 480), (336, 336), (768, 1024), (600, 800), (1024, 683))
 WORDS = (
     "the image shows a person dog cat car street table window tree sky building red blue green small large "
     "left right next to on under holding sitting standing what is how many where why color number of in picture "
@@ -141,10 +140,7 @@ def write_llava_like(root: pathlib.Path, count: int, *, scale: float = 1.0, seed
             images.append(name)
         words = lambda: " ".join(rng.choice(WORDS, size=int(np.clip(rng.lognormal(3.5, 0.8), 3, 600))))
         turns = [{"from": "human", "value": "<image>\n" * n_images + words()}, {"from": "gpt", "value": words()}]
-        record = {"id": f"s{index}", "conversations": turns}
-        if images:
-            record["image"] = images
-        records.append(json.dumps(record))
+        records.append(json.dumps({"id": f"s{index}", "conversations": turns} | ({"image": images} if images else {})))
     jsonl = root / "data.jsonl"
     jsonl.write_text("\n".join(records) + "\n")
     return jsonl, media
