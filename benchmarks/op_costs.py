@@ -1,6 +1,7 @@
 """What one aten op costs on the device, for the step census (benchmarks.step_census): the real widths of a tiny
-model's tensors (`WidthMap`), a GEMM's FLOPs at those widths and whether its operands' row pitches suit Hopper's kernels; the bytes an in-place op writes back on top of
-what it reads; and whether an op is a CPU backend's own work inside a collective (NCCL's kernel stands for it)."""
+model's tensors (`WidthMap`), a GEMM's FLOPs at those widths and whether its operands' row pitches suit Hopper's
+kernels; the bytes an in-place op writes back on top of what it reads; and whether an op is a CPU backend's own work
+inside a collective (NCCL's kernel stands for it)."""
 
 from __future__ import annotations
 

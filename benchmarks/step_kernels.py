@@ -8,7 +8,8 @@ them in `Census.tracking()`. The stand-ins count as CUDA runs them and compute w
 - `fake_varlen_kernel` and `VARLEN_NAMES`: torch's varlen attention kernel and the keywords it takes, one `FakeFlash`
   call per attention with the FLOPs of the real call;
 - `dispatcher_host_copies`: Megatron-Core's all-to-all token dispatcher copying its counts to the host and waiting
-  for them (on the CPU its copy is a no-op for a CPU tensor, and its wait an event stand-in's).
+  for them (on the CPU its copy is a no-op for a CPU tensor, and its wait an event stand-in's);
+- `router_graph_waits`: the host's wait for a MoE layer's router graph under Megatron-Core's partial graphs.
 
 Each takes the census as an argument and imports nothing of it, so `benchmarks.step_census` imports this module, not
 the reverse.

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from qvl.foundation import patches
+from qvl.kernels.speed_moe_one_rank_dispatch import dropless, one_rank
 
 WHOLE_MOE = "qvl_whole_moe"  # the language model config's flag: its MoE layers capture their MoE block whole
 GROUPED = "speed-grouped-experts"
@@ -38,21 +39,16 @@ ONE_RANK = "speed-moe-one-rank-dispatch"
 
 def whole_moe_blocks(model: Any) -> bool:
     """Whether the MoE layers of `model` (the language model's provider or TransformerConfig, its layers graphed)
-    capture their MoE block whole: the all-to-all dispatcher on one expert-parallel and one expert-TP rank, dropless
-    and without the router's padding for quantization (what `speed_moe_one_rank_dispatch.one_rank` asks of a
-    dispatcher), no shared experts overlapped on a side stream, and both groups that make the block sync-free
-    applied (grouped experts: the run's `grouped_experts=true`)."""
+    capture their MoE block whole: the all-to-all dispatcher on one expert-parallel and one expert-TP rank, `dropless`
+    (what `speed_moe_one_rank_dispatch.one_rank` asks of a dispatcher), no shared experts overlapped on a side stream,
+    and both groups that make the block sync-free applied (grouped experts: the run's `grouped_experts=true`)."""
     if not getattr(model, "num_moe_experts", None) or getattr(model, "moe_token_dispatcher_type", None) != "alltoall":
         return False
     expert_tp = getattr(model, "expert_tensor_parallel_size", None) or getattr(model, "tensor_model_parallel_size", 1)
-    one_rank = (getattr(model, "expert_model_parallel_size", 1) or 1) == 1 and (expert_tp or 1) == 1
-    dropless = getattr(model, "moe_expert_capacity_factor", None) is None
-    padded = getattr(model, "moe_router_padding_for_quantization", False) or getattr(
-        model, "moe_router_padding_for_fp8", False
-    )
+    single = (getattr(model, "expert_model_parallel_size", 1) or 1) == 1 and (expert_tp or 1) == 1
     overlapped = getattr(model, "moe_shared_expert_overlap", False)
     applied = patches.is_applied(GROUPED) and patches.is_applied(ONE_RANK)
-    return one_rank and dropless and not padded and not overlapped and applied
+    return single and dropless(model) and not overlapped and applied
 
 
 def eager_block(layer: Any, hidden_states: torch.Tensor) -> str | None:
@@ -61,7 +57,6 @@ def eager_block(layer: Any, hidden_states: torch.Tensor) -> str | None:
     GEMMs on these tokens (`grouped_parts`: a plain or LoRA linear per expert, aligned widths, the weights' dtype),
     and torch's grouped GEMM takes their ends without reading them (`reads_nothing_back`)."""
     from qvl.kernels.speed_grouped_experts import grouped_parts, reads_nothing_back
-    from qvl.kernels.speed_moe_one_rank_dispatch import one_rank
 
     mlp = layer.mlp
     dispatcher, experts = getattr(mlp, "token_dispatcher", None), getattr(mlp, "experts", None)

@@ -30,15 +30,22 @@ GROUP = "speed-moe-one-rank-dispatch"
 
 def one_rank(dispatcher) -> bool:
     """Whether an all-to-all dispatcher spreads tokens over nothing: one expert-parallel and one expert-TP rank,
-    dropless, no padding for quantization (its output size is then the tokens times top-k, known on the host)."""
-    config = dispatcher.config
+    `dropless` (its output size is then the tokens times top-k, known on the host)."""
     return (
         dispatcher.ep_size == 1
         and dispatcher.tp_size == 1
         and not dispatcher.drop_and_pad
-        and config.moe_expert_capacity_factor is None
-        and not config.moe_router_padding_for_quantization
+        and dropless(dispatcher.config)
     )
+
+
+def dropless(config) -> bool:
+    """Whether MoE layers of `config` (a TransformerConfig or a provider) keep every routed token at the router's
+    top-k: no capacity factor and no padding of the routing map for quantization (fp8's older name included)."""
+    padded = getattr(config, "moe_router_padding_for_quantization", False) or getattr(
+        config, "moe_router_padding_for_fp8", False
+    )
+    return getattr(config, "moe_expert_capacity_factor", None) is None and not padded
 
 
 def is_identity(sorted_idxs: torch.Tensor) -> bool:

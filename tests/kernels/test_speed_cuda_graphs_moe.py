@@ -101,6 +101,17 @@ def test_a_moe_model_at_tensor_parallel_2_trains_with_its_routers_graphed_as_it_
     _eager_and_graphed(tmp_path, args, 3, train=qvl_on_two_ranks, said=MOE_PARTIAL, rel=1e-6)
 
 
+def _scope_changes(monkeypatch) -> list[str]:
+    """The modes MoE layers change their graphs' scope to (a layer falling back to the partial graphs: "partial")."""
+    from qvl.kernels import local_specs
+
+    changes = []
+    scope = local_specs.GraphedAttentionMoELayer.transition_cudagraph_scope
+    monkeypatch.setattr(local_specs.GraphedAttentionMoELayer, "transition_cudagraph_scope",
+                        lambda self, mode: changes.append(mode) or scope(self, mode))  # fmt: skip
+    return changes
+
+
 MOE_WHOLE = LAYERS_GRAPHED + " (each MoE layer's attention and its whole MoE block, experts included)"
 
 
@@ -117,16 +128,14 @@ def test_a_moe_model_with_grouped_experts_trains_with_its_moe_blocks_graphed_who
     router and combine graphs, with the same losses."""
     from qvl.bridges.tiny_model import tiny_hf_config
     from qvl.foundation.graph_replay import RecordedGraph
-    from qvl.kernels import local_specs, moe_block_graphs
+    from qvl.kernels import moe_block_graphs
 
     args = _tiny_run(tmp_path, "qwen3_vl_moe", "qwen3_vl_30b_a3b_pretrain", 4, "grouped_experts=true")
-    replays, captures, partial = [], [], []
+    replays, captures = [], []
     replay, capture_end = RecordedGraph.replay, RecordedGraph.capture_end
     monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(len(self.ops)) or replay(self))
     monkeypatch.setattr(RecordedGraph, "capture_end", lambda self: capture_end(self) or captures.append(self))
-    scope = local_specs.GraphedAttentionMoELayer.transition_cudagraph_scope
-    monkeypatch.setattr(local_specs.GraphedAttentionMoELayer, "transition_cudagraph_scope",
-                        lambda self, mode: partial.append(mode) or scope(self, mode))  # fmt: skip
+    partial = _scope_changes(monkeypatch)
     if falls_back:
         monkeypatch.setattr(moe_block_graphs, "eager_block", lambda layer, hidden: "a reason")
     _eager_and_graphed(tmp_path, args, 4, said=MOE_WHOLE, rel=5e-7)
@@ -144,17 +153,13 @@ def test_lora_on_grouped_experts_trains_with_the_moe_blocks_graphed_whole(tmp_pa
     """Qwen3-VL-MoE LoRA from a converted checkpoint, adapters on the experts too, grouped: the frozen experts' grouped
     GEMMs (no weight gradient) and their adapters' grouped GEMMs inside each layer's MoE block graph, no layer falling
     back; the losses are the eager run's and the adapters export as a peft adapter."""
-    from qvl.kernels import local_specs
     from tests.run_qvl import qvl_in_process
 
     megatron_dir, hf = str(tmp_path / "megatron"), str(tmp_path / "hf")
     args = _tiny_run(tmp_path, "qwen3_vl_moe", "qwen3_vl_30b_a3b_peft", 3, f"pretrained_checkpoint={megatron_dir}",
                      "grouped_experts=true", "adapter_targets=language,vision,merger,experts")  # fmt: skip
     qvl_in_process("convert", "import", hf, megatron_dir, "--dtype", "fp32", "--device", "cpu")
-    partial = []
-    scope = local_specs.GraphedAttentionMoELayer.transition_cudagraph_scope
-    monkeypatch.setattr(local_specs.GraphedAttentionMoELayer, "transition_cudagraph_scope",
-                        lambda self, mode: partial.append(mode) or scope(self, mode))  # fmt: skip
+    partial = _scope_changes(monkeypatch)
     _eager_and_graphed(tmp_path, args, 3, said=MOE_WHOLE)
     assert not partial
     exported = qvl_in_process("convert", "export-adapter", str(tmp_path / "graphed"), hf, str(tmp_path / "lora"),
