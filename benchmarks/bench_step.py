@@ -47,6 +47,7 @@ from benchmarks.step_shapes import (
     MEASURED_CONFIG,
     RESULTS_CONFIG,
     StepConfig,
+    gated_deltanet,
     scaled_hf_config,
     synthetic_batches,
     write_model_dir,
@@ -95,11 +96,11 @@ def tower_launches(cfg) -> int | None:
 def graphs_estimated(config: StepConfig) -> bool:
     """Whether the census estimates `config`'s graphed host launches: dense layers graphed whole, or MoE layers whose
     whole MoE block is a graph (grouped experts on one rank: qvl.kernels.moe_block_graphs). A MoE layer with
-    sequential experts replays its attention, router and combine and runs its experts between them: `--recorded-graphs`
-    counts that step instead."""
+    sequential experts replays its attention, router and combine and runs its experts between them, and a Gated
+    DeltaNet layer replays its MLP alone: `--recorded-graphs` counts those steps instead."""
     from qvl.foundation.families import get_family
 
-    return not get_family(config.family).moe or config.grouped_experts
+    return (not get_family(config.family).moe or config.grouped_experts) and not gated_deltanet(config)
 
 
 def _host_indices(model: list, census) -> None:
@@ -240,6 +241,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
     from benchmarks.compiled_regions import cuda_compiled_regions
     from benchmarks.op_costs import WidthMap
     from benchmarks.step_census import Census
+    from benchmarks.step_linear_attention import fla_code_path
     from qvl.foundation import distributed, megatron, runtime
     from qvl.foundation.families import get_family
     from qvl.kernels import switch
@@ -263,9 +265,10 @@ def census_worker(spec_path: pathlib.Path) -> int:
     census = Census(WidthMap(dims=dims))
     overrides = {"hf_path": str(hf_dir), "seq_length": config.seq_length, "global_batch_size": config.packs,
                  "micro_batch_size": 1, "train_iters": 2, "warmup_iters": 1, "save_interval": 10**6,
-                 "log_interval": 10**6, "precision": "bf16-mixed", "vision_recompute": config.vision_recompute}  # fmt: skip
+                 "log_interval": 10**6, "precision": "bf16-mixed", "vision_recompute": config.vision_recompute,
+                 "tensor_parallel": 1}  # fmt: skip  # every census is one GPU's step
     if config.local_experts:  # one GPU's share of the experts (StepConfig.local_experts), on one rank
-        overrides |= {"tensor_parallel": 1, "expert_parallel": 1}
+        overrides["expert_parallel"] = 1
     if config.grouped_experts:
         overrides["grouped_experts"] = True
     if spec.get("compile"):
@@ -281,6 +284,8 @@ def census_worker(spec_path: pathlib.Path) -> int:
     if spec.get("recorded_graphs"):  # the graphed step as it runs, its graphs recorded: each replay one launch
         code.enter_context(replays_counted(census, config))
     _, cfg = prepare_config(TrainRequest(recipe=config.recipe, overrides=overrides, run_dir=out / "run"))
+    if megatron.gated_delta_net(cfg.model):  # fla's kernels, before the training groups wrap them
+        code.enter_context(fla_code_path(census))
     if not spec["baseline"]:  # what a training loop on a CUDA device applies (qvl.training.loop.run_megatron_loop)
         code.enter_context(switch.applied_for_training(switch.Target.of(cfg, device="cuda")))
     cfg.checkpoint.save = cfg.checkpoint.load = None
@@ -475,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             estimated = check["estimated_host_launches"]
             print(json.dumps(check) if args.json else
                   f"{check['config']}: host launches with CUDA graphs ESTIMATED "
-                  f"{'(not modelled for sequential MoE experts)' if estimated is None else estimated}, recorded on "
+                  f"{'(not modelled: sequential MoE experts or Gated DeltaNet)' if estimated is None else estimated}, recorded on "
                   f"the CPU {check['recorded_host_launches']} ({check['graph_replays']} replays, {check['host_syncs']} host "
                   "syncs)" + ("" if estimated is None else f": {check['relative_difference']:+.1%}"))  # fmt: skip
         return 0

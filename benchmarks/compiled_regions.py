@@ -403,6 +403,16 @@ MEGATRON_JIT_FUNCTIONS = {
         ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss", "calculate_gradients"),
     ),
 }
+# Megatron-Core's `@jit_fuser` methods: module -> (label, class, methods). Qwen3.5's gated attention output, and its
+# Gated DeltaNet's input split and l2norm, decays and beta, and gated output norm.
+MEGATRON_JIT_METHODS = {
+    "megatron.core.transformer.attention": ("attention", "Attention", ("_apply_output_gate",)),
+    "megatron.core.ssm.gated_delta_net.common": (
+        "Gated DeltaNet",
+        "_GDNBase",
+        ("_prepare_input_for_gated_delta_rule", "_compute_g_and_beta", "_apply_gated_norm"),
+    ),
+}
 # qvl.kernels.speed_cross_entropy's regions.
 QVL_CROSS_ENTROPY_REGIONS = ("logits_max", "target_statistics", "logits_gradient")
 
@@ -472,4 +482,10 @@ def cuda_compiled_regions(census):
                 original = getattr(module, name)
                 eager = getattr(original, "_torchdynamo_orig_callable", original)
                 stack.enter_context(mock.patch.object(module, name, regions.region(f"{label} {name}", eager)))
+        for module_name, (label, class_name, names) in MEGATRON_JIT_METHODS.items():
+            owner = getattr(importlib.import_module(module_name), class_name)
+            for name in names:
+                # as `jit_fuser` (torch.compile) makes them: a graph break splits the region, it does not fail
+                region = regions.region(f"{label} {name.strip('_')}", getattr(owner, name), fullgraph=False)
+                stack.enter_context(mock.patch.object(owner, name, region))
         yield regions

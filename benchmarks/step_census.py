@@ -39,7 +39,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from benchmarks import step_kernels
+from benchmarks import step_kernels, step_linear_attention
 from benchmarks.compiled_regions import LABEL, bisect_range
 from benchmarks.op_costs import (
     WidthMap,
@@ -68,6 +68,7 @@ _SKIP_FRAMES = (  # frames of torch and of the census itself: never the call sit
     f"{pathlib.Path(torch.__file__).parent}",
     __file__,
     step_kernels.__file__,
+    step_linear_attention.__file__,
     "contextlib.py",
     "/functools.py",
 )
@@ -203,9 +204,12 @@ class Census:
     def opaque(self, name: str, tensors: list) -> None:
         """One kernel the CPU run computes another way (a stand-in's): counted with its bytes (inside a compiled
         region, Inductor's kernels stand for it)."""
+        self.launch(name, sum(self.widths.nbytes(t) for t in tensors if t is not None))
+
+    def launch(self, name: str, nbytes: float) -> None:
+        """One kernel of a stand-in's that moves `nbytes` at the real widths (not inside a compiled region)."""
         if self.counting and not (self.compiled_depth or self._in_compiled_backward()):
             self.counts.launches[name] += 1
-            nbytes = sum(self.widths.nbytes(t) for t in tensors if t is not None)
             self.counts.nongemm_bytes += nbytes
             self.counts.nongemm_bytes_by_op[name] += nbytes
 

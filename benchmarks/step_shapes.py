@@ -70,6 +70,13 @@ CONFIGS = {
         StepConfig(name="tiny", family="qwen2_5_vl", size="3b", recipe="qwen2_5_vl_3b_pretrain", layers=2,
                    vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
                    text_tokens=60),
+        # Qwen3.5-VL-9B at 8 LM layers (two of its periods: 3 Gated DeltaNet layers, then gated attention) on one GPU
+        StepConfig(name="qwen3_5_vl_9b_8l", family="qwen3_5_vl", size="9b", recipe="qwen3_5_vl_9b_pretrain", layers=8,
+                   vision_recompute=False),
+        # tests: that hybrid at one period, 4 ViT blocks, 2 short packs
+        StepConfig(name="tiny_hybrid", family="qwen3_5_vl", size="9b", recipe="qwen3_5_vl_9b_pretrain", layers=4,
+                   vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
+                   text_tokens=60, vision_recompute=False),
         # tests: the Qwen3-VL-MoE census at that size (16 local experts), one after another and grouped
         StepConfig(name="tiny_moe", family="qwen3_vl_moe", size="30b-a3b", recipe="qwen3_vl_30b_a3b_pretrain",
                    layers=2, vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
@@ -89,12 +96,31 @@ DEFAULT_CONFIGS = ("qwen2_5_vl_3b_12l", "qwen2_5_vl_3b", "qwen2_vl_2b", "qwen3_v
 # its size), so shapes map back unambiguously. Head dims stay even (rotary; Qwen3-VL's vision halves stay even too),
 # mRoPE sections sum to half.
 TINY_LM_HEAD_DIM = 10
+# Qwen3.5's attention rotates a quarter of its head (partial_rotary_factor 0.25): a head of 40 rotates 10, mRoPE
+# sections [2, 2, 1]
+TINY_PARTIAL_ROTARY_HEAD_DIM = 40
+TINY_DELTANET_HEAD_DIM = 20  # Gated DeltaNet's key and value heads (128 each in every Qwen3.5)
 TINY_VOCAB = 608
 TINY_FFN = 44
-TINY_VISION_HEAD_DIM = {"qwen2_vl": 8, "qwen2_5_vl": 8, "qwen3_vl": 28, "qwen3_vl_moe": 28}
+TINY_VISION_HEAD_DIM = {
+    "qwen2_vl": 8,
+    "qwen2_5_vl": 8,
+    "qwen3_vl": 28,
+    "qwen3_vl_moe": 28,
+    "qwen3_5_vl": 28,
+    "qwen3_5_vl_moe": 28,
+}
 TINY_VISION_FFN = 36
 TINY_QWEN3_HIDDEN = 144
 TINY_EXPERT_FFN = 56  # rows of 112 bytes in bf16: 16-byte aligned, as grouped_mm needs
+
+
+def gated_deltanet(config: StepConfig) -> bool:
+    """Whether `config`'s language model is Qwen3.5's hybrid: Gated DeltaNet layers, and attention that gates its
+    output."""
+    from qvl.recipes.architectures import get_architecture
+
+    return "linear_key_head_dim" in get_architecture(config.family, config.size).text
 
 
 def scaled_hf_config(config: StepConfig):
@@ -110,14 +136,22 @@ def scaled_hf_config(config: StepConfig):
     text, vision = dict(arch.text), dict(arch.vision)
     heads, kv = text["num_attention_heads"], text["num_key_value_heads"]
     real_head_dim = text.get("head_dim", text["hidden_size"] // heads)
-    hd = TINY_LM_HEAD_DIM
+    partial = text["rope_parameters"].get("partial_rotary_factor", 1.0) < 1
+    hd = TINY_PARTIAL_ROTARY_HEAD_DIM if partial else TINY_LM_HEAD_DIM
     hidden = TINY_QWEN3_HIDDEN if "head_dim" in text else heads * hd
-    rope = dict(text["rope_parameters"], mrope_section=[1, 2, 2])  # sums to hd / 2
-    dims = {hidden: text["hidden_size"], heads * hd: heads * real_head_dim, kv * hd: kv * real_head_dim,
-            (heads + 2 * kv) * hd: (heads + 2 * kv) * real_head_dim, hd: real_head_dim,
-            TINY_FFN: text["intermediate_size"], 2 * TINY_FFN: 2 * text["intermediate_size"],
-            TINY_VOCAB: text["vocab_size"],
-            (heads // kv + 2) * hd: (heads // kv + 2) * real_head_dim}  # fmt: skip  # Megatron's qkv per KV group
+    rope = dict(text["rope_parameters"], mrope_section=[2, 2, 1] if partial else [1, 2, 2])  # sums to the rotated / 2
+    # the attention's widths in heads: query, key and value, all three, one head, Megatron's qkv per KV group; with
+    # Qwen3.5's gated attention also a gate as wide as the query, in the qkv projection
+    hybrid = gated_deltanet(config)
+    in_heads = [heads, kv, heads + 2 * kv, 1, heads // kv + 2]
+    if hybrid:
+        in_heads += [2 * heads, 2 * heads + 2 * kv, 2 * heads // kv + 2]
+    dims = _Widths([(hidden, text["hidden_size"]), (TINY_FFN, text["intermediate_size"]),
+                    (2 * TINY_FFN, 2 * text["intermediate_size"]), (TINY_VOCAB, text["vocab_size"])]
+                   + [(n * hd, n * real_head_dim) for n in in_heads])  # fmt: skip
+    if hybrid:
+        dims |= _deltanet_widths(text)
+        text.update(linear_key_head_dim=TINY_DELTANET_HEAD_DIM, linear_value_head_dim=TINY_DELTANET_HEAD_DIM)
     text.update(hidden_size=hidden, intermediate_size=TINY_FFN, vocab_size=TINY_VOCAB, rope_parameters=rope)
     if "moe_intermediate_size" in text:
         dims |= {TINY_EXPERT_FFN: text["moe_intermediate_size"], 2 * TINY_EXPERT_FFN: 2 * text["moe_intermediate_size"]}
@@ -156,7 +190,44 @@ def scaled_hf_config(config: StepConfig):
     hf = config_class(text_config=text, vision_config=vision, architectures=[arch.hf_architecture], **arch.top)
     for name, value in TINY_TOKEN_IDS.items():
         setattr(hf, name, value)
-    return hf, WidthMap(dims=dims)
+    return hf, WidthMap(dims=dict(dims))
+
+
+class _Widths(dict):
+    """Tiny width -> real width, refusing a tiny width that would stand for two real ones (the census could not map
+    it back)."""
+
+    def __init__(self, pairs: list[tuple[int, int]]):
+        super().__init__()
+        self |= pairs
+
+    def __setitem__(self, tiny: int, real: int) -> None:
+        if self.get(tiny, real) != real:
+            raise ValueError(f"tiny width {tiny} stands for both {self[tiny]} and {real}: choose other tiny widths")
+        super().__setitem__(tiny, real)
+
+    def __ior__(self, pairs):
+        for tiny, real in pairs.items() if isinstance(pairs, dict) else pairs:
+            self[tiny] = real
+        return self
+
+    def setdefault(self, tiny: int, real: int) -> int:
+        if tiny not in self:
+            self[tiny] = real
+        return self[tiny]
+
+
+def _deltanet_widths(text: dict) -> list[tuple[int, int]]:
+    """(tiny, real) widths of Megatron-Core's Gated DeltaNet at TINY_DELTANET_HEAD_DIM (its heads keep their counts):
+    a head, the query (and key) and value widths, both together, the convolved qkv, and the input projection (qkv,
+    output gate z, beta, alpha)."""
+    key_heads, value_heads = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    tiny = TINY_DELTANET_HEAD_DIM
+    real_qk, real_v = key_heads * text["linear_key_head_dim"], value_heads * text["linear_value_head_dim"]
+    qk, v = key_heads * tiny, value_heads * tiny
+    return [(tiny, text["linear_key_head_dim"]), (tiny, text["linear_value_head_dim"]), (qk, real_qk), (v, real_v),
+            (2 * qk, 2 * real_qk), (2 * qk + v, 2 * real_qk + real_v),
+            (2 * qk + 2 * v + 2 * value_heads, 2 * real_qk + 2 * real_v + 2 * value_heads)]  # fmt: skip
 
 
 def write_model_dir(path: pathlib.Path, config: StepConfig) -> tuple[pathlib.Path, dict[int, int]]:

@@ -47,6 +47,7 @@ from megatron.bridge.models.qwen_vl import qwen35_vl_bridge as upstream_bridge
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention import Qwen3VLSelfAttention
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.text_model import Qwen3VLGPTModel
 from megatron.bridge.models.qwen_vl.qwen35_vl_provider import Qwen35VLModelProvider, Qwen35VLMoEModelProvider
+from megatron.core import parallel_state
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import (
@@ -74,14 +75,26 @@ from qvl.bridges.qwen3_vl import Qwen3VLModel
 from qvl.bridges.unconverted import recorded_tensor_names
 from qvl.foundation.errors import ConversionError
 from qvl.foundation.megatron import have_transformer_engine
+from qvl.kernels import compiled
 from qvl.kernels.local_specs import GraphedMLPLayer, local_gpt_layer_spec
 from qvl.kernels.packed_shift import shift_in_sequences
 from qvl.kernels.torch_gated_delta import GatedDeltaNet
 
 
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3_5RMSNorm: normalised in fp32, scaled by (1 + weight), cast back, in its order of ops."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).type_as(x)
+
+
 class ZeroCenteredRMSNorm(torch.nn.Module):
     """RMSNorm scaled by (1 + weight), the weight initialised to zero: Megatron's `layernorm_zero_centered_gamma`
-    and transformers' Qwen3_5RMSNorm, computed in fp32 in the same order as the latter."""
+    and transformers' Qwen3_5RMSNorm, computed in fp32 in the same order as the latter.
+
+    Eagerly that is 9 kernels forward and more backward, each reading and writing the fp32 activation (the step
+    census of Qwen3.5-VL: most of its language model's eager launches); it runs as one of qvl's compiled regions
+    (qvl.kernels.compiled: one kernel each way on CUDA, the eager function elsewhere and inside an enclosing compile)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
         super().__init__()
@@ -94,9 +107,7 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return self._scaled(x, self.weight)
 
     def _scaled(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + weight.float())).type_as(x)
+        return compiled.region(zero_centred_rms_norm, x)(x, weight, self.eps)
 
 
 class GatedDeltaOutNorm(ZeroCenteredRMSNorm):
@@ -106,14 +117,23 @@ class GatedDeltaOutNorm(ZeroCenteredRMSNorm):
     name, but not this one (megatron/core/distributed/finalize_model_grads.py ~452): at TP=2 its gradient was half
     off (the parity check at TP=2, tests/training/test_parity_parallel.py). It normalises whole sequences (the
     Gated DeltaNet's input projection gathers them under sequence parallelism), so it is not marked
-    `sequence_parallel`: that would sum its gradient over the group a second time."""
+    `sequence_parallel`: that would sum its gradient over the group a second time.
+
+    The TP group is taken when the layer is built. Megatron-Core compiles the norm's caller (`_apply_gated_norm`,
+    `@jit_fuser`), and without a group `copy_to_tensor_model_parallel_region` warns on rank 0 at every call; Dynamo
+    cannot trace `warnings.warn`, so the region broke into two graphs there (the step census's compiled regions, for
+    Qwen3.5-VL). On one TP rank there is nothing to sum, and the weight is used as it is."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **kwargs):
         super().__init__(config, hidden_size, eps, **kwargs)
         self.weight.sequence_parallel = False
+        self.tp_group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._scaled(x, copy_to_tensor_model_parallel_region(self.weight))  # identity; all-reduce in backward
+        if self.tp_group is not None and self.tp_group.size() == 1:
+            return self._scaled(x, self.weight)
+        # identity; all-reduce in backward (no group when built before Megatron's groups: the default one, then)
+        return self._scaled(x, copy_to_tensor_model_parallel_region(self.weight, group=self.tp_group))
 
 
 def _zero_centred_norms(layer: ModuleSpec) -> ModuleSpec:

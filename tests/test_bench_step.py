@@ -274,6 +274,35 @@ def test_a_moe_step_is_counted_with_its_experts_one_after_another_and_grouped(tm
 
 
 @pytest.mark.slow
+def test_a_hybrid_step_counts_its_gated_deltanets_as_fla_runs_them_on_cuda(tmp_path):
+    """Qwen3.5-VL at one period (3 Gated DeltaNet layers, then gated attention), 2 packs (`tiny_hybrid`): each Gated
+    DeltaNet call is fla's kernels (benchmarks.step_linear_attention), its `@jit_fuser` helpers compiled regions (its
+    gated output norm one graph: the norm's TP group is given), and no wait for the GPU (the chunk lists come from
+    the host). With CUDA graphs the attention layer replays whole and each Gated DeltaNet layer its MLP alone: the
+    census records that step rather than estimating it."""
+    from benchmarks.step_linear_attention import BACKWARD, CONV_BACKWARD, CONV_FORWARD, FORWARD
+
+    result = bench_step.census("tiny_hybrid", tmp_path)
+    ops, calls = result["step"]["ops"], 3 * 2  # Gated DeltaNet layers x micro-batches
+    assert ops["fla chunk_fwd_o"] == ops["fla kkt_solve"] == calls
+    assert sum(n for name, n in ops.items() if name.startswith("fla ")) == calls * (
+        len(FORWARD + BACKWARD) + len(CONV_FORWARD + CONV_BACKWARD)
+    )
+    for helper in ("prepare_input_for_gated_delta_rule", "compute_g_and_beta", "apply_gated_norm"):
+        region = result["compiled_regions"][f"Gated DeltaNet {helper}"]
+        assert (region["forward_runs"], region["backward_runs"], region["graph_breaks"]) == (calls, calls, [])
+    assert result["compiled_regions"]["attention apply_output_gate"]["forward_runs"] == 2
+    assert not [site for site in result["sync_sites"] if "gated_delta" in site or "fla" in site]
+    assert result["step"]["host_syncs"] == TINY_FIGURES["host_syncs"][0]  # as many as the dense step's
+    assert "cuda_graphs" not in result
+    check = bench_step.recorded_graphs_check("tiny_hybrid", tmp_path / "graphs", eager=result)
+    # per micro-batch the attention layer's graph and each Gated DeltaNet layer's MLP graph, each way; the tower's
+    assert check["graph_replays"] == 2 * (1 + 3) * 2 + 2 * 2
+    assert check["estimated_host_launches"] is None and check["host_syncs"] == result["step"]["host_syncs"]
+    assert check["recorded_host_launches"] < 0.6 * result["step"]["kernel_launching_ops"]
+
+
+@pytest.mark.slow
 def test_the_census_estimates_the_launches_cuda_graphs_leave(tiny):
     """The language model's layers (forward from the first layer's call, backward until the first layer's input
     gradient) and the HF tower (its whole region) are tallied as graphed; the estimate replaces them by replays and
@@ -317,7 +346,9 @@ def test_the_census_estimates_the_launches_cuda_graphs_leave(tiny):
     assert model.estimate(after["step"], graphs)["gpu_s_graphed"] == round(padded, 3)
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_12l", "qwen2_vl_2b", "qwen3_vl_4b", "qwen3_vl_30b_a3b_ep8"])
+@pytest.mark.parametrize(
+    "name", ["qwen2_5_vl_3b_12l", "qwen2_vl_2b", "qwen3_vl_4b", "qwen3_vl_30b_a3b_ep8", "qwen3_5_vl_9b_8l"]
+)
 def test_every_tiny_width_maps_back_and_none_is_a_size_the_model_keeps(name):
     """The census maps a tensor's sizes back to the real ones by value: no mapped tiny width may also be a size the
     tiny model keeps at its real value (heads, patch and merge sizes, a flattened patch), and Megatron's fused qkv
@@ -337,6 +368,18 @@ def test_every_tiny_width_maps_back_and_none_is_a_size_the_model_keeps(name):
         published = get_architecture(CONFIGS[name].family, CONFIGS[name].size).text
         assert widths.dims[text.moe_intermediate_size] == published["moe_intermediate_size"]
         assert text.num_experts == CONFIGS[name].local_experts < published["num_experts"]
+    if getattr(text, "linear_key_head_dim", None):  # Qwen3.5's Gated DeltaNet: its heads and convolution stay
+        kept |= {text.linear_num_key_heads, text.linear_num_value_heads, text.linear_conv_kernel_dim}
+        published = get_architecture(CONFIGS[name].family, CONFIGS[name].size).text
+        qk, v = published["linear_num_key_heads"] * 128, published["linear_num_value_heads"] * 128
+        assert widths.dims[text.linear_key_head_dim] == published["linear_key_head_dim"] == 128
+        tiny_qk, tiny_v = (
+            text.linear_num_key_heads * text.linear_key_head_dim,
+            text.linear_num_value_heads * text.linear_value_head_dim,
+        )
+        assert widths.dims[2 * tiny_qk + tiny_v] == 2 * qk + v  # the convolved qkv
+        heads = text.num_attention_heads  # the gated attention's query and gate, one projection
+        assert widths.dims[2 * heads * text.head_dim] == 2 * heads * published["head_dim"]
     assert not kept & set(widths.dims), kept & set(widths.dims)
     width = getattr(vision, "embed_dim", None) or vision.hidden_size
     head = width // vision.num_heads
@@ -346,3 +389,12 @@ def test_every_tiny_width_maps_back_and_none_is_a_size_the_model_keeps(name):
     lm_head = text.head_dim if getattr(text, "head_dim", None) else text.hidden_size // text.num_attention_heads
     per_group = text.num_attention_heads // text.num_key_value_heads + 2
     assert widths.dims[per_group * lm_head] == per_group * widths.dims[lm_head]
+
+
+def test_a_tiny_width_that_would_stand_for_two_real_ones_is_refused():
+    from benchmarks.step_shapes import _Widths
+
+    widths = _Widths([(20, 128), (40, 256)])
+    widths[20] = 128  # the same pair again
+    with pytest.raises(ValueError, match="tiny width 20 stands for both 128 and 64"):
+        widths |= [(20, 64)]
