@@ -77,6 +77,11 @@ CONFIGS = {
         StepConfig(name="tiny_hybrid", family="qwen3_5_vl", size="9b", recipe="qwen3_5_vl_9b_pretrain", layers=4,
                    vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
                    text_tokens=60, vision_recompute=False),
+        # tests: Qwen3.5-VL-MoE (35B-A3B) at one period, 16 local experts grouped on one rank
+        StepConfig(name="tiny_hybrid_moe", family="qwen3_5_vl_moe", size="35b-a3b",
+                   recipe="qwen3_5_vl_35b_a3b_pretrain", layers=4, vision_depth=4, packs=2, seq_length=512,
+                   samples_per_pack=2, image_grid=(1, 6, 10), text_tokens=60, vision_recompute=False,
+                   local_experts=16, grouped_experts=True),
         # tests: the Qwen3-VL-MoE census at that size (16 local experts), one after another and grouped
         StepConfig(name="tiny_moe", family="qwen3_vl_moe", size="30b-a3b", recipe="qwen3_vl_30b_a3b_pretrain",
                    layers=2, vision_depth=4, packs=2, seq_length=512, samples_per_pack=2, image_grid=(1, 6, 10),
@@ -113,6 +118,7 @@ TINY_VISION_HEAD_DIM = {
 TINY_VISION_FFN = 36
 TINY_QWEN3_HIDDEN = 144
 TINY_EXPERT_FFN = 56  # rows of 112 bytes in bf16: 16-byte aligned, as grouped_mm needs
+TINY_SHARED_EXPERT_FFN = 76  # a shared expert wider or narrower than the routed ones
 
 
 def gated_deltanet(config: StepConfig) -> bool:
@@ -146,15 +152,22 @@ def scaled_hf_config(config: StepConfig):
     in_heads = [heads, kv, heads + 2 * kv, 1, heads // kv + 2]
     if hybrid:
         in_heads += [2 * heads, 2 * heads + 2 * kv, 2 * heads // kv + 2]
-    dims = _Widths([(hidden, text["hidden_size"]), (TINY_FFN, text["intermediate_size"]),
-                    (2 * TINY_FFN, 2 * text["intermediate_size"]), (TINY_VOCAB, text["vocab_size"])]
+    dims = _Widths([(hidden, text["hidden_size"]), (TINY_VOCAB, text["vocab_size"])]
                    + [(n * hd, n * real_head_dim) for n in in_heads])  # fmt: skip
+    if "intermediate_size" in text:  # a dense MLP (Qwen3.5-MoE's layers have none)
+        dims |= {TINY_FFN: text["intermediate_size"], 2 * TINY_FFN: 2 * text["intermediate_size"]}
+        text["intermediate_size"] = TINY_FFN
     if hybrid:
         dims |= _deltanet_widths(text)
         text.update(linear_key_head_dim=TINY_DELTANET_HEAD_DIM, linear_value_head_dim=TINY_DELTANET_HEAD_DIM)
-    text.update(hidden_size=hidden, intermediate_size=TINY_FFN, vocab_size=TINY_VOCAB, rope_parameters=rope)
+    text.update(hidden_size=hidden, vocab_size=TINY_VOCAB, rope_parameters=rope)
     if "moe_intermediate_size" in text:
         dims |= {TINY_EXPERT_FFN: text["moe_intermediate_size"], 2 * TINY_EXPERT_FFN: 2 * text["moe_intermediate_size"]}
+        if "shared_expert_intermediate_size" in text:  # Qwen3.5-MoE's shared expert (a routed one's width, or not)
+            shared = text["shared_expert_intermediate_size"]
+            tiny = TINY_EXPERT_FFN if shared == text["moe_intermediate_size"] else TINY_SHARED_EXPERT_FFN
+            dims |= {tiny: shared, 2 * tiny: 2 * shared}
+            text["shared_expert_intermediate_size"] = tiny
         text["moe_intermediate_size"] = TINY_EXPERT_FFN
         text["num_experts"] = config.local_experts or text["num_experts"]
     if "head_dim" in text:

@@ -347,7 +347,8 @@ def test_the_census_estimates_the_launches_cuda_graphs_leave(tiny):
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen2_5_vl_3b_12l", "qwen2_vl_2b", "qwen3_vl_4b", "qwen3_vl_30b_a3b_ep8", "qwen3_5_vl_9b_8l"]
+    "name",
+    ["qwen2_5_vl_3b_12l", "qwen2_vl_2b", "qwen3_vl_4b", "qwen3_vl_30b_a3b_ep8", "qwen3_5_vl_9b_8l", "tiny_hybrid_moe"],
 )
 def test_every_tiny_width_maps_back_and_none_is_a_size_the_model_keeps(name):
     """The census maps a tensor's sizes back to the real ones by value: no mapped tiny width may also be a size the
@@ -368,6 +369,8 @@ def test_every_tiny_width_maps_back_and_none_is_a_size_the_model_keeps(name):
         published = get_architecture(CONFIGS[name].family, CONFIGS[name].size).text
         assert widths.dims[text.moe_intermediate_size] == published["moe_intermediate_size"]
         assert text.num_experts == CONFIGS[name].local_experts < published["num_experts"]
+        if "shared_expert_intermediate_size" in published:  # Qwen3.5-MoE's shared expert
+            assert widths.dims[text.shared_expert_intermediate_size] == published["shared_expert_intermediate_size"]
     if getattr(text, "linear_key_head_dim", None):  # Qwen3.5's Gated DeltaNet: its heads and convolution stay
         kept |= {text.linear_num_key_heads, text.linear_num_value_heads, text.linear_conv_kernel_dim}
         published = get_architecture(CONFIGS[name].family, CONFIGS[name].size).text
