@@ -128,9 +128,10 @@ class GatedDeltaOutNorm(ZeroCenteredRMSNorm):
         super().__init__(config, hidden_size, eps, **kwargs)
         self.weight.sequence_parallel = False
         self.tp_group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+        self.summed = self.tp_group is None or self.tp_group.size() > 1  # decided here, not in the compiled region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_group is not None and self.tp_group.size() == 1:
+        if not self.summed:
             return self._scaled(x, self.weight)
         # identity; all-reduce in backward (no group when built before Megatron's groups: the default one, then)
         return self._scaled(x, copy_to_tensor_model_parallel_region(self.weight, group=self.tp_group))

@@ -58,9 +58,9 @@ def test_the_output_norm_sums_its_weight_gradient_over_its_tp_group_only_where_t
     """Built before Megatron's groups exist it has none and takes the default one at each call (as upstream's helper
     does); built with a group of one rank it uses its weight as it is (inside Megatron-Core's compiled
     `_apply_gated_norm`, the helper's warning about a missing group broke that region in two)."""
+    assert qwen3_5_vl.parallel_state.get_tensor_model_parallel_group(check_initialized=False) is None  # no groups
+    monkeypatch.setattr(qwen3_5_vl.parallel_state, "get_tensor_model_parallel_group", lambda **_: group)
     norm = _norm(qwen3_5_vl.GatedDeltaOutNorm)
-    assert norm.tp_group is None  # no Megatron groups in this process
-    norm.tp_group = group
     calls = []
 
     def copy_to_region(weight, group=None):
