@@ -78,11 +78,11 @@ clipped_seconds() {  # $1 stage, $2 seconds the run has taken: its limit within 
 
 TRAIN_ARGS=${BENCH_TRAIN_ARGS:---model qwen2_5_vl_3b --profile --no-loader}
 # The files with GPU tests (the rest import launch-side packages): the kernel tests first, then the
-# flash-linear-attention ones (fla's kernels, its exact-fp32 settings, Qwen3.5-VL's parity with it: their Triton
-# kernels compile for a while), then the tiny graphed trainings of test_bench_train.py (two runs each; the train
-# stage's real-shape runs capture the layers' and the HF tower's graphs already), so that a stage cut off by its
-# limit loses those first.
-gpu_test_files() { grep -rl --include='test_*.py' 'mark.gpu' tests | sort | awk '/test_bench_train/ {train = train $0 "\n"; next} /gated_delta|fla_tf32/ {fla = fla $0 "\n"; next} {print} END {printf "%s%s", fla, train}'; }
+# flash-linear-attention ones (fla's kernels, its exact-fp32 settings, Qwen3.5-VL's parity with it, the census's
+# count of its launches: their Triton kernels compile for a while), then the tiny graphed trainings of
+# test_bench_train.py (two runs each; the train stage's real-shape runs capture the layers' and the HF tower's graphs
+# already), so that a stage cut off by its limit loses those first.
+gpu_test_files() { grep -rl --include='test_*.py' 'mark.gpu' tests | sort | awk '/test_bench_train/ {train = train $0 "\n"; next} /gated_delta|fla_tf32|linear_attention/ {fla = fla $0 "\n"; next} {print} END {printf "%s%s", fla, train}'; }
 
 wheels() {
   local python=${PYTHON:-python3} platform_args=() spec

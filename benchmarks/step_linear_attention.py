@@ -73,6 +73,11 @@ BACKWARD = (
     Kernel(name="fla add_ (dg)", reads=("g", "g"), writes=("g",)),
     Kernel(name="fla chunk_local_cumsum", reads=("g",), writes=("g",)),
 )
+# Per pack, fla's chunk states kernels also list each sub-sequence's first chunk on the device
+# (`prepare_chunk_offsets`: diff, add and floor-divide for the ceiling, pad, cumsum), cached by the tensor's identity
+# for the pack's later layers and the backward (fla/ops/utils/index.py, `tensor_cache`); the bytes are a few integers.
+OFFSETS = tuple(Kernel(name=f"fla prepare_chunk_offsets ({op})") for op in ("diff", "add", "floor_divide", "fill",
+                                                                               "copy", "cumsum"))  # fmt: skip
 # fla 0.6's causal_conv1d (fla/modules/conv/triton/ops.py) with an activation and no bias: one kernel forward;
 # backward the activation's input again, the gradient kernel, the weight gradient's per-chunk partials summed and cast.
 CONV_FORWARD = (Kernel(name="fla causal_conv1d_fwd", reads=("x", "weight"), writes=("x",)),)
@@ -137,16 +142,21 @@ class FlaKernels:
 
     def __init__(self, census):
         self.census = census
-        self._listed = WeakIdKeyDictionary()  # the packs' cu_seqlens fla has listed the chunks of (its cache)
+        self._made = WeakIdKeyDictionary()  # per pack's cu_seqlens, what fla has made of it (its cache)
 
-    def bounds(self, cu_seqlens: torch.Tensor | None, tokens: int, chunk_indices, cu_seqlens_cpu) -> list[int]:
-        """A pack's bounds, read for the counts (no op of the step's); fla's own read of them where the caller gives
-        it neither the chunk list nor the host bounds, once per pack."""
+    def bounds(self, cu_seqlens: torch.Tensor | None, tokens: int, chunk_indices, cu_seqlens_cpu,
+               offsets: bool = False) -> list[int]:  # fmt: skip
+        """A pack's bounds, read for the counts (no op of the step's). Once per pack, fla's own read of them where the
+        caller gives it neither the chunk list nor the host bounds, and (`offsets`) its chunk offsets' kernels."""
         if cu_seqlens is None:
             return [0, tokens]
-        if chunk_indices is None and cu_seqlens_cpu is None and cu_seqlens not in self._listed:
-            self._listed[cu_seqlens] = True
+        made = self._made.setdefault(cu_seqlens, set())
+        if chunk_indices is None and cu_seqlens_cpu is None and "chunk list" not in made:
+            made.add("chunk list")
             self.census.sync("fla prepare_chunk_indices")
+        if offsets and "offsets" not in made:
+            made.add("offsets")
+            charge(self.census, OFFSETS, {})
         with self.census.paused(), torch._C.DisableTorchFunction():
             return [int(b) for b in cu_seqlens.tolist()]
 
@@ -156,7 +166,7 @@ class FlaKernels:
         if initial_state is not None or output_final_state or use_qk_l2norm_in_kernel:
             raise NotImplementedError("the census counts fla's training call as Megatron-Core makes it")
         widths = self.census.widths.dims
-        bounds = self.bounds(cu_seqlens, q.shape[1], chunk_indices, cu_seqlens_cpu)
+        bounds = self.bounds(cu_seqlens, q.shape[1], chunk_indices, cu_seqlens_cpu, offsets=True)
         nbytes = delta_rule_bytes(tokens=q.shape[1], heads=q.shape[2], key=widths.get(k.shape[-1], k.shape[-1]),
                                   value=widths.get(v.shape[-1], v.shape[-1]), chunk_count=chunks(bounds))  # fmt: skip
         return _Kernels.apply(self.census, (FORWARD, BACKWARD), nbytes, v, q, k, g, beta), None

@@ -280,14 +280,14 @@ def test_a_hybrid_step_counts_its_gated_deltanets_as_fla_runs_them_on_cuda(tmp_p
     gated output norm one graph: the norm's TP group is given), and no wait for the GPU (the chunk lists come from
     the host). With CUDA graphs the attention layer replays whole and each Gated DeltaNet layer its MLP alone: the
     census records that step rather than estimating it."""
-    from benchmarks.step_linear_attention import BACKWARD, CONV_BACKWARD, CONV_FORWARD, FORWARD
+    from benchmarks.step_linear_attention import BACKWARD, CONV_BACKWARD, CONV_FORWARD, FORWARD, OFFSETS
 
     result = bench_step.census("tiny_hybrid", tmp_path)
     ops, calls = result["step"]["ops"], 3 * 2  # Gated DeltaNet layers x micro-batches
     assert ops["fla chunk_fwd_o"] == ops["fla kkt_solve"] == calls
     assert sum(n for name, n in ops.items() if name.startswith("fla ")) == calls * (
         len(FORWARD + BACKWARD) + len(CONV_FORWARD + CONV_BACKWARD)
-    )
+    ) + 2 * len(OFFSETS)  # once per pack
     for helper in ("prepare_input_for_gated_delta_rule", "compute_g_and_beta", "apply_gated_norm"):
         region = result["compiled_regions"][f"Gated DeltaNet {helper}"]
         assert (region["forward_runs"], region["backward_runs"], region["graph_breaks"]) == (calls, calls, [])
