@@ -428,8 +428,8 @@ def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, co
 
 
 def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
-    """benchmarks.run entry: the tiny config (quick) or the four real-shape configs, and the DPO step's figure
-    (benchmarks.step_preference: vision tower passes per pair) with its check."""
+    """benchmarks.run entry: the tiny config (quick) or the real-shape configs of DEFAULT_CONFIGS, and the DPO step's
+    figure (benchmarks.step_preference: vision tower passes per pair) with its check."""
     from benchmarks import step_preference
 
     names = ["tiny"] if quick else list(DEFAULT_CONFIGS)
@@ -444,7 +444,9 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """The command line: run the censuses asked for, print the table (or JSON), write bench_step.json."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", nargs="+", choices=list(CONFIGS), help="configs (default: the four real ones)")
+    parser.add_argument(
+        "--config", nargs="+", choices=list(CONFIGS), help="configs (default: the real-shape ones, DEFAULT_CONFIGS)"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".bench"))
     parser.add_argument("--quick", action="store_true", help="the tiny config only")
     parser.add_argument("--baseline", action="store_true", help="the pre-change code path (qvl's step fixes off)")

@@ -93,7 +93,7 @@ CONFIGS = {
 }  # fmt: skip
 RESULTS_CONFIG = "qwen2_5_vl_3b_12l"
 MEASURED_CONFIG = "qwen2_5_vl_3b_12l_recompute"  # the configuration of the H100 runs and profile in RESULTS.md
-DEFAULT_CONFIGS = ("qwen2_5_vl_3b_12l", "qwen2_5_vl_3b", "qwen2_vl_2b", "qwen3_vl_4b")
+DEFAULT_CONFIGS = ("qwen2_5_vl_3b_12l", "qwen2_5_vl_3b", "qwen2_vl_2b", "qwen3_vl_4b", "qwen3_5_vl_9b_8l")
 
 # Tiny widths: every one maps to one real width and none equals a dimension the model keeps (heads, KV heads, patch
 # sizes, merge units) or a product of them a tensor has (Megatron's fused qkv is 3 x the head dim per head: with a
