@@ -9,7 +9,7 @@ bytes of each elementwise op are those of the real model.
 Where CPU and CUDA take different code paths, the census takes the CUDA one (the stand-ins for CUDA's
 kernels, and the torch modes that watch the step, are in benchmarks.step_kernels):
 - packed attention is torch's varlen kernel on CUDA; here one stand-in call (`FakeFlash`) per attention, recorded
-  as `_flash_attention_forward` / `_flash_attention_backward` with the FLOPs of the real call;
+  as `_flash_attention_forward` / `_flash_attention_backward` with the FLOPs the real kernel does;
 - `F.rms_norm` is `_fused_rms_norm` on CUDA (CPU's composite runs pow/mean/rsqrt);
 - torch's Adam/AdamW default to foreach kernels on CUDA (CPU runs the per-tensor loop), each as many launches as
   CUDA's multi-tensor apply takes for its lists at the real widths (`op_costs.kernels_launched`);

@@ -6,7 +6,7 @@ them in `Census.tracking()`. The stand-ins count as CUDA runs them and compute w
 - `FusedRmsNorm`: `F.rms_norm` as `_fused_rms_norm` forward and `_fused_rms_norm_backward` (CPU's composite runs
   pow/mean/rsqrt);
 - `fake_varlen_kernel` and `VARLEN_NAMES`: torch's varlen attention kernel and the keywords it takes, one `FakeFlash`
-  call per attention with the FLOPs of the real call;
+  call per attention with the FLOPs the real kernel does (its head dim rounded up to a kernel's, `flash_head_dim`);
 - `dispatcher_host_copies`: Megatron-Core's all-to-all token dispatcher copying its counts to the host and waiting
   for them (on the CPU its copy is a no-op for a CPU tensor, and its wait an event stand-in's);
 - `router_graph_waits`: the host's wait for a MoE layer's router graph under Megatron-Core's partial graphs.
@@ -122,6 +122,16 @@ class CensusDispatchMode(TorchDispatchMode):
 
 # --- stand-in for torch's varlen flash attention (CUDA) -------------------------------------------------------------
 
+# FlashAttention-2's kernels (torch's varlen attention on CUDA) are built for these head dims and run a head at the
+# next one up (flash_api's HEADDIM_SWITCH): Qwen2.5-VL's vision heads of 80 and Qwen3.5-VL's of 72 do the work of 96.
+FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def flash_head_dim(dim: int) -> int:
+    """The head dim FlashAttention-2's kernel runs a head of `dim` at."""
+    return next((d for d in FLASH_HEAD_DIMS if d >= dim), dim)
+
+
 
 class FakeFlash(torch.autograd.Function):
     """One varlen attention call as the census sees it: one kernel forward, one backward, the real FLOPs; the
@@ -178,7 +188,7 @@ def fake_varlen_kernel(census):
         # the census's sync count nor a recorded CUDA graph's capture (benchmarks.bench_step.replays_counted)
         with census.paused(), torch._C.DisableTorchFunction():
             lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
-        heads, dim = query.shape[1], census.widths.dims.get(query.shape[2], query.shape[2])
+        heads, dim = query.shape[1], flash_head_dim(census.widths.dims.get(query.shape[2], query.shape[2]))
         causal = tuple(window_size) == (-1, 0)
         flops = 4.0 * sum(n * n for n in lengths) * heads * dim * (0.5 if causal else 1.0)
         return FakeFlash.apply(census, flops, query, key, value)

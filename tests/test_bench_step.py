@@ -54,6 +54,19 @@ def test_a_grouped_gemm_counts_the_flops_of_its_groups_together():
     assert key == (768, 100, 2048, 1) and flops == 2 * 768 * 100 * 2048
 
 
+def test_attention_counts_the_flops_of_the_kernel_its_head_dim_runs_at():
+    """FlashAttention-2 runs a head of 72 or 80 (the Qwen3.5 and Qwen2.5 vision towers') at its kernel for 96."""
+    from benchmarks.step_kernels import fake_varlen_kernel, flash_head_dim
+
+    assert [flash_head_dim(d) for d in (32, 64, 72, 80, 128, 256)] == [32, 64, 96, 96, 128, 256]
+    census = Census(WidthMap(dims={8: 80}))
+    query, key, value = (torch.zeros(30, 2, 8) for _ in range(3))
+    bounds = torch.tensor([0, 10, 30], dtype=torch.int32)
+    with census.tracking(), census.counted():
+        fake_varlen_kernel(census)(query, key, value, bounds, bounds, 20, 20)
+    assert census.counts.attention_flops == 4.0 * (10 * 10 + 20 * 20) * 2 * 96  # not 80
+
+
 def test_an_expanded_view_counts_the_bytes_of_its_distinct_elements():
     """Megatron-Core's unfused unpermute scatters with an index expanded over the hidden width (a stride of 0): the
     kernel reads each index once from memory, not once per column."""
