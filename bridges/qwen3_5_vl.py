@@ -92,9 +92,10 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
     """RMSNorm scaled by (1 + weight), the weight initialised to zero: Megatron's `layernorm_zero_centered_gamma`
     and transformers' Qwen3_5RMSNorm, computed in fp32 in the same order as the latter.
 
-    Eagerly that is 9 kernels forward and more backward, each reading and writing the fp32 activation (the step
+    Eagerly that is 10 kernels forward and more backward, each reading and writing the fp32 activation (the step
     census of Qwen3.5-VL: most of its language model's eager launches); it runs as one of qvl's compiled regions
-    (qvl.kernels.compiled: one kernel each way on CUDA, the eager function elsewhere and inside an enclosing compile)."""
+    (qvl.kernels.compiled: one kernel each way on CUDA, the eager function elsewhere and inside an enclosing
+    compile)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
         super().__init__()
