@@ -132,7 +132,6 @@ def flash_head_dim(dim: int) -> int:
     return next((d for d in FLASH_HEAD_DIMS if d >= dim), dim)
 
 
-
 class FakeFlash(torch.autograd.Function):
     """One varlen attention call as the census sees it: one kernel forward, one backward, the real FLOPs; the
     output is a copy of the query (values do not matter to the counts)."""
