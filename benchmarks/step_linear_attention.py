@@ -18,6 +18,8 @@ ESTIMATE until a GPU profile times fla's kernels).
 Megatron-Core passes a pack's `cu_seqlens`; fla lists the pack's chunks from it on the device (`prepare_chunk_indices`,
 a read back to the host, once per pack: fla caches the list by the tensor), unless the caller gives the list
 (`chunk_indices`) or the host bounds (`cu_seqlens_cpu`), as qvl's patch group `speed-gated-delta-sync-free` does.
+Its chunk states' kernels also list the pack's chunk offsets on the device, once per pack (`OFFSETS`). A `gpu` test
+(tests/test_step_linear_attention.py) profiles fla and fails where its launches differ from these counts.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ def conv_bytes(*, tokens: int, channels: int, width: int, chunk_count: int) -> d
 
 
 def charge(census, kernels: tuple[Kernel, ...], nbytes: dict[str, int]) -> None:
+    """Count `kernels` in `census`, each with the bytes of the tensors it names (`nbytes`)."""
     for kernel in kernels:
         census.launch(kernel.name, sum(nbytes[name] for name in kernel.reads + kernel.writes))
 
