@@ -47,7 +47,7 @@ from benchmarks.step_shapes import (
     MEASURED_CONFIG,
     RESULTS_CONFIG,
     StepConfig,
-    gated_deltanet,
+    graphs_estimated,
     scaled_hf_config,
     synthetic_batches,
     write_model_dir,
@@ -91,16 +91,6 @@ def tower_launches(cfg) -> int | None:
         deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
         return launches_per_call(windowed=False, outputs=1 + deepstack, megatron=True)
     return launches_per_call(windowed=getattr(vision, "window_size", None) is not None)
-
-
-def graphs_estimated(config: StepConfig) -> bool:
-    """Whether the census estimates `config`'s graphed host launches: dense layers graphed whole, or MoE layers whose
-    whole MoE block is a graph (grouped experts on one rank: qvl.kernels.moe_block_graphs). A MoE layer with
-    sequential experts replays its attention, router and combine and runs its experts between them, and a Gated
-    DeltaNet layer replays its MLP alone: `--recorded-graphs` counts those steps instead."""
-    from qvl.foundation.families import get_family
-
-    return (not get_family(config.family).moe or config.grouped_experts) and not gated_deltanet(config)
 
 
 def _host_indices(model: list, census) -> None:

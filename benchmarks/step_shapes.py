@@ -118,7 +118,6 @@ TINY_VISION_HEAD_DIM = {
 TINY_VISION_FFN = 36
 TINY_QWEN3_HIDDEN = 144
 TINY_EXPERT_FFN = 56  # rows of 112 bytes in bf16: 16-byte aligned, as grouped_mm needs
-TINY_SHARED_EXPERT_FFN = 76  # a shared expert wider or narrower than the routed ones
 
 
 def gated_deltanet(config: StepConfig) -> bool:
@@ -127,6 +126,16 @@ def gated_deltanet(config: StepConfig) -> bool:
     from qvl.recipes.architectures import get_architecture
 
     return "linear_key_head_dim" in get_architecture(config.family, config.size).text
+
+
+def graphs_estimated(config: StepConfig) -> bool:
+    """Whether the census estimates `config`'s graphed host launches: dense layers graphed whole, or MoE layers whose
+    whole MoE block is a graph (grouped experts on one rank: qvl.kernels.moe_block_graphs). A MoE layer with
+    sequential experts replays its attention, router and combine and runs its experts between them, and a Gated
+    DeltaNet layer replays its MLP alone: `--recorded-graphs` counts those steps instead."""
+    from qvl.foundation.families import get_family
+
+    return (not get_family(config.family).moe or config.grouped_experts) and not gated_deltanet(config)
 
 
 def scaled_hf_config(config: StepConfig):
@@ -163,11 +172,11 @@ def scaled_hf_config(config: StepConfig):
     text.update(hidden_size=hidden, vocab_size=TINY_VOCAB, rope_parameters=rope)
     if "moe_intermediate_size" in text:
         dims |= {TINY_EXPERT_FFN: text["moe_intermediate_size"], 2 * TINY_EXPERT_FFN: 2 * text["moe_intermediate_size"]}
-        if "shared_expert_intermediate_size" in text:  # Qwen3.5-MoE's shared expert (a routed one's width, or not)
-            shared = text["shared_expert_intermediate_size"]
-            tiny = TINY_EXPERT_FFN if shared == text["moe_intermediate_size"] else TINY_SHARED_EXPERT_FFN
-            dims |= {tiny: shared, 2 * tiny: 2 * shared}
-            text["shared_expert_intermediate_size"] = tiny
+        if "shared_expert_intermediate_size" in text:  # Qwen3.5-MoE's shared expert: a routed one's width
+            if text["shared_expert_intermediate_size"] != text["moe_intermediate_size"]:
+                raise ValueError(f"{config.name}: a shared expert of another width than the routed ones needs a "
+                                 "tiny width of its own in benchmarks/step_shapes.py")  # fmt: skip
+            text["shared_expert_intermediate_size"] = TINY_EXPERT_FFN
         text["moe_intermediate_size"] = TINY_EXPERT_FFN
         text["num_experts"] = config.local_experts or text["num_experts"]
     if "head_dim" in text:
