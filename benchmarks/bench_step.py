@@ -25,7 +25,7 @@ import math
 import os
 import pathlib
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from unittest import mock
 
 import torch
@@ -276,8 +276,10 @@ def census_worker(spec_path: pathlib.Path) -> int:
     _, cfg = prepare_config(TrainRequest(recipe=config.recipe, overrides=overrides, run_dir=out / "run"))
     if megatron.gated_delta_net(cfg.model):  # fla's kernels, before the training groups wrap them
         code.enter_context(fla_code_path(census))
-    if not spec["baseline"]:  # what a training loop on a CUDA device applies (qvl.training.loop.run_megatron_loop)
-        code.enter_context(switch.applied_for_training(switch.Target.of(cfg, device="cuda")))
+    if not spec["baseline"]:  # what a training loop on a CUDA device applies (qvl.training.loop.run_megatron_loop),
+        # with fla installed there where the model has Gated DeltaNet layers (their kernels counted as fla's)
+        target = switch.Target.of(cfg, device="cuda")
+        code.enter_context(switch.applied_for_training(replace(target, fla=target.fla or bool(target.gated_delta_net))))
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.logger.tensorboard_dir = None
     dataset = cfg.dataset

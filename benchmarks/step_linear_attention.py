@@ -3,7 +3,8 @@ runs them.
 
 On CUDA with `fla`, Megatron-Core's `GatedDeltaNet` (megatron/core/ssm/gated_delta_net/gdn.py) calls two of fla's
 Triton functions per layer, `causal_conv1d` and `chunk_gated_delta_rule`, and its three `@jit_fuser` helpers (input
-split and l2norm, decay and beta, gated output norm) run compiled (benchmarks.compiled_regions). The CPU run has no
+split and l2norm, decay and beta, gated output norm) run compiled (benchmarks.compiled_regions; the l2norm is torch's
+there, as `speed-gated-delta-l2norm` makes it). The CPU run has no
 Triton, and qvl's torch kernels (qvl.kernels.torch_gated_delta) cut a pack into samples and chunks in Python: tens of
 ops per chunk, none of them what a GPU runs. Here each fla function is one autograd Function that counts the kernels
 fla 0.6 launches for it (its Python code, read kernel by kernel: `FORWARD` and `BACKWARD` below) with the bytes each
@@ -188,8 +189,10 @@ class FlaKernels:
 @contextlib.contextmanager
 def fla_code_path(census):
     """Megatron-Core's Gated DeltaNet as it runs on CUDA with fla, its two kernels fla's as `FlaKernels` counts them,
-    its l2norm the torch one (inside a compiled region on CUDA, where Inductor writes its kernel). Entered before qvl's
-    training groups wrap those kernels (`speed-gated-delta-sync-free`), as they wrap fla's."""
+    its l2norm the torch one, inside its compiled input preparation where Inductor writes its kernel (on CUDA with fla
+    `speed-gated-delta-l2norm` puts it there: fla's own breaks that region; the census's training groups are a CUDA
+    run's with fla, so it applies there too, and a `--baseline` census keeps this one). Entered before qvl's training
+    groups wrap those kernels (`speed-gated-delta-sync-free`), as they wrap fla's."""
     from megatron.core.ssm.gated_delta_net import common, gdn
 
     from qvl.kernels import torch_gated_delta

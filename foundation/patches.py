@@ -447,6 +447,14 @@ PATCHES: tuple[Patch, ...] = (
                   "given the host bounds and the list made on the host (its cu_seqlens_cpu and chunk_indices)")
         for name in ("causal_conv1d", "chunk_gated_delta_rule")
     ),
+    # --- speed-gated-delta-l2norm: around a training loop of a model with Gated DeltaNet layers on fla's kernels
+    #     (qvl.kernels.speed_gated_delta_l2norm)
+    Patch(group="speed-gated-delta-l2norm", target="megatron.core.ssm.gated_delta_net.common:l2norm",
+          replacement="qvl.kernels.speed_gated_delta_l2norm:fused_l2norm", version=MCORE,
+          why="fla 0.6 launches its l2norm through a torch.compiler.disable'd dispatch: inside the compiled "
+              "_prepare_input_for_gated_delta_rule Dynamo breaks the region in two around it (two graphs and fla's "
+              "kernel each way, q and k written and read back between them); torch's l2norm, fp32 inside as fla's, "
+              "is fused into the region's one graph"),
     # --- fix-fla-tf32: around a training loop that asks for exact fp32 on CUDA with fla (qvl.kernels.fix_fla_tf32)
     Patch(group="fix-fla-tf32", target="fla.ops.gated_delta_rule.chunk_fwd:SOLVE_TRIL_DOT_PRECISION",
           replacement="qvl.kernels.fix_fla_tf32:ieee_dots", version=FLA,

@@ -210,6 +210,10 @@ RULES: tuple[Rule, ...] = (
          condition="the model has Gated DeltaNet layers (it changes only their checks of a pack's bounds and the "
                    "chunk list flash-linear-attention's kernels are given: both from the host values the step gives)",
          on=lambda t: t.gated_delta_net),
+    Rule(group="speed-gated-delta-l2norm", scope="training",
+         condition="the model has Gated DeltaNet layers and runs flash-linear-attention's kernels (CUDA with fla; it "
+                   "changes only the l2norm inside Megatron-Core's compiled input preparation, which fla's breaks)",
+         on=lambda t: _both(t.gated_delta_net, t.device == "cuda" and t.fla)),
     Rule(group="fix-fla-tf32", scope="training",
          condition="the run asks for exact fp32 (qvl.exact_fp32, as `qvl verify-training --precision fp32` on CUDA "
                    "does), has Gated DeltaNet layers and runs flash-linear-attention's kernels (CUDA with fla)",

@@ -1,0 +1,175 @@
+"""Patch group "speed-gated-delta-l2norm": Megatron-Core's compiled Gated DeltaNet input preparation
+(`_prepare_input_for_gated_delta_rule`) stays one graph with torch's l2norm. fla 0.6's l2norm launches through a
+`torch.compiler.disable`d dispatch and breaks it in two. On the CPU a disabled function stands in for fla's; the `gpu`
+test runs fla's own."""
+
+from __future__ import annotations
+
+import time
+import types
+from dataclasses import replace
+from unittest import mock
+
+import pytest
+import torch
+from megatron.core.ssm.gated_delta_net import common
+from torch._dynamo.utils import counters
+
+from qvl.foundation import patches
+from qvl.kernels import switch, torch_gated_delta
+from qvl.kernels.speed_gated_delta_l2norm import GROUP
+
+PREPARE = common._GDNBase._prepare_input_for_gated_delta_rule  # under Megatron-Core's jit_fuser
+UNCOMPILED = getattr(PREPARE, "_torchdynamo_orig_callable", PREPARE)
+
+
+def _layer(*, key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> types.SimpleNamespace:
+    """What the input preparation reads of a Gated DeltaNet layer (one TP rank, no context parallelism)."""
+    return types.SimpleNamespace(
+        qk_dim_local_tp=key_heads * key_dim, v_dim_local_tp=value_heads * value_dim, cp_size=1,
+        key_head_dim=key_dim, value_head_dim=value_dim, use_qk_l2norm=True,
+        num_key_heads=key_heads, num_value_heads=value_heads,
+    )  # fmt: skip
+
+
+def _inputs(layer, tokens: int, dtype=torch.float32, device="cpu", seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    width = 2 * layer.qk_dim_local_tp + layer.v_dim_local_tp
+    qkv = torch.randn(1, tokens, width, generator=g, device=device, dtype=dtype).requires_grad_()
+    gate = torch.randn(1, tokens, layer.num_value_heads, layer.value_head_dim, generator=g, device=device, dtype=dtype)
+    return qkv, gate
+
+
+def _traced(layer, qkv, gate, backend) -> tuple[list, list[str], tuple, torch.Tensor]:
+    """The region compiled with `backend` (graphs counted): its graphs, Dynamo's graph breaks, its outputs and the
+    gradient of qkv for fixed output weights."""
+    graphs: list = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return backend(gm, example_inputs)
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(UNCOMPILED, backend=counting)(layer, qkv, gate, 1, qkv.shape[1])
+    weights = [torch.randn(t.shape, generator=torch.Generator(t.device).manual_seed(i), device=t.device,
+                           dtype=t.dtype) for i, t in enumerate(out[:3])]  # fmt: skip
+    (grad,) = torch.autograd.grad(sum((t * w).sum() for t, w in zip(out[:3], weights)), qkv)
+    breaks = [reason for reason in counters["graph_break"]]
+    torch._dynamo.reset()
+    return graphs, breaks, out, grad
+
+
+def _eager_backend(gm, example_inputs):
+    return gm.forward
+
+
+@torch.compiler.disable
+def _dispatched_l2norm(x, eps=1e-6):
+    """fla 0.6's l2norm as Dynamo sees it: the launch behind `torch.compiler.disable` (fla.backends.dispatch)."""
+    return torch_gated_delta.l2norm(x, eps=eps)
+
+
+def test_the_switch_puts_torch_l2norm_in_only_where_fla_runs():
+    qwen35 = switch.Target(device="cuda", fla=True, gated_delta_net=True)
+    assert GROUP in switch.training_groups(qwen35)
+    assert not switch.is_on("torch-gated-delta", qwen35)  # fla's kernels run: the delta rule is fla's
+    for other in ({"device": "cpu"}, {"fla": False}, {"gated_delta_net": False}):
+        assert not switch.is_on(GROUP, replace(qwen35, **other)), other  # torch-gated-delta's l2norm there, or none
+    assert {d.group: d.on for d in switch.decide(replace(qwen35, gated_delta_net=None))}[GROUP] is None
+
+
+def test_the_region_is_one_graph_with_the_group_and_breaks_around_a_disabled_l2norm(monkeypatch):
+    layer = _layer(key_heads=2, value_heads=4, key_dim=16, value_dim=8)
+    qkv, gate = _inputs(layer, tokens=12)
+    monkeypatch.setattr(common, "l2norm", _dispatched_l2norm)
+    graphs, breaks, before, before_grad = _traced(layer, qkv, gate, _eager_backend)
+    assert len(graphs) == 2 and any("torch.compiler.disable" in b for b in breaks), (len(graphs), breaks)
+
+    with patches.applied(GROUP):
+        assert common.l2norm is torch_gated_delta.l2norm
+        graphs, breaks, after, after_grad = _traced(layer, qkv, gate, _eager_backend)
+    assert common.l2norm is _dispatched_l2norm  # undone after the block
+    assert len(graphs) == 1 and not breaks, (len(graphs), breaks)
+    # the same math: q and k unit rows, repeated for the value heads, v and the gate passed on
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and torch.equal(before_grad, after_grad)
+    query, key, value = after[:3]
+    assert query.shape == (1, 12, 4, 16) and value.shape == (1, 12, 4, 8)
+    torch.testing.assert_close(query.norm(dim=-1), torch.ones(1, 12, 4))
+    assert torch.equal(query[:, :, 0], query[:, :, 1]) and torch.equal(key[:, :, 2], key[:, :, 3])
+
+
+def _relative_error(tensor: torch.Tensor, truth: torch.Tensor) -> float:
+    return ((tensor.double() - truth).norm() / truth.norm()).item()
+
+
+def _l2norm_fp64(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _compared(layer, tokens: int, *, dtype, device: str, backend, record) -> dict[str, tuple]:
+    """The region compiled with `backend`, with the l2norm the module has and with the group's: per way, its graphs,
+    Dynamo's breaks, and q's, k's and the qkv gradient's norm-wise errors from the fp64 region; each way's time per
+    forward+backward is recorded with them (`record(label, value)`)."""
+    qkv, gate = _inputs(layer, tokens=tokens, dtype=dtype, device=device)
+    truth_qkv = qkv.detach().double().requires_grad_()
+    with mock.patch.object(common, "l2norm", _l2norm_fp64):  # the reference: the same math, uncompiled
+        truth = UNCOMPILED(layer, truth_qkv, gate.double(), 1, tokens)
+    weights = [torch.randn(t.shape, generator=torch.Generator(device).manual_seed(i), device=device, dtype=dtype)
+               for i, t in enumerate(truth[:3])]  # fmt: skip
+    (truth_grad,) = torch.autograd.grad(sum((t * w.double()).sum() for t, w in zip(truth[:3], weights)), truth_qkv)
+
+    def step(region) -> None:
+        out = region(layer, qkv, gate, 1, tokens)
+        torch.autograd.grad(sum((t * w).sum() for t, w in zip(out[:3], weights)), qkv)
+
+    def measured(label: str) -> tuple[int, list[str], list[float]]:
+        graphs, breaks, out, grad = _traced(layer, qkv, gate, backend)
+        errors = [_relative_error(t, r) for t, r in zip(out[:2], truth[:2])] + [_relative_error(grad, truth_grad)]
+        region = torch.compile(UNCOMPILED, backend=backend)
+        for _ in range(3):  # warm-up and compile
+            step(region)
+        torch.cuda.synchronize() if device == "cuda" else None
+        start = time.perf_counter()
+        for _ in range(10):
+            step(region)
+        torch.cuda.synchronize() if device == "cuda" else None
+        torch._dynamo.reset()
+        record(label, {"graphs": len(graphs), "relative_errors_q_k_grad": errors,
+                       "ms_per_forward_backward": (time.perf_counter() - start) * 100})  # fmt: skip
+        return len(graphs), breaks, errors
+
+    results = {"before": measured("l2norm as imported")}
+    with patches.applied(GROUP):
+        results["group"] = measured("torch's l2norm (speed-gated-delta-l2norm)")
+    return results
+
+
+def test_the_fused_region_is_as_close_to_fp64_as_the_broken_one_on_the_cpu(monkeypatch):
+    """The `gpu` test's comparison run on the CPU, the disabled stand-in for fla's l2norm, Dynamo's graphs run eagerly."""
+    monkeypatch.setattr(common, "l2norm", _dispatched_l2norm)
+    recorded = {}
+    layer = _layer(key_heads=2, value_heads=4, key_dim=16, value_dim=8)
+    results = _compared(layer, 40, dtype=torch.float32, device="cpu", backend=_eager_backend,
+                        record=recorded.__setitem__)  # fmt: skip
+    assert [results[way][0] for way in ("before", "group")] == [2, 1], results
+    assert results["before"][2] == results["group"][2] and 0 < max(results["group"][2]) < 1e-6, results
+    assert len(recorded) == 2 and all(v["ms_per_forward_backward"] > 0 for v in recorded.values()), recorded
+
+
+@pytest.mark.gpu
+def test_on_cuda_fla_breaks_the_region_and_the_fused_one_is_as_close_to_fp64(record_property):
+    """Qwen3.5-VL-9B's Gated DeltaNet widths (16 key heads, 32 value heads, 128 wide), one 4k pack in bf16, compiled
+    with Inductor as Megatron-Core's jit_fuser does: with fla's l2norm the region is two graphs around a graph break;
+    with the group one graph, its q, k and qkv gradient norm-wise no further from fp64 than fla's way (1% slack).
+    Each way's forward+backward time per call is recorded."""
+    pytest.importorskip("fla")
+    from torch._inductor.compile_fx import compile_fx
+
+    assert common.l2norm is not None and common.l2norm is not torch_gated_delta.l2norm  # fla's, as imported
+    layer = _layer(key_heads=16, value_heads=32, key_dim=128, value_dim=128)
+    results = _compared(layer, 4096, dtype=torch.bfloat16, device="cuda", backend=compile_fx, record=record_property)
+    (fla_graphs, fla_breaks, fla_errors), (graphs, breaks, errors) = results["before"], results["group"]
+    assert fla_graphs >= 2 and any("disable" in b for b in fla_breaks), (fla_graphs, fla_breaks)
+    assert graphs == 1 and not breaks, (graphs, breaks)
+    assert all(e <= 1.01 * f + 1e-6 for e, f in zip(errors, fla_errors)), (errors, fla_errors)
