@@ -9,7 +9,9 @@ bytes of each elementwise op are those of the real model.
 Where CPU and CUDA take different code paths, the census takes the CUDA one (the stand-ins for CUDA's
 kernels, and the torch modes that watch the step, are in benchmarks.step_kernels):
 - packed attention is torch's varlen kernel on CUDA; here one stand-in call (`FakeFlash`) per attention, recorded
-  as `_flash_attention_forward` / `_flash_attention_backward` with the FLOPs the real kernel does;
+  as `_flash_attention_forward` / `_flash_attention_backward` with the FLOPs the real kernel does, and the small
+  kernels that path launches with them (an RNG-state fill forward; dO.O's sums and dQ's conversion backward, and
+  the group sums of dK and dV for grouped-query heads);
 - `F.rms_norm` is `_fused_rms_norm` on CUDA (CPU's composite runs pow/mean/rsqrt);
 - torch's Adam/AdamW default to foreach kernels on CUDA (CPU runs the per-tensor loop), each as many launches as
   CUDA's multi-tensor apply takes for its lists at the real widths (`op_costs.kernels_launched`);
@@ -54,7 +56,6 @@ from qvl.foundation.graph_replay import VALUE_SIZED_OPS
 REGIONS = ("lm", "vision", "loss", "optimizer", "other")
 GEMM_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "addbmm", "_scaled_mm", "_grouped_mm",
                       "convolution", "convolution_backward"})  # fmt: skip
-ATTENTION_OPS = frozenset({"_flash_attention_forward", "_flash_attention_backward"})
 # Ops that allocate or describe memory without running a kernel.
 NO_KERNEL_OPS = frozenset({
     "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "set_", "resize_", "lift_fresh",
@@ -194,11 +195,15 @@ class Census:
         if self.counting:
             self.counts.launches["cudaGraphLaunch"] += 1
 
-    def attention(self, flops: float, tensors: list[torch.Tensor], backward: bool) -> None:
+    def attention(self, flops: float, tensors: list[torch.Tensor], backward: bool, extra: tuple[str, ...] = ()) -> None:
+        """One attention kernel doing `flops`, and the `extra` kernels its op launches with it (their time is the
+        attention's, so they carry no bytes); counted inside a compiled region too, which calls it as an opaque op."""
         if not self.counting:
             return
         counts = self.counts
         counts.launches["_flash_attention_backward" if backward else "_flash_attention_forward"] += 1
+        for name in extra:
+            counts.launches[name] += 1
         counts.attention_flops += flops
 
     def opaque(self, name: str, tensors: list) -> None:

@@ -6,7 +6,8 @@ them in `Census.tracking()`. The stand-ins count as CUDA runs them and compute w
 - `FusedRmsNorm`: `F.rms_norm` as `_fused_rms_norm` forward and `_fused_rms_norm_backward` (CPU's composite runs
   pow/mean/rsqrt);
 - `fake_varlen_kernel` and `VARLEN_NAMES`: torch's varlen attention kernel and the keywords it takes, one `FakeFlash`
-  call per attention with the FLOPs the real kernel does (its head dim rounded up to a kernel's, `flash_head_dim`);
+  call per attention with the FLOPs the real kernel does (its head dim rounded up to a kernel's, `flash_head_dim`)
+  and the kernels FlashAttention-2's path launches around it (`FLASH_BACKWARD_EXTRA` and the others);
 - `dispatcher_host_copies`: Megatron-Core's all-to-all token dispatcher copying its counts to the host and waiting
   for them (on the CPU its copy is a no-op for a CPU tensor, and its wait an event stand-in's);
 - `router_graph_waits`: the host's wait for a MoE layer's router graph under Megatron-Core's partial graphs.
@@ -132,29 +133,57 @@ def flash_head_dim(dim: int) -> int:
     return next((d for d in FLASH_HEAD_DIMS if d >= dim), dim)
 
 
+# The kernels torch's varlen attention launches besides FlashAttention-2's main ones. Forward: `varlen_attn`'s own
+# RNG state (`torch.zeros` of 2 elements: a fill). Backward (aten/src/ATen/native/transformers/cuda/flash_attn/):
+# dO.O's row sums, which also clear dQ's fp32 accumulator, before the kernel and dQ's conversion from it after
+# (flash_bwd_launch_template.h, `run_flash_bwd_seqk_parallel`); with grouped-query heads, dK and dV summed over each
+# group (flash_api.cpp, `mha_varlen_bwd`'s `at::sum_out`). torch 2.14's `varlen_attn` takes grouped heads
+# (`enable_gqa`); on one without it, qvl repeats the KV heads before the call (qvl.kernels.varlen_attention), whose
+# repeats and their gradients' sums the census then counts as the eager ops they are.
+VARLEN_FORWARD_EXTRA = ("varlen_attn rng_state fill",)
+FLASH_BACKWARD_EXTRA = ("flash_bwd_dot_do_o", "flash_bwd_convert_dq")
+FLASH_GQA_BACKWARD_EXTRA = ("flash_bwd dK group sum", "flash_bwd dV group sum")
+
+
 class FakeFlash(torch.autograd.Function):
-    """One varlen attention call as the census sees it: one kernel forward, one backward, the real FLOPs; the
-    output is a copy of the query (values do not matter to the counts)."""
+    """One varlen attention call as the census sees it: the kernels torch's FlashAttention-2 path launches forward
+    and backward, the real FLOPs; the output is a copy of the query (values do not matter to the counts)."""
 
     @staticmethod
     def forward(ctx, census, flops, query, key, value):
         ctx.census, ctx.flops = census, flops
         ctx.shapes = (key, value)
-        census.attention(flops, [query, key, value], backward=False)
+        ctx.grouped = key.shape[1] != query.shape[1]
+        census.attention(flops, [query, key, value], backward=False, extra=VARLEN_FORWARD_EXTRA)
         with census.paused():
             return query.detach().clone()
 
     @staticmethod
     def backward(ctx, grad):
         census = ctx.census
-        census.attention(2.5 * ctx.flops, [], backward=True)  # FlashAttention-2's backward is ~2.5x its forward
+        extra = FLASH_BACKWARD_EXTRA + (FLASH_GQA_BACKWARD_EXTRA if ctx.grouped else ())
+        census.attention(2.5 * ctx.flops, [], backward=True, extra=extra)  # FlashAttention-2's backward: ~2.5x
         key, value = ctx.shapes
         with census.paused():
             return None, None, grad.clone(), torch.zeros_like(key), torch.zeros_like(value)
 
 
+# torch's CUDA RMSNorm backward (aten/src/ATen/native/cuda/layer_norm_kernel.cu, layer norm's kernels reused): the
+# input gradient's kernel, then the weight gradient's (`LaunchGammaBetaBackwardCUDAKernel`), which over more than 64 Ki
+# rows of a norm narrower than 32 columns per two SMs sums partial rows in a second kernel (`.sum(0)`).
+GAMMA_PARTIAL_ROWS = 64 * 1024
+SM_COUNT = 132  # H100 and H200 SXM
+
+
+def rms_norm_weight_gradient_kernels(rows: int, width: int) -> int:
+    """The kernels torch's CUDA RMSNorm backward launches for the weight's gradient."""
+    return 2 if rows > GAMMA_PARTIAL_ROWS and width // 32 < SM_COUNT // 2 else 1
+
+
 class FusedRmsNorm(torch.autograd.Function):
-    """`F.rms_norm` as CUDA runs it: `_fused_rms_norm` forward, `_fused_rms_norm_backward`; the values are CPU's."""
+    """`F.rms_norm` as CUDA runs it: `_fused_rms_norm` forward; `_fused_rms_norm_backward`'s input-gradient kernel
+    and, with a weight, its weight-gradient kernels (which read the output gradient and the input again); the values
+    are CPU's."""
 
     @staticmethod
     def forward(ctx, census, x, shape, weight, eps):
@@ -174,7 +203,12 @@ class FusedRmsNorm(torch.autograd.Function):
             leaves = [x.detach().requires_grad_()] + ([weight.detach().requires_grad_()] if weight is not None else [])
             out = F.rms_norm(leaves[0], ctx.shape, leaves[1] if weight is not None else None, ctx.eps)
             grads = torch.autograd.grad(out, leaves, grad)
-        census.opaque("_fused_rms_norm_backward", [grad, x, weight, *grads])
+        census.opaque("_fused_rms_norm_backward", [grad, x, weight, grads[0]])
+        if weight is not None:
+            census.opaque("_fused_rms_norm_backward weight", [grad, x, grads[1]])
+            width = census.widths.dims.get(x.shape[-1], x.shape[-1])
+            if rms_norm_weight_gradient_kernels(x.numel() // x.shape[-1], width) == 2:
+                census.opaque("_fused_rms_norm_backward weight partial sums", [grads[1]])  # a few rows per block
         return None, grads[0], None, grads[1] if weight is not None else None, None
 
 
