@@ -276,10 +276,13 @@ def census_worker(spec_path: pathlib.Path) -> int:
     _, cfg = prepare_config(TrainRequest(recipe=config.recipe, overrides=overrides, run_dir=out / "run"))
     if megatron.gated_delta_net(cfg.model):  # fla's kernels, before the training groups wrap them
         code.enter_context(fla_code_path(census))
+    groups: tuple[str, ...] = ()
     if not spec["baseline"]:  # what a training loop on a CUDA device applies (qvl.training.loop.run_megatron_loop),
         # with fla installed there where the model has Gated DeltaNet layers (their kernels counted as fla's)
         target = switch.Target.of(cfg, device="cuda")
-        code.enter_context(switch.applied_for_training(replace(target, fla=target.fla or bool(target.gated_delta_net))))
+        target = replace(target, fla=target.fla or bool(target.gated_delta_net))
+        groups = switch.training_groups(target)
+        code.enter_context(switch.applied_for_training(target))
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.logger.tensorboard_dir = None
     dataset = cfg.dataset
@@ -320,7 +323,7 @@ def census_worker(spec_path: pathlib.Path) -> int:
     with code, cuda_code_path(census):
         pretrain(cfg, census_forward_step(census, regions), callbacks=callbacks)
     result = {"config": asdict(config), "baseline": spec["baseline"], "compile": bool(spec.get("compile")),
-              "losses": losses}  # fmt: skip
+              "training_groups": list(groups), "losses": losses}  # fmt: skip
     result |= census.summary(config.packs)
     census.graphed["tower_bucket_rows"] = tower_bucket_rows(regions)
     if graphs_estimated(config):

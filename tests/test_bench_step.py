@@ -215,6 +215,8 @@ def test_the_census_counts_every_region_of_one_step(tiny):
             assert sum(by_op.values()) <= counts["nongemm_gb"] + 1e-3 * (len(by_op) + 1)
             if len(by_op) < 20:
                 assert sum(by_op.values()) == pytest.approx(counts["nongemm_gb"], abs=1e-3 * (len(by_op) + 1))
+    # before: upstream's code path; after: the groups a training loop on CUDA applies, recorded with the census
+    assert tiny["before"]["training_groups"] == [] and "speed-optimizer" in tiny["after"]["training_groups"]
     # the same two steps train to the same losses before and after (bf16; fused AdamW rounds its own way)
     assert tiny["after"]["losses"][0] == tiny["before"]["losses"][0]
     assert tiny["after"]["losses"][1] == pytest.approx(tiny["before"]["losses"][1], rel=1e-3)
@@ -342,6 +344,8 @@ def test_a_hybrid_step_counts_its_gated_deltanets_as_fla_runs_them_on_cuda(tmp_p
 
     result = bench_step.census("tiny_hybrid", tmp_path)
     ops, calls = result["step"]["ops"], 3 * 2  # Gated DeltaNet layers x micro-batches
+    # a CUDA run with fla: its l2norm torch's inside the compiled input preparation, the chunk lists from the host
+    assert {"speed-gated-delta-l2norm", "speed-gated-delta-sync-free"} <= set(result["training_groups"])
     assert ops["fla chunk_fwd_o"] == ops["fla kkt_solve"] == calls
     assert sum(n for name, n in ops.items() if name.startswith("fla ")) == calls * (
         len(FORWARD + BACKWARD) + len(CONV_FORWARD + CONV_BACKWARD)
