@@ -99,6 +99,45 @@ def test_the_region_is_one_graph_with_the_group_and_breaks_around_a_disabled_l2n
     assert torch.equal(query[:, :, 0], query[:, :, 1]) and torch.equal(key[:, :, 2], key[:, :, 3])
 
 
+def test_the_regions_compile_once_for_every_layer_of_a_model(cpu_runtime):
+    """Megatron-Core's `jit_fuser` methods take the layer as an argument: a guard on any attribute that differs from
+    layer to layer (its number) would compile them again for each, and past Dynamo's recompile limit (8) the rest
+    would run eagerly. Six Gated DeltaNet layers of two tiny Qwen3.5-VL models (numbers 1 to 3), each region: one
+    graph."""
+    from qvl.foundation import distributed
+    from tests.tiny_megatron import tiny_megatron_model
+
+    distributed.init_distributed()
+    layers = [
+        module
+        for seed in (0, 1)
+        for module in tiny_megatron_model("qwen3_5_vl", gradient_accumulation_fusion=False, seed=seed)[0].modules()
+        if isinstance(module, torch_gated_delta.GatedDeltaNet)
+    ]
+    assert len(layers) >= 4 and len({layer.layer_number for layer in layers}) > 1
+    first, tokens = layers[0], 16
+    heads, width = first.num_value_heads, 2 * first.qk_dim_local_tp + first.v_dim_local_tp
+    calls = {
+        "_prepare_input_for_gated_delta_rule": lambda layer: (
+            layer, torch.randn(1, tokens, width), torch.randn(1, tokens, heads, layer.value_head_dim), 1, tokens),
+        "_apply_gated_norm": lambda layer: (
+            layer, *(torch.randn(tokens * heads, layer.value_head_dim) for _ in range(2))),
+        "_compute_g_and_beta": lambda layer: (
+            layer, layer.A_log, layer.dt_bias, torch.randn(1, tokens, heads), torch.randn(1, tokens, heads)),
+    }  # fmt: skip
+    with patches.applied(GROUP):
+        for name, arguments in calls.items():
+            method = getattr(common._GDNBase, name)
+            graphs = []
+            torch._dynamo.reset()
+            region = torch.compile(getattr(method, "_torchdynamo_orig_callable", method),
+                                   backend=lambda gm, _: graphs.append(gm) or gm.forward)  # fmt: skip
+            for layer in layers:
+                region(*arguments(layer))
+            assert len(graphs) == 1, (name, len(graphs))
+    torch._dynamo.reset()
+
+
 def _relative_error(tensor: torch.Tensor, truth: torch.Tensor) -> float:
     return ((tensor.double() - truth).norm() / truth.norm()).item()
 
