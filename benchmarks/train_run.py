@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from benchmarks import train_plan
+from benchmarks.compile_record import CompileRecord
 from benchmarks.profile_breakdown import StepBreakdown
 from qvl.foundation import patches
 
@@ -225,7 +226,8 @@ def train_once(spec: dict) -> dict:
     callbacks.register("on_train_step_end", groups.step_end)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with patches.applied(*groups.training), padded_checks(spec):  # as `qvl train`'s loop, less `groups_off`
+    compiles = CompileRecord()
+    with compiles, patches.applied(*groups.training), padded_checks(spec):  # as `qvl train`'s loop, less `groups_off`
         pretrain(config, forward_step, callbacks=callbacks)
     if anatomy is not None:
         return {"schedule": spec["schedule"], "steps": anatomy.steps}
@@ -243,6 +245,7 @@ def train_once(spec: dict) -> dict:
         result["vision_recompute_from_plan"] = planned
     result["patch_groups"] = groups.summary(config)
     result["loss_rows_only"] = config.qvl.loss_rows_only  # the output layer at the loss rows (qvl.kernels.loss_rows)
+    result["compiles"] = compiles.summary()  # graph breaks and recompile-limit hits the census does not see
     if breakdown is not None:
         result["profile"] = breakdown.summary()
     if spec["mode"] == "packed":
