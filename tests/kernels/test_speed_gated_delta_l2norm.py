@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import types
+from collections.abc import Callable
 from dataclasses import replace
 from unittest import mock
 
@@ -40,9 +41,15 @@ def _inputs(layer, tokens: int, dtype=torch.float32, device="cpu", seed: int = 0
     return qkv, gate
 
 
-def _traced(layer, qkv, gate, backend) -> tuple[list, list[str], tuple, torch.Tensor]:
-    """The region compiled with `backend` (graphs counted): its graphs, Dynamo's graph breaks, its outputs and the
-    gradient of qkv for fixed output weights."""
+def _weights(outputs) -> list[torch.Tensor]:
+    """Fixed weights for q, k and v: the gradient of qkv is that of their weighted sum."""
+    return [torch.randn(t.shape, generator=torch.Generator(t.device).manual_seed(i), device=t.device, dtype=t.dtype)
+            for i, t in enumerate(outputs[:3])]  # fmt: skip
+
+
+def _traced(layer, qkv, gate, backend) -> tuple[Callable, list, list[str], tuple, torch.Tensor]:
+    """The region compiled with `backend` (graphs counted) after a reset of Dynamo: the compiled region, its graphs,
+    Dynamo's graph breaks, its outputs and the gradient of qkv for `_weights`."""
     graphs: list = []
 
     def counting(gm, example_inputs):
@@ -51,13 +58,10 @@ def _traced(layer, qkv, gate, backend) -> tuple[list, list[str], tuple, torch.Te
 
     torch._dynamo.reset()
     counters.clear()
-    out = torch.compile(UNCOMPILED, backend=counting)(layer, qkv, gate, 1, qkv.shape[1])
-    weights = [torch.randn(t.shape, generator=torch.Generator(t.device).manual_seed(i), device=t.device,
-                           dtype=t.dtype) for i, t in enumerate(out[:3])]  # fmt: skip
-    (grad,) = torch.autograd.grad(sum((t * w).sum() for t, w in zip(out[:3], weights)), qkv)
-    breaks = [reason for reason in counters["graph_break"]]
-    torch._dynamo.reset()
-    return graphs, breaks, out, grad
+    region = torch.compile(UNCOMPILED, backend=counting)
+    out = region(layer, qkv, gate, 1, qkv.shape[1])
+    (grad,) = torch.autograd.grad(sum((t * w).sum() for t, w in zip(out[:3], _weights(out))), qkv)
+    return region, graphs, list(counters["graph_break"]), out, grad
 
 
 def _eager_backend(gm, example_inputs):
@@ -83,12 +87,13 @@ def test_the_region_is_one_graph_with_the_group_and_breaks_around_a_disabled_l2n
     layer = _layer(key_heads=2, value_heads=4, key_dim=16, value_dim=8)
     qkv, gate = _inputs(layer, tokens=12)
     monkeypatch.setattr(common, "l2norm", _dispatched_l2norm)
-    graphs, breaks, before, before_grad = _traced(layer, qkv, gate, _eager_backend)
+    _, graphs, breaks, before, before_grad = _traced(layer, qkv, gate, _eager_backend)
     assert len(graphs) == 2 and any("torch.compiler.disable" in b for b in breaks), (len(graphs), breaks)
 
     with patches.applied(GROUP):
         assert common.l2norm is torch_gated_delta.l2norm
-        graphs, breaks, after, after_grad = _traced(layer, qkv, gate, _eager_backend)
+        _, graphs, breaks, after, after_grad = _traced(layer, qkv, gate, _eager_backend)
+    torch._dynamo.reset()
     assert common.l2norm is _dispatched_l2norm  # undone after the block
     assert len(graphs) == 1 and not breaks, (len(graphs), breaks)
     # the same math: q and k unit rows, repeated for the value heads, v and the gate passed on
@@ -154,28 +159,30 @@ def _compared(layer, tokens: int, *, dtype, device: str, backend, record) -> dic
     truth_qkv = qkv.detach().double().requires_grad_()
     with mock.patch.object(common, "l2norm", _l2norm_fp64):  # the reference: the same math, uncompiled
         truth = UNCOMPILED(layer, truth_qkv, gate.double(), 1, tokens)
-    weights = [torch.randn(t.shape, generator=torch.Generator(device).manual_seed(i), device=device, dtype=dtype)
-               for i, t in enumerate(truth[:3])]  # fmt: skip
+    weights = _weights([qkv.new_empty(t.shape) for t in truth[:3]])  # the compiled ways' (same seeds, dtype)
     (truth_grad,) = torch.autograd.grad(sum((t * w.double()).sum() for t, w in zip(truth[:3], weights)), truth_qkv)
 
-    def step(region) -> None:
-        out = region(layer, qkv, gate, 1, tokens)
-        torch.autograd.grad(sum((t * w).sum() for t, w in zip(out[:3], weights)), qkv)
+    def synchronized() -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def measured(label: str) -> tuple[int, list[str], list[float]]:
-        graphs, breaks, out, grad = _traced(layer, qkv, gate, backend)
+        region, graphs, breaks, out, grad = _traced(layer, qkv, gate, backend)  # compiled at its first call here
         errors = [_relative_error(t, r) for t, r in zip(out[:2], truth[:2])] + [_relative_error(grad, truth_grad)]
-        region = torch.compile(UNCOMPILED, backend=backend)
-        for _ in range(3):  # warm-up and compile
-            step(region)
-        torch.cuda.synchronize() if device == "cuda" else None
-        start = time.perf_counter()
+
+        def step() -> None:
+            out = region(layer, qkv, gate, 1, tokens)
+            torch.autograd.grad(sum((t * w).sum() for t, w in zip(out[:3], weights)), qkv)
+
+        step()  # warm-up
+        start = synchronized()
         for _ in range(10):
-            step(region)
-        torch.cuda.synchronize() if device == "cuda" else None
+            step()
+        seconds = (synchronized() - start) / 10
         torch._dynamo.reset()
         record(label, {"graphs": len(graphs), "relative_errors_q_k_grad": errors,
-                       "ms_per_forward_backward": (time.perf_counter() - start) * 100})  # fmt: skip
+                       "ms_per_forward_backward": seconds * 1e3})  # fmt: skip
         return len(graphs), breaks, errors
 
     results = {"before": measured("l2norm as imported")}
