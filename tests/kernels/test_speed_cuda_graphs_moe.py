@@ -2,7 +2,8 @@
 captured as Megatron-Core's partial graphs and its attention as qvl's third graph (local_specs.GraphedAttentionMoELayer),
 its experts eager; with grouped experts on one rank the whole MoE block as one graph (qvl.kernels.moe_block_graphs).
 Which MoE runs stay eager, and (slow) that tiny Qwen3-VL-MoE trains with the graphs recorded on the CPU as it does
-eagerly: in parts on one rank and at TP=2, whole with grouped experts (full training and LoRA on the experts)."""
+eagerly: in parts on one rank and at TP=2, whole with grouped experts (full training and LoRA on the experts, and
+at TP=2 with expert TP 1)."""
 
 from __future__ import annotations
 
@@ -146,6 +147,19 @@ def test_a_moe_model_with_grouped_experts_trains_with_its_moe_blocks_graphed_who
     assert len(captures) - 2 == graphs * layers  # and the tower's bucket, forward and backward
     assert len(replays) == 6 * graphs * layers + 7 * 2
     assert all(replays)
+
+
+@pytest.mark.slow
+def test_a_moe_model_at_tensor_parallel_2_and_expert_tp_1_trains_with_its_moe_blocks_graphed_whole(tmp_path):
+    """Qwen3-VL-MoE at TP=2 (sequence parallelism) with expert TP 1 (`model.expert_tensor_parallel_size=1`) and
+    grouped experts, two gloo ranks: the experts are whole on each rank and each rank routes its own share of the
+    pack, so the dispatcher is one rank's and each MoE block is one graph each way, as on one GPU. The losses are
+    the eager run's."""
+    from tests.run_qvl import qvl_on_two_ranks
+
+    args = _tiny_run(tmp_path, "qwen3_vl_moe", "qwen3_vl_30b_a3b_pretrain", 3, "tensor_parallel=2",
+                     "grouped_experts=true", "model.expert_tensor_parallel_size=1")  # fmt: skip
+    _eager_and_graphed(tmp_path, args, 3, train=qvl_on_two_ranks, said=MOE_WHOLE, rel=1e-6)
 
 
 @pytest.mark.slow
