@@ -57,7 +57,7 @@ HF tower (Qwen2-VL, Qwen2.5-VL) by qvl.kernels.tower_graphs, Megatron-Bridge's Q
 by its `MegatronTowerGraphs`, at bucketed patch counts, since every pack has its own (the sizes planned from the
 dataset's packs where a micro-batch is one pack: `planned_dataset`, `TOWER_DATASET`). Its calls are bucketed on their
 own, so it replays as graphs also where the layers cannot be captured (full activation recompute): the tower is
-most of a step's launches (the step census: 7,184 of 10,698 for Qwen2.5-VL-3B's shapes), and the language model's
+most of a step's launches (the step census: 7,952 of 12,146 for Qwen2.5-VL-3B's shapes), and the language model's
 packs are not padded for it. Not graphed: the embedding and output layer, the loss and the optimizer; the layers where
 they cannot be captured at fixed shapes or Megatron-Core cannot make their graphs (`eager_layers`: pipeline stages,
 full activation recompute), a MoE layer's experts, Qwen3.5's Gated DeltaNet attention (fla's kernels launch one
