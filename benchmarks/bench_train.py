@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"MFU {r['mfu_megatron_bridge']} (Bridge) {r['mfu_six_n']} (6N), data wait {r['data_wait_fraction']}, "
                   f"peak {r['peak_memory_gib']} GiB, idle {(r.get('profile', {}).get('share_of_step') or {}).get('idle')}, "
                   f"graph breaks {r.get('compiles', {}).get('graph_breaks')}, "
-                  f"recompile-limit hits {len(r.get('compiles', {}).get('recompile_limit_hits', []))}")  # fmt: skip
+                  f"recompile-limit hits {r.get('compiles', {}).get('recompile_limit_hits')}")  # fmt: skip
     for row in results.get("comparisons", []):
         losses = row.get("loss_max_relative_difference")
         print(f"{row['figure']}: {row['value']}" + ("" if losses is None else f" (losses differ by <= {losses})"))

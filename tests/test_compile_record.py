@@ -24,10 +24,13 @@ def test_a_graph_break_and_a_recompile_limit_hit_are_recorded():
     torch._dynamo.reset()
     assert summary["graph_breaks"] >= 1 and summary["graphs"] >= 2 + 2, summary
     assert any("torch.compiler.disable" in reason for reason in summary["graph_break_reasons"]), summary
-    assert len(summary["recompile_limit_hits"]) >= 1 and "recompile_limit" in summary["recompile_limit_hits"][0]
+    assert summary["recompile_limit_hits"] >= 1, summary
+    # the function named where Dynamo's warning reaches the record (a test process may have reconfigured its loggers)
+    assert all("recompile_limit" in hit for hit in summary["recompile_limit_functions"]), summary
 
 
 def test_a_run_that_compiles_nothing_records_nothing():
     with CompileRecord() as record:
         torch.ones(3).sum()
-    assert record.summary() == {"graphs": 0, "graph_breaks": 0, "graph_break_reasons": {}, "recompile_limit_hits": []}
+    assert record.summary() == {"graphs": 0, "graph_breaks": 0, "graph_break_reasons": {}, "recompile_limit_hits": 0,
+                                "recompile_limit_functions": []}  # fmt: skip
