@@ -30,7 +30,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks import step_calibration
+from benchmarks import step_calibration, step_plot
 from benchmarks.step_model import (
     BEFORE_CENSUS,
     StepTimeModel,
@@ -419,6 +419,7 @@ def benchmark(names: list[str], out: pathlib.Path, *, baseline: bool = False, co
     if checks:
         results["checks"] = checks
     (out / "bench_step.json").write_text(json.dumps(results, indent=1))
+    step_plot.plot(results, out / "bench_step.png")
     return results
 
 

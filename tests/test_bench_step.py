@@ -112,6 +112,19 @@ def test_rms_norm_backward_counts_its_weight_gradient_kernels():
     assert launches(65 * 1024, 2048, weighted=True) == {**weighted, "_fused_rms_norm_backward weight partial sums": 1}
 
 
+def test_the_census_picture_has_a_row_per_estimated_configuration(tmp_path):
+    from benchmarks import step_plot
+
+    estimate = {"gemm_aligned_s": 0.7, "attention_s": 0.2, "elementwise_s": 0.3, "host_s": 1.1, "estimated_step_s": 1.2}
+    results = {"before": {"estimate": {**estimate, "host_s": 4.4, "estimated_step_s": 4.55}},
+               "configs": {"a": {"estimate": {**estimate, "host_s_graphed": 0.1}}, "tiny": {"step": {}}}}  # fmt: skip
+    assert [name.split(" ")[0] for name, _ in step_plot.rows(results)] == ["before", "a"]
+    path = step_plot.plot(results, tmp_path / "bench_step.png")
+    assert path is not None and path.read_bytes().startswith(b"\x89PNG")
+    assert step_plot.plot({"configs": {"tiny": {"step": {}}}}, tmp_path / "none.png") is None  # nothing estimated
+    assert not (tmp_path / "none.png").exists()
+
+
 def test_an_expanded_view_counts_the_bytes_of_its_distinct_elements():
     """Megatron-Core's unfused unpermute scatters with an index expanded over the hidden width (a stride of 0): the
     kernel reads each index once from memory, not once per column."""
