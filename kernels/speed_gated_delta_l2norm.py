@@ -8,8 +8,9 @@ contiguous memory, meant as one fused kernel each way. The l2norm is flash-linea
 (`fla.modules.l2norm.l2norm`). In fla 0.6 that function's forward and backward launch through fla's backend
 dispatch (`fla.backends.dispatch`), which wraps them in `torch.compiler.disable` ("runtime backend selection must
 stay outside torch.compile graphs"). Dynamo cannot put a disabled function in a graph, so the region breaks in two
-around the norm. Traced with fla 0.6.0's own module, Dynamo reports "Skip calling `torch.compiler.disable()`d
-function" for `l2norm_fwd`. Each way, every Gated DeltaNet layer call then launches the first graph's kernel, fla's
+around the norm. Traced on the CPU with fla 0.6.0's own module, Dynamo reports "Skip calling
+`torch.compiler.disable()`d function" for `l2norm_fwd` (on CUDA it may stop earlier in the same call, at the
+`torch.cuda.device` context fla's `input_guard` enters). Each way, every Gated DeltaNet layer call then launches the first graph's kernel, fla's
 norm kernel and the second graph's kernels. q and k are written out between them and read back, and the host runs
 two compiled frames' guards instead of one.
 

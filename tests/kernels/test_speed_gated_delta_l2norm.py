@@ -216,6 +216,7 @@ def test_on_cuda_fla_breaks_the_region_and_the_fused_one_is_as_close_to_fp64(rec
     layer = _layer(key_heads=16, value_heads=32, key_dim=128, value_dim=128)
     results = _compared(layer, 4096, dtype=torch.bfloat16, device="cuda", backend=compile_fx, record=record_property)
     (fla_graphs, fla_breaks, fla_errors), (graphs, breaks, errors) = results["before"], results["group"]
-    assert fla_graphs >= 2 and any("disable" in b for b in fla_breaks), (fla_graphs, fla_breaks)
+    # on the CPU Dynamo stops at fla's disabled dispatch; on CUDA it may stop before it, at fla's device context
+    assert fla_graphs >= 2 and fla_breaks, (fla_graphs, fla_breaks)
     assert graphs == 1 and not breaks, (graphs, breaks)
     assert all(e <= 1.01 * f + 1e-6 for e, f in zip(errors, fla_errors)), (errors, fla_errors)
