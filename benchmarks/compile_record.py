@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from torch._dynamo.utils import counters
-
 # Dynamo's warning when a code object passes its recompile limit, and its reason among the unsupported cases it counts
 # (torch/_dynamo/convert_frame.py)
 LIMIT_WARNING = "torch._dynamo hit config."
@@ -40,6 +38,8 @@ class CompileRecord:
     """Dynamo's counters and recompile-limit warnings over a block: `summary()` after it."""
 
     def __enter__(self) -> CompileRecord:
+        from torch._dynamo.utils import counters  # Dynamo imported with the run, not with this module
+
         self._graphs = counters["stats"]["unique_graphs"]
         self._breaks = Counter(counters["graph_break"])
         self._unsupported = Counter(counters["unimplemented"])
@@ -48,6 +48,8 @@ class CompileRecord:
         return self
 
     def __exit__(self, *exc) -> None:
+        from torch._dynamo.utils import counters
+
         logging.getLogger(DYNAMO_LOGGER).removeHandler(self._handler)
         self.graphs = counters["stats"]["unique_graphs"] - self._graphs
         self.breaks = Counter(counters["graph_break"]) - self._breaks
