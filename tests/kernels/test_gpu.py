@@ -93,6 +93,63 @@ def test_varlen_equals_the_per_segment_loop_in_bf16_forward_and_backward(cuda_di
     torch.testing.assert_close(results["varlen"][0], results["loop"][0], rtol=2e-2, atol=2e-2)
 
 
+VISION_SHAPES = {  # the step census's vision attention calls: 16 heads; 5 images of 44 x 44 patches, or 64-patch windows
+    "whole_images_head_80": (80, [1936] * 5),  # Qwen2-VL's blocks, Qwen2.5-VL's full-attention ones
+    "whole_images_head_72": (72, [1936] * 5),  # Qwen3-VL's and Qwen3.5-VL's towers
+    "windows_of_64_head_80": (80, [64] * 151),  # Qwen2.5-VL's windowed blocks
+}
+
+
+@pytest.mark.parametrize("shape", list(VISION_SHAPES))
+def test_vision_attention_shapes_equal_the_loop_and_record_their_flop_rate(cuda_distributed, shape, record_property):
+    """The vision towers' attention at the census's shapes: torch's varlen kernel against one SDPA call per image or
+    window (forward and backward, bf16), and its rate. The step model has one attention rate, fitted to the
+    calibration run's mix of windows and whole images; these rates are what a fit per kind of call would take. Each
+    is recorded as TFLOP/s at the model's head dim and at the one FlashAttention-2's kernel runs
+    (benchmarks.step_kernels.flash_head_dim), forward + backward counted as 3.5 forwards, as the census counts them."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from benchmarks.step_kernels import flash_head_dim
+    from qvl.kernels.varlen_attention import SDPAttention
+
+    dim, lengths = VISION_SHAPES[shape]
+    heads, tokens = 16, sum(lengths)
+    config = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads, bf16=True,
+                               attention_dropout=0.0)  # fmt: skip
+    attention = SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.no_mask, attention_type="self").cuda()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+    weight = torch.randn(tokens, heads * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def run(path):
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        out = path(q, k, v, params, False, 0.0)
+        (out.float() * weight).sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    varlen, loop = run(attention._packed), run(attention._packed_loop)
+    for got, expected in zip(varlen, loop, strict=True):
+        assert relative_error(got, expected) < 1e-2
+    for _ in range(2):  # warm-up
+        run(attention._packed)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        run(attention._packed)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 5 / 1e3
+    flops = 3.5 * 4.0 * sum(n * n for n in lengths) * heads  # per head-dim column
+    record_property(f"{shape}: ms per forward+backward, TFLOP/s at head {dim}, at the kernel's "
+                    f"{flash_head_dim(dim)} (torch {torch.__version__})",
+                    (round(seconds * 1e3, 3), round(flops * dim / seconds / 1e12, 1),
+                     round(flops * flash_head_dim(dim) / seconds / 1e12, 1)))  # fmt: skip
+
+
 def test_hf_vision_tower_varlen_equals_sdpa_on_cuda_bf16():
     """Qwen2.5-VL's HF vision tower (windowed and full-attention blocks) with qvl's varlen attention against
     transformers' SDPA loop over windows and images: outputs and parameter gradients, bf16."""
