@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import types
 
 import pytest
@@ -299,7 +300,7 @@ def test_qwen3_5s_attention_layers_train_graphed_around_its_gated_deltanet_layer
     )
     for run in (graphed, eager):  # fla's l2norm no longer splits Megatron-Core's compiled input preparation
         compiles = run["compiles"]
-        assert not [r for r in compiles["graph_break_reasons"] if "fla" in r or "l2norm" in r], compiles
+        assert not [r for r in compiles["graph_break_reasons"] if re.search(r"\bfla\b|l2norm", r)], compiles
         assert not compiles["recompile_limit_hits"], compiles
     assert graphed["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-2)
     assert graphed["losses"] == pytest.approx(eager["losses"], rel=LOSS_REL["cuda"])
