@@ -207,7 +207,7 @@ def test_the_fused_region_is_as_close_to_fp64_as_the_broken_one_on_the_cpu(monke
 def test_on_cuda_fla_breaks_the_region_and_the_fused_one_is_as_close_to_fp64(record_property):
     """Qwen3.5-VL-9B's Gated DeltaNet widths (16 key heads, 32 value heads, 128 wide), one 4k pack in bf16, compiled
     with Inductor as Megatron-Core's jit_fuser does: with fla's l2norm the region is two graphs around a graph break;
-    with the group one graph, its q, k and qkv gradient norm-wise no further from fp64 than fla's way (1% slack).
+    with the group one graph, its q, k and qkv gradient norm-wise no further from fp64 than fla's way (5% slack: both round to bf16).
     Each way's forward+backward time per call is recorded."""
     pytest.importorskip("fla")
     from torch._inductor.compile_fx import compile_fx
@@ -219,4 +219,4 @@ def test_on_cuda_fla_breaks_the_region_and_the_fused_one_is_as_close_to_fp64(rec
     # on the CPU Dynamo stops at fla's disabled dispatch; on CUDA it may stop before it, at fla's device context
     assert fla_graphs >= 2 and fla_breaks, (fla_graphs, fla_breaks)
     assert graphs == 1 and not breaks, (graphs, breaks)
-    assert all(e <= 1.01 * f + 1e-6 for e, f in zip(errors, fla_errors)), (errors, fla_errors)
+    assert all(e <= 1.05 * f + 1e-6 for e, f in zip(errors, fla_errors)), (errors, fla_errors)
