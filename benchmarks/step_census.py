@@ -87,6 +87,7 @@ class RegionCounts:
     gemm_flops_misaligned: float = 0.0
     gemm_shapes: collections.Counter = field(default_factory=collections.Counter)  # (op, M, K, N, aligned) -> calls
     attention_flops: float = 0.0
+    attention_flops_short: float = 0.0  # of sub-sequences one FlashAttention query tile long at most (windows)
     nongemm_bytes: float = 0.0
     nongemm_bytes_by_op: collections.Counter = field(default_factory=collections.Counter)  # op or region -> bytes
     h2d_copies: int = 0
@@ -103,6 +104,7 @@ class RegionCounts:
             "gemm_tflop": round(self.gemm_flops / 1e12, 4),
             "gemm_misaligned_tflop": round(self.gemm_flops_misaligned / 1e12, 4),
             "attention_tflop": round(self.attention_flops / 1e12, 4),
+            "attention_short_tflop": round(self.attention_flops_short / 1e12, 4),
             "nongemm_gb": round(self.nongemm_bytes / 1e9, 3),
             "nongemm_gb_by_op": {k: round(v / 1e9, 3) for k, v in self.nongemm_bytes_by_op.most_common(20)},
             "h2d_copies": self.h2d_copies,
@@ -195,9 +197,11 @@ class Census:
         if self.counting:
             self.counts.launches["cudaGraphLaunch"] += 1
 
-    def attention(self, flops: float, tensors: list[torch.Tensor], backward: bool, extra: tuple[str, ...] = ()) -> None:
-        """One attention kernel doing `flops`, and the `extra` kernels its op launches with it (their time is the
-        attention's, so they carry no bytes); counted inside a compiled region too, which calls it as an opaque op."""
+    def attention(self, flops: float, tensors: list[torch.Tensor], backward: bool, extra: tuple[str, ...] = (),
+                  short_flops: float = 0.0) -> None:  # fmt: skip
+        """One attention kernel doing `flops` (`short_flops` of them on sub-sequences one query tile long at most),
+        and the `extra` kernels its op launches with it (their time is the attention's, so they carry no bytes);
+        counted inside a compiled region too, which calls it as an opaque op."""
         if not self.counting:
             return
         counts = self.counts
@@ -205,6 +209,7 @@ class Census:
         for name in extra:
             counts.launches[name] += 1
         counts.attention_flops += flops
+        counts.attention_flops_short += short_flops
 
     def opaque(self, name: str, tensors: list) -> None:
         """One kernel the CPU run computes another way (a stand-in's): counted with its bytes (inside a compiled
@@ -430,8 +435,8 @@ def _add(total: RegionCounts, counts: RegionCounts) -> None:
     total.syncs.update(counts.syncs)
     total.gemm_shapes.update(counts.gemm_shapes)
     total.nongemm_bytes_by_op.update(counts.nongemm_bytes_by_op)
-    for name in ("views", "empty", "gemm_flops", "gemm_flops_misaligned", "attention_flops", "nongemm_bytes",
-                 "h2d_copies", "h2d_pageable", "h2d_bytes"):  # fmt: skip
+    for name in ("views", "empty", "gemm_flops", "gemm_flops_misaligned", "attention_flops", "attention_flops_short",
+                 "nongemm_bytes", "h2d_copies", "h2d_pageable", "h2d_bytes"):  # fmt: skip
         setattr(total, name, getattr(total, name) + getattr(counts, name))
     total.largest_temporary_bytes = max(total.largest_temporary_bytes, counts.largest_temporary_bytes)
 

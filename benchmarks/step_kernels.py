@@ -126,6 +126,9 @@ class CensusDispatchMode(TorchDispatchMode):
 # FlashAttention-2's kernels (torch's varlen attention on CUDA) are built for these head dims and run a head at the
 # next one up (flash_api's HEADDIM_SWITCH): Qwen2.5-VL's vision heads of 80 and Qwen3.5-VL's of 72 do the work of 96.
 FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+# FlashAttention-2's query tile (kBlockM) at these head dims: a sub-sequence of at most this many rows (a vision
+# window) is one tile, run at a rate of its own; the census keeps those FLOPs apart (`attention_short_tflop`)
+FLASH_QUERY_TILE = 128
 
 
 def flash_head_dim(dim: int) -> int:
@@ -150,11 +153,13 @@ class FakeFlash(torch.autograd.Function):
     and backward, the real FLOPs; the output is a copy of the query (values do not matter to the counts)."""
 
     @staticmethod
-    def forward(ctx, census, flops, query, key, value):
-        ctx.census, ctx.flops = census, flops
+    def forward(ctx, census, flops, short_flops, query, key, value):
+        ctx.census, ctx.flops, ctx.short_flops = census, flops, short_flops
         ctx.shapes = (key, value)
         ctx.grouped = key.shape[1] != query.shape[1]
-        census.attention(flops, [query, key, value], backward=False, extra=VARLEN_FORWARD_EXTRA)
+        census.attention(
+            flops, [query, key, value], backward=False, extra=VARLEN_FORWARD_EXTRA, short_flops=short_flops
+        )
         with census.paused():
             return query.detach().clone()
 
@@ -162,10 +167,10 @@ class FakeFlash(torch.autograd.Function):
     def backward(ctx, grad):
         census = ctx.census
         extra = FLASH_BACKWARD_EXTRA + (FLASH_GQA_BACKWARD_EXTRA if ctx.grouped else ())
-        census.attention(2.5 * ctx.flops, [], backward=True, extra=extra)  # FlashAttention-2's backward: ~2.5x
+        census.attention(2.5 * ctx.flops, [], backward=True, extra=extra, short_flops=2.5 * ctx.short_flops)  # ~2.5x
         key, value = ctx.shapes
         with census.paused():
-            return None, None, grad.clone(), torch.zeros_like(key), torch.zeros_like(value)
+            return None, None, None, grad.clone(), torch.zeros_like(key), torch.zeros_like(value)
 
 
 # torch's CUDA RMSNorm backward (aten/src/ATen/native/cuda/layer_norm_kernel.cu, layer norm's kernels reused): the
@@ -222,9 +227,10 @@ def fake_varlen_kernel(census):
         with census.paused(), torch._C.DisableTorchFunction():
             lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
         heads, dim = query.shape[1], flash_head_dim(census.widths.dims.get(query.shape[2], query.shape[2]))
-        causal = tuple(window_size) == (-1, 0)
-        flops = 4.0 * sum(n * n for n in lengths) * heads * dim * (0.5 if causal else 1.0)
-        return FakeFlash.apply(census, flops, query, key, value)
+        per_row = 4.0 * heads * dim * (0.5 if tuple(window_size) == (-1, 0) else 1.0)
+        flops = per_row * sum(n * n for n in lengths)
+        short = per_row * sum(n * n for n in lengths if n <= FLASH_QUERY_TILE)
+        return FakeFlash.apply(census, flops, short, query, key, value)
 
     return varlen_attn
 

@@ -65,6 +65,22 @@ def test_attention_counts_the_flops_of_the_kernel_its_head_dim_runs_at():
     with census.tracking(), census.counted():
         fake_varlen_kernel(census)(query, key, value, bounds, bounds, 20, 20)
     assert census.counts.attention_flops == 4.0 * (10 * 10 + 20 * 20) * 2 * 96  # not 80
+    assert census.counts.attention_flops_short == census.counts.attention_flops  # both within one query tile
+
+
+def test_attention_flops_of_window_length_sub_sequences_are_kept_apart():
+    """A sub-sequence of at most 128 rows (a vision window) is one FlashAttention query tile: its FLOPs are counted
+    apart too, forward and backward, for a rate of their own."""
+    from benchmarks.step_kernels import fake_varlen_kernel
+
+    census = Census(WidthMap(dims={}))
+    query = torch.zeros(64 + 200, 2, 32, requires_grad=True)
+    bounds = torch.tensor([0, 64, 264], dtype=torch.int32)
+    with census.tracking(), census.counted():
+        fake_varlen_kernel(census)(query, query, query, bounds, bounds, 200, 200).sum().backward()
+    counts = census.counts
+    assert counts.attention_flops == 3.5 * 4.0 * (64**2 + 200**2) * 2 * 32  # forward and 2.5x backward
+    assert counts.attention_flops_short == 3.5 * 4.0 * 64**2 * 2 * 32
 
 
 def test_attention_counts_the_kernels_torch_flash_path_launches_around_the_main_ones():
