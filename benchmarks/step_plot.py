@@ -31,9 +31,11 @@ def rows(results: dict) -> list[tuple[str, dict]]:
 
 
 def plot(results: dict, path: pathlib.Path) -> pathlib.Path | None:
-    """Write the picture of `results` (bench_step's) to `path`; None where there is nothing to draw or no
-    matplotlib (it comes with qvl[test])."""
+    """Write the picture of `results` (bench_step's) to `path`; None where no configuration of the run has an
+    estimate (`tiny` has none) or matplotlib is missing (it comes with qvl[test])."""
     estimates = rows(results)
+    if len(estimates) < 2 and "before" in results:  # the calibration alone: no configuration of this run to show
+        return None
     if not estimates:
         return None
     try:
@@ -43,7 +45,7 @@ def plot(results: dict, path: pathlib.Path) -> pathlib.Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.9 * len(estimates)))
+    fig, ax = plt.subplots(figsize=(9.5, 1.4 + 0.9 * len(estimates)))
     ticks, labels, legend, right = [], [], set(), 0.0
 
     def bar(y: float, width: float, left: float, label: str, **style) -> None:
@@ -68,7 +70,7 @@ def plot(results: dict, path: pathlib.Path) -> pathlib.Path | None:
     ax.set_yticks(ticks, labels)
     ax.set_xlabel("ESTIMATED seconds per step (the step model's, not a measurement)")
     ax.set_title("Step census: the GPU's work and the host's launches per step", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, not over them
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
