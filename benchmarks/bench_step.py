@@ -276,13 +276,11 @@ def census_worker(spec_path: pathlib.Path) -> int:
     _, cfg = prepare_config(TrainRequest(recipe=config.recipe, overrides=overrides, run_dir=out / "run"))
     if megatron.gated_delta_net(cfg.model):  # fla's kernels, before the training groups wrap them
         code.enter_context(fla_code_path(census))
-    groups: tuple[str, ...] = ()
-    if not spec["baseline"]:  # what a training loop on a CUDA device applies (qvl.training.loop.run_megatron_loop),
-        # with fla installed there where the model has Gated DeltaNet layers (their kernels counted as fla's)
-        target = switch.Target.of(cfg, device="cuda")
-        target = replace(target, fla=target.fla or bool(target.gated_delta_net))
-        groups = switch.training_groups(target)
-        code.enter_context(switch.applied_for_training(target))
+    # what a training loop on a CUDA device with fla applies (qvl.training.loop.run_megatron_loop; only Gated DeltaNet
+    # models' groups ask for fla, whose kernels the census counts)
+    target = replace(switch.Target.of(cfg, device="cuda"), fla=True)
+    groups = () if spec["baseline"] else switch.training_groups(target)
+    code.enter_context(switch.applied_for_training(target) if groups else contextlib.nullcontext())
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.logger.tensorboard_dir = None
     dataset = cfg.dataset

@@ -33,11 +33,9 @@ def rows(results: dict) -> list[tuple[str, dict]]:
 def plot(results: dict, path: pathlib.Path) -> pathlib.Path | None:
     """Write the picture of `results` (bench_step's) to `path`; None where no configuration of the run has an
     estimate (`tiny` has none) or matplotlib is missing (it comes with qvl[test])."""
+    if not any("estimate" in result for result in results.get("configs", {}).values()):
+        return None
     estimates = rows(results)
-    if len(estimates) < 2 and "before" in results:  # the calibration alone: no configuration of this run to show
-        return None
-    if not estimates:
-        return None
     try:
         import matplotlib
 

@@ -226,8 +226,7 @@ def train_once(spec: dict) -> dict:
     callbacks.register("on_train_step_end", groups.step_end)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    compiles = CompileRecord()
-    with compiles, patches.applied(*groups.training), padded_checks(spec):  # as `qvl train`'s loop, less `groups_off`
+    with CompileRecord() as compiles, patches.applied(*groups.training), padded_checks(spec):  # as `qvl train`'s loop
         pretrain(config, forward_step, callbacks=callbacks)
     if anatomy is not None:
         return {"schedule": spec["schedule"], "steps": anatomy.steps}
