@@ -12,20 +12,42 @@ then
    layers', and the tower's where most of its calls replayed: bench_train records them by kind);
 3. writes `results/calibration.json` (the measured step and the census it was fitted on), which every later census
    takes its model from (`current_model`).
+With `gpu_tests.xml` beside `bench_train.json` (the GPU tests' record, benchmarks/gpu.sh), the refit also takes the
+rate of the vision windows' attention relative to whole images' that the vision attention's `gpu` test measured
+(`short_attention_speed`), so that towers with other mixes of windows and whole images are estimated at theirs.
 The refitted model reproduces that step by construction: its test is the next measured configuration.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import pathlib
+import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, replace
 
-from benchmarks.step_model import StepTimeModel, eager_tower, with_pad_work
+from benchmarks.step_model import StepTimeModel, eager_tower, long_attention_tflop, with_pad_work
 
 CALIBRATION = pathlib.Path(__file__).resolve().parent / "results" / "calibration.json"
 ESTIMATE_GOAL = 0.10  # issue 38: the census's estimate within 10% of the measured step
 HOST_BOUND_IDLE = 0.05  # a GPU idle for more of the step than this waits on the host's launches
+# The vision attention's `gpu` test (tests/kernels/test_gpu.py) records, per shape, a property named by this label
+# whose value is (ms per forward+backward, TFLOP/s at the model's head dim, TFLOP/s at the kernel's head dim)
+ATTENTION_RATE_LABEL = "{shape}: ms per forward+backward, TFLOP/s at head {dim}, at the kernel's {kernel_dim}"
+SHORT_AND_LONG_ATTENTION = ("windows_of_64_head_80", "whole_images_head_80")  # its shapes the model's speed compares
+
+
+def short_attention_speed(junit: pathlib.Path) -> float | None:
+    """The vision windows' attention rate over whole images' at the same heads, from the GPU tests' junit XML
+    (`gpu_tests.xml`): the kernel-head-dim TFLOP/s of SHORT_AND_LONG_ATTENTION's shapes; None where it lacks either."""
+    rates = {}
+    for prop in ET.parse(junit).getroot().iter("property"):
+        shape = prop.get("name", "").split(":", 1)[0]
+        prefix = ATTENTION_RATE_LABEL.split("{dim}", 1)[0].format(shape=shape)
+        if shape in SHORT_AND_LONG_ATTENTION and prop.get("name", "").startswith(prefix):
+            rates[shape] = float(ast.literal_eval(prop.get("value", ""))[2])
+    short, long = (rates.get(shape) for shape in SHORT_AND_LONG_ATTENTION)
+    return short / long if short and long else None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -43,6 +65,7 @@ class MeasuredStep:
     idle_s: float
     graphed: bool  # the language model's layers ran as CUDA graphs
     tower_graphed: bool = True  # and most of the vision tower's calls replayed theirs
+    short_attention_speed: float = 1.0  # the GPU tests' windows over whole images' rate (gpu_tests.xml beside)
 
     @property
     def graphs_used(self) -> dict[str, bool]:
@@ -80,6 +103,8 @@ class MeasuredStep:
             raise ValueError(f"{path}: the packed {seq_length} run recomputed vision blocks "
                              f"({run['vision_recompute_from_plan']}); the census configuration does not")  # fmt: skip
         work = profile["work_s"]
+        junit = pathlib.Path(path).with_name("gpu_tests.xml")
+        speed = short_attention_speed(junit) if junit.is_file() else None
         graphs = ((run.get("patch_groups") or {}).get("cuda_graphs")) or {}
         calls = (graphs.get("vision_tower") or {}).get("calls") or {}  # qvl.kernels.tower_graphs stats()
         return cls(
@@ -94,6 +119,7 @@ class MeasuredStep:
             idle_s=profile["gpu_idle_s"],
             graphed=bool(graphs.get("created")),
             tower_graphed=bool(graphs.get("created")) and 2 * calls.get("replayed", 0) > sum(calls.values()),
+            short_attention_speed=speed or 1.0,
         )
 
 
@@ -125,15 +151,18 @@ def recalibrated(previous: StepTimeModel, census: dict, measured: MeasuredStep) 
     """`previous` with its rates fitted to `measured`, a GPU step of `census`'s configuration (module docstring). A
     rate whose work the step does not have (no misaligned GEMMs, no pageable copies) keeps its previous value; so
     does the host's cost per launch where the GPU was not idle (the host did not bound the step). A graphed step's
-    GPU work includes its tower's pad rows."""
+    GPU work includes its tower's pad rows. The attention rate is the longer calls', the windows' at the measured
+    share of it."""
     ran = measured.graphs_used
     step = with_pad_work(census["step"], graphs_as_run(census, **ran))
     aligned_tflop = step["gemm_tflop"] - step["gemm_misaligned_tflop"]
     misaligned_s = step["gemm_misaligned_tflop"] * 1e12 / previous.misaligned_flops_per_s
+    attention_tflop = long_attention_tflop(step, measured.short_attention_speed)
     model = replace(
         previous,
         aligned_flops_per_s=aligned_tflop * 1e12 / max(measured.gemm_s - misaligned_s, 1e-9),
-        attention_flops_per_s=step["attention_tflop"] * 1e12 / max(measured.attention_s, 1e-9),
+        attention_flops_per_s=attention_tflop * 1e12 / max(measured.attention_s, 1e-9),
+        short_attention_speed=measured.short_attention_speed,
         bytes_per_s=step["nongemm_gb"] * 1e9 / max(measured.other_work_s, 1e-9),
         sync_s=0.0,
     )

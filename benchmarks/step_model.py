@@ -50,7 +50,8 @@ BEFORE_CENSUS = pathlib.Path(__file__).resolve().parent / "results" / "census-be
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class StepTimeModel:
-    """Seconds per step from census counts: GEMMs at an aligned and a misaligned rate, attention at its rate,
+    """Seconds per step from census counts: GEMMs at an aligned and a misaligned rate, attention at its rate (and
+    vision windows' at a measured share of it, once measured),
     elementwise bytes at an effective bandwidth, pageable copies at their measured cost (the GPU's time); a cost per
     launching or view op (the host's time; the profile shows it busy the whole step); the step is the longer of the
     two plus a stall per host sync. Every rate is fitted to the H100 profile of benchmarks/RESULTS.md and the census
@@ -63,6 +64,9 @@ class StepTimeModel:
     pageable_copy_s: float
     host_s_per_op: float
     sync_s: float
+    # the rate of attention over sub-sequences one query tile long at most (the census's `attention_short_tflop`:
+    # vision windows) relative to the longer ones'; 1.0 until a GPU has measured the two (step_calibration)
+    short_attention_speed: float = 1.0
 
     @classmethod
     def calibrated(cls, before: dict) -> StepTimeModel:
@@ -92,7 +96,7 @@ class StepTimeModel:
         gpu = {
             "gemm_aligned_s": aligned / self.aligned_flops_per_s,
             "gemm_misaligned_s": step["gemm_misaligned_tflop"] * 1e12 / self.misaligned_flops_per_s,
-            "attention_s": step["attention_tflop"] * 1e12 / self.attention_flops_per_s,
+            "attention_s": long_attention_tflop(step, self.short_attention_speed) * 1e12 / self.attention_flops_per_s,
             "elementwise_s": step["nongemm_gb"] * 1e9 / self.bytes_per_s,
             "pageable_copies_s": step["h2d_pageable"] * self.pageable_copy_s,
         }
@@ -110,6 +114,14 @@ class StepTimeModel:
             graphed = max(gpu, host) + parts["syncs_s"]
             parts |= {"gpu_s_graphed": gpu, "host_s_graphed": host, "estimated_step_s_graphed": graphed}
         return {k: round(v, 3) for k, v in (parts | {"estimated_step_s": total}).items()}
+
+
+def long_attention_tflop(step: dict, short_speed: float) -> float:
+    """`step`'s attention TFLOP as the longer calls' rate sees them: its short calls' (`attention_short_tflop`) count
+    1 / `short_speed` times. At 1.0, the census's own figure (a census without the short count is read as it is)."""
+    if short_speed == 1.0:
+        return step["attention_tflop"]
+    return step["attention_tflop"] + step["attention_short_tflop"] * (1 / short_speed - 1)
 
 
 # A MoE layer whose MoE block is a graph of its own (qvl.kernels.moe_block_graphs: grouped experts on one expert rank)

@@ -5,11 +5,16 @@ configuration's figures as the census took them (benchmarks/README.md)."""
 from __future__ import annotations
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks import bench_step, step_calibration, step_model
 from benchmarks.step_model import BEFORE_CENSUS, StepTimeModel
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 CENSUS = {  # qwen2_5_vl_3b_12l, 2026-11-28 (afternoon, in-place writes counted): python -m benchmarks.bench_step --config qwen2_5_vl_3b_12l
     "config": {"name": "qwen2_5_vl_3b_12l", "vision_recompute": False},
@@ -160,3 +165,52 @@ def test_the_first_fit_is_held_against_the_second_h100_profile(previous):
     assert met() == [True, True, True]
     assert met(gemm_tflop=1.2 * step["gemm_tflop"]) == [True, False, True]
     assert met(ops={**step["ops"], "mm": step["ops"]["mm"] - 1}) == [False, True, True]
+
+
+def gpu_tests_xml(path, rates: dict[str, float]):
+    """`path` (gpu_tests.xml) as pytest's junit writer makes it where the vision attention's `gpu` test recorded
+    `rates` (shape -> TFLOP/s at the kernel's head dim) with tests/kernels/test_gpu.py's label, and another record."""
+    module = path.with_name("test_recorded.py")
+    cases = "\n".join(
+        f"def test_{shape}(record_property):\n"
+        f"    label = ATTENTION_RATE_LABEL.format(shape={shape!r}, dim=80, kernel_dim=96)\n"
+        f"    record_property(label + ' (torch 2.11.0, cuDNN 91900)', (1.5, {rate * 80 / 96}, {rate}))\n"
+        f"    record_property({shape!r} + ': relative error from fp64, varlen / loop', {{'output': (0.002, 0.002)}})\n"
+        for shape, rate in rates.items()
+    )
+    module.write_text(f"from benchmarks.step_calibration import ATTENTION_RATE_LABEL\n\n{cases}")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          f"--junitxml={path}", str(module)], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    return path
+
+
+def test_the_windows_rate_over_whole_images_is_read_from_the_gpu_tests_record(tmp_path):
+    both = gpu_tests_xml(tmp_path / "both.xml", {"windows_of_64_head_80": 30.0, "whole_images_head_80": 120.0,
+                                                 "whole_images_head_72": 100.0})  # fmt: skip
+    assert step_calibration.short_attention_speed(both) == pytest.approx(0.25)
+    one = gpu_tests_xml(tmp_path / "one.xml", {"whole_images_head_80": 120.0})  # the windows' test did not run
+    assert step_calibration.short_attention_speed(one) is None
+
+
+def test_with_the_gpu_tests_record_beside_the_refit_rates_windows_at_their_measured_share(tmp_path, previous):
+    """gpu_tests.xml beside bench_train.json: the refit takes the windows' measured share of the longer calls' rate,
+    still reproduces the measured attention and step, and then estimates a tower of whole images only (Qwen2-VL's)
+    at the longer calls' rate, faster than the one mixed rate would."""
+    census = {**CENSUS, "step": {**CENSUS["step"], "attention_short_tflop": 2.72}}
+    path = bench_train_json(tmp_path / "bench_train.json")
+    mixed = step_calibration.MeasuredStep.of_bench_train(path)
+    assert mixed.short_attention_speed == 1.0  # no record beside it
+    gpu_tests_xml(tmp_path / "gpu_tests.xml", {"windows_of_64_head_80": 30.0, "whole_images_head_80": 120.0})
+    measured = step_calibration.MeasuredStep.of_bench_train(path)
+    assert measured.short_attention_speed == pytest.approx(0.25)
+    model = step_calibration.recalibrated(previous, census, measured)
+    assert model.short_attention_speed == pytest.approx(0.25)
+    assert model.parts(census["step"])["attention_s"] == pytest.approx(measured.attention_s)
+    assert step_calibration.estimated_step_s(model, census, graphed=True) == pytest.approx(measured.step_s)
+    # the same attention FLOPs, none of them in windows: the longer calls' rate, 2.72 * (4 - 1) TFLOP less work
+    whole = {**census["step"], "attention_short_tflop": 0.0}
+    expected = measured.attention_s * 17.199 / (17.199 + 3 * 2.72)
+    assert model.parts(whole)["attention_s"] == pytest.approx(expected)
+    one_rate = step_calibration.recalibrated(previous, census, mixed)
+    assert one_rate.parts(whole)["attention_s"] == pytest.approx(measured.attention_s)

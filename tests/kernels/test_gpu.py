@@ -70,7 +70,8 @@ def varlen_and_loop_against_fp64(attention, inputs, weight, params, causal) -> d
     backward, each against the same loop in fp64 (SDPA's math path: no fused kernel takes fp64), so that the check
     holds whichever kernels torch picks for either (torch 2.14 sends long bidirectional calls to cuDNN on SM90 and
     SM100, as SDPA may the loop's). The varlen path must be within bf16 rounding of the exact result
-    (ATTENTION_BF16_BOUND) and not twice as far from it as the loop. Returns each tensor's relative error from fp64 by path, for the record."""
+    (ATTENTION_BF16_BOUND) and not twice as far from it as the loop. Returns each tensor's relative error from fp64
+    by path, for the record."""
     results = {}
     for name, run, dtype in (("varlen", attention._packed, torch.bfloat16), ("loop", attention._packed_loop, None),
                              ("fp64", attention._packed_loop, torch.float64)):  # fmt: skip
@@ -124,14 +125,16 @@ def test_vision_attention_shapes_are_as_exact_as_the_loop_and_record_their_flop_
     cuda_distributed, shape, record_property
 ):
     """The vision towers' attention at the census's shapes: torch's varlen kernel and one SDPA call per image or
-    window against fp64 (`varlen_and_loop_against_fp64`; forward and backward, bf16), and the varlen kernel's rate. The step model has one attention rate, fitted to the
-    calibration run's mix of windows and whole images; these rates are what a fit per kind of call would take. Each
-    is recorded as TFLOP/s at the model's head dim and at the one FlashAttention-2's kernel runs
+    window against fp64 (`varlen_and_loop_against_fp64`; forward and backward, bf16), and the varlen kernel's rate.
+    The step model fits one attention rate to a run's mix of windows and whole images, and the windows' rate over
+    whole images' from these records (`step_calibration.short_attention_speed`, ATTENTION_RATE_LABEL). Each is
+    recorded as TFLOP/s at the model's head dim and at the one FlashAttention-2's kernel runs
     (benchmarks.step_kernels.flash_head_dim), forward + backward counted as 3.5 forwards, as the census counts them."""
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
+    from benchmarks.step_calibration import ATTENTION_RATE_LABEL
     from benchmarks.step_kernels import flash_head_dim
     from qvl.kernels.varlen_attention import SDPAttention
 
@@ -164,8 +167,8 @@ def test_vision_attention_shapes_are_as_exact_as_the_loop_and_record_their_flop_
     torch.cuda.synchronize()
     seconds = start.elapsed_time(end) / 5 / 1e3
     flops = 3.5 * 4.0 * sum(n * n for n in lengths) * heads  # per head-dim column
-    record_property(f"{shape}: ms per forward+backward, TFLOP/s at head {dim}, at the kernel's "
-                    f"{flash_head_dim(dim)} (torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()})",
+    label = ATTENTION_RATE_LABEL.format(shape=shape, dim=dim, kernel_dim=flash_head_dim(dim))
+    record_property(f"{label} (torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()})",
                     (round(seconds * 1e3, 3), round(flops * dim / seconds / 1e12, 1),
                      round(flops * flash_head_dim(dim) / seconds / 1e12, 1)))  # fmt: skip
 
