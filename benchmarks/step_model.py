@@ -50,8 +50,8 @@ BEFORE_CENSUS = pathlib.Path(__file__).resolve().parent / "results" / "census-be
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class StepTimeModel:
-    """Seconds per step from census counts: GEMMs at an aligned and a misaligned rate, attention at its rate (and
-    vision windows' at a measured share of it, once measured),
+    """Seconds per step from census counts: GEMMs at an aligned and a misaligned rate, attention at its rate (vision
+    windows' at a share of it where a GPU has measured one),
     elementwise bytes at an effective bandwidth, pageable copies at their measured cost (the GPU's time); a cost per
     launching or view op (the host's time; the profile shows it busy the whole step); the step is the longer of the
     two plus a stall per host sync. Every rate is fitted to the H100 profile of benchmarks/RESULTS.md and the census
@@ -283,7 +283,9 @@ def table(results: dict) -> str:
     )
     lines.append(f"measured before on an H100: {MEASURED_STEP_S} s per step (benchmarks/RESULTS.md)")
     if results.get("calibration"):
-        lines.append(f"step model refitted to the measured step of {results['calibration']}")
+        speed = results.get("model", {}).get("short_attention_speed", 1.0)
+        windows = "" if speed == 1.0 else f"; vision windows' attention at {speed:.2f} of the longer calls' rate"
+        lines.append(f"step model refitted to the measured step of {results['calibration']}{windows}")
     for name, counts in results.get("profile_match", {}).items():
         lines.append(f"{name}: census {counts['census']}, H100 profile {counts['profile']} (pre-change code)")
     for check in results.get("checks", []):

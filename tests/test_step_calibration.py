@@ -214,3 +214,12 @@ def test_with_the_gpu_tests_record_beside_the_refit_rates_windows_at_their_measu
     assert model.parts(whole)["attention_s"] == pytest.approx(expected)
     one_rate = step_calibration.recalibrated(previous, census, mixed)
     assert one_rate.parts(whole)["attention_s"] == pytest.approx(measured.attention_s)
+
+
+def test_the_table_says_which_windows_share_the_refit_took():
+    results = {"configs": {}, "calibration": "results/h100/bench_train.json", "model": {"short_attention_speed": 0.25}}
+    assert "bench_train.json; vision windows' attention at 0.25 of the longer calls' rate" in step_model.table(results)
+    results["model"]["short_attention_speed"] = 1.0  # no GPU tests' record beside the run
+    assert step_model.table(results).endswith(
+        "step model refitted to the measured step of results/h100/bench_train.json"
+    )
