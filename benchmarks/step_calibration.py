@@ -39,9 +39,15 @@ SHORT_AND_LONG_ATTENTION = ("windows_of_64_head_80", "whole_images_head_80")  # 
 
 def short_attention_speed(junit: pathlib.Path) -> float | None:
     """The vision windows' attention rate over whole images' at the same heads, from the GPU tests' junit XML
-    (`gpu_tests.xml`): the kernel-head-dim TFLOP/s of SHORT_AND_LONG_ATTENTION's shapes; None where it lacks either."""
+    (`gpu_tests.xml`): the kernel-head-dim TFLOP/s of SHORT_AND_LONG_ATTENTION's shapes; None where it lacks either.
+    ValueError for a file that is not such a record (a run killed while writing it, say)."""
+    try:
+        root = ET.parse(junit).getroot()
+    except ET.ParseError as error:
+        raise ValueError(f"{junit} is not a junit XML pytest wrote ({error}); move it away to calibrate without "
+                         "the vision windows' attention rate") from None  # fmt: skip
     rates = {}
-    for prop in ET.parse(junit).getroot().iter("property"):
+    for prop in root.iter("property"):
         shape = prop.get("name", "").split(":", 1)[0]
         prefix = ATTENTION_RATE_LABEL.split("{dim}", 1)[0].format(shape=shape)
         if shape in SHORT_AND_LONG_ATTENTION and prop.get("name", "").startswith(prefix):

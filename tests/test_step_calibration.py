@@ -191,6 +191,14 @@ def test_the_windows_rate_over_whole_images_is_read_from_the_gpu_tests_record(tm
     assert step_calibration.short_attention_speed(both) == pytest.approx(0.25)
     one = gpu_tests_xml(tmp_path / "one.xml", {"whole_images_head_80": 120.0})  # the windows' test did not run
     assert step_calibration.short_attention_speed(one) is None
+    cut = tmp_path / "cut" / "gpu_tests.xml"  # a run killed while pytest wrote it
+    cut.parent.mkdir()
+    cut.write_text(both.read_text()[:200])
+    with pytest.raises(ValueError, match=r"gpu_tests.xml is not a junit XML pytest wrote \(.*\); move it away"):
+        step_calibration.short_attention_speed(cut)
+    bench_train_json(cut.with_name("bench_train.json"))
+    with pytest.raises(ValueError, match="move it away to calibrate without the vision windows' attention rate"):
+        step_calibration.MeasuredStep.of_bench_train(cut.with_name("bench_train.json"))
 
 
 def test_with_the_gpu_tests_record_beside_the_refit_rates_windows_at_their_measured_share(tmp_path, previous):
